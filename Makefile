@@ -1,0 +1,36 @@
+# Quick start: `make demo` and `make test`. Both build .venv on a fresh machine first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+
+.PHONY: venv demo test test-fast bench bench-quick reliability clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# The CPU wheel of torch 2.13.0 lies on these machines; a bare `torch` pulls a multi-GB CUDA build.
+	$(PY) -m pip install $(TORCH)
+	$(PY) -m pip install -e '.[test,bench]' $(TORCH)
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m txckpt.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m benchmarks run
+
+bench-quick: $(STAMP)
+	$(PY) -m benchmarks run --quick
+
+reliability: $(STAMP)
+	$(PY) -m tests.reliability
+
+clean:
+	rm -rf $(VENV) build *.egg-info

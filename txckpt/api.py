@@ -1,0 +1,154 @@
+"""The drop-in functional API. Each call opens the root through a per-process CheckpointRoot, so
+the lineage a process resumed (or first saved to) is remembered across calls."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Mapping
+
+from .errors import CheckpointNotFoundError, InvalidArgumentError, ManifestError
+from .manifest import MANIFEST_NAME, Manifest
+from .root import CheckpointRoot
+from .serialization import read_object
+from .storage import open_storage
+from .verify import verify_checkpoint_files
+
+_roots: dict[tuple[Any, ...], CheckpointRoot] = {}
+_lock = threading.Lock()
+
+
+def open_root(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> CheckpointRoot:
+    """The process's CheckpointRoot for ``root`` (created on first use)."""
+    key = (os.getpid(), os.fspath(root) if "://" in os.fspath(root) else os.path.abspath(os.fspath(root)),
+           repr(sorted((storage_options or {}).items())))
+    with _lock:
+        r = _roots.get(key)
+        if r is None:
+            r = _roots[key] = CheckpointRoot(root, storage_options)
+        return r
+
+
+def forget_roots() -> None:
+    """Drop what this process remembers about every root (as a fresh process would start)."""
+    with _lock:
+        _roots.clear()
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    files: Mapping[str, Any],
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> str:
+    """Save ``files`` as checkpoint ``step`` of the current lineage, all or nothing.
+
+    ``files`` maps a file name to an object: ``bytes`` are written raw, ``.safetensors`` takes a
+    dict of tensors, ``.json`` a JSON value, anything else goes through ``torch.save``. Returns
+    the committed checkpoint's path. Raises StepConflictError if ``step`` is not newer than the
+    lineage's newest checkpoint (call :func:`resume` with an older step first to roll back).
+    Inside a torch.distributed group every rank calls it with its own files.
+    """
+    return open_root(root, storage_options).save(step, files, metadata=metadata)
+
+
+def transaction(
+    root: str | os.PathLike,
+    step: int,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
+):
+    """A context manager for writers that need file handles or a directory; see
+    :class:`txckpt.transaction.Transaction`. Commits on a clean exit, aborts on an exception."""
+    return open_root(root, storage_options).transaction(step, metadata=metadata, timeout=timeout)
+
+
+def get_last_checkpoint(root: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """Drop-in for ``transformers.trainer_utils.get_last_checkpoint``: the newest committed
+    checkpoint of the current lineage, or None. Never a staging leftover, never an abandoned
+    lineage's checkpoint."""
+    if storage_options is None and "://" not in os.fspath(root) and not os.path.isdir(root):
+        return None
+    return open_root(root, storage_options).get_last_checkpoint()
+
+
+def resume(
+    root: str | os.PathLike,
+    step: int | None = None,
+    *,
+    path: str | os.PathLike | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> str | None:
+    """Declare where this process continues from, and return that checkpoint's path.
+
+    ``step=None`` (and no ``path``): the newest checkpoint of the current lineage, as on a
+    restart. An older committed step of the current lineage, or the ``path`` of any committed
+    checkpoint of the root, forks a new lineage; one warning names every checkpoint it abandons.
+    Abandoned checkpoints are kept intact and never returned by get_last_checkpoint again.
+    """
+    return open_root(root, storage_options).resume(step, path=path)
+
+
+def new_lineage(
+    root: str | os.PathLike,
+    *,
+    external_parent: str | os.PathLike | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> str:
+    """Start a new root lineage (training from scratch, or from a checkpoint outside the root,
+    recorded as ``external_parent``). Returns its id; warns if it abandons checkpoints."""
+    return open_root(root, storage_options).new_lineage(external_parent=external_parent)
+
+
+def read_manifest(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:
+    """The verified-digest manifest of the checkpoint at ``path``."""
+    storage = open_storage(path, storage_options)
+    try:
+        data = storage.read_bytes(MANIFEST_NAME)
+    except (FileNotFoundError, NotADirectoryError):
+        if not storage.exists(""):
+            raise CheckpointNotFoundError(f"no checkpoint at {os.fspath(path)}") from None
+        raise ManifestError(
+            f"{os.fspath(path)} has no {MANIFEST_NAME}: it is not a committed txckpt checkpoint "
+            "(a staging leftover, or written by another tool; `txckpt adopt` records legacy ones)"
+        ) from None
+    return Manifest.decode(data, f"{os.fspath(path)}/{MANIFEST_NAME}")
+
+
+def verify_checkpoint(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:
+    """Check every file's size and checksum; raises IntegrityError (naming the file) on damage."""
+    storage = open_storage(path, storage_options)
+    manifest = read_manifest(path, storage_options=storage_options)
+    verify_checkpoint_files(storage, manifest, os.fspath(path))
+    return manifest
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    files: list[str] | None = None,
+    map_location: Any = "cpu",
+    storage_options: Mapping[str, Any] | None = None,
+    weights_only: bool = True,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Load a committed checkpoint's files (all, or the names in ``files``) after verifying
+    each one's size and checksum against the manifest. torch files load with
+    ``weights_only=True`` unless told otherwise."""
+    storage = open_storage(path, storage_options)
+    manifest = read_manifest(path, storage_options=storage_options)
+    names = sorted(manifest.files) if files is None else list(files)
+    unknown = [n for n in names if n not in manifest.files]
+    if unknown:
+        raise InvalidArgumentError(
+            f"{os.fspath(path)} has no file(s) {unknown}; it holds {sorted(manifest.files)}"
+        )
+    blobs = verify_checkpoint_files(storage, manifest, os.fspath(path), names=names, keep_bytes=True, verify=verify)
+    return {
+        n: read_object(n, manifest.files[n].kind, blobs[n], map_location=map_location, weights_only=weights_only)
+        for n in names
+    }

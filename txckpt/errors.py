@@ -1,0 +1,70 @@
+"""Typed errors. Every message says what happened and what to do next.
+
+All errors derive from :class:`TxckptError`, so ``except txckpt.errors.TxckptError`` catches them all.
+"""
+
+from __future__ import annotations
+
+
+class TxckptError(Exception):
+    """Base class of every error txckpt raises on purpose."""
+
+
+class InvalidArgumentError(TxckptError, ValueError):
+    """A caller passed a value txckpt cannot accept (a bad file name, a negative step, ...)."""
+
+
+class NotATxckptRootError(TxckptError):
+    """The path is neither a txckpt root nor a legacy output_dir with checkpoint-N directories."""
+
+
+class CheckpointNotFoundError(TxckptError, FileNotFoundError):
+    """A checkpoint, or a file of one, that a caller or the log names does not exist."""
+
+
+class StepConflictError(TxckptError):
+    """A save names a step that is not newer than the newest committed step of the lineage.
+
+    Saving it would overwrite or shadow a committed checkpoint. Call ``txckpt.resume(root, step=K)``
+    for an older K first if you mean to roll back, or save a newer step.
+    """
+
+
+class ConcurrentWriterError(TxckptError):
+    """Another writer committed to this lineage (or moved the head) between our read and our commit."""
+
+
+class StaleLineageError(ConcurrentWriterError):
+    """This process writes a lineage that is no longer the root's current lineage.
+
+    Typical causes: a zombie job still running beside its restart, or an operator's rollback
+    (``txckpt resume``) while this job runs. The stale writer must stop; nothing was lost.
+    """
+
+
+class IntegrityError(TxckptError):
+    """Stored bytes do not match the manifest (size, checksum, missing file, edited manifest)."""
+
+
+class ManifestError(IntegrityError):
+    """A manifest is missing, unreadable, edited, of an unknown format, or names unsafe paths."""
+
+
+class UnsafePathError(ManifestError, InvalidArgumentError):
+    """A file name escapes its checkpoint: ``..``, an absolute path, or a symlink that leaves the root."""
+
+
+class LogCorruptError(TxckptError):
+    """The root's commit log (``.txckpt/log``) is unreadable or inconsistent."""
+
+
+class TransactionAbortedError(TxckptError):
+    """A transaction did not commit: a rank failed, raised, or timed out. Nothing was committed."""
+
+
+class CoordinationTimeoutError(TransactionAbortedError, TimeoutError):
+    """A rank waited longer than the timeout for the other ranks of a transaction."""
+
+
+class StorageError(TxckptError, OSError):
+    """The storage backend refused an operation (full disk, read-only root, permissions)."""

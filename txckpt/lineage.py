@@ -1,0 +1,298 @@
+"""Lineages: which checkpoints belong to the run being continued.
+
+A lineage is a chain of checkpoints. It starts at a root (no parent), at a checkpoint outside the
+root ("external"), or by forking from a committed checkpoint (a rollback). The root's *head* is
+the current lineage. A checkpoint is *in* a lineage (Iceberg's "is ancestor of") when it was
+committed by the lineage itself, or is in the parent lineage's view at or before the fork step.
+Everything else is *abandoned* from the head's point of view: kept, never overwritten, but never
+returned by ``get_last_checkpoint``.
+
+This module is pure: it knows nothing of bytes or storage. The compact :class:`State` rides in
+every log entry, so the newest entry alone answers "what is the newest checkpoint of the current
+lineage"; :class:`History` folds every entry for questions about all checkpoints.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from .errors import (
+    CheckpointNotFoundError,
+    ConcurrentWriterError,
+    InvalidArgumentError,
+    LogCorruptError,
+    StaleLineageError,
+    StepConflictError,
+)
+
+
+def new_lineage_id(taken: Iterable[str] = ()) -> str:
+    taken = set(taken)
+    while True:
+        lid = secrets.token_hex(4)
+        if lid not in taken:
+            return lid
+
+
+def ref(lineage: str, step: int, txid: str, key: str | None = None) -> dict[str, Any]:
+    """A reference to one committed checkpoint: the commit's own lineage, its step and txid, and
+    (for adopted checkpoints only) the key its data was committed at."""
+    r = {"lineage": lineage, "step": int(step), "txid": txid}
+    if key is not None:
+        r["key"] = key
+    return r
+
+
+def same_ref(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    if not a or not b:
+        return not a and not b
+    return (a.get("lineage"), a.get("step"), a.get("txid")) == (b.get("lineage"), b.get("step"), b.get("txid"))
+
+
+@dataclass
+class LineageInfo:
+    id: str
+    #: The checkpoint the lineage starts from: a ref(), {"external": path}, or None.
+    parent: dict[str, Any] | None
+    created_seq: int
+    created_time: float
+    reason: str  # "root", "fork", "external", "adopt"
+    #: The newest checkpoint in the lineage's view (after a fork: the fork point), or None.
+    tip: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "parent": self.parent,
+            "created_seq": self.created_seq,
+            "created_time": self.created_time,
+            "reason": self.reason,
+            "tip": self.tip,
+        }
+
+    @classmethod
+    def from_json(cls, lid: str, d: dict[str, Any]) -> "LineageInfo":
+        return cls(lid, d.get("parent"), int(d["created_seq"]), float(d["created_time"]), str(d["reason"]), d.get("tip"))
+
+    @property
+    def parent_ref(self) -> dict[str, Any] | None:
+        p = self.parent
+        return p if p and "txid" in p else None
+
+
+@dataclass
+class State:
+    """The compact state after log entry ``seq``: the head and every lineage's tip."""
+
+    seq: int = -1
+    head: str | None = None
+    lineages: dict[str, LineageInfo] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"head": self.head, "lineages": {k: v.to_json() for k, v in sorted(self.lineages.items())}}
+
+    @classmethod
+    def from_json(cls, seq: int, d: dict[str, Any]) -> "State":
+        try:
+            lineages = {k: LineageInfo.from_json(k, v) for k, v in d["lineages"].items()}
+            head = d.get("head")
+        except (KeyError, TypeError, ValueError) as e:
+            raise LogCorruptError(f"log entry {seq} has a malformed state ({e})") from None
+        if head is not None and head not in lineages:
+            raise LogCorruptError(
+                f"log entry {seq} names head lineage {head!r}, which it does not define; "
+                "the log was edited by hand: restore .txckpt/log from a backup"
+            )
+        return cls(seq, head, lineages)
+
+    def copy(self) -> "State":
+        return State.from_json(self.seq, self.to_json())
+
+    @property
+    def head_info(self) -> LineageInfo | None:
+        return self.lineages.get(self.head) if self.head else None
+
+    @property
+    def head_tip(self) -> dict[str, Any] | None:
+        info = self.head_info
+        return info.tip if info else None
+
+    # ----- ancestry ----------------------------------------------------------------------------
+    def view(self, lineage: str) -> list[tuple[str, float]]:
+        """[(lineage, newest step it contributes)] from ``lineage`` up through its parents."""
+        chain: list[tuple[str, float]] = []
+        seen = set()
+        limit: float = float("inf")
+        cur: str | None = lineage
+        while cur is not None:
+            if cur in seen or cur not in self.lineages:
+                if cur in seen:
+                    raise LogCorruptError(f"lineage {cur} is its own ancestor; the log is corrupt")
+                break
+            seen.add(cur)
+            chain.append((cur, limit))
+            parent = self.lineages[cur].parent_ref
+            if parent is None:
+                break
+            limit = min(limit, parent["step"])
+            cur = parent["lineage"]
+        return chain
+
+    def contains(self, lineage: str, ckpt_lineage: str, ckpt_step: int) -> bool:
+        """Is the checkpoint committed by ``ckpt_lineage`` at ``ckpt_step`` in ``lineage``'s view?"""
+        return any(l == ckpt_lineage and ckpt_step <= limit for l, limit in self.view(lineage))
+
+    # ----- transitions (each validates, then returns the new state) ----------------------------
+    def after_commit(self, seq: int, lineage: str, step: int, txid: str, parent: dict | None) -> "State":
+        info = self.lineages.get(lineage)
+        if info is None:
+            raise StaleLineageError(
+                f"lineage {lineage} does not exist in this root (it may belong to another root); "
+                "call txckpt.resume(root) to continue the root's current lineage"
+            )
+        if self.head != lineage:
+            raise StaleLineageError(
+                f"this writer saves lineage {lineage}, but the root's current lineage is now "
+                f"{self.head} (created at log entry {self.head_info.created_seq if self.head_info else '?'}"
+                f", {self.head_info.reason if self.head_info else ''}). Another job or an operator's "
+                "rollback took over this root; stop this job, or call txckpt.resume(root) to continue "
+                "the current lineage. Nothing was committed or lost."
+            )
+        tip = info.tip
+        if tip is not None and step <= tip["step"]:
+            raise StepConflictError(
+                f"step {step} is not newer than step {tip['step']}, the newest committed checkpoint "
+                f"of lineage {lineage}. Saving it would shadow a committed checkpoint. To roll back, "
+                f"call txckpt.resume(root, step=K) with an older K first; otherwise save a newer step."
+            )
+        if tip is None:
+            moved = bool(parent and "txid" in parent)
+        else:
+            moved = not same_ref(parent, tip)
+        if moved:
+            raise ConcurrentWriterError(
+                f"another writer committed to lineage {lineage} while this save of step {step} was "
+                f"in progress (the newest checkpoint was {parent and parent.get('step')}, now "
+                f"{tip and tip['step']}). Two jobs are writing one root; stop one of them."
+            )
+        new = self.copy()
+        new.seq = seq
+        new.lineages[lineage].tip = ref(lineage, step, txid)
+        return new
+
+    def after_new_lineage(
+        self, seq: int, time: float, lineage: str, parent: dict | None, reason: str
+    ) -> "State":
+        if lineage in self.lineages:
+            raise LogCorruptError(f"lineage id {lineage} already exists")
+        new = self.copy()
+        new.seq = seq
+        info = LineageInfo(lineage, parent, seq, time, reason)
+        if parent and "txid" in parent:
+            info.tip = dict(parent)
+        new.lineages[lineage] = info
+        new.head = lineage
+        return new
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One committed checkpoint, as the log records it."""
+
+    lineage: str
+    step: int
+    txid: str
+    digest: str
+    seq: int
+    time: float
+    bytes: int = 0
+    files: int = 0
+    adopted: bool = False
+    key: str | None = None  # where the data was committed, when not the default home
+
+    @property
+    def ref(self) -> dict[str, Any]:
+        return ref(self.lineage, self.step, self.txid, self.key)
+
+
+@dataclass
+class History:
+    """Every log entry folded: all checkpoints ever committed, which are retired, and the state."""
+
+    state: State = field(default_factory=State)
+    checkpoints: dict[str, Checkpoint] = field(default_factory=dict)  # by txid
+    retired: dict[str, int] = field(default_factory=dict)  # txid -> seq of the retire entry
+    entries: list[dict[str, Any]] = field(default_factory=list)
+
+    def apply(self, entry: dict[str, Any]) -> None:
+        seq = int(entry["seq"])
+        if seq != self.state.seq + 1:
+            raise LogCorruptError(f"log entry {seq} follows entry {self.state.seq}; an entry is missing")
+        action = entry.get("action")
+        if action == "commit":
+            c = entry["checkpoint"]
+            self.checkpoints[c["txid"]] = Checkpoint(
+                c["lineage"], int(c["step"]), c["txid"], c["digest"], seq, float(entry["time"]),
+                int(c.get("bytes", 0)), int(c.get("files", 0)),
+            )
+        elif action == "adopt":
+            for c in entry["checkpoints"]:
+                self.checkpoints[c["txid"]] = Checkpoint(
+                    entry["lineage"], int(c["step"]), c["txid"], c["digest"], seq, float(entry["time"]),
+                    int(c.get("bytes", 0)), int(c.get("files", 0)), adopted=True, key=c.get("key"),
+                )
+        elif action == "retire":
+            for txid in entry["txids"]:
+                self.retired.setdefault(txid, seq)
+        self.state = State.from_json(seq, entry["state"])
+        self.entries.append(entry)
+
+    # ----- queries -----------------------------------------------------------------------------
+    def in_view(self, lineage: str | None, include_retired: bool = False) -> list[Checkpoint]:
+        """The checkpoints of ``lineage``'s view (default: the head), oldest first."""
+        lineage = lineage or self.state.head
+        if lineage is None:
+            return []
+        view = self.state.view(lineage)
+        out = [
+            c for c in self.checkpoints.values()
+            if any(c.lineage == l and c.step <= limit for l, limit in view)
+            and (include_retired or c.txid not in self.retired)
+        ]
+        return sorted(out, key=lambda c: (c.step, c.seq))
+
+    def abandoned(self, include_retired: bool = False) -> list[Checkpoint]:
+        current = {c.txid for c in self.in_view(None, include_retired=True)}
+        return sorted(
+            (c for c in self.checkpoints.values()
+             if c.txid not in current and (include_retired or c.txid not in self.retired)),
+            key=lambda c: (c.lineage, c.step),
+        )
+
+    def find(self, *, step: int | None = None, txid: str | None = None, lineage: str | None = None) -> Checkpoint:
+        if txid is not None:
+            c = self.checkpoints.get(txid)
+            if c is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint with txid {txid} in this root")
+            return c
+        if step is None:
+            raise InvalidArgumentError("give a step or a txid")
+        for c in reversed(self.in_view(lineage, include_retired=True)):
+            if c.step == step:
+                if c.txid in self.retired:
+                    raise CheckpointNotFoundError(
+                        f"checkpoint step {step} was deleted by the retention policy (log entry "
+                        f"{self.retired[c.txid]}); choose another step (see `txckpt ls`)"
+                    )
+                return c
+        steps = [c.step for c in self.in_view(lineage)]
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint at step {step} in the current lineage; committed steps: "
+            f"{steps or 'none'} (see `txckpt log` for other lineages)"
+        )
+
+    def fork_points(self) -> set[str]:
+        return {
+            info.parent["txid"] for info in self.state.lineages.values() if info.parent_ref is not None
+        }

@@ -1,0 +1,173 @@
+"""The commit log: ``.txckpt/log/<seq>.json``, one file per change of the root, created with a
+create-if-absent write. Creating entry ``seq`` is the commit point of whatever it records; of two
+writers that race for the same ``seq`` exactly one wins, and the loser re-reads and re-validates.
+
+``.txckpt/latest`` is a hint (the seq of a recent entry) that lets a reader find the newest entry
+in a constant number of reads: read the hint, read that entry, probe the next seq until it is
+absent. The hint may lag or be missing; it is never trusted beyond that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from typing import Any, Callable
+
+from .errors import ConcurrentWriterError, LogCorruptError
+from .lineage import History, State
+from .storage.base import Storage
+
+META_DIR = ".txckpt"
+LOG_DIR = f"{META_DIR}/log"
+LATEST_HINT = f"{META_DIR}/latest"
+FORMAT = "txckpt-log/1"
+_MAX_APPEND_ATTEMPTS = 64
+
+
+def entry_key(seq: int) -> str:
+    return f"{LOG_DIR}/{seq:020d}.json"
+
+
+def writer_identity() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def _decode(data: bytes, seq: int) -> dict[str, Any]:
+    try:
+        entry = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise LogCorruptError(
+            f"log entry {seq} ({entry_key(seq)}) is not valid JSON ({e}); the log was damaged "
+            "outside txckpt: restore it from a backup, or move .txckpt aside to start over"
+        ) from None
+    if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("seq") != seq:
+        raise LogCorruptError(
+            f"log entry {entry_key(seq)} is not a {FORMAT} entry for seq {seq}; "
+            "the log was edited or copied from another root"
+        )
+    return entry
+
+
+def read_entry(storage: Storage, seq: int) -> dict[str, Any] | None:
+    try:
+        data = storage.read_bytes(entry_key(seq))
+    except FileNotFoundError:
+        return None
+    return _decode(data, seq)
+
+
+def _hint(storage: Storage) -> int:
+    try:
+        return max(0, int(storage.read_bytes(LATEST_HINT).decode().strip() or 0))
+    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+        return 0
+
+
+def read_latest(storage: Storage) -> dict[str, Any] | None:
+    """The newest log entry, or None for a root without a log (new or legacy)."""
+    seq = _hint(storage)
+    entry = read_entry(storage, seq)
+    if entry is None:
+        if seq == 0:
+            return None
+        # The hint names a missing entry: entries are never deleted, so the hint is wrong
+        # (hand-edited or copied). Fall back to listing once.
+        seqs = list_seqs(storage)
+        if not seqs:
+            return None
+        seq = seqs[-1]
+        entry = read_entry(storage, seq)
+        if entry is None:
+            raise LogCorruptError(f"log entry {seq} vanished while being read")
+    while True:
+        nxt = read_entry(storage, seq + 1)
+        if nxt is None:
+            return entry
+        seq, entry = seq + 1, nxt
+
+
+def read_state(storage: Storage) -> State:
+    entry = read_latest(storage)
+    if entry is None:
+        return State()
+    return State.from_json(entry["seq"], entry["state"])
+
+
+def list_seqs(storage: Storage) -> list[int]:
+    seqs = []
+    for name in storage.list_dir(LOG_DIR):
+        stem, dot, ext = name.partition(".")
+        if ext == "json" and stem.isdigit() and len(stem) == 20:
+            seqs.append(int(stem))
+    return sorted(seqs)
+
+
+def read_history(storage: Storage, since: History | None = None) -> History:
+    """Fold every entry (or every entry after ``since``) into a History."""
+    history = since if since is not None else History()
+    seq = history.state.seq + 1
+    seqs = [s for s in list_seqs(storage) if s >= seq]
+    # A listing may lag on some stores; probing past it finds entries created since.
+    expected = seq
+    for s in seqs:
+        if s != expected:
+            raise LogCorruptError(
+                f"log entry {expected} is missing while {s} exists; the log was damaged: "
+                "restore .txckpt/log from a backup"
+            )
+        entry = read_entry(storage, s)
+        if entry is None:
+            raise LogCorruptError(f"log entry {s} was listed but cannot be read")
+        history.apply(entry)
+        expected += 1
+    while True:
+        entry = read_entry(storage, expected)
+        if entry is None:
+            return history
+        history.apply(entry)
+        expected += 1
+
+
+def append(
+    storage: Storage,
+    build: Callable[[State, int, float], dict[str, Any]],
+    *,
+    durable: bool,
+) -> dict[str, Any]:
+    """Append one entry. ``build(state, seq, time)`` validates against the newest state and
+    returns the entry's body (with its new "state"); it may raise to refuse.
+
+    On a lost race the newest state is re-read and ``build`` runs again, so every validation
+    holds against the state the entry is actually appended to.
+    """
+    entry_id = uuid.uuid4().hex
+    for _ in range(_MAX_APPEND_ATTEMPTS):
+        latest = read_latest(storage)
+        state = State() if latest is None else State.from_json(latest["seq"], latest["state"])
+        seq = state.seq + 1
+        now = time.time()
+        body = build(state, seq, now)
+        entry = {"format": FORMAT, "seq": seq, "id": entry_id, "time": now, "writer": writer_identity(), **body}
+        data = (json.dumps(entry, sort_keys=True, indent=1) + "\n").encode()
+        try:
+            storage.create_exclusive(entry_key(seq), data, durable=durable)
+        except FileExistsError:
+            # Either another writer took this seq, or our own earlier attempt did (a retried
+            # request whose first try succeeded): the entry id tells which.
+            existing = read_entry(storage, seq)
+            if existing is not None and existing.get("id") == entry_id:
+                entry = existing
+            else:
+                continue
+        try:
+            storage.replace(LATEST_HINT, str(seq).encode())
+        except OSError:
+            pass  # the hint only saves reads; readers probe past a stale one
+        return entry
+    raise ConcurrentWriterError(
+        f"could not append to the log after {_MAX_APPEND_ATTEMPTS} attempts: too many concurrent "
+        "writers on one root"
+    )

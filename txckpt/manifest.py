@@ -1,0 +1,158 @@
+"""The manifest: the list of a checkpoint's files with sizes and checksums, and where the
+checkpoint stands in its lineage. Schema: docs/protocol.md, "Manifest".
+
+A manifest carries a digest of its own canonical body, so an edited manifest is detected even
+without the root's log; the log entry that commits it records the same digest.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import checksum
+from .errors import ManifestError, UnsafePathError
+from .storage.base import check_relative_key
+
+MANIFEST_NAME = "txckpt-manifest.json"
+FORMAT = "txckpt-manifest/1"
+
+#: How load_checkpoint turns a file back into an object.
+KINDS = ("safetensors", "torch", "json", "bytes")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    checksum: str
+    kind: str = "bytes"
+    rank: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "xxh3_128": self.checksum, "kind": self.kind, "rank": self.rank}
+
+    @classmethod
+    def from_json(cls, name: str, d: Any) -> "FileEntry":
+        try:
+            size, digest = int(d["size"]), str(d["xxh3_128"])
+            kind, rank = str(d.get("kind", "bytes")), int(d.get("rank", 0))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ManifestError(f"manifest entry for {name!r} is malformed ({e})") from None
+        if size < 0 or kind not in KINDS:
+            raise ManifestError(f"manifest entry for {name!r} has size {size} / kind {kind!r}")
+        return cls(size, digest, kind, rank)
+
+
+def kind_for_name(name: str) -> str:
+    """The kind a file gets from its name when it was not written through ``tx.save``."""
+    lower = name.lower()
+    if lower.endswith(".safetensors"):
+        return "safetensors"
+    if lower.endswith(".json"):
+        return "json"
+    if lower.endswith((".pt", ".pth", ".bin", ".ckpt", ".tar")):
+        return "torch"
+    return "bytes"
+
+
+def check_file_name(name: str) -> str:
+    """A name a checkpoint may hold: relative, no '..', and not the manifest itself."""
+    check_relative_key(name)
+    if name == MANIFEST_NAME:
+        raise UnsafePathError(f"{MANIFEST_NAME!r} is reserved for txckpt's manifest")
+    return name
+
+
+@dataclass
+class Manifest:
+    txid: str
+    lineage: str
+    step: int
+    #: The checkpoint this one follows: the lineage tip when the save began, as
+    #: {"lineage", "step", "txid"}; {"external": path} for a lineage started from outside the
+    #: root; None for the first checkpoint of a root lineage.
+    parent: dict[str, Any] | None
+    files: dict[str, FileEntry]
+    created: float
+    world_size: int = 1
+    metadata: dict[str, Any] = field(default_factory=dict)
+    adopted: bool = False
+    digest: str = ""
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "txid": self.txid,
+            "lineage": self.lineage,
+            "step": self.step,
+            "parent": self.parent,
+            "created": self.created,
+            "world_size": self.world_size,
+            "adopted": self.adopted,
+            "checksum_algorithm": checksum.ALGORITHM,
+            "files": {name: self.files[name].to_json() for name in sorted(self.files)},
+            "metadata": self.metadata,
+        }
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def encode(self) -> bytes:
+        body = self.body()
+        self.digest = _digest(body)
+        body["digest"] = self.digest
+        return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def decode(cls, data: bytes, where: str = "manifest") -> "Manifest":
+        try:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is damaged") from None
+        if not isinstance(body, dict):
+            raise ManifestError(f"{where} is not a JSON object; the checkpoint is damaged")
+        if body.get("format") != FORMAT:
+            raise ManifestError(
+                f"{where} has format {body.get('format')!r}, this txckpt reads {FORMAT!r}; "
+                "upgrade txckpt or check that this is a txckpt checkpoint"
+            )
+        claimed = body.pop("digest", None)
+        if claimed != _digest(body):
+            raise ManifestError(
+                f"{where} was edited after it was written (its digest does not match its content); "
+                "do not trust this checkpoint: resume from another one, or re-save"
+            )
+        if body.get("checksum_algorithm") != checksum.ALGORITHM:
+            raise ManifestError(f"{where} uses checksum {body.get('checksum_algorithm')!r}")
+        files_raw = body.get("files")
+        if not isinstance(files_raw, dict):
+            raise ManifestError(f"{where} has no file table")
+        files = {}
+        for name, entry in files_raw.items():
+            try:
+                check_file_name(name)
+            except UnsafePathError as e:
+                raise UnsafePathError(f"{where} names an unsafe path: {e}") from None
+            files[name] = FileEntry.from_json(name, entry)
+        try:
+            return cls(
+                txid=str(body["txid"]),
+                lineage=str(body["lineage"]),
+                step=int(body["step"]),
+                parent=body.get("parent"),
+                files=files,
+                created=float(body["created"]),
+                world_size=int(body.get("world_size", 1)),
+                metadata=dict(body.get("metadata") or {}),
+                adopted=bool(body.get("adopted", False)),
+                digest=str(claimed),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ManifestError(f"{where} is missing a field ({e})") from None
+
+
+def _digest(body: dict[str, Any]) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return checksum.digest_bytes(canonical)

@@ -1,0 +1,143 @@
+"""Where a committed checkpoint lives, and how it gets its public name.
+
+Two strategies, chosen by the storage's ``atomic_dir_rename``:
+
+* :class:`RenamePublication` (local disks): a committed checkpoint of the current lineage is
+  renamed from its home ``.txckpt/tx/<txid>/checkpoint-N`` to ``checkpoint-N``, so plain tools
+  (``from_pretrained``, a stock Trainer) read it. A checkpoint that loses the name (another
+  lineage's, after a rollback) is renamed back to its own home: never overwritten, never deleted.
+* :class:`InPlacePublication` (object stores): a checkpoint stays where it was written, since a
+  "rename" there is a copy. Its path is its home.
+
+Publication is derived state: the log alone says what is committed, and where a checkpoint is
+can always be found from its txid, so a crash between two renames loses nothing; the next
+publication (or ``txckpt gc``) completes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from .manifest import MANIFEST_NAME
+from .storage.base import Storage
+
+log = logging.getLogger("txckpt")
+
+TX_DIR = ".txckpt/tx"
+ORPHANS_DIR = ".txckpt/orphans"
+
+
+def public_key(step: int) -> str:
+    return f"checkpoint-{step}"
+
+
+def home_key(txid: str, step: int) -> str:
+    return f"{TX_DIR}/{txid}/checkpoint-{step}"
+
+
+def manifest_txid(storage: Storage, key: str) -> str | None:
+    """The txid the manifest in directory ``key`` names; None if it has none ("" if unreadable)."""
+    try:
+        data = storage.read_bytes(f"{key}/{MANIFEST_NAME}")
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    try:
+        return str(json.loads(data).get("txid", ""))
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return ""
+
+
+class InPlacePublication:
+    def __init__(self, storage: Storage):
+        self.storage = storage
+
+    def candidates(self, ref: dict[str, Any]) -> list[str]:
+        keys = [home_key(ref["txid"], ref["step"])]
+        if ref.get("key"):
+            keys.insert(0, ref["key"])
+        return keys
+
+    def locate(self, ref: dict[str, Any]) -> str | None:
+        """The key where the committed checkpoint ``ref`` is now, or None if it is gone."""
+        for key in self.candidates(ref):
+            if manifest_txid(self.storage, key) == ref["txid"]:
+                return key
+        return None
+
+    def publish(self, ref: dict[str, Any]) -> str | None:
+        return self.locate(ref)
+
+    def unpublish(self, keep: set[str], known: set[str]) -> list[str]:
+        return []
+
+
+class RenamePublication(InPlacePublication):
+    def candidates(self, ref: dict[str, Any]) -> list[str]:
+        keys = super().candidates(ref)
+        pub = public_key(ref["step"])
+        return [pub] + [k for k in keys if k != pub]
+
+    def publish(self, ref: dict[str, Any]) -> str | None:
+        """Give committed checkpoint ``ref`` the name ``checkpoint-<step>``. Returns its key."""
+        s = self.storage
+        pub = public_key(ref["step"])
+        for _ in range(8):
+            occupant = manifest_txid(s, pub)
+            if occupant == ref["txid"]:
+                return pub
+            src = self.locate(ref)
+            if src is None:
+                return None
+            if s.exists(pub):
+                self._evict(pub, ref["step"], occupant)
+            try:
+                s.rename_noreplace(src, pub)
+            except FileExistsError:
+                continue  # someone re-created the name between our check and the rename
+            s.sync_dir("")
+            s.sync_dir(src.rsplit("/", 1)[0])
+            return pub
+        return self.locate(ref)
+
+    def _evict(self, pub: str, step: int, occupant: str | None) -> None:
+        """Move whatever holds ``pub`` to a name of its own, so nothing is overwritten."""
+        s = self.storage
+        if occupant:
+            dst = home_key(occupant, step)
+            if s.exists(dst):  # its home is taken (should not happen): keep both, aside
+                dst = f"{ORPHANS_DIR}/{pub}.{occupant}.{uuid.uuid4().hex[:8]}"
+        else:
+            dst = f"{ORPHANS_DIR}/{pub}.{time.strftime('%Y%m%dT%H%M%S')}.{uuid.uuid4().hex[:8]}"
+            log.warning(
+                "txckpt: %s has no committed txckpt manifest (written by another tool?); moved it "
+                "to %s instead of overwriting it. Inspect it, then delete it or `txckpt adopt` it.",
+                s.full_path(pub), s.full_path(dst),
+            )
+        try:
+            s.rename_noreplace(pub, dst)
+        except FileNotFoundError:
+            return  # someone else moved it already
+        s.sync_dir(dst.rsplit("/", 1)[0])
+        s.sync_dir("")
+
+    def unpublish(self, keep: set[str], known: set[str]) -> list[str]:
+        """Move published checkpoints whose txid is committed (in ``known``) but not in ``keep``
+        (the current lineage) back to their homes. Returns the names moved."""
+        moved = []
+        for name in self.storage.list_dir(""):
+            step_text = name[len("checkpoint-"):] if name.startswith("checkpoint-") else ""
+            if not step_text.isdigit():
+                continue
+            occupant = manifest_txid(self.storage, name)
+            if occupant and occupant in known and occupant not in keep:
+                self._evict(name, int(step_text), occupant)
+                moved.append(name)
+        return moved
+
+
+def publication_for(storage: Storage) -> InPlacePublication:
+    return RenamePublication(storage) if storage.atomic_dir_rename else InPlacePublication(storage)

@@ -1,0 +1,460 @@
+"""A txckpt root: lookup, resume/fork, adoption, and the commit of a transaction.
+
+:class:`CheckpointRoot` is the object behind the functional API. It remembers which lineage
+this process writes (set by ``resume``, ``new_lineage`` or the first save), so that a stale
+writer (a zombie job beside its restart) is refused instead of writing into a lineage that an
+operator has abandoned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from . import checksum, log as commit_log
+from .errors import (
+    CheckpointNotFoundError,
+    ConcurrentWriterError,
+    InvalidArgumentError,
+    ManifestError,
+    StaleLineageError,
+    StepConflictError,
+)
+from .lineage import Checkpoint, History, State, new_lineage_id, ref, same_ref
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, kind_for_name
+from .publication import TX_DIR, home_key, publication_for, public_key
+from .storage import Storage, open_storage
+
+log = logging.getLogger("txckpt")
+
+INTENTS_DIR = ".txckpt/intents"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def durable_default() -> bool:
+    """fsync is on unless TXCKPT_DURABLE=0 (documented: tests and throwaway runs only)."""
+    return os.environ.get("TXCKPT_DURABLE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def new_txid(step: int, lineage: str) -> str:
+    return f"{step}-{lineage}-{uuid.uuid4().hex[:10]}"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint as users see it."""
+
+    step: int
+    lineage: str
+    txid: str
+    path: str | None  # None if its data is missing
+    state: str  # "current", "abandoned", "retired"
+    time: float
+    bytes: int
+    files: int
+    adopted: bool
+    published: bool
+
+
+def _describe(checkpoints: list[Checkpoint]) -> str:
+    return ", ".join(f"checkpoint-{c.step} (lineage {c.lineage}, txid {c.txid})" for c in checkpoints)
+
+
+class CheckpointRoot:
+    """One root (an output_dir or an fsspec URL) and this process's place in it."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        durable: bool | None = None,
+        storage: Storage | None = None,
+    ):
+        self.storage = storage if storage is not None else open_storage(root, storage_options)
+        self.storage_options = dict(storage_options or {})
+        self.durable = durable_default() if durable is None else bool(durable)
+        self.publication = publication_for(self.storage)
+        #: The lineage this process writes; None until resume/new_lineage/first save.
+        self.writer_lineage: str | None = None
+        self._history: History | None = None
+
+    @property
+    def url(self) -> str:
+        return self.storage.full_path("")
+
+    # ----- reading the log ---------------------------------------------------------------------
+    def state(self) -> State:
+        return commit_log.read_state(self.storage)
+
+    def history(self) -> History:
+        """Every entry folded; cached and extended incrementally on each call."""
+        self._history = commit_log.read_history(self.storage, self._history)
+        return self._history
+
+    def legacy_checkpoints(self) -> list[int]:
+        """Steps of plain checkpoint-N directories (a root written without txckpt)."""
+        steps = []
+        for name in self.storage.list_dir(""):
+            m = _CHECKPOINT_RE.match(name)
+            if m:
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def path_of(self, key: str) -> str:
+        return self.storage.full_path(key)
+
+    def locate(self, r: dict[str, Any]) -> str | None:
+        key = self.publication.locate(r)
+        return None if key is None else self.storage.full_path(key)
+
+    # ----- lookup ------------------------------------------------------------------------------
+    def get_last_checkpoint(self) -> str | None:
+        """The newest committed checkpoint of the current lineage, or None.
+
+        A root without a log (written by a stock Trainer) is read the way transformers reads it,
+        with a warning: the highest checkpoint-N.
+        """
+        state = self.state()
+        if state.seq < 0:
+            steps = self.legacy_checkpoints()
+            if not steps:
+                return None
+            log.warning(
+                "txckpt: %s has no txckpt log; using the highest checkpoint-N (%d) the way "
+                "transformers does, without lineage or integrity checks. The first txckpt save "
+                "adopts these checkpoints (or run `txckpt adopt`).",
+                self.url, steps[-1],
+            )
+            return self.storage.full_path(public_key(steps[-1]))
+        tip = state.head_tip
+        if tip is None:
+            return None
+        key = self.publication.locate(tip)
+        if key is not None:
+            return self.storage.full_path(key)
+        return self._fallback_lookup(tip)
+
+    def _fallback_lookup(self, missing: dict[str, Any]) -> str | None:
+        history = self.history()
+        for c in reversed(history.in_view(None)):
+            if c.step >= missing["step"]:
+                continue
+            key = self.publication.locate(c.ref)
+            if key is not None:
+                log.warning(
+                    "txckpt: the newest checkpoint of the current lineage, step %d (txid %s), is "
+                    "missing from %s (deleted or renamed by hand?). Falling back to step %d. "
+                    "Run `txckpt verify` to see what else is missing.",
+                    missing["step"], missing["txid"], self.url, c.step,
+                )
+                return self.storage.full_path(key)
+        log.warning(
+            "txckpt: no checkpoint of the current lineage of %s is present on storage "
+            "(deleted by hand?); starting from scratch. Run `txckpt verify`.", self.url,
+        )
+        return None
+
+    def checkpoints(self, lineage: str = "current", *, with_paths: bool = True) -> list[CheckpointInfo]:
+        """Committed checkpoints: of the current lineage ("current"), of every lineage ("all"),
+        or of one lineage id's view. Retired ones are included only with "all"."""
+        history = self.history()
+        current = {c.txid for c in history.in_view(None, include_retired=True)}
+        if lineage == "all":
+            chosen = sorted(history.checkpoints.values(), key=lambda c: (c.step, c.seq))
+        else:
+            chosen = history.in_view(None if lineage == "current" else lineage)
+        out = []
+        for c in chosen:
+            key = self.publication.locate(c.ref) if with_paths else None
+            state = "retired" if c.txid in history.retired else ("current" if c.txid in current else "abandoned")
+            out.append(CheckpointInfo(
+                c.step, c.lineage, c.txid, None if key is None else self.storage.full_path(key), state,
+                c.time, c.bytes, c.files, c.adopted, key == public_key(c.step),
+            ))
+        return out
+
+    # ----- lineage changes ---------------------------------------------------------------------
+    def resume(self, step: int | None = None, *, path: str | os.PathLike | None = None) -> str | None:
+        """Declare where this process continues from; see :func:`txckpt.resume`."""
+        if step is not None and path is not None:
+            raise InvalidArgumentError("give step or path, not both")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise InvalidArgumentError(f"step must be a non-negative int, not {step!r}")
+        state = self.state()
+        if state.seq < 0 and self.legacy_checkpoints():
+            if step is None and path is None:
+                return self.get_last_checkpoint()  # warns; the first save adopts
+            self.adopt()
+            state = self.state()
+        if state.seq < 0:
+            if step is not None or path is not None:
+                raise CheckpointNotFoundError(
+                    f"{self.url} has no committed checkpoints, so there is nothing to resume at "
+                    f"{step if step is not None else path}; start without resuming"
+                )
+            return None
+        history = self.history()
+        if path is not None:
+            target = self._checkpoint_at_path(path, history)
+        elif step is not None:
+            target = history.find(step=step)
+        else:
+            self.writer_lineage = state.head
+            return self.get_last_checkpoint()
+        if same_ref(target.ref, state.head_tip):
+            self.writer_lineage = state.head
+            return self.locate(target.ref)
+        self._fork(target.ref, history, reason="fork")
+        where = self.locate(target.ref)
+        if where is None:
+            raise CheckpointNotFoundError(
+                f"checkpoint step {target.step} (txid {target.txid}) is committed but its files are "
+                "missing from storage; choose another step (`txckpt ls`)"
+            )
+        return where
+
+    def new_lineage(self, *, external_parent: str | os.PathLike | None = None) -> str:
+        """Start a new root lineage (no parent, or an external checkpoint path as parent)."""
+        if self.state().seq < 0 and self.legacy_checkpoints():
+            self.adopt()
+        history = self.history()
+        parent = None if external_parent is None else {"external": os.fspath(external_parent)}
+        return self._fork(parent, history, reason="root" if parent is None else "external")
+
+    def _fork(self, parent: dict[str, Any] | None, history: History, reason: str) -> str:
+        expected_head = history.state.head
+        lid = new_lineage_id(history.state.lineages)
+        abandoned: list[Checkpoint] = []
+
+        def build(state: State, seq: int, now: float) -> dict[str, Any]:
+            nonlocal abandoned
+            if state.seq != history.state.seq:
+                fresh = self.history()
+                if fresh.state.head != expected_head:
+                    raise ConcurrentWriterError(
+                        f"the root's current lineage changed from {expected_head} to "
+                        f"{fresh.state.head} while this process was rolling back; check "
+                        "`txckpt log` and retry"
+                    )
+            new_state = state.after_new_lineage(seq, now, lid, parent, reason)
+            fresh = self._history or history
+            abandoned = [
+                c for c in fresh.in_view(expected_head) if not new_state.contains(lid, c.lineage, c.step)
+            ] if expected_head else []
+            return {
+                "action": "fork",
+                "lineage": lid,
+                "parent": parent,
+                "reason": reason,
+                "abandoned": [c.txid for c in abandoned],
+                "state": new_state.to_json(),
+            }
+
+        commit_log.append(self.storage, build, durable=self.durable)
+        self.writer_lineage = lid
+        history = self.history()
+        if abandoned:
+            frm = f"step {parent['step']} of lineage {parent['lineage']}" if parent and "step" in parent else (
+                f"external checkpoint {parent['external']}" if parent else "scratch")
+            log.warning(
+                "txckpt: rolling back %s to %s. New lineage %s abandons %d checkpoint(s) of lineage "
+                "%s: %s. They are kept intact (see `txckpt log`), never overwritten, and no longer "
+                "returned by get_last_checkpoint; saves of the same steps on the new lineage get "
+                "the checkpoint-N names, and the abandoned ones move to .txckpt/tx/<txid>/.",
+                self.url, frm, lid, len(abandoned), expected_head, _describe(abandoned),
+            )
+        self.reconcile_publication(history)
+        return lid
+
+    def reconcile_publication(self, history: History | None = None) -> list[str]:
+        """Make the checkpoint-N names match the current lineage (rename backends only)."""
+        history = history or self.history()
+        keep = {c.txid for c in history.in_view(None, include_retired=True)}
+        return self.publication.unpublish(keep, set(history.checkpoints))
+
+    def _checkpoint_at_path(self, path: str | os.PathLike, history: History) -> Checkpoint:
+        key = self.storage.key_of(os.fspath(path))
+        if key is None:
+            raise InvalidArgumentError(
+                f"{os.fspath(path)} is not inside {self.url}; to continue from a checkpoint of "
+                "another root, call txckpt.new_lineage(root, external_parent=path)"
+            )
+        try:
+            manifest = Manifest.decode(self.storage.read_bytes(f"{key}/{MANIFEST_NAME}"), f"{path}/{MANIFEST_NAME}")
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"{os.fspath(path)} has no txckpt manifest: it is not a committed checkpoint of "
+                f"{self.url} (list them with `txckpt ls`)"
+            ) from None
+        c = history.checkpoints.get(manifest.txid)
+        if c is None or c.digest != manifest.digest:
+            raise CheckpointNotFoundError(
+                f"{os.fspath(path)} is not a committed checkpoint of {self.url} (staging leftover, "
+                "or copied from another root); choose one from `txckpt ls`"
+            )
+        if c.txid in history.retired:
+            raise CheckpointNotFoundError(f"{os.fspath(path)} was retired by the retention policy")
+        return c
+
+    # ----- adoption of a legacy root -----------------------------------------------------------
+    def adopt(self) -> str | None:
+        """Record plain checkpoint-N directories as a root lineage (checksums computed now)."""
+        if self.state().seq >= 0:
+            return None
+        steps = self.legacy_checkpoints()
+        if not steps:
+            return None
+        tables: dict[int, dict[str, FileEntry]] = {}
+        existing: dict[int, Manifest | None] = {}
+        for step in steps:
+            key = public_key(step)
+            files = {}
+            for name, _size in self.storage.walk_files(key):
+                if name == MANIFEST_NAME:
+                    continue
+                if self.storage.is_symlink_escape(f"{key}/{name}"):
+                    log.warning("txckpt: adoption skips %s/%s, a symlink out of the root", key, name)
+                    continue
+                with self.storage.open_read(f"{key}/{name}") as f:
+                    size, digest = checksum.digest_stream(f)
+                files[name] = FileEntry(size, digest, kind_for_name(name))
+            tables[step] = files
+            try:
+                existing[step] = Manifest.decode(self.storage.read_bytes(f"{key}/{MANIFEST_NAME}"))
+            except (FileNotFoundError, ManifestError):
+                existing[step] = None
+        # A crashed (or concurrent) adoption may have written manifests already. They were never
+        # committed (the log is empty), so they are reused when they describe the same bytes as
+        # one adoption, and replaced otherwise: two adopters then converge on the same txids.
+        lineages = {m.lineage for m in existing.values() if m is not None and m.adopted}
+        reusable = len(lineages) == 1 and all(
+            m is not None and m.adopted and m.files == tables[step] for step, m in existing.items()
+        )
+        lid = lineages.pop() if reusable else new_lineage_id()
+        records = []
+        parent = None
+        for step in steps:
+            key = public_key(step)
+            manifest = existing[step] if reusable else None
+            if manifest is None:
+                manifest = Manifest(f"adopted-{step}-{lid}", lid, step, parent, tables[step], time.time(), adopted=True)
+                self.storage.replace(f"{key}/{MANIFEST_NAME}", manifest.encode(), durable=self.durable)
+            records.append({
+                "step": step, "txid": manifest.txid, "digest": manifest.digest, "key": key,
+                "bytes": manifest.total_bytes, "files": len(manifest.files),
+            })
+            parent = ref(lid, step, manifest.txid, key)
+
+        def build(state: State, seq: int, now: float) -> dict[str, Any]:
+            if state.seq >= 0:
+                raise _AlreadyAdopted()
+            new_state = state.after_new_lineage(seq, now, lid, None, "adopt")
+            last = records[-1]
+            new_state.lineages[lid].tip = ref(lid, last["step"], last["txid"], last["key"])
+            return {"action": "adopt", "lineage": lid, "checkpoints": records, "state": new_state.to_json()}
+
+        try:
+            commit_log.append(self.storage, build, durable=self.durable)
+        except _AlreadyAdopted:
+            return None
+        log.warning(
+            "txckpt: adopted %d checkpoint(s) of %s written without txckpt (steps %s) as lineage %s; "
+            "their checksums were computed now, so damage done before adoption cannot be detected.",
+            len(records), self.url, ", ".join(str(s) for s in steps), lid,
+        )
+        return lid
+
+    # ----- saving ------------------------------------------------------------------------------
+    def prepare_save(self, step: int) -> dict[str, Any]:
+        """Validate a save of ``step`` against the newest state; returns the plan the ranks share."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise InvalidArgumentError(f"step must be a non-negative int, not {step!r}")
+        state = self.state()
+        if state.seq < 0 and self.legacy_checkpoints():
+            self.adopt()
+            state = self.state()
+        if self.writer_lineage is None:
+            if state.head is None:
+                self.new_lineage()
+                state = self.state()
+            self.writer_lineage = state.head
+        lineage = self.writer_lineage
+        if state.head != lineage:
+            # Raises StaleLineageError with the full explanation.
+            state.after_commit(state.seq + 1, lineage, step, "", None)
+        info = state.lineages[lineage]
+        tip = info.tip
+        if tip is not None and step <= tip["step"]:
+            raise StepConflictError(
+                f"cannot save step {step}: step {tip['step']} is already committed in the current "
+                f"lineage {lineage} of {self.url}. To roll back, call txckpt.resume(root, step=K) "
+                "with the step you restarted from; otherwise save a newer step."
+            )
+        parent = tip if tip is not None else info.parent
+        txid = new_txid(step, lineage)
+        return {"txid": txid, "lineage": lineage, "step": step, "parent": parent, "key": home_key(txid, step)}
+
+    def write_intent(self, plan: dict[str, Any], world_size: int) -> None:
+        import json
+        import socket
+
+        record = {"txid": plan["txid"], "step": plan["step"], "lineage": plan["lineage"],
+                  "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+                  "world_size": world_size}
+        self.storage.replace(f"{INTENTS_DIR}/{plan['txid']}.json", json.dumps(record).encode())
+
+    def clear_intent(self, txid: str) -> None:
+        self.storage.delete_file(f"{INTENTS_DIR}/{txid}.json")
+
+    def commit(self, manifest: Manifest) -> str:
+        """Append the commit entry for a staged, durable manifest and publish it; returns the path."""
+        record = {
+            "lineage": manifest.lineage, "step": manifest.step, "txid": manifest.txid,
+            "digest": manifest.digest, "bytes": manifest.total_bytes, "files": len(manifest.files),
+            "parent": manifest.parent,
+        }
+
+        def build(state: State, seq: int, now: float) -> dict[str, Any]:
+            new_state = state.after_commit(seq, manifest.lineage, manifest.step, manifest.txid, manifest.parent)
+            return {"action": "commit", "checkpoint": record, "state": new_state.to_json()}
+
+        commit_log.append(self.storage, build, durable=self.durable)
+        committed = ref(manifest.lineage, manifest.step, manifest.txid)
+        try:
+            key = self.publication.publish(committed)
+        except OSError as e:
+            # Committed is committed: the checkpoint stays valid at its home, and the next
+            # publication or `txckpt gc` gives it its name.
+            log.warning("txckpt: checkpoint %s is committed but could not be published (%s); "
+                        "it stays at its home until the next save or `txckpt gc`", manifest.txid, e)
+            key = self.publication.locate(committed)
+        if key is None:  # pragma: no cover - the data was just written
+            raise CheckpointNotFoundError(f"committed checkpoint {manifest.txid} vanished during publication")
+        return self.storage.full_path(key)
+
+    def transaction(self, step: int, **kwargs: Any):
+        from .transaction import Transaction
+
+        return Transaction(self, step, **kwargs)
+
+    def save(self, step: int, files: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None, **kwargs: Any) -> str:
+        if not isinstance(files, Mapping) or not files:
+            raise InvalidArgumentError("files must be a non-empty dict of file name -> object")
+        with self.transaction(step, metadata=metadata, **kwargs) as tx:
+            for name, obj in files.items():
+                tx.save(name, obj)
+        assert tx.path is not None
+        return tx.path
+
+
+class _AlreadyAdopted(Exception):
+    pass
+
+
+__all__ = ["CheckpointRoot", "CheckpointInfo", "durable_default", "TX_DIR", "INTENTS_DIR"]

@@ -1,0 +1,126 @@
+"""What to write, separate from where bytes land: objects to streams and back.
+
+Every writer here streams into a file-like object (txckpt's hashing writer), so a save never
+holds a second serialised copy of the state in memory and the checksum is computed on the way.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from typing import Any, BinaryIO, Mapping
+
+from .errors import InvalidArgumentError, IntegrityError
+
+_SAFETENSORS_DTYPES: dict[Any, str] = {}
+
+
+def _dtype_names() -> dict[Any, str]:
+    if not _SAFETENSORS_DTYPES:
+        import torch
+
+        table = {
+            "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+            "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+            "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+            "uint16": "U16", "uint32": "U32", "uint64": "U64", "complex64": "C64",
+        }
+        for attr, name in table.items():
+            dt = getattr(torch, attr, None)
+            if dt is not None:
+                _SAFETENSORS_DTYPES[dt] = name
+    return _SAFETENSORS_DTYPES
+
+
+def write_safetensors(tensors: Mapping[str, Any], out: BinaryIO, metadata: Mapping[str, str] | None = None) -> None:
+    """Stream ``tensors`` in the safetensors format (byte-compatible with ``safetensors.torch``
+    readers) without building the file in memory."""
+    import torch
+
+    names = _dtype_names()
+    if not isinstance(tensors, Mapping):
+        raise InvalidArgumentError(".safetensors files take a dict of name -> torch.Tensor")
+    prepared = []
+    header: dict[str, Any] = {}
+    offset = 0
+    # safetensors orders tensors by descending dtype alignment, then name, so every tensor stays
+    # aligned; follow the same rule.
+    items = sorted(tensors.items(), key=lambda kv: (-_itemsize(kv[1]), kv[0]))
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"safetensors value {name!r} is a {type(t).__name__}, not a tensor")
+        if t.dtype not in names:
+            raise InvalidArgumentError(f"safetensors cannot store dtype {t.dtype} ({name!r})")
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        prepared.append(t)
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    out.write(struct.pack("<Q", len(raw)))
+    out.write(raw)
+    for t in prepared:
+        if t.numel():
+            out.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+def _itemsize(t: Any) -> int:
+    return int(getattr(t, "element_size", lambda: 1)()) if hasattr(t, "element_size") else 1
+
+
+def write_object(name: str, obj: Any, out: BinaryIO) -> str:
+    """Write ``obj`` into ``out`` by the rules of save_checkpoint; returns the file's kind.
+
+    ``bytes``-like -> raw; ``.safetensors`` -> dict of tensors; ``.json`` -> JSON value;
+    anything else -> ``torch.save``.
+    """
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        out.write(obj)
+        return "bytes"
+    lower = name.lower()
+    if lower.endswith(".safetensors"):
+        write_safetensors(obj, out)
+        return "safetensors"
+    if lower.endswith(".json"):
+        try:
+            data = json.dumps(obj, indent=2, sort_keys=True).encode()
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"{name!r}: value is not JSON-serialisable ({e})") from None
+        out.write(data)
+        return "json"
+    import torch
+
+    torch.save(obj, out)
+    return "torch"
+
+
+def read_object(name: str, kind: str, data: bytes, *, map_location: Any = "cpu", weights_only: bool = True) -> Any:
+    """Turn verified bytes back into the object ``write_object`` wrote."""
+    try:
+        if kind == "bytes":
+            return data
+        if kind == "json":
+            return json.loads(data)
+        if kind == "safetensors":
+            from safetensors.torch import load
+
+            tensors = load(data)
+            if map_location not in (None, "cpu"):
+                tensors = {k: v.to(map_location) for k, v in tensors.items()}
+            return tensors
+        if kind == "torch":
+            import torch
+
+            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+    except Exception as e:  # the bytes matched their checksum, so this is a format problem
+        if type(e).__name__ == "UnpicklingError":
+            raise
+        raise IntegrityError(f"{name!r} ({kind}) matched its checksum but could not be decoded: {e}") from e
+    raise IntegrityError(f"{name!r} has unknown kind {kind!r}")

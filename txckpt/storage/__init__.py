@@ -1,0 +1,32 @@
+"""Choose a storage backend for a root path or URL."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from .base import Storage, check_relative_key, join
+from .fsspec_store import FsspecStorage
+from .local import LocalStorage
+
+__all__ = ["Storage", "LocalStorage", "FsspecStorage", "open_storage", "check_relative_key", "join"]
+
+
+def _is_local(root: str) -> bool:
+    return "://" not in root and "::" not in root or root.startswith("file://") and "::" not in root
+
+
+def open_storage(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Storage:
+    """A Storage for ``root``: a local path, ``file://`` URL, or any fsspec URL (chained too)."""
+    root = os.fspath(root)
+    if _is_local(root):
+        if root.startswith("file://"):
+            root = root[len("file://"):]
+        return LocalStorage(root)
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(root, **dict(storage_options or {}))
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if "file" in protocols or "local" in protocols:
+        return LocalStorage(path)
+    return FsspecStorage(root, fs, path)

@@ -1,0 +1,184 @@
+"""The storage seam: how bytes land under one root.
+
+Everything above this module speaks in root-relative keys ("checkpoint-4/model.safetensors",
+".txckpt/log/00000000000000000003.json") and never asks which backend it talks to. A backend
+differs from another in three ways only, and each is a method here:
+
+* how a new file becomes durable (``open_write`` + ``sync_dir``),
+* how the commit point is made: ``create_exclusive`` is the one create-if-absent write,
+* whether directories can be renamed atomically (``atomic_dir_rename``), which decides how a
+  committed checkpoint is published (see :mod:`txckpt.publication`).
+
+The call sequence of a save, as the transaction issues it (see docs/protocol.md, "Save"):
+
+1. ``open_write`` each data file under ``.txckpt/tx/<txid>/`` and ``close()`` it; with
+   ``durable=True`` a closed file's bytes survive power loss.
+2. ``sync_dir`` on the staging directory (and on any sub-directory written into).
+3. ``create_exclusive`` of the manifest inside the staging directory, then ``sync_dir``.
+4. ``create_exclusive`` of the next log entry: the commit point. Either the whole entry is
+   visible to every reader or none of it is; of two racing writers exactly one succeeds.
+5. Publication (rename backends only): ``rename_noreplace`` of directories.
+
+Reads that decide correctness (``read_bytes``, ``exists``, ``list_dir``) must see every write
+another process completed before the call: backends that cache listings bypass their caches.
+"""
+
+from __future__ import annotations
+
+import abc
+import posixpath
+from typing import BinaryIO, Iterator
+
+from ..errors import UnsafePathError
+
+
+def join(*parts: str) -> str:
+    """Join root-relative keys with '/'."""
+    return posixpath.join(*[p for p in parts if p])
+
+
+def check_relative_key(key: str) -> str:
+    """Return ``key`` normalised, or raise UnsafePathError if it could leave its directory."""
+    if not isinstance(key, str) or not key:
+        raise UnsafePathError(f"file name {key!r} is empty or not a string")
+    if "\\" in key or "\x00" in key:
+        raise UnsafePathError(f"file name {key!r} contains a backslash or NUL; use '/' separators")
+    if key.startswith("/") or (len(key) > 1 and key[1] == ":"):
+        raise UnsafePathError(f"file name {key!r} is absolute; give a path relative to the checkpoint")
+    parts = key.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise UnsafePathError(
+            f"file name {key!r} has an empty, '.' or '..' component; give a plain relative path"
+        )
+    return key
+
+
+class Storage(abc.ABC):
+    """One root on one backend. Keys are root-relative, '/'-separated, never absolute."""
+
+    #: True where a directory can be renamed atomically without replacing a non-empty target
+    #: (local POSIX filesystems). False on object stores, where "rename" is copy + delete.
+    atomic_dir_rename: bool = False
+
+    def __init__(self, url: str):
+        self.url = url
+
+    # ----- addresses ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def full_path(self, key: str) -> str:
+        """The path or URL a user passes to other tools (what ``get_last_checkpoint`` returns)."""
+
+    def key_of(self, path: str) -> str | None:
+        """The root-relative key of a full path or URL under this root, or None if outside it."""
+        root = self.full_path("").rstrip("/")
+        path = path.rstrip("/")
+        if path == root:
+            return ""
+        if path.startswith(root + "/"):
+            return path[len(root) + 1:]
+        return None
+
+    def local_path(self, key: str) -> str | None:
+        """A local filesystem path for ``key`` if this backend is a local disk, else None."""
+        return None
+
+    # ----- writing -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def open_write(self, key: str, *, durable: bool) -> BinaryIO:
+        """Open a new file at ``key`` for writing, creating parent directories.
+
+        Contract: the key is private to the caller (a staging key), so an existing file may be
+        replaced. Bytes become visible at ``close()``; with ``durable=True`` they are on stable
+        storage when ``close()`` returns. ``abort()`` on the returned object, where present,
+        discards a partial upload.
+        """
+
+    @abc.abstractmethod
+    def create_exclusive(self, key: str, data: bytes, *, durable: bool) -> None:
+        """Create ``key`` holding ``data`` if and only if it does not exist.
+
+        Contract: atomic and all-or-nothing: a reader sees no file or the whole ``data``. Of two
+        concurrent callers exactly one returns; the other raises ``FileExistsError``. With
+        ``durable=True`` the file and its directory entry are durable when this returns.
+        A caller that retries after an ambiguous failure must read the key back to learn whether
+        its own earlier attempt won (txckpt puts a unique id in every such file).
+        """
+
+    @abc.abstractmethod
+    def replace(self, key: str, data: bytes, *, durable: bool = False) -> None:
+        """Write ``data`` at ``key``, replacing any previous content atomically (readers see the
+        old or the new bytes). Never a commit point: used for hints, intents, and manifests of an
+        adoption that the log has not committed yet. ``durable=True`` fsyncs the new content."""
+
+    def sync_dir(self, key: str) -> None:
+        """Make the directory entries under ``key`` durable. No-op where there are no directories."""
+
+    def upload_file(self, local_file: str, key: str, *, durable: bool) -> tuple[int, str]:
+        """Copy a local file to ``key`` once, hashing on the way; returns (size, xxh3-128 hex)."""
+        from ..checksum import HashingWriter
+
+        writer = HashingWriter(self.open_write(key, durable=durable))
+        ok = False
+        try:
+            with open(local_file, "rb") as src:
+                while True:
+                    block = src.read(16 << 20)
+                    if not block:
+                        break
+                    writer.write(block)
+            ok = True
+        finally:
+            if ok:
+                writer.close()
+            else:
+                writer.abort()
+        return writer.size, writer.digest
+
+    # ----- reading -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def read_bytes(self, key: str) -> bytes:
+        """The whole content of ``key``, fresh (no cache). Raises FileNotFoundError."""
+
+    @abc.abstractmethod
+    def open_read(self, key: str) -> BinaryIO:
+        """A readable binary stream of ``key``. Raises FileNotFoundError."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether a file or directory exists at ``key``, fresh."""
+
+    @abc.abstractmethod
+    def list_dir(self, key: str) -> list[str]:
+        """Names (not keys) of the direct children of directory ``key``, fresh; [] if absent."""
+
+    @abc.abstractmethod
+    def walk_files(self, key: str) -> Iterator[tuple[str, int]]:
+        """Every file below ``key`` as (key relative to ``key``, size), fresh. Symlinks are
+        reported by ``is_symlink_escape`` rather than followed."""
+
+    def is_symlink_escape(self, key: str) -> bool:
+        """True if ``key`` is (or passes through) a symlink that resolves outside the root."""
+        return False
+
+    def modified_time(self, key: str) -> float | None:
+        """Last-modified time of ``key`` in seconds since the epoch, or None if unknown/absent."""
+        return None
+
+    # ----- removing ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def delete_file(self, key: str) -> None:
+        """Remove one file; no error if it is already gone."""
+
+    @abc.abstractmethod
+    def delete_tree(self, key: str) -> None:
+        """Remove ``key`` and everything below it; no error if it is already gone."""
+
+    # ----- rename backends only ----------------------------------------------------------------
+    def rename_noreplace(self, src: str, dst: str) -> None:
+        """Atomically rename directory ``src`` to ``dst``; FileExistsError if ``dst`` exists.
+
+        Only called when ``atomic_dir_rename`` is True."""
+        raise NotImplementedError(f"{type(self).__name__} cannot rename directories atomically")
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}({self.url})"

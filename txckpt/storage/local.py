@@ -1,0 +1,255 @@
+"""Local POSIX filesystems: fsync for durability, link() for create-if-absent, renameat2 for
+publication. Never check-then-write."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import shutil
+import uuid
+from typing import BinaryIO, Iterator
+
+from .base import Storage
+
+_WRITE_BUFFER = 8 << 20
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _DurableFile:
+    """A buffered file whose close() fsyncs (when durable) before returning."""
+
+    def __init__(self, path: str, durable: bool):
+        self._path = path
+        self._durable = durable
+        self._f = open(path, "wb", buffering=_WRITE_BUFFER)
+        self.closed = False
+
+    def write(self, data) -> int:
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self._f.flush()
+            if self._durable:
+                os.fsync(self._f.fileno())
+        finally:
+            self._f.close()
+            self.closed = True
+
+    def abort(self) -> None:
+        if not self.closed:
+            self._f.close()
+            self.closed = True
+        try:
+            os.unlink(self._path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+def _load_renameat2():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _load_renameat2()
+
+
+def rename_noreplace(src: str, dst: str) -> None:
+    """rename(2) that fails with FileExistsError instead of replacing ``dst`` (even an empty dir)."""
+    if _renameat2 is not None:
+        rc = _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE)
+        if rc == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(err, os.strerror(err), dst)
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            raise OSError(err, os.strerror(err), src)
+    # Fallback for filesystems without RENAME_NOREPLACE. A rename onto an empty directory would
+    # succeed silently, so refuse any existing target first; the window is documented.
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, "target exists", dst)
+    os.rename(src, dst)
+
+
+class LocalStorage(Storage):
+    atomic_dir_rename = True
+
+    def __init__(self, root: str):
+        root = os.path.abspath(os.path.expanduser(root))
+        super().__init__(root)
+        self.root = root
+
+    def _p(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/")) if key else self.root
+
+    def full_path(self, key: str) -> str:
+        return self._p(key)
+
+    def local_path(self, key: str) -> str:
+        return self._p(key)
+
+    def key_of(self, path: str) -> str | None:
+        path = os.path.abspath(os.path.expanduser(path))
+        if path == self.root:
+            return ""
+        if path.startswith(self.root + os.sep):
+            return path[len(self.root) + 1:].replace(os.sep, "/")
+        return None
+
+    # ----- writing -----------------------------------------------------------------------------
+    def open_write(self, key: str, *, durable: bool) -> BinaryIO:
+        path = self._p(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return _DurableFile(path, durable)  # type: ignore[return-value]
+
+    def create_exclusive(self, key: str, data: bytes, *, durable: bool) -> None:
+        path = self._p(key)
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+        # The content is complete and durable under a private name before it gets its public
+        # name through link(2), which fails with EEXIST if the name is taken: no reader ever
+        # sees a partial file, and of two racers exactly one links.
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        try:
+            try:
+                os.link(tmp, path)
+            except OSError as e:
+                if e.errno == errno.EEXIST:
+                    raise FileExistsError(errno.EEXIST, "already exists", path) from None
+                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                    raise
+                rename_noreplace(tmp, path)  # filesystems without hard links
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        if durable:
+            fsync_dir(directory)
+
+    def replace(self, key: str, data: bytes, *, durable: bool = False) -> None:
+        path = self._p(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if durable:
+            fsync_dir(os.path.dirname(path))
+
+    def sync_dir(self, key: str) -> None:
+        path = self._p(key)
+        if os.path.isdir(path):
+            fsync_dir(path)
+
+    # ----- reading -----------------------------------------------------------------------------
+    def read_bytes(self, key: str) -> bytes:
+        with open(self._p(key), "rb") as f:
+            return f.read()
+
+    def open_read(self, key: str) -> BinaryIO:
+        return open(self._p(key), "rb", buffering=_WRITE_BUFFER)
+
+    def exists(self, key: str) -> bool:
+        return os.path.lexists(self._p(key))
+
+    def list_dir(self, key: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self._p(key)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def walk_files(self, key: str) -> Iterator[tuple[str, int]]:
+        base = self._p(key)
+        for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
+            rel_dir = os.path.relpath(dirpath, base)
+            names = list(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+            for name in sorted(names):
+                full = os.path.join(dirpath, name)
+                rel = name if rel_dir == "." else os.path.join(rel_dir, name)
+                try:
+                    size = os.stat(full).st_size
+                except FileNotFoundError:
+                    size = -1  # a dangling symlink: reported, and refused by the manifest check
+                yield rel.replace(os.sep, "/"), size
+
+    def is_symlink_escape(self, key: str) -> bool:
+        path = self._p(key)
+        real = os.path.realpath(path)
+        root_real = os.path.realpath(self.root)
+        # Any symlink on the way is refused when it leaves the root; inside is tolerated.
+        return not (real == root_real or real.startswith(root_real + os.sep))
+
+    def modified_time(self, key: str) -> float | None:
+        try:
+            return os.lstat(self._p(key)).st_mtime
+        except FileNotFoundError:
+            return None
+
+    # ----- removing ----------------------------------------------------------------------------
+    def delete_file(self, key: str) -> None:
+        try:
+            os.unlink(self._p(key))
+        except FileNotFoundError:
+            pass
+
+    def delete_tree(self, key: str) -> None:
+        path = self._p(key)
+        if os.path.islink(path) or os.path.isfile(path):
+            self.delete_file(key)
+            return
+        shutil.rmtree(path, ignore_errors=False, onerror=_ignore_missing)
+
+    def rename_noreplace(self, src: str, dst: str) -> None:
+        os.makedirs(os.path.dirname(self._p(dst)), exist_ok=True)
+        rename_noreplace(self._p(src), self._p(dst))
+
+
+def _ignore_missing(func, path, exc_info):
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]

@@ -1,0 +1,366 @@
+"""One checkpoint save as a transaction: staging -> per-rank writes -> gather -> manifest ->
+commit -> publish. Protocol: docs/protocol.md, "Save".
+
+Every rank of an initialised torch.distributed group enters the same transaction; rank 0 (the
+committer) validates the save, picks the staging name and broadcasts it, gathers every rank's
+file list, writes the manifest, appends the commit entry and publishes; the outcome is broadcast
+so that every rank returns the same path or raises the same error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, BinaryIO, Mapping
+
+from . import errors
+from .checksum import HashingWriter, digest_stream
+from .coordination import Coordinator, current_coordinator
+from .errors import InvalidArgumentError, TransactionAbortedError, UnsafePathError
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, check_file_name, kind_for_name
+from .serialization import write_object
+
+log = logging.getLogger("txckpt")
+
+
+class Transaction:
+    """Use through ``txckpt.transaction(root, step)``::
+
+        with txckpt.transaction(root, step) as tx:
+            tx.save("model.safetensors", model.state_dict())
+            with tx.open("extra.bin", "wb") as f:
+                f.write(blob)
+            model.config.save_pretrained(tx.directory)
+        print(tx.path)  # the committed checkpoint
+
+    Files written through ``open``/``save`` are hashed while they are written. Files that other
+    code writes into ``tx.directory`` are hashed (and, with durability on, fsynced) at commit.
+    """
+
+    def __init__(
+        self,
+        root: Any,
+        step: int,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+        coordinator: Coordinator | None = None,
+    ):
+        self._root = root
+        self.step = step
+        self.metadata = dict(metadata or {})
+        self._timeout = timeout
+        self._coord = coordinator
+        self.path: str | None = None
+        self.txid: str | None = None
+        self._plan: dict[str, Any] | None = None
+        self._written: dict[str, FileEntry] = {}
+        self._open_writers: set[str] = set()
+        self._local_dir: str | None = None
+        self._temp_root: str | None = None
+        self._entered = False
+        self._done = False
+
+    # ----- properties --------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._coord.rank if self._coord else 0
+
+    @property
+    def world_size(self) -> int:
+        return self._coord.world_size if self._coord else 1
+
+    @property
+    def staging_key(self) -> str:
+        self._require_open()
+        return self._plan["key"]  # type: ignore[index]
+
+    @property
+    def directory(self) -> str:
+        """A local directory that code such as ``save_pretrained`` can write into.
+
+        On a local root it is the staging directory itself; on a remote root it is a local
+        scratch directory whose files are uploaded (once, hashed on the way) at commit. Its name
+        is ``checkpoint-<step>``, so its parent (:attr:`output_root`) can stand in for a Trainer
+        output_dir.
+        """
+        self._require_open()
+        if self._local_dir is None:
+            storage = self._root.storage
+            local = storage.local_path(self.staging_key)
+            if local is None:
+                base = os.environ.get("TXCKPT_STAGING_DIR") or None
+                self._temp_root = tempfile.mkdtemp(prefix=f"txckpt-{self.txid}-", dir=base)
+                local = os.path.join(self._temp_root, f"checkpoint-{self.step}")
+            os.makedirs(local, exist_ok=True)
+            self._local_dir = local
+        return self._local_dir
+
+    @property
+    def output_root(self) -> str:
+        """The parent of :attr:`directory` (``directory == output_root/checkpoint-<step>``)."""
+        return os.path.dirname(self.directory)
+
+    def _require_open(self) -> None:
+        if not self._entered or self._done or self._plan is None:
+            raise InvalidArgumentError("use the transaction inside its `with` block")
+
+    # ----- lifecycle ---------------------------------------------------------------------------
+    def __enter__(self) -> "Transaction":
+        if self._entered:
+            raise InvalidArgumentError("a transaction can be entered once")
+        self._entered = True
+        if self._coord is None:
+            self._coord = current_coordinator(self._timeout)
+        plan: dict[str, Any]
+        if self._coord.is_committer:
+            try:
+                plan = self._root.prepare_save(self.step)
+                self._root.write_intent(plan, self._coord.world_size)
+            except Exception as e:  # every rank must learn why
+                plan = {"error": _describe_error(e)}
+                if self._coord.world_size == 1:
+                    raise
+        else:
+            plan = {}
+        plan = self._coord.broadcast(plan)
+        if "error" in plan:
+            raise _rebuild_error(plan["error"])
+        if plan.get("step") != self.step:
+            raise TransactionAbortedError(
+                f"ranks disagree on the step: this rank saves {self.step}, rank 0 saves {plan.get('step')}"
+            )
+        self._plan = plan
+        self.txid = plan["txid"]
+        if self._root.storage.local_path(plan["key"]) is not None:
+            os.makedirs(self._root.storage.local_path(plan["key"]), exist_ok=True)
+        return self
+
+    def open(self, name: str, mode: str = "wb") -> BinaryIO:
+        """A new file of the checkpoint, hashed while written. Only mode "wb"."""
+        self._require_open()
+        if mode != "wb":
+            raise InvalidArgumentError(f"transaction files open with mode 'wb' only, not {mode!r}")
+        check_file_name(name)
+        if name in self._written or name in self._open_writers:
+            raise InvalidArgumentError(f"{name!r} was already written in this transaction")
+        sink = self._root.storage.open_write(f"{self.staging_key}/{name}", durable=self._root.durable)
+        self._open_writers.add(name)
+        return _TrackedWriter(self, name, sink)  # type: ignore[return-value]
+
+    def save(self, name: str, obj: Any) -> None:
+        """Write ``obj`` as file ``name`` by the rules of :func:`txckpt.save_checkpoint`."""
+        f = self.open(name, "wb")
+        try:
+            kind = write_object(name, obj, f)
+        except BaseException:
+            f.abort()
+            raise
+        f.kind = kind
+        f.close()
+
+    def _finished_file(self, name: str, entry: FileEntry) -> None:
+        self._open_writers.discard(name)
+        self._written[name] = entry
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._done = True
+        try:
+            report = self._rank_report(exc)
+            reports = self._coord.gather(report)
+            outcome: dict[str, Any] = {}
+            if self._coord.is_committer:
+                outcome = self._commit_or_abort(reports or [report])
+            outcome = self._coord.broadcast(outcome)
+        finally:
+            if self._temp_root:
+                shutil.rmtree(self._temp_root, ignore_errors=True)
+        if exc is not None:
+            return False  # this rank's own exception propagates
+        if "error" in outcome:
+            raise _rebuild_error(outcome["error"])
+        self.path = outcome["path"]
+        return False
+
+    def _rank_report(self, exc: BaseException | None) -> dict[str, Any]:
+        if exc is not None:
+            return {"rank": self.rank, "error": _describe_error(exc)}
+        try:
+            if self._open_writers:
+                raise InvalidArgumentError(f"files still open at commit: {sorted(self._open_writers)}")
+            files = {name: e.to_json() for name, e in self._written.items()}
+            storage = self._root.storage
+            if self._temp_root and self._local_dir is not None:
+                # Remote root: upload what other code wrote into the local scratch directory.
+                for name, size in _walk_local(self._local_dir):
+                    if name in files:
+                        raise InvalidArgumentError(f"{name!r} written both through tx.open and tx.directory")
+                    check_file_name(name)
+                    size, digest = storage.upload_file(
+                        os.path.join(self._local_dir, name), f"{self.staging_key}/{name}",
+                        durable=self._root.durable,
+                    )
+                    files[name] = FileEntry(size, digest, kind_for_name(name), self.rank).to_json()
+            return {"rank": self.rank, "files": files}
+        except Exception as e:
+            return {"rank": self.rank, "error": _describe_error(e)}
+
+    def _commit_or_abort(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
+        plan = self._plan
+        assert plan is not None
+        failed = [r for r in reports if "error" in r]
+        if not failed:
+            try:
+                return {"path": self._commit(reports)}
+            except Exception as e:
+                committed = self._committed_path()
+                if committed is not None:  # the commit point was passed: never delete
+                    log.warning("txckpt: checkpoint %s committed, but finishing it failed: %s",
+                                plan["txid"], e)
+                    return {"path": committed}
+                failed = [{"rank": self.rank, "error": _describe_error(e)}]
+                log.debug("txckpt: commit of %s failed", plan["txid"], exc_info=True)
+        self._abort()
+        first = failed[0]
+        err = dict(first["error"])
+        if first["rank"] != self.rank or self.world_size > 1:
+            err["message"] = f"rank {first['rank']}: {err['message']}"
+        if err["type"] not in _PASS_THROUGH:
+            err = {"type": "TransactionAbortedError", "message":
+                   f"checkpoint step {plan['step']} was not committed: {err['message']}"}
+        return {"error": err}
+
+    def _commit(self, reports: list[dict[str, Any]]) -> str:
+        plan = self._plan
+        assert plan is not None
+        storage = self._root.storage
+        durable = self._root.durable
+        files: dict[str, FileEntry] = {}
+        for r in reports:
+            for name, entry in r["files"].items():
+                if name in files:
+                    raise InvalidArgumentError(
+                        f"file {name!r} was written by rank {files[name].rank} and rank {r['rank']}; "
+                        "give each rank's files distinct names (e.g. with the rank in the name)"
+                    )
+                files[name] = FileEntry.from_json(name, {**entry, "rank": r["rank"]})
+        # Files that code wrote straight into the staging directory (a shared local root):
+        # hash them now, and make them durable in the same pass.
+        key = plan["key"]
+        subdirs = set()
+        for name, size in storage.walk_files(key):
+            if "/" in name:
+                subdirs.add(name.rsplit("/", 1)[0])
+            if name in files:
+                continue
+            if name == MANIFEST_NAME:
+                raise InvalidArgumentError(f"{MANIFEST_NAME} is reserved for txckpt")
+            check_file_name(name)
+            if storage.is_symlink_escape(f"{key}/{name}"):
+                raise UnsafePathError(f"{name!r} in the checkpoint is a symlink that leaves the root")
+            files[name] = _hash_and_sync(storage, f"{key}/{name}", name, durable)
+        if not files:
+            raise InvalidArgumentError("the transaction wrote no files; nothing to commit")
+        if durable:
+            for sub in sorted(subdirs, key=len, reverse=True):
+                storage.sync_dir(f"{key}/{sub}")
+            storage.sync_dir(key)
+        manifest = Manifest(
+            txid=plan["txid"], lineage=plan["lineage"], step=plan["step"], parent=plan["parent"],
+            files=files, created=time.time(), world_size=self.world_size, metadata=self.metadata,
+        )
+        storage.create_exclusive(f"{key}/{MANIFEST_NAME}", manifest.encode(), durable=durable)
+        path = self._root.commit(manifest)
+        self._root.clear_intent(plan["txid"])
+        return path
+
+    def _committed_path(self) -> str | None:
+        plan = self._plan
+        try:
+            state = self._root.state()
+        except Exception:
+            return None
+        info = state.lineages.get(plan["lineage"]) if plan else None
+        if info is None or not info.tip or info.tip.get("txid") != plan["txid"]:
+            return None
+        return self._root.locate(info.tip) or self._root.storage.full_path(plan["key"])
+
+    def _abort(self) -> None:
+        plan = self._plan
+        if plan is None:
+            return
+        storage = self._root.storage
+        try:
+            storage.delete_tree(plan["key"].rsplit("/", 1)[0])
+            self._root.clear_intent(plan["txid"])
+        except OSError:
+            log.warning("txckpt: could not remove staging %s; `txckpt gc` will", plan["key"], exc_info=True)
+
+
+class _TrackedWriter(HashingWriter):
+    def __init__(self, tx: Transaction, name: str, sink: BinaryIO):
+        super().__init__(sink)
+        self._tx = tx
+        self._name = name
+        self.kind = kind_for_name(name)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        super().close()
+        self._tx._finished_file(self._name, FileEntry(self.size, self.digest, self.kind, self._tx.rank))
+
+    def abort(self) -> None:
+        if self.closed:
+            return
+        super().abort()
+        self._tx._open_writers.discard(self._name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _hash_and_sync(storage: Any, key: str, name: str, durable: bool) -> FileEntry:
+    local = storage.local_path(key)
+    if local is not None:
+        with open(local, "rb", buffering=0) as f:
+            size, digest = digest_stream(f)
+            if durable:
+                os.fsync(f.fileno())
+    else:
+        with storage.open_read(key) as f:
+            size, digest = digest_stream(f)
+    return FileEntry(size, digest, kind_for_name(name))
+
+
+def _walk_local(base: str):
+    for dirpath, dirnames, filenames in os.walk(base):
+        for n in sorted(filenames):
+            full = os.path.join(dirpath, n)
+            yield os.path.relpath(full, base).replace(os.sep, "/"), os.path.getsize(full)
+
+
+_PASS_THROUGH = {
+    name for name in dir(errors)
+    if isinstance(getattr(errors, name), type) and issubclass(getattr(errors, name), errors.TxckptError)
+}
+
+
+def _describe_error(e: BaseException) -> dict[str, str]:
+    return {"type": type(e).__name__, "message": str(e)}
+
+
+def _rebuild_error(err: dict[str, str]) -> BaseException:
+    cls = getattr(errors, err.get("type", ""), None)
+    if isinstance(cls, type) and issubclass(cls, errors.TxckptError):
+        return cls(err["message"])
+    return TransactionAbortedError(err.get("message", "transaction aborted"))
