@@ -63,7 +63,7 @@ def transaction(
     timeout: float | None = None,
 ):
     """A context manager for writers that need file handles or a directory; see
-    :class:`txckpt.transaction.Transaction`. Commits on a clean exit, aborts on an exception."""
+    :class:`txckpt.transactions.Transaction`. Commits on a clean exit, aborts on an exception."""
     return open_root(root, storage_options).transaction(step, metadata=metadata, timeout=timeout)
 
 

@@ -52,8 +52,13 @@ def manifest_txid(storage: Storage, key: str) -> str | None:
 
 
 class InPlacePublication:
-    def __init__(self, storage: Storage):
+    def __init__(self, storage: Storage, durable: bool = True):
         self.storage = storage
+        self.durable = durable
+
+    def _sync(self, key: str) -> None:
+        if self.durable:
+            self.storage.sync_dir(key)
 
     def candidates(self, ref: dict[str, Any]) -> list[str]:
         keys = [home_key(ref["txid"], ref["step"])]
@@ -98,8 +103,8 @@ class RenamePublication(InPlacePublication):
                 s.rename_noreplace(src, pub)
             except FileExistsError:
                 continue  # someone re-created the name between our check and the rename
-            s.sync_dir("")
-            s.sync_dir(src.rsplit("/", 1)[0])
+            self._sync("")
+            self._sync(src.rsplit("/", 1)[0])
             return pub
         return self.locate(ref)
 
@@ -121,8 +126,8 @@ class RenamePublication(InPlacePublication):
             s.rename_noreplace(pub, dst)
         except FileNotFoundError:
             return  # someone else moved it already
-        s.sync_dir(dst.rsplit("/", 1)[0])
-        s.sync_dir("")
+        self._sync(dst.rsplit("/", 1)[0])
+        self._sync("")
 
     def unpublish(self, keep: set[str], known: set[str]) -> list[str]:
         """Move published checkpoints whose txid is committed (in ``known``) but not in ``keep``
@@ -139,5 +144,6 @@ class RenamePublication(InPlacePublication):
         return moved
 
 
-def publication_for(storage: Storage) -> InPlacePublication:
-    return RenamePublication(storage) if storage.atomic_dir_rename else InPlacePublication(storage)
+def publication_for(storage: Storage, durable: bool = True) -> InPlacePublication:
+    cls = RenamePublication if storage.atomic_dir_rename else InPlacePublication
+    return cls(storage, durable)

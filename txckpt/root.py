@@ -79,7 +79,7 @@ class CheckpointRoot:
         self.storage = storage if storage is not None else open_storage(root, storage_options)
         self.storage_options = dict(storage_options or {})
         self.durable = durable_default() if durable is None else bool(durable)
-        self.publication = publication_for(self.storage)
+        self.publication = publication_for(self.storage, self.durable)
         #: The lineage this process writes; None until resume/new_lineage/first save.
         self.writer_lineage: str | None = None
         self._history: History | None = None
@@ -439,7 +439,7 @@ class CheckpointRoot:
         return self.storage.full_path(key)
 
     def transaction(self, step: int, **kwargs: Any):
-        from .transaction import Transaction
+        from .transactions import Transaction
 
         return Transaction(self, step, **kwargs)
 

@@ -305,7 +305,7 @@ class _TrackedWriter(HashingWriter):
         super().__init__(sink)
         self._tx = tx
         self._name = name
-        self.kind = kind_for_name(name)
+        self.kind = "bytes"  # raw bytes through tx.open; tx.save records what it serialised
 
     def close(self) -> None:
         if self.closed:

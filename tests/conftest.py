@@ -1,0 +1,28 @@
+import logging
+import os
+
+import pytest
+
+import txckpt
+
+# The S3 server fixtures (moto on 127.0.0.1) and the any_root fixture live in tests/s3_server.py.
+pytest_plugins = ["tests.s3_server"] if os.path.exists(os.path.join(os.path.dirname(__file__), "s3_server.py")) else []
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_state():
+    """Each test starts as a fresh process would: no remembered roots or lineages."""
+    txckpt.forget_roots()
+    yield
+    txckpt.forget_roots()
+
+
+@pytest.fixture
+def root(tmp_path):
+    return str(tmp_path / "out")
+
+
+@pytest.fixture
+def txlog(caplog):
+    caplog.set_level(logging.WARNING, logger="txckpt")
+    return caplog
