@@ -26,3 +26,14 @@ def root(tmp_path):
 def txlog(caplog):
     caplog.set_level(logging.WARNING, logger="txckpt")
     return caplog
+
+
+#: Lines that tests want in the run's log whatever the capture mode (crash-point counts, ...).
+SUMMARY_LINES: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    if SUMMARY_LINES:
+        terminalreporter.section("txckpt summary")
+        for line in SUMMARY_LINES:
+            terminalreporter.write_line(line)
