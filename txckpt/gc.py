@@ -1,0 +1,413 @@
+"""Garbage collection: reclaim what crashes and retention leave behind, never committed data.
+
+:func:`collect_garbage` finds, and unless ``dry_run`` removes:
+
+* **staging**: ``.txckpt/tx/<txid>`` whose txid the log has not committed and whose writer is
+  gone: its intent is missing, or the intent's host is this host and its pid is dead (or now
+  belongs to a process started after the intent), or the intent is older than ``grace_seconds``
+  (writers on other hosts, whose liveness cannot be checked). A live writer's staging is never
+  removed. Before anything is deleted the log is read again, so a save that committed meanwhile
+  is kept.
+* **retired**: data of checkpoints a ``retire`` entry names (phase two of a deletion that a
+  crash interrupted), except those under a live reader lease.
+* **intents** whose transaction committed or whose writer is gone; expired reader leases.
+* **temp files** (``*.tmp``) of interrupted create-if-absent and replace writes in ``.txckpt/``,
+  ``.txckpt/log``, ``.txckpt/intents`` and ``.txckpt/readers``, older than ``grace_seconds``.
+* with a ``policy``: what the :class:`~txckpt.retention.RetentionPolicy` lets go.
+* on S3: multipart uploads under the root that were never completed, older than the grace
+  period and not part of a live writer's staging (when the storage backend can list them).
+
+It also completes publication (current checkpoints get their ``checkpoint-N`` names, others
+lose them). It never touches the log, a committed checkpoint that is not retired (an empty
+``.txckpt/tx/<txid>`` left by publication belongs to a committed checkpoint and stays), or
+``.txckpt/orphans`` (listed in the report only).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .publication import ORPHANS_DIR, TX_DIR, public_key
+from .retention import (
+    READERS_DIR,
+    RetentionPolicy,
+    apply_retention,
+    delete_checkpoint_data,
+    read_leases,
+    retired_present,
+)
+from .root import INTENTS_DIR
+
+log = logging.getLogger("txckpt")
+
+META_DIR = ".txckpt"
+TEMP_DIRS = (META_DIR, f"{META_DIR}/log", INTENTS_DIR, READERS_DIR)
+
+
+@dataclass
+class GcItem:
+    """One thing gc removed (or would remove, or kept on purpose)."""
+
+    kind: str  # staging | retired | policy | intent | lease | temp | upload | publish | unpublish
+    key: str  # root-relative key (an upload: its object key)
+    reason: str
+    bytes: int = 0
+    done: bool = False  # removed (or, for publish/unpublish, renamed)
+    error: str | None = None
+
+
+@dataclass
+class GcReport:
+    root: str
+    dry_run: bool
+    items: list[GcItem] = field(default_factory=list)
+    #: Things that look like garbage but were kept on purpose (a live writer, a reader lease).
+    kept: list[GcItem] = field(default_factory=list)
+    #: Directories txckpt moved aside instead of overwriting; never deleted, listed for the operator.
+    orphans: list[str] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[GcItem]:
+        return [i for i in self.items if i.error]
+
+    @property
+    def bytes(self) -> int:
+        return sum(i.bytes for i in self.items if i.kind not in ("publish", "unpublish"))
+
+    def of(self, kind: str) -> list[GcItem]:
+        return [i for i in self.items if i.kind == kind]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "root": self.root,
+            "dry_run": self.dry_run,
+            "bytes": self.bytes,
+            "items": [asdict(i) for i in self.items],
+            "kept": [asdict(i) for i in self.kept],
+            "orphans": list(self.orphans),
+            "errors": len(self.errors),
+        }
+
+
+# ----- writer liveness ---------------------------------------------------------------------------
+def _process_start_time(pid: int) -> float | None:
+    """Start time (epoch seconds) of a local process, from /proc; None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def pid_alive(pid: int, since: float | None = None) -> bool:
+    """Is process ``pid`` of this host alive (and, given ``since``, started before it)?"""
+    if pid <= 0:
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    except OSError:
+        return False
+    if since is not None:
+        started = _process_start_time(pid)
+        # A process that started after the intent was written reuses the pid of a dead writer.
+        if started is not None and started > since + 2.0:
+            return False
+    return True
+
+
+def writer_status(intent: dict[str, Any] | None, *, now: float, grace_seconds: float,
+                  hostname: str | None = None) -> tuple[bool, str]:
+    """(gone, why) for the writer an intent names. ``gone`` means its staging may be reclaimed."""
+    if intent is None:
+        return True, "no intent (the writer aborted, or crashed before or after writing one)"
+    hostname = hostname or socket.gethostname()
+    host, pid = intent.get("host"), intent.get("pid")
+    try:
+        t = float(intent.get("time"))
+    except (TypeError, ValueError):
+        t = 0.0
+    age = now - t
+    if host == hostname and isinstance(pid, int):
+        if pid_alive(pid, since=t):
+            return False, f"writer pid {pid} on this host is alive"
+        return True, f"writer pid {pid} on this host is dead"
+    if age > grace_seconds:
+        return True, f"intent of {host}:{pid} is {age:.0f}s old (> grace {grace_seconds:.0f}s)"
+    return False, f"writer {host}:{pid} on another host, intent {age:.0f}s old (< grace {grace_seconds:.0f}s)"
+
+
+def read_intents(storage: Any) -> dict[str, dict[str, Any] | None]:
+    """txid -> intent record (None if unreadable) for every ``.txckpt/intents/<txid>.json``."""
+    out: dict[str, dict[str, Any] | None] = {}
+    for name in storage.list_dir(INTENTS_DIR):
+        if not name.endswith(".json"):
+            continue
+        txid = name[: -len(".json")]
+        try:
+            record = json.loads(storage.read_bytes(f"{INTENTS_DIR}/{name}"))
+            out[txid] = record if isinstance(record, dict) else None
+        except FileNotFoundError:
+            continue
+        except (ValueError, UnicodeDecodeError):
+            out[txid] = None
+    return out
+
+
+def _tree_bytes(storage: Any, key: str) -> int:
+    try:
+        return sum(max(0, size) for _, size in storage.walk_files(key))
+    except OSError:
+        return 0
+
+
+def _remove(report: GcReport, item: GcItem, fn, *args) -> None:
+    report.items.append(item)
+    if report.dry_run:
+        return
+    try:
+        fn(*args)
+        item.done = True
+    except Exception as e:  # reported, and the rest goes on
+        item.error = f"{type(e).__name__}: {e}"
+        log.warning("txckpt gc: could not remove %s: %s", item.key, item.error)
+
+
+# ----- the collector ---------------------------------------------------------------------------
+def collect_garbage(
+    root: Any,
+    *,
+    dry_run: bool = False,
+    grace_seconds: float = 3600.0,
+    policy: RetentionPolicy | None = None,
+    now: float | None = None,
+) -> GcReport:
+    """List and (unless ``dry_run``) remove the root's garbage; see the module doc."""
+    storage = root.storage
+    now = time.time() if now is None else now
+    report = GcReport(root.url, dry_run)
+
+    history = root.history()
+    _publication(root, history, report)
+
+    # (f) the retention policy: its retire entry is phase one; the data goes below, in (b).
+    policy_items: dict[str, GcItem] = {}
+    if policy is not None:
+        going = apply_retention(root, policy, dry_run=True, now=now)
+        for info in going:
+            key = storage.key_of(info.path) if info.path else None
+            item = GcItem("policy", key or f"{TX_DIR}/{info.txid}",
+                          f"retention policy lets go of step {info.step} ({info.state}, lineage "
+                          f"{info.lineage}, txid {info.txid})", info.bytes)
+            report.items.append(item)
+            policy_items[info.txid] = item
+        if not dry_run and going:
+            from .retention import retire
+
+            retired = set(retire(root, [i.txid for i in going], policy=policy,
+                                 decided_at=history.state.seq, now=now))
+            for txid, item in policy_items.items():
+                if txid not in retired:
+                    item.reason += " (kept after all: the log moved and the policy now keeps it)"
+        history = root.history()
+
+    # (b) data of retired checkpoints (including what the policy just retired).
+    leased, expired_leases = read_leases(storage, now)
+    for c in retired_present(root, history):
+        key = root.publication.locate(c.ref) or f"{TX_DIR}/{c.txid}"
+        item = policy_items.get(c.txid)
+        if item is None:
+            item = GcItem("retired", key, f"step {c.step} of lineage {c.lineage} (txid {c.txid}) is "
+                          "retired; its data was not deleted yet", _tree_bytes(storage, key))
+            report.items.append(item)
+        if c.txid in leased:
+            report.items.remove(item)
+            item.reason += "; kept for now: a reader holds a lease on it"
+            report.kept.append(item)
+            continue
+        if dry_run:
+            continue
+        try:
+            delete_checkpoint_data(root, c)
+            item.done = True
+        except Exception as e:
+            item.error = f"{type(e).__name__}: {e}"
+            log.warning("txckpt gc: could not delete retired %s: %s", c.txid, item.error)
+
+    # (a) leftover staging and (d) stale intents.
+    intents = read_intents(storage)
+    hostname = socket.gethostname()
+    candidates: list[tuple[str, str]] = []
+    live: set[str] = set()
+    for txid in storage.list_dir(TX_DIR):
+        if txid in history.checkpoints:
+            continue  # committed: a home (possibly an empty one, after publication); (b) did retired
+        intent = intents.get(txid)
+        gone, why = writer_status(intent, now=now, grace_seconds=grace_seconds, hostname=hostname)
+        if txid in intents and intent is None:
+            mtime = storage.modified_time(f"{INTENTS_DIR}/{txid}.json")
+            gone = mtime is not None and now - mtime > grace_seconds
+            why = "unreadable intent " + ("older than the grace period" if gone else "(recent: kept)")
+        if gone:
+            candidates.append((txid, why))
+        else:
+            live.add(txid)
+            report.kept.append(GcItem("staging", f"{TX_DIR}/{txid}", why, _tree_bytes(storage, f"{TX_DIR}/{txid}")))
+    # A save may have committed since the history was read (its intent disappears only after its
+    # commit entry exists): read the log again before deleting anything.
+    history = root.history()
+    for txid, why in candidates:
+        if txid in history.checkpoints:
+            continue
+        key = f"{TX_DIR}/{txid}"
+        step = _staged_step(storage, key)
+        desc = f"uncommitted staging{'' if step is None else f' of step {step}'}: {why}"
+        _remove(report, GcItem("staging", key, desc, _tree_bytes(storage, key)), storage.delete_tree, key)
+    staged = {t for t, _ in candidates}
+    for txid, intent in intents.items():
+        if txid in live:
+            continue
+        key = f"{INTENTS_DIR}/{txid}.json"
+        if txid in history.checkpoints:
+            why = "its transaction committed (the writer stopped before removing it)"
+        elif txid in staged:
+            why = "its staging is reclaimed"
+        else:
+            gone, why = writer_status(intent, now=now, grace_seconds=grace_seconds, hostname=hostname)
+            if intent is None:
+                mtime = storage.modified_time(key)
+                gone = mtime is not None and now - mtime > grace_seconds
+                why = "unreadable intent older than the grace period"
+            if not gone:
+                continue
+        _remove(report, GcItem("intent", key, f"stale intent: {why}"), storage.delete_file, key)
+    for key in expired_leases:
+        _remove(report, GcItem("lease", key, "expired reader lease"), storage.delete_file, key)
+
+    # (e) temp files of interrupted writes.
+    for d in TEMP_DIRS:
+        for name in storage.list_dir(d):
+            if not name.endswith(".tmp"):
+                continue
+            key = f"{d}/{name}"
+            mtime = storage.modified_time(key)
+            if mtime is None or now - mtime <= grace_seconds:
+                continue  # may belong to a write in progress
+            size = _file_size(storage, key)
+            _remove(report, GcItem("temp", key, f"temp file of an interrupted write, {now - mtime:.0f}s old", size),
+                    storage.delete_file, key)
+
+    # (g) incomplete multipart uploads (S3).
+    _uploads(root, report, now, grace_seconds, live)
+
+    # Orphans are the operator's to inspect: listed, never touched.
+    report.orphans = [f"{ORPHANS_DIR}/{n}" for n in storage.list_dir(ORPHANS_DIR)]
+    return report
+
+
+def _file_size(storage: Any, key: str) -> int:
+    local = storage.local_path(key)
+    if local is not None:
+        try:
+            return os.path.getsize(local)
+        except OSError:
+            return 0
+    return 0
+
+
+def _staged_step(storage: Any, key: str) -> int | None:
+    for name in storage.list_dir(key):
+        if name.startswith("checkpoint-") and name[len("checkpoint-"):].isdigit():
+            return int(name[len("checkpoint-"):])
+    return None
+
+
+def _publication(root: Any, history: Any, report: GcReport) -> None:
+    """Complete publication (rename backends): the head's view holds the checkpoint-N names."""
+    s = root.storage
+    if not s.atomic_dir_rename:
+        return
+    current = history.in_view(None)
+    current_ids = {c.txid for c in history.in_view(None, include_retired=True)}
+    if report.dry_run:
+        from .publication import manifest_txid
+
+        for name in s.list_dir(""):
+            if name.startswith("checkpoint-") and name[len("checkpoint-"):].isdigit():
+                occupant = manifest_txid(s, name)
+                if occupant and occupant in history.checkpoints and occupant not in current_ids:
+                    report.items.append(GcItem("unpublish", name, f"{name} holds {occupant}, which is not "
+                                               "in the current lineage: back to its home"))
+    else:
+        for name in root.reconcile_publication(history):
+            report.items.append(GcItem("unpublish", name, "not in the current lineage: moved back to its home",
+                                       done=True))
+    for c in current:
+        key = root.publication.locate(c.ref)
+        if key is None or key == public_key(c.step) or c.adopted:
+            continue
+        item = GcItem("publish", public_key(c.step), f"committed step {c.step} (txid {c.txid}) was not "
+                      "published (a crash after its commit): give it its name")
+        report.items.append(item)
+        if not report.dry_run:
+            try:
+                item.done = root.publication.publish(c.ref) == public_key(c.step)
+            except OSError as e:
+                item.error = f"{type(e).__name__}: {e}"
+
+
+def _uploads(root: Any, report: GcReport, now: float, grace_seconds: float, live: set[str]) -> None:
+    storage = root.storage
+    lister = getattr(storage, "list_incomplete_uploads", None)
+    aborter = getattr(storage, "abort_incomplete_uploads", None)
+    if lister is None or aborter is None:
+        return
+    try:
+        uploads = list(lister())
+    except Exception as e:
+        report.items.append(GcItem("upload", "", "could not list incomplete uploads", error=f"{type(e).__name__}: {e}"))
+        return
+    chosen = []
+    for u in uploads:
+        key = str(u.get("key", ""))
+        initiated = u.get("initiated")
+        if hasattr(initiated, "timestamp"):
+            initiated = initiated.timestamp()
+        try:
+            age = now - float(initiated)
+        except (TypeError, ValueError):
+            age = float("inf")
+        txid = key[len(TX_DIR) + 1:].split("/", 1)[0] if key.startswith(TX_DIR + "/") else None
+        if age <= grace_seconds or (txid is not None and txid in live):
+            report.kept.append(GcItem("upload", key, f"upload started {age:.0f}s ago (in progress?)"))
+            continue
+        chosen.append(u)
+        report.items.append(GcItem("upload", key, f"incomplete multipart upload {u.get('upload_id', '')}, "
+                                   f"{age:.0f}s old", int(u.get("bytes", 0) or 0)))
+    if chosen and not report.dry_run:
+        items = report.items[-len(chosen):]
+        try:
+            aborter(chosen)
+            for i in items:
+                i.done = True
+        except Exception as e:
+            for i in items:
+                i.error = f"{type(e).__name__}: {e}"
+
+
+__all__ = ["collect_garbage", "GcReport", "GcItem", "writer_status", "pid_alive", "read_intents"]

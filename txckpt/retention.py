@@ -1,0 +1,444 @@
+"""Retention: which committed checkpoints may go, and their crash-safe deletion.
+
+A :class:`RetentionPolicy` is a small, pure rule set (docs/retention.md):
+
+* ``keep_last=N``: keep the N newest checkpoints of the current lineage;
+* ``keep_every=K``: keep the current lineage's checkpoints whose step is a multiple of K;
+* ``keep_best``: txids or paths to keep whatever else says (the Trainer passes
+  ``best_model_checkpoint``), and ``best_metric`` to keep the best ``keep_best_n`` checkpoints
+  of the current lineage by a number recorded in their manifest metadata;
+* always kept: every fork point, the newest checkpoint of the current lineage (the head tip),
+  and every checkpoint a live reader lease names;
+* ``abandoned="keep"`` (default) keeps every checkpoint of abandoned lineages; a number of
+  seconds lets an abandoned checkpoint go once it has been abandoned for that long (fork points
+  excepted).
+
+With neither ``keep_last`` nor ``keep_every`` nor ``best_metric`` set, the current lineage is kept
+whole.
+
+Deletion is two-phase (:func:`apply_retention`): one ``retire`` log entry first names every
+checkpoint that goes (validated against the newest state inside the append, so a concurrent fork
+or commit is never undercut), then each one's data is removed. On a local root the published
+``checkpoint-N`` directory is first renamed back to its home under ``.txckpt/tx/<txid>/``, so a
+half-deleted ``checkpoint-N`` is never visible; on an object store its manifest is deleted first,
+so a half-deleted checkpoint is never mistaken for a committed one. A crash between the two phases
+leaves retired-but-present data, which the next :func:`apply_retention` or ``txckpt gc`` removes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Union
+
+from . import log as commit_log
+from .errors import InvalidArgumentError
+from .lineage import Checkpoint, History, State
+from .manifest import MANIFEST_NAME, Manifest
+from .publication import TX_DIR, home_key, manifest_txid, public_key
+
+log = logging.getLogger("txckpt")
+
+READERS_DIR = ".txckpt/readers"
+_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+Abandoned = Union[str, int, float]
+
+
+class _NothingToRetire(Exception):
+    pass
+
+
+@dataclass
+class RetentionPolicy:
+    """Which committed checkpoints to keep; everything else may be retired. See the module doc."""
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep_best: Iterable[str] = field(default_factory=list)
+    abandoned: Abandoned = "keep"
+    best_metric: str | None = None
+    keep_best_n: int = 1
+    greater_is_better: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last", "keep_every"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise InvalidArgumentError(f"{name} must be a positive int or None, not {v!r}")
+        if isinstance(self.keep_best, str):
+            self.keep_best = [self.keep_best]
+        self.keep_best = [os.fspath(b) for b in (self.keep_best or []) if b]
+        if self.abandoned != "keep":
+            if isinstance(self.abandoned, bool) or not isinstance(self.abandoned, (int, float)) or self.abandoned < 0:
+                raise InvalidArgumentError(
+                    f'abandoned must be "keep" or a TTL in seconds (>= 0), not {self.abandoned!r}'
+                )
+        if not isinstance(self.keep_best_n, int) or self.keep_best_n < 1:
+            raise InvalidArgumentError(f"keep_best_n must be a positive int, not {self.keep_best_n!r}")
+
+    @classmethod
+    def from_save_total_limit(
+        cls, save_total_limit: int | None, best_model_checkpoint: str | None = None, **kwargs: Any
+    ) -> "RetentionPolicy":
+        """The Trainer's ``save_total_limit``: the N newest of the current lineage, plus the best
+        checkpoint (so with a limit of 1 and a best that is not the newest, two remain, as in
+        transformers). None keeps everything."""
+        return cls(
+            keep_last=save_total_limit if save_total_limit else None,
+            keep_best=[best_model_checkpoint] if best_model_checkpoint else [],
+            **kwargs,
+        )
+
+    @property
+    def is_noop(self) -> bool:
+        return (self.keep_last is None and self.keep_every is None and self.best_metric is None
+                and self.abandoned == "keep")
+
+    # ----- the pure decision -------------------------------------------------------------------
+    def decide(
+        self,
+        history: History,
+        *,
+        now: float | None = None,
+        protected: Iterable[str] = (),
+        metrics: dict[str, float] | None = None,
+    ) -> list[Checkpoint]:
+        """The committed, not yet retired checkpoints this policy lets go, oldest first.
+
+        ``protected``: txids kept regardless (reader leases, resolved ``keep_best`` paths).
+        ``metrics``: txid -> value of ``best_metric`` (read from manifests by apply_retention).
+        ``now``: the clock for the abandoned TTL (default: time.time()).
+        """
+        now = time.time() if now is None else now
+        keep = set(protected) | self.always_kept(history)
+        current = history.in_view(None)
+        current_ids = {c.txid for c in current}
+        keep |= self._resolve_best(history, current)
+        rules = self.keep_last is not None or self.keep_every is not None or self.best_metric is not None
+        if not rules:
+            keep |= current_ids
+        else:
+            if self.keep_last is not None:
+                keep |= {c.txid for c in current[-self.keep_last:]}
+            if self.keep_every is not None:
+                keep |= {c.txid for c in current if c.step % self.keep_every == 0}
+            if self.best_metric is not None and metrics:
+                scored = [c for c in current if c.txid in metrics]
+                scored.sort(key=lambda c: metrics[c.txid], reverse=self.greater_is_better)
+                keep |= {c.txid for c in scored[: self.keep_best_n]}
+        abandoned = [c for c in history.abandoned() if c.txid not in current_ids]
+        if self.abandoned == "keep":
+            keep |= {c.txid for c in abandoned}
+        else:
+            since = abandoned_since(history)
+            ttl = float(self.abandoned)
+            for c in abandoned:
+                if now - since.get(c.txid, c.time) < ttl:
+                    keep.add(c.txid)
+        out = [
+            c for c in history.checkpoints.values()
+            if c.txid not in keep and c.txid not in history.retired
+        ]
+        return sorted(out, key=lambda c: (c.step, c.seq))
+
+    @staticmethod
+    def always_kept(history: History) -> set[str]:
+        """Fork points and the head tip: never retired, whatever the policy."""
+        return protected_by_state(history.state)
+
+    def _resolve_best(self, history: History, current: list[Checkpoint]) -> set[str]:
+        """keep_best entries -> txids, conservatively (an ambiguous name keeps every candidate)."""
+        out: set[str] = set()
+        for item in self.keep_best:
+            if item in history.checkpoints:
+                out.add(item)
+                continue
+            parts = item.replace("\\", "/").rstrip("/").split("/")
+            hit = False
+            for i, part in enumerate(parts[:-1]):
+                if part == "tx" and i > 0 and parts[i - 1] == ".txckpt" and i + 1 < len(parts):
+                    if parts[i + 1] in history.checkpoints:
+                        out.add(parts[i + 1])
+                        hit = True
+            if hit:
+                continue
+            m = _CHECKPOINT_NAME.match(parts[-1]) if parts else None
+            if m:
+                step = int(m.group(1))
+                out |= {c.txid for c in current if c.step == step}
+                # A name that is no longer the current lineage's (stale path): keep every owner.
+                if not any(c.step == step for c in current):
+                    out |= {c.txid for c in history.checkpoints.values() if c.step == step}
+        return out
+
+
+def protected_by_state(state: State) -> set[str]:
+    """txids no retire entry may name: every fork point and the newest of the current lineage."""
+    out = {info.parent["txid"] for info in state.lineages.values() if info.parent_ref is not None}
+    tip = state.head_tip
+    if tip and tip.get("txid"):
+        out.add(tip["txid"])
+    # Every lineage's tip is the newest checkpoint of that lineage's view; a lineage that has not
+    # saved yet has the fork point as its tip (already covered).
+    return out
+
+
+def abandoned_since(history: History) -> dict[str, float]:
+    """txid -> time of the log entry that abandoned it (a fork's "abandoned" list)."""
+    out: dict[str, float] = {}
+    for entry in history.entries:
+        if entry.get("action") == "fork":
+            for txid in entry.get("abandoned") or []:
+                out.setdefault(txid, float(entry["time"]))
+    return out
+
+
+# ----- reader leases ---------------------------------------------------------------------------
+def acquire_reader_lease(root: Any, txid: str, seconds: float = 3600.0) -> str:
+    """Ask retention and gc to leave checkpoint ``txid`` alone for ``seconds``. Returns the lease
+    key, for :func:`release_reader_lease`. Expired leases are ignored (and removed by gc)."""
+    if not isinstance(txid, str) or not txid or "/" in txid:
+        raise InvalidArgumentError(f"txid must be a plain txid string, not {txid!r}")
+    key = f"{READERS_DIR}/{txid}.{uuid.uuid4().hex[:12]}.json"
+    record = {"txid": txid, "expires": time.time() + float(seconds), "pid": os.getpid()}
+    root.storage.replace(key, json.dumps(record).encode())
+    return key
+
+
+def release_reader_lease(root: Any, key: str) -> None:
+    root.storage.delete_file(key)
+
+
+def read_leases(storage: Any, now: float | None = None) -> tuple[set[str], list[str]]:
+    """(txids under a live lease, keys of expired or unreadable leases)."""
+    now = time.time() if now is None else now
+    live: set[str] = set()
+    expired: list[str] = []
+    for name in storage.list_dir(READERS_DIR):
+        if not name.endswith(".json"):
+            continue
+        key = f"{READERS_DIR}/{name}"
+        try:
+            record = json.loads(storage.read_bytes(key))
+            txid, expires = str(record["txid"]), float(record["expires"])
+        except FileNotFoundError:
+            continue
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            expired.append(key)
+            continue
+        if expires > now:
+            live.add(txid)
+        else:
+            expired.append(key)
+    return live, expired
+
+
+# ----- applying a policy -----------------------------------------------------------------------
+def _resolve_paths(root: Any, items: Iterable[str]) -> set[str]:
+    """keep_best paths that name a checkpoint under this root -> the txid in its manifest."""
+    out = set()
+    for item in items:
+        key = root.storage.key_of(item) if ("/" in item or os.sep in item) else None
+        if not key:
+            continue
+        txid = manifest_txid(root.storage, key)
+        if txid:
+            out.add(txid)
+    return out
+
+
+def _read_metrics(root: Any, history: History, metric: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for c in history.in_view(None):
+        key = root.publication.locate(c.ref)
+        if key is None:
+            continue
+        try:
+            m = Manifest.decode(root.storage.read_bytes(f"{key}/{MANIFEST_NAME}"))
+            value = m.metadata.get(metric)
+            if value is None and isinstance(m.metadata.get("metrics"), dict):
+                value = m.metadata["metrics"].get(metric)
+            if value is not None:
+                out[c.txid] = float(value)
+        except Exception:  # unreadable: not scored (and so not kept by the metric rule alone)
+            continue
+    return out
+
+
+def plan_retention(root: Any, policy: RetentionPolicy, history: History | None = None,
+                   *, now: float | None = None) -> list[Checkpoint]:
+    """What ``policy`` lets go now, with leases, keep_best paths and metrics resolved."""
+    history = history or root.history()
+    leased, _ = read_leases(root.storage, now)
+    protected = leased | _resolve_paths(root, policy.keep_best)
+    metrics = _read_metrics(root, history, policy.best_metric) if policy.best_metric else None
+    return policy.decide(history, now=now, protected=protected, metrics=metrics)
+
+
+def retire(root: Any, txids: Iterable[str], *, policy: RetentionPolicy | None = None,
+           decided_at: int | None = None, now: float | None = None) -> list[str]:
+    """Append one ``retire`` entry naming ``txids`` (phase one). Returns the txids it retired.
+
+    The append validates against the newest state: a fork point or the head tip is never
+    retired, nor an unknown or already retired txid. With ``policy`` given, if the log moved past
+    ``decided_at`` (the seq the txids were decided at), the policy decides again against the
+    fresh history and only txids it still lets go are retired. Returns [] when nothing is left.
+    """
+    wanted = list(dict.fromkeys(txids))
+    if not wanted:
+        return []
+    chosen: list[str] = []
+
+    def build(state: State, seq: int, t: float) -> dict[str, Any]:
+        nonlocal chosen
+        hist = root.history()  # incremental: reads only the entries appended since last time
+        names = wanted
+        if policy is not None and decided_at is not None and hist.state.seq != decided_at:
+            allowed = {c.txid for c in plan_retention(root, policy, hist, now=now)}
+            names = [x for x in wanted if x in allowed]
+        forbidden = protected_by_state(state) | protected_by_state(hist.state)
+        chosen = [x for x in names if x in hist.checkpoints and x not in hist.retired and x not in forbidden]
+        if not chosen:
+            raise _NothingToRetire()
+        return {"action": "retire", "txids": chosen, "state": state.to_json()}
+
+    try:
+        commit_log.append(root.storage, build, durable=root.durable)
+    except _NothingToRetire:
+        return []
+    return chosen
+
+
+def delete_checkpoint_data(root: Any, c: Checkpoint) -> list[str]:
+    """Remove a retired checkpoint's data (phase two). Returns the keys removed.
+
+    Local roots: a published ``checkpoint-N`` (or an adopted checkpoint's own directory) is first
+    renamed into ``.txckpt/tx/<txid>/``, so no reader ever sees a half-deleted ``checkpoint-N``;
+    then ``.txckpt/tx/<txid>`` goes. Object stores: the manifest is deleted first, so a partly
+    deleted checkpoint is never taken for a committed one. Safe to repeat after a crash.
+
+    Only call it for a txid the log has retired.
+    """
+    s = root.storage
+    removed: list[str] = []
+    txdir = f"{TX_DIR}/{c.txid}"
+    for _ in range(16):
+        key = root.publication.locate(c.ref)
+        if key is None:
+            break
+        if s.atomic_dir_rename and not key.startswith(txdir + "/"):
+            # Move it out of sight first. A concurrent publication may put another checkpoint
+            # under this name between locate and rename: the rename target is private, and
+            # whatever we moved is checked before anything is deleted.
+            aside = f"{txdir}/retiring-{uuid.uuid4().hex[:8]}"
+            try:
+                s.rename_noreplace(key, aside)
+            except (FileNotFoundError, FileExistsError):
+                continue
+            moved = manifest_txid(s, aside)
+            if moved != c.txid:
+                _put_back(root, aside, key, moved)
+                continue
+            if root.durable:
+                s.sync_dir(txdir)
+                s.sync_dir(posixpath.dirname(key))
+            removed.append(key)
+            key = aside
+        s.delete_file(f"{key}/{MANIFEST_NAME}")
+        s.delete_tree(key)
+        if key not in removed:
+            removed.append(key)
+    if s.exists(txdir):
+        s.delete_tree(txdir)
+        if txdir not in removed:
+            removed.append(txdir)
+    return removed
+
+
+def _put_back(root: Any, aside: str, key: str, txid: str | None) -> None:
+    """Undo a rename that caught a checkpoint other than the one being deleted (a race with a
+    publication): back to its name, or to its own home, or (not committed) to the orphans."""
+    from .publication import ORPHANS_DIR
+
+    s = root.storage
+    history = root.history()
+    other = history.checkpoints.get(txid or "")
+    targets = [key]
+    if other is not None:
+        targets.append(home_key(other.txid, other.step))
+    targets.append(f"{ORPHANS_DIR}/{posixpath.basename(key)}.{time.strftime('%Y%m%dT%H%M%S')}.{uuid.uuid4().hex[:8]}")
+    for dst in targets:
+        try:
+            s.rename_noreplace(aside, dst)
+        except FileExistsError:
+            continue
+        log.warning("txckpt: retention raced with a publication of %s; put it back at %s", key, dst)
+        current = {x.txid for x in history.in_view(None, include_retired=True)}
+        if other is not None and dst != key and other.txid in current:
+            root.publication.publish(other.ref)
+        return
+
+
+def apply_retention(root: Any, policy: RetentionPolicy, *, dry_run: bool = False,
+                    now: float | None = None) -> list[Any]:
+    """Retire and delete what ``policy`` lets go; returns their :class:`~txckpt.CheckpointInfo`
+    as it was before (state "current" or "abandoned"). ``dry_run`` only reports. Also finishes
+    the deletion of checkpoints retired earlier whose data a crash left behind."""
+    history = root.history()
+    decided_at = history.state.seq
+    going = plan_retention(root, policy, history, now=now)
+    infos = {i.txid: i for i in root.checkpoints("all")} if going else {}
+    if dry_run:
+        return [infos[c.txid] for c in going if c.txid in infos]
+    retired = set(retire(root, [c.txid for c in going], policy=policy, decided_at=decided_at, now=now))
+    finish_retired(root, now=now)
+    return [infos[c.txid] for c in going if c.txid in retired and c.txid in infos]
+
+
+def retired_present(root: Any, history: History | None = None) -> list[Checkpoint]:
+    """Retired checkpoints whose data (or an empty ``.txckpt/tx/<txid>``) is still on storage."""
+    history = history or root.history()
+    out = []
+    for txid in sorted(history.retired, key=lambda t: history.retired[t]):
+        c = history.checkpoints.get(txid)
+        if c is None:
+            continue
+        if root.publication.locate(c.ref) is not None or root.storage.exists(f"{TX_DIR}/{txid}"):
+            out.append(c)
+    return out
+
+
+def finish_retired(root: Any, *, now: float | None = None) -> list[Checkpoint]:
+    """Delete the data of every retired checkpoint still present, except leased ones."""
+    leased, _ = read_leases(root.storage, now)
+    done = []
+    for c in retired_present(root):
+        if c.txid in leased:
+            log.info("txckpt: %s is retired but leased by a reader; deleting it later", c.txid)
+            continue
+        delete_checkpoint_data(root, c)
+        done.append(c)
+    return done
+
+
+__all__ = [
+    "RetentionPolicy",
+    "apply_retention",
+    "plan_retention",
+    "retire",
+    "delete_checkpoint_data",
+    "finish_retired",
+    "retired_present",
+    "acquire_reader_lease",
+    "release_reader_lease",
+    "read_leases",
+    "protected_by_state",
+    "READERS_DIR",
+]
