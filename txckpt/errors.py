@@ -68,3 +68,25 @@ class CoordinationTimeoutError(TransactionAbortedError, TimeoutError):
 
 class StorageError(TxckptError, OSError):
     """The storage backend refused an operation (full disk, read-only root, permissions)."""
+
+
+_STORAGE_ADVICE = {
+    "ENOSPC": "the disk is full: free space (`txckpt gc` reclaims leftover staging) or save elsewhere",
+    "EDQUOT": "the disk quota is exhausted: free space or raise the quota",
+    "EROFS": "the root is on a read-only filesystem: save to a writable root",
+    "EACCES": "permission denied: check the root's ownership and mode",
+    "EPERM": "operation not permitted: check the root's ownership and mode",
+}
+
+
+def storage_error(e: OSError, what: str) -> OSError:
+    """A StorageError saying what to do, for the OSErrors a user can act on; else ``e``."""
+    import errno as _errno
+
+    name = _errno.errorcode.get(e.errno or 0, "")
+    advice = _STORAGE_ADVICE.get(name)
+    if advice is None or isinstance(e, StorageError):
+        return e
+    err = StorageError(e.errno, f"txckpt could not {what}: {e.strerror or e}; {advice}. Nothing was committed.")
+    err.filename = e.filename
+    return err

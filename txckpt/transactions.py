@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, Mapping
 from . import errors
 from .checksum import HashingWriter, digest_stream
 from .coordination import Coordinator, current_coordinator
-from .errors import InvalidArgumentError, TransactionAbortedError, UnsafePathError
+from .errors import InvalidArgumentError, TransactionAbortedError, UnsafePathError, storage_error
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, check_file_name, kind_for_name
 from .serialization import write_object
 
@@ -129,15 +129,42 @@ class Transaction:
         plan = self._coord.broadcast(plan)
         if "error" in plan:
             raise _rebuild_error(plan["error"])
-        if plan.get("step") != self.step:
-            raise TransactionAbortedError(
-                f"ranks disagree on the step: this rank saves {self.step}, rank 0 saves {plan.get('step')}"
-            )
         self._plan = plan
         self.txid = plan["txid"]
-        if self._root.storage.local_path(plan["key"]) is not None:
-            os.makedirs(self._root.storage.local_path(plan["key"]), exist_ok=True)
+        try:
+            if plan.get("step") != self.step:
+                raise TransactionAbortedError(
+                    f"ranks disagree on the step: this rank saves {self.step}, rank 0 saves {plan.get('step')}"
+                )
+            if not self._coord.is_committer:
+                self._check_shared_root(plan)
+            if self._root.storage.local_path(plan["key"]) is not None:
+                os.makedirs(self._root.storage.local_path(plan["key"]), exist_ok=True)
+        except BaseException as e:
+            # The other ranks are inside the transaction already and will gather at its end:
+            # take part in the gather and the outcome broadcast with this error, so that every
+            # rank learns it and none waits for the timeout (or meets a mismatched collective).
+            self._done = True
+            report = {"rank": self.rank, "error": _describe_error(e)}
+            reports = self._coord.gather(report)
+            outcome = self._commit_or_abort(reports or [report]) if self._coord.is_committer else {}
+            self._coord.broadcast(outcome)
+            raise
         return self
+
+    def _check_shared_root(self, plan: dict[str, Any]) -> None:
+        """A rank other than the committer must see the intent that rank 0 wrote before it
+        broadcast the plan: ranks that do not share the root (node-local disks) would
+        otherwise commit a manifest naming files the committer cannot see."""
+        from .root import INTENTS_DIR
+
+        if not self._root.storage.exists(f"{INTENTS_DIR}/{plan['txid']}.json"):
+            raise TransactionAbortedError(
+                f"rank {self.rank} cannot see the transaction record that rank 0 just wrote under "
+                f"{self._root.url}: the ranks do not share the checkpoint root (a node-local disk, or "
+                "a different root path per rank). Every rank must pass the same root on storage that "
+                "all ranks see (a shared filesystem or an object store URL); see docs/distributed.md"
+            )
 
     def open(self, name: str, mode: str = "wb") -> BinaryIO:
         """A new file of the checkpoint, hashed while written. Only mode "wb"."""
@@ -147,7 +174,10 @@ class Transaction:
         check_file_name(name)
         if name in self._written or name in self._open_writers:
             raise InvalidArgumentError(f"{name!r} was already written in this transaction")
-        sink = self._root.storage.open_write(f"{self.staging_key}/{name}", durable=self._root.durable)
+        try:
+            sink = self._root.storage.open_write(f"{self.staging_key}/{name}", durable=self._root.durable)
+        except OSError as e:
+            raise storage_error(e, f"create {name!r} in the staging directory") from e
         self._open_writers.add(name)
         return _TrackedWriter(self, name, sink)  # type: ignore[return-value]
 
@@ -156,11 +186,14 @@ class Transaction:
         f = self.open(name, "wb")
         try:
             kind = write_object(name, obj, f)
+            f.kind = kind
+            f.close()
+        except OSError as e:
+            f.abort()
+            raise storage_error(e, f"write {name!r}") from e
         except BaseException:
             f.abort()
             raise
-        f.kind = kind
-        f.close()
 
     def _finished_file(self, name: str, entry: FileEntry) -> None:
         self._open_writers.discard(name)
@@ -216,6 +249,8 @@ class Transaction:
             try:
                 return {"path": self._commit(reports)}
             except Exception as e:
+                if isinstance(e, OSError):
+                    e = storage_error(e, f"commit checkpoint step {plan['step']}")
                 committed = self._committed_path()
                 if committed is not None:  # the commit point was passed: never delete
                     log.warning("txckpt: checkpoint %s committed, but finishing it failed: %s",
