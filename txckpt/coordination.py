@@ -1,27 +1,73 @@
 """How the ranks of one job agree on a transaction.
 
-Without an initialised torch.distributed process group everything is single-process and this
-module never imports torch.distributed. With one, a transaction needs O(1) collectives per save:
+Without an initialised torch.distributed process group everything is single-process, and this
+module never imports torch.distributed (nor torch) itself. With one, a transaction needs three
+collectives per save, whatever the world size:
 
-* ``broadcast`` of the staging name from the committing rank (rank 0),
+* ``broadcast`` of the plan (staging name, txid, lineage, step) from the committing rank (0),
 * ``gather`` of every rank's file list (names, sizes, checksums; never file data) to rank 0,
 * ``broadcast`` of the outcome (committed path, or the reason for aborting) to every rank.
 
+They run as object collectives on a dedicated gloo group on the CPU, whatever the default
+backend is (NCCL object collectives need a CUDA device per rank and cannot time out cleanly).
+The group is created lazily by the first :func:`current_coordinator` call of a process that sees
+an initialised default group, which is ``Transaction.__enter__`` (or the Trainer integration's
+resume) on every rank: ``new_group`` is itself a collective over the default group, so every
+rank creates it at the same point of the program. It is created once per default group; each
+transaction then sets its own timeout on it.
+
 A rank that raises inside a transaction still takes part in the gather, carrying its error, so
-every rank learns the same outcome. A rank that dies makes the others' collectives fail or time
-out; they raise :class:`~txckpt.errors.CoordinationTimeoutError` instead of hanging.
+every rank learns the same outcome. A rank that dies closes its gloo connections: the others'
+next collective fails within milliseconds (measured: "Connection closed by peer" /
+"Connection reset by peer"). A rank that is merely slow, hung, or on a host that vanished
+without closing its sockets makes the others' collective time out after ``timeout`` seconds.
+Either way they raise :class:`~txckpt.errors.CoordinationTimeoutError`, never hang. The timeout
+bounds each wait: in the gather it is how long the first rank to finish writing waits for the
+last one, so it must exceed the spread of the ranks' write times. ``timeout=`` of
+``txckpt.transaction``, else ``TXCKPT_COORDINATION_TIMEOUT`` (seconds), else 600.
+
+After a coordination failure the group is discarded (gloo closes a pair for good after an
+error); the next transaction of a rank that saw the failure creates a new one. A failure of
+this kind normally means the job lost a rank and has to be restarted anyway.
 """
 
 from __future__ import annotations
 
 import abc
+import logging
 import os
+import sys
+import threading
 from datetime import timedelta
 from typing import Any
 
-from .errors import CoordinationTimeoutError, TransactionAbortedError
+from .errors import CoordinationTimeoutError, InvalidArgumentError, TransactionAbortedError
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("TXCKPT_COORDINATION_TIMEOUT", "600"))
+log = logging.getLogger("txckpt")
+
+TIMEOUT_ENV = "TXCKPT_COORDINATION_TIMEOUT"
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def coordination_timeout(timeout_s: float | None = None) -> float:
+    """The timeout in seconds: ``timeout_s``, else ``$TXCKPT_COORDINATION_TIMEOUT``, else 600."""
+    source = "timeout"
+    if timeout_s is None:
+        text = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not text:
+            return DEFAULT_TIMEOUT_S
+        source = TIMEOUT_ENV
+        try:
+            timeout_s = float(text)
+        except ValueError:
+            raise InvalidArgumentError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds") from None
+    try:
+        value = float(timeout_s)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{source} must be a number of seconds, not {timeout_s!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise InvalidArgumentError(f"{source} must be a positive, finite number of seconds, not {timeout_s!r}")
+    return value
 
 
 class Coordinator(abc.ABC):
@@ -61,65 +107,133 @@ class SingleProcess(Coordinator):
         return None
 
 
+# The gloo group txckpt uses, and the default group it was made for. Guarded by _lock.
+_lock = threading.Lock()
+_cached: dict[str, Any] = {}
+
+
+def _default_group(dist: Any) -> Any:
+    return dist.distributed_c10d._get_default_group()
+
+
+def _group_for(dist: Any, timeout_s: float) -> Any:
+    """txckpt's gloo group for the current default group, created on first use."""
+    world = _default_group(dist)
+    td = timedelta(seconds=timeout_s)
+    with _lock:
+        if _cached.get("world") is world and _cached.get("group") is not None:
+            group = _cached["group"]
+            if _cached.get("timeout") != timeout_s:
+                try:
+                    dist.distributed_c10d._set_pg_timeout(td, group)
+                    _cached["timeout"] = timeout_s
+                except Exception as e:  # pragma: no cover - a torch without _set_pg_timeout
+                    log.warning("txckpt: cannot change the coordination timeout of an existing gloo "
+                                "group (%s); it stays %.0f s", e, _cached.get("timeout"))
+            return group
+        if not dist.is_gloo_available():  # pragma: no cover - every torch wheel has gloo
+            raise TransactionAbortedError(
+                "txckpt coordinates ranks over a gloo group, and this torch build has no gloo"
+            )
+        try:
+            group = dist.new_group(backend="gloo", timeout=td)
+        except Exception as e:
+            raise CoordinationTimeoutError(
+                f"txckpt: creating its gloo group over {dist.get_world_size()} ranks failed on rank "
+                f"{dist.get_rank()}: {_short(e)}. Every rank must enter the same txckpt transaction "
+                f"(or call the same txckpt function) within {timeout_s:.0f} s of the others; another "
+                "rank died, raised before reaching it, or is slower than the timeout (set "
+                f"{TIMEOUT_ENV} or timeout=). Nothing was committed."
+            ) from e
+        _cached.update(world=world, group=group, timeout=timeout_s)
+        return group
+
+
+def _forget_group(group: Any) -> None:
+    with _lock:
+        if _cached.get("group") is group:
+            _cached.clear()
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    # gloo prefixes messages with its source location: keep the part a user can act on.
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    text = text.split(" This is typically caused by")[0]
+    return text[:400]
+
+
 class TorchDistributed(Coordinator):
-    """Object collectives over a gloo group (CPU), whatever the default backend is.
-
-    NCCL object collectives need tensors on the right CUDA device and cannot time out cleanly; a
-    dedicated gloo group carries txckpt's small metadata on the CPU for every backend, with a
-    timeout of its own.
-    """
-
-    _groups: dict[tuple[int, float], Any] = {}
+    """Object collectives over txckpt's gloo group (CPU), whatever the default backend is."""
 
     def __init__(self, timeout_s: float | None = None):
         import torch.distributed as dist
 
         self._dist = dist
-        self.timeout_s = float(timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
+        self.timeout_s = coordination_timeout(timeout_s)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        key = (id(dist.distributed_c10d._get_default_group()), self.timeout_s)
-        group = self._groups.get(key)
-        if group is None:
-            if dist.get_backend() == "gloo":
-                group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
-            else:
-                group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
-            self._groups[key] = group
-        self.group = group
+        self.group = _group_for(dist, self.timeout_s)
+        self._gathered = False
 
-    def _run(self, what: str, fn):
-        try:
-            return fn()
-        except (RuntimeError, ValueError, OSError) as e:  # gloo reports a dead peer or a timeout so
-            raise CoordinationTimeoutError(
-                f"txckpt: {what} across {self.world_size} ranks failed on rank {self.rank}: {e}. "
-                "Another rank died, raised, or is slower than the timeout "
-                f"({self.timeout_s:.0f} s; set TXCKPT_COORDINATION_TIMEOUT or timeout=). "
-                "Nothing was committed by this transaction."
-            ) from e
+    def _fail(self, what: str, e: BaseException, committed_path: str | None = None) -> CoordinationTimeoutError:
+        _forget_group(self.group)
+        if not self._gathered and what != "gather":
+            outcome = "Nothing was committed by this transaction."
+        elif what == "gather":
+            outcome = ("Rank 0 did not get every rank's file list, so nothing was committed by this "
+                       "transaction.")
+        elif self.rank == 0:
+            outcome = (f"The checkpoint WAS committed ({committed_path}), but not every rank could be told."
+                       if committed_path else
+                       "Nothing was committed by this transaction, and not every rank could be told.")
+        else:
+            outcome = ("Rank 0 may have committed before it failed: call txckpt.get_last_checkpoint(root) "
+                       "to see which checkpoint is the newest.")
+        timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+        cause = (f"another rank did not arrive within the timeout ({self.timeout_s:.0f} s; set "
+                 f"{TIMEOUT_ENV} or timeout=): it is slow, hung, or unreachable"
+                 if timed_out else "another rank died or closed its connection")
+        return CoordinationTimeoutError(
+            f"txckpt: {what} across {self.world_size} ranks failed on rank {self.rank}: {cause} "
+            f"({_short(e)}). {outcome}"
+        )
 
     def broadcast(self, obj: Any) -> Any:
         box = [obj if self.rank == 0 else None]
-        self._run("broadcast", lambda: self._dist.broadcast_object_list(box, src=0, group=self.group))
+        try:
+            self._dist.broadcast_object_list(box, src=0, group=self.group)
+        except Exception as e:
+            path = obj.get("path") if self.rank == 0 and self._gathered and isinstance(obj, dict) else None
+            raise self._fail("broadcast", e, path) from e
         return box[0]
 
     def gather(self, obj: Any) -> list[Any] | None:
-        out: list[Any] = [None] * self.world_size
-        self._run("gather", lambda: self._dist.all_gather_object(out, obj, group=self.group))
-        return out if self.rank == 0 else None
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        try:
+            self._dist.gather_object(obj, out, dst=0, group=self.group)
+        except Exception as e:
+            raise self._fail("gather", e) from e
+        self._gathered = True
+        return out
 
     def barrier(self) -> None:
-        self._run("barrier", lambda: self._dist.barrier(group=self.group))
+        try:
+            self._dist.barrier(group=self.group)
+        except Exception as e:
+            raise self._fail("barrier", e) from e
 
 
 def current_coordinator(timeout_s: float | None = None) -> Coordinator:
-    """TorchDistributed inside an initialised process group, else SingleProcess.
+    """TorchDistributed inside an initialised process group of more than one rank, else
+    SingleProcess.
 
-    torch.distributed is imported only if torch is already imported and a group is initialised.
+    torch.distributed is looked at only if torch is already imported (a process group cannot
+    exist otherwise), so a process that never imported torch does not import it here. Every
+    rank must call this at the same point: the first call in a process group creates txckpt's
+    gloo group, a collective.
     """
-    import sys
-
     if "torch" not in sys.modules:
         return SingleProcess()
     try:
@@ -136,5 +250,7 @@ __all__ = [
     "SingleProcess",
     "TorchDistributed",
     "current_coordinator",
+    "coordination_timeout",
+    "TIMEOUT_ENV",
     "TransactionAbortedError",
 ]
