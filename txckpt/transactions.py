@@ -200,7 +200,6 @@ class Transaction:
         self._written[name] = entry
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        self._done = True
         try:
             report = self._rank_report(exc)
             reports = self._coord.gather(report)
@@ -209,6 +208,7 @@ class Transaction:
                 outcome = self._commit_or_abort(reports or [report])
             outcome = self._coord.broadcast(outcome)
         finally:
+            self._done = True
             if self._temp_root:
                 shutil.rmtree(self._temp_root, ignore_errors=True)
         if exc is not None:

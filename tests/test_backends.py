@@ -1,0 +1,157 @@
+"""The core behaviours on every backend (local disk, fsspec memory, S3 through moto's server),
+through one parametrised fixture."""
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+import txckpt
+from txckpt.errors import ConcurrentWriterError, IntegrityError, StaleLineageError, StepConflictError
+from txckpt.storage import open_storage
+
+
+def files(tag, step):
+    return {
+        "model.safetensors": {"w": torch.full((8,), float(step))},
+        "optimizer.pt": {"tag": tag, "m": torch.ones(4) * step},
+        "trainer_state.json": {"global_step": step, "tag": tag},
+    }
+
+
+def tag_of(path, opts):
+    data = txckpt.load_checkpoint(path, storage_options=opts)
+    tags = {data["optimizer.pt"]["tag"], data["trainer_state.json"]["tag"]}
+    assert len(tags) == 1, tags
+    return tags.pop()
+
+
+def fresh(url, opts):
+    """A root as a new process would open it (no cached instance or listing)."""
+    txckpt.forget_roots()
+    return txckpt.CheckpointRoot(url, {**opts, "skip_instance_cache": True} if url.startswith("s3") else opts)
+
+
+def test_save_lookup_load(any_root):
+    url, opts = any_root
+    assert txckpt.get_last_checkpoint(url, storage_options=opts) is None
+    for s in (2, 4):
+        path = txckpt.save_checkpoint(url, s, files("A", s), storage_options=opts)
+    assert txckpt.get_last_checkpoint(url, storage_options=opts) == path
+    assert path.rstrip("/").endswith("checkpoint-4")
+    assert tag_of(path, opts) == "A"
+    m = txckpt.read_manifest(path, storage_options=opts)
+    assert m.step == 4 and sorted(m.files) == ["model.safetensors", "optimizer.pt", "trainer_state.json"]
+
+
+def test_rollback_on_every_backend(any_root, txlog):
+    url, opts = any_root
+    for s in (2, 4, 6):
+        txckpt.save_checkpoint(url, s, files("A", s), storage_options=opts)
+    txckpt.forget_roots()
+    txckpt.resume(url, step=2, storage_options=opts)
+    assert "abandons 2" in txlog.text
+    r = fresh(url, opts)
+    assert tag_of(r.get_last_checkpoint(), opts) == "A"
+    assert txckpt.read_manifest(r.get_last_checkpoint(), storage_options=opts).step == 2
+    r.resume()
+    for s in (4, 6):
+        r.save(s, files("B", s))
+    r = fresh(url, opts)
+    assert tag_of(r.get_last_checkpoint(), opts) == "B"
+    abandoned = [c for c in r.checkpoints("all") if c.state == "abandoned"]
+    assert sorted(c.step for c in abandoned) == [4, 6]
+    assert all(tag_of(c.path, opts) == "A" for c in abandoned)
+
+
+def test_refusals_on_every_backend(any_root):
+    url, opts = any_root
+    txckpt.save_checkpoint(url, 2, files("A", 2), storage_options=opts)
+    with pytest.raises(StepConflictError):
+        txckpt.save_checkpoint(url, 2, files("B", 2), storage_options=opts)
+    zombie = txckpt.CheckpointRoot(url, opts)
+    zombie.resume()
+    txckpt.CheckpointRoot(url, opts).new_lineage()
+    with pytest.raises(StaleLineageError):
+        zombie.save(3, files("Z", 3))
+
+
+def test_abort_leaves_nothing_visible(any_root):
+    url, opts = any_root
+    txckpt.save_checkpoint(url, 1, files("A", 1), storage_options=opts)
+    with pytest.raises(RuntimeError):
+        with txckpt.transaction(url, 2, storage_options=opts) as tx:
+            tx.save("optimizer.pt", {"tag": "X"})
+            raise RuntimeError("killed")
+    r = fresh(url, opts)
+    assert tag_of(r.get_last_checkpoint(), opts) == "A"
+    storage = open_storage(url, opts)
+    assert not list(storage.walk_files(f".txckpt/tx/{tx.txid}"))
+
+
+def test_directory_mode_uploads_once(any_root):
+    url, opts = any_root
+    with txckpt.transaction(url, 5, storage_options=opts) as tx:
+        with open(os.path.join(tx.directory, "config.json"), "w") as f:
+            f.write('{"hidden": 8}')
+        torch.save({"tag": "D"}, os.path.join(tx.directory, "optimizer.pt"))
+    data = txckpt.load_checkpoint(tx.path, storage_options=opts)
+    assert data["config.json"] == {"hidden": 8} and data["optimizer.pt"]["tag"] == "D"
+
+
+def test_flipped_byte_detected_on_every_backend(any_root):
+    url, opts = any_root
+    path = txckpt.save_checkpoint(url, 1, files("A", 1), storage_options=opts)
+    storage = open_storage(path, opts)
+    data = bytearray(storage.read_bytes("optimizer.pt"))
+    data[-5] ^= 0xFF
+    with storage.open_write("optimizer.pt", durable=False) as f:
+        f.write(bytes(data))
+    with pytest.raises(IntegrityError, match="optimizer.pt"):
+        txckpt.load_checkpoint(path, storage_options=opts)
+
+
+def _race(url, opts, i, barrier, results):
+    import txckpt as t
+
+    r = t.CheckpointRoot(url, {**opts, "skip_instance_cache": True} if url.startswith("s3") else opts)
+    r.resume()
+    barrier.wait()  # start together: the race is for the commit entry
+    try:
+        r.save(4, files(f"W{i}", 4))
+        results.put(("won", i))
+    except (StepConflictError, ConcurrentWriterError) as e:
+        results.put(("lost", type(e).__name__))
+
+
+@pytest.mark.parametrize("writers", [4])
+def test_concurrent_commits_of_one_step_exactly_one_wins(any_root, writers):
+    url, opts = any_root
+    txckpt.save_checkpoint(url, 2, files("A", 2), storage_options=opts)
+    if url.startswith("memory://"):
+        # One process: threads race instead (memory roots are per process).
+        import queue
+        import threading
+
+        barrier, results = threading.Barrier(writers), queue.Queue()
+        threads = [threading.Thread(target=_race, args=(url, opts, i, barrier, results)) for i in range(writers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        barrier, results = ctx.Barrier(writers), ctx.Queue()
+        procs = [ctx.Process(target=_race, args=(url, opts, i, barrier, results)) for i in range(writers)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(180)
+            assert p.exitcode == 0
+    outcomes = [results.get(timeout=10) for _ in range(writers)]
+    winners = [o for o in outcomes if o[0] == "won"]
+    assert len(winners) == 1, outcomes
+    r = fresh(url, opts)
+    assert tag_of(r.get_last_checkpoint(), opts) == f"W{winners[0][1]}"
+    assert len([c for c in r.checkpoints("all") if c.step == 4]) == 1
