@@ -1,0 +1,379 @@
+"""The `txckpt` command, through the real console script (and `python -m txckpt`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import txckpt
+from txckpt import cli
+
+TXCKPT = os.path.join(os.path.dirname(sys.executable), "txckpt")
+ENV = {**os.environ, "TXCKPT_DURABLE": "0", "PYTHONWARNINGS": "ignore"}
+
+
+def run(*args: str, check: int | None = 0) -> subprocess.CompletedProcess:
+    """Run the installed console script; assert its exit code unless check is None."""
+    p = subprocess.run([TXCKPT, *args], capture_output=True, text=True, env=ENV, timeout=120)
+    if check is not None:
+        assert p.returncode == check, f"txckpt {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}"
+    return p
+
+
+def tree(root: str) -> dict[str, str]:
+    """Every file and directory under root -> content hash ("dir" for directories)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        out[rel] = "dir"
+        for n in filenames:
+            with open(os.path.join(dirpath, n), "rb") as f:
+                out[os.path.join(rel, n)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def save_steps(root: str, steps, tag: str = "a") -> None:
+    for s in steps:
+        txckpt.save_checkpoint(root, s, {"weights.bin": f"{tag}{s}".encode() * 50, "state.json": {"step": s, "tag": tag}})
+
+
+@pytest.fixture
+def rolled(tmp_path, monkeypatch):
+    """A root with a rollback: lineage A saved 2, 4, 6; resume(step=2) forked B, which saved 4."""
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+    root = str(tmp_path / "out")
+    save_steps(root, (2, 4, 6), "a")
+    txckpt.forget_roots()
+    txckpt.resume(root, step=2)
+    save_steps(root, (4,), "b")
+    txckpt.forget_roots()
+    history = txckpt.CheckpointRoot(root).history()
+    b = history.state.head
+    (a,) = [lid for lid in history.state.lineages if lid != b]
+    return root, a, b
+
+
+def crash_save(root: str, step: int) -> None:
+    """A child process starts a transaction, writes a file and SIGKILLs itself before commit."""
+    code = textwrap.dedent(f"""
+        import os, signal, txckpt
+        with txckpt.transaction({root!r}, {step}) as tx:
+            tx.save("weights.bin", b"partial" * 100)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+
+
+# ----- log ---------------------------------------------------------------------------------------
+def test_log_shows_both_lineages_fork_point_and_abandoned(rolled):
+    root, a, b = rolled
+    out = run("log", root).stdout
+    lines = out.splitlines()
+    # HEAD is lineage b, marked with its parent lineage and fork step.
+    head_line = next(l for l in lines if "HEAD -> lineage" in l)
+    assert f"HEAD -> lineage {b}, forked from {a} at step 2" in head_line
+    assert "step 4" in head_line and "current" in head_line and "checkpoint-4" in head_line
+    # Lineage a's checkpoints 4 and 6 are drawn on a branch of their own, marked abandoned.
+    abandoned = [l for l in lines if "abandoned" in l and l.startswith("| *")]
+    assert len(abandoned) == 2, out
+    assert any("step 6" in l and a in l for l in abandoned) and any("step 4" in l and a in l for l in abandoned)
+    assert all(".txckpt/tx/" in l for l in abandoned)  # kept intact at their homes
+    # The branch joins the trunk at the fork point, step 2 of lineage a.
+    joint = lines.index("|/")
+    fork = lines[joint + 1]
+    assert fork.startswith("*") and "step 2" in fork and a in fork and f"fork point of {b}" in fork
+    # The legend lists both lineages, the head, and the abandoned steps.
+    legend = lines[lines.index("lineages:") + 1:]
+    assert any(l.split()[0] == b and "HEAD" in l and "steps: 4" in l for l in legend)
+    assert any(l.split()[0] == a and "steps: 2, 4*, 6*" in l for l in legend)
+
+
+def test_log_json_and_python_m(rolled):
+    root, a, b = rolled
+    p = subprocess.run([sys.executable, "-m", "txckpt", "log", root, "--json"], capture_output=True,
+                       text=True, env=ENV, timeout=120)
+    assert p.returncode == 0, p.stderr
+    data = json.loads(p.stdout)
+    assert data["head"] == b
+    lineages = {l["id"]: l for l in data["lineages"]}
+    assert lineages[b]["head"] and lineages[b]["parent_lineage"] == a and lineages[b]["fork_step"] == 2
+    assert lineages[a]["abandoned_steps"] == [4, 6] and lineages[a]["steps"] == [2, 4, 6]
+    states = {(n["lineage"], n["step"]): n["state"] for n in data["nodes"]}
+    assert states == {(b, 4): "current", (a, 6): "abandoned", (a, 4): "abandoned", (a, 2): "current"}
+    assert "|/" in data["graph"]
+
+
+def test_log_head_without_checkpoints_of_its_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+    root = str(tmp_path / "out")
+    save_steps(root, (1, 2, 3))
+    txckpt.forget_roots()
+    txckpt.resume(root, step=1)
+    out = run("log", root).stdout.splitlines()
+    assert "no checkpoints of its own yet" in out[0] and out[0].startswith("*")
+    assert any("step 1" in l and "fork point of" in l for l in out)
+    assert sum("abandoned" in l for l in out if "step" in l) == 2
+
+
+# ----- ls / show ---------------------------------------------------------------------------------
+def test_ls_states_and_staged_leftover(rolled):
+    root, a, b = rolled
+    crash_save(root, 6)
+    rows = json.loads(run("ls", root, "--json").stdout)
+    got = sorted((r["step"], r["lineage"], r["state"]) for r in rows)
+    assert got == sorted([(2, a, "current"), (4, a, "abandoned"), (4, b, "current"), (6, a, "abandoned"),
+                          (6, b, "staged-leftover")])
+    text = run("ls", root).stdout
+    assert text.splitlines()[0].split() == ["STEP", "LINEAGE", "SIZE", "TIME", "STATE", "PATH"]
+    assert "staged-leftover" in text and "checkpoint-4" in text
+    current = json.loads(run("ls", root, "--lineage", "current", "--json").stdout)
+    assert [(r["step"], r["lineage"]) for r in current] == [(2, a), (4, b)]
+
+
+def test_show_manifest(rolled):
+    root, a, b = rolled
+    out = run("show", os.path.join(root, "checkpoint-4")).stdout
+    assert "step        4" in out and f"lineage     {b}" in out and "state       current (HEAD tip)" in out
+    assert f"step 2 of lineage {a}" in out and "weights.bin" in out and "state.json" in out
+    data = json.loads(run("show", root, "--step", "2", "--json").stdout)
+    assert data["step"] == 2 and data["lineage"] == a and set(data["files"]) == {"weights.bin", "state.json"}
+    abandoned = [c for c in txckpt.CheckpointRoot(root).checkpoints("all") if c.state == "abandoned"]
+    out = run("show", abandoned[0].path).stdout
+    assert "state       abandoned" in out
+    p = run("show", os.path.join(root, ".txckpt"), check=1)
+    assert "txckpt-manifest.json" in p.stderr
+
+
+# ----- verify ------------------------------------------------------------------------------------
+def flip_byte(path: str, offset: int = 3) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_verify_flipped_byte_exits_1_and_names_the_file(rolled):
+    root, a, b = rolled
+    out = run("verify", root).stdout
+    assert "verified 4 checkpoint(s)" in out and "OK" in out
+    victim = os.path.join(root, "checkpoint-4", "weights.bin")
+    flip_byte(victim)
+    p = run("verify", root, check=1)
+    assert victim in p.stdout and "checksum mismatch" in p.stdout
+    assert "1 problem(s)" in p.stdout
+    p = run("verify", os.path.join(root, "checkpoint-4"), check=1)
+    assert victim in p.stdout
+    run("verify", os.path.join(root, "checkpoint-2"))  # the undamaged one still verifies
+    data = json.loads(run("verify", root, "--json", check=1).stdout)
+    assert data["ok"] is False and len(data["problems"]) == 1 and victim in data["problems"][0]
+
+
+def test_verify_reports_every_problem(rolled):
+    root, a, b = rolled
+    ckpts = {(c.lineage, c.step): c for c in txckpt.CheckpointRoot(root).checkpoints("all")}
+    flip_byte(os.path.join(root, "checkpoint-2", "weights.bin"))
+    abandoned6 = ckpts[(a, 6)].path
+    os.remove(os.path.join(abandoned6, "state.json"))
+    with open(os.path.join(ckpts[(a, 4)].path, "weights.bin"), "ab") as f:
+        f.write(b"more")
+    data = json.loads(run("verify", root, "--json", check=1).stdout)
+    problems = data["problems"]
+    assert len(problems) == 3, problems
+    assert any("checkpoint-2/weights.bin" in p and "checksum" in p for p in problems)
+    assert any(p.startswith(os.path.join(abandoned6, "state.json")) and "missing" in p for p in problems)
+    assert any("bytes, the manifest says" in p for p in problems)
+
+
+def test_verify_missing_checkpoint_and_edited_manifest(rolled):
+    root, a, b = rolled
+    import shutil
+
+    shutil.rmtree(os.path.join(root, "checkpoint-4"))
+    p = run("verify", root, check=1)
+    assert f"step 4 (lineage {b}" in p.stdout and "data is missing" in p.stdout
+    m = os.path.join(root, "checkpoint-2", txckpt.MANIFEST_NAME)
+    body = json.load(open(m))
+    body["step"] = 3
+    json.dump(body, open(m, "w"))
+    p = run("verify", root, check=1)
+    assert "edited after it was written" in p.stdout
+
+
+# ----- gc ----------------------------------------------------------------------------------------
+def test_gc_dry_run_lists_crash_leftover_then_gc_removes_it_and_nothing_else(rolled):
+    root, a, b = rolled
+    crash_save(root, 6)
+    txckpt.forget_roots()
+    (leftover,) = [n for n in os.listdir(os.path.join(root, ".txckpt", "tx"))
+                   if n not in {c.txid for c in txckpt.CheckpointRoot(root).checkpoints("all")}]
+    assert leftover.startswith(f"6-{b}-")
+    before = tree(root)
+    p = run("gc", root, "--dry-run")
+    assert f"would remove     staging   .txckpt/tx/{leftover}" in p.stdout
+    assert "writer pid" in p.stdout and "is dead" in p.stdout
+    assert f".txckpt/intents/{leftover}.json" in p.stdout
+    assert tree(root) == before  # a dry run changes nothing
+    p = run("gc", root)
+    assert f"removed          staging   .txckpt/tx/{leftover}" in p.stdout
+    after = tree(root)
+    gone = set(before) - set(after)
+    staging = os.path.join(".txckpt", "tx", leftover)
+    assert gone == {k for k in before if k == staging or k.startswith(staging + os.sep)} | {
+        os.path.join(".txckpt", "intents", f"{leftover}.json")}
+    assert {k: v for k, v in before.items() if k in after} == after  # nothing else changed
+    run("verify", root)
+    assert run("gc", root).stdout.strip() == "nothing to collect"
+    # The restarted job saves step 6 normally.
+    txckpt.forget_roots()
+    txckpt.resume(root)
+    save_steps(root, (6,), "b")
+
+
+def test_gc_keeps_a_live_writers_staging(rolled):
+    root, a, b = rolled
+    code = textwrap.dedent(f"""
+        import sys, txckpt
+        txckpt.resume({root!r})
+        with txckpt.transaction({root!r}, 8) as tx:
+            tx.save("weights.bin", b"live" * 10)
+            print("staged", flush=True)
+            sys.stdin.readline()
+        print(tx.path, flush=True)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code], env=ENV, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "staged"
+        p = run("gc", root, "--grace", "0")
+        assert "live" in p.stdout and "kept" in p.stdout and "removed" not in p.stdout
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        path = child.stdout.readline().strip()
+        assert child.wait(timeout=120) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert path == os.path.join(root, "checkpoint-8")
+    run("verify", path)
+
+
+def test_gc_keep_last_retires_and_keeps_what_must_stay(rolled):
+    root, a, b = rolled
+    save_steps(root, (6, 8), "b")
+    txckpt.forget_roots()
+    p = run("gc", root, "--keep-last", "1", "--dry-run")
+    assert p.stdout.count("would remove     policy") == 2  # b's 4 and 6; 2 is a fork point
+    p = run("gc", root, "--keep-last", "1")
+    infos = {(c.lineage, c.step): c for c in txckpt.CheckpointRoot(root).checkpoints("all")}
+    assert infos[(b, 4)].state == "retired" and infos[(b, 6)].state == "retired"
+    assert infos[(b, 4)].path is None and infos[(b, 6)].path is None
+    assert infos[(a, 2)].state == "current" and infos[(b, 8)].state == "current"
+    assert infos[(a, 4)].state == "abandoned" and infos[(a, 4)].path  # abandoned kept by default
+    assert sorted(n for n in os.listdir(root) if n.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-8"]
+    run("verify", root)
+    assert "~" in run("log", root).stdout
+
+
+# ----- adopt / export / resume -------------------------------------------------------------------
+def test_adopt_legacy_root(tmp_path):
+    root = tmp_path / "legacy"
+    for s in (10, 20):
+        d = root / f"checkpoint-{s}"
+        d.mkdir(parents=True)
+        (d / "pytorch_model.bin").write_bytes(b"w" * s)
+        (d / "trainer_state.json").write_text(json.dumps({"global_step": s}))
+    out = run("log", str(root)).stdout
+    assert "no txckpt log" in out and "[10, 20]" in out
+    p = run("adopt", str(root))
+    assert "adopted steps 10, 20" in p.stdout
+    rows = json.loads(run("ls", str(root), "--json").stdout)
+    assert [(r["step"], r["state"], r["adopted"]) for r in rows] == [(10, "current", True), (20, "current", True)]
+    assert "adopted legacy checkpoints" in run("log", str(root)).stdout
+    assert "already has a txckpt log" in run("adopt", str(root)).stdout
+    run("verify", str(root))
+
+
+def test_export_verifies_and_refuses_non_empty_dest(rolled, tmp_path):
+    root, a, b = rolled
+    dest = str(tmp_path / "exported")
+    p = run("export", root, "--step", "4", dest)
+    assert "exported step 4" in p.stdout
+    assert sorted(os.listdir(dest)) == ["state.json", txckpt.MANIFEST_NAME, "weights.bin"]
+    assert open(os.path.join(dest, "weights.bin"), "rb").read() == b"b4" * 50
+    run("verify", dest)
+    assert txckpt.load_checkpoint(dest)["state.json"] == {"step": 4, "tag": "b"}
+    p = run("export", root, "--step", "2", dest, check=2)
+    assert "not empty" in p.stderr
+    # An abandoned checkpoint, by txid, without the manifest: a plain directory.
+    txid = next(c.txid for c in txckpt.CheckpointRoot(root).checkpoints("all") if c.lineage == a and c.step == 6)
+    dest2 = str(tmp_path / "plain")
+    run("export", root, "--txid", txid, dest2, "--no-manifest")
+    assert sorted(os.listdir(dest2)) == ["state.json", "weights.bin"]
+    # A damaged source fails the export and leaves nothing behind.
+    flip_byte(os.path.join(root, "checkpoint-2", "weights.bin"))
+    dest3 = str(tmp_path / "bad")
+    p = run("export", root, "--step", "2", dest3, check=1)
+    assert "weights.bin" in p.stderr and "damaged" in p.stderr
+    assert not os.path.exists(dest3) or os.listdir(dest3) == []
+
+
+def test_resume_rolls_back_with_the_warning(rolled):
+    root, a, b = rolled
+    p = run("resume", root, "--step", "2")
+    assert "rolling back" in p.stderr and "checkpoint-4" in p.stderr and b in p.stderr
+    assert "new lineage" in p.stdout
+    txckpt.forget_roots()
+    assert txckpt.get_last_checkpoint(root) == os.path.join(root, "checkpoint-2")
+    out = run("log", root).stdout
+    assert "no checkpoints of its own yet" in out
+    data = json.loads(run("resume", root, "--json").stdout)
+    assert data["forked"] is False and data["path"] == os.path.join(root, "checkpoint-2")
+    p = run("resume", root, "--step", "99", check=1)
+    assert "CheckpointNotFoundError" in p.stderr
+
+
+# ----- usage and exit codes ----------------------------------------------------------------------
+def test_usage_errors_exit_2(tmp_path, rolled):
+    root, a, b = rolled
+    assert run("ls", str(tmp_path / "nope"), check=2).stderr.startswith("txckpt ls: usage error")
+    assert run("log", str(tmp_path), check=2).returncode == 2  # not a txckpt root
+    assert run("ls", root, "--storage-option", "novalue", check=2).returncode == 2
+    assert run("frobnicate", root, check=2).returncode == 2
+    assert run("gc", root, "--keep-last", "0", check=2).returncode == 2
+    assert run("export", root, str(tmp_path / "x"), check=2).returncode == 2  # no --step
+    assert run("--help", check=0).stdout.count("Exit codes") == 1
+
+
+def test_storage_options_parse_json():
+    assert cli.parse_storage_options(["anon=true", "n=3", "name=bucket", "d={\"a\": 1}"]) == {
+        "anon": True, "n": 3, "name": "bucket", "d": {"a": 1}}
+
+
+def test_memory_root_in_process(capsys):
+    root = "memory://txckpt-cli-test/out"
+    txckpt.save_checkpoint(root, 1, {"w.bin": b"1" * 10})
+    txckpt.save_checkpoint(root, 2, {"w.bin": b"2" * 10})
+    txckpt.forget_roots()
+    txckpt.resume(root, step=1)
+    txckpt.forget_roots()
+    assert cli.main(["log", root]) == 0
+    out = capsys.readouterr().out
+    assert "no checkpoints of its own yet" in out and "abandoned" in out
+    assert cli.main(["verify", root, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
+    assert cli.main(["export", root, "--step", "1", "memory://txckpt-cli-test/exported"]) == 0
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    assert fs.cat_file("/txckpt-cli-test/exported/w.bin") == b"1" * 10
+    assert cli.main(["gc", root, "--dry-run"]) == 0
+    assert "nothing to collect" in capsys.readouterr().out

@@ -1,0 +1,279 @@
+"""Retention policies: what they keep, and the crash safety of the two-phase deletion."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import pytest
+
+import txckpt
+from txckpt import log as commit_log
+from txckpt.gc import collect_garbage
+from txckpt.retention import (
+    RetentionPolicy,
+    acquire_reader_lease,
+    apply_retention,
+    release_reader_lease,
+    retire,
+)
+
+
+@pytest.fixture(autouse=True)
+def _fast(monkeypatch):
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+
+
+def save(root, steps, tag="a"):
+    for s in steps:
+        txckpt.save_checkpoint(root, s, {"w.bin": f"{tag}{s}".encode() * 20, "meta.json": {"step": s, "tag": tag}})
+
+
+def fresh(root) -> txckpt.CheckpointRoot:
+    txckpt.forget_roots()
+    return txckpt.CheckpointRoot(root)
+
+
+def steps_of(checkpoints) -> list[int]:
+    return sorted(c.step for c in checkpoints)
+
+
+def published(root: str) -> list[int]:
+    return sorted(int(n.split("-")[1]) for n in os.listdir(root) if n.startswith("checkpoint-"))
+
+
+@pytest.fixture(params=["local", "memory"])
+def any_root(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "out")
+    return f"memory://retention-{uuid.uuid4().hex[:8]}/out"
+
+
+# ----- the pure decision -------------------------------------------------------------------------
+def test_keep_last(any_root):
+    save(any_root, range(1, 7))
+    r = fresh(any_root)
+    policy = RetentionPolicy(keep_last=2)
+    assert steps_of(policy.decide(r.history())) == [1, 2, 3, 4]
+    gone = apply_retention(r, policy)
+    assert steps_of(gone) == [1, 2, 3, 4] and all(i.state == "current" for i in gone)
+    r = fresh(any_root)
+    infos = {c.step: c for c in r.checkpoints("all")}
+    assert [s for s, c in infos.items() if c.state == "retired"] == [1, 2, 3, 4]
+    assert all(infos[s].path is None for s in (1, 2, 3, 4))
+    assert txckpt.get_last_checkpoint(any_root) == infos[6].path
+    for s in (5, 6):
+        txckpt.verify_checkpoint(infos[s].path)
+    if "://" not in any_root:
+        assert published(any_root) == [5, 6]
+        assert sorted(os.listdir(os.path.join(any_root, ".txckpt", "tx"))) == sorted(
+            c.txid for c in r.checkpoints("all") if c.step in (5, 6))
+    # One retire entry, and it left the state unchanged.
+    entries = [e for e in r.history().entries if e["action"] == "retire"]
+    assert len(entries) == 1 and len(entries[0]["txids"]) == 4
+    prev = r.history().entries[entries[0]["seq"] - 1]
+    assert entries[0]["state"] == prev["state"]
+    assert apply_retention(r, policy) == []  # idempotent
+    with pytest.raises(txckpt.errors.CheckpointNotFoundError, match="retention"):
+        txckpt.resume(any_root, step=3)
+
+
+def test_keep_every_and_last(tmp_path):
+    root = str(tmp_path / "out")
+    save(root, range(1, 11))
+    policy = RetentionPolicy(keep_every=4, keep_last=1)
+    assert steps_of(policy.decide(fresh(root).history())) == [1, 2, 3, 5, 6, 7, 9]
+    apply_retention(fresh(root), policy)
+    assert published(root) == [4, 8, 10]
+
+
+def test_no_rule_keeps_everything(tmp_path):
+    root = str(tmp_path / "out")
+    save(root, (1, 2, 3))
+    txckpt.forget_roots()
+    txckpt.resume(root, step=1)
+    assert RetentionPolicy().decide(fresh(root).history()) == []
+    assert RetentionPolicy().is_noop
+
+
+def test_best_is_kept_by_path_txid_or_metric(tmp_path):
+    root = str(tmp_path / "out")
+    for s, loss in zip(range(1, 7), (5.0, 1.0, 4.0, 3.0, 2.5, 6.0)):
+        txckpt.save_checkpoint(root, s, {"w.bin": b"x" * s}, metadata={"eval_loss": loss})
+    r = fresh(root)
+    h = r.history()
+    by_step = {c.step: c for c in h.in_view(None)}
+    best_path = os.path.join(root, "checkpoint-3")
+    # A path (what the Trainer passes as best_model_checkpoint) and a txid.
+    policy = RetentionPolicy(keep_last=1, keep_best=[best_path, by_step[4].txid])
+    assert steps_of(policy.decide(h)) == [1, 2, 5]
+    # save_total_limit=1 with a best that is not the newest keeps two, as transformers does.
+    policy = RetentionPolicy.from_save_total_limit(1, best_path)
+    assert steps_of(policy.decide(h)) == [1, 2, 4, 5]
+    # By a metric in the manifests' metadata (lower is better by default).
+    policy = RetentionPolicy(keep_last=1, best_metric="eval_loss", keep_best_n=2)
+    assert steps_of(apply_retention(r, policy, dry_run=True)) == [1, 3, 4]
+    apply_retention(r, policy)
+    assert published(root) == [2, 5, 6]
+
+
+def test_newest_and_fork_points_are_always_kept_abandoned_kept_by_default(tmp_path):
+    root = str(tmp_path / "out")
+    save(root, (2, 4, 6), "a")
+    txckpt.forget_roots()
+    txckpt.resume(root, step=2)
+    save(root, (4,), "b")
+    txckpt.forget_roots()
+    txckpt.resume(root, step=4)  # a fork at the head's own tip does nothing...
+    r = fresh(root)
+    h = r.history()
+    a = next(c.lineage for c in h.checkpoints.values() if c.step == 6)
+    # keep_last=1 would keep only b's 4; 2 is a fork point, a's 4 and 6 are abandoned (kept).
+    assert RetentionPolicy(keep_last=1).decide(h) == []
+    # Explicitly retiring the head tip or a fork point is refused inside the append.
+    tip = h.state.head_tip["txid"]
+    fork_point = next(iter(h.fork_points()))
+    assert retire(r, [tip, fork_point]) == []
+    assert not any(e["action"] == "retire" for e in r.history().entries)
+    # With a TTL of 0 the abandoned ones may go, never the fork point.
+    gone = apply_retention(r, RetentionPolicy(keep_last=1, abandoned=0))
+    assert sorted((i.lineage, i.step, i.state) for i in gone) == [(a, 4, "abandoned"), (a, 6, "abandoned")]
+    infos = fresh(root).checkpoints("all")
+    assert sorted((c.step, c.state) for c in infos) == [(2, "current"), (4, "current"), (4, "retired"), (6, "retired")]
+    assert txckpt.get_last_checkpoint(root) == os.path.join(root, "checkpoint-4")
+    txckpt.verify_checkpoint(os.path.join(root, "checkpoint-2"))
+
+
+def test_abandoned_ttl_counts_from_the_fork(tmp_path):
+    root = str(tmp_path / "out")
+    save(root, (1, 2, 3))
+    txckpt.forget_roots()
+    txckpt.resume(root, step=1)
+    h = fresh(root).history()
+    fork_time = next(e["time"] for e in h.entries if e["action"] == "fork" and e["abandoned"])
+    policy = RetentionPolicy(abandoned=3600)
+    assert policy.decide(h, now=fork_time + 3599) == []
+    assert steps_of(policy.decide(h, now=fork_time + 3601)) == [2, 3]
+
+
+def test_retire_redecides_when_the_log_moved(tmp_path):
+    root = str(tmp_path / "out")
+    save(root, (1, 2, 3, 4))
+    r = fresh(root)
+    policy = RetentionPolicy(keep_last=1)
+    decided_at = r.history().state.seq
+    going = policy.decide(r.history())
+    assert steps_of(going) == [1, 2, 3]
+    # Meanwhile an operator rolls back to 2: it becomes a fork point (and the head's tip), and 3
+    # is now abandoned, which this policy keeps: only 1 may still go.
+    txckpt.forget_roots()
+    txckpt.resume(root, step=2)
+    done = retire(r, [c.txid for c in going], policy=policy, decided_at=decided_at)
+    assert done == [going[0].txid]
+    r = fresh(root)
+    assert sorted((c.step, c.state) for c in r.checkpoints("all")) == [
+        (1, "retired"), (2, "current"), (3, "abandoned"), (4, "abandoned")]
+
+
+def test_leased_checkpoint_is_kept_until_released(tmp_path):
+    root = str(tmp_path / "out")
+    save(root, (1, 2, 3))
+    r = fresh(root)
+    one = next(c for c in r.history().checkpoints.values() if c.step == 1)
+    lease = acquire_reader_lease(r, one.txid, 600)
+    apply_retention(r, RetentionPolicy(keep_last=1))
+    assert published(root) == [1, 3]
+    release_reader_lease(r, lease)
+    apply_retention(r, RetentionPolicy(keep_last=1))
+    assert published(root) == [3]
+
+
+def test_invalid_policies():
+    for bad in ({"keep_last": 0}, {"keep_every": -1}, {"abandoned": "forever"}, {"abandoned": -1},
+                {"keep_best_n": 0}):
+        with pytest.raises(txckpt.errors.InvalidArgumentError):
+            RetentionPolicy(**bad)
+
+
+# ----- crash safety -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_apply_retention_crash_sweep(tmp_path):
+    """SIGKILL apply_retention before and after each of its file operations; after each crash
+    nothing that must be kept is gone, no half-deleted checkpoint-N is visible, and gc then
+    finishes the deletion."""
+    from tests.crash_harness import sweep
+
+    template = str(tmp_path / "template")
+    save(template, (1, 2, 3, 4, 5), "a")
+    txckpt.forget_roots()
+    txckpt.resume(template, step=2)
+    save(template, (3, 4), "b")
+    txckpt.forget_roots()
+    h = txckpt.CheckpointRoot(template).history()
+    policy = RetentionPolicy(keep_last=1, abandoned=0)
+    going = {c.txid for c in policy.decide(h)}
+    keep = {txid: c for txid, c in h.checkpoints.items() if txid not in going}
+    # b's 3, a's 1, 3, 4, 5 go; a's 2 (fork point) and b's 4 (newest) stay.
+    assert sorted((c.lineage == h.state.head, c.step) for c in keep.values()) == [(False, 2), (True, 4)]
+    assert len(going) == 5
+
+    def scenario(root: str):
+        txckpt.forget_roots()
+        apply_retention(txckpt.CheckpointRoot(root), policy)
+
+    def check(root: str, k: int, when: str) -> list[str]:
+        v: list[str] = []
+        txckpt.forget_roots()
+        r = txckpt.CheckpointRoot(root)
+        hist = r.history()
+        for txid, c in keep.items():
+            where = r.locate(c.ref)
+            if where is None:
+                v.append(f"kept checkpoint step {c.step} ({txid}) is gone")
+                continue
+            try:
+                txckpt.verify_checkpoint(where)
+            except Exception as e:
+                v.append(f"kept checkpoint {txid} damaged: {e}")
+        last = txckpt.get_last_checkpoint(root)
+        if last != os.path.join(root, "checkpoint-4") or txckpt.read_manifest(last).lineage != hist.state.head:
+            v.append(f"lookup returned {last}")
+        for name in os.listdir(root):  # every visible checkpoint-N is whole
+            if name.startswith("checkpoint-"):
+                try:
+                    txckpt.verify_checkpoint(os.path.join(root, name))
+                except Exception as e:
+                    v.append(f"visible {name} is not whole: {e}")
+        retired_entry = any(e["action"] == "retire" for e in hist.entries)
+        if not retired_entry:  # phase one did not happen: nothing may be missing
+            for txid, c in hist.checkpoints.items():
+                if r.locate(c.ref) is None:
+                    v.append(f"{txid} deleted before the retire entry")
+        # gc finishes the job.
+        collect_garbage(r, grace_seconds=0)
+        if retired_entry:
+            hist = r.history()
+            if set(hist.retired) != going:
+                v.append(f"retired {sorted(hist.retired)}, expected {sorted(going)}")
+            for txid in going:
+                if r.locate(hist.checkpoints[txid].ref) is not None or os.path.exists(
+                        os.path.join(root, ".txckpt", "tx", txid)):
+                    v.append(f"gc left retired {txid} behind")
+        for txid, c in keep.items():
+            where = r.locate(c.ref)
+            if where is None:
+                v.append(f"after gc: kept {txid} is gone")
+            else:
+                txckpt.verify_checkpoint(where)
+        leftovers = [n for n in os.listdir(os.path.join(root, ".txckpt", "tx"))
+                     if n not in keep and (retired_entry or n not in going)]
+        if leftovers:
+            v.append(f"after gc, .txckpt/tx holds {leftovers}")
+        return v
+
+    result = sweep("apply_retention", template, str(tmp_path / "work"), scenario, check)
+    print(f"apply_retention crash sweep: {len(result.ops)} file ops, {result.crash_points} crash points, "
+          f"{len(result.violations)} violations")
+    assert result.crash_points >= 2 * 10
+    assert not result.violations, "\n".join(result.violations[:20])
