@@ -29,6 +29,7 @@ How it hooks in (docs/dev/trainer-internals.md has the Trainer call sequences th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -65,6 +66,12 @@ class TransactionalCheckpointMixin:
 
     txckpt_storage_options: dict[str, Any] | None = None
     txckpt_timeout: float | None = None
+
+    def __init_subclass__(cls, **kwargs: Any):
+        # Runs at class definition, even when Trainer comes first (whose __init__ would then
+        # never reach ours).
+        super().__init_subclass__(**kwargs)
+        _check_mro(cls)
 
     def __init__(self, *args: Any, **kwargs: Any):
         _check_mro(type(self))
@@ -219,6 +226,17 @@ class TransactionalCheckpointMixin:
         self._save_checkpoint(self.model, trial=None)  # type: ignore[attr-defined]
 
     # ----- resume ------------------------------------------------------------------------------
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
+        """transformers 4.x loads the optimizer with ``map_location=args.device`` in a multi-process
+        run; on CPU that is an indexed device ("cpu:0"), which torch >= 2.x refuses to restore, so
+        a CPU DDP run cannot resume at all (stock Trainer included). 5.x maps to plain "cpu"; do
+        the same here. Nothing changes unless the device is an indexed CPU device."""
+        device = getattr(self.args, "device", None)
+        if checkpoint is None or getattr(device, "type", None) != "cpu" or getattr(device, "index", None) is None:
+            return super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)  # type: ignore[misc]
+        with _plain_cpu_map_location():
+            return super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)  # type: ignore[misc]
+
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
         if "model_path" in kwargs:  # transformers 4.x's deprecated alias
@@ -284,10 +302,6 @@ class TransactionalCheckpointMixin:
         return os.fspath(resume)
 
 
-class TransactionalTrainer(TransactionalCheckpointMixin, Trainer):
-    """``transformers.Trainer`` with :class:`TransactionalCheckpointMixin`."""
-
-
 # ----- helpers ----------------------------------------------------------------------------------
 def _check_mro(cls: type) -> None:
     mro = cls.__mro__
@@ -351,6 +365,25 @@ def _step_of(path: str) -> int | None:
         return int(m.group(1)) if m else None
 
 
+@contextlib.contextmanager
+def _plain_cpu_map_location():
+    import torch
+
+    real = torch.load
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        loc = kwargs.get("map_location")
+        if isinstance(loc, (str, torch.device)) and torch.device(loc).type == "cpu":
+            kwargs["map_location"] = "cpu"
+        return real(*args, **kwargs)
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = real
+
+
 def _rebuild_error(err: dict[str, str]) -> BaseException:
     msg = f"rank 0: {err.get('message', '')}"
     cls = getattr(_errors, err.get("type", ""), None)
@@ -370,6 +403,10 @@ def _apply_retention(root: str, storage_options: dict | None, keep_last: int, be
         return
     keep_paths = [best] if best else []
     apply(policy_cls(keep_last=keep_last, keep_paths=keep_paths))
+
+
+class TransactionalTrainer(TransactionalCheckpointMixin, Trainer):
+    """``transformers.Trainer`` with :class:`TransactionalCheckpointMixin`."""
 
 
 __all__ = ["TransactionalCheckpointMixin", "TransactionalTrainer"]

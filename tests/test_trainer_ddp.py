@@ -1,0 +1,62 @@
+"""Two ranks (torchrun --nproc_per_node 2, gloo, CPU) through TransactionalTrainer.
+
+Rank 1 SIGKILLs itself in the middle of the save of step 4 (its rng_state_1.pth is written into
+staging, the commit has not happened). Nothing may be committed for step 4, and the restart with
+resume_from_checkpoint=True resumes from checkpoint-2 on both ranks. Every committed manifest
+lists both ranks' rng_state files.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import txckpt  # noqa: E402
+
+HERE = Path(__file__).parent / "trainer_scripts"
+pytestmark = [pytest.mark.trainer, pytest.mark.distributed]
+
+
+def torchrun(*args, expect_ok=True):
+    env = dict(os.environ, TXCKPT_COORDINATION_TIMEOUT="60", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "ddp.py"), *map(str, args)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(HERE))
+    if (p.returncode == 0) != expect_ok:
+        raise AssertionError(f"{args}: rc {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-6000:]}")
+    return p
+
+
+def manifest_files(path):
+    with open(os.path.join(path, txckpt.MANIFEST_NAME)) as f:
+        return set(json.load(f)["files"])
+
+
+def test_rank_killed_mid_save_commits_nothing_and_restart_resumes(tmp_path):
+    out = tmp_path / "out"
+    p = torchrun(out, 4, "none", 4, expect_ok=False)
+    assert "rank 1: killing myself while saving step 4" in p.stdout
+
+    txckpt.forget_roots()
+    everything = txckpt.CheckpointRoot(out).checkpoints(lineage="all")
+    assert [c.step for c in everything] == [2]
+    assert not (out / "checkpoint-4").exists()
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= manifest_files(out / "checkpoint-2")
+    txckpt.verify_checkpoint(out / "checkpoint-2")
+
+    p = torchrun(out, 4, "true")
+    assert p.stdout.count("training begins at global_step=2") == 2, p.stdout
+    assert "rank 0: finished at step 4" in p.stdout and "rank 1: finished at step 4" in p.stdout
+
+    txckpt.forget_roots()
+    current = txckpt.CheckpointRoot(out).checkpoints()
+    assert [c.step for c in current] == [2, 4]
+    for c in current:
+        files = manifest_files(c.path)
+        assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "optimizer.pt",
+                "scheduler.pt", "trainer_state.json"} <= files, files
+        txckpt.verify_checkpoint(c.path)

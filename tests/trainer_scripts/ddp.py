@@ -1,0 +1,37 @@
+"""A 2-process (torchrun, gloo, CPU) Trainer run with TransactionalTrainer.
+
+  torchrun --standalone --nproc_per_node 2 ddp.py OUT MAX_STEPS RESUME [KILL_STEP]
+
+RESUME is "none" or "true". With KILL_STEP, rank 1 SIGKILLs itself in the middle of the save of
+that step: after writing its rng_state_1.pth into staging, before the transaction commits.
+"""
+import os
+import signal
+import sys
+
+import torch
+from transformers import Trainer
+
+from tiny import Data, Start, TinyConfig, TinyModel, make_args
+from txckpt.integrations.transformers import TransactionalTrainer
+
+if __name__ == "__main__":
+    sys.stdout.reconfigure(line_buffering=True)
+    out, max_steps, resume = sys.argv[1], int(sys.argv[2]), {"none": None, "true": True}[sys.argv[3]]
+    kill_step = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    if kill_step is not None:
+        real = Trainer._save_rng_state
+
+        def _save_rng_state(self, output_dir):
+            real(self, output_dir)
+            if self.args.process_index == 1 and self.state.global_step == kill_step:
+                print(f"rank 1: killing myself while saving step {kill_step} into {output_dir}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        Trainer._save_rng_state = _save_rng_state
+    torch.manual_seed(0)
+    cls = Trainer if os.environ.get("TXCKPT_TEST_STOCK_TRAINER") else TransactionalTrainer
+    trainer = cls(model=TinyModel(TinyConfig()), args=make_args(out, max_steps),
+                  train_dataset=Data(0), callbacks=[Start()])
+    trainer.train(resume_from_checkpoint=resume)
+    print(f"rank {trainer.args.process_index}: finished at step {trainer.state.global_step}", flush=True)
