@@ -1,0 +1,492 @@
+"""Real multi-process torch.distributed runs for tests/test_distributed.py.
+
+Ranks are processes started from a forkserver that has already imported torch and txckpt, so a
+run costs a fork and a gloo rendezvous over 127.0.0.1 instead of a Python start-up per rank;
+each rank still has a process of its own (its own gloo group, its own txckpt state, and it can
+be SIGKILLed alone). The forkserver never initialises torch.distributed itself.
+
+A target is a top-level function ``target(rank, world, **kwargs)``. Each rank's outcome (its
+return value, or the type and message of what it raised, and how long it took) is written to
+``<result_dir>/rank<r>.json``; the launcher waits for every rank with a deadline and SIGKILLs
+(by pid, only processes it started) any rank still alive at the deadline, reporting it as hung.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+_CTX: Any = None
+_PRELOAD = ["torch", "torch.distributed", "txckpt", "tests.dist_workers"]
+
+
+def context():
+    """The forkserver context (preloaded with torch and txckpt), started once per process."""
+    global _CTX
+    if _CTX is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        _CTX = ctx
+    return _CTX
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    exitcode: int | None  # -9 for SIGKILL; None if it hung and was killed by the launcher
+    hung: bool = False
+    ok: Any = None
+    error_type: str | None = None
+    error: str | None = None
+    elapsed: float | None = None  # seconds inside the target
+    trace: str | None = None
+
+    @property
+    def killed(self) -> bool:
+        return self.exitcode == -signal.SIGKILL and not self.hung
+
+
+@dataclass
+class Run:
+    results: list[RankResult]
+    wall: float
+    extra: dict = field(default_factory=dict)
+
+    def __getitem__(self, r: int) -> RankResult:
+        return self.results[r]
+
+    def describe(self) -> str:
+        return "; ".join(
+            f"rank {r.rank}: exit={r.exitcode} hung={r.hung} ok={r.ok!r} err={r.error_type}: {(r.error or '')[:300]}"
+            for r in self.results
+        )
+
+
+def _entry(rank: int, world: int, port: int, result_dir: str, target: Callable, kwargs: dict, env: dict) -> None:
+    os.environ.update(env)
+    import datetime
+
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    code = 0
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    t0 = time.monotonic()
+    try:
+        out["ok"] = target(rank, world, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out["error_type"] = type(e).__name__
+        out["error"] = str(e)
+        out["trace"] = traceback.format_exc()
+        code = 17
+    out["elapsed"] = time.monotonic() - t0
+    tmp = os.path.join(result_dir, f".rank{rank}.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(out, f, default=str)
+    os.replace(tmp, os.path.join(result_dir, f"rank{rank}.json"))
+    if code == 0:
+        dist.destroy_process_group()
+    # A rank whose peers died skips the teardown of a broken group: the test is about txckpt
+    # raising, not about how torch tears down a group whose peers are gone.
+    os._exit(code)
+
+
+def launch(world: int, target: Callable, result_dir: str, *, deadline: float = 90.0,
+           env: dict | None = None, per_rank: dict[int, dict] | None = None, **kwargs: Any) -> Run:
+    """Run ``target`` on ``world`` ranks; wait at most ``deadline`` seconds for all of them."""
+    ctx = context()
+    os.makedirs(result_dir, exist_ok=True)
+    port = free_port()
+    procs = []
+    t0 = time.monotonic()
+    for r in range(world):
+        kw = dict(kwargs, **((per_rank or {}).get(r, {})))
+        p = ctx.Process(target=_entry, args=(r, world, port, result_dir, target, kw, dict(env or {})), daemon=True)
+        p.start()
+        procs.append(p)
+    end = t0 + deadline
+    hung = set()
+    for r, p in enumerate(procs):
+        p.join(max(0.0, end - time.monotonic()))
+        if p.is_alive():
+            hung.add(r)
+    for r in hung:
+        os.kill(procs[r].pid, signal.SIGKILL)
+        procs[r].join(10)
+    wall = time.monotonic() - t0
+    results = []
+    for r, p in enumerate(procs):
+        path = os.path.join(result_dir, f"rank{r}.json")
+        data: dict[str, Any] = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                data = json.load(f)
+        results.append(RankResult(r, None if r in hung else p.exitcode, r in hung, data.get("ok"),
+                                  data.get("error_type"), data.get("error"), data.get("elapsed"), data.get("trace")))
+    return Run(results, wall)
+
+
+def run_in_fresh_process(fn: Callable, *args: Any, timeout: float = 60.0) -> Any:
+    """``fn(*args)`` in a new process (no torch.distributed, no txckpt state); its return value
+    or its exception re-raised here."""
+    ctx = context()
+    q = ctx.Queue()
+    p = ctx.Process(target=_fresh_entry, args=(q, fn, args), daemon=True)
+    p.start()
+    try:
+        ok, value = q.get(timeout=timeout)
+    finally:
+        p.join(10)
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+    if not ok:
+        raise AssertionError(f"fresh process failed: {value}")
+    return value
+
+
+def _fresh_entry(q, fn, args) -> None:
+    try:
+        q.put((True, fn(*args)))
+    except BaseException as e:  # noqa: BLE001
+        q.put((False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets
+
+
+def payload(rank: int, step: int, n: int = 64) -> dict[str, Any]:
+    """The files rank ``rank`` saves at ``step`` (distinct per rank and step)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {
+        f"rank{rank}.pt": {"w": torch.randn(n, generator=g), "rank": rank, "step": step},
+        f"rank{rank}.bin": bytes([rank, step % 256]) * n,
+    }
+
+
+def save_files(rank: int, world: int, *, root: str, step: int, api: str = "save_checkpoint",
+               names: str | None = None, raise_on: int | None = None, timeout: float | None = None,
+               saves: int = 1) -> Any:
+    """One (or ``saves``) coordinated save(s) of this rank's files; returns the path(s) and the
+    number of collectives each save used."""
+    import torch
+
+    import txckpt
+    from txckpt import coordination
+
+    calls = {"n": 0}
+    orig = {m: getattr(coordination.TorchDistributed, m) for m in ("broadcast", "gather", "barrier")}
+
+    def counted(m):
+        def wrapper(self, *a, **kw):
+            calls["n"] += 1
+            return orig[m](self, *a, **kw)
+        return wrapper
+
+    for m in orig:
+        setattr(coordination.TorchDistributed, m, counted(m))
+    paths, per_save = [], []
+    for i in range(saves):
+        s = step + i
+        files = payload(rank, s)
+        if names == "collide":
+            files = {"same.pt": files[f"rank{rank}.pt"]}
+        before = calls["n"]
+        if api == "save_checkpoint":
+            paths.append(txckpt.save_checkpoint(root, s, files))
+        else:
+            with txckpt.transaction(root, s, timeout=timeout) as tx:
+                name_pt, name_bin = list(files)[:2] if len(files) > 1 else (list(files)[0], None)
+                tx.save(name_pt, files[name_pt])
+                if name_bin:
+                    with tx.open(name_bin, "wb") as f:
+                        f.write(files[name_bin])
+                # Other code writing into the shared directory (save_pretrained-style).
+                with open(os.path.join(tx.directory, f"dir-rank{rank}.json"), "w") as f:
+                    json.dump({"rank": rank, "step": s}, f)
+                os.makedirs(os.path.join(tx.directory, f"sub{rank}"), exist_ok=True)
+                torch.save({"rank": rank}, os.path.join(tx.directory, f"sub{rank}", "state.pt"))
+                if raise_on == rank:
+                    raise ValueError(f"rank {rank} failed on purpose inside the transaction")
+            paths.append(tx.path)
+        per_save.append(calls["n"] - before)
+    return {"paths": paths, "collectives": per_save}
+
+
+def slow_rank(rank: int, world: int, *, root: str, step: int, slow: int, release: Any,
+              timeout: float | None = None, hold: float = 60.0) -> Any:
+    """A quick save of ``step`` (which creates txckpt's group with the default timeout), then a
+    save of ``step + 1`` with ``timeout`` in which rank ``slow`` blocks until ``release`` is set
+    (by the test, after the other ranks gave up): the others must time out, not hang."""
+    import txckpt
+
+    txckpt.save_checkpoint(root, step, {f"rank{rank}.bin": b"quick"})
+    with txckpt.transaction(root, step + 1, timeout=timeout) as tx:
+        tx.save(f"rank{rank}.bin", b"x" * 100)
+        if rank == slow:
+            release.wait(hold)
+    return tx.path
+
+
+def separate_roots(rank: int, world: int, *, roots: list[str], step: int) -> Any:
+    """Each rank passes its own directory as the root, as ranks on different nodes with
+    node-local disks mounted at the same path would."""
+    import txckpt
+
+    return txckpt.save_checkpoint(roots[rank], step, payload(rank, step))
+
+
+def enter_mismatch(rank: int, world: int, *, root: str, step: int) -> Any:
+    """Rank 1 asks for another step than rank 0: every rank must raise, none may hang."""
+    import txckpt
+
+    return txckpt.save_checkpoint(root, step + (rank == 1), payload(rank, step))
+
+
+def reads_of_others(rank: int, world: int, *, root: str, step: int) -> Any:
+    """Which staging files of other ranks this rank opened for reading during a save."""
+    import txckpt
+
+    opened: list[str] = []
+    real_open = builtins.open
+    real_os_open = os.open
+
+    def spy_open(file, mode="r", *a, **kw):
+        if isinstance(file, (str, bytes, os.PathLike)) and "r" in mode:
+            opened.append(os.fsdecode(file))
+        return real_open(file, mode, *a, **kw)
+
+    def spy_os_open(path, flags, *a, **kw):
+        if not flags & (os.O_WRONLY | os.O_RDWR):
+            opened.append(os.fsdecode(path))
+        return real_os_open(path, flags, *a, **kw)
+
+    builtins.open, os.open = spy_open, spy_os_open
+    try:
+        path = txckpt.save_checkpoint(root, step, payload(rank, step))
+    finally:
+        builtins.open, os.open = real_open, real_os_open
+    others = [p for p in opened if "/.txckpt/tx/" in p and f"rank{rank}." not in os.path.basename(p)
+              and os.path.basename(p).startswith("rank")]
+    return {"path": path, "others": others}
+
+
+# ---------------------------------------------------------------------------------------------
+# Crash injection
+
+
+_WRITE_MODES = set("wax+")
+
+
+class Tracer:
+    """Counts the file operations of this process (open for writing, write, fsync, link, rename,
+    replace, unlink, mkdir, rmdir, renameat2) and SIGKILLs it before or after op ``kill_at``.
+
+    A run of consecutive writes to one file counts as one operation: they land in a userspace
+    buffer (torch.save issues dozens of tiny ones), so a crash between two of them leaves the same
+    state as a crash before the run; "after" a run means before the next operation."""
+
+    def __init__(self, kill_at: int | None = None, when: str = "before", label_file: str | None = None):
+        self.kill_at = kill_at
+        self.when = when
+        self.label_file = label_file
+        self._real_open = builtins.open
+        self.count = 0
+        self.ops: list[str] = []
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._run_path: str | None = None
+        self._kill_pending = False
+
+    def _die(self) -> None:
+        if self.label_file:  # which op this process dies at (the op order can vary a little)
+            with self._real_open(self.label_file, "w") as f:
+                json.dump({"k": self.kill_at, "when": self.when, "op": self.ops[-1] if self.ops else None}, f)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def op(self, name: str, fn: Callable, *args: Any, write_path: str | None = None, **kwargs: Any) -> Any:
+        if write_path is not None and write_path == self._run_path:
+            return fn(*args, **kwargs)  # the same run of writes
+        if self._kill_pending:
+            self._die()
+        self._run_path = write_path
+        self.count += 1
+        self.ops.append(name)
+        mine = self.count == self.kill_at
+        if mine and self.when == "before":
+            self._die()
+        try:
+            return fn(*args, **kwargs)
+        finally:  # an op that fails (mkdir of an existing dir) has still happened
+            if mine and self.when == "after":
+                if write_path is None:
+                    self._die()
+                self._kill_pending = True
+
+    def _patch(self, owner: Any, attr: str) -> None:
+        real = getattr(owner, attr)
+        self._saved.append((owner, attr, real))
+        tracer = self
+
+        def wrapper(*args, **kwargs):
+            return tracer.op(f"{attr}({_short(args)})", real, *args, **kwargs)
+
+        setattr(owner, attr, wrapper)
+
+    def install(self) -> "Tracer":
+        import txckpt.storage.local as local
+
+        for attr in ("fsync", "link", "rename", "replace", "unlink", "mkdir", "rmdir"):
+            self._patch(os, attr)
+        self._patch(local, "rename_noreplace")
+        real_open = builtins.open
+        self._saved.append((builtins, "open", real_open))
+        tracer = self
+
+        def traced_open(file, mode="r", *args, **kwargs):
+            if not (set(mode) & _WRITE_MODES) or not isinstance(file, (str, bytes, os.PathLike)):
+                return real_open(file, mode, *args, **kwargs)
+            f = tracer.op(f"open({_short((file,))}, {mode})", real_open, file, mode, *args, **kwargs)
+            return _TracedFile(f, tracer, os.fsdecode(file))
+
+        builtins.open = traced_open
+        return self
+
+    def uninstall(self) -> None:
+        if self._kill_pending:
+            self._die()
+        for owner, attr, real in reversed(self._saved):
+            setattr(owner, attr, real)
+        self._saved.clear()
+
+
+class _TracedFile:
+    def __init__(self, f: Any, tracer: Tracer, path: str):
+        self._f = f
+        self._tracer = tracer
+        self._path = path
+
+    def write(self, data: Any) -> int:
+        return self._tracer.op(f"write({_short((self._path,))})", self._f.write, data, write_path=self._path)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+    def __enter__(self) -> "_TracedFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._f.close()
+
+
+def _short(args: Any) -> str:
+    out = []
+    for a in args:
+        if isinstance(a, (str, bytes, os.PathLike)):
+            p = os.fsdecode(a)
+            parts = p.split("/")
+            # the txid is random: keep the name stable across runs so op lists can be compared
+            out.append("/".join(x if not x[:1].isdigit() or len(x) < 12 else "<id>" for x in parts[-3:]))
+        elif isinstance(a, int):
+            out.append("fd")
+    return ", ".join(out)
+
+
+def crash_save(rank: int, world: int, *, root: str, step: int, victim: int,
+               kill_at: int | None, when: str, ops_file: str | None = None,
+               label_file: str | None = None, timeout: float = 60.0) -> Any:
+    """A coordinated save in which rank ``victim`` traces its file operations (and SIGKILLs
+    itself at op ``kill_at``). With ``kill_at=None`` it only counts, writing the ops to
+    ``ops_file``."""
+    import txckpt
+
+    files = payload(rank, step)
+    if rank != victim:
+        with txckpt.transaction(root, step, timeout=timeout) as tx:
+            for name, obj in files.items():
+                tx.save(name, obj)
+        return tx.path
+    tracer = Tracer(kill_at, when, label_file).install()
+    try:
+        with txckpt.transaction(root, step, timeout=timeout) as tx:
+            for name, obj in files.items():
+                tx.save(name, obj)
+    finally:
+        tracer.uninstall()
+        if ops_file:
+            with open(ops_file, "w") as f:
+                json.dump(tracer.ops, f)
+    return tx.path
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks that run in a fresh process after a crash
+
+
+def check_after_crash(root: str, prev_step: int, new_step: int, world: int) -> dict[str, Any]:
+    """What a restarted job sees: the previous or the new checkpoint (new only if its commit
+    entry exists), complete and verified; and it can save the next step."""
+    import txckpt
+    from txckpt.root import CheckpointRoot
+
+    violations: list[str] = []
+    history = CheckpointRoot(root).history()
+    committed = [c for c in history.checkpoints.values() if c.step == new_step]
+    last = txckpt.get_last_checkpoint(root)
+    if last is None:
+        return {"violations": ["get_last_checkpoint found nothing"], "committed": bool(committed)}
+    manifest = txckpt.read_manifest(last)
+    expect_step = new_step if committed else prev_step
+    if manifest.step != expect_step:
+        violations.append(f"get_last_checkpoint gave step {manifest.step}, expected {expect_step} "
+                          f"(commit entry for {new_step}: {bool(committed)})")
+    expected_files = ({n for r in range(world) for n in payload(r, new_step)} if manifest.step == new_step
+                      else set(payload(0, prev_step)))
+    if set(manifest.files) != expected_files:
+        violations.append(f"step {manifest.step} holds {sorted(manifest.files)}, expected {sorted(expected_files)}")
+    if manifest.step == new_step:
+        for name, entry in manifest.files.items():
+            if entry.rank != int(name[4:].split(".")[0]):
+                violations.append(f"{name} is attributed to rank {entry.rank}")
+    try:
+        loaded = txckpt.load_checkpoint(last)
+    except Exception as e:  # noqa: BLE001
+        violations.append(f"load_checkpoint({last}) failed: {type(e).__name__}: {e}")
+    else:
+        for r in range(world if manifest.step == new_step else 1):
+            if loaded[f"rank{r}.pt"]["step"] != manifest.step:
+                violations.append(f"rank{r}.pt of step {manifest.step} holds step {loaded[f'rank{r}.pt']['step']}")
+    # The restarted job goes on saving.
+    try:
+        nxt = txckpt.save_checkpoint(root, new_step + 1, {"after.bin": b"restart"})
+        if txckpt.get_last_checkpoint(root) != nxt:
+            violations.append("the save after the restart is not the newest checkpoint")
+        txckpt.verify_checkpoint(nxt)
+    except Exception as e:  # noqa: BLE001
+        violations.append(f"saving after the restart failed: {type(e).__name__}: {e}")
+    return {"violations": violations, "committed": bool(committed), "step": manifest.step}
+
+
+def make_baseline(root: str, step: int) -> str:
+    """A root whose newest checkpoint (step ``step``) was saved by one process."""
+    import txckpt
+
+    return txckpt.save_checkpoint(root, step, payload(0, step))

@@ -1,0 +1,361 @@
+"""Coordinated transactions across real torch.distributed processes (CPU, gloo, 127.0.0.1).
+
+Ranks are real processes (tests/dist_workers.py) with a gloo default group; nothing of
+torch.distributed is mocked. Every run is bounded: the launcher SIGKILLs a rank that outlives
+its deadline and the test then fails as "hung".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+import txckpt
+from tests import conftest
+from tests import dist_workers as dw
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+ABORTED = {"TransactionAbortedError", "CoordinationTimeoutError"}
+
+
+def _paths(run: dw.Run) -> list[str]:
+    return [r.ok["paths"] for r in run.results]
+
+
+def _assert_all_ok(run: dw.Run) -> None:
+    for r in run.results:
+        assert r.exitcode == 0 and r.ok is not None, run.describe() + "\n" + (r.trace or "")
+
+
+def _staging_leftovers(root: str) -> list[str]:
+    """Files left under .txckpt/tx (a published checkpoint leaves only its empty home dir)."""
+    tx = os.path.join(root, ".txckpt", "tx")
+    return sorted(os.path.relpath(os.path.join(d, f), tx) for d, _, fs in os.walk(tx) for f in fs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every rank's files in one checkpoint
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_save_checkpoint_every_rank(tmp_path, world):
+    root = str(tmp_path / "out")
+    run = dw.launch(world, dw.save_files, str(tmp_path / "res"), root=root, step=10, saves=2)
+    _assert_all_ok(run)
+    paths = _paths(run)
+    assert all(p == paths[0] for p in paths), "every rank must return the same paths"
+    assert paths[0] == [os.path.join(root, "checkpoint-10"), os.path.join(root, "checkpoint-11")]
+    for r in run.results:  # O(1) collectives per save, whatever the number of ranks
+        assert r.ok["collectives"] == [3, 3]
+    for path, step in zip(paths[0], (10, 11)):
+        manifest = txckpt.read_manifest(path)
+        assert manifest.world_size == world and manifest.step == step
+        assert {n: e.rank for n, e in manifest.files.items()} == {
+            n: rank for rank in range(world) for n in dw.payload(rank, step)
+        }
+        loaded = txckpt.load_checkpoint(path)  # verifies every size and checksum
+        for rank in range(world):
+            assert loaded[f"rank{rank}.pt"]["rank"] == rank and loaded[f"rank{rank}.pt"]["step"] == step
+            assert loaded[f"rank{rank}.bin"] == dw.payload(rank, step)[f"rank{rank}.bin"]
+    assert txckpt.get_last_checkpoint(root) == paths[0][-1]
+    assert _staging_leftovers(root) == []
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_transaction_open_save_directory(tmp_path, world):
+    root = str(tmp_path / "out")
+    run = dw.launch(world, dw.save_files, str(tmp_path / "res"), root=root, step=3, api="transaction", saves=3)
+    _assert_all_ok(run)
+    paths = _paths(run)
+    assert all(p == paths[0] for p in paths)
+    for r in run.results:
+        assert r.ok["collectives"] == [3, 3, 3]
+    path = paths[0][-1]
+    manifest = txckpt.read_manifest(path)
+    for rank in range(world):
+        # Files written through tx.open / tx.save are hashed by their writer and carry its rank.
+        assert manifest.files[f"rank{rank}.pt"].rank == rank
+        assert manifest.files[f"rank{rank}.bin"].rank == rank
+        # Files that other code wrote into tx.directory are in the manifest too (hashed by the
+        # committer at commit: docs/distributed.md).
+        assert f"dir-rank{rank}.json" in manifest.files
+        assert f"sub{rank}/state.pt" in manifest.files
+    loaded = txckpt.load_checkpoint(path)
+    assert loaded[f"dir-rank{world - 1}.json"] == {"rank": world - 1, "step": 5}
+    assert loaded[f"sub{world - 1}/state.pt"] == {"rank": world - 1}
+    txckpt.verify_checkpoint(path)
+
+
+def test_no_rank_reads_another_ranks_data(tmp_path):
+    root = str(tmp_path / "out")
+    run = dw.launch(4, dw.reads_of_others, str(tmp_path / "res"), root=root, step=1)
+    _assert_all_ok(run)
+    for r in run.results:
+        assert r.ok["others"] == [], f"rank {r.rank} read other ranks' files: {r.ok['others']}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: every rank raises, nothing commits
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_name_collision_is_an_error_on_every_rank(tmp_path, world):
+    root = str(tmp_path / "out")
+    run = dw.launch(world, dw.save_files, str(tmp_path / "res"), root=root, step=1, names="collide")
+    for r in run.results:
+        assert r.error_type == "InvalidArgumentError", run.describe()
+        assert "'same.pt' was written by rank" in r.error and "distinct names" in r.error
+    assert len({r.error for r in run.results}) == 1, "every rank raises the same error"
+    assert txckpt.get_last_checkpoint(root) is None
+    assert _staging_leftovers(root) == []
+
+
+@pytest.mark.parametrize("world,raiser", [(2, 1), (2, 0), (4, 2)])
+def test_rank_that_raises_aborts_everywhere(tmp_path, world, raiser):
+    root = str(tmp_path / "out")
+    dw.make_baseline(root, 1)
+    txckpt.forget_roots()
+    run = dw.launch(world, dw.save_files, str(tmp_path / "res"), root=root, step=2, api="transaction",
+                    raise_on=raiser)
+    for r in run.results:
+        assert not r.hung and r.exitcode == 17, run.describe()
+        if r.rank == raiser:
+            assert r.error_type == "ValueError"  # its own exception propagates unchanged
+        else:
+            assert r.error_type == "TransactionAbortedError", run.describe()
+            assert f"rank {raiser} failed on purpose" in r.error and "not committed" in r.error
+    assert txckpt.read_manifest(txckpt.get_last_checkpoint(root)).step == 1
+    assert _staging_leftovers(root) == []
+
+
+def test_ranks_disagreeing_on_the_step_fail_fast(tmp_path):
+    root = str(tmp_path / "out")
+    run = dw.launch(2, dw.enter_mismatch, str(tmp_path / "res"), root=root, step=4,
+                    env={"TXCKPT_COORDINATION_TIMEOUT": "60"})
+    for r in run.results:
+        assert r.error_type == "TransactionAbortedError" and "disagree on the step" in r.error, run.describe()
+        assert r.elapsed < 10, "an error found in __enter__ must not make the others wait for the timeout"
+    assert txckpt.get_last_checkpoint(root) is None
+
+
+def test_ranks_without_a_shared_root_get_a_clear_error(tmp_path):
+    """Node-local disks: each rank sees only its own directory at the root path."""
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    run = dw.launch(2, dw.separate_roots, str(tmp_path / "res"), roots=roots, step=1)
+    for r in run.results:
+        assert r.error_type == "TransactionAbortedError", run.describe()
+        assert "do not share the checkpoint root" in r.error and "docs/distributed.md" in r.error
+    assert txckpt.get_last_checkpoint(roots[0]) is None
+    assert _staging_leftovers(roots[0]) == []
+    assert not os.path.exists(os.path.join(roots[1], ".txckpt", "tx")), "rank 1 wrote nothing"
+
+
+@pytest.mark.parametrize("how", ["argument", "env"])
+def test_slow_rank_times_out_instead_of_hanging(tmp_path, how):
+    """Rank 1 blocks inside the transaction: rank 0 raises CoordinationTimeoutError after the
+    timeout (set by timeout= or TXCKPT_COORDINATION_TIMEOUT); once released, rank 1 raises too.
+    The first, quick save creates the group with the default timeout; the second sets its own."""
+    root = str(tmp_path / "out")
+    release = dw.context().Event()
+    timeout = 3.0
+    kwargs = {"timeout": timeout} if how == "argument" else {}
+    env = {} if how == "argument" else {"TXCKPT_COORDINATION_TIMEOUT": str(timeout)}
+    ctx = dw.context()
+    port = dw.free_port()
+    res = str(tmp_path / "res")
+    os.makedirs(res)
+    procs = [ctx.Process(target=dw._entry, args=(r, 2, port, res, dw.slow_rank,
+                                                 dict(root=root, step=1, slow=1, release=release, **kwargs), env),
+                         daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        procs[0].join(60)
+        assert not procs[0].is_alive(), "rank 0 hung"
+        release.set()
+        procs[1].join(60)
+        assert not procs[1].is_alive(), "rank 1 hung after release"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, 9)
+    out = [json.load(open(os.path.join(res, f"rank{r}.json"))) for r in range(2)]
+    assert out[0]["error_type"] == "CoordinationTimeoutError", out
+    assert "did not arrive within the timeout (3 s" in out[0]["error"]
+    assert timeout - 0.5 <= out[0]["elapsed"] <= timeout + 10, out[0]["elapsed"]
+    assert out[1]["error_type"] in ABORTED, out
+    assert txckpt.read_manifest(txckpt.get_last_checkpoint(root)).step == 1  # the quick save only
+
+
+def test_without_a_process_group_torch_distributed_is_not_needed(tmp_path):
+    """Without a process group txckpt stays single-process: saving bytes imports neither torch
+    nor torch.distributed; saving tensors imports torch (which itself imports
+    torch.distributed), but txckpt creates no group and runs no collective."""
+    root = str(tmp_path / "out")
+    code = f"""
+import sys
+import txckpt
+from txckpt import coordination
+p = txckpt.save_checkpoint({root!r}, 1, {{"a.bin": b"abc"}})
+txckpt.load_checkpoint(p)
+assert "torch" not in sys.modules, "saving bytes imported torch"
+assert "torch.distributed" not in sys.modules
+import torch
+p = txckpt.save_checkpoint({root!r}, 2, {{"w.pt": {{"w": torch.ones(3)}}, "m.safetensors": {{"x": torch.zeros(2)}}}})
+with txckpt.transaction({root!r}, 3) as tx:
+    tx.save("t.pt", torch.ones(1))
+import torch.distributed as dist
+assert not dist.is_initialized()
+assert coordination._cached == {{}}, "a gloo group was created"
+assert isinstance(coordination.current_coordinator(), coordination.SingleProcess)
+print("ok", tx.path)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok ")
+
+
+def test_coordination_timeout_setting(monkeypatch):
+    from txckpt.coordination import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, coordination_timeout
+    from txckpt.errors import InvalidArgumentError
+
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert coordination_timeout() == DEFAULT_TIMEOUT_S
+    monkeypatch.setenv(TIMEOUT_ENV, "12.5")
+    assert coordination_timeout() == 12.5
+    assert coordination_timeout(3) == 3.0  # the argument wins
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        monkeypatch.setenv(TIMEOUT_ENV, bad)
+        with pytest.raises(InvalidArgumentError):
+            coordination_timeout()
+
+
+# ---------------------------------------------------------------------------------------------
+# Crash sweep
+
+
+def _crash_once(tmp_path, base: str, world: int, victim: int, k: int, when: str, tag: str) -> dict:
+    """Run one coordinated save of step 2 on a copy of ``base`` (newest: step 1) in which rank
+    ``victim`` SIGKILLs itself ``when`` its op ``k``; then check survivors and the restart."""
+    root = str(tmp_path / f"root-{tag}")
+    shutil.copytree(base, root, symlinks=True)
+    label = str(tmp_path / f"label-{tag}.json")
+    run = dw.launch(world, dw.crash_save, str(tmp_path / f"res-{tag}"), deadline=60, root=root, step=2,
+                    victim=victim, kill_at=k, when=when, label_file=label, timeout=30.0)
+    problems = []
+    victim_result = run[victim]
+    hit = json.load(open(label)) if os.path.exists(label) else None
+    if not victim_result.killed:
+        problems.append(f"victim not killed (exit {victim_result.exitcode}, {victim_result.error_type})")
+    survivors = [r for r in run.results if r.rank != victim]
+    for r in survivors:
+        if r.hung:
+            problems.append(f"rank {r.rank} hung")
+        elif r.error_type not in ABORTED:
+            problems.append(f"rank {r.rank} did not raise a coordination error: {r.error_type} {r.ok}")
+    verdict = dw.run_in_fresh_process(dw.check_after_crash, root, 1, 2, world)
+    problems += verdict["violations"]
+    if victim != 0 and verdict["committed"]:
+        problems.append("committed although a non-committing rank died before reporting")
+    shutil.rmtree(root, ignore_errors=True)
+    return {"problems": problems, "committed": verdict["committed"], "hit": hit,
+            "survivor_max_s": max((r.elapsed or 0) for r in survivors) if survivors else 0.0}
+
+
+def _count_ops(tmp_path, base: str, world: int, victim: int) -> list[str]:
+    root = str(tmp_path / f"count-{world}-{victim}")
+    shutil.copytree(base, root, symlinks=True)
+    ops_file = str(tmp_path / f"ops-{world}-{victim}.json")
+    run = dw.launch(world, dw.crash_save, str(tmp_path / f"res-count-{world}-{victim}"), root=root, step=2,
+                    victim=victim, kill_at=None, when="before", ops_file=ops_file)
+    _assert_all_ok(run)
+    return json.load(open(ops_file))
+
+
+def _expected_commit(ops: list[str], k: int, when: str) -> bool:
+    """The new checkpoint is committed iff rank 0 died after linking the log entry."""
+    link = next(i for i, op in enumerate(ops, 1) if op.startswith("link(.txckpt/log/"))
+    return k > link or (k == link and when == "after")
+
+
+def _base(tmp_path) -> str:
+    base = str(tmp_path / "base")
+    dw.make_baseline(base, 1)
+    txckpt.forget_roots()
+    return base
+
+
+def test_crash_sweep_two_ranks(tmp_path):
+    """SIGKILL rank 1, then rank 0, before and after each of its file operations."""
+    base = _base(tmp_path)
+    t0 = time.monotonic()
+    points = 0
+    violations: list[str] = []
+    commits = 0
+    slowest = 0.0
+    for victim in (1, 0):
+        ops = _count_ops(tmp_path, base, 2, victim)
+        assert ops, "the counting run saw no file operation"
+        for k in range(1, len(ops) + 1):
+            for when in ("before", "after"):
+                out = _crash_once(tmp_path, base, 2, victim, k, when, f"2-{victim}-{k}-{when}")
+                points += 1
+                slowest = max(slowest, out["survivor_max_s"])
+                commits += out["committed"]
+                label = f"rank {victim} {when} op {k} ({ops[k - 1]}; hit {out['hit'] and out['hit']['op']})"
+                violations += [f"{label}: {p}" for p in out["problems"]]
+                if victim == 0 and out["hit"] and out["hit"]["op"] == ops[k - 1]:
+                    if out["committed"] != _expected_commit(ops, k, when):
+                        violations.append(f"{label}: committed={out['committed']}, expected the commit "
+                                          "exactly when the log entry was linked")
+    line = (f"distributed crash sweep, 2 ranks: {points} crash points, {commits} left the new checkpoint "
+            f"committed, {len(violations)} violations, slowest survivor error {slowest:.2f} s, "
+            f"{time.monotonic() - t0:.0f} s")
+    print(line)
+    conftest.SUMMARY_LINES.append(line)
+    assert not violations, "\n".join(violations)
+
+
+def test_crash_points_four_ranks(tmp_path):
+    """Four ranks, fewer but chosen points: a middle rank around its writes, and the committer
+    around the manifest, the commit entry and the publication."""
+    base = _base(tmp_path)
+    t0 = time.monotonic()
+    chosen: list[tuple[int, int, str]] = []
+    ops2 = _count_ops(tmp_path, base, 4, 2)
+    first_open = next(i for i, op in enumerate(ops2, 1) if op.startswith("open("))
+    first_fsync = next(i for i, op in enumerate(ops2, 1) if op.startswith("fsync("))
+    chosen += [(2, 1, "before"), (2, first_open, "after"), (2, first_fsync, "after"), (2, len(ops2), "after")]
+    ops0 = _count_ops(tmp_path, base, 4, 0)
+
+    def at(prefix: str) -> int:
+        return next(i for i, op in enumerate(ops0, 1) if op.startswith(prefix))
+
+    for prefix in ("link(<id>/checkpoint-2/.txckpt-manifest", "link(.txckpt/log/", "rename_noreplace("):
+        chosen += [(0, at(prefix), "before"), (0, at(prefix), "after")]
+    chosen.append((0, len(ops0), "after"))  # after the intent is cleared: only the broadcast is left
+    violations, commits, slowest = [], 0, 0.0
+    for victim, k, when in chosen:
+        ops = ops0 if victim == 0 else ops2
+        out = _crash_once(tmp_path, base, 4, victim, k, when, f"4-{victim}-{k}-{when}")
+        commits += out["committed"]
+        slowest = max(slowest, out["survivor_max_s"])
+        label = f"rank {victim} {when} op {k} ({ops[k - 1]}; hit {out['hit'] and out['hit']['op']})"
+        violations += [f"{label}: {p}" for p in out["problems"]]
+        if victim == 0 and out["hit"] and out["hit"]["op"] == ops[k - 1]:
+            if out["committed"] != _expected_commit(ops, k, when):
+                violations.append(f"{label}: committed={out['committed']} is wrong")
+    line = (f"distributed crash points, 4 ranks: {len(chosen)} crash points, {commits} committed, "
+            f"{len(violations)} violations, slowest survivor error {slowest:.2f} s, "
+            f"{time.monotonic() - t0:.0f} s")
+    print(line)
+    conftest.SUMMARY_LINES.append(line)
+    assert not violations, "\n".join(violations)
