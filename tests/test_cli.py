@@ -377,3 +377,34 @@ def test_memory_root_in_process(capsys):
     assert fs.cat_file("/txckpt-cli-test/exported/w.bin") == b"1" * 10
     assert cli.main(["gc", root, "--dry-run"]) == 0
     assert "nothing to collect" in capsys.readouterr().out
+
+
+def test_verify_progress_bar_only_on_a_tty(rolled):
+    """tqdm draws on stderr when it is a terminal; piped output carries no bar."""
+    pytest.importorskip("tqdm")
+    import pty
+    import select
+
+    root, a, b = rolled
+    assert "verify" not in run("verify", root).stderr
+    import fcntl
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 0x0 tty draws nothing
+    p = subprocess.Popen([TXCKPT, "verify", root], stdout=subprocess.PIPE, stderr=slave, env=ENV)
+    os.close(slave)
+    out = p.communicate(timeout=120)[0].decode()
+    assert p.returncode == 0 and "OK" in out
+    tty = b""
+    while select.select([master], [], [], 0)[0]:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        tty += chunk
+    os.close(master)
+    assert b"verify:" in tty

@@ -104,8 +104,9 @@ def open_root_arg(path: str, options: dict[str, Any], *, must_exist: bool = True
     except (ValueError, ImportError, TypeError) as e:
         raise UsageError(f"cannot open {path}: {e}") from None
     if must_exist and not _looks_like_root(root):
-        raise UsageError(
-            f"{path} is not a txckpt root: it has no .txckpt/log and no checkpoint-N directories"
+        raise NotATxckptRootError(
+            f"{path} is not a txckpt root: it has no .txckpt/log and no checkpoint-N directories; "
+            "give the training output_dir (or the URL) that holds them"
         )
     return root
 
@@ -300,8 +301,13 @@ def render_log(graph: dict[str, Any]) -> str:
         rows.append([f"  {l['id']}", "HEAD" if l["head"] else "", l["description"],
                      f"created {human_time(l['created'])}", f"steps: {steps}"])
     out.append(table(rows, ["", "", "", "", ""]).split("\n", 1)[1] if rows else "  (none)")
-    if any(l["abandoned_steps"] for l in graph["lineages"]) or any(l["retired_steps"] for l in graph["lineages"]):
-        out.append("  (* abandoned: kept, not in the current lineage; ~ retired by the retention policy)")
+    notes = []
+    if any(l["abandoned_steps"] for l in graph["lineages"]):
+        notes.append("* abandoned: kept intact, not in the current lineage")
+    if any(l["retired_steps"] for l in graph["lineages"]):
+        notes.append("~ retired by the retention policy")
+    if notes:
+        out.append(f"  ({'; '.join(notes)})")
     return "\n".join(out)
 
 
