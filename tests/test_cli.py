@@ -21,7 +21,8 @@ ENV = {**os.environ, "TXCKPT_DURABLE": "0", "PYTHONWARNINGS": "ignore"}
 
 def run(*args: str, check: int | None = 0) -> subprocess.CompletedProcess:
     """Run the installed console script; assert its exit code unless check is None."""
-    p = subprocess.run([TXCKPT, *args], capture_output=True, text=True, env=ENV, timeout=120)
+    env = {**os.environ, "TXCKPT_DURABLE": "0", "PYTHONWARNINGS": "ignore"}  # now: S3 fixtures set creds
+    p = subprocess.run([TXCKPT, *args], capture_output=True, text=True, env=env, timeout=120)
     if check is not None:
         assert p.returncode == check, f"txckpt {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}"
     return p
@@ -408,3 +409,57 @@ def test_verify_progress_bar_only_on_a_tty(rolled):
         tty += chunk
     os.close(master)
     assert b"verify:" in tty
+
+
+@pytest.mark.s3
+def test_cli_on_s3(s3_root, s3_server):
+    """log, verify (with a flipped byte), gc --dry-run and gc on an S3 root, through the console
+    script, with the endpoint given as --storage-option."""
+    url, options = s3_root
+    for s in (2, 4, 6):
+        txckpt.save_checkpoint(url, s, {"w.bin": b"a" * 100 * s}, storage_options=options)
+    txckpt.forget_roots()
+    txckpt.resume(url, step=2, storage_options=options)
+    txckpt.save_checkpoint(url, 4, {"w.bin": b"b" * 400}, storage_options=options)
+    txckpt.forget_roots()
+    code = textwrap.dedent(f"""
+        import os, signal, txckpt
+        opts = {options!r}
+        txckpt.resume({url!r}, storage_options=opts)
+        with txckpt.transaction({url!r}, 6, storage_options=opts) as tx:
+            tx.save("w.bin", b"partial" * 100)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TXCKPT_DURABLE": "0"},
+                       capture_output=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    opt = ["-o", "client_kwargs=" + json.dumps(options["client_kwargs"])]
+    r = txckpt.CheckpointRoot(url, options)
+    h = r.history()
+    b = h.state.head
+    (a,) = [lid for lid in h.state.lineages if lid != b]
+    out = run("log", url, *opt).stdout
+    assert f"HEAD -> lineage {b}, forked from {a} at step 2" in out and f"fork point of {b}" in out
+    assert sum("abandoned" in line for line in out.splitlines() if "step" in line) == 2
+    rows = json.loads(run("ls", url, *opt, "--json").stdout)
+    assert sorted(r_["state"] for r_ in rows) == ["abandoned", "abandoned", "current", "current", "staged-leftover"]
+    run("verify", url, *opt)
+    # Flip one byte of the current checkpoint-4's file, in place on S3.
+    c4 = next(c for c in h.in_view(None) if c.step == 4)
+    key = r.publication.locate(c4.ref) + "/w.bin"
+    data = bytearray(r.storage.read_bytes(key))
+    data[7] ^= 1
+    r.storage.replace(key, bytes(data))
+    p = run("verify", url, *opt, check=1)
+    assert r.storage.full_path(key) in p.stdout and "checksum mismatch" in p.stdout
+    # gc: the killed save's staging is listed, then removed, and nothing else.
+    staged = [x for x in r.storage.list_dir(".txckpt/tx") if x not in h.checkpoints]
+    assert len(staged) == 1
+    p = run("gc", url, *opt, "--dry-run")
+    assert f"would remove     staging   .txckpt/tx/{staged[0]}" in p.stdout
+    before = sorted(k for k, _ in r.storage.walk_files(""))
+    run("gc", url, *opt)
+    after = sorted(k for k, _ in r.storage.walk_files(""))
+    assert set(before) - set(after) == {k for k in before if k.startswith(f".txckpt/tx/{staged[0]}/")
+                                        or k == f".txckpt/intents/{staged[0]}.json"}
+    assert set(after) <= set(before)

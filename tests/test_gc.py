@@ -68,11 +68,18 @@ def kinds(report) -> list[tuple[str, str]]:
     return sorted((i.kind, i.key) for i in report.items)
 
 
-@pytest.fixture(params=["local", "memory"])
-def any_root(request, tmp_path):
+@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
+def any_root(request, tmp_path, monkeypatch):
+    """A root URL on each backend; the S3 one (moto, tests/s3_server.py) needs no storage
+    options: its endpoint comes from AWS_ENDPOINT_URL_S3, its fake credentials from the env."""
     if request.param == "local":
         return str(tmp_path / "out")
-    return f"memory://gc-{uuid.uuid4().hex[:8]}/out"
+    if request.param == "memory":
+        return f"memory://{request.node.name.split('[')[0][:40]}-{uuid.uuid4().hex[:8]}/out"
+    server = request.getfixturevalue("s3_server")
+    url, _ = request.getfixturevalue("s3_root")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint_url)
+    return url
 
 
 def test_crashed_save_is_reclaimed_and_nothing_else(tmp_path):
@@ -241,15 +248,42 @@ def test_incomplete_uploads_via_backend_hook(any_root):
         {"key": f"{TX_DIR}/{live}/checkpoint-2/big.bin", "upload_id": "u1", "initiated": now - 7200},
         {"key": f"{TX_DIR}/9-x-y/checkpoint-9/big.bin", "upload_id": "u2", "initiated": now - 7200},
         {"key": f"{TX_DIR}/10-x-y/checkpoint-10/big.bin", "upload_id": "u3", "initiated": now - 5},
+        {"key": "elsewhere/big.bin", "upload_id": "u4", "initiated": now - 5},
+        {"key": "elsewhere/old.bin", "upload_id": "u5", "initiated": now - 7200},
     ]
     aborted = []
     r.storage.list_incomplete_uploads = lambda: list(uploads)
     r.storage.abort_incomplete_uploads = lambda us: aborted.extend(u["upload_id"] for u in us)
     report = collect_garbage(r, dry_run=True)
-    assert [i.key for i in report.of("upload")] == [uploads[1]["key"]] and aborted == []
+    expected = [uploads[i]["key"] for i in (1, 2, 4)]
+    assert [i.key for i in report.of("upload")] == expected and aborted == []
     report = collect_garbage(r)
-    assert aborted == ["u2"] and report.of("upload")[0].done
-    assert sorted(i.key for i in report.kept if i.kind == "upload") == sorted([uploads[0]["key"], uploads[2]["key"]])
+    assert aborted == ["u2", "u3", "u5"] and all(i.done for i in report.of("upload"))
+    assert sorted(i.key for i in report.kept if i.kind == "upload") == sorted([uploads[0]["key"], uploads[3]["key"]])
+
+
+@pytest.mark.s3
+def test_s3_abandoned_multipart_upload_is_aborted(s3_root, s3_server):
+    url, options = s3_root
+    txckpt.save_checkpoint(url, 1, {"w.bin": b"1" * 10}, storage_options=options)
+    r = txckpt.CheckpointRoot(url, options)
+    client = s3_server.boto3_client()
+    bucket, prefix = url[len("s3://"):].split("/", 1)
+    crashed = f"{prefix}/{TX_DIR}/2-deadbeef-0123456789/checkpoint-2/model.safetensors"
+    client.create_multipart_upload(Bucket=bucket, Key=crashed)
+    # A live writer's upload on this host (its intent names this process): kept.
+    live_txid = f"3-{r.state().head}-abcdefabcd"
+    r.storage.replace(f"{INTENTS_DIR}/{live_txid}.json", json.dumps(
+        {"txid": live_txid, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode())
+    live_key = f"{prefix}/{TX_DIR}/{live_txid}/checkpoint-3/model.safetensors"
+    client.create_multipart_upload(Bucket=bucket, Key=live_key)
+    assert len(s3_server.multipart_uploads(prefix=prefix)) == 2
+    report = collect_garbage(r, dry_run=True)
+    assert [i.key for i in report.of("upload")] == [crashed[len(prefix) + 1:]]
+    report = collect_garbage(r)
+    assert report.of("upload")[0].done and not report.errors
+    assert [u["Key"] for u in s3_server.multipart_uploads(prefix=prefix)] == [live_key]
+    txckpt.verify_checkpoint(txckpt.get_last_checkpoint(url, storage_options=options), storage_options=options)
 
 
 def test_never_touches_the_log_or_committed_checkpoints_even_with_grace_zero(tmp_path):

@@ -43,11 +43,18 @@ def published(root: str) -> list[int]:
     return sorted(int(n.split("-")[1]) for n in os.listdir(root) if n.startswith("checkpoint-"))
 
 
-@pytest.fixture(params=["local", "memory"])
-def any_root(request, tmp_path):
+@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
+def any_root(request, tmp_path, monkeypatch):
+    """A root URL on each backend; the S3 one (moto, tests/s3_server.py) needs no storage
+    options: its endpoint comes from AWS_ENDPOINT_URL_S3, its fake credentials from the env."""
     if request.param == "local":
         return str(tmp_path / "out")
-    return f"memory://retention-{uuid.uuid4().hex[:8]}/out"
+    if request.param == "memory":
+        return f"memory://{request.node.name.split('[')[0][:40]}-{uuid.uuid4().hex[:8]}/out"
+    server = request.getfixturevalue("s3_server")
+    url, _ = request.getfixturevalue("s3_root")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint_url)
+    return url
 
 
 # ----- the pure decision -------------------------------------------------------------------------

@@ -250,11 +250,15 @@ def collect_garbage(
             log.warning("txckpt gc: could not delete retired %s: %s", c.txid, item.error)
 
     # (a) leftover staging and (d) stale intents.
+    # List the staging first, then read the intents: a writer creates its intent before its
+    # staging, so every staging listed here either has its intent in what is read next, or its
+    # writer has already removed it (after committing or aborting) or never ran to completion.
+    staged_now = storage.list_dir(TX_DIR)
     intents = read_intents(storage)
     hostname = socket.gethostname()
     candidates: list[tuple[str, str]] = []
     live: set[str] = set()
-    for txid in storage.list_dir(TX_DIR):
+    for txid in staged_now:
         if txid in history.checkpoints:
             continue  # committed: a home (possibly an empty one, after publication); (b) did retired
         intent = intents.get(txid)
@@ -313,7 +317,7 @@ def collect_garbage(
                     storage.delete_file, key)
 
     # (g) incomplete multipart uploads (S3).
-    _uploads(root, report, now, grace_seconds, live)
+    _uploads(root, report, now, grace_seconds, hostname)
 
     # Orphans are the operator's to inspect: listed, never touched.
     report.orphans = [f"{ORPHANS_DIR}/{n}" for n in storage.list_dir(ORPHANS_DIR)]
@@ -371,17 +375,63 @@ def _publication(root: Any, history: Any, report: GcReport) -> None:
                 item.error = f"{type(e).__name__}: {e}"
 
 
-def _uploads(root: Any, report: GcReport, now: float, grace_seconds: float, live: set[str]) -> None:
-    storage = root.storage
+def _upload_backend(storage: Any) -> tuple[Any, Any] | None:
+    """(list, abort) for the incomplete multipart uploads under the root, or None.
+
+    A backend method ``list_incomplete_uploads()`` -> [{"key" (root-relative), "upload_id",
+    "initiated" (epoch seconds or datetime)}] with ``abort_incomplete_uploads(uploads)`` is used
+    when the storage has one; otherwise, for an s3fs filesystem, s3fs's client directly."""
     lister = getattr(storage, "list_incomplete_uploads", None)
     aborter = getattr(storage, "abort_incomplete_uploads", None)
-    if lister is None or aborter is None:
+    if lister is not None and aborter is not None:
+        return lister, aborter
+    fs = getattr(storage, "fs", None)
+    protocols = getattr(fs, "protocol", ()) if fs is not None else ()
+    protocols = protocols if isinstance(protocols, (tuple, list)) else (protocols,)
+    if not ({"s3", "s3a"} & set(protocols)) or not hasattr(fs, "call_s3"):
+        return None
+    bucket, prefix, _ = fs.split_path(storage.root)
+    prefix = prefix.strip("/")
+    base = f"{prefix}/" if prefix else ""
+
+    def list_uploads() -> list[dict[str, Any]]:
+        out = []
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": base}
+        while True:
+            page = fs.call_s3("list_multipart_uploads", **kwargs)
+            for up in page.get("Uploads", []) or []:
+                key = up["Key"][len(base):] if up["Key"].startswith(base) else up["Key"]
+                out.append({"key": key, "object": up["Key"], "upload_id": up["UploadId"],
+                            "initiated": up.get("Initiated")})
+            if not page.get("IsTruncated"):
+                return out
+            kwargs["KeyMarker"] = page.get("NextKeyMarker", "")
+            kwargs["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
+
+    def abort(uploads: list[dict[str, Any]]) -> None:
+        for up in uploads:
+            try:
+                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["object"], UploadId=up["upload_id"])
+            except FileNotFoundError:
+                pass  # completed or aborted meanwhile
+
+    return list_uploads, abort
+
+
+def _uploads(root: Any, report: GcReport, now: float, grace_seconds: float, hostname: str) -> None:
+    backend = _upload_backend(root.storage)
+    if backend is None:
         return
+    lister, aborter = backend
     try:
         uploads = list(lister())
     except Exception as e:
         report.items.append(GcItem("upload", "", "could not list incomplete uploads", error=f"{type(e).__name__}: {e}"))
         return
+    if not uploads:
+        return
+    # Intents are read after the listing: a writer writes its intent before its first upload.
+    intents = read_intents(root.storage)
     chosen = []
     for u in uploads:
         key = str(u.get("key", ""))
@@ -393,12 +443,16 @@ def _uploads(root: Any, report: GcReport, now: float, grace_seconds: float, live
         except (TypeError, ValueError):
             age = float("inf")
         txid = key[len(TX_DIR) + 1:].split("/", 1)[0] if key.startswith(TX_DIR + "/") else None
-        if age <= grace_seconds or (txid is not None and txid in live):
-            report.kept.append(GcItem("upload", key, f"upload started {age:.0f}s ago (in progress?)"))
+        if txid is not None:
+            gone, why = writer_status(intents.get(txid), now=now, grace_seconds=grace_seconds, hostname=hostname)
+        else:
+            gone, why = age > grace_seconds, f"started {age:.0f}s ago, outside any staging"
+        if not gone:
+            report.kept.append(GcItem("upload", key, f"upload {u.get('upload_id', '')}: {why}"))
             continue
         chosen.append(u)
         report.items.append(GcItem("upload", key, f"incomplete multipart upload {u.get('upload_id', '')}, "
-                                   f"{age:.0f}s old", int(u.get("bytes", 0) or 0)))
+                                   f"{age:.0f}s old: {why}", int(u.get("bytes", 0) or 0)))
     if chosen and not report.dry_run:
         items = report.items[-len(chosen):]
         try:
