@@ -121,16 +121,32 @@ def test_save_total_limit_1_never_deletes_other_lineages_newest_or_best(tmp_path
     txckpt.verify_checkpoint(best)
 
 
-@pytest.mark.skipif(not hasattr(txckpt, "RetentionPolicy"), reason="core retention API not available yet")
 def test_save_total_limit_counts_the_current_lineage(tmp_path):
     out = tmp_path / "out"
     train(out, 6)
     a = current(out)
     train(out, 12, resume=str(out / "checkpoint-2"), data_seed=1, save_total_limit=2)
-    live = [c for c in current(out).values() if c.path is not None]
-    assert [c.step for c in live][-2:] == [10, 12] and len(live) == 2
-    states = {c.txid: c.state for c in all_checkpoints(out)}
-    assert states[a[4].txid] == states[a[6].txid] == "abandoned"
+    live = current(out)
+    # The two newest of the current lineage, plus the fork point (checkpoint-2, which run A's
+    # lineage needs too); run B's 4, 6, 8 are gone, run A's abandoned 4 and 6 are kept.
+    assert sorted(live) == [2, 10, 12]
+    assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == [
+        "checkpoint-10", "checkpoint-12", "checkpoint-2"]
+    by_txid = {c.txid: c for c in all_checkpoints(out)}
+    for s in (4, 6):
+        assert by_txid[a[s].txid].state == "abandoned"
+        txckpt.verify_checkpoint(by_txid[a[s].txid].path)
+    assert sum(c.state == "retired" for c in by_txid.values()) == 3
+
+
+def test_save_total_limit_keeps_the_best(tmp_path):
+    out = tmp_path / "out"
+    t = train(out, 10, save_total_limit=1, eval_strategy="steps", eval_steps=2,
+              metric_for_best_model="eval_loss", greater_is_better=False, load_best_model_at_end=True)
+    live = current(out)
+    best = t.state.best_model_checkpoint
+    assert 10 in live and os.path.realpath(best) in {os.path.realpath(c.path) for c in live.values()}
+    assert len(live) == (1 if best == str(out / "checkpoint-10") else 2)
 
 
 def test_from_pretrained_and_a_stock_trainer_resume_a_mixin_checkpoint(tmp_path):

@@ -394,15 +394,15 @@ def _rebuild_error(err: dict[str, str]) -> BaseException:
 
 
 def _apply_retention(root: str, storage_options: dict | None, keep_last: int, best: str | None) -> None:
-    """The one place that talks to txckpt's retention API (still settling in the core)."""
-    policy_cls = getattr(txckpt, "RetentionPolicy", None)
-    r = txckpt.open_root(root, storage_options)
-    apply = getattr(r, "apply_retention", None)
-    if policy_cls is None or apply is None:
-        log.debug("txckpt: this txckpt has no retention API yet; save_total_limit=%d not applied", keep_last)
-        return
-    keep_paths = [best] if best else []
-    apply(policy_cls(keep_last=keep_last, keep_paths=keep_paths))
+    """The one place that talks to txckpt's retention API: ``save_total_limit`` newest of the
+    current lineage plus the best; fork points, the newest and other lineages' checkpoints are
+    kept by the policy itself; deletion is two-phase (retire entry, then data)."""
+    from txckpt.retention import RetentionPolicy, apply_retention
+
+    policy = RetentionPolicy.from_save_total_limit(keep_last, best)
+    gone = apply_retention(txckpt.open_root(root, storage_options), policy)
+    for c in gone:
+        log.info("txckpt: retention (save_total_limit=%d) deleted checkpoint-%d (txid %s)", keep_last, c.step, c.txid)
 
 
 class TransactionalTrainer(TransactionalCheckpointMixin, Trainer):
