@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 
 import pytest
 
 import txckpt
-from txckpt import log as commit_log
 from txckpt.gc import collect_garbage
 from txckpt.retention import (
     RetentionPolicy,

@@ -41,7 +41,7 @@ from . import log as commit_log
 from .errors import InvalidArgumentError
 from .lineage import Checkpoint, History, State
 from .manifest import MANIFEST_NAME, Manifest
-from .publication import TX_DIR, home_key, manifest_txid, public_key
+from .publication import TX_DIR, home_key, manifest_txid
 
 log = logging.getLogger("txckpt")
 
