@@ -18,6 +18,8 @@ from .api import (
     verify_checkpoint,
 )
 from .errors import TxckptError
+from .gc import collect_garbage
+from .retention import RetentionPolicy, apply_retention
 from .manifest import MANIFEST_NAME, Manifest
 from .root import CheckpointInfo, CheckpointRoot
 
@@ -39,4 +41,7 @@ __all__ = [
     "Manifest",
     "MANIFEST_NAME",
     "TxckptError",
+    "RetentionPolicy",
+    "apply_retention",
+    "collect_garbage",
 ]
