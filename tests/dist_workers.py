@@ -18,7 +18,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -36,12 +35,6 @@ def context():
         ctx.set_forkserver_preload(_PRELOAD)
         _CTX = ctx
     return _CTX
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -76,7 +69,11 @@ class Run:
         )
 
 
-def _entry(rank: int, world: int, port: int, result_dir: str, target: Callable, kwargs: dict, env: dict) -> None:
+def _entry(rank: int, world: int, store: str, result_dir: str, target: Callable, kwargs: dict, env: dict) -> None:
+    # The forkserver's environment is the test process's at the time it started: pin what
+    # txckpt reads, then apply the run's own settings.
+    os.environ["TXCKPT_DURABLE"] = "1"
+    os.environ.pop("TXCKPT_COORDINATION_TIMEOUT", None)
     os.environ.update(env)
     import datetime
 
@@ -84,8 +81,10 @@ def _entry(rank: int, world: int, port: int, result_dir: str, target: Callable, 
 
     out: dict[str, Any] = {}
     code = 0
+    # A FileStore (no port to pick, so no port race between concurrent runs); gloo itself
+    # connects over 127.0.0.1.
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
     t0 = time.monotonic()
@@ -113,12 +112,12 @@ def launch(world: int, target: Callable, result_dir: str, *, deadline: float = 9
     """Run ``target`` on ``world`` ranks; wait at most ``deadline`` seconds for all of them."""
     ctx = context()
     os.makedirs(result_dir, exist_ok=True)
-    port = free_port()
+    store = os.path.join(result_dir, "store")
     procs = []
     t0 = time.monotonic()
     for r in range(world):
         kw = dict(kwargs, **((per_rank or {}).get(r, {})))
-        p = ctx.Process(target=_entry, args=(r, world, port, result_dir, target, kw, dict(env or {})), daemon=True)
+        p = ctx.Process(target=_entry, args=(r, world, store, result_dir, target, kw, dict(env or {})), daemon=True)
         p.start()
         procs.append(p)
     end = t0 + deadline
@@ -247,6 +246,22 @@ def slow_rank(rank: int, world: int, *, root: str, step: int, slow: int, release
     return tx.path
 
 
+def die_after_gather(rank: int, world: int, *, root: str, step: int, victim: int) -> Any:
+    """Rank ``victim`` SIGKILLs itself right after its report reached rank 0."""
+    import txckpt
+    from txckpt import coordination
+
+    if rank == victim:
+        real = coordination.TorchDistributed.gather
+
+        def gather_then_die(self, obj):
+            real(self, obj)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        coordination.TorchDistributed.gather = gather_then_die
+    return txckpt.save_checkpoint(root, step, payload(rank, step))
+
+
 def separate_roots(rank: int, world: int, *, roots: list[str], step: int) -> Any:
     """Each rank passes its own directory as the root, as ranks on different nodes with
     node-local disks mounted at the same path would."""
@@ -316,10 +331,12 @@ class Tracer:
         self._run_path: str | None = None
         self._kill_pending = False
 
-    def _die(self) -> None:
+    def _die(self, completed: int | None = None) -> None:
         if self.label_file:  # which op this process dies at (the op order can vary a little)
+            done = self.ops if completed is None else self.ops[:completed]
             with self._real_open(self.label_file, "w") as f:
-                json.dump({"k": self.kill_at, "when": self.when, "op": self.ops[-1] if self.ops else None}, f)
+                json.dump({"k": self.kill_at, "when": self.when, "op": self.ops[-1] if self.ops else None,
+                           "done": done}, f)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def op(self, name: str, fn: Callable, *args: Any, write_path: str | None = None, **kwargs: Any) -> Any:
@@ -332,7 +349,7 @@ class Tracer:
         self.ops.append(name)
         mine = self.count == self.kill_at
         if mine and self.when == "before":
-            self._die()
+            self._die(completed=len(self.ops) - 1)
         try:
             return fn(*args, **kwargs)
         finally:  # an op that fails (mkdir of an existing dir) has still happened

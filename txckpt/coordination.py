@@ -160,7 +160,7 @@ def _short(e: BaseException) -> str:
     # gloo prefixes messages with its source location: keep the part a user can act on.
     if text.startswith("[") and "] " in text:
         text = text.split("] ", 1)[1]
-    text = text.split(" This is typically caused by")[0]
+    text = text.split(" This is typically caused by")[0].rstrip(". ")
     return text[:400]
 
 
