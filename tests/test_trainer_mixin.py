@@ -313,3 +313,33 @@ def test_jit_checkpoint_of_an_already_committed_step_is_skipped(tmp_path):
     cps = current(out)
     assert sorted(cps) == [3]
     assert not list(out.rglob("checkpoint-is-incomplete.txt"))
+
+
+@pytest.mark.parametrize("strategy", ["every_save", "all_checkpoints"])
+def test_hub_uploads_leave_out_txckpt_internals(tmp_path, monkeypatch, strategy):
+    """Upstream uploads output_dir itself, ignoring only "_*" and "checkpoint-*": the root's
+    .txckpt/ (log, abandoned checkpoints) must not go to the Hub."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    uploaded = []
+
+    def init_hf_repo(self, *a, **k):
+        self.hub_model_id = "nobody/nothing"
+        self.push_in_progress = None
+
+    def prepare(self, folder_path, path_in_repo, allow_patterns=None, ignore_patterns=None, **kw):
+        rel = [os.path.relpath(os.path.join(d, f), folder_path) for d, _, fs in os.walk(folder_path) for f in fs]
+        uploaded.append((os.path.basename(folder_path), sorted(filter_repo_objects(
+            rel, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))))
+        raise RuntimeError("no network in tests")
+
+    monkeypatch.setattr(Trainer, "init_hf_repo", init_hf_repo)
+    monkeypatch.setattr(huggingface_hub.HfApi, "_prepare_upload_folder_additions", prepare)
+    out = tmp_path / "out"
+    train(out, 4)  # a first run, so that .txckpt/ holds more than one lineage's data
+    train(out, 4, resume=str(out / "checkpoint-2"), data_seed=1, push_to_hub=True, hub_strategy=strategy)
+    assert uploaded, "no upload was attempted"
+    for folder, files in uploaded:
+        assert not [f for f in files if ".txckpt" in f], (folder, files)
+    assert ("out", ) == tuple({folder for folder, _ in uploaded} - {"checkpoint-4"})

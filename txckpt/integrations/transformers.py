@@ -167,7 +167,12 @@ class TransactionalCheckpointMixin:
             # Never upload (asynchronously!) from staging: push after the commit.
             self._txckpt_pending_push = (args, kwargs)
             return
-        return super()._push_from_checkpoint(checkpoint_folder, *args, **kwargs)  # type: ignore[misc]
+        with _hub_uploads_skip_txckpt():
+            return super()._push_from_checkpoint(checkpoint_folder, *args, **kwargs)  # type: ignore[misc]
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> Any:
+        with _hub_uploads_skip_txckpt():
+            return super().push_to_hub(*args, **kwargs)  # type: ignore[misc]
 
     # ----- retention (upstream rotation is disabled) -------------------------------------------
     def _rotate_checkpoints(self, use_mtime: bool = False, output_dir: str | None = None) -> None:
@@ -363,6 +368,43 @@ def _step_of(path: str) -> int | None:
     except (OSError, ValueError, KeyError, TypeError):
         m = _CHECKPOINT_RE.match(os.path.basename(os.path.normpath(path)))
         return int(m.group(1)) if m else None
+
+
+#: Upstream uploads the whole output_dir to the Hub, ignoring only "_*" and "checkpoint-*":
+#: without these, txckpt's log and the abandoned lineages' checkpoints under .txckpt/ would go too.
+HUB_IGNORE_PATTERNS = [".txckpt", ".txckpt/*", "*/.txckpt/*"]
+
+
+@contextlib.contextmanager
+def _hub_uploads_skip_txckpt():
+    """Add HUB_IGNORE_PATTERNS to every ``upload_folder`` the Trainer makes in the block: 5.x calls
+    ``hf_api().upload_folder`` (an HfApi instance), 4.x the module-level ``upload_folder`` that
+    ``transformers.trainer`` imported (a bound method of huggingface_hub's default HfApi)."""
+    import huggingface_hub
+    import transformers.trainer as hf_trainer
+
+    def with_ignores(kwargs: dict[str, Any]) -> dict[str, Any]:
+        patterns = kwargs.get("ignore_patterns") or []
+        patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+        kwargs["ignore_patterns"] = patterns + [p for p in HUB_IGNORE_PATTERNS if p not in patterns]
+        return kwargs
+
+    real_method = huggingface_hub.HfApi.upload_folder
+    real_module_fn = getattr(hf_trainer, "upload_folder", None)
+
+    @functools.wraps(real_method)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return real_method(self, *args, **with_ignores(kwargs))
+
+    huggingface_hub.HfApi.upload_folder = method
+    if real_module_fn is not None:
+        hf_trainer.upload_folder = lambda *args, **kwargs: real_module_fn(*args, **with_ignores(kwargs))
+    try:
+        yield
+    finally:
+        huggingface_hub.HfApi.upload_folder = real_method
+        if real_module_fn is not None:
+            hf_trainer.upload_folder = real_module_fn
 
 
 @contextlib.contextmanager
