@@ -1,8 +1,8 @@
 """Coordinated save of 4 ranks against the slowest rank's raw write + fsync of the same bytes.
 
 Four real processes with a gloo process group on 127.0.0.1 (CPU). Each rank holds a state of
-``size`` bytes shaped like the single-process save benchmark (1/3 weights as safetensors, 2/3
-AdamW state through torch.save), under names of its own. Every round runs both methods, in an
+``size`` bytes of float32 (1/3 weights as safetensors, 2/3 AdamW-like state through
+torch.save), under names of its own. Every round runs both methods, in an
 order that alternates between rounds, each from a barrier after the dirty pages of the previous
 phase were synced (untimed):
 
@@ -56,6 +56,53 @@ def _rank_files(rank: int, weights: dict[str, Any], optim: dict[str, Any]) -> di
     return {f"model-rank{rank}.safetensors": weights, f"optimizer-rank{rank}.pt": optim}
 
 
+def _make_state(size: int, seed: int) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+    """(weights, AdamW-like optimizer state, every tensor): ``size`` bytes of float32 in all,
+    1/3 weights, 2/3 ``exp_avg``/``exp_avg_sq``, in tensors of at most 16 MiB."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    left = max(1, size // 3 // 4)
+    weights: dict[str, Any] = {}
+    state: dict[int, dict[str, Any]] = {}
+    i = 0
+    while left > 0:
+        n = min(left, 4 << 20)
+        weights[f"layers.{i}.weight"] = torch.empty(n).uniform_(-1, 1, generator=g)
+        state[i] = {"step": torch.tensor(1.0),
+                    "exp_avg": torch.empty(n).uniform_(-1e-3, 1e-3, generator=g),
+                    "exp_avg_sq": torch.empty(n).uniform_(0, 1e-6, generator=g)}
+        left -= n
+        i += 1
+    optim = {"state": state, "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.999), "params": list(state)}]}
+    tensors = list(weights.values()) + [t for st in state.values() for t in st.values() if t.dim() > 0]
+    return weights, optim, tensors
+
+
+def _write_raw(path: str, tensors: list[Any], nbytes: int) -> None:
+    """The physical limit: exactly ``nbytes`` (the tensors' bytes, zero-padded) in one
+    sequential stream to one new file, then fsync."""
+    import torch
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        written = 0
+        for t in tensors:
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())[: nbytes - written]
+            while view:
+                n = os.write(fd, view)
+                written += n
+                view = view[n:]
+            if written >= nbytes:
+                break
+        pad = nbytes - written
+        while pad > 0:
+            pad -= os.write(fd, bytes(min(pad, 16 * MiB)))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int, queue: Any) -> None:
     import datetime
 
@@ -64,11 +111,8 @@ def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int
     import txckpt
     from txckpt import CheckpointRoot
 
-    from .state import make_state, tensors_of, write_raw
-
-    weights, optim = make_state(size, seed=rank)
+    weights, optim, tensors = _make_state(size, seed=rank)
     files = _rank_files(rank, weights, optim)
-    tensors = tensors_of(weights, optim)
     # The raw write moves exactly as many bytes as this rank's checkpoint files hold (probed
     # before the process group exists, so this save is a single-process one).
     probe = os.path.join(base, f"probe-{rank}")
@@ -95,7 +139,7 @@ def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int
                     step += 1
                     txckpt.save_checkpoint(root, step, files)
                 else:
-                    write_raw(os.path.join(raw_dir, f"rank{rank}.bin"), tensors, nbytes=nbytes, fsync=True)
+                    _write_raw(os.path.join(raw_dir, f"rank{rank}.bin"), tensors, nbytes)
                 dt = time.perf_counter() - t0
                 every: list[Any] = [None] * WORLD
                 dist.all_gather_object(every, dt)

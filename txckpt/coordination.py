@@ -136,7 +136,9 @@ def _group_for(dist: Any, timeout_s: float) -> Any:
                 "txckpt coordinates ranks over a gloo group, and this torch build has no gloo"
             )
         try:
-            group = dist.new_group(backend="gloo", timeout=td)
+            # "cpu:gloo": a group with only a CPU backend, so object collectives stay on the CPU
+            # even in a CUDA build (plain "gloo" registers for cuda too).
+            group = dist.new_group(backend="cpu:gloo", timeout=td)
         except Exception as e:
             raise CoordinationTimeoutError(
                 f"txckpt: creating its gloo group over {dist.get_world_size()} ranks failed on rank "
