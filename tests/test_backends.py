@@ -155,3 +155,33 @@ def test_concurrent_commits_of_one_step_exactly_one_wins(any_root, writers):
     r = fresh(url, opts)
     assert tag_of(r.get_last_checkpoint(), opts) == f"W{winners[0][1]}"
     assert len([c for c in r.checkpoints("all") if c.step == 4]) == 1
+
+
+def test_fetch_checkpoint_to_a_local_cache(any_root, tmp_path):
+    url, opts = any_root
+    path = txckpt.save_checkpoint(url, 3, files("F", 3), storage_options=opts)
+    dest = tmp_path / "cache" / "checkpoint-3"
+    got = txckpt.fetch_checkpoint(path, dest, storage_options=opts)
+    assert got == str(dest)
+    assert tag_of(got, {}) == "F"
+    mtime = os.path.getmtime(dest / "optimizer.pt")
+    assert txckpt.fetch_checkpoint(path, dest, storage_options=opts) == str(dest)  # reused
+    assert os.path.getmtime(dest / "optimizer.pt") == mtime
+    # A damaged source is refused and leaves no partial copy behind.
+    storage = open_storage(path, opts)
+    data = bytearray(storage.read_bytes("optimizer.pt"))
+    data[-3] ^= 1
+    with storage.open_write("optimizer.pt", durable=False) as f:
+        f.write(bytes(data))
+    with pytest.raises(IntegrityError):
+        txckpt.fetch_checkpoint(path, tmp_path / "other" / "checkpoint-3", storage_options=opts)
+    assert not (tmp_path / "other" / "checkpoint-3").exists()
+    assert [n for n in os.listdir(tmp_path / "other")] == []
+
+
+def test_final_path_is_where_the_commit_lands(any_root):
+    url, opts = any_root
+    with txckpt.transaction(url, 7, storage_options=opts) as tx:
+        tx.save("a.json", 1)
+        predicted = tx.final_path
+    assert tx.path == predicted

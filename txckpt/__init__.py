@@ -6,6 +6,7 @@ checkpoints. See docs/protocol.md for the on-disk protocol.
 """
 
 from .api import (
+    fetch_checkpoint,
     forget_roots,
     get_last_checkpoint,
     load_checkpoint,
@@ -33,6 +34,7 @@ __all__ = [
     "resume",
     "new_lineage",
     "verify_checkpoint",
+    "fetch_checkpoint",
     "read_manifest",
     "open_root",
     "forget_roots",

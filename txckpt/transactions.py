@@ -104,6 +104,16 @@ class Transaction:
         """The parent of :attr:`directory` (``directory == output_root/checkpoint-<step>``)."""
         return os.path.dirname(self.directory)
 
+    @property
+    def final_path(self) -> str:
+        """Where the checkpoint will be once committed (``path`` after a clean exit): its
+        ``checkpoint-<step>`` name on local disks, its staging key on object stores."""
+        self._require_open()
+        from .publication import public_key
+
+        storage = self._root.storage
+        return storage.full_path(public_key(self.step) if storage.atomic_dir_rename else self.staging_key)
+
     def _require_open(self) -> None:
         if not self._entered or self._done or self._plan is None:
             raise InvalidArgumentError("use the transaction inside its `with` block")
