@@ -1,0 +1,138 @@
+"""get_last_checkpoint on a root with many commits across many lineages, against transformers'
+get_last_checkpoint (listdir + regex) on a directory with as many checkpoint-N directories."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from typing import Any
+
+from . import harness as h
+
+TITLE = "Lookup"
+
+
+def _shape() -> tuple[int, int]:
+    s = h.settings()
+    if s.tiny:
+        return 60, 3
+    if s.quick:
+        return 1000, 10
+    return 10_000, 50
+
+
+def _stamp(commits: int, lineages: int) -> dict[str, Any]:
+    from txckpt import log as commit_log
+    from txckpt import manifest
+
+    return {"commits": commits, "lineages": lineages, "log": commit_log.FORMAT, "manifest": manifest.FORMAT}
+
+
+def build_root(path: str, commits: int, lineages: int) -> dict[str, Any]:
+    """Through the real API: ``CheckpointRoot.save`` of one tiny file per commit (durable=False),
+    and ``resume(step=...)`` forks (a rollback of half a lineage) between lineages."""
+    from txckpt import CheckpointRoot
+
+    per = commits // lineages
+    logger = logging.getLogger("txckpt")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # every fork warns about the checkpoints it abandons
+    t0 = time.perf_counter()
+    try:
+        root = CheckpointRoot(path, durable=False)
+        step = 0
+        for lin in range(lineages):
+            if lin:
+                step -= per // 2
+                root.resume(step=step)
+            for _ in range(per):
+                step += 1
+                root.save(step, {"trainer_state.json": {"global_step": step}})
+    finally:
+        logger.setLevel(level)
+    return {"tip": step, "build_s": time.perf_counter() - t0}
+
+
+def _cached_root(commits: int, lineages: int) -> tuple[str, dict[str, Any]]:
+    import txckpt
+
+    base = os.path.join(h.settings().cache, f"lookup-root-{commits}x{lineages}")
+    stamp_file = base + ".json"
+    want = _stamp(commits, lineages)
+    if os.path.exists(stamp_file) and os.path.isdir(base):
+        with open(stamp_file) as f:
+            stamp = json.load(f)
+        if {k: stamp.get(k) for k in want} == want:
+            txckpt.forget_roots()
+            last = txckpt.get_last_checkpoint(base)
+            if last and last.endswith(f"checkpoint-{stamp['tip']}"):
+                stamp["cached"] = True
+                return base, stamp
+    shutil.rmtree(base, ignore_errors=True)
+    h.log(f"lookup: building a root of {commits} commits across {lineages} lineages (cached afterwards)")
+    info = build_root(base, commits, lineages)
+    stamp = {**want, **info}
+    with open(stamp_file, "w") as f:
+        json.dump(stamp, f)
+    stamp["cached"] = False
+    return base, stamp
+
+
+def _cached_plain(n: int) -> str:
+    base = os.path.join(h.settings().cache, f"lookup-plain-{n}")
+    if not (os.path.isdir(base) and len(os.listdir(base)) == n):
+        shutil.rmtree(base, ignore_errors=True)
+        os.makedirs(base)
+        for i in range(1, n + 1):
+            os.mkdir(os.path.join(base, f"checkpoint-{i}"))
+    return base
+
+
+def run(quick: bool) -> dict[str, Any]:
+    import txckpt
+    from transformers.trainer_utils import get_last_checkpoint as hf_last
+    from txckpt import CheckpointRoot
+
+    s = h.settings()
+    commits, lineages = _shape()
+    root, stamp = _cached_root(commits, lineages)
+    plain = _cached_plain(commits)
+    expected = os.path.join(root, f"checkpoint-{stamp['tip']}")
+
+    def tx(_ctx):
+        txckpt.forget_roots()  # as a fresh process: no cached root object or history
+        got = txckpt.get_last_checkpoint(root)
+        assert got == expected, (got, expected)
+
+    def hf(_ctx):
+        assert hf_last(plain) is not None
+
+    def fold(_ctx):
+        CheckpointRoot(root, durable=False).history()
+
+    reps = 5 if s.tiny else (15 if s.quick else 41)
+    times = h.interleave([h.Method("txckpt", tx, settle=False), h.Method("transformers", hf, settle=False)],
+                         reps, warmup=2)
+    fold_times = h.interleave([h.Method("fold", fold, settle=False), h.Method("transformers", hf, settle=False)],
+                              3 if s.quick else 5, warmup=1)
+    label = f"{commits:,} commits / {lineages} lineages"
+    rows = [
+        h.compare("txckpt.get_last_checkpoint ÷ transformers get_last_checkpoint", label, times,
+                  "txckpt", "transformers", 2.0),
+        {**h.compare("CheckpointRoot.history() (fold of every log entry) ÷ transformers get_last_checkpoint",
+                     label, fold_times, "fold", "transformers", None),
+         "note": "report only: what `resume(step=...)`, `txckpt ls` and retention read"},
+    ]
+    built = "reused from the cache" if stamp.get("cached") else "built in this run"
+    about = (
+        f"The txckpt root holds {commits:,} commits across {lineages} lineages, {built} through the real "
+        f"API ({stamp.get('build_s', 0):.0f} s, {1e3 * stamp.get('build_s', 0) / commits:.1f} ms per commit, "
+        "durable=False): `CheckpointRoot.save` of one tiny file per step, and `resume(step=...)` rolling "
+        "back half a lineage between lineages. The transformers directory holds as many empty "
+        "`checkpoint-N` directories. Each txckpt lookup starts from a fresh root object "
+        "(`txckpt.forget_roots()`, timed), as a restarted process does. Warm dentry cache on both sides."
+    )
+    return {"id": "lookup", "title": "get_last_checkpoint", "rows": rows, "about": about}
