@@ -1,0 +1,417 @@
+"""Pytest plugin: a moto S3 server on loopback, roots on every backend, and request counting.
+
+Load with ``pytest_plugins = ["tests.s3_server"]`` (tests/conftest.py) or ``-p tests.s3_server``.
+
+Fixtures
+--------
+``s3_server``  (session)   the running :class:`S3Server` (moto's ``ThreadedMotoServer`` on
+                           127.0.0.1, a free port); fake credentials are set in the environment
+                           for the whole session, so spawned child processes inherit them.
+``s3_root``    (function)  moto state reset, a fresh bucket, and ``(url, storage_options)`` for
+                           ``txckpt.storage.open_storage(url, storage_options)``.
+``s3_requests`` (function) a :class:`RequestCounter` started at zero.
+``any_root``   (function)  ``(url, storage_options)`` parametrized over local, memory and s3 (and
+                           gcs / azure when their emulators are installed; see docs/remote.md).
+
+Request counting happens on the server side, in a WSGI middleware in front of moto: it sees every
+request any client sends (s3fs, boto3, child processes, retries), not just those of one client
+object, and it does not depend on s3fs keeping the same botocore client for its whole life.
+Benchmarks import :class:`S3Server` / :class:`RequestCounter` from here.
+
+Fidelity fix: moto checks ``If-None-Match: *`` / ``If-Match`` and then stores the object as two
+unsynchronised steps, and its server answers requests on concurrent threads, so two racing
+conditional writes can both succeed on moto (real S3 makes them atomic: one gets 412). The
+middleware serialises *conditional* writes against each other (and only those), which is what S3
+guarantees. Unconditional traffic is not serialised, so it does not hide check-then-write code:
+a backend that HEADs and then PUTs without a condition still races. Set
+``TXCKPT_MOTO_RAW=1`` to run against unmodified moto and watch the race happen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import pytest
+
+BUCKET = "txckpt-test"
+REGION = "us-east-1"
+FAKE_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_SECURITY_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": REGION,
+    "AWS_REGION": REGION,
+    "AWS_EC2_METADATA_DISABLED": "true",
+    # Never read a developer's real profile or credentials.
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+}
+# The moto control plane (reset etc.) is not S3 traffic: not counted.
+_MOTO_API = "/moto-api"
+
+
+# ---------------------------------------------------------------------------------------------
+# Request classification and counting
+# ---------------------------------------------------------------------------------------------
+def classify(environ: dict[str, Any]) -> str:
+    """The S3 API operation of one WSGI request (path-style addressing, as s3fs/boto3 send it
+    to an endpoint_url)."""
+    method = environ.get("REQUEST_METHOD", "GET")
+    path = environ.get("PATH_INFO", "/")
+    query = urllib.parse.parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
+    parts = [p for p in path.split("/") if p]
+    on_object = len(parts) >= 2
+    if not parts:
+        return "ListBuckets" if method == "GET" else f"{method}Service"
+    if method == "PUT":
+        if not on_object:
+            return "CreateBucket" if not query else "PutBucket" + "".join(sorted(query)).title()
+        if "partNumber" in query and "uploadId" in query:
+            if environ.get("HTTP_X_AMZ_COPY_SOURCE"):
+                return "UploadPartCopy"
+            return "UploadPart"
+        if environ.get("HTTP_X_AMZ_COPY_SOURCE"):
+            return "CopyObject"
+        if "tagging" in query:
+            return "PutObjectTagging"
+        return "PutObject"
+    if method == "POST":
+        if "uploads" in query:
+            return "CreateMultipartUpload"
+        if "uploadId" in query:
+            return "CompleteMultipartUpload"
+        if "delete" in query:
+            return "DeleteObjects"
+        return "PostObject"
+    if method == "DELETE":
+        if "uploadId" in query:
+            return "AbortMultipartUpload"
+        return "DeleteObject" if on_object else "DeleteBucket"
+    if method == "HEAD":
+        return "HeadObject" if on_object else "HeadBucket"
+    if method == "GET":
+        if on_object:
+            if "uploadId" in query:
+                return "ListParts"
+            if "tagging" in query:
+                return "GetObjectTagging"
+            return "GetObject"
+        if "uploads" in query:
+            return "ListMultipartUploads"
+        if "location" in query:
+            return "GetBucketLocation"
+        if "versions" in query:
+            return "ListObjectVersions"
+        if query.get("list-type") == ["2"]:
+            return "ListObjectsV2"
+        return "ListObjects"
+    return method
+
+
+def _body_length(environ: dict[str, Any]) -> int:
+    # aws-chunked bodies (flexible checksums) carry the payload size separately.
+    for name in ("HTTP_X_AMZ_DECODED_CONTENT_LENGTH", "CONTENT_LENGTH"):
+        value = environ.get(name)
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    return 0
+
+
+@dataclass
+class RequestStats:
+    """Cumulative counts since the server started (thread-safe)."""
+
+    ops: Counter = field(default_factory=Counter)
+    uploaded_bytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record(self, op: str, nbytes: int) -> None:
+        with self.lock:
+            self.ops[op] += 1
+            if op in ("PutObject", "UploadPart"):
+                self.uploaded_bytes += nbytes
+
+    def snapshot(self) -> tuple[Counter, int]:
+        with self.lock:
+            return Counter(self.ops), self.uploaded_bytes
+
+
+class RequestCounter:
+    """Requests (by S3 operation) and uploaded bytes (PutObject + UploadPart bodies) that reached
+    the server since this counter was created or last ``reset()``.
+
+    >>> counter = s3_server.counter()
+    >>> storage.create_exclusive("a", b"x", durable=True)
+    >>> counter.ops           # Counter({'PutObject': 1})
+    >>> counter.total, counter.uploaded_bytes
+
+    Also a context manager: ``with s3_server.counter() as c: ...`` freezes the counts at exit.
+    Counts include every client of the server, so measure one thing at a time.
+    """
+
+    def __init__(self, stats: RequestStats):
+        self._stats = stats
+        self._frozen: tuple[Counter, int] | None = None
+        self.reset()
+
+    def reset(self) -> "RequestCounter":
+        self._base_ops, self._base_bytes = self._stats.snapshot()
+        self._frozen = None
+        return self
+
+    def _now(self) -> tuple[Counter, int]:
+        if self._frozen is not None:
+            return self._frozen
+        ops, nbytes = self._stats.snapshot()
+        ops.subtract(self._base_ops)
+        return Counter({k: v for k, v in ops.items() if v}), nbytes - self._base_bytes
+
+    @property
+    def ops(self) -> Counter:
+        return self._now()[0]
+
+    @property
+    def total(self) -> int:
+        return sum(self._now()[0].values())
+
+    @property
+    def uploaded_bytes(self) -> int:
+        return self._now()[1]
+
+    def __enter__(self) -> "RequestCounter":
+        return self.reset()
+
+    def __exit__(self, *exc) -> None:
+        self._frozen = self._now()
+
+    def __repr__(self) -> str:
+        ops, nbytes = self._now()
+        return f"RequestCounter(total={sum(ops.values())}, ops={dict(ops)}, uploaded_bytes={nbytes})"
+
+
+class _Middleware:
+    """Counts S3 requests and serialises conditional writes (see module docstring)."""
+
+    def __init__(self, app, stats: RequestStats, serialise_conditional: bool):
+        self.app = app
+        self.stats = stats
+        self.serialise_conditional = serialise_conditional
+        self.conditional_lock = threading.Lock()
+
+    def __call__(self, environ, start_response):
+        if environ.get("PATH_INFO", "").startswith(_MOTO_API):
+            return self.app(environ, start_response)
+        op = classify(environ)
+        self.stats.record(op, _body_length(environ))
+        conditional = op in ("PutObject", "CompleteMultipartUpload", "DeleteObject") and (
+            environ.get("HTTP_IF_NONE_MATCH") or environ.get("HTTP_IF_MATCH")
+        )
+        if conditional and self.serialise_conditional:
+            with self.conditional_lock:
+                # moto builds the whole response inside the call; materialise it under the lock.
+                return list(self.app(environ, start_response))
+        return self.app(environ, start_response)
+
+
+# ---------------------------------------------------------------------------------------------
+# The server
+# ---------------------------------------------------------------------------------------------
+class S3Server:
+    """moto's ThreadedMotoServer on 127.0.0.1 behind the counting middleware."""
+
+    def __init__(self, serialise_conditional: bool | None = None):
+        from moto.moto_server.werkzeug_app import MotoRequestHandler
+        from moto.server import ThreadedMotoServer
+
+        if serialise_conditional is None:
+            serialise_conditional = os.environ.get("TXCKPT_MOTO_RAW", "") != "1"
+        self.stats = RequestStats()
+        stats = self.stats
+
+        class _Handler(MotoRequestHandler):
+            def log_request(self, *args, **kwargs) -> None:  # one line per request: too noisy
+                pass
+
+        class _Server(ThreadedMotoServer):
+            def _server_entry(self) -> None:  # same as moto's, with the middleware in front
+                from werkzeug.serving import make_server
+
+                from moto.moto_server.werkzeug_app import (
+                    DomainDispatcherApplication,
+                    create_backend_app,
+                )
+
+                app = _Middleware(
+                    DomainDispatcherApplication(create_backend_app), stats, serialise_conditional
+                )
+                self._server = make_server(
+                    self._ip_address, self._port, app, True, request_handler=_Handler
+                )
+                self._server_ready_event.set()
+                self._server.serve_forever()
+
+        self._server = _Server(ip_address="127.0.0.1", port=0, verbose=False)
+        self.host = "127.0.0.1"
+        self.port = 0
+
+    def start(self) -> "S3Server":
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        assert host == "127.0.0.1", host
+        self.port = port
+        return self
+
+    def stop(self) -> None:
+        self._server.stop()
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def reset(self) -> None:
+        """Forget every bucket and object (moto's control plane)."""
+        req = urllib.request.Request(f"{self.endpoint_url}/moto-api/reset", method="POST", data=b"")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            resp.read()
+
+    def counter(self) -> RequestCounter:
+        return RequestCounter(self.stats)
+
+    def storage_options(self, **extra: Any) -> dict[str, Any]:
+        """s3fs options for this server. ``skip_instance_cache`` makes every open_storage() call
+        a separate client with its own listing cache, like a separate process."""
+        options: dict[str, Any] = {
+            "key": FAKE_ENV["AWS_ACCESS_KEY_ID"],
+            "secret": FAKE_ENV["AWS_SECRET_ACCESS_KEY"],
+            "token": FAKE_ENV["AWS_SESSION_TOKEN"],
+            "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": REGION},
+            "skip_instance_cache": True,
+        }
+        options.update(extra)
+        return options
+
+    def boto3_client(self):
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name=REGION,
+            aws_access_key_id=FAKE_ENV["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=FAKE_ENV["AWS_SECRET_ACCESS_KEY"],
+            aws_session_token=FAKE_ENV["AWS_SESSION_TOKEN"],
+        )
+
+    def create_bucket(self, bucket: str = BUCKET) -> None:
+        self.boto3_client().create_bucket(Bucket=bucket)
+
+    def multipart_uploads(self, bucket: str = BUCKET, prefix: str = "") -> list[dict]:
+        """In-progress multipart uploads (what an abort must leave empty)."""
+        out = self.boto3_client().list_multipart_uploads(Bucket=bucket, Prefix=prefix)
+        return out.get("Uploads", [])
+
+
+@contextlib.contextmanager
+def fake_aws_env() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in FAKE_ENV.items():
+            mp.setenv(name, value)
+        for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+            mp.delenv(name, raising=False)
+        yield
+
+
+@contextlib.contextmanager
+def running_s3_server(**kwargs: Any) -> Iterator[S3Server]:
+    """Start a server for a script or benchmark outside pytest fixtures."""
+    with fake_aws_env():
+        server = S3Server(**kwargs).start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    with running_s3_server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_root(s3_server: S3Server) -> tuple[str, dict[str, Any]]:
+    s3_server.reset()
+    s3_server.create_bucket(BUCKET)
+    return f"s3://{BUCKET}/root", s3_server.storage_options()
+
+
+@pytest.fixture
+def s3_requests(s3_server: S3Server) -> RequestCounter:
+    return s3_server.counter()
+
+
+@pytest.fixture
+def memory_root() -> Iterator[tuple[str, dict[str, Any]]]:
+    name = f"txckpt-{uuid.uuid4().hex}"
+    yield f"memory://{name}", {}
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    prefix = f"/{name}"
+    store = MemoryFileSystem.store
+    for path in [p for p in list(store) if p == prefix or p.startswith(prefix + "/")]:
+        store.pop(path, None)
+    dirs = MemoryFileSystem.pseudo_dirs
+    dirs[:] = [d for d in dirs if not (d == prefix or d.startswith(prefix + "/"))]
+
+
+@pytest.fixture
+def local_root(tmp_path) -> tuple[str, dict[str, Any]]:
+    return str(tmp_path / "root"), {}
+
+
+ROOT_KINDS = ["local", "memory", pytest.param("s3", marks=pytest.mark.s3)]
+
+
+@pytest.fixture(params=ROOT_KINDS)
+def any_root(request) -> tuple[str, dict[str, Any]]:
+    """(url, storage_options) of an empty root on each backend; ``request.param`` is its kind."""
+    return request.getfixturevalue(f"{request.param}_root")
+
+
+@pytest.fixture
+def root_kind(any_root, request) -> str:
+    """The backend kind of the current ``any_root`` parameter."""
+    return request.node.callspec.params["any_root"]
+
+
+def _wait_port(host: str, port: int, timeout: float = 30.0) -> None:
+    """Poll until a TCP port accepts (used for emulators started as subprocesses)."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
