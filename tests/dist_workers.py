@@ -17,6 +17,7 @@ import builtins
 import json
 import multiprocessing
 import os
+import re
 import signal
 import time
 import traceback
@@ -314,14 +315,19 @@ _WRITE_MODES = set("wax+")
 
 class Tracer:
     """Counts the file operations of this process (open for writing, write, fsync, link, rename,
-    replace, unlink, mkdir, rmdir, renameat2) and SIGKILLs it before or after op ``kill_at``.
+    replace, unlink, mkdir, rmdir, renameat2) and SIGKILLs it before or after the op
+    ``kill_at`` = (name, occurrence): ranks race to create shared directories, so the index of an
+    op can differ by one between runs while its name and occurrence do not.
 
     A run of consecutive writes to one file counts as one operation: they land in a userspace
     buffer (torch.save issues dozens of tiny ones), so a crash between two of them leaves the same
     state as a crash before the run; "after" a run means before the next operation."""
 
-    def __init__(self, kill_at: int | None = None, when: str = "before", label_file: str | None = None):
-        self.kill_at = kill_at
+    def __init__(self, kill_at: tuple[str, int] | None = None, when: str = "before",
+                 label_file: str | None = None, root: str | None = None):
+        self.root = os.path.abspath(root) if root else None
+        self.kill_at = tuple(kill_at) if kill_at else None  # (op name, occurrence), see occurrences()
+        self._seen: dict[str, int] = {}
         self.when = when
         self.label_file = label_file
         self._real_open = builtins.open
@@ -347,7 +353,8 @@ class Tracer:
         self._run_path = write_path
         self.count += 1
         self.ops.append(name)
-        mine = self.count == self.kill_at
+        self._seen[name] = self._seen.get(name, 0) + 1
+        mine = self.kill_at == (name, self._seen[name])
         if mine and self.when == "before":
             self._die(completed=len(self.ops) - 1)
         try:
@@ -364,7 +371,7 @@ class Tracer:
         tracer = self
 
         def wrapper(*args, **kwargs):
-            return tracer.op(f"{attr}({_short(args)})", real, *args, **kwargs)
+            return tracer.op(f"{attr}({_short(args, tracer.root)})", real, *args, **kwargs)
 
         setattr(owner, attr, wrapper)
 
@@ -381,7 +388,7 @@ class Tracer:
         def traced_open(file, mode="r", *args, **kwargs):
             if not (set(mode) & _WRITE_MODES) or not isinstance(file, (str, bytes, os.PathLike)):
                 return real_open(file, mode, *args, **kwargs)
-            f = tracer.op(f"open({_short((file,))}, {mode})", real_open, file, mode, *args, **kwargs)
+            f = tracer.op(f"open({_short((file,), tracer.root)}, {mode})", real_open, file, mode, *args, **kwargs)
             return _TracedFile(f, tracer, os.fsdecode(file))
 
         builtins.open = traced_open
@@ -402,7 +409,8 @@ class _TracedFile:
         self._path = path
 
     def write(self, data: Any) -> int:
-        return self._tracer.op(f"write({_short((self._path,))})", self._f.write, data, write_path=self._path)
+        name = f"write({_short((self._path,), self._tracer.root)})"
+        return self._tracer.op(name, self._f.write, data, write_path=self._path)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)
@@ -414,21 +422,39 @@ class _TracedFile:
         self._f.close()
 
 
-def _short(args: Any) -> str:
+_RANDOM = re.compile(r"[0-9]+-[0-9a-f]{8}-[0-9a-f]{10}|[0-9a-f]{10,}")
+
+
+def _short(args: Any, root: str | None = None) -> str:
+    """Stable names for op arguments: paths relative to the root (else their last components),
+    with txids and random temporary suffixes replaced, so that ops can be named across runs."""
     out = []
     for a in args:
         if isinstance(a, (str, bytes, os.PathLike)):
             p = os.fsdecode(a)
-            parts = p.split("/")
-            # the txid is random: keep the name stable across runs so op lists can be compared
-            out.append("/".join(x if not x[:1].isdigit() or len(x) < 12 else "<id>" for x in parts[-3:]))
+            if root and (p == root or p.startswith(root + "/")):
+                p = "<root>" + p[len(root):]
+            else:
+                p = "/".join(p.split("/")[-3:])
+            out.append(_RANDOM.sub("<id>", p))
         elif isinstance(a, int):
             out.append("fd")
     return ", ".join(out)
 
 
+def occurrences(ops: list[str]) -> list[tuple[str, int]]:
+    """Each op as (name, how many times that name occurred up to and including it): a crash
+    point that survives small differences in op order between runs."""
+    seen: dict[str, int] = {}
+    out = []
+    for op in ops:
+        seen[op] = seen.get(op, 0) + 1
+        out.append((op, seen[op]))
+    return out
+
+
 def crash_save(rank: int, world: int, *, root: str, step: int, victim: int,
-               kill_at: int | None, when: str, ops_file: str | None = None,
+               kill_at: tuple[str, int] | None, when: str, ops_file: str | None = None,
                label_file: str | None = None, timeout: float = 60.0) -> Any:
     """A coordinated save in which rank ``victim`` traces its file operations (and SIGKILLs
     itself at op ``kill_at``). With ``kill_at=None`` it only counts, writing the ops to
@@ -441,7 +467,7 @@ def crash_save(rank: int, world: int, *, root: str, step: int, victim: int,
             for name, obj in files.items():
                 tx.save(name, obj)
         return tx.path
-    tracer = Tracer(kill_at, when, label_file).install()
+    tracer = Tracer(kill_at, when, label_file, root).install()
     try:
         with txckpt.transaction(root, step, timeout=timeout) as tx:
             for name, obj in files.items():
