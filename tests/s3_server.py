@@ -210,12 +210,34 @@ class _Middleware:
         self.stats = stats
         self.serialise_conditional = serialise_conditional
         self.conditional_lock = threading.Lock()
+        self.faults: list[dict[str, Any]] = []
+        self.faults_lock = threading.Lock()
+
+    def _take_fault(self, op: str, path: str) -> dict[str, Any] | None:
+        with self.faults_lock:
+            for fault in self.faults:
+                if fault["op"] == op and path.endswith("/" + fault["key"]):
+                    self.faults.remove(fault)
+                    return fault
+        return None
 
     def __call__(self, environ, start_response):
         if environ.get("PATH_INFO", "").startswith(_MOTO_API):
             return self.app(environ, start_response)
         op = classify(environ)
         self.stats.record(op, _body_length(environ))
+        fault = self._take_fault(op, environ.get("PATH_INFO", ""))
+        if fault is not None:
+            if fault["after_apply"]:  # moto applies the request; the client never hears of it
+                list(self._dispatch(op, environ, lambda *a, **k: (lambda data: None)))
+            body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code>"
+                    b"<Message>injected by tests/s3_server.py</Message></Error>")
+            start_response("500 Internal Server Error",
+                           [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
+            return [body]
+        return self._dispatch(op, environ, start_response)
+
+    def _dispatch(self, op: str, environ, start_response):
         conditional = op in ("PutObject", "CompleteMultipartUpload", "DeleteObject") and (
             environ.get("HTTP_IF_NONE_MATCH") or environ.get("HTTP_IF_MATCH")
         )
@@ -240,6 +262,8 @@ class S3Server:
             serialise_conditional = os.environ.get("TXCKPT_MOTO_RAW", "") != "1"
         self.stats = RequestStats()
         stats = self.stats
+        owner = self
+        self._app: _Middleware | None = None
 
         class _Handler(MotoRequestHandler):
             def log_request(self, *args, **kwargs) -> None:  # one line per request: too noisy
@@ -257,6 +281,7 @@ class S3Server:
                 app = _Middleware(
                     DomainDispatcherApplication(create_backend_app), stats, serialise_conditional
                 )
+                owner._app = app
                 self._server = make_server(
                     self._ip_address, self._port, app, True, request_handler=_Handler
                 )
@@ -289,6 +314,19 @@ class S3Server:
 
     def counter(self) -> RequestCounter:
         return RequestCounter(self.stats)
+
+    def inject_failure(self, op: str, key: str, *, after_apply: bool = True) -> None:
+        """Answer the next ``op`` request on a path ending in ``/key`` with HTTP 500 InternalError
+        (which botocore retries). With ``after_apply`` moto performs the request first: the
+        write happened but its client was told it failed, the ambiguous case."""
+        assert self._app is not None, "start() the server first"
+        with self._app.faults_lock:
+            self._app.faults.append({"op": op, "key": key, "after_apply": after_apply})
+
+    def clear_failures(self) -> None:
+        if self._app is not None:
+            with self._app.faults_lock:
+                self._app.faults.clear()
 
     def storage_options(self, **extra: Any) -> dict[str, Any]:
         """s3fs options for this server. ``skip_instance_cache`` makes every open_storage() call
@@ -358,6 +396,7 @@ def s3_server() -> Iterator[S3Server]:
 
 @pytest.fixture
 def s3_root(s3_server: S3Server) -> tuple[str, dict[str, Any]]:
+    s3_server.clear_failures()
     s3_server.reset()
     s3_server.create_bucket(BUCKET)
     return f"s3://{BUCKET}/root", s3_server.storage_options()
