@@ -194,7 +194,9 @@ def measure(size: int, rounds: int, warmup: int = 1, deadline: float = 1800.0) -
 def run(quick: bool) -> dict[str, Any]:
     size = (32 if quick else 256) * MiB
     rounds = 5 if quick else 7
+    load_before = _loadavg()
     result = measure(size, rounds)
+    load_after = _loadavg()
     times = result["times"]
     paired = [t / r for t, r in zip(times[TX], times[RAW]) if r > 0]
     ratio = statistics.median(paired)
@@ -205,7 +207,7 @@ def run(quick: bool) -> dict[str, Any]:
         "ratio": ratio, "goal": GOAL, "reps": len(paired), "paired": paired,
         "note": f"{WORLD} ranks × {size // MiB} MiB state ({result['nbytes'] / size:.3f}x on disk per rank); "
                 f"ratio = median of per-round ratios (ratio of medians {tx_med / raw_med:.2f}, of the "
-                f"fastest rounds {best:.2f})" + (
+                f"fastest rounds {best:.2f}); load average {load_before} before, {load_after} after" + (
                     "; quick mode: the fixed cost of a commit (~0.1 s of small fsyncs on rank 0) weighs "
                     "on 32 MiB, the goal is for 256 MiB" if quick else ""),
     }
@@ -217,7 +219,17 @@ def run(quick: bool) -> dict[str, Any]:
         "met": ratio <= GOAL, "paired_ratios": paired, "ratio_of_medians": tx_med / raw_med,
         "ratio_of_fastest": best, "txckpt_s": times[TX], "raw_slowest_s": times[RAW],
         "txckpt_median_s": tx_med, "raw_slowest_median_s": raw_med,
+        # 4 ranks share this machine's cores: other jobs' load moves the ratio (docs/distributed.md).
+        "load_before": load_before, "load_after": load_after,
     }
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "unknown"
 
 
 if __name__ == "__main__":  # python -m benchmarks.ranks [--quick]
