@@ -533,3 +533,13 @@ def make_baseline(root: str, step: int) -> str:
     import txckpt
 
     return txckpt.save_checkpoint(root, step, payload(0, step))
+
+
+def rollback_every_rank(rank: int, world: int, *, root: str, step: int) -> Any:
+    """Every rank calls txckpt.resume(root, step=...) as a DDP script naturally would, then all
+    ranks save the next step together."""
+    import txckpt
+
+    path = txckpt.resume(root, step=step)
+    saved = txckpt.save_checkpoint(root, step + 1, payload(rank, step + 1))
+    return {"resumed": path, "saved": saved}

@@ -185,3 +185,19 @@ def test_final_path_is_where_the_commit_lands(any_root):
         tx.save("a.json", 1)
         predicted = tx.final_path
     assert tx.path == predicted
+
+
+def test_legacy_root_is_adopted_on_every_backend(any_root, txlog):
+    """A root written without txckpt (plain checkpoint-N dirs) is adopted by the first save."""
+    url, opts = any_root
+    storage = open_storage(url, opts)
+    for s in (2, 4):
+        with storage.open_write(f"checkpoint-{s}/trainer_state.json", durable=False) as f:
+            f.write(b'{"global_step": %d}' % s)
+    assert txckpt.get_last_checkpoint(url, storage_options=opts).rstrip("/").endswith("checkpoint-4")
+    assert "no txckpt log" in txlog.text
+    txckpt.save_checkpoint(url, 6, files("A", 6), storage_options=opts)
+    r = fresh(url, opts)
+    cps = r.checkpoints("all")
+    assert [(c.step, c.adopted) for c in cps] == [(2, True), (4, True), (6, False)]
+    assert txckpt.load_checkpoint(cps[1].path, storage_options=opts)["trainer_state.json"] == {"global_step": 4}

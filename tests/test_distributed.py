@@ -399,3 +399,23 @@ def test_crash_points_four_ranks(tmp_path):
     conftest.SUMMARY_LINES.append(line)
     assert not tally.violations, "\n".join(tally.violations)
     assert tally.unreached == 0, line
+
+
+# ---------------------------------------------------------------------------------------------
+# Lineage changes called on every rank fork once
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_resume_on_every_rank_forks_once(tmp_path, world, txlog):
+    root = str(tmp_path / "out")
+    for s in (2, 4, 6):
+        txckpt.save_checkpoint(root, s, {"a.json": s})
+    txckpt.forget_roots()
+    run = dw.launch(world, dw.rollback_every_rank, str(tmp_path / "res"), root=root, step=2)
+    _assert_all_ok(run)
+    assert {r.ok["resumed"] for r in run.results} == {os.path.join(root, "checkpoint-2")}
+    assert {r.ok["saved"] for r in run.results} == {os.path.join(root, "checkpoint-3")}
+    r = txckpt.CheckpointRoot(root)
+    assert len(r.state().lineages) == 2, "one fork for the job, not one per rank"
+    assert [c.step for c in r.checkpoints()] == [2, 3]
+    assert txckpt.read_manifest(os.path.join(root, "checkpoint-3")).world_size == world

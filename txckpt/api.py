@@ -42,6 +42,7 @@ def save_checkpoint(
     *,
     storage_options: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
 ) -> str:
     """Save ``files`` as checkpoint ``step`` of the current lineage, all or nothing.
 
@@ -51,7 +52,7 @@ def save_checkpoint(
     lineage's newest checkpoint (call :func:`resume` with an older step first to roll back).
     Inside a torch.distributed group every rank calls it with its own files.
     """
-    return open_root(root, storage_options).save(step, files, metadata=metadata)
+    return open_root(root, storage_options).save(step, files, metadata=metadata, timeout=timeout)
 
 
 def transaction(
@@ -76,12 +77,37 @@ def get_last_checkpoint(root: str | os.PathLike, *, storage_options: Mapping[str
     return open_root(root, storage_options).get_last_checkpoint()
 
 
+def _on_rank0(fn, collective: bool | None):
+    """Run a lineage change once per job: on rank 0, with the result broadcast to every rank.
+
+    ``collective=None`` means "if a torch.distributed group is initialised, every rank calls
+    this"; ``False`` means only this process calls it (e.g. a caller that already runs it on
+    rank 0 alone and broadcasts the answer itself)."""
+    from .coordination import SingleProcess, current_coordinator
+    from .transactions import _describe_error, _rebuild_error
+
+    coord = SingleProcess() if collective is False else current_coordinator()
+    if coord.world_size == 1:
+        return fn()
+    out: dict[str, Any] | None = None
+    if coord.rank == 0:
+        try:
+            out = {"ok": fn()}
+        except Exception as e:  # every rank raises the same error
+            out = {"error": _describe_error(e)}
+    out = coord.broadcast(out)
+    if "error" in out:
+        raise _rebuild_error(out["error"])
+    return out["ok"]
+
+
 def resume(
     root: str | os.PathLike,
     step: int | None = None,
     *,
     path: str | os.PathLike | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    collective: bool | None = None,
 ) -> str | None:
     """Declare where this process continues from, and return that checkpoint's path.
 
@@ -89,8 +115,12 @@ def resume(
     restart. An older committed step of the current lineage, or the ``path`` of any committed
     checkpoint of the root, forks a new lineage; one warning names every checkpoint it abandons.
     Abandoned checkpoints are kept intact and never returned by get_last_checkpoint again.
+
+    Inside an initialised torch.distributed group every rank calls it: rank 0 changes the
+    lineage once and every rank gets its answer (pass ``collective=False`` to call it from one
+    rank alone).
     """
-    return open_root(root, storage_options).resume(step, path=path)
+    return _on_rank0(lambda: open_root(root, storage_options).resume(step, path=path), collective)
 
 
 def new_lineage(
@@ -98,10 +128,14 @@ def new_lineage(
     *,
     external_parent: str | os.PathLike | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    collective: bool | None = None,
 ) -> str:
     """Start a new root lineage (training from scratch, or from a checkpoint outside the root,
-    recorded as ``external_parent``). Returns its id; warns if it abandons checkpoints."""
-    return open_root(root, storage_options).new_lineage(external_parent=external_parent)
+    recorded as ``external_parent``). Returns its id; warns if it abandons checkpoints. Called
+    on every rank of a torch.distributed group, like :func:`resume`."""
+    return _on_rank0(
+        lambda: open_root(root, storage_options).new_lineage(external_parent=external_parent), collective
+    )
 
 
 def read_manifest(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:

@@ -59,11 +59,14 @@ class LogCorruptError(TxckptError):
 
 
 class TransactionAbortedError(TxckptError):
-    """A transaction did not commit: a rank failed, raised, or timed out. Nothing was committed."""
+    """A transaction did not commit: a rank failed, raised, or a name collided. Nothing was
+    committed; the previous checkpoint is still the newest."""
 
 
 class CoordinationTimeoutError(TransactionAbortedError, TimeoutError):
-    """A rank waited longer than the timeout for the other ranks of a transaction."""
+    """A collective of a transaction failed: another rank died, raised, or was slower than the
+    timeout. The message says what is known about the commit (a rank that loses contact after
+    rank 0 passed the commit point cannot know); ``get_last_checkpoint`` tells for sure."""
 
 
 class StorageError(TxckptError, OSError):

@@ -109,7 +109,7 @@ class FsspecStorage(Storage):
         self.fs.pipe_file(self._p(key), bytes(data), mode="create")
         self._fresh(key)
 
-    def replace(self, key: str, data: bytes) -> None:
+    def replace(self, key: str, data: bytes, *, durable: bool = False) -> None:
         self.fs.pipe_file(self._p(key), data)
         self._fresh(key)
 
@@ -274,7 +274,7 @@ class MemoryStorage(FsspecStorage):
         if self.fs.store.setdefault(path, f) is not f:
             raise FileExistsError(17, "already exists", self.full_path(key))
 
-    def replace(self, key: str, data: bytes) -> None:
+    def replace(self, key: str, data: bytes, *, durable: bool = False) -> None:
         self.fs.pipe_file(self._p(key), bytes(data))
 
 
@@ -461,7 +461,7 @@ class S3Storage(FsspecStorage):
         assert last is not None
         raise last
 
-    def replace(self, key: str, data: bytes) -> None:
+    def replace(self, key: str, data: bytes, *, durable: bool = False) -> None:
         self._call("put_object", Key=self._obj(key), Body=bytes(data))
         self._forget(key)
 
