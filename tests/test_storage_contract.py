@@ -20,7 +20,7 @@ from txckpt.checksum import digest_bytes
 from txckpt.storage import open_storage
 from txckpt.storage.fsspec_store import FsspecStorage, S3Storage
 
-OBJECT_STORES = ("memory", "s3")
+OBJECT_STORES = ("memory", "s3", "gcs", "azure")
 
 
 def _blob(n: int, seed: int = 0) -> bytes:

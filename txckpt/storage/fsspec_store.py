@@ -84,18 +84,32 @@ class FsspecStorage(Storage):
         return None
 
     def _fresh(self, key: str, tree: bool = False) -> None:
-        """Forget cached listings of ``key`` and its parents (and, with ``tree``, below it)."""
-        path = self._p(key)
+        """Forget cached listings of ``key`` and of every parent (with ``tree``, also below it).
+
+        ``invalidate_cache(path)`` is not enough on its own: s3fs and gcsfs drop the parents too,
+        but adlfs drops only ``path``, and a cached parent listing then makes ``info``/``open``
+        of a file another process just wrote raise FileNotFoundError."""
+        path = self.fs._strip_protocol(self._p(key)).rstrip("/")
         try:
             self.fs.invalidate_cache(path)
         except Exception:  # pragma: no cover - a backend without a cache
             pass
+        cache = getattr(self.fs, "dircache", None)
+        if cache is None:
+            return
+        p = path
+        while p:
+            cache.pop(p, None)
+            cache.pop(p + "/", None)
+            parent = self.fs._parent(p).rstrip("/")
+            if parent == p:
+                break
+            p = parent
+        cache.pop("", None)
         if tree:
-            cache = getattr(self.fs, "dircache", None)
-            if cache is not None:
-                below = path.rstrip("/") + "/"
-                for cached in [p for p in list(cache) if p.startswith(below)]:
-                    cache.pop(cached, None)
+            below = path + "/"
+            for cached in [c for c in list(cache) if c.startswith(below)]:
+                cache.pop(cached, None)
 
     # ----- writing -----------------------------------------------------------------------------
     def open_write(self, key: str, *, durable: bool) -> BinaryIO:
