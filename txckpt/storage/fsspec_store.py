@@ -23,6 +23,7 @@ import collections
 import concurrent.futures
 import io
 import os
+import sys
 from typing import Any, BinaryIO, Iterator
 
 from .base import Storage
@@ -333,28 +334,30 @@ class _MemoryWriter(io.RawIOBase):
 # =================================================================================================
 # s3://
 # =================================================================================================
-def _run(fs: Any, coro):
+def _run(fs: Any, coro, timeout: float | None = None):
     """Run ``coro`` on s3fs's event loop thread and wait for it."""
     from fsspec.asyn import sync
 
     async def _wrapped():
         return await coro
 
-    return sync(fs.loop, _wrapped)
+    return sync(fs.loop, _wrapped, timeout=timeout)
 
 
 class S3Storage(FsspecStorage):
     """S3 (and S3-compatible stores) through s3fs's async client, never its listing cache.
 
-    Requests per operation (measured against moto, see tests/test_storage_contract.py):
+    Requests per operation (counted against moto by tests/test_storage_contract.py; the table in
+    docs/remote.md is the full one):
 
     =====================  ==========================================================
     create_exclusive       1 PutObject (If-None-Match: *)
     replace                1 PutObject
     open_write (< part)    1 PutObject at close()
     open_write (>= part)   CreateMultipartUpload + N UploadPart + CompleteMultipartUpload;
-                           abort(): AbortMultipartUpload
+                           abort(): AbortMultipartUpload (after the parts in flight)
     read_bytes             1 GetObject
+    open_read              1 HeadObject + ranged GetObjects
     exists                 1 HeadObject for a file; + 1 ListObjectsV2 otherwise
     list_dir / walk_files  1 ListObjectsV2 per 1000 entries
     delete_file            1 DeleteObject
@@ -785,7 +788,7 @@ class _S3Writer(io.RawIOBase):
         finally:
             super().close()
 
-    def _discard(self) -> None:
+    def _discard(self, timeout: float | None = None) -> None:
         self._pieces = collections.deque()
         self._buffered = 0
         inflight, self._inflight = list(self._inflight), {}
@@ -796,7 +799,7 @@ class _S3Writer(io.RawIOBase):
         if _on_loop_thread(self._fs):  # a writer collected by the event loop thread itself
             asyncio.ensure_future(abort)
         else:
-            _run(self._fs, abort)
+            _run(self._fs, abort, timeout=timeout)
 
     def __exit__(self, exc_type, *_):
         if exc_type is None:
@@ -805,8 +808,10 @@ class _S3Writer(io.RawIOBase):
             self.abort()
 
     def __del__(self):  # an abandoned writer must not leave an upload running
+        if sys.is_finalizing():  # the event loop thread may be gone: gc reclaims the upload
+            return
         try:
             if not self.closed:
-                self._discard()
+                self._discard(timeout=60)
         except Exception:
             pass
