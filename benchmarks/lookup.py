@@ -126,6 +126,12 @@ def run(quick: bool) -> dict[str, Any]:
                      label, fold_times, "fold", "transformers", None),
          "note": "report only: what `resume(step=...)`, `txckpt ls` and retention read"},
     ]
+    log_dir = os.path.join(root, ".txckpt", "log")
+    entries = sorted(os.listdir(log_dir))
+    log_bytes = sum(os.path.getsize(os.path.join(log_dir, e)) for e in entries)
+    rows[1]["note"] += (f"; the log holds {len(entries):,} entries, {log_bytes / h.MiB:.0f} MiB: each entry carries "
+                        f"the whole state of every lineage ({os.path.getsize(os.path.join(log_dir, entries[-1])) / 1024:.1f}"
+                        " KiB for the newest), so a fold costs commits × lineages")
     built = "reused from the cache" if stamp.get("cached") else "built in this run"
     about = (
         f"The txckpt root holds {commits:,} commits across {lineages} lineages, {built} through the real "
