@@ -39,7 +39,7 @@ def manifest_files(path):
 def test_rank_killed_mid_save_commits_nothing_and_restart_resumes(tmp_path):
     out = tmp_path / "out"
     p = torchrun(out, 4, "none", 4, expect_ok=False)
-    assert "rank 1: killing myself while saving step 4" in p.stdout
+    assert "rank 1: killing myself while saving step 4" in p.stdout, f"{p.stdout}\n--- stderr\n{p.stderr[-6000:]}"
 
     txckpt.forget_roots()
     everything = txckpt.CheckpointRoot(out).checkpoints(lineage="all")

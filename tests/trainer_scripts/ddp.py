@@ -4,6 +4,7 @@
 
 RESUME is "none" or "true". With KILL_STEP, rank 1 SIGKILLs itself in the middle of the save of
 that step: after writing its rng_state_1.pth into staging, before the transaction commits.
+TXCKPT_TEST_ROOT / TXCKPT_TEST_STORAGE_OPTIONS: a remote txckpt root (see tiny.root_kwargs).
 """
 import os
 import signal
@@ -12,7 +13,7 @@ import sys
 import torch
 from transformers import Trainer
 
-from tiny import Data, Start, TinyConfig, TinyModel, make_args
+from tiny import Data, Start, TinyConfig, TinyModel, make_args, root_kwargs
 from txckpt.integrations.transformers import TransactionalTrainer
 
 if __name__ == "__main__":
@@ -30,8 +31,9 @@ if __name__ == "__main__":
 
         Trainer._save_rng_state = _save_rng_state
     torch.manual_seed(0)
-    cls = Trainer if os.environ.get("TXCKPT_TEST_STOCK_TRAINER") else TransactionalTrainer
+    stock = bool(os.environ.get("TXCKPT_TEST_STOCK_TRAINER"))
+    cls = Trainer if stock else TransactionalTrainer
     trainer = cls(model=TinyModel(TinyConfig()), args=make_args(out, max_steps),
-                  train_dataset=Data(0), callbacks=[Start()])
+                  train_dataset=Data(0), callbacks=[Start()], **({} if stock else root_kwargs()))
     trainer.train(resume_from_checkpoint=resume)
     print(f"rank {trainer.args.process_index}: finished at step {trainer.state.global_step}", flush=True)

@@ -8,6 +8,9 @@ txckpt's TransactionalTrainer. One process per command, so that a crash is a rea
                                                   global_step 3, before its first save) by CRASH
                                                   (exit: os._exit(137); kill: SIGKILL)
   rollback.py restart OUT                         run B's command with resume_from_checkpoint=True
+
+With TXCKPT_TEST_ROOT (and TXCKPT_TEST_STORAGE_OPTIONS, JSON) set, the txckpt root is that URL
+and OUT stays the local output_dir; run B still passes OUT/checkpoint-2, the stock spelling.
 """
 import os
 import signal
@@ -16,14 +19,15 @@ import sys
 import torch
 from transformers import Trainer
 
-from tiny import Data, Start, TinyConfig, TinyModel, make_args
+from tiny import Data, Start, TinyConfig, TinyModel, make_args, root_kwargs
 from txckpt.integrations.transformers import TransactionalTrainer
 
 
 def train(out, data_seed, max_steps, resume):
     torch.manual_seed(0)
     TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(out, max_steps),
-                         train_dataset=Data(data_seed), callbacks=[Start()]).train(resume_from_checkpoint=resume)
+                         train_dataset=Data(data_seed), callbacks=[Start()],
+                         **root_kwargs()).train(resume_from_checkpoint=resume)
 
 
 def die(how):

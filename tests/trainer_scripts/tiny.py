@@ -3,6 +3,7 @@
 Works with transformers 4.57 (PretrainedConfig) and 5.x (PreTrainedConfig).
 """
 import hashlib
+import json
 import os
 
 import torch
@@ -67,3 +68,14 @@ def digests(ckpt, files=FILES):
         with open(os.path.join(ckpt, f), "rb") as fh:
             out[f] = hashlib.sha1(fh.read()).hexdigest()
     return out
+
+
+def root_kwargs():
+    """The txckpt root the test asked for: ``TXCKPT_TEST_ROOT`` (a URL; output_dir stays local)
+    with ``TXCKPT_TEST_STORAGE_OPTIONS`` (JSON), as constructor keywords of the Trainer; none
+    (the root is output_dir) when unset."""
+    root = os.environ.get("TXCKPT_TEST_ROOT")
+    if not root:
+        return {}
+    return {"txckpt_root": root,
+            "txckpt_storage_options": json.loads(os.environ.get("TXCKPT_TEST_STORAGE_OPTIONS") or "{}")}

@@ -25,6 +25,11 @@ How it hooks in (docs/dev/trainer-internals.md has the Trainer call sequences th
   ``txckpt.resume(path=...)`` (an older one forks a lineage and warns); a path outside ->
   ``txckpt.new_lineage(external_parent=path)``; ``None`` on a root with checkpoints -> a new
   root lineage, with a warning.
+* ``txckpt_root`` (constructor keyword or class attribute) puts the txckpt root elsewhere, e.g.
+  ``"s3://bucket/run"``, while ``args.output_dir`` stays local. The Trainer's writers then write
+  into a local scratch directory that txckpt uploads at commit, and a checkpoint to resume from
+  (or the best model to load at the end, or a checkpoint to push to the Hub) is first fetched,
+  verified, into a local cache (``txckpt_cache_dir``, default ``<output_dir>/.txckpt-cache``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import warnings
 from typing import Any
 
@@ -42,7 +48,7 @@ import transformers
 from transformers import Trainer
 
 import txckpt
-from txckpt.coordination import current_coordinator
+from txckpt.coordination import coordination_timeout, current_coordinator
 from txckpt import errors as _errors
 
 log = logging.getLogger("txckpt.transformers")
@@ -57,14 +63,24 @@ class TransactionalCheckpointMixin:
     """Make a ``transformers.Trainer`` save every checkpoint as one txckpt transaction and resume
     along lineages. Place it **leftmost**: ``class MyTrainer(TransactionalCheckpointMixin, Trainer)``.
 
-    Class attributes a subclass may set:
+    Settings, as constructor keywords (``MyTrainer(..., txckpt_root="s3://bucket/run")``) or as
+    class attributes of a subclass (the keyword wins):
 
-    * ``txckpt_storage_options``: passed to every txckpt call (``None`` for a local output_dir).
+    * ``txckpt_root``: the txckpt root, any local path or fsspec URL (``s3://``, ``gs://``,
+      ``az://``, ...). ``None`` (default): ``args.output_dir`` is the root.
+    * ``txckpt_storage_options``: fsspec options for the root (credentials, ``endpoint_url``...),
+      passed to every txckpt call; also used to read a remote checkpoint given as
+      ``resume_from_checkpoint``.
+    * ``txckpt_cache_dir``: the local directory for a remote root's local copies (checkpoints
+      fetched to resume, load the best model or push to the Hub) and upload staging. Default
+      ``<output_dir>/.txckpt-cache``. It belongs to the run: do not share it between jobs.
     * ``txckpt_timeout``: seconds a rank waits for the others inside a transaction (``None``:
       txckpt's default, ``TXCKPT_COORDINATION_TIMEOUT`` or 600 s).
     """
 
+    txckpt_root: str | None = None
     txckpt_storage_options: dict[str, Any] | None = None
+    txckpt_cache_dir: str | None = None
     txckpt_timeout: float | None = None
 
     def __init_subclass__(cls, **kwargs: Any):
@@ -73,22 +89,52 @@ class TransactionalCheckpointMixin:
         super().__init_subclass__(**kwargs)
         _check_mro(cls)
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, txckpt_root: str | os.PathLike | None = None,
+                 txckpt_storage_options: dict[str, Any] | None = None,
+                 txckpt_cache_dir: str | os.PathLike | None = None,
+                 txckpt_timeout: float | None = None, **kwargs: Any):
         _check_mro(type(self))
+        if txckpt_root is not None:
+            self.txckpt_root = os.fspath(txckpt_root)
+        if txckpt_storage_options is not None:
+            self.txckpt_storage_options = dict(txckpt_storage_options)
+        if txckpt_cache_dir is not None:
+            self.txckpt_cache_dir = os.fspath(txckpt_cache_dir)
+        if txckpt_timeout is not None:
+            self.txckpt_timeout = txckpt_timeout
         # Set before Trainer.__init__: it may call overridden methods (e.g. _get_output_dir).
         self._txckpt_tx = None
         self._txckpt_pending_push: tuple[tuple, dict] | None = None
         #: The newest step this process knows to be committed in its lineage (resumed or saved).
         self._txckpt_last_step: int | None = None
+        #: Remote root: the cache's checkpoint copies are dropped after train()'s first commit.
+        self._txckpt_prune_after_commit = False
+        #: Remote root: local copies made for Hub pushes, with the push job reading them.
+        self._txckpt_push_copies: list[tuple[str, Any]] = []
         super().__init__(*args, **kwargs)
         self._txckpt_install_jit()
 
     # ----- where things go ---------------------------------------------------------------------
     def _txckpt_root(self, trial: Any = None) -> str:
-        """The txckpt root: the run directory upstream would use (output_dir, or the trial's run
-        directory during a hyperparameter search)."""
-        root = super()._get_output_dir(trial)  # type: ignore[misc]
-        return root if "://" in root else os.path.abspath(root)
+        """The txckpt root: ``txckpt_root`` if set, else the run directory upstream would use
+        (output_dir, or the trial's run directory during a hyperparameter search; with
+        ``txckpt_root`` a trial gets the same sub-path under it)."""
+        run_dir = super()._get_output_dir(trial)  # type: ignore[misc]
+        if self.txckpt_root is None:
+            return run_dir if _is_url(run_dir) else os.path.abspath(run_dir)
+        root = os.fspath(self.txckpt_root)
+        rel = os.path.relpath(run_dir, self.args.output_dir) if not _is_url(run_dir) else "."  # type: ignore[attr-defined]
+        if rel != ".":
+            root = root.rstrip("/") + "/" + rel.replace(os.sep, "/") if _is_url(root) else os.path.join(root, rel)
+        return root if _is_url(root) else os.path.abspath(root)
+
+    def _txckpt_cache(self) -> str:
+        """The local cache of a remote root: ``<cache>/<txid>/checkpoint-N`` (fetched to resume
+        or to load the best model), ``<cache>/push/...`` (Hub push sources), ``<cache>/staging``
+        (the transactions' local scratch directories, uploaded at commit)."""
+        if self.txckpt_cache_dir is not None:
+            return os.path.abspath(os.fspath(self.txckpt_cache_dir))
+        return os.path.join(os.path.abspath(self.args.output_dir), CACHE_DIR_NAME)  # type: ignore[attr-defined]
 
     def _get_output_dir(self, trial: Any = None) -> str:
         tx = getattr(self, "_txckpt_tx", None)
@@ -111,7 +157,6 @@ class TransactionalCheckpointMixin:
             log.info("txckpt: checkpoint-%d is already committed in this lineage; not saving it again", step)
             return
         root = self._txckpt_root(trial)
-        expected = os.path.join(root, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         self._txckpt_pending_push = None
         with txckpt.transaction(
             root, step, storage_options=self.txckpt_storage_options,
@@ -119,6 +164,10 @@ class TransactionalCheckpointMixin:
         ) as tx:
             self._txckpt_tx = tx
             try:
+                if _is_remote(root):
+                    self._txckpt_make_scratch(tx)
+                # <root>/checkpoint-N on a local disk; the transaction's own key on object stores.
+                expected = tx.final_path
                 super()._save_checkpoint(model, trial, *args, **kwargs)  # type: ignore[misc]
                 self._txckpt_publish_best(tx, expected)
             finally:
@@ -133,12 +182,39 @@ class TransactionalCheckpointMixin:
                 "txckpt: checkpoint-%d was committed at %s, not at %s; trainer_state.json inside it "
                 "names %s as best_model_checkpoint", step, committed, expected, expected,
             )
-        # The Hub push that upstream asked for during the save, now from the committed directory.
+        if self._txckpt_prune_after_commit:
+            self._txckpt_drop_cached_copies()
+        # The Hub push that upstream asked for during the save, now from the committed directory
+        # (on a remote root, from a verified local copy of it: see _push_from_checkpoint).
         pending, self._txckpt_pending_push = self._txckpt_pending_push, None
         if pending is not None:
             self._push_from_checkpoint(committed, *pending[0], **pending[1])
         if self.is_world_process_zero():  # type: ignore[attr-defined]
             self._txckpt_retention(root)
+
+    def _txckpt_make_scratch(self, tx: Any) -> None:
+        """On a remote root ``tx.directory`` is a local scratch directory (uploaded at commit).
+        txckpt creates it under ``$TXCKPT_STAGING_DIR``, else the system temp dir; unless the
+        user chose, put it in the run's cache, next to output_dir, not in a possibly small /tmp
+        (and where the next run's start removes what a hard kill left)."""
+        if os.environ.get(STAGING_ENV):
+            tx.directory
+            return
+        base = os.path.join(self._txckpt_cache(), STAGING_DIR_NAME)
+        os.makedirs(base, exist_ok=True)
+        with _env_var(STAGING_ENV, base):
+            tx.directory
+
+    def _txckpt_clean_staging(self) -> None:
+        """Remove scratch directories that a hard-killed save left in the cache's staging dir.
+        Runs at train() start on each node's local rank 0, before any rank can save."""
+        base = os.path.join(self._txckpt_cache(), STAGING_DIR_NAME)
+        if os.environ.get(STAGING_ENV) or not os.path.isdir(base):
+            return
+        for name in os.listdir(base):
+            if name.startswith("txckpt-"):
+                log.info("txckpt: removing the staging leftover %s", os.path.join(base, name))
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
     def _txckpt_metadata(self, trial: Any) -> dict[str, Any]:
         return {
@@ -167,12 +243,186 @@ class TransactionalCheckpointMixin:
             # Never upload (asynchronously!) from staging: push after the commit.
             self._txckpt_pending_push = (args, kwargs)
             return
-        with _hub_uploads_skip_txckpt():
-            return super()._push_from_checkpoint(checkpoint_folder, *args, **kwargs)  # type: ignore[misc]
+        copy = None
+        if _is_remote(os.fspath(checkpoint_folder)) and self._txckpt_would_push():
+            # Upstream copies files out of the folder and uploads it with local paths: push
+            # from a verified local copy of the committed checkpoint.
+            try:
+                copy = self._txckpt_push_copy(os.fspath(checkpoint_folder))
+            except Exception as e:  # noqa: BLE001 - the checkpoint is committed; a push is optional
+                log.warning("txckpt: not pushing %s to the Hub: fetching a local copy failed (%s: %s)",
+                            checkpoint_folder, type(e).__name__, e)
+                return
+            checkpoint_folder = copy
+        with _hub_uploads_skip_txckpt(self._txckpt_hub_ignores()):
+            result = super()._push_from_checkpoint(checkpoint_folder, *args, **kwargs)  # type: ignore[misc]
+        if copy is not None:
+            self._txckpt_push_copies.append((copy, getattr(self, "push_in_progress", None)))
+        return result
 
     def push_to_hub(self, *args: Any, **kwargs: Any) -> Any:
-        with _hub_uploads_skip_txckpt():
+        with _hub_uploads_skip_txckpt(self._txckpt_hub_ignores()):
             return super().push_to_hub(*args, **kwargs)  # type: ignore[misc]
+
+    def _txckpt_hub_ignores(self) -> list[str]:
+        """HUB_IGNORE_PATTERNS, plus the cache directory if it is inside output_dir under another name."""
+        extra = []
+        out = os.path.abspath(self.args.output_dir)  # type: ignore[attr-defined]
+        cache = self._txckpt_cache()
+        if _is_within(cache, out) and os.path.realpath(cache) != os.path.realpath(out):
+            rel = os.path.relpath(cache, out).replace(os.sep, "/")
+            extra = [rel, rel + "/*"]
+        return HUB_IGNORE_PATTERNS + [p for p in extra if p not in HUB_IGNORE_PATTERNS]
+
+    def _txckpt_would_push(self) -> bool:
+        """Whether upstream's _push_from_checkpoint will read the folder (its early returns,
+        identical in 4.57 and 5.x): only then is a remote checkpoint worth fetching."""
+        strategy = getattr(self.args, "hub_strategy", None)  # type: ignore[attr-defined]
+        if not self.is_world_process_zero() or getattr(strategy, "value", strategy) == "end":  # type: ignore[attr-defined]
+            return False
+        job = getattr(self, "push_in_progress", None)
+        return bool(self.args.hub_always_push) or job is None or job.is_done()  # type: ignore[attr-defined]
+
+    def _txckpt_push_copy(self, remote: str) -> str:
+        """Rank 0: a verified local copy of committed checkpoint ``remote`` for a Hub push, in
+        ``<cache>/push/<txid>/checkpoint-N`` (the name upstream gives the pushed folder). Copies
+        whose push has finished are removed first."""
+        self._txckpt_drop_push_copies()
+        manifest = txckpt.read_manifest(remote, storage_options=self.txckpt_storage_options)
+        dest = os.path.join(self._txckpt_cache(), PUSH_DIR_NAME, manifest.txid, f"{PREFIX_CHECKPOINT_DIR}-{manifest.step}")
+        return self._txckpt_fetch_here(remote, dest)
+
+    def _txckpt_drop_push_copies(self) -> None:
+        """Remove the push sources whose upload has finished (rank 0)."""
+        keep = []
+        for path, job in self._txckpt_push_copies:
+            if job is None or job.is_done():
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+            else:
+                keep.append((path, job))
+        self._txckpt_push_copies = keep
+
+    # ----- remote roots: local copies --------------------------------------------------------
+    def _txckpt_fetch_timeout(self) -> float:
+        """A fetch happens between two collectives: the others wait for the download."""
+        return max(coordination_timeout(self.txckpt_timeout), float(getattr(self.args, "ddp_timeout", 0) or 0))
+
+    def _txckpt_fetch_here(self, remote: str, dest: str) -> str:
+        """This process's verified copy of committed checkpoint ``remote`` at ``dest`` (reused if
+        it already holds the same manifest and verifies)."""
+        so = self.txckpt_storage_options
+        try:
+            return txckpt.fetch_checkpoint(remote, dest, storage_options=so)
+        except OSError as e:
+            if isinstance(e, _errors.TxckptError) or not os.path.isfile(os.path.join(dest, txckpt.MANIFEST_NAME)):
+                raise
+            # Another process renamed its copy into dest while this one downloaded: check that one.
+            return txckpt.fetch_checkpoint(remote, dest, storage_options=so)
+
+    def _txckpt_fetch_committed(self, remote: str) -> str:
+        """Every rank: a verified local copy of committed checkpoint ``remote`` in
+        ``<cache>/<txid>/checkpoint-N``. Rank 0 reads the manifest and fetches first; then each
+        other node's local rank 0; then the remaining ranks (which, on one node or a shared
+        cache, find the copy and only verify it). So no two processes ever download into the
+        same directory at once. Any rank's failure is raised on every rank."""
+        coord = current_coordinator(self._txckpt_fetch_timeout())
+        info: dict[str, Any] = {}
+        own: BaseException | None = None
+        if coord.rank == 0:
+            try:
+                m = txckpt.read_manifest(remote, storage_options=self.txckpt_storage_options)
+                info = {"txid": m.txid, "step": m.step}
+            except BaseException as e:  # noqa: BLE001 - every rank must learn it
+                own, info = e, {"error": _describe(e, 0)}
+        info = coord.broadcast(info)
+        if own is not None:
+            raise own
+        if "error" in info:
+            raise _rebuild_error(info["error"])
+        dest = os.path.join(self._txckpt_cache(), info["txid"], f"{PREFIX_CHECKPOINT_DIR}-{info['step']}")
+        if coord.world_size == 1:
+            return self._txckpt_fetch_here(remote, dest)
+        local_rank = int(getattr(self.args, "local_process_index", coord.rank))
+        turns = (coord.rank == 0, coord.rank != 0 and local_rank == 0, coord.rank != 0 and local_rank != 0)
+        for mine in turns:
+            report = None
+            if mine:
+                try:
+                    self._txckpt_fetch_here(remote, dest)
+                except BaseException as e:  # noqa: BLE001
+                    own, report = e, _describe(e, coord.rank)
+            reports = coord.gather(report)
+            verdict = coord.broadcast(next((r for r in reports or [] if r), None))
+            if own is not None:
+                raise own
+            if verdict is not None:
+                raise _rebuild_error(verdict)
+        return dest
+
+    def _txckpt_drop_cached_copies(self) -> None:
+        """After the first commit of a train() on a remote root, nothing reads the cache's
+        checkpoint copies any more (upstream reads the resumed one before the first update step;
+        the commit's collectives mean every rank is past that; an earlier run's best copy is
+        stale): remove them (not staging, not push sources), on each node, then barrier so no
+        rank fetches into the cache (the best model at the end) while another still removes."""
+        self._txckpt_prune_after_commit = False
+        if int(getattr(self.args, "local_process_index", 0)) == 0:
+            cache = self._txckpt_cache()
+            for name in (os.listdir(cache) if os.path.isdir(cache) else []):
+                if name not in (STAGING_DIR_NAME, PUSH_DIR_NAME):
+                    shutil.rmtree(os.path.join(cache, name), ignore_errors=True)
+        current_coordinator(self.txckpt_timeout).barrier()
+
+    def _load_best_model(self, *args: Any, **kwargs: Any) -> Any:
+        """Remote root: ``best_model_checkpoint`` names the committed remote checkpoint. Upstream
+        loads it from local paths: load it from a verified local copy in the cache (every rank
+        calls this, after upstream's barrier). The state keeps naming the remote checkpoint."""
+        best = self.state.best_model_checkpoint
+        if best is None or not _is_remote(best):
+            return super()._load_best_model(*args, **kwargs)  # type: ignore[misc]
+        try:
+            local = self._txckpt_fetch_committed(best)
+        except (_errors.CheckpointNotFoundError, _errors.ManifestError) as e:
+            log.warning("txckpt: could not load the best model from %s (%s); keeping the last weights", best, e)
+            return None
+        self.state.best_model_checkpoint = local
+        try:
+            return super()._load_best_model(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.state.best_model_checkpoint = best
+
+    def _init_training_state(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers 5.x drops a resumed ``best_model_checkpoint`` that is not a local
+        directory (with a warning that it "does not exist anymore"). On a remote root it is the
+        remote checkpoint: keep it while it is still committed. (4.57 keeps it unchecked.)"""
+        from transformers.trainer_callback import TrainerState
+
+        remote: list[str] = []
+        descriptor = TrainerState.__dict__.get("load_from_json")
+        if not isinstance(descriptor, classmethod):  # a transformers this was not written for
+            return super()._init_training_state(*args, **kwargs)  # type: ignore[misc]
+        real = descriptor.__get__(None, TrainerState)
+
+        def load_from_json(json_path: str) -> Any:
+            state = real(json_path)
+            if state.best_model_checkpoint is not None and _is_remote(state.best_model_checkpoint):
+                remote.append(state.best_model_checkpoint)
+                state.best_model_checkpoint = None
+            return state
+
+        TrainerState.load_from_json = staticmethod(load_from_json)
+        try:
+            result = super()._init_training_state(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            TrainerState.load_from_json = descriptor
+        if remote and self.state.best_model_checkpoint is None:
+            try:
+                txckpt.read_manifest(remote[-1], storage_options=self.txckpt_storage_options)
+                self.state.best_model_checkpoint = remote[-1]
+            except (_errors.CheckpointNotFoundError, _errors.ManifestError):
+                log.warning("txckpt: the best checkpoint %s recorded in the resumed state is gone; "
+                            "ignoring it for this run", remote[-1])
+        return result
 
     # ----- retention (upstream rotation is disabled) -------------------------------------------
     def _rotate_checkpoints(self, use_mtime: bool = False, output_dir: str | None = None) -> None:
@@ -249,14 +499,21 @@ class TransactionalCheckpointMixin:
             resume_from_checkpoint = kwargs.pop("model_path")
         _check_save_on_each_node(self.args)
         resolved = self._txckpt_resolve_resume(resume_from_checkpoint, trial)
-        return super().train(  # type: ignore[misc]
-            resume_from_checkpoint=resolved, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
-        )
+        try:
+            return super().train(  # type: ignore[misc]
+                resume_from_checkpoint=resolved, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+            )
+        finally:
+            self._txckpt_drop_push_copies()  # upstream waited for the last push at the end
 
     def _txckpt_resolve_resume(self, resume: str | bool | None, trial: Any) -> str | None:
-        """Rank 0 decides (and records any lineage change); every rank gets its answer."""
+        """Rank 0 decides (and records any lineage change); every rank gets its answer. A remote
+        answer is fetched into the local cache on every rank, and the local copy returned."""
         root = self._txckpt_root(trial)
         coord = current_coordinator(self.txckpt_timeout)
+        if _is_remote(root) and int(getattr(self.args, "local_process_index", 0)) == 0:
+            # Before the broadcast: no rank can be saving (into staging) until every rank is past it.
+            self._txckpt_clean_staging()
         own_error: BaseException | None = None
         answer: dict[str, Any] | None = None
         if coord.rank == 0:
@@ -264,27 +521,39 @@ class TransactionalCheckpointMixin:
                 answer = {"path": self._txckpt_resolve_on_rank0(resume, root)}
             except BaseException as e:  # noqa: BLE001 - every rank must learn it
                 own_error = e
-                answer = {"error": {"type": type(e).__name__, "message": str(e)}}
+                answer = {"error": _describe(e, 0)}
         answer = coord.broadcast(answer)
         if own_error is not None:
             raise own_error
         if "error" in answer:
             raise _rebuild_error(answer["error"])
+        if "path" not in answer:  # never expected: a collective mismatch would show here
+            raise RuntimeError(f"txckpt: rank {coord.rank} got {answer!r} from rank 0 instead of the resume decision")
         path = answer["path"]
-        self._txckpt_last_step = _step_of(path) if path is not None and _is_within(path, root) else None
-        return path
+        local = path
+        # Remote root: after this run's first commit, the cache's checkpoint copies (this resume's,
+        # an earlier run's best) are no longer read by anyone.
+        self._txckpt_prune_after_commit = _is_remote(root)
+        if path is not None and _is_remote(path):
+            local = self._txckpt_fetch_committed(path)
+            log.info("txckpt: resuming from %s (local copy %s)", path, local)
+        self._txckpt_last_step = _step_of(local) if path is not None and _is_within(path, root) else None
+        return local
 
     def _txckpt_resolve_on_rank0(self, resume: str | bool | None, root: str) -> str | None:
+        # Runs on rank 0 alone, which broadcasts the answer: lineage changes here are not
+        # collectives (collective=False), or the other ranks would be waited for twice.
         so = self.txckpt_storage_options
         if resume is True:
-            path = txckpt.resume(root, storage_options=so) if _exists(root, so) else None
+            path = txckpt.resume(root, storage_options=so, collective=False) if _exists(root, so) else None
             if path is None:
                 path = _external_parent_of_empty_head(root, so)
                 if path is not None:
                     log.warning("txckpt: the current lineage of %s has no checkpoint yet; it started from "
                                 "the external checkpoint %s, resuming from there", root, path)
             if path is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+                where = self.args.output_dir if self.txckpt_root is None else root
+                raise ValueError(f"No valid checkpoint found in output directory ({where})")
             return path
         if resume is None or resume is False:
             if _exists(root, so) and _has_history(root, so):
@@ -296,15 +565,29 @@ class TransactionalCheckpointMixin:
                         "kept but no longer resumed by resume_from_checkpoint=True. To continue them, pass "
                         "resume_from_checkpoint=True.", root, os.path.basename(newest),
                     )
-                txckpt.new_lineage(root, storage_options=so)
+                txckpt.new_lineage(root, storage_options=so, collective=False)
             return None
         path = os.fspath(resume)
-        if "://" not in path:
+        if not _is_url(path):
             path = os.path.abspath(path)
+        named = _named_step(path, root)
         if _is_within(path, root):
-            return txckpt.resume(root, path=path, storage_options=so)
-        txckpt.new_lineage(root, external_parent=path, storage_options=so)
-        return os.fspath(resume)
+            if named is not None and _is_remote(root):
+                # Object stores have no checkpoint-N names (a checkpoint stays at its own key):
+                # <root>/checkpoint-K means step K of the current lineage, as on a local disk.
+                try:
+                    return txckpt.resume(root, path=path, storage_options=so, collective=False)
+                except _errors.CheckpointNotFoundError:
+                    return txckpt.resume(root, named, storage_options=so, collective=False)
+            return txckpt.resume(root, path=path, storage_options=so, collective=False)
+        out = os.path.abspath(self.args.output_dir)
+        local_step = _named_step(path, out)
+        if self.txckpt_root is not None and local_step is not None and not os.path.exists(path):
+            # The stock spelling "<output_dir>/checkpoint-K", with the checkpoints elsewhere.
+            log.info("txckpt: %s does not exist; the root is %s, resuming its step %d", path, root, local_step)
+            return txckpt.resume(root, local_step, storage_options=so, collective=False)
+        txckpt.new_lineage(root, external_parent=path, storage_options=so, collective=False)
+        return path if _is_url(path) else os.fspath(resume)
 
 
 # ----- helpers ----------------------------------------------------------------------------------
@@ -334,15 +617,58 @@ def _check_save_on_each_node(args: Any) -> None:
     )
 
 
+CACHE_DIR_NAME = ".txckpt-cache"
+STAGING_DIR_NAME = "staging"
+PUSH_DIR_NAME = "push"
+STAGING_ENV = "TXCKPT_STAGING_DIR"
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path or "::" in path
+
+
+def _is_remote(path: str) -> bool:
+    """A root or checkpoint that the Trainer cannot read through local paths (any fsspec URL
+    but file://)."""
+    return _is_url(path) and not (path.startswith("file://") and "::" not in path)
+
+
+def _named_step(path: str, parent: str) -> int | None:
+    """K if ``path`` is ``<parent>/checkpoint-K``."""
+    if _is_url(path) != _is_url(parent):
+        return None
+    head, name = (path.rstrip("/").rsplit("/", 1) + [""])[:2] if _is_url(path) else os.path.split(path)
+    m = _CHECKPOINT_RE.match(name)
+    same = head.rstrip("/") == parent.rstrip("/") if _is_url(path) else os.path.realpath(head) == os.path.realpath(parent)
+    return int(m.group(1)) if m and same else None
+
+
+@contextlib.contextmanager
+def _env_var(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _describe(e: BaseException, rank: int) -> dict[str, Any]:
+    return {"type": type(e).__name__, "message": str(e), "rank": rank}
+
+
 def _is_within(path: str, root: str) -> bool:
-    if "://" in path or "://" in root:
+    if _is_url(path) or _is_url(root):
         return path.rstrip("/").startswith(root.rstrip("/") + "/")
     p, r = os.path.realpath(path), os.path.realpath(root)
     return p == r or p.startswith(r.rstrip(os.sep) + os.sep)
 
 
 def _exists(root: str, storage_options: dict | None) -> bool:
-    return "://" in root or storage_options is not None or os.path.isdir(root)
+    return _is_url(root) or storage_options is not None or os.path.isdir(root)
 
 
 def _has_history(root: str, storage_options: dict | None) -> bool:
@@ -372,21 +698,22 @@ def _step_of(path: str) -> int | None:
 
 #: Upstream uploads the whole output_dir to the Hub, ignoring only "_*" and "checkpoint-*":
 #: without these, txckpt's log and the abandoned lineages' checkpoints under .txckpt/ would go too.
-HUB_IGNORE_PATTERNS = [".txckpt", ".txckpt/*", "*/.txckpt/*"]
+HUB_IGNORE_PATTERNS = [".txckpt", ".txckpt/*", "*/.txckpt/*", ".txckpt-cache", ".txckpt-cache/*"]
 
 
 @contextlib.contextmanager
-def _hub_uploads_skip_txckpt():
-    """Add HUB_IGNORE_PATTERNS to every ``upload_folder`` the Trainer makes in the block: 5.x calls
-    ``hf_api().upload_folder`` (an HfApi instance), 4.x the module-level ``upload_folder`` that
-    ``transformers.trainer`` imported (a bound method of huggingface_hub's default HfApi)."""
+def _hub_uploads_skip_txckpt(ignores: list[str] | None = None):
+    """Add ``ignores`` (default HUB_IGNORE_PATTERNS) to every ``upload_folder`` the Trainer makes in
+    the block: 5.x calls ``hf_api().upload_folder`` (an HfApi instance), 4.x the module-level
+    ``upload_folder`` that ``transformers.trainer`` imported (a bound method of huggingface_hub's
+    default HfApi)."""
     import huggingface_hub
     import transformers.trainer as hf_trainer
 
     def with_ignores(kwargs: dict[str, Any]) -> dict[str, Any]:
         patterns = kwargs.get("ignore_patterns") or []
         patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-        kwargs["ignore_patterns"] = patterns + [p for p in HUB_IGNORE_PATTERNS if p not in patterns]
+        kwargs["ignore_patterns"] = patterns + [p for p in (ignores or HUB_IGNORE_PATTERNS) if p not in patterns]
         return kwargs
 
     real_method = huggingface_hub.HfApi.upload_folder
@@ -426,12 +753,13 @@ def _plain_cpu_map_location():
         torch.load = real
 
 
-def _rebuild_error(err: dict[str, str]) -> BaseException:
-    msg = f"rank 0: {err.get('message', '')}"
+def _rebuild_error(err: dict[str, Any]) -> BaseException:
+    msg = f"rank {err.get('rank', 0)}: {err.get('message', '')}"
     cls = getattr(_errors, err.get("type", ""), None)
     if isinstance(cls, type) and issubclass(cls, _errors.TxckptError):
         return cls(msg)
-    builtin = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "TypeError": TypeError}
+    builtin = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "TypeError": TypeError,
+               "OSError": OSError, "PermissionError": PermissionError}
     return builtin.get(err.get("type", ""), RuntimeError)(msg)
 
 
