@@ -96,6 +96,15 @@ class HashingWriter(io.RawIOBase):
             self._sink.close()
         super().close()
 
+    def __del__(self) -> None:
+        # io.IOBase.__del__ would close() a writer that was dropped unfinished, which completes
+        # a half-written upload; a dropped writer is abandoned instead.
+        if not self.closed:
+            try:
+                self.abort()
+            except Exception:
+                pass
+
     @property
     def digest(self) -> str:
         return self._hasher.hexdigest()
