@@ -31,7 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--sizes", help="comma-separated sizes, e.g. 64M,256M (default by mode)")
     r.add_argument("--out", default=os.path.join(here, "docs"), help="directory for benchmarks.md/.png")
     r.add_argument("--scratch", help="directory for written files (default .bench-tmp; never tmpfs)")
+    rr = sub.add_parser("render", help="rewrite benchmarks.md/.png from the last run's saved results "
+                                         "(after editing benchmarks/analysis.py or report.py; measures nothing)")
+    rr.add_argument("--results", help="results.json of a run (default: <scratch>/results.json)")
+    rr.add_argument("--out", default=os.path.join(here, "docs"))
+    rr.add_argument("--scratch", help="the run's scratch directory (default .bench-tmp)")
     a = p.parse_args(argv)
+    if a.cmd == "render":
+        return render(a)
 
     s = h.configure(quick=a.quick, tiny=a.tiny, scratch=a.scratch,
                     sizes=[_size(x) for x in a.sizes.split(",")] if a.sizes else None)
@@ -58,14 +65,33 @@ def main(argv: list[str] | None = None) -> int:
     png = os.path.join(a.out, "benchmarks.png")
     have_png = write_plot(png, tables)
     md = os.path.join(a.out, "benchmarks.md")
-    write_markdown(md, tables, h.machine(), png if have_png else None, elapsed)
+    machine = h.machine()
+    write_markdown(md, tables, machine, png if have_png else None, elapsed)
     with open(os.path.join(s.scratch, "results.json"), "w") as f:
-        json.dump(tables, f, indent=1, default=str)
+        json.dump({"mode": {"quick": s.quick, "tiny": s.tiny}, "machine": machine, "elapsed": elapsed,
+                   "tables": tables}, f, indent=1, default=str)
     h.log(f"wrote {md}{' and ' + png if have_png else ''} in {elapsed:.0f} s; raw results in "
           f"{os.path.join(s.scratch, 'results.json')}")
     failed = [t["title"] for t in tables if t.get("status") == "failed"]
     if failed:
         h.log(f"failed cases: {failed}")
+    return 0
+
+
+def render(a) -> int:
+    from .report import write_markdown, write_plot
+
+    scratch = os.path.abspath(a.scratch or h.default_scratch())
+    path = a.results or os.path.join(scratch, "results.json")
+    with open(path) as f:
+        saved = json.load(f)
+    h.configure(quick=saved["mode"]["quick"], tiny=saved["mode"]["tiny"], scratch=scratch)
+    os.makedirs(a.out, exist_ok=True)
+    png = os.path.join(a.out, "benchmarks.png")
+    have_png = write_plot(png, saved["tables"])
+    md = os.path.join(a.out, "benchmarks.md")
+    write_markdown(md, saved["tables"], saved["machine"], png if have_png else None, saved["elapsed"])
+    h.log(f"re-rendered {md} from {path} (measured {saved['machine'].get('Date')})")
     return 0
 
 

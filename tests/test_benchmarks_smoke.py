@@ -33,6 +33,14 @@ def test_tiny_run_writes_report_and_plot(tmp_path):
     assert "**failed**" not in md, md[md.find("**failed**") - 400:][:2000]
     # The write benchmarks cleaned up after themselves.
     assert not (scratch / "run").exists()
+    # `render` rebuilds the page from the saved results without measuring.
+    (out / "benchmarks.md").unlink()
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "render", "--out", str(out), "--scratch", str(scratch)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (out / "benchmarks.md").read_text() == md
 
 
 def test_missing_and_failing_cases_are_reported_not_raised(monkeypatch):
