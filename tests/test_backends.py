@@ -201,3 +201,37 @@ def test_legacy_root_is_adopted_on_every_backend(any_root, txlog):
     cps = r.checkpoints("all")
     assert [(c.step, c.adopted) for c in cps] == [(2, True), (4, True), (6, False)]
     assert txckpt.load_checkpoint(cps[1].path, storage_options=opts)["trainer_state.json"] == {"global_step": 4}
+
+
+def test_fetch_never_deletes_a_copy_that_appeared_meanwhile(any_root, tmp_path):
+    url, opts = any_root
+    path = txckpt.save_checkpoint(url, 3, files("F", 3), storage_options=opts)
+    dest = tmp_path / "cache" / "checkpoint-3"
+    first = txckpt.fetch_checkpoint(path, dest, storage_options=opts)
+    inode = os.stat(os.path.join(first, "optimizer.pt")).st_ino
+    # A second fetch into the same place (another rank) keeps the verified copy in place.
+    from txckpt.api import _install_fetched
+
+    scratch = tmp_path / "cache" / "scratch"
+    import shutil
+
+    shutil.copytree(dest, scratch)
+    _install_fetched(str(scratch), str(dest), txckpt.read_manifest(dest))
+    assert os.stat(os.path.join(first, "optimizer.pt")).st_ino == inode
+    assert not scratch.exists()
+    # Something else at dest is moved aside, never deleted.
+    (dest / "optimizer.pt").write_bytes(b"damaged")
+    got = txckpt.fetch_checkpoint(path, dest, storage_options=opts)
+    assert tag_of(got, {}) == "F"
+    stale = [n for n in os.listdir(tmp_path / "cache") if n.startswith("checkpoint-3.stale-")]
+    assert len(stale) == 1 and (tmp_path / "cache" / stale[0] / "optimizer.pt").read_bytes() == b"damaged"
+
+
+def test_transaction_local_dir_for_remote_scratch(any_root, tmp_path):
+    url, opts = any_root
+    with txckpt.transaction(url, 1, storage_options=opts, local_dir=tmp_path / "scratch") as tx:
+        with open(os.path.join(tx.directory, "a.json"), "w") as f:
+            f.write("1")
+        if not url.startswith("/"):
+            assert str(tmp_path / "scratch") in tx.directory
+    assert txckpt.load_checkpoint(tx.path, storage_options=opts)["a.json"] == 1

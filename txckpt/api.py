@@ -62,10 +62,13 @@ def transaction(
     storage_options: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
     timeout: float | None = None,
+    local_dir: str | os.PathLike | None = None,
 ):
     """A context manager for writers that need file handles or a directory; see
-    :class:`txckpt.transactions.Transaction`. Commits on a clean exit, aborts on an exception."""
-    return open_root(root, storage_options).transaction(step, metadata=metadata, timeout=timeout)
+    :class:`txckpt.transactions.Transaction`. Commits on a clean exit, aborts on an exception.
+    ``local_dir``: where a remote root's local scratch directory (``tx.directory``) goes."""
+    return open_root(root, storage_options).transaction(step, metadata=metadata, timeout=timeout,
+                                                        local_dir=local_dir)
 
 
 def get_last_checkpoint(root: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> str | None:
@@ -230,14 +233,43 @@ def fetch_checkpoint(
                     f"{entry.size} / {entry.checksum}: the stored checkpoint is damaged"
                 )
         with open(os.path.join(scratch, MANIFEST_NAME), "wb") as out:
-            out.write(src.read_bytes(MANIFEST_NAME))
-        if os.path.exists(dest):
-            shutil.rmtree(dest)
-        os.rename(scratch, dest)
+            out.write(manifest.encode())
+        _install_fetched(scratch, dest, manifest)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     return dest
+
+
+def _install_fetched(scratch: str, dest: str, manifest: Manifest) -> None:
+    """Rename a verified copy into place without ever deleting a copy another process may be
+    reading: if ``dest`` appeared meanwhile and holds the same verified checkpoint, keep it; if it
+    holds something else, move it aside first."""
+    import shutil
+    import uuid
+
+    from .storage.local import rename_noreplace
+
+    for _ in range(8):
+        try:
+            rename_noreplace(scratch, dest)
+            return
+        except FileExistsError:
+            pass
+        try:
+            same = read_manifest(dest).digest == manifest.digest
+            if same:
+                verify_checkpoint(dest)
+        except Exception:
+            same = False
+        if same:
+            shutil.rmtree(scratch, ignore_errors=True)
+            return
+        try:
+            os.rename(dest, f"{dest}.stale-{uuid.uuid4().hex[:8]}")
+        except FileNotFoundError:
+            continue
+    raise OSError(f"could not install the fetched checkpoint at {dest}: it keeps changing")
 
 
 def _copy_hashing(reader, out) -> tuple[int, str]:

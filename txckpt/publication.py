@@ -103,8 +103,9 @@ class RenamePublication(InPlacePublication):
                 s.rename_noreplace(src, pub)
             except FileExistsError:
                 continue  # someone re-created the name between our check and the rename
+            # One directory fsync makes the rename durable on journaling filesystems; and
+            # publication is derived state: if it were lost, lookups find the home instead.
             self._sync("")
-            self._sync(src.rsplit("/", 1)[0])
             return pub
         return self.locate(ref)
 

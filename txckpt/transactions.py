@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, Mapping
 
 from . import errors
@@ -48,8 +49,10 @@ class Transaction:
         metadata: Mapping[str, Any] | None = None,
         timeout: float | None = None,
         coordinator: Coordinator | None = None,
+        local_dir: str | os.PathLike | None = None,
     ):
         self._root = root
+        self._scratch_parent = None if local_dir is None else os.fspath(local_dir)
         self.step = step
         self.metadata = dict(metadata or {})
         self._timeout = timeout
@@ -83,7 +86,8 @@ class Transaction:
         """A local directory that code such as ``save_pretrained`` can write into.
 
         On a local root it is the staging directory itself; on a remote root it is a local
-        scratch directory whose files are uploaded (once, hashed on the way) at commit. Its name
+        scratch directory (under ``local_dir``, else $TXCKPT_STAGING_DIR, else the system temp
+        directory) whose files are uploaded (once, hashed on the way) at commit. Its name
         is ``checkpoint-<step>``, so its parent (:attr:`output_root`) can stand in for a Trainer
         output_dir.
         """
@@ -92,7 +96,9 @@ class Transaction:
             storage = self._root.storage
             local = storage.local_path(self.staging_key)
             if local is None:
-                base = os.environ.get("TXCKPT_STAGING_DIR") or None
+                base = self._scratch_parent or os.environ.get("TXCKPT_STAGING_DIR") or None
+                if base:
+                    os.makedirs(base, exist_ok=True)
                 self._temp_root = tempfile.mkdtemp(prefix=f"txckpt-{self.txid}-", dir=base)
                 local = os.path.join(self._temp_root, f"checkpoint-{self.step}")
             os.makedirs(local, exist_ok=True)
@@ -296,6 +302,7 @@ class Transaction:
         # hash them now, and make them durable in the same pass.
         key = plan["key"]
         subdirs = set()
+        unreported = []
         for name, size in storage.walk_files(key):
             if "/" in name:
                 subdirs.add(name.rsplit("/", 1)[0])
@@ -306,13 +313,22 @@ class Transaction:
             check_file_name(name)
             if storage.is_symlink_escape(f"{key}/{name}"):
                 raise UnsafePathError(f"{name!r} in the checkpoint is a symlink that leaves the root")
-            files[name] = _hash_and_sync(storage, f"{key}/{name}", name, durable)
+            unreported.append(name)
+        # Reading one file while another one's fsync waits for the disk: both release the GIL.
+        with ThreadPoolExecutor(max_workers=min(4, max(1, len(unreported)))) as pool:
+            for name, entry in zip(unreported, pool.map(
+                    lambda n: _hash_and_sync(storage, f"{key}/{n}", n, durable), unreported)):
+                files[name] = entry
         if not files:
             raise InvalidArgumentError("the transaction wrote no files; nothing to commit")
         if durable:
+            # Sub-directories now; the staging directory itself is fsynced when the manifest is
+            # linked into it (create_exclusive), which persists every entry it holds.
             for sub in sorted(subdirs, key=len, reverse=True):
                 storage.sync_dir(f"{key}/{sub}")
-            storage.sync_dir(key)
+                parent = sub.rsplit("/", 1)[0] if "/" in sub else ""
+                if parent:
+                    storage.sync_dir(f"{key}/{parent}")
         manifest = Manifest(
             txid=plan["txid"], lineage=plan["lineage"], step=plan["step"], parent=plan["parent"],
             files=files, created=time.time(), world_size=self.world_size, metadata=self.metadata,
