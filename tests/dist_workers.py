@@ -461,6 +461,9 @@ def crash_save(rank: int, world: int, *, root: str, step: int, victim: int,
     ``ops_file``."""
     import txckpt
 
+    # A restarted job resumes first (on every rank; rank 0 appends the claim entry), so the
+    # traced save's only log entry is its commit.
+    txckpt.resume(root)
     files = payload(rank, step)
     if rank != victim:
         with txckpt.transaction(root, step, timeout=timeout) as tx:

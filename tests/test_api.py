@@ -211,3 +211,37 @@ def test_durability_can_be_turned_off(root, monkeypatch):
     assert calls == []
     txckpt.CheckpointRoot(root, durable=True).save(2, state(2))
     assert len(calls) >= 5  # 3 files, staging dir, manifest, log entry, log dir, root
+
+
+def test_a_restart_fences_off_the_job_it_replaces(root):
+    """A zombie job beside its restart (or the same command launched twice): the restart resumes
+    the lineage, and the zombie can no longer commit into it."""
+    zombie = txckpt.CheckpointRoot(root)
+    zombie.save(2, state(2, "Z"))
+    zombie.save(4, state(4, "Z"))
+    restart = txckpt.CheckpointRoot(root)
+    assert restart.resume() == os.path.join(root, "checkpoint-4")
+    restart.save(6, state(6, "R"))
+    with pytest.raises(StaleLineageError, match="stale writer"):
+        zombie.save(8, state(8, "Z"))
+    restart.save(8, state(8, "R"))
+    assert txckpt.load_checkpoint(txckpt.get_last_checkpoint(root))["optimizer.pt"]["tag"] == "R"
+    assert [c.step for c in txckpt.CheckpointRoot(root).checkpoints("all")] == [2, 4, 6, 8]
+
+
+def test_a_damaged_or_lost_log_entry_is_refused(root):
+    txckpt.save_checkpoint(root, 2, state(2))
+    txckpt.save_checkpoint(root, 4, state(4))
+    log_dir = os.path.join(root, ".txckpt", "log")
+    entries = sorted(os.listdir(log_dir))
+    first = os.path.join(log_dir, entries[1])
+    text = open(first).read()
+    open(first, "w").write(text.replace('"step": 2', '"step": 3', 1))  # parses, but edited
+    from txckpt.errors import LogCorruptError
+
+    with pytest.raises(LogCorruptError, match="digest"):
+        txckpt.CheckpointRoot(root).history()
+    open(first, "w").write(text)
+    os.unlink(os.path.join(log_dir, entries[-1]))  # the newest entry is lost
+    with pytest.raises(LogCorruptError, match="lost entries"):
+        txckpt.get_last_checkpoint(root)

@@ -61,6 +61,9 @@ class LineageInfo:
     reason: str  # "root", "fork", "external", "adopt"
     #: The newest checkpoint in the lineage's view (after a fork: the fork point), or None.
     tip: dict[str, Any] | None = None
+    #: The writer session that holds the lineage (the last to create, resume or claim it): only
+    #: it may commit, which fences a zombie job off from its restart.
+    writer: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,11 +72,13 @@ class LineageInfo:
             "created_time": self.created_time,
             "reason": self.reason,
             "tip": self.tip,
+            "writer": self.writer,
         }
 
     @classmethod
     def from_json(cls, lid: str, d: dict[str, Any]) -> "LineageInfo":
-        return cls(lid, d.get("parent"), int(d["created_seq"]), float(d["created_time"]), str(d["reason"]), d.get("tip"))
+        return cls(lid, d.get("parent"), int(d["created_seq"]), float(d["created_time"]), str(d["reason"]),
+                   d.get("tip"), d.get("writer"))
 
     @property
     def parent_ref(self) -> dict[str, Any] | None:
@@ -144,7 +149,9 @@ class State:
         return any(l == ckpt_lineage and ckpt_step <= limit for l, limit in self.view(lineage))
 
     # ----- transitions (each validates, then returns the new state) ----------------------------
-    def after_commit(self, seq: int, lineage: str, step: int, txid: str, parent: dict | None) -> "State":
+    def after_commit(
+        self, seq: int, lineage: str, step: int, txid: str, parent: dict | None, writer: str | None = None
+    ) -> "State":
         info = self.lineages.get(lineage)
         if info is None:
             raise StaleLineageError(
@@ -158,6 +165,13 @@ class State:
                 f", {self.head_info.reason if self.head_info else ''}). Another job or an operator's "
                 "rollback took over this root; stop this job, or call txckpt.resume(root) to continue "
                 "the current lineage. Nothing was committed or lost."
+            )
+        if info.writer is not None and writer != info.writer:
+            raise StaleLineageError(
+                f"another job took over lineage {lineage} of this root (it resumed or claimed it after "
+                "this process did): this process is a stale writer, e.g. a zombie job still running "
+                "beside its restart, or the same command launched twice. Stop it; nothing was "
+                "committed or lost."
             )
         tip = info.tip
         if tip is not None and step <= tip["step"]:
@@ -181,14 +195,26 @@ class State:
         new.lineages[lineage].tip = ref(lineage, step, txid)
         return new
 
+    def after_claim(self, seq: int, lineage: str, writer: str) -> "State":
+        """A writer session takes over the head lineage (a restart resuming it)."""
+        if self.head != lineage:
+            raise StaleLineageError(
+                f"lineage {lineage} is no longer the root's current lineage ({self.head} is); "
+                "resume again to continue the current one"
+            )
+        new = self.copy()
+        new.seq = seq
+        new.lineages[lineage].writer = writer
+        return new
+
     def after_new_lineage(
-        self, seq: int, time: float, lineage: str, parent: dict | None, reason: str
+        self, seq: int, time: float, lineage: str, parent: dict | None, reason: str, writer: str | None = None
     ) -> "State":
         if lineage in self.lineages:
             raise LogCorruptError(f"lineage id {lineage} already exists")
         new = self.copy()
         new.seq = seq
-        info = LineageInfo(lineage, parent, seq, time, reason)
+        info = LineageInfo(lineage, parent, seq, time, reason, writer=writer)
         if parent and "txid" in parent:
             info.tip = dict(parent)
         new.lineages[lineage] = info

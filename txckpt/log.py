@@ -48,7 +48,19 @@ def _decode(data: bytes, seq: int) -> dict[str, Any]:
             f"log entry {entry_key(seq)} is not a {FORMAT} entry for seq {seq}; "
             "the log was edited or copied from another root"
         )
+    claimed = entry.pop("digest", None)
+    if claimed != _digest(entry):
+        raise LogCorruptError(
+            f"log entry {entry_key(seq)} does not match its digest: it was damaged or edited after it "
+            "was written. Restore .txckpt/log from a backup; txckpt will not guess what it said"
+        )
     return entry
+
+
+def _digest(entry: dict[str, Any]) -> str:
+    from .checksum import digest_bytes
+
+    return digest_bytes(json.dumps(entry, sort_keys=True, separators=(",", ":")).encode())
 
 
 def read_entry(storage: Storage, seq: int) -> dict[str, Any] | None:
@@ -73,15 +85,15 @@ def read_latest(storage: Storage) -> dict[str, Any] | None:
     if entry is None:
         if seq == 0:
             return None
-        # The hint names a missing entry: entries are never deleted, so the hint is wrong
-        # (hand-edited or copied). Fall back to listing once.
+        # The hint is written only after its entry exists, and entries are never deleted: a
+        # hint naming a missing entry means the log lost its newest entries (deleted by hand, or
+        # a power cut with durability off). Going on would silently roll the root back.
         seqs = list_seqs(storage)
-        if not seqs:
-            return None
-        seq = seqs[-1]
-        entry = read_entry(storage, seq)
-        if entry is None:
-            raise LogCorruptError(f"log entry {seq} vanished while being read")
+        raise LogCorruptError(
+            f"{storage.full_path(LATEST_HINT)} names log entry {seq}, which is missing (the newest "
+            f"present is {seqs[-1] if seqs else 'none'}): the log lost entries. Restore .txckpt/log from "
+            "a backup; if you accept losing them, delete .txckpt/latest and run `txckpt verify`"
+        )
     while True:
         nxt = read_entry(storage, seq + 1)
         if nxt is None:
@@ -151,7 +163,7 @@ def append(
         now = time.time()
         body = build(state, seq, now)
         entry = {"format": FORMAT, "seq": seq, "id": entry_id, "time": now, "writer": writer_identity(), **body}
-        data = (json.dumps(entry, sort_keys=True, indent=1) + "\n").encode()
+        data = (json.dumps({**entry, "digest": _digest(entry)}, sort_keys=True, indent=1) + "\n").encode()
         try:
             storage.create_exclusive(entry_key(seq), data, durable=durable)
         except FileExistsError:
@@ -162,6 +174,10 @@ def append(
                 entry = existing
             else:
                 continue
+        except OSError as e:
+            from .errors import storage_error
+
+            raise storage_error(e, f"append log entry {seq}") from e
         try:
             storage.replace(LATEST_HINT, str(seq).encode())
         except OSError:

@@ -82,6 +82,8 @@ class CheckpointRoot:
         self.publication = publication_for(self.storage, self.durable)
         #: The lineage this process writes; None until resume/new_lineage/first save.
         self.writer_lineage: str | None = None
+        #: This writer session's token: it holds a lineage once it created, resumed or claimed it.
+        self.session = uuid.uuid4().hex[:16]
         self._history: History | None = None
 
     @property
@@ -205,10 +207,10 @@ class CheckpointRoot:
         elif step is not None:
             target = history.find(step=step)
         else:
-            self.writer_lineage = state.head
+            self._claim(state)
             return self.get_last_checkpoint()
         if same_ref(target.ref, state.head_tip):
-            self.writer_lineage = state.head
+            self._claim(state)
             return self.locate(target.ref)
         self._fork(target.ref, history, reason="fork")
         where = self.locate(target.ref)
@@ -218,6 +220,28 @@ class CheckpointRoot:
                 "missing from storage; choose another step (`txckpt ls`)"
             )
         return where
+
+    def _claim(self, state: State) -> None:
+        """Take over the head lineage for this session (a restart): a job still writing it with an
+        older session (a zombie) can no longer commit."""
+        lineage = state.head
+        if lineage is None:
+            return
+        if state.lineages[lineage].writer == self.session:
+            self.writer_lineage = lineage
+            return
+
+        def build(fresh: State, seq: int, now: float) -> dict[str, Any]:
+            if fresh.head != lineage:
+                raise ConcurrentWriterError(
+                    f"the root's current lineage changed from {lineage} to {fresh.head} while this "
+                    "process was resuming it; check `txckpt log` and resume again"
+                )
+            new_state = fresh.after_claim(seq, lineage, self.session)
+            return {"action": "claim", "lineage": lineage, "writer": self.session, "state": new_state.to_json()}
+
+        commit_log.append(self.storage, build, durable=self.durable)
+        self.writer_lineage = lineage
 
     def new_lineage(self, *, external_parent: str | os.PathLike | None = None) -> str:
         """Start a new root lineage (no parent, or an external checkpoint path as parent)."""
@@ -242,7 +266,7 @@ class CheckpointRoot:
                         f"{fresh.state.head} while this process was rolling back; check "
                         "`txckpt log` and retry"
                     )
-            new_state = state.after_new_lineage(seq, now, lid, parent, reason)
+            new_state = state.after_new_lineage(seq, now, lid, parent, reason, writer=self.session)
             fresh = self._history or history
             abandoned = [
                 c for c in fresh.in_view(expected_head) if not new_state.contains(lid, c.lineage, c.step)
@@ -382,12 +406,14 @@ class CheckpointRoot:
         if self.writer_lineage is None:
             if state.head is None:
                 self.new_lineage()
-                state = self.state()
-            self.writer_lineage = state.head
+            else:
+                self._claim(state)
+            state = self.state()
         lineage = self.writer_lineage
-        if state.head != lineage:
+        info = state.lineages.get(lineage)
+        if state.head != lineage or (info is not None and info.writer not in (None, self.session)):
             # Raises StaleLineageError with the full explanation.
-            state.after_commit(state.seq + 1, lineage, step, "", None)
+            state.after_commit(state.seq + 1, lineage, step, "", None, self.session)
         info = state.lineages[lineage]
         tip = info.tip
         if tip is not None and step <= tip["step"]:
@@ -398,7 +424,8 @@ class CheckpointRoot:
             )
         parent = tip if tip is not None else info.parent
         txid = new_txid(step, lineage)
-        return {"txid": txid, "lineage": lineage, "step": step, "parent": parent, "key": home_key(txid, step)}
+        return {"txid": txid, "lineage": lineage, "step": step, "parent": parent, "key": home_key(txid, step),
+                "writer": self.session}
 
     def write_intent(self, plan: dict[str, Any], world_size: int) -> None:
         import json
@@ -412,7 +439,7 @@ class CheckpointRoot:
     def clear_intent(self, txid: str) -> None:
         self.storage.delete_file(f"{INTENTS_DIR}/{txid}.json")
 
-    def commit(self, manifest: Manifest) -> str:
+    def commit(self, manifest: Manifest, writer: str | None = None) -> str:
         """Append the commit entry for a staged, durable manifest and publish it; returns the path."""
         record = {
             "lineage": manifest.lineage, "step": manifest.step, "txid": manifest.txid,
@@ -421,7 +448,8 @@ class CheckpointRoot:
         }
 
         def build(state: State, seq: int, now: float) -> dict[str, Any]:
-            new_state = state.after_commit(seq, manifest.lineage, manifest.step, manifest.txid, manifest.parent)
+            new_state = state.after_commit(seq, manifest.lineage, manifest.step, manifest.txid, manifest.parent,
+                                           writer if writer is not None else self.session)
             return {"action": "commit", "checkpoint": record, "state": new_state.to_json()}
 
         commit_log.append(self.storage, build, durable=self.durable)

@@ -134,8 +134,11 @@ class Transaction:
         plan: dict[str, Any]
         if self._coord.is_committer:
             try:
-                plan = self._root.prepare_save(self.step)
-                self._root.write_intent(plan, self._coord.world_size)
+                try:
+                    plan = self._root.prepare_save(self.step)
+                    self._root.write_intent(plan, self._coord.world_size)
+                except OSError as os_error:
+                    raise storage_error(os_error, f"start the save of step {self.step}") from os_error
             except Exception as e:  # every rank must learn why
                 plan = {"error": _describe_error(e)}
                 if self._coord.world_size == 1:
@@ -155,7 +158,9 @@ class Transaction:
             if not self._coord.is_committer:
                 self._check_shared_root(plan)
             if self._root.storage.local_path(plan["key"]) is not None:
-                os.makedirs(self._root.storage.local_path(plan["key"]), exist_ok=True)
+                from .storage.local import makedirs_durable
+
+                makedirs_durable(self._root.storage.local_path(plan["key"]), self._root.durable)
         except BaseException as e:
             # The other ranks are inside the transaction already and will gather at its end:
             # take part in the gather and the outcome broadcast with this error, so that every
@@ -303,7 +308,9 @@ class Transaction:
         key = plan["key"]
         subdirs = set()
         unreported = []
+        present: dict[str, int] = {}
         for name, size in storage.walk_files(key):
+            present[name] = size
             if "/" in name:
                 subdirs.add(name.rsplit("/", 1)[0])
             if name in files:
@@ -321,6 +328,12 @@ class Transaction:
                 files[name] = entry
         if not files:
             raise InvalidArgumentError("the transaction wrote no files; nothing to commit")
+        gone = sorted(n for n, e in files.items() if present.get(n) != e.size)
+        if gone:
+            raise TransactionAbortedError(
+                f"files of the staging directory vanished or changed size before the commit: {gone[:5]} "
+                "(deleted by hand, or by a gc that took this writer for dead?); nothing was committed"
+            )
         if durable:
             # Sub-directories now; the staging directory itself is fsynced when the manifest is
             # linked into it (create_exclusive), which persists every entry it holds.
@@ -334,7 +347,7 @@ class Transaction:
             files=files, created=time.time(), world_size=self.world_size, metadata=self.metadata,
         )
         storage.create_exclusive(f"{key}/{MANIFEST_NAME}", manifest.encode(), durable=durable)
-        path = self._root.commit(manifest)
+        path = self._root.commit(manifest, plan.get("writer"))
         self._root.clear_intent(plan["txid"])
         return path
 

@@ -16,6 +16,25 @@ from .base import Storage
 _WRITE_BUFFER = 8 << 20
 
 
+def makedirs_durable(path: str, durable: bool) -> None:
+    """os.makedirs, and with ``durable`` fsync the parent of every directory it created, so the
+    new entries survive a power cut (POSIX makes an entry durable when its directory is fsynced)."""
+    missing = []
+    cur = path
+    while cur and not os.path.isdir(cur):
+        missing.append(cur)
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            break
+        cur = parent
+    if not missing:
+        return
+    os.makedirs(path, exist_ok=True)
+    if durable:
+        for d in reversed(missing):
+            fsync_dir(os.path.dirname(d))
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -168,13 +187,13 @@ class LocalStorage(Storage):
     # ----- writing -----------------------------------------------------------------------------
     def open_write(self, key: str, *, durable: bool) -> BinaryIO:
         path = self._p(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        makedirs_durable(os.path.dirname(path), durable)
         return _DurableFile(path, durable)  # type: ignore[return-value]
 
     def create_exclusive(self, key: str, data: bytes, *, durable: bool) -> None:
         path = self._p(key)
         directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
+        makedirs_durable(directory, durable)
         tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
         # The content is complete and durable under a private name before it gets its public
         # name through link(2), which fails with EEXIST if the name is taken: no reader ever
@@ -278,7 +297,7 @@ class LocalStorage(Storage):
         shutil.rmtree(path, ignore_errors=False, onerror=_ignore_missing)
 
     def rename_noreplace(self, src: str, dst: str) -> None:
-        os.makedirs(os.path.dirname(self._p(dst)), exist_ok=True)
+        makedirs_durable(os.path.dirname(self._p(dst)), True)
         rename_noreplace(self._p(src), self._p(dst))
 
 
