@@ -87,7 +87,7 @@ def _save(root: str, step: int, tag: str) -> str:
     return txckpt.save_checkpoint(root, step, payload(tag, step))
 
 
-@_xfail("KI-fence")
+# Regression test of KI-fence, fixed in the core (was a strict xfail).
 def test_zombie_beside_its_restart_is_fenced(root):
     zombie = CheckpointRoot(root)  # the old job (one CheckpointRoot = one process's view)
     zombie.save(2, payload("Z-2", 2))
@@ -147,7 +147,7 @@ def test_adopt_on_an_object_store(memory_root):
     assert txckpt.get_last_checkpoint(url, storage_options=so) == path
 
 
-@_xfail("KI-dirsync")
+# Regression test of KI-dirsync, fixed in the core (was a strict xfail).
 def test_power_cut_after_commit_keeps_the_checkpoint(tmp_path):
     """Record a save; cut the power right after log/ is fsynced following the commit entry's link
     (the commit is durable: protocol.md section 8), losing every directory entry POSIX lets go."""
@@ -169,7 +169,7 @@ def test_power_cut_after_commit_keeps_the_checkpoint(tmp_path):
     assert last is not None and txckpt.read_manifest(last).step == 4, f"the durable commit of step 4 lost its data: {last}"
 
 
-@_xfail("KI-log-unprotected")
+# Regression test of KI-log-unprotected, fixed in the core (was a strict xfail).
 def test_flipped_byte_in_a_log_entry_is_detected(root):
     from txckpt.gc import collect_garbage
     from txckpt.log import entry_key
@@ -196,7 +196,7 @@ def test_flipped_byte_in_a_log_entry_is_detected(root):
         CheckpointRoot(root).history()
 
 
-@_xfail("KI-log-rollback")
+# Regression test of KI-log-rollback, fixed in the core (was a strict xfail).
 def test_a_deleted_newest_log_entry_is_not_silent(root, txlog):
     from txckpt.log import entry_key
 
@@ -234,7 +234,7 @@ def test_gc_keeps_a_live_writers_staging_when_its_clock_is_behind(root, monkeypa
         tx.__exit__(None, None, None)
 
 
-@_xfail("KI-commit-missing")
+# Regression test of KI-commit-missing, fixed in the core (was a strict xfail).
 def test_commit_refuses_when_the_staging_vanished(root):
     _save(root, 1, "W-1")
     tx = txckpt.transaction(root, 2)
@@ -246,7 +246,7 @@ def test_commit_refuses_when_the_staging_vanished(root):
     assert txckpt.read_manifest(txckpt.get_last_checkpoint(root)).step == 1
 
 
-@_xfail("KI-storage-untyped")
+# Regression test of KI-storage-untyped, fixed in the core (was a strict xfail).
 def test_enospc_writing_the_intent_is_a_storage_error(root, monkeypatch):
     from txckpt.storage.local import LocalStorage
 
@@ -285,3 +285,21 @@ def test_every_known_issue_has_a_reproducer():
     names = {n for n in globals() if n.startswith("test_")}
     for k in KNOWN.values():
         assert k.reproducer in names, f"{k.id}: no test named {k.reproducer}"
+
+
+@_xfail("KI-manifest-forged")
+def test_forged_manifest_is_refused_by_load(root):
+    import json as _json
+
+    from txckpt.manifest import _digest
+
+    path = _save(root, 2, "A-2")
+    mpath = os.path.join(path, txckpt.MANIFEST_NAME)
+    body = _json.load(open(mpath))
+    body.pop("digest")
+    dropped = sorted(body["files"])[0]
+    del body["files"][dropped]
+    body["digest"] = _digest(body)  # forged: the self-digest matches the edited content
+    open(mpath, "w").write(_json.dumps(body))
+    with pytest.raises(TxckptError):
+        txckpt.load_checkpoint(path)

@@ -456,7 +456,7 @@ def cases() -> list[Case]:
                  zombie_after_rollback, cost=6 if s3 else 3, needs_s3=s3),
             Case(f"concurrency/{backend}/zombie-beside-restart", "concurrency",
                  "a zombie writer beside its restart, which resumed the newest checkpoint", backend,
-                 zombie_beside_restart, known=("KI-fence",), cost=6 if s3 else 3, needs_s3=s3),
+                 zombie_beside_restart, known=(), cost=6 if s3 else 3, needs_s3=s3),
             Case(f"concurrency/{backend}/same-command-twice", "concurrency",
                  "the same job launched twice on an empty root, first saves racing", backend,
                  same_command_twice, cost=8 if s3 else 4, needs_s3=s3),

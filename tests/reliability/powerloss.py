@@ -687,6 +687,6 @@ def explore(ctx: Ctx, case: Case, result: Result) -> None:
 def cases() -> list[Case]:
     out = []
     for name, sc in PL_SCENARIOS.items():
-        out.append(Case(f"powerloss/{name}", "powerloss", sc["title"], "local", explore, known=("KI-dirsync",),
+        out.append(Case(f"powerloss/{name}", "powerloss", sc["title"], "local", explore, known=(),
                         cost=30.0, params={"scenario": name}))
     return out
