@@ -234,7 +234,8 @@ def run_cases(cases: list[Case], base_ctx: Ctx, *, workers: int = 2, budget: flo
     def on_alarm(signum, frame):
         raise TimeoutError
 
-    old = signal.signal(signal.SIGALRM, on_alarm)
+    # The watchdog uses SIGALRM only with a budget (pytest-timeout may own SIGALRM otherwise).
+    old = signal.signal(signal.SIGALRM, on_alarm) if deadline is not None else None
     try:
         while pending or running:
             while pending and len(running) < workers:
@@ -278,7 +279,8 @@ def run_cases(cases: list[Case], base_ctx: Ctx, *, workers: int = 2, budget: flo
                     f"{len(res.violations)} violations" + (f", {len(res.known_violations)} known" if res.known_violations else ""))
             progress(f"  {case.id}: {res.points} {res.unit}, {flag} ({res.seconds:.0f} s)")
     finally:
-        signal.signal(signal.SIGALRM, old)
+        if deadline is not None:
+            signal.signal(signal.SIGALRM, old)
     return [results[c.id] for c in cases if c.id in results]
 
 

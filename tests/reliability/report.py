@@ -23,8 +23,8 @@ CAMPAIGNS = [
      "BaseException at op k (like KeyboardInterrupt) and let txckpt's error handling run. **S3**: SIGKILL before "
      "or after each HTTP request, hooked at aiobotocore's `AioEndpoint._send` (below s3fs's retries and txckpt's "
      "conditional-put client: *before* = never sent, *after* = the server answered). Quick mode keeps the points "
-     "that leave distinct states (after each op, one per write run, only after requests that change the bucket); "
-     "full mode crashes before and after every op. The Trainer row saves through a real TransactionalTrainer "
+     "that leave distinct states (after each op, one per write run, at most 6 requests that change the bucket per S3 operation); "
+     "full mode crashes before and after every op (on S3, every request that changes the bucket: around a GET the bucket is what it is around the neighbouring PUT). The Trainer row saves through a real TransactionalTrainer "
      "(tiny model, save_total_limit=1) forked from a parent that built it; torch.save and safetensors write from "
      "C code, so its points bracket those writes. The 2-rank row is tests/test_distributed.py's sweep (full mode "
      "runs that test; quick mode a sample of its points through its own helpers)."),
@@ -58,6 +58,29 @@ CAMPAIGNS = [
      "(keep_last=3, abandoned TTL 0) and every fifth cycle runs gc; a third of the cycles are SIGKILLed at a "
      "random file operation. A fresh process checks the invariants after every cycle, and every fifth cycle "
      "runs gc and checks that the bytes on disk are those of the checkpoints retention keeps (plus the log)."),
+]
+
+
+LIMITS = [
+    "Process crashes run on tmpfs (/dev/shm): a SIGKILL loses no page cache, so fsync reaching a disk does not "
+    "matter there, and fsync on this VM's disk (~8 ms) would make the sweeps ten times slower. Durability against "
+    "power loss is campaign 2's subject, and it is modelled (crash states built from a recorded run), not "
+    "provoked on hardware; its two models bound what real file systems do, they are not any one of them.",
+    "Power loss is explored on local roots only: on S3 a request that returned is durable, and a crash there is "
+    "a process crash (campaign 1).",
+    "On local roots the injector sees Python-level file operations. Writes made inside C or Rust code (torch.save "
+    "to a path, safetensors' save_file: the Trainer uses both) are not interposed; crash points before and "
+    "after the neighbouring operations bracket them.",
+    "The memory backend lives inside the writer's process: its crash points dump the store at the crash point "
+    "and then SIGKILL (or raise at op k, the memory-raise rows).",
+    "Ranks: quick mode runs tests/test_distributed.py's 4-rank chosen points; full mode adds its 2-rank sweep "
+    "of every file operation of both ranks. Ranks crash on local roots only.",
+    "GCS and Azure roots are not covered (their emulators are not installed here).",
+    "Readers that do not take a lease get no grace period (docs/retention.md): one that loses a race with the "
+    "deletion of the checkpoint it looked up gets a typed error; these are counted in the notes, not as "
+    "violations.",
+    "The commit log is never compacted: the soak's notes give its size, which grows with every save and "
+    "rotation, each entry carrying the state of every lineage. Retention bounds the checkpoints, not the log.",
 ]
 
 
@@ -136,6 +159,11 @@ def render(results: list[Result], info: dict[str, str], *, quick: bool, wall: fl
                 if r.error:
                     w(f"- `{r.id}`: harness error: {_cell(r.error[:800])}")
             w("")
+    w("## Scope and limits")
+    w("")
+    for line in LIMITS:
+        w(f"- {line}")
+    w("")
     w("## Known issues (violations found in the core)")
     w("")
     if not known_ids:

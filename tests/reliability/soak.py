@@ -136,7 +136,7 @@ def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool) -> dict[s
                  "points (+1 saved before a crash stopped its retention)")
     used = _bytes(root)
     out = {"violations": v, "kept": kept, "forks": forks, "bytes": used, "kept_bytes": kept_bytes,
-           "seq": hist.state.seq}
+           "seq": hist.state.seq, "log_bytes": used - _bytes(root, skip_log=True)}
     if full_gc:
         rep = collect_garbage(r, now=time.time() + 7200)
         for item in rep.errors:
@@ -215,7 +215,9 @@ def soak(ctx: Ctx, case: Case, result: Result) -> None:
         if c == n:
             bound_note = (f"end: {res['kept']} checkpoints kept ({res['forks']} fork points), "
                           f"{res.get('bytes_after_gc', 0)} bytes outside the log after gc vs "
-                          f"{res['kept_bytes']} in kept checkpoints; log has {res['seq'] + 1} entries")
+                          f"{res['kept_bytes']} in kept checkpoints; the log has {res['seq'] + 1} entries, "
+                          f"{res['log_bytes']} bytes (never compacted: it grows with every save and rotation, "
+                          f"each entry carrying the state of every lineage)")
         if len(found) > 50:
             found.append("[harness] more than 50 violations: stopped")
             break
