@@ -263,6 +263,40 @@ def test_enospc_writing_the_intent_is_a_storage_error(root, monkeypatch):
         txckpt.save_checkpoint(root, 2, payload("W-2", 2))
 
 
+@_xfail("KI-enospc-staging-fork")
+def test_enospc_making_the_staging_directory_is_a_storage_error(root, monkeypatch):
+    _save(root, 1, "W-1")
+    real = os.mkdir
+
+    def full(path, *args, **kwargs):
+        if "/.txckpt/tx/" in os.fsdecode(path):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", full)
+    with pytest.raises(StorageError):
+        txckpt.save_checkpoint(root, 2, payload("W-2", 2))
+
+
+@_xfail("KI-enospc-staging-fork")
+def test_fork_with_a_full_disk_while_unpublishing_raises_only_typed_errors(root, monkeypatch):
+    """The other half of KI-enospc-staging-fork (kept separate so that each half's fix shows)."""
+    import txckpt.storage.local as local
+
+    for s in (2, 4, 6):
+        _save(root, s, f"A-{s}")
+    txckpt.forget_roots()
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device", dst)
+
+    monkeypatch.setattr(local, "rename_noreplace", full)
+    try:
+        txckpt.resume(root, step=2)  # today: a plain OSError, after the fork entry was appended
+    except TxckptError:
+        pass
+
+
 @_xfail("KI-publish-race")
 def test_load_follows_a_checkpoint_published_after_lookup(root, monkeypatch):
     from txckpt.publication import RenamePublication

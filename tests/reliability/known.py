@@ -115,3 +115,20 @@ register(KnownIssue(
     reproducer="test_forged_manifest_is_refused_by_load",
     pattern=r"digest recomputed",
 ))
+
+register(KnownIssue(
+    id="KI-enospc-staging-fork",
+    title="ENOSPC making a save's staging directory, or while a fork unpublishes, still surfaces as a plain OSError",
+    where=("txckpt/transactions.py: Transaction.__enter__ (makedirs_durable of the staging directory, outside the "
+           "storage_error conversion); txckpt/root.py: CheckpointRoot._fork -> reconcile_publication (unpublish "
+           "renames and fsyncs after the fork entry is appended)"),
+    scenario=("With a full disk: a save whose mkdir (or directory fsync) of .txckpt/tx/<txid>/checkpoint-N fails "
+              "raises OSError(ENOSPC), not StorageError. resume(step=K) whose fork entry is appended but whose "
+              "unpublish rename of an abandoned checkpoint-N fails raises OSError too, although the fork happened "
+              "(a retry forks again). Nothing is committed or lost either way (the campaign checks that)."),
+    fix=("Convert the staging makedirs' OSError with errors.storage_error in Transaction.__enter__. In _fork, treat "
+         "unpublishing like commit() treats publishing: it is derived state that gc completes, so catch OSError, "
+         "log a warning and return the fork point's path."),
+    reproducer="test_enospc_making_the_staging_directory_is_a_storage_error",
+    pattern=r"\[enospc\] the operation raised an untyped OSError",
+))
