@@ -299,7 +299,7 @@ def readers_polling(ctx: Ctx, case: Case, result: Result) -> None:
     import multiprocessing
 
     backend = case.backend
-    n = (30 if backend == "local" else 10) if ctx.quick else (200 if backend == "local" else 40)
+    n = (30 if backend == "local" else 10) if ctx.quick else (200 if backend == "local" else 25)
     root, so = _root(ctx, backend, "poll")
     mp = multiprocessing.get_context("fork")
     inherit = {"stop": mp.Event(), "first": mp.Event(), "last": mp.Value("i", 0)}
