@@ -316,9 +316,14 @@ def test_load_follows_a_checkpoint_published_after_lookup(root, monkeypatch):
 
 
 def test_every_known_issue_has_a_reproducer():
+    from tests.reliability.known import FIXED
+
     names = {n for n in globals() if n.startswith("test_")}
     for k in KNOWN.values():
         assert k.reproducer in names, f"{k.id}: no test named {k.reproducer}"
+    for f in FIXED:
+        assert f.regression in names, f"{f.id}: no regression test named {f.regression}"
+        assert f.id not in KNOWN, f"{f.id} is both known (open) and fixed"
 
 
 @_xfail("KI-manifest-forged")

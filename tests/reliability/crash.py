@@ -124,7 +124,8 @@ def sweep(ctx: Ctx, result: Result, backend: str, scenario: Scenario, *, mode: s
         return
     ops = out["ok"]
     pts = choose_points(ops, backend, ctx.quick, cap=cap, seed=ctx.seed)
-    phases = phase_of(ops)
+    phases = phase_of(ops) if scenario.name in ("save", "txdir", "first", "fork", "foreign", "adopt-save") \
+        else ["-"] * len(ops)
     by_phase: dict[str, int] = {}
     found: list[str] = []
     drift = 0

@@ -132,3 +132,37 @@ register(KnownIssue(
     reproducer="test_enospc_making_the_staging_directory_is_a_storage_error",
     pattern=r"\[enospc\] the operation raised an untyped OSError",
 ))
+
+
+# =================================================================================================
+# Found by this campaign and fixed in the core since: their reproducers are regression tests now.
+# =================================================================================================
+@dataclass(frozen=True)
+class FixedIssue:
+    id: str
+    title: str
+    fixed_in: str  # commit
+    regression: str  # test in tests/test_reliability.py
+
+
+FIXED: list[FixedIssue] = [
+    FixedIssue("KI-adopt-fsspec", "Adopting a legacy root raised TypeError on every fsspec backend (S3, memory): "
+               "adopt() passed durable= to Storage.replace, whose fsspec versions did not take it", "b04223b",
+               "test_adopt_on_an_object_store"),
+    FixedIssue("KI-fence", "A restarted job did not fence the job it replaced: the zombie went on committing into "
+               "the current lineage (on top of the restart's checkpoints), and the restart then failed", "0bc51e7",
+               "test_zombie_beside_its_restart_is_fenced"),
+    FixedIssue("KI-dirsync", "A power cut between the commit entry's fsync and the publication could lose a "
+               "committed checkpoint's data (posix model): the directories a save creates were never fsynced",
+               "0bc51e7", "test_power_cut_after_commit_keeps_the_checkpoint"),
+    FixedIssue("KI-log-unprotected", "Log entries had no checksum: one flipped bit in an abandoned checkpoint's commit "
+               "entry made gc delete that checkpoint's data; flips in key names raised KeyError", "0bc51e7",
+               "test_flipped_byte_in_a_log_entry_is_detected"),
+    FixedIssue("KI-log-rollback", "A deleted newest log entry silently rolled the root back to the previous state",
+               "0bc51e7", "test_a_deleted_newest_log_entry_is_not_silent"),
+    FixedIssue("KI-commit-missing", "A save whose staging was removed under it (by gc or by hand) still committed a "
+               "manifest naming missing files", "0bc51e7", "test_commit_refuses_when_the_staging_vanished"),
+    FixedIssue("KI-storage-untyped", "ENOSPC/EROFS while writing the intent or appending a lineage or fork entry "
+               "was a plain OSError (the rest is KI-enospc-staging-fork)", "0bc51e7",
+               "test_enospc_writing_the_intent_is_a_storage_error"),
+]
