@@ -138,9 +138,19 @@ def read_history(storage: Storage, since: History | None = None) -> History:
     while True:
         entry = read_entry(storage, expected)
         if entry is None:
-            return history
+            break
         history.apply(entry)
         expected += 1
+    hint = _hint(storage)
+    if hint > max(history.state.seq, 0):
+        # The hint is written only after its entry exists: entries were lost. Acting on the
+        # shorter history (gc, retention) could take committed checkpoints for leftovers.
+        raise LogCorruptError(
+            f"{storage.full_path(LATEST_HINT)} names log entry {hint}, but the log ends at "
+            f"{history.state.seq}: the log lost entries. Restore .txckpt/log from a backup; nothing "
+            "was changed"
+        )
+    return history
 
 
 def append(

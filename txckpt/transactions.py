@@ -160,7 +160,10 @@ class Transaction:
             if self._root.storage.local_path(plan["key"]) is not None:
                 from .storage.local import makedirs_durable
 
-                makedirs_durable(self._root.storage.local_path(plan["key"]), self._root.durable)
+                try:
+                    makedirs_durable(self._root.storage.local_path(plan["key"]), self._root.durable)
+                except OSError as os_error:
+                    raise storage_error(os_error, "create the staging directory") from os_error
         except BaseException as e:
             # The other ranks are inside the transaction already and will gather at its end:
             # take part in the gather and the outcome broadcast with this error, so that every
