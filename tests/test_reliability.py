@@ -263,7 +263,7 @@ def test_enospc_writing_the_intent_is_a_storage_error(root, monkeypatch):
         txckpt.save_checkpoint(root, 2, payload("W-2", 2))
 
 
-@_xfail("KI-enospc-staging-fork")
+# Regression test of KI-enospc-staging-fork, fixed in the core (was a strict xfail).
 def test_enospc_making_the_staging_directory_is_a_storage_error(root, monkeypatch):
     _save(root, 1, "W-1")
     real = os.mkdir
@@ -278,7 +278,7 @@ def test_enospc_making_the_staging_directory_is_a_storage_error(root, monkeypatc
         txckpt.save_checkpoint(root, 2, payload("W-2", 2))
 
 
-@_xfail("KI-enospc-staging-fork")
+# Regression test of KI-enospc-staging-fork, fixed in the core (was a strict xfail).
 def test_fork_with_a_full_disk_while_unpublishing_raises_only_typed_errors(root, monkeypatch):
     """The other half of KI-enospc-staging-fork (kept separate so that each half's fix shows)."""
     import txckpt.storage.local as local
