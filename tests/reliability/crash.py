@@ -337,7 +337,7 @@ def cases() -> list[Case]:
                             _sweep_case("memory", name, mode="raise"), cost=2.0))
     out.append(Case("crash/local/trainer", "crash",
                     "Trainer._save_checkpoint (TransactionalTrainer, tiny model, save_total_limit=1)", "local",
-                    trainer_sweep, cost=40.0))
+                    trainer_sweep, cost=40.0, known=("KI-trainer-sweep",)))
     out.append(Case("crash/ranks/save", "crash",
                     "coordinated save on gloo ranks, one rank SIGKILLed at a file op (tests/test_distributed.py: 4 ranks "
                     "at chosen points; full mode adds 2 ranks at every op)", "local", ranks_sweep, cost=60.0))

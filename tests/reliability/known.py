@@ -104,6 +104,22 @@ register(KnownIssue(
 
 
 register(KnownIssue(
+    id="KI-trainer-sweep",
+    title="The Trainer crash sweep is not deterministic: its op sequence varies between runs, and one run judged a "
+          "save_total_limit=1 retirement of step 2 against the policy as a violation",
+    where=("tests/reliability/crash.py: trainer_sweep (op counting of Trainer._save_checkpoint with retention), "
+           "possibly txckpt/integrations/transformers.py: _apply_retention after the claim entries of 0bc51e7"),
+    scenario=("Seen on this machine under load: one run's crash point past the counted end ('[harness] the child was "
+              "not killed' at the last rmdir), another run's '[retire] step 2 was retired, but the policy keeps it' "
+              "after the retire entry's link; reruns pass. Not yet reduced to a deterministic reproducer."),
+    fix=("Name Trainer crash points by (op, occurrence) as tests/test_distributed.py does, and replay the failing "
+         "retirement point with the policy's inputs (best checkpoint, fork points) logged."),
+    reproducer="test_campaign_case",
+    pattern=r"\[harness\] the child was not killed|\[retire\] .* was retired, but the policy keeps it",
+))
+
+
+register(KnownIssue(
     id="KI-manifest-forged",
     title="load_checkpoint trusts a manifest whose digest was recomputed after an edit (a file removed from it)",
     where="txckpt/api.py: load_checkpoint / read_manifest (the manifest is not cross-checked with its commit entry)",
