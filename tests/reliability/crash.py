@@ -152,10 +152,14 @@ def sweep(ctx: Ctx, result: Result, backend: str, scenario: Scenario, *, mode: s
         code, out = run_child(child, timeout=300)
         label = f"{backend} {scenario.name}: {when} op {k}/{len(ops)} ({ops[k - 1]['name']})"
         if mode == "kill" and code != -9:
+            # The run had fewer operations than the counting run (the number of directory fsyncs
+            # depends on which directories already exist): the point was not reached. Its state
+            # (the operation completed) is still checked below.
             drift += 1
-            found.append(f"{label}: [harness] the child was not killed (exit {code}: {out}); the op sequence changed")
-            roots.discard(u, point)
-            continue
+            if code != 0:
+                found.append(f"{label}: [harness] the child was not killed and failed (exit {code}: {out})")
+                roots.discard(u, point)
+                continue
         if mode == "raise":
             if code != 0 or not out or not out["ok"]["fired"]:
                 found.append(f"{label}: [harness] the injected crash did not happen (exit {code}: {out})")
@@ -175,6 +179,9 @@ def sweep(ctx: Ctx, result: Result, backend: str, scenario: Scenario, *, mode: s
         roots.discard(u, point)
     result.tried += 1
     result.points += len(pts)
+    if drift:
+        result.notes.append(f"{scenario.name}: {drift} point(s) not reached (the run had fewer ops than the "
+                            "counting run); the completed run's state was checked there")
     result.notes.append(
         f"{scenario.name}: {len(ops)} ops"
         + (f" ({sum(1 for o in ops if o['mut'])} mutating)" if backend == "s3" else "")
@@ -337,7 +344,7 @@ def cases() -> list[Case]:
                             _sweep_case("memory", name, mode="raise"), cost=2.0))
     out.append(Case("crash/local/trainer", "crash",
                     "Trainer._save_checkpoint (TransactionalTrainer, tiny model, save_total_limit=1)", "local",
-                    trainer_sweep, cost=40.0, known=("KI-trainer-sweep",)))
+                    trainer_sweep, cost=40.0))
     out.append(Case("crash/ranks/save", "crash",
                     "coordinated save on gloo ranks, one rank SIGKILLed at a file op (tests/test_distributed.py: 4 ranks "
                     "at chosen points; full mode adds 2 ranks at every op)", "local", ranks_sweep, cost=60.0))
@@ -372,8 +379,9 @@ def sweep_enospc(ctx: Ctx, result: Result, name: str, known: tuple[str, ...]) ->
     ops = child_value(count, f"counting {name}")
     roots.discard(cu, "count")
     ks = [k for k in range(1, len(ops) + 1) if ops[k - 1]["inject"]]
-    if ctx.quick:  # one point per write run
-        ks = [k for k in ks if k == 1 or ops[k - 1]["group"] != ops[k - 2]["group"]]
+    if ctx.quick:  # the first two writes of each write run (a failure inside a serializer), other ops
+        ks = [k for k in ks if k <= 2 or ops[k - 1]["group"] != ops[k - 2]["group"]
+              or ops[k - 2]["group"] != ops[k - 3]["group"]]
     found = []
     outcomes: dict[str, int] = {}
     for k in ks:

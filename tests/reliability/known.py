@@ -30,8 +30,6 @@ def register(issue: KnownIssue) -> KnownIssue:
     return issue
 
 
-
-
 register(KnownIssue(
     id="KI-lease",
     title="acquire_reader_lease grants a lease on a checkpoint whose deletion has begun",
@@ -63,8 +61,6 @@ register(KnownIssue(
 
 
 
-
-
 register(KnownIssue(
     id="KI-gc-clock",
     title="gc deletes a live writer's staging when the writer's clock was behind when it wrote its intent",
@@ -75,13 +71,14 @@ register(KnownIssue(
               "while it is writing."),
     fix=("Record the writer's process start time (from /proc, the source gc compares with) in the intent and "
          "compare it with the pid's current start time; wall-clock intent times then only serve the grace period "
-         "for writers on other hosts."),
+         "for writers on other hosts. Also, in Transaction._committed_path, return a path only if locate() "
+         "finds the checkpoint there: when gc strikes after the commit's check of the staged files, the commit "
+         "entry is appended, publication finds nothing, and the save returns the empty staging path with only "
+         "a warning."),
     reproducer="test_gc_keeps_a_live_writers_staging_when_its_clock_is_behind",
     # Its consequence when gc strikes after the commit check: the save returns a path gc removed.
     pattern=r"\[clock\] (gc removed the staging of a live writer|the writer's save returned .* does not verify)",
 ))
-
-
 
 
 
@@ -104,22 +101,6 @@ register(KnownIssue(
 
 
 register(KnownIssue(
-    id="KI-trainer-sweep",
-    title="The Trainer crash sweep is not deterministic: its op sequence varies between runs, and one run judged a "
-          "save_total_limit=1 retirement of step 2 against the policy as a violation",
-    where=("tests/reliability/crash.py: trainer_sweep (op counting of Trainer._save_checkpoint with retention), "
-           "possibly txckpt/integrations/transformers.py: _apply_retention after the claim entries of 0bc51e7"),
-    scenario=("Seen on this machine under load: one run's crash point past the counted end ('[harness] the child was "
-              "not killed' at the last rmdir), another run's '[retire] step 2 was retired, but the policy keeps it' "
-              "after the retire entry's link; reruns pass. Not yet reduced to a deterministic reproducer."),
-    fix=("Name Trainer crash points by (op, occurrence) as tests/test_distributed.py does, and replay the failing "
-         "retirement point with the policy's inputs (best checkpoint, fork points) logged."),
-    reproducer="test_campaign_case",
-    pattern=r"\[harness\] the child was not killed|\[retire\] .* was retired, but the policy keeps it",
-))
-
-
-register(KnownIssue(
     id="KI-manifest-forged",
     title="load_checkpoint trusts a manifest whose digest was recomputed after an edit (a file removed from it)",
     where="txckpt/api.py: load_checkpoint / read_manifest (the manifest is not cross-checked with its commit entry)",
@@ -134,6 +115,20 @@ register(KnownIssue(
 ))
 
 
+register(KnownIssue(
+    id="KI-enospc-torch-save",
+    title="A full disk in the middle of a torch.save surfaces as torch's RuntimeError, not StorageError",
+    where="txckpt/transactions.py: Transaction.save (catches OSError only); txckpt/checksum.py: HashingWriter.write",
+    scenario=("tx.save('optimizer.pt', obj) (and save_checkpoint) streams torch.save's zip writer into the staging "
+              "file. When one of its writes fails with ENOSPC, torch's writer reports '[enforce fail at "
+              "inline_container.cc] unexpected pos ...' as a RuntimeError, which Transaction.save lets through: the "
+              "caller gets an untyped error without txckpt's 'the disk is full' advice. Nothing is committed (the "
+              "campaign checks that)."),
+    fix=("Have the tracked writer remember the first OSError its sink raised, and in Transaction.save, whatever "
+         "the serializer raised afterwards, raise errors.storage_error(that OSError) from it."),
+    reproducer="test_enospc_inside_torch_save_is_a_storage_error",
+    pattern=r"\[enospc\] the operation raised an untyped RuntimeError: \[enforce fail at inline_container",
+))
 
 
 # =================================================================================================
