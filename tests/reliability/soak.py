@@ -11,8 +11,10 @@ After every cycle a fresh process checks: lookup returns a committed checkpoint 
 view that loads, verifies and holds one save's files; it is at least as new as the last save that
 returned in the current lineage; every committed checkpoint that was not retired is present,
 unchanged and verifies; every ``retire`` entry of the log names only checkpoints the policy let go
-at that point of the log (never a fork point, the head's tip, or one of the 3 newest); at most
-keep_last + fork points + 1 checkpoints are not retired. Every fifth cycle it also runs gc and
+at that point of the log (never a fork point, the head's tip, or one of the 3 newest); after a
+cycle whose retention completed, at most keep_last + fork points are not retired. (The check
+extends the history it read after the previous cycle with the entries appended since: reading the
+whole log every cycle would make a 1000-cycle soak quadratic.) Every fifth cycle it also runs gc and
 checks that nothing leaked (no uncommitted staging, retired data, intent or temp file left) and
 that the bytes on disk are those of the checkpoints retention keeps plus the log.
 """
@@ -55,26 +57,35 @@ def cycle(root: str, c: int, seed: int, kill_at: int | None, when: str, report_f
     txckpt.forget_roots()
     r = CheckpointRoot(root)
     r.resume()
-    current = r.checkpoints("current")
-    if len(current) >= 3 and rnd.random() < 0.07:
-        target = rnd.choice(current[:-1])
-        r.resume(target.step)
-        report(event="forked", step=target.step, head=r.state().head)
+    if rnd.random() < 0.07:  # a rollback to a random older checkpoint of the current lineage
         current = r.checkpoints("current")
+        if len(current) >= 3:
+            target = rnd.choice(current[:-1])
+            r.resume(target.step)
+            report(event="forked", step=target.step, head=r.state().head)
     tip = r.state().head_tip
     step = (tip["step"] if tip else 0) + 1 + (rnd.random() < 0.3)
     path = r.save(step, payload(f"S{c}", step))
     m = txckpt.read_manifest(path)
     report(event="saved", step=step, txid=m.txid, lineage=m.lineage, tag=f"S{c}")
     apply_retention(r, _policy())
+    report(event="retained", seq=r.state().seq)
     if gc_now:
         collect_garbage(r, policy=_policy(), now=time.time() + 7200)
     if inj:
         inj.uninstall()
 
 
-def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool) -> dict[str, Any]:
-    """The soak's invariants (see the module doc), in a fresh process."""
+def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool, retained: bool,
+                memo: str) -> dict[str, Any]:
+    """The soak's invariants (see the module doc), in a fresh process.
+
+    ``memo``: a pickle of the history the previous check read, which this check extends with the
+    entries appended since (entries are created once and carry a digest; reading all of them every
+    cycle would make the soak quadratic in the log's length). ``retained``: the cycle's retention
+    completed, so exactly what the policy keeps may remain."""
+    import pickle
+
     import txckpt
     from txckpt.gc import collect_garbage
     from txckpt.lineage import History
@@ -83,6 +94,11 @@ def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool) -> dict[s
     v: list[str] = []
     txckpt.forget_roots()
     r = CheckpointRoot(root)
+    saved = None
+    if os.path.exists(memo):
+        with open(memo, "rb") as f:
+            saved = pickle.load(f)
+        r._history = saved["hist"]
     hist = r.history()
     # Lookup.
     path = txckpt.get_last_checkpoint(root)
@@ -121,9 +137,9 @@ def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool) -> dict[s
         except Exception as e:
             v.append(f"[changed] {c.txid} does not verify: {type(e).__name__}: {e}")
     # Every retire entry named only what the policy let go at that point of the log.
-    h = History()
+    h = saved["replay"] if saved else History()
     pol = _policy()
-    for e in hist.entries:
+    for e in hist.entries[h.state.seq + 1:]:
         if e.get("action") == "retire":
             allowed = {c.txid for c in pol.decide(h, now=float("inf"))}
             bad = [t for t in e["txids"] if t not in allowed]
@@ -131,9 +147,12 @@ def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool) -> dict[s
                 v.append(f"[retire] log entry {e['seq']} retired {bad}, which the policy kept at that point")
         h.apply(e)
     forks = len(hist.fork_points())
-    if kept > KEEP_LAST + forks + 1:
-        v.append(f"[bound] {kept} checkpoints are not retired; the policy keeps at most {KEEP_LAST} + {forks} fork "
-                 "points (+1 saved before a crash stopped its retention)")
+    if retained and kept > KEEP_LAST + forks:
+        v.append(f"[bound] {kept} checkpoints are not retired after a completed retention; the policy keeps "
+                 f"{KEEP_LAST} + {forks} fork points")
+    with open(memo + ".tmp", "wb") as f:
+        pickle.dump({"hist": hist, "replay": h}, f)
+    os.replace(memo + ".tmp", memo)
     used = _bytes(root)
     out = {"violations": v, "kept": kept, "forks": forks, "bytes": used, "kept_bytes": kept_bytes,
            "seq": hist.state.seq, "log_bytes": used - _bytes(root, skip_log=True)}
@@ -171,6 +190,7 @@ def soak(ctx: Ctx, case: Case, result: Result) -> None:
     n = case.params["quick"] if ctx.quick else case.params["full"]
     root = os.path.join(ctx.workdir, "soak", "root")
     os.makedirs(os.path.dirname(root), exist_ok=True)
+    memo = os.path.join(ctx.workdir, "soak-history.pickle")
     rnd = random.Random(ctx.seed + 7)
     found: list[str] = []
     last: dict[str, Any] | None = None
@@ -195,14 +215,17 @@ def soak(ctx: Ctx, case: Case, result: Result) -> None:
             stats["killed"] += 1
         elif code != 0:
             found.append(f"cycle {c}: [cycle] the job failed: {out}")
+        retained = False
         for ev in lines:
             if ev["event"] == "saved":
                 stats["saves_returned"] += 1
                 last = ev
             elif ev["event"] == "forked":
                 stats["forks"] += 1
+            elif ev["event"] == "retained":
+                retained = True
         full = c % 5 == 0 or c == n
-        ccode, verdict = run_child(lambda: check_cycle(root, last, full), timeout=300)
+        ccode, verdict = run_child(lambda: check_cycle(root, last, full, retained, memo), timeout=300)
         stats["checks"] += 1
         if ccode != 0:
             found.append(f"cycle {c}: [harness] the check failed: {verdict and verdict.get('error')}")
