@@ -103,8 +103,9 @@ class Case:
     run: Callable[[Ctx, "Case", Result], None]
     #: Known issues this case is expected to show (violations matching their patterns are "known").
     known: tuple[str, ...] = ()
-    #: Rough seconds in quick mode, to start long cases first.
+    #: Rough seconds in quick mode, to start long cases first (full mode: ``cost_full``, default 4x).
     cost: float = 5.0
+    cost_full: float | None = None
     needs_s3: bool = False
     params: dict[str, Any] = field(default_factory=dict)
 
@@ -205,7 +206,7 @@ def _run_case(case: Case, ctx: Ctx) -> Result:
 def run_cases(cases: list[Case], base_ctx: Ctx, *, workers: int = 2, budget: float | None = None,
               progress: Callable[[str], None] = print) -> list[Result]:
     """Run every case in a forked worker process, ``workers`` at a time, longest first."""
-    order = sorted(cases, key=lambda c: -c.cost)
+    order = sorted(cases, key=lambda c: -(c.cost if base_ctx.quick else (c.cost_full or 4 * c.cost)))
     pending = list(order)
     running: dict[int, tuple[Case, str, float]] = {}
     results: dict[str, Result] = {}

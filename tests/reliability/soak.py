@@ -280,4 +280,4 @@ def _run_with_pipe(fn, rfd: int, wfd: int) -> tuple[tuple[int, list[dict]], Any]
 def cases() -> list[Case]:
     return [Case("soak/local/save-rotate-kill", "soak",
                  "save/rotate cycles (keep_last=3, abandoned TTL 0, gc every 5) with random SIGKILLs, restarts "
-                 "and rollbacks", "local", soak, cost=40, params={"quick": 60, "full": 1000})]
+                 "and rollbacks", "local", soak, cost=40, cost_full=900, params={"quick": 60, "full": 1000})]
