@@ -186,10 +186,11 @@ def test_finishes_retired_deletions_and_respects_leases(any_root):
     r = fresh(any_root)
     h = r.history()
     by_step = {c.step: c for c in h.in_view(None)}
-    # Phase one only, as a crash right after the retire entry leaves it.
+    # A reader leases step 2; then a rotation that decided before the lease retires 1 and 2
+    # (phase one only, as a crash right after the retire entry leaves it).
+    acquire_reader_lease(r, by_step[2].txid, 600)
     assert retire(r, [by_step[1].txid, by_step[2].txid]) == [by_step[1].txid, by_step[2].txid]
     assert r.locate(by_step[1].ref) is not None
-    acquire_reader_lease(r, by_step[2].txid, 600)
     r.storage.replace(f"{READERS_DIR}/{by_step[3].txid}.old.json",
                       json.dumps({"txid": by_step[3].txid, "expires": time.time() - 1}).encode())
     report = collect_garbage(r)

@@ -99,7 +99,7 @@ def test_zombie_beside_its_restart_is_fenced(root):
         zombie.save(8, payload("Z-8", 8))  # today: commits step 8 on top of the restart's 6
 
 
-@_xfail("KI-lease")
+# Regression test of KI-lease, fixed in the core (was a strict xfail).
 def test_lease_is_refused_once_deletion_began(root):
     from txckpt.retention import acquire_reader_lease, retire
 
@@ -107,10 +107,10 @@ def test_lease_is_refused_once_deletion_began(root):
     txid = txckpt.read_manifest(paths[1]).txid
     retire(CheckpointRoot(root), [txid])  # phase one of a rotation: its data is about to go
     with pytest.raises(CheckpointNotFoundError):
-        acquire_reader_lease(CheckpointRoot(root), txid)  # today: granted
+        acquire_reader_lease(CheckpointRoot(root), txid)  # was: granted
 
 
-@_xfail("KI-lease-order")
+# Regression test of KI-lease-order, fixed in the core (was a strict xfail).
 def test_finish_retired_reads_leases_after_the_retired_set(root, monkeypatch):
     from txckpt import retention
 

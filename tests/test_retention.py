@@ -194,6 +194,24 @@ def test_leased_checkpoint_is_kept_until_released(tmp_path):
     assert published(root) == [3]
 
 
+def test_a_lease_is_refused_once_retired_and_not_left_behind(tmp_path):
+    from txckpt.errors import CheckpointNotFoundError
+    from txckpt.retention import READERS_DIR, read_leases
+
+    root = str(tmp_path / "out")
+    save(root, (1, 2, 3))
+    r = fresh(root)
+    one = next(c for c in r.history().checkpoints.values() if c.step == 1)
+    assert retire(r, [one.txid]) == [one.txid]  # phase one: its deletion may begin any time
+    with pytest.raises(CheckpointNotFoundError, match="retired"):
+        acquire_reader_lease(fresh(root), one.txid, 600)
+    with pytest.raises(CheckpointNotFoundError, match="not a committed checkpoint"):
+        acquire_reader_lease(fresh(root), "7-deadbeef-0123456789", 600)
+    assert r.storage.list_dir(READERS_DIR) == [] and read_leases(r.storage) == (set(), [])
+    apply_retention(fresh(root), RetentionPolicy(keep_last=2))
+    assert published(root) == [2, 3]
+
+
 def test_invalid_policies():
     for bad in ({"keep_last": 0}, {"keep_every": -1}, {"abandoned": "forever"}, {"abandoned": -1},
                 {"keep_best_n": 0}):

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
 from . import log as commit_log
-from .errors import InvalidArgumentError
+from .errors import CheckpointNotFoundError, InvalidArgumentError
 from .lineage import Checkpoint, History, State
 from .manifest import MANIFEST_NAME, Manifest
 from .publication import TX_DIR, home_key, manifest_txid
@@ -203,13 +203,50 @@ def abandoned_since(history: History) -> dict[str, float]:
 # ----- reader leases ---------------------------------------------------------------------------
 def acquire_reader_lease(root: Any, txid: str, seconds: float = 3600.0) -> str:
     """Ask retention and gc to leave checkpoint ``txid`` alone for ``seconds``. Returns the lease
-    key, for :func:`release_reader_lease`. Expired leases are ignored (and removed by gc)."""
+    key, for :func:`release_reader_lease`. Expired leases are ignored (and removed by gc).
+
+    Take the lease *before* reading the checkpoint. The lease is written first, then the log is
+    read: if ``txid`` is retired (its deletion may have begun) or not committed, the lease is
+    deleted again and :class:`~txckpt.errors.CheckpointNotFoundError` is raised. A lease that
+    passes this check is seen by every deleter, because deleters read the retired set first and
+    the leases after it (:func:`finish_retired`, ``collect_garbage``): a retire entry the check
+    did not see was appended after the lease existed, so a deleter that acts on it reads the
+    leases later still.
+    """
     if not isinstance(txid, str) or not txid or "/" in txid:
         raise InvalidArgumentError(f"txid must be a plain txid string, not {txid!r}")
     key = f"{READERS_DIR}/{txid}.{uuid.uuid4().hex[:12]}.json"
     record = {"txid": txid, "expires": time.time() + float(seconds), "pid": os.getpid()}
     root.storage.replace(key, json.dumps(record).encode())
+    try:
+        # A fresh read of the log, after the lease exists: the History object is extended with
+        # every entry appended since it was last read (entries are immutable, each read is a
+        # direct read that bypasses listing caches), so this sees every entry created before now.
+        history = root.history()
+    except BaseException:
+        _drop_lease(root, key)
+        raise
+    why = None
+    if txid not in history.checkpoints:
+        why = "is not a committed checkpoint of this root"
+    elif txid in history.retired:
+        why = "is retired: retention let it go and its data is being (or was) deleted"
+    if why is not None:
+        _drop_lease(root, key)
+        raise CheckpointNotFoundError(
+            f"no reader lease on {txid}: it {why}. Look the checkpoint up again "
+            "(txckpt.get_last_checkpoint, or `txckpt ls`) and lease one that is still kept"
+        )
     return key
+
+
+def _drop_lease(root: Any, key: str) -> None:
+    try:
+        root.storage.delete_file(key)
+    except FileNotFoundError:
+        pass
+    except OSError:  # left behind: it names a retired txid, gc removes it once it expires
+        log.warning("txckpt: could not remove the refused reader lease %s", key, exc_info=True)
 
 
 def release_reader_lease(root: Any, key: str) -> None:
@@ -416,10 +453,19 @@ def retired_present(root: Any, history: History | None = None) -> list[Checkpoin
 
 
 def finish_retired(root: Any, *, now: float | None = None) -> list[Checkpoint]:
-    """Delete the data of every retired checkpoint still present, except leased ones."""
+    """Delete the data of every retired checkpoint still present, except leased ones.
+
+    The retired set is read first and the leases after it (as ``collect_garbage`` does): a
+    reader writes its lease, then checks that the checkpoint is not retired
+    (:func:`acquire_reader_lease`). A retire entry that the reader's check missed was appended
+    after the lease existed, so if this read of the retired set sees that entry, the read of
+    the leases that follows sees the lease. Read the other way round, a lease taken between the
+    two reads would be missed and its checkpoint deleted under the reader.
+    """
+    present = retired_present(root)
     leased, _ = read_leases(root.storage, now)
     done = []
-    for c in retired_present(root):
+    for c in present:
         if c.txid in leased:
             log.info("txckpt: %s is retired but leased by a reader; deleting it later", c.txid)
             continue

@@ -204,6 +204,14 @@ def op_lease(state: dict, root: str, path: str, recheck: bool = False, so: dict 
     return txid
 
 
+def op_leases(state: dict, root: str, so: dict | None = None) -> list[str]:
+    """The txids under a live reader lease."""
+    from txckpt.retention import read_leases
+    from txckpt.root import CheckpointRoot
+
+    return sorted(read_leases(CheckpointRoot(root, so).storage)[0])
+
+
 def op_release(state: dict, root: str, so: dict | None = None) -> None:
     from txckpt.retention import release_reader_lease
     from txckpt.root import CheckpointRoot
