@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 import txckpt
-from txckpt.gc import collect_garbage, pid_alive, writer_status
+from txckpt.gc import collect_garbage, pid_alive, process_start, writer_status
 from txckpt.publication import ORPHANS_DIR, TX_DIR, home_key
 from txckpt.retention import READERS_DIR, RetentionPolicy, acquire_reader_lease, retire
 from txckpt.root import INTENTS_DIR
@@ -150,6 +150,64 @@ def test_pid_reuse_counts_as_dead():
         child.stdin.close()
         child.wait()
     assert not pid_alive(child.pid)
+
+
+@pytest.mark.skipif(process_start() is None, reason="no /proc: writers record no start time")
+def test_liveness_uses_the_start_time_the_writer_recorded_not_its_clock(tmp_path):
+    root = str(tmp_path / "out")
+    save(root, (1,))
+    with txckpt.transaction(root, 2) as tx:
+        intent = json.loads(tx._root.storage.read_bytes(f"{INTENTS_DIR}/{tx.txid}.json"))
+        assert intent["process_start"] == process_start(os.getpid())
+        tx.save("w.bin", b"x")
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        host, now = socket.gethostname(), time.time()
+        start = process_start(child.pid)
+        # The writer's clock was a day behind when it wrote its intent: its start time decides.
+        behind = {"host": host, "pid": child.pid, "time": now - 86400, "process_start": start}
+        assert writer_status(behind, now=now, grace_seconds=3600) == (False, f"writer pid {child.pid} on this host is alive")
+        ahead = {"host": host, "pid": child.pid, "time": now + 86400, "process_start": start}
+        assert not writer_status(ahead, now=now, grace_seconds=3600)[0]
+        # Another process's start time under this pid: the pid was reused, the writer is dead.
+        reused = {**behind, "process_start": {**start, "ticks": start["ticks"] - 1}}
+        gone, why = writer_status(reused, now=now, grace_seconds=3600)
+        assert gone and "another process" in why
+        rebooted = {**behind, "process_start": {**start, "boot_id": "not-this-boot"}}
+        gone, why = writer_status(rebooted, now=now, grace_seconds=3600)
+        assert gone and "rebooted" in why
+        # An intent written before process_start existed: the wall-clock test, as before.
+        old = {"host": host, "pid": child.pid, "time": now - 86400}
+        assert writer_status(old, now=now, grace_seconds=3600)[0]
+        assert not writer_status({**old, "time": now}, now=now, grace_seconds=3600)[0]
+    finally:
+        child.stdin.close()
+        child.wait()
+    gone, why = writer_status(behind, now=now, grace_seconds=3600)
+    assert gone and why == f"writer pid {child.pid} on this host is dead"
+
+
+def test_a_commit_whose_staging_vanished_after_the_check_raises(tmp_path, monkeypatch):
+    """gc (or an operator) deletes the staging after the commit checked it: the commit entry is
+    appended, but the save must not return a path that holds nothing."""
+    import shutil
+
+    from txckpt.errors import CheckpointNotFoundError
+    from txckpt.root import CheckpointRoot
+
+    root = str(tmp_path / "out")
+    save(root, (1,))
+    real = CheckpointRoot.commit
+
+    def commit(self, manifest, writer=None):
+        shutil.rmtree(os.path.join(root, ".txckpt", "tx", manifest.txid))
+        return real(self, manifest, writer)
+
+    monkeypatch.setattr(CheckpointRoot, "commit", commit)
+    with pytest.raises(CheckpointNotFoundError, match="was committed, but its data"):
+        save(root, (2,))
+    monkeypatch.setattr(CheckpointRoot, "commit", real)
+    assert txckpt.read_manifest(fresh(root).get_last_checkpoint()).step == 1
 
 
 def test_stale_intents_tmp_files_and_orphans(tmp_path):

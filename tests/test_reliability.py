@@ -214,7 +214,7 @@ def test_a_deleted_newest_log_entry_is_not_silent(root, txlog):
         f"lookup silently returned {last} instead of {newest}"
 
 
-@_xfail("KI-gc-clock")
+# Regression test of KI-gc-clock, fixed in the core (was a strict xfail).
 def test_gc_keeps_a_live_writers_staging_when_its_clock_is_behind(root, monkeypatch):
     from txckpt.gc import collect_garbage
 

@@ -4,8 +4,9 @@
 
 * **staging**: ``.txckpt/tx/<txid>`` whose txid the log has not committed and whose writer is
   gone: its intent is missing, or the intent's host is this host and its pid is dead (or now
-  belongs to a process started after the intent), or the intent is older than ``grace_seconds``
-  (writers on other hosts, whose liveness cannot be checked). A live writer's staging is never
+  belongs to another process: its start time in /proc is not the one the writer recorded in the
+  intent, or the host rebooted since), or the intent is older than ``grace_seconds`` (writers on
+  other hosts, whose liveness cannot be checked). A live writer's staging is never
   removed. Before anything is deleted the log is read again, so a save that committed meanwhile
   is kept.
 * **retired**: data of checkpoints a ``retire`` entry names (phase two of a deletion that a
@@ -96,12 +97,44 @@ class GcReport:
 
 
 # ----- writer liveness ---------------------------------------------------------------------------
-def _process_start_time(pid: int) -> float | None:
-    """Start time (epoch seconds) of a local process, from /proc; None where unknown."""
+def _start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat: the process's start, in clock ticks since boot; None where
+    unknown (no /proc, the process is gone, or its stat is hidden)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().decode(errors="replace")
-        ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _boot_id() -> str | None:
+    """This boot of this host's kernel (changes at every reboot); None where unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def process_start(pid: int | None = None) -> dict[str, Any] | None:
+    """Identifies one run of process ``pid`` (default: this one) on this host:
+    ``{"boot_id", "ticks"}``, the kernel's boot id and the start time from /proc/<pid>/stat. A pid
+    reused by another process, or the same pid after a reboot, gives another value. None where
+    /proc does not tell (then writers record nothing and gc falls back to wall-clock times)."""
+    boot = _boot_id()
+    ticks = _start_ticks(os.getpid() if pid is None else pid)
+    if boot is None or ticks is None:
+        return None
+    return {"boot_id": boot, "ticks": ticks}
+
+
+def _process_start_time(pid: int) -> float | None:
+    """Start time (epoch seconds) of a local process, from /proc; None where unknown."""
+    ticks = _start_ticks(pid)
+    if ticks is None:
+        return None
+    try:
         with open("/proc/stat") as f:
             btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
         return btime + ticks / os.sysconf("SC_CLK_TCK")
@@ -109,11 +142,27 @@ def _process_start_time(pid: int) -> float | None:
         return None
 
 
-def pid_alive(pid: int, since: float | None = None) -> bool:
-    """Is process ``pid`` of this host alive (and, given ``since``, started before it)?"""
+def _valid_start(start: Any) -> bool:
+    return (isinstance(start, dict) and isinstance(start.get("boot_id"), str)
+            and isinstance(start.get("ticks"), int) and not isinstance(start.get("ticks"), bool))
+
+
+def pid_alive(pid: int, since: float | None = None, *, start: dict[str, Any] | None = None) -> bool:
+    """Is process ``pid`` of this host alive, and the same process the caller means?
+
+    ``start`` (a :func:`process_start` value recorded by the process itself): alive only if the
+    host has not rebooted since and the pid's current start time is that one; a different one
+    means the pid was reused. Without it, ``since`` (an epoch time the process wrote with its own
+    clock): a process that started more than 2 s after it is taken for a reuse; this compares
+    two clocks and is only the fallback for records that do not carry ``start``.
+    """
     if pid <= 0:
         return False
-    if pid == os.getpid():
+    if _valid_start(start):
+        boot = _boot_id()
+        if boot is not None and boot != start["boot_id"]:
+            return False  # the host rebooted since: that process is gone, whatever has its pid now
+    elif pid == os.getpid():
         return True
     try:
         os.kill(pid, 0)
@@ -123,12 +172,34 @@ def pid_alive(pid: int, since: float | None = None) -> bool:
         pass  # exists, owned by someone else
     except OSError:
         return False
+    if _valid_start(start):
+        ticks = _start_ticks(pid)
+        # Unknown (stat hidden from us): it exists, so it is taken for alive.
+        return ticks is None or ticks == start["ticks"]
     if since is not None:
         started = _process_start_time(pid)
         # A process that started after the intent was written reuses the pid of a dead writer.
         if started is not None and started > since + 2.0:
             return False
     return True
+
+
+def intent_record(plan: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The intent a save's committer writes before its staging (docs/protocol.md, "Save" step 2):
+    who writes the staging, for gc. ``process_start`` is what gc checks the writer's liveness
+    with on this host; ``time`` (the writer's clock) only serves the grace period of writers on
+    other hosts, and the liveness check of intents written before ``process_start`` existed."""
+    record = {"txid": plan["txid"], "step": plan["step"], "lineage": plan["lineage"],
+              "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+              "world_size": world_size}
+    start = process_start()
+    if start is not None:
+        record["process_start"] = start
+    return record
+
+
+def write_intent(root: Any, plan: dict[str, Any], world_size: int) -> None:
+    root.storage.replace(f"{INTENTS_DIR}/{plan['txid']}.json", json.dumps(intent_record(plan, world_size)).encode())
 
 
 def writer_status(intent: dict[str, Any] | None, *, now: float, grace_seconds: float,
@@ -144,6 +215,16 @@ def writer_status(intent: dict[str, Any] | None, *, now: float, grace_seconds: f
         t = 0.0
     age = now - t
     if host == hostname and isinstance(pid, int):
+        start = intent.get("process_start")
+        if _valid_start(start):
+            if pid_alive(pid, start=start):
+                return False, f"writer pid {pid} on this host is alive"
+            boot = _boot_id()
+            if boot is not None and boot != start["boot_id"]:
+                return True, f"writer pid {pid} on this host is dead (the host rebooted since)"
+            if _start_ticks(pid) is not None:
+                return True, f"writer pid {pid} on this host is dead (the pid now belongs to another process)"
+            return True, f"writer pid {pid} on this host is dead"
         if pid_alive(pid, since=t):
             return False, f"writer pid {pid} on this host is alive"
         return True, f"writer pid {pid} on this host is dead"
@@ -464,4 +545,5 @@ def _uploads(root: Any, report: GcReport, now: float, grace_seconds: float, host
                 i.error = f"{type(e).__name__}: {e}"
 
 
-__all__ = ["collect_garbage", "GcReport", "GcItem", "writer_status", "pid_alive", "read_intents"]
+__all__ = ["collect_garbage", "GcReport", "GcItem", "writer_status", "pid_alive", "process_start", "intent_record",
+           "write_intent", "read_intents"]

@@ -20,7 +20,14 @@ from typing import Any, BinaryIO, Mapping
 from . import errors
 from .checksum import HashingWriter, digest_stream
 from .coordination import Coordinator, current_coordinator
-from .errors import InvalidArgumentError, TransactionAbortedError, UnsafePathError, storage_error
+from .errors import (
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    TransactionAbortedError,
+    UnsafePathError,
+    storage_error,
+)
+from .gc import write_intent
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, check_file_name, kind_for_name
 from .serialization import write_object
 
@@ -136,7 +143,9 @@ class Transaction:
             try:
                 try:
                     plan = self._root.prepare_save(self.step)
-                    self._root.write_intent(plan, self._coord.world_size)
+                    # The intent carries this process's start time from /proc, which is what gc
+                    # checks a local writer's liveness with (not this process's clock).
+                    write_intent(self._root, plan, self._coord.world_size)
                 except OSError as os_error:
                     raise storage_error(os_error, f"start the save of step {self.step}") from os_error
             except Exception as e:  # every rank must learn why
@@ -275,7 +284,16 @@ class Transaction:
             except Exception as e:
                 if isinstance(e, OSError):
                     e = storage_error(e, f"commit checkpoint step {plan['step']}")
-                committed = self._committed_path()
+                try:
+                    committed = self._committed_path()
+                except CheckpointNotFoundError as lost:
+                    # Committed, and its data is gone: nothing is left to delete; say so.
+                    log.error("txckpt: %s", lost)
+                    try:
+                        self._root.clear_intent(plan["txid"])
+                    except OSError:
+                        pass  # gc removes the intent of a committed txid
+                    return {"error": _describe_error(lost)}
                 if committed is not None:  # the commit point was passed: never delete
                     log.warning("txckpt: checkpoint %s committed, but finishing it failed: %s",
                                 plan["txid"], e)
@@ -355,6 +373,12 @@ class Transaction:
         return path
 
     def _committed_path(self) -> str | None:
+        """Where this transaction's checkpoint is, if its commit entry exists; None if it does not.
+
+        Raises CheckpointNotFoundError if it is committed but its data is found nowhere (its
+        staging was deleted after the commit's check of the staged files: by hand, or by a gc
+        that took this writer for dead): a path that does not hold the checkpoint is never
+        returned."""
         plan = self._plan
         try:
             state = self._root.state()
@@ -363,7 +387,15 @@ class Transaction:
         info = state.lineages.get(plan["lineage"]) if plan else None
         if info is None or not info.tip or info.tip.get("txid") != plan["txid"]:
             return None
-        return self._root.locate(info.tip) or self._root.storage.full_path(plan["key"])
+        path = self._root.locate(info.tip)
+        if path is None:
+            raise CheckpointNotFoundError(
+                f"checkpoint step {plan['step']} (txid {plan['txid']}) was committed, but its data is "
+                f"neither at {self._root.storage.full_path(plan['key'])} nor published: its staging was "
+                "deleted after the commit checked it (by hand, or by a gc that took this writer for dead). "
+                "Lookups skip it with a warning and return the previous checkpoint; save again"
+            )
+        return path
 
     def _abort(self) -> None:
         plan = self._plan

@@ -765,7 +765,7 @@ def cases() -> list[Case]:
     out += [
         Case("badinput/local/clock", "badinput",
              "the writer's clock goes backwards (between saves; an hour behind while gc runs beside its save)",
-             "local", clock, known=("KI-gc-clock",), cost=3),
+             "local", clock, cost=3),
         Case("badinput/local/enospc", "badinput",
              "ENOSPC at each file operation of a save, a first save and a fork + save", "local", enospc,
              known=("KI-enospc-torch-save",), cost=20, params={"scenarios": ["save", "first", "fork"]}),
