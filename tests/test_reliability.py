@@ -297,7 +297,7 @@ def test_fork_with_a_full_disk_while_unpublishing_raises_only_typed_errors(root,
         pass
 
 
-@_xfail("KI-enospc-torch-save")
+# Regression test of KI-enospc-torch-save, fixed in the core (was a strict xfail).
 def test_enospc_inside_torch_save_is_a_storage_error(root, monkeypatch):
     import torch
 

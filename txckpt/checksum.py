@@ -50,6 +50,10 @@ class HashingWriter(io.RawIOBase):
     """A write-only stream that hashes and counts every byte on its way to ``sink``.
 
     ``close()`` closes the sink (which, for txckpt's storage writers, is where durability happens).
+
+    ``sink_error`` is the first OSError the sink raised (a full disk, say), kept because a
+    serializer writing through this stream may replace it with its own error (torch.save's zip
+    writer raises RuntimeError "unexpected pos" after a failed write).
     """
 
     def __init__(self, sink: BinaryIO):
@@ -57,6 +61,11 @@ class HashingWriter(io.RawIOBase):
         self._sink = sink
         self._hasher = new_hasher()
         self.size = 0
+        self.sink_error: OSError | None = None
+
+    def _failed(self, e: OSError) -> None:
+        if self.sink_error is None:
+            self.sink_error = e
 
     def writable(self) -> bool:
         return True
@@ -66,7 +75,11 @@ class HashingWriter(io.RawIOBase):
         n = len(view)
         if n:
             self._hasher.update(view)
-            self._sink.write(view)
+            try:
+                self._sink.write(view)
+            except OSError as e:
+                self._failed(e)
+                raise
             self.size += n
         return n
 
@@ -78,12 +91,19 @@ class HashingWriter(io.RawIOBase):
 
     def flush(self) -> None:
         if not getattr(self._sink, "closed", False):
-            self._sink.flush()
+            try:
+                self._sink.flush()
+            except OSError as e:
+                self._failed(e)
+                raise
 
     def close(self) -> None:
         if not self.closed:
             try:
                 self._sink.close()
+            except OSError as e:
+                self._failed(e)
+                raise
             finally:
                 super().close()
 

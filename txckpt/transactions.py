@@ -221,9 +221,18 @@ class Transaction:
             kind = write_object(name, obj, f)
             f.kind = kind
             f.close()
-        except OSError as e:
+        except Exception as e:
             f.abort()
-            raise storage_error(e, f"write {name!r}") from e
+            # A serializer may turn the storage's error into its own: torch.save's zip writer
+            # reports a failed write (ENOSPC) as RuntimeError "[enforce fail at
+            # inline_container.cc] unexpected pos". The writer remembers what its sink raised.
+            cause = f.sink_error if f.sink_error is not None else e
+            if not isinstance(cause, OSError):
+                raise
+            err = storage_error(cause, f"write {name!r}")
+            if err is e:
+                raise
+            raise err from e
         except BaseException:
             f.abort()
             raise

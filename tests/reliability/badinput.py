@@ -768,7 +768,7 @@ def cases() -> list[Case]:
              "local", clock, cost=3),
         Case("badinput/local/enospc", "badinput",
              "ENOSPC at each file operation of a save, a first save and a fork + save", "local", enospc,
-             known=("KI-enospc-torch-save",), cost=20, params={"scenarios": ["save", "first", "fork"]}),
+             cost=20, params={"scenarios": ["save", "first", "fork"]}),
         Case("badinput/local/readonly", "badinput", "a read-only root: lookup, load, save, fork, gc, retention",
              "local", readonly, known=(), cost=6),
     ]
