@@ -31,58 +31,6 @@ def register(issue: KnownIssue) -> KnownIssue:
 
 
 register(KnownIssue(
-    id="KI-lease",
-    title="acquire_reader_lease grants a lease on a checkpoint whose deletion has begun",
-    where="txckpt/retention.py: acquire_reader_lease",
-    scenario=("apply_retention appends the retire entry naming step 2, then finish_retired reads the leases "
-              "(none). A reader then takes a lease on step 2 as docs/retention.md shows (acquire, then read): the "
-              "lease is granted, the reader starts loading, and finish_retired deletes step 2 under it."),
-    fix=("After writing the lease, read the log: if the txid is retired (or not committed), delete the lease "
-         "and raise CheckpointNotFoundError. With KI-lease-order fixed, a lease that survives this check is "
-         "seen by every deleter. Document that a lease is taken before reading."),
-    reproducer="test_lease_is_refused_once_deletion_began",
-    pattern=r"\[lease\] (acquire_reader_lease granted|rotation deleted checkpoint step 2 while a reader that had announced)",
-))
-
-register(KnownIssue(
-    id="KI-lease-order",
-    title="finish_retired reads the leases before the retired set, so a concurrent retirement deletes a leased checkpoint",
-    where="txckpt/retention.py: finish_retired (also apply_retention's phase two)",
-    scenario=("Process D (apply_retention) reads the leases (none) in finish_retired. A reader leases step 2 and "
-              "checks that it is not retired. Process P (another apply_retention, which decided before the lease) "
-              "appends its retire entry; its own finish_retired sees the lease and keeps step 2. D then reads the "
-              "retired set, fresh, and deletes step 2 while the reader loads it."),
-    fix=("In finish_retired read the history (the retired set) first and the leases after it, as "
-         "collect_garbage already does; then any lease written before the deleter read the leases was either "
-         "seen, or its reader's re-check happened after the retire entry and failed."),
-    reproducer="test_finish_retired_reads_leases_after_the_retired_set",
-    pattern=r"\[lease\] rotation deleted checkpoint step 2 while a reader holding a lease \(taken, and re-checked",
-))
-
-
-
-register(KnownIssue(
-    id="KI-gc-clock",
-    title="gc deletes a live writer's staging when the writer's clock was behind when it wrote its intent",
-    where="txckpt/gc.py: pid_alive (the 'started > since + 2 s' pid-reuse test) and writer_status",
-    scenario=("A writer on this host whose time.time() runs an hour behind (a skewed clock, or the host clock "
-              "stepped forward during the save) writes an intent whose time precedes its own process start time; "
-              "gc concludes the pid was reused by a newer process, calls the writer dead and deletes its staging "
-              "while it is writing."),
-    fix=("Record the writer's process start time (from /proc, the source gc compares with) in the intent and "
-         "compare it with the pid's current start time; wall-clock intent times then only serve the grace period "
-         "for writers on other hosts. Also, in Transaction._committed_path, return a path only if locate() "
-         "finds the checkpoint there: when gc strikes after the commit's check of the staged files, the commit "
-         "entry is appended, publication finds nothing, and the save returns the empty staging path with only "
-         "a warning."),
-    reproducer="test_gc_keeps_a_live_writers_staging_when_its_clock_is_behind",
-    # Its consequence when gc strikes after the commit check: the save returns a path gc removed.
-    pattern=r"\[clock\] (gc removed the staging of a live writer|the writer's save returned .* does not verify)",
-))
-
-
-
-register(KnownIssue(
     id="KI-publish-race",
     title="A lookup racing a publication returns the home path, which the rename then moves: load calls a healthy checkpoint damaged",
     where="txckpt/root.py: get_last_checkpoint; txckpt/api.py: load_checkpoint / verify (txckpt/verify.py)",
@@ -112,22 +60,6 @@ register(KnownIssue(
          "state's tip ref); `txckpt verify ROOT` already compares them."),
     reproducer="test_forged_manifest_is_refused_by_load",
     pattern=r"digest recomputed",
-))
-
-
-register(KnownIssue(
-    id="KI-enospc-torch-save",
-    title="A full disk in the middle of a torch.save surfaces as torch's RuntimeError, not StorageError",
-    where="txckpt/transactions.py: Transaction.save (catches OSError only); txckpt/checksum.py: HashingWriter.write",
-    scenario=("tx.save('optimizer.pt', obj) (and save_checkpoint) streams torch.save's zip writer into the staging "
-              "file. When one of its writes fails with ENOSPC, torch's writer reports '[enforce fail at "
-              "inline_container.cc] unexpected pos ...' as a RuntimeError, which Transaction.save lets through: the "
-              "caller gets an untyped error without txckpt's 'the disk is full' advice. Nothing is committed (the "
-              "campaign checks that)."),
-    fix=("Have the tracked writer remember the first OSError its sink raised, and in Transaction.save, whatever "
-         "the serializer raised afterwards, raise errors.storage_error(that OSError) from it."),
-    reproducer="test_enospc_inside_torch_save_is_a_storage_error",
-    pattern=r"\[enospc\] the operation raised an untyped RuntimeError: \[enforce fail at inline_container",
 ))
 
 
@@ -166,4 +98,16 @@ FIXED: list[FixedIssue] = [
                "plain OSError", "049cbca", "test_enospc_making_the_staging_directory_is_a_storage_error"),
     FixedIssue("KI-log-shortened", "gc acted on a log that had lost its newest entry and deleted that commit's "
                "checkpoint as a leftover", "049cbca", "test_a_deleted_newest_log_entry_is_not_silent"),
+    FixedIssue("KI-lease", "acquire_reader_lease granted a lease on a checkpoint whose retire entry already existed "
+               "(its deletion had begun): the reader started loading and the checkpoint was deleted under it",
+               "a0efc6d", "test_lease_is_refused_once_deletion_began"),
+    FixedIssue("KI-lease-order", "finish_retired (apply_retention's phase two) read the leases before the retired set: "
+               "a lease taken between the two reads was missed and its checkpoint deleted", "a0efc6d",
+               "test_finish_retired_reads_leases_after_the_retired_set"),
+    FixedIssue("KI-gc-clock", "gc deleted a live writer's staging when the writer's clock was behind (the pid-reuse "
+               "test compared the pid's start time with the intent's wall-clock time); and a save whose staging was "
+               "removed after the commit check returned the empty staging path", "7e60a54",
+               "test_gc_keeps_a_live_writers_staging_when_its_clock_is_behind"),
+    FixedIssue("KI-enospc-torch-save", "A full disk in the middle of a torch.save surfaced as torch's RuntimeError "
+               "('unexpected pos'), not StorageError", "2ef5ec5", "test_enospc_inside_torch_save_is_a_storage_error"),
 ]
