@@ -135,8 +135,16 @@ def test_symlink_out_of_the_root(root, tmp_path):
     secret.write_bytes(b"x")
     os.symlink(secret, os.path.join(path, "link.bin"))
     _forge(path, "link.bin", b"x")
-    with pytest.raises(UnsafePathError, match="symlink"):
+    # Inside the root, the forged manifest itself is refused: the log committed another digest.
+    with pytest.raises(IntegrityError, match="not the manifest the log committed"):
         txckpt.load_checkpoint(path)
+    # A copy outside any root is read on its own manifest's word: the symlink is still refused.
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy, symlinks=True)
+    with pytest.raises(UnsafePathError, match="symlink"):
+        txckpt.load_checkpoint(copy)
 
 
 def test_symlink_out_of_the_root_is_not_committed(root, tmp_path):

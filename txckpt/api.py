@@ -7,8 +7,9 @@ import os
 import threading
 from typing import Any, Mapping
 
-from .errors import CheckpointNotFoundError, InvalidArgumentError, ManifestError
+from .errors import CheckpointNotFoundError, IntegrityError, InvalidArgumentError, ManifestError
 from .manifest import MANIFEST_NAME, Manifest
+from .reader import RootContext
 from .root import CheckpointRoot
 from .serialization import read_object
 from .storage import open_storage
@@ -141,8 +142,7 @@ def new_lineage(
     )
 
 
-def read_manifest(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:
-    """The verified-digest manifest of the checkpoint at ``path``."""
+def _read_own_manifest(path: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> Manifest:
     storage = open_storage(path, storage_options)
     try:
         data = storage.read_bytes(MANIFEST_NAME)
@@ -156,12 +156,72 @@ def read_manifest(path: str | os.PathLike, *, storage_options: Mapping[str, Any]
     return Manifest.decode(data, f"{os.fspath(path)}/{MANIFEST_NAME}")
 
 
-def verify_checkpoint(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:
-    """Check every file's size and checksum; raises IntegrityError (naming the file) on damage."""
-    storage = open_storage(path, storage_options)
-    manifest = read_manifest(path, storage_options=storage_options)
-    verify_checkpoint_files(storage, manifest, os.fspath(path))
+def read_manifest(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:
+    """The manifest of the checkpoint at ``path``, with its own digest verified; and, when
+    ``path`` lies in a txckpt root, checked against the digest the root's log committed (an
+    edited, replaced or never-committed manifest raises IntegrityError / ManifestError)."""
+    return _following_moves(
+        path, storage_options, lambda p, ctx, seen: _checked_manifest(p, ctx, seen, storage_options)
+    )
+
+
+def _following_moves(path: str | os.PathLike, storage_options: Mapping[str, Any] | None, attempt):
+    """Run ``attempt(path, ctx, seen)``, which reads a checkpoint (and records the manifest's txid
+    in ``seen["txid"]`` once it has it). If it fails because the checkpoint moved since its path
+    was looked up (published, or unpublished by a fork, while this process read), locate it
+    again by its txid and run ``attempt`` where it is now: a healthy checkpoint is never called
+    damaged because a rename raced the read (docs/protocol.md §6a). Each path is tried once."""
+    path = os.fspath(path)
+    ctx = RootContext.open(path, storage_options)
+    tried = {path}
+    while True:
+        seen: dict[str, Any] = {}
+        try:
+            return attempt(path, ctx, seen)
+        except (IntegrityError, ManifestError, CheckpointNotFoundError):
+            moved = ctx.moved_to(seen.get("txid")) if ctx is not None else None
+            if moved is None or moved in tried:
+                raise
+            tried.add(moved)
+            path = moved
+            ctx = RootContext.open(path, storage_options)
+
+
+def _checked_manifest(path: str, ctx: RootContext | None, seen: dict[str, Any],
+                      storage_options: Mapping[str, Any] | None) -> Manifest:
+    manifest = _read_own_manifest(path, storage_options)
+    seen["txid"] = manifest.txid
+    if ctx is not None:
+        ctx.check_committed(manifest, path)
     return manifest
+
+
+def _read_checkpoint(
+    path: str | os.PathLike,
+    storage_options: Mapping[str, Any] | None,
+    names: list[str] | None,
+    keep_bytes: bool,
+    verify: bool,
+) -> tuple[Manifest, dict[str, bytes]]:
+    """Read (and verify) a checkpoint's manifest and files, following it if it moves."""
+
+    def attempt(path: str, ctx: RootContext | None, seen: dict[str, Any]):
+        manifest = _checked_manifest(path, ctx, seen, storage_options)
+        wanted = sorted(manifest.files) if names is None else names
+        unknown = [n for n in wanted if n not in manifest.files]
+        if unknown:
+            raise InvalidArgumentError(f"{path} has no file(s) {unknown}; it holds {sorted(manifest.files)}")
+        blobs = verify_checkpoint_files(open_storage(path, storage_options), manifest, path, names=wanted,
+                                        keep_bytes=keep_bytes, verify=verify)
+        return manifest, blobs
+
+    return _following_moves(path, storage_options, attempt)
+
+
+def verify_checkpoint(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:
+    """Check every file's size and checksum (and, inside a root, the manifest against the log);
+    raises IntegrityError (naming the file) on damage."""
+    return _read_checkpoint(path, storage_options, None, keep_bytes=False, verify=True)[0]
 
 
 def load_checkpoint(
@@ -174,20 +234,13 @@ def load_checkpoint(
     verify: bool = True,
 ) -> dict[str, Any]:
     """Load a committed checkpoint's files (all, or the names in ``files``) after verifying
-    each one's size and checksum against the manifest. torch files load with
-    ``weights_only=True`` unless told otherwise."""
-    storage = open_storage(path, storage_options)
-    manifest = read_manifest(path, storage_options=storage_options)
-    names = sorted(manifest.files) if files is None else list(files)
-    unknown = [n for n in names if n not in manifest.files]
-    if unknown:
-        raise InvalidArgumentError(
-            f"{os.fspath(path)} has no file(s) {unknown}; it holds {sorted(manifest.files)}"
-        )
-    blobs = verify_checkpoint_files(storage, manifest, os.fspath(path), names=names, keep_bytes=True, verify=verify)
+    each one's size and checksum against the manifest (and, inside a root, the manifest against
+    the log's commit entry). torch files load with ``weights_only=True`` unless told otherwise."""
+    names = None if files is None else list(files)
+    manifest, blobs = _read_checkpoint(path, storage_options, names, keep_bytes=True, verify=verify)
     return {
         n: read_object(n, manifest.files[n].kind, blobs[n], map_location=map_location, weights_only=weights_only)
-        for n in names
+        for n in (sorted(manifest.files) if names is None else names)
     }
 
 
@@ -204,41 +257,47 @@ def fetch_checkpoint(
     import shutil
     import tempfile
 
-
-    src = open_storage(path, storage_options)
-    manifest = read_manifest(path, storage_options=storage_options)
     dest = os.path.abspath(os.fspath(dest))
-    if os.path.exists(os.path.join(dest, MANIFEST_NAME)):
-        try:
-            cached = Manifest.decode(open(os.path.join(dest, MANIFEST_NAME), "rb").read())
-            if cached.digest == manifest.digest:
-                verify_checkpoint(dest)
-                return dest
-        except Exception:
-            pass  # a damaged or different cache entry: fetch again
-    parent = os.path.dirname(dest)
-    os.makedirs(parent, exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix=".txckpt-fetch-", dir=parent)
-    try:
-        for name, entry in sorted(manifest.files.items()):
-            target = os.path.join(scratch, *name.split("/"))
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            with src.open_read(name) as reader, open(target, "wb") as out:
-                size, digest = _copy_hashing(reader, out)
-            if size != entry.size or digest != entry.checksum:
-                from .errors import IntegrityError
 
-                raise IntegrityError(
-                    f"{os.fspath(path)}/{name} has {size} bytes / xxh3-128 {digest}, the manifest says "
-                    f"{entry.size} / {entry.checksum}: the stored checkpoint is damaged"
-                )
-        with open(os.path.join(scratch, MANIFEST_NAME), "wb") as out:
-            out.write(manifest.encode())
-        _install_fetched(scratch, dest, manifest)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    return dest
+    def attempt(path: str, ctx: RootContext | None, seen: dict[str, Any]) -> str:
+        manifest = _checked_manifest(path, ctx, seen, storage_options)
+        if os.path.exists(os.path.join(dest, MANIFEST_NAME)):
+            try:
+                cached = Manifest.decode(open(os.path.join(dest, MANIFEST_NAME), "rb").read())
+                if cached.digest == manifest.digest:
+                    verify_checkpoint(dest)
+                    return dest
+            except Exception:
+                pass  # a damaged or different cache entry: fetch again
+        src = open_storage(path, storage_options)
+        parent = os.path.dirname(dest)
+        os.makedirs(parent, exist_ok=True)
+        scratch = tempfile.mkdtemp(prefix=".txckpt-fetch-", dir=parent)
+        try:
+            for name, entry in sorted(manifest.files.items()):
+                target = os.path.join(scratch, *name.split("/"))
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                try:
+                    with src.open_read(name) as reader, open(target, "wb") as out:
+                        size, digest = _copy_hashing(reader, out)
+                except FileNotFoundError:
+                    raise IntegrityError(
+                        f"{path}/{name} is missing (the manifest lists it): the stored checkpoint is damaged"
+                    ) from None
+                if size != entry.size or digest != entry.checksum:
+                    raise IntegrityError(
+                        f"{path}/{name} has {size} bytes / xxh3-128 {digest}, the manifest says "
+                        f"{entry.size} / {entry.checksum}: the stored checkpoint is damaged"
+                    )
+            with open(os.path.join(scratch, MANIFEST_NAME), "wb") as out:
+                out.write(manifest.encode())
+            _install_fetched(scratch, dest, manifest)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        return dest
+
+    return _following_moves(path, storage_options, attempt)
 
 
 def _install_fetched(scratch: str, dest: str, manifest: Manifest) -> None:

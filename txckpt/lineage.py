@@ -36,12 +36,18 @@ def new_lineage_id(taken: Iterable[str] = ()) -> str:
             return lid
 
 
-def ref(lineage: str, step: int, txid: str, key: str | None = None) -> dict[str, Any]:
-    """A reference to one committed checkpoint: the commit's own lineage, its step and txid, and
-    (for adopted checkpoints only) the key its data was committed at."""
+def ref(
+    lineage: str, step: int, txid: str, key: str | None = None, digest: str | None = None
+) -> dict[str, Any]:
+    """A reference to one committed checkpoint: the commit's own lineage, its step and txid,
+    (for adopted checkpoints only) the key its data was committed at, and the digest of the
+    manifest the log committed, so a reader of the newest entry can cross-check a tip's manifest
+    without reading the whole log."""
     r = {"lineage": lineage, "step": int(step), "txid": txid}
     if key is not None:
         r["key"] = key
+    if digest is not None:
+        r["digest"] = digest
     return r
 
 
@@ -150,7 +156,8 @@ class State:
 
     # ----- transitions (each validates, then returns the new state) ----------------------------
     def after_commit(
-        self, seq: int, lineage: str, step: int, txid: str, parent: dict | None, writer: str | None = None
+        self, seq: int, lineage: str, step: int, txid: str, parent: dict | None, writer: str | None = None,
+        digest: str | None = None,
     ) -> "State":
         info = self.lineages.get(lineage)
         if info is None:
@@ -192,7 +199,7 @@ class State:
             )
         new = self.copy()
         new.seq = seq
-        new.lineages[lineage].tip = ref(lineage, step, txid)
+        new.lineages[lineage].tip = ref(lineage, step, txid, digest=digest)
         return new
 
     def after_claim(self, seq: int, lineage: str, writer: str) -> "State":
@@ -239,7 +246,7 @@ class Checkpoint:
 
     @property
     def ref(self) -> dict[str, Any]:
-        return ref(self.lineage, self.step, self.txid, self.key)
+        return ref(self.lineage, self.step, self.txid, self.key, self.digest)
 
 
 @dataclass
@@ -317,6 +324,11 @@ class History:
             f"no committed checkpoint at step {step} in the current lineage; committed steps: "
             f"{steps or 'none'} (see `txckpt log` for other lineages)"
         )
+
+    def committed_digest(self, txid: str) -> str | None:
+        """The manifest digest the log committed for ``txid``; None if it never committed."""
+        c = self.checkpoints.get(txid)
+        return c.digest if c else None
 
     def fork_points(self) -> set[str]:
         return {

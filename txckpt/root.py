@@ -379,14 +379,14 @@ class CheckpointRoot:
                 "step": step, "txid": manifest.txid, "digest": manifest.digest, "key": key,
                 "bytes": manifest.total_bytes, "files": len(manifest.files),
             })
-            parent = ref(lid, step, manifest.txid, key)
+            parent = ref(lid, step, manifest.txid, key, manifest.digest)
 
         def build(state: State, seq: int, now: float) -> dict[str, Any]:
             if state.seq >= 0:
                 raise _AlreadyAdopted()
             new_state = state.after_new_lineage(seq, now, lid, None, "adopt")
             last = records[-1]
-            new_state.lineages[lid].tip = ref(lid, last["step"], last["txid"], last["key"])
+            new_state.lineages[lid].tip = ref(lid, last["step"], last["txid"], last["key"], last["digest"])
             return {"action": "adopt", "lineage": lid, "checkpoints": records, "state": new_state.to_json()}
 
         try:
@@ -433,15 +433,6 @@ class CheckpointRoot:
         return {"txid": txid, "lineage": lineage, "step": step, "parent": parent, "key": home_key(txid, step),
                 "writer": self.session}
 
-    def write_intent(self, plan: dict[str, Any], world_size: int) -> None:
-        import json
-        import socket
-
-        record = {"txid": plan["txid"], "step": plan["step"], "lineage": plan["lineage"],
-                  "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
-                  "world_size": world_size}
-        self.storage.replace(f"{INTENTS_DIR}/{plan['txid']}.json", json.dumps(record).encode())
-
     def clear_intent(self, txid: str) -> None:
         self.storage.delete_file(f"{INTENTS_DIR}/{txid}.json")
 
@@ -455,7 +446,7 @@ class CheckpointRoot:
 
         def build(state: State, seq: int, now: float) -> dict[str, Any]:
             new_state = state.after_commit(seq, manifest.lineage, manifest.step, manifest.txid, manifest.parent,
-                                           writer if writer is not None else self.session)
+                                           writer if writer is not None else self.session, manifest.digest)
             return {"action": "commit", "checkpoint": record, "state": new_state.to_json()}
 
         commit_log.append(self.storage, build, durable=self.durable)

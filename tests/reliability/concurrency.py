@@ -479,7 +479,7 @@ def cases() -> list[Case]:
                  race_same_step, cost=10 if s3 else 4, needs_s3=s3),
             Case(f"concurrency/{backend}/readers-polling", "concurrency",
                  "2 readers polling lookup+load while a writer saves, rotates (keep_last=2) and runs gc", backend,
-                 readers_polling, known=("KI-publish-race",), cost=40 if s3 else 25, needs_s3=s3),
+                 readers_polling, cost=40 if s3 else 25, needs_s3=s3),
             Case(f"concurrency/{backend}/leased-reader", "concurrency",
                  "a reader holding a lease loads while rotation and gc run; gc deletes after the release", backend,
                  leased_reader, cost=6 if s3 else 3, needs_s3=s3),

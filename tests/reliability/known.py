@@ -30,37 +30,10 @@ def register(issue: KnownIssue) -> KnownIssue:
     return issue
 
 
-register(KnownIssue(
-    id="KI-publish-race",
-    title="A lookup racing a publication returns the home path, which the rename then moves: load calls a healthy checkpoint damaged",
-    where="txckpt/root.py: get_last_checkpoint; txckpt/api.py: load_checkpoint / verify (txckpt/verify.py)",
-    scenario=("Between a save's commit entry and its rename to checkpoint-N, a reader's lookup locates the new tip "
-              "at .txckpt/tx/<txid>/checkpoint-N and returns that path; the rename happens; load_checkpoint(path) "
-              "raises IntegrityError '... is missing: the checkpoint is damaged' for a healthy committed "
-              "checkpoint. Readers polling during saves hit it (about 1 lookup in 150 here)."),
-    fix=("When a listed file or the manifest is missing under a .txckpt/tx/<txid>/checkpoint-N path, look the txid "
-         "up again (publication.locate by txid and step) and read from where it is now before calling the "
-         "checkpoint damaged."),
-    reproducer="test_load_follows_a_checkpoint_published_after_lookup",
-    pattern=r"\[reader\] the home path lookup returned moved",
-))
 
 
 
 
-register(KnownIssue(
-    id="KI-manifest-forged",
-    title="load_checkpoint trusts a manifest whose digest was recomputed after an edit (a file removed from it)",
-    where="txckpt/api.py: load_checkpoint / read_manifest (the manifest is not cross-checked with its commit entry)",
-    scenario=("Someone removes a file from a committed checkpoint's manifest and recomputes the manifest's own "
-              "digest. load_checkpoint verifies the manifest's self-digest and the files it lists, so it loads the "
-              "remaining files without a warning; the commit entry in the log recorded another digest and more files."),
-    fix=("When the checkpoint's root is known (its path is <root>/checkpoint-N or <root>/.txckpt/tx/<txid>/...), "
-         "cross-check the manifest digest with the commit entry (cheaply for the tip: carry the digest in the "
-         "state's tip ref); `txckpt verify ROOT` already compares them."),
-    reproducer="test_forged_manifest_is_refused_by_load",
-    pattern=r"digest recomputed",
-))
 
 
 # =================================================================================================
@@ -75,6 +48,12 @@ class FixedIssue:
 
 
 FIXED: list[FixedIssue] = [
+    FixedIssue("KI-publish-race", "A lookup racing a publication returned the home path, which the rename then "
+               "moved: load_checkpoint called a healthy checkpoint damaged (readers now follow the txid, "
+               "protocol §6a)", "PENDING", "test_load_follows_a_checkpoint_published_after_lookup"),
+    FixedIssue("KI-manifest-forged", "load_checkpoint trusted a manifest re-digested after an edit (a file removed "
+               "from it); the manifest is now cross-checked with the digest its commit entry recorded "
+               "(protocol §6a)", "PENDING", "test_forged_manifest_is_refused_by_load"),
     FixedIssue("KI-adopt-fsspec", "Adopting a legacy root raised TypeError on every fsspec backend (S3, memory): "
                "adopt() passed durable= to Storage.replace, whose fsspec versions did not take it", "b04223b",
                "test_adopt_on_an_object_store"),

@@ -1,0 +1,118 @@
+"""Reading a committed checkpoint by its path.
+
+A path that get_last_checkpoint (or ``txckpt ls``) returned lies inside a root, at its public
+name ``<root>/checkpoint-N`` or at its home ``<root>/.txckpt/tx/<txid>/checkpoint-N``. Knowing the
+root lets a reader do two things the manifest alone cannot (docs/protocol.md §6a):
+
+* **cross-check** the manifest with the log: the digest the commit entry recorded must equal the
+  manifest's (a manifest edited and re-digested, copied from another root, or left by a save
+  that never committed is refused);
+* **follow** a checkpoint that moved between the lookup and the read: on rename backends a
+  commit is published (home -> public name) and a fork unpublishes (public name -> home) while
+  other processes read. The txid does not change, so the reader locates it again and re-reads.
+
+A path outside any root (a fetched copy in a cache, a directory copied elsewhere) is checked
+against its own manifest only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .errors import IntegrityError, ManifestError
+from .manifest import MANIFEST_NAME, Manifest
+from .publication import TX_DIR
+
+_HOME_RE = re.compile(r"^(?P<root>.*)/" + re.escape(TX_DIR) + r"/(?P<txid>[^/]+)/checkpoint-(?P<step>\d+)$")
+_PUBLIC_RE = re.compile(r"^(?P<root>.*)/checkpoint-(?P<step>\d+)$")
+
+
+@dataclass(frozen=True)
+class RootPath:
+    """Where a checkpoint path lies: its root, its key in the root, its step and (for a home
+    path) the txid the path names."""
+
+    root: str
+    key: str
+    step: int
+    txid: str | None
+
+
+def parse(path: str | os.PathLike) -> RootPath | None:
+    """The root a checkpoint path lies in, judged by its shape alone (None: no root shape)."""
+    p = os.fspath(path)
+    if "://" not in p:
+        p = os.path.abspath(p)
+    p = p.rstrip("/")
+    m = _HOME_RE.match(p)
+    if m and m.group("root"):
+        return RootPath(m.group("root"), f"{TX_DIR}/{m.group('txid')}/checkpoint-{m.group('step')}",
+                        int(m.group("step")), m.group("txid"))
+    m = _PUBLIC_RE.match(p)
+    if m and m.group("root"):
+        return RootPath(m.group("root"), f"checkpoint-{m.group('step')}", int(m.group("step")), None)
+    return None
+
+
+class RootContext:
+    """A checkpoint path's root, opened, when that root has a log."""
+
+    def __init__(self, where: RootPath, root: Any, state: Any):
+        self.where = where
+        self.root = root  # a CheckpointRoot
+        self.state = state  # its newest State, read when the context was opened
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> "RootContext | None":
+        where = parse(path)
+        if where is None:
+            return None
+        from .api import open_root
+
+        root = open_root(where.root, storage_options)
+        state = root.state()
+        if state.seq < 0:
+            return None  # a directory of plain checkpoints, or a cache: no log to check against
+        return cls(where, root, state)
+
+    def check_committed(self, manifest: Manifest, path: str) -> None:
+        """Raise unless ``manifest`` is the one the log committed for its txid.
+
+        The newest entry's state carries every lineage's tip with its manifest digest, so
+        checking the newest checkpoint (what a resume loads) costs the two reads of a lookup;
+        an older one folds the log (cached and extended incrementally per process)."""
+        digest = None
+        for info in self.state.lineages.values():
+            tip = info.tip or {}
+            if tip.get("txid") == manifest.txid and tip.get("digest"):
+                digest = tip["digest"]
+                break
+        if digest is None:
+            digest = self.root.history().committed_digest(manifest.txid)
+        if digest is None:
+            raise ManifestError(
+                f"{path} holds the manifest of txid {manifest.txid}, which {self.root.url} never "
+                "committed (a save that did not finish, or a checkpoint copied from another root): "
+                "load a checkpoint listed by `txckpt ls`, or copy the directory out of the root "
+                "to read it on its own manifest's word"
+            )
+        if digest != manifest.digest:
+            raise IntegrityError(
+                f"{path}/{MANIFEST_NAME} is not the manifest the log committed for txid "
+                f"{manifest.txid} (digest {manifest.digest}, the commit entry recorded {digest}): "
+                "it was edited or replaced after the commit; the checkpoint is damaged; resume from "
+                "another checkpoint (`txckpt verify` lists what else is wrong)"
+            )
+
+    def moved_to(self, txid: str | None) -> str | None:
+        """Where the checkpoint of ``txid`` at this path's step is now, if not at this path."""
+        txid = txid or self.where.txid
+        if not txid:
+            return None
+        key = self.root.publication.locate({"txid": txid, "step": self.where.step})
+        if key is None or key == self.where.key:
+            return None
+        return self.root.storage.full_path(key)
