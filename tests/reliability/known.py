@@ -50,10 +50,10 @@ class FixedIssue:
 FIXED: list[FixedIssue] = [
     FixedIssue("KI-publish-race", "A lookup racing a publication returned the home path, which the rename then "
                "moved: load_checkpoint called a healthy checkpoint damaged (readers now follow the txid, "
-               "protocol §6a)", "PENDING", "test_load_follows_a_checkpoint_published_after_lookup"),
+               "protocol §6a)", "29cfd65", "test_load_follows_a_checkpoint_published_after_lookup"),
     FixedIssue("KI-manifest-forged", "load_checkpoint trusted a manifest re-digested after an edit (a file removed "
                "from it); the manifest is now cross-checked with the digest its commit entry recorded "
-               "(protocol §6a)", "PENDING", "test_forged_manifest_is_refused_by_load"),
+               "(protocol §6a)", "29cfd65", "test_forged_manifest_is_refused_by_load"),
     FixedIssue("KI-adopt-fsspec", "Adopting a legacy root raised TypeError on every fsspec backend (S3, memory): "
                "adopt() passed durable= to Storage.replace, whose fsspec versions did not take it", "b04223b",
                "test_adopt_on_an_object_store"),
