@@ -76,12 +76,19 @@ class TransactionalCheckpointMixin:
       ``<output_dir>/.txckpt-cache``. It belongs to the run: do not share it between jobs.
     * ``txckpt_timeout``: seconds a rank waits for the others inside a transaction (``None``:
       txckpt's default, ``TXCKPT_COORDINATION_TIMEOUT`` or 600 s).
+
+    Class attribute only: ``txckpt_stream_optimizer`` (default True): the ``torch.save`` calls of
+    upstream's ``_save_optimizer_and_scheduler`` (``optimizer.pt``, ``scheduler.pt``) write
+    through the transaction, hashed while written, instead of being read back and hashed at
+    commit. Set it to False in a subclass whose own code rewrites those files afterwards (the
+    save is refused otherwise: the commit would record the first version's checksum).
     """
 
     txckpt_root: str | None = None
     txckpt_storage_options: dict[str, Any] | None = None
     txckpt_cache_dir: str | None = None
     txckpt_timeout: float | None = None
+    txckpt_stream_optimizer: bool = True
 
     def __init_subclass__(cls, **kwargs: Any):
         # Runs at class definition, even when Trainer comes first (whose __init__ would then
@@ -104,6 +111,8 @@ class TransactionalCheckpointMixin:
             self.txckpt_timeout = txckpt_timeout
         # Set before Trainer.__init__: it may call overridden methods (e.g. _get_output_dir).
         self._txckpt_tx = None
+        #: Files of the open transaction written through it by _save_optimizer_and_scheduler.
+        self._txckpt_streamed: dict[str, Any] = {}
         self._txckpt_pending_push: tuple[tuple, dict] | None = None
         #: The newest step this process knows to be committed in its lineage (resumed or saved).
         self._txckpt_last_step: int | None = None
@@ -168,7 +177,9 @@ class TransactionalCheckpointMixin:
                     self._txckpt_make_scratch(tx)
                 # <root>/checkpoint-N on a local disk; the transaction's own key on object stores.
                 expected = tx.final_path
+                self._txckpt_streamed = {}
                 super()._save_checkpoint(model, trial, *args, **kwargs)  # type: ignore[misc]
+                self._txckpt_check_streamed(tx)
                 self._txckpt_publish_best(tx, expected)
             finally:
                 self._txckpt_tx = None
@@ -191,6 +202,47 @@ class TransactionalCheckpointMixin:
             self._push_from_checkpoint(committed, *pending[0], **pending[1])
         if self.is_world_process_zero():  # type: ignore[attr-defined]
             self._txckpt_retention(root)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str, *args: Any, **kwargs: Any) -> None:
+        """Upstream's, with every ``torch.save(obj, <checkpoint dir>/<name>)`` it makes (the
+        optimizer and scheduler; the scaler and RNG files are written elsewhere) sent through the
+        transaction: the file lands at the same path with the same content as far as
+        ``torch.load`` is concerned, but is hashed while streamed (the commit does not read the
+        optimizer's hundreds of MB back), without torch's zip CRC32 pass (txckpt's xxh3-128
+        covers every byte; ``TXCKPT_TORCH_ZIP_CRC=1`` keeps it) and with write-back started
+        while it is written. Only in upstream's plain case: DeepSpeed, FSDP, XLA and SageMaker
+        MP save as upstream does, and their files are hashed at commit."""
+        tx = self._txckpt_tx
+        if tx is None or not self.txckpt_stream_optimizer or not self._txckpt_plain_optimizer_save() \
+                or not _same_dir(output_dir, tx.directory):
+            return super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)  # type: ignore[misc]
+        with _torch_save_through(tx, self._txckpt_streamed):
+            return super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)  # type: ignore[misc]
+
+    def _txckpt_plain_optimizer_save(self) -> bool:
+        """Whether upstream's _save_optimizer_and_scheduler takes its plain branch (the same
+        conditions in 4.57 and 5.x): ``torch.save`` of the optimizer and of the scheduler on the
+        saving process, nothing else. DeepSpeed, FSDP, XLA and SageMaker MP are left alone."""
+        import transformers.trainer as hf_trainer
+
+        for probe in ("is_torch_xla_available", "is_sagemaker_mp_enabled"):
+            fn = getattr(hf_trainer, probe, None)
+            if fn is None or fn():
+                return False
+        return not (getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False)
+                    or getattr(self, "is_fsdp_xla_enabled", False))
+
+    def _txckpt_check_streamed(self, tx: Any) -> None:
+        """A file written through the transaction and then rewritten in staging by other code
+        would be committed with the first version's checksum: refuse (nothing is committed)."""
+        changed = [n for n, sig in self._txckpt_streamed.items()
+                   if sig is not None and _file_signature(os.path.join(tx.directory, n)) != sig]
+        if changed:
+            raise _errors.InvalidArgumentError(
+                f"{changed} were rewritten in the checkpoint directory after txckpt wrote them "
+                "(by a subclass?); set txckpt_stream_optimizer = False on the Trainer class so that "
+                "txckpt hashes them at commit instead"
+            )
 
     def _txckpt_make_scratch(self, tx: Any) -> None:
         """On a remote root ``tx.directory`` is a local scratch directory (uploaded at commit).
@@ -660,6 +712,22 @@ def _describe(e: BaseException, rank: int) -> dict[str, Any]:
     return {"type": type(e).__name__, "message": str(e), "rank": rank}
 
 
+def _file_signature(path: str) -> tuple[int, int, int, int] | None:
+    """What changes when a file is rewritten (in place or replaced); None for a remote root's
+    transaction files, which are not in the local directory."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _same_dir(a: str, b: str) -> bool:
+    if _is_url(a) or _is_url(b):
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
 def _is_within(path: str, root: str) -> bool:
     if _is_url(path) or _is_url(root):
         return path.rstrip("/").startswith(root.rstrip("/") + "/")
@@ -732,6 +800,50 @@ def _hub_uploads_skip_txckpt(ignores: list[str] | None = None):
         huggingface_hub.HfApi.upload_folder = real_method
         if real_module_fn is not None:
             hf_trainer.upload_folder = real_module_fn
+
+
+@contextlib.contextmanager
+def _torch_save_through(tx: Any, streamed: dict[str, Any]):
+    """While the block runs, a ``torch.save(obj, path)`` made by this thread with ``path`` inside
+    ``tx.directory`` (and no other arguments) writes through ``tx.open`` instead, recording the
+    file's signature in ``streamed``. Anything else goes to torch.save unchanged."""
+    import threading
+
+    import torch
+
+    from txckpt.manifest import kind_for_name
+    from txckpt.serialization import _torch_save_config
+
+    real = torch.save
+    me = threading.get_ident()
+    directory = os.path.realpath(tx.directory)
+
+    @functools.wraps(real)
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        name = None
+        if not args and not kwargs and isinstance(f, (str, os.PathLike)) and threading.get_ident() == me:
+            path = os.path.realpath(os.fspath(f))
+            if path.startswith(directory + os.sep):
+                name = os.path.relpath(path, directory).replace(os.sep, "/")
+        if name is None or name in streamed:
+            return real(obj, f, *args, **kwargs)
+        out = tx.open(name, "wb")
+        try:
+            with _torch_save_config():
+                real(obj, out)
+            out.kind = kind_for_name(name)
+            out.close()
+        except BaseException:
+            out.abort()
+            raise
+        streamed[name] = _file_signature(os.path.join(tx.directory, name))
+        return None
+
+    torch.save = save
+    try:
+        yield
+    finally:
+        torch.save = real
 
 
 @contextlib.contextmanager
