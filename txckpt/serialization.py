@@ -121,26 +121,156 @@ def _torch_save_config():
         return contextlib.nullcontext()
 
 
-def read_object(name: str, kind: str, data: bytes, *, map_location: Any = "cpu", weights_only: bool = True) -> Any:
-    """Turn verified bytes back into the object ``write_object`` wrote."""
+def read_object(name: str, kind: str, data: Any, *, map_location: Any = "cpu", weights_only: bool = True) -> Any:
+    """Turn verified bytes back into the object ``write_object`` wrote. ``data`` is ``bytes``
+    or a ``torch.uint8`` tensor holding the file (what verification read it into): safetensors
+    tensors are then views of that buffer (each on its own storage slice, so saving one tensor
+    saves only its bytes), and torch.load reads its records straight out of it."""
     try:
         if kind == "bytes":
-            return data
+            return _as_bytes(data)
         if kind == "json":
-            return json.loads(data)
+            return json.loads(_as_bytes(data))
         if kind == "safetensors":
-            from safetensors.torch import load
+            tensors = _safetensors_views(data) if _is_tensor(data) else None
+            if tensors is None:
+                from safetensors.torch import load
 
-            tensors = load(data)
+                tensors = load(_as_bytes(data))
             if map_location not in (None, "cpu"):
                 tensors = {k: v.to(map_location) for k, v in tensors.items()}
             return tensors
         if kind == "torch":
             import torch
 
-            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+            stream = _BufferReader(data) if _is_tensor(data) else io.BytesIO(data)
+            return torch.load(stream, map_location=map_location, weights_only=weights_only)
     except Exception as e:  # the bytes matched their checksum, so this is a format problem
         if type(e).__name__ == "UnpicklingError":
             raise
         raise IntegrityError(f"{name!r} ({kind}) matched its checksum but could not be decoded: {e}") from e
     raise IntegrityError(f"{name!r} has unknown kind {kind!r}")
+
+
+def _is_tensor(data: Any) -> bool:
+    return type(data).__module__.startswith("torch") and hasattr(data, "untyped_storage")
+
+
+def _byte_view(data: Any) -> memoryview:
+    if _is_tensor(data):
+        return memoryview(data.numpy()) if data.numel() else memoryview(b"")
+    return memoryview(data).cast("B")
+
+
+def _as_bytes(data: Any) -> bytes:
+    return data if isinstance(data, bytes) else bytes(_byte_view(data))
+
+
+_SAFETENSORS_BY_NAME: dict[str, Any] = {}
+
+
+def _safetensors_views(buf: Any) -> dict[str, Any] | None:
+    """The tensors of the safetensors file held in uint8 tensor ``buf``, as views of it; None
+    when the file is anything but plainly well-formed (then safetensors' own reader decodes it,
+    and reports what is wrong)."""
+    import sys
+
+    import torch
+
+    if sys.byteorder != "little":
+        return None
+    if not _SAFETENSORS_BY_NAME:
+        _SAFETENSORS_BY_NAME.update({v: k for k, v in _dtype_names().items()})
+    total = buf.numel()
+    if total < 8:
+        return None
+    view = _byte_view(buf)
+    (hlen,) = struct.unpack("<Q", view[:8])
+    if hlen > total - 8:
+        return None
+    try:
+        header = json.loads(bytes(view[8:8 + hlen]))
+    except ValueError:
+        return None
+    if not isinstance(header, dict):
+        return None
+    base = 8 + hlen
+    storage = buf.untyped_storage()
+    spans = []
+    out: dict[str, Any] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _SAFETENSORS_BY_NAME[info["dtype"]]
+            shape = [int(d) for d in info["shape"]]
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = 1
+        for d in shape:
+            numel *= d
+        if min(shape, default=0) < 0 or not 0 <= begin <= end <= total - base or end - begin != numel * itemsize:
+            return None
+        spans.append((begin, end))
+        start = base + begin
+        if numel == 0:
+            t = torch.empty(shape, dtype=dtype)
+        elif start % itemsize:
+            # Unaligned for its dtype (never in files txckpt writes): a copy of its own.
+            t = buf[start:base + end].clone().view(dtype).reshape(shape)
+        else:
+            t = torch.empty(0, dtype=dtype).set_(storage[start:base + end], 0, shape)
+        out[name] = t
+    # Like safetensors: the tensors tile the data section exactly, no gaps, no overlaps.
+    pos = 0
+    for begin, end in sorted(spans):
+        if begin != pos:
+            return None
+        pos = end
+    if pos != total - base:
+        return None
+    return out
+
+
+class _BufferReader(io.RawIOBase):
+    """A seekable read-only stream over a uint8 tensor, without copying it (torch.load reads
+    each record into its storage with ``readinto``: one copy, as from a file)."""
+
+    def __init__(self, buf: Any):
+        super().__init__()
+        self._buf = buf
+        self._view = _byte_view(buf)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:  # type: ignore[override]
+        end = min(len(self._view), self._pos + len(b))
+        n = max(0, end - self._pos)
+        if n:
+            memoryview(b).cast("B")[:n] = self._view[self._pos:end]
+            self._pos = end
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_SET:
+            pos = offset
+        elif whence == io.SEEK_CUR:
+            pos = self._pos + offset
+        elif whence == io.SEEK_END:
+            pos = len(self._view) + offset
+        else:
+            raise ValueError(f"invalid whence {whence}")
+        if pos < 0:
+            raise ValueError("negative seek position")
+        self._pos = pos
+        return pos
+
+    def tell(self) -> int:
+        return self._pos

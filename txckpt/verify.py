@@ -1,38 +1,90 @@
-"""Checking stored bytes against a manifest."""
+"""Checking stored bytes against a manifest.
+
+On a local disk a file that will be decoded (safetensors, torch) is read once, with
+``readinto``, into the buffer its tensors will live in, and hashed chunk by chunk behind the
+reader (:func:`txckpt.fileio.read_into_buffer`): verification adds the hash and nothing else to
+the reads an unverified load does. A file that is only checked is hashed through one small
+reused buffer. Other backends read each file whole.
+"""
 
 from __future__ import annotations
 
+import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
+from typing import Any, Iterable
 
-from . import checksum
+from . import checksum, fileio
 from .errors import CheckpointNotFoundError, IntegrityError, UnsafePathError
 from .manifest import Manifest
 from .storage.base import Storage
 
+#: Kinds that are decoded into tensors: read into a tensor buffer, decoded without another copy.
+_BUFFER_KINDS = ("safetensors", "torch")
 
-def _read_one(storage: Storage, manifest: Manifest, where: str, name: str, keep: bool, verify: bool):
+
+def _missing(where: str, name: str) -> IntegrityError:
+    return IntegrityError(
+        f"{where}/{name} is missing (the manifest lists it): the checkpoint is damaged; "
+        "resume from another checkpoint (`txckpt ls`)"
+    )
+
+
+def _wrong_size(where: str, name: str, actual: int, expected: int) -> IntegrityError:
+    return IntegrityError(
+        f"{where}/{name} has {actual} bytes, the manifest says {expected} (truncated or "
+        "rewritten): the checkpoint is damaged; resume from another checkpoint"
+    )
+
+
+def _wrong_checksum(where: str, name: str) -> IntegrityError:
+    return IntegrityError(
+        f"{where}/{name} does not match its checksum (xxh3-128): its bytes changed after the "
+        "commit; the checkpoint is damaged; resume from another checkpoint"
+    )
+
+
+def _read_one(storage: Storage, manifest: Manifest, where: str, name: str, keep: bool, verify: bool,
+              pipeline: bool = True):
     entry = manifest.files[name]
     if storage.is_symlink_escape(name):
         raise UnsafePathError(f"{where}/{name} is a symlink that leaves the root; refusing to read it")
+    local = storage.local_path(name)
     try:
+        if local is not None and keep and entry.kind in _BUFFER_KINDS:
+            data, digest = fileio.read_into_buffer(local, entry.size, hash=verify, pipeline=pipeline)
+            if verify and digest != entry.checksum:
+                raise _wrong_checksum(where, name)
+            return name, data
+        if local is not None and not keep:
+            if not verify:
+                size = _stat_size(local)
+                if size != entry.size:
+                    raise _wrong_size(where, name, size, entry.size)
+                return name, None
+            size, digest = fileio.hash_file(local)
+            if size != entry.size:
+                raise _wrong_size(where, name, size, entry.size)
+            if digest != entry.checksum:
+                raise _wrong_checksum(where, name)
+            return name, None
         data = storage.read_bytes(name)
+    except fileio.SizeMismatch as e:
+        raise _wrong_size(where, name, e.actual, entry.size) from None
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        raise IntegrityError(
-            f"{where}/{name} is missing (the manifest lists it): the checkpoint is damaged; "
-            "resume from another checkpoint (`txckpt ls`)"
-        ) from None
+        raise _missing(where, name) from None
     if len(data) != entry.size:
-        raise IntegrityError(
-            f"{where}/{name} has {len(data)} bytes, the manifest says {entry.size} (truncated or "
-            "rewritten): the checkpoint is damaged; resume from another checkpoint"
-        )
+        raise _wrong_size(where, name, len(data), entry.size)
     if verify and checksum.digest_bytes(data) != entry.checksum:
-        raise IntegrityError(
-            f"{where}/{name} does not match its checksum (xxh3-128): its bytes changed after the "
-            "commit; the checkpoint is damaged; resume from another checkpoint"
-        )
+        raise _wrong_checksum(where, name)
     return name, (data if keep else None)
+
+
+def _stat_size(path: str) -> int:
+    st = os.stat(path)
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(21, "Is a directory", path)
+    return st.st_size
 
 
 def verify_checkpoint_files(
@@ -44,19 +96,31 @@ def verify_checkpoint_files(
     keep_bytes: bool = False,
     verify: bool = True,
     workers: int = 2,
-) -> dict[str, bytes]:
-    """Read and check each named file (default: all); returns their bytes when ``keep_bytes``."""
+) -> dict[str, Any]:
+    """Read and check each named file (default: all). With ``keep_bytes`` returns each file's
+    content for :func:`txckpt.serialization.read_object`: ``bytes``, or for safetensors and torch
+    files on a local disk a ``torch.uint8`` tensor holding the file."""
     names = sorted(manifest.files) if names is None else list(names)
     for n in names:
         if n not in manifest.files:
             raise CheckpointNotFoundError(f"{where} has no file {n!r}")
-    out: dict[str, bytes] = {}
-    if workers <= 1 or len(names) <= 1:
-        results = [_read_one(storage, manifest, where, n, keep_bytes, verify) for n in names]
+    out: dict[str, Any] = {}
+    # The largest file is read last to finish: the others' readers are done by then and leave a
+    # core to hash it on, in a thread of its own. The other files are hashed by their readers
+    # (the cheaper way while every core is reading).
+    sequential = workers <= 1 or len(names) <= 1
+    largest = max(names, key=lambda n: manifest.files[n].size, default=None)
+    pipelined = set() if (os.cpu_count() or 1) < 2 else set(names) if sequential else {largest}
+
+    def one(n: str):
+        return _read_one(storage, manifest, where, n, keep_bytes, verify, pipeline=n in pipelined)
+
+    if sequential:
+        results = [one(n) for n in names]
     else:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            results = list(pool.map(lambda n: _read_one(storage, manifest, where, n, keep_bytes, verify), names))
+            results = list(pool.map(one, names))
     for name, data in results:
         if keep_bytes:
-            out[name] = data  # type: ignore[assignment]
+            out[name] = data
     return out
