@@ -457,7 +457,27 @@ def s3(s3_root, s3_server):
     st = open_storage(*s3_root)
     assert isinstance(st, S3Storage)
     st.part_size = 5 << 20  # S3's minimum: several parts with small test data
+    st.multipart_threshold = st.part_size  # multipart from the first full part
     return st
+
+
+@pytest.mark.s3
+def test_s3_file_within_the_threshold_is_one_put_and_larger_is_multipart(s3, s3_server):
+    s3.multipart_threshold = 3 * s3.part_size
+    small = _blob(3 * s3.part_size, seed=1)  # exactly the threshold: still one request
+    large = _blob(3 * s3.part_size + 1, seed=2)
+    for key, data, expected in [
+        ("tx/small.bin", small, {"PutObject": 1}),
+        ("tx/large.bin", large, {"CreateMultipartUpload": 1, "UploadPart": 4, "CompleteMultipartUpload": 1}),
+    ]:
+        with s3_server.counter() as c:
+            f = s3.open_write(key, durable=True)
+            for i in range(0, len(data), 1 << 20):
+                f.write(data[i:i + (1 << 20)])
+            f.close()
+        assert dict(c.ops) == expected, key
+        assert c.uploaded_bytes == len(data)
+        assert s3.read_bytes(key) == data
 
 
 @pytest.mark.s3

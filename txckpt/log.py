@@ -158,17 +158,26 @@ def append(
     build: Callable[[State, int, float], dict[str, Any]],
     *,
     durable: bool,
+    start: State | None = None,
 ) -> dict[str, Any]:
     """Append one entry. ``build(state, seq, time)`` validates against the newest state and
     returns the entry's body (with its new "state"); it may raise to refuse.
 
     On a lost race the newest state is re-read and ``build`` runs again, so every validation
     holds against the state the entry is actually appended to.
+
+    ``start``: a state this process read earlier (a save reads it when it begins). The first
+    attempt appends after it without reading the log again: entries are gapless and created
+    if absent, so creating entry ``start.seq + 1`` succeeds only if ``start`` is still the
+    newest state; if it is not, the attempt loses the race and the loop re-reads.
     """
     entry_id = uuid.uuid4().hex
-    for _ in range(_MAX_APPEND_ATTEMPTS):
-        latest = read_latest(storage)
-        state = State() if latest is None else State.from_json(latest["seq"], latest["state"])
+    for attempt in range(_MAX_APPEND_ATTEMPTS):
+        if attempt == 0 and start is not None and start.seq >= 0:
+            state = start
+        else:
+            latest = read_latest(storage)
+            state = State() if latest is None else State.from_json(latest["seq"], latest["state"])
         seq = state.seq + 1
         now = time.time()
         body = build(state, seq, now)

@@ -85,6 +85,8 @@ class CheckpointRoot:
         #: This writer session's token: it holds a lineage once it created, resumed or claimed it.
         self.session = uuid.uuid4().hex[:16]
         self._history: History | None = None
+        #: The state each pending save of this process was planned against, by txid.
+        self._base_states: dict[str, State] = {}
 
     @property
     def url(self) -> str:
@@ -430,6 +432,9 @@ class CheckpointRoot:
             )
         parent = tip if tip is not None else info.parent
         txid = new_txid(step, lineage)
+        # The commit appends after this state without re-reading the log (§8); only the newest
+        # plan is kept, so an aborted save leaves nothing behind.
+        self._base_states = {txid: state}
         return {"txid": txid, "lineage": lineage, "step": step, "parent": parent, "key": home_key(txid, step),
                 "writer": self.session}
 
@@ -449,7 +454,7 @@ class CheckpointRoot:
                                            writer if writer is not None else self.session, manifest.digest)
             return {"action": "commit", "checkpoint": record, "state": new_state.to_json()}
 
-        commit_log.append(self.storage, build, durable=self.durable)
+        commit_log.append(self.storage, build, durable=self.durable, start=self._base_states.pop(manifest.txid, None))
         committed = ref(manifest.lineage, manifest.step, manifest.txid)
         try:
             key = self.publication.publish(committed)

@@ -32,6 +32,12 @@ from .base import Storage
 #: Memory held by one writer stays below ``part_size * (max_in_flight + 1)``.
 S3_PART_SIZE = int(os.environ.get("TXCKPT_S3_PART_SIZE", 16 << 20))
 S3_MAX_IN_FLIGHT = int(os.environ.get("TXCKPT_S3_MAX_IN_FLIGHT", 4))
+#: A file no larger than this goes up as one PutObject at close(); a larger one as a multipart
+#: upload that starts once this much is buffered. Default: one full window of parts in flight
+#: (``part_size * max_in_flight``), so the memory bound above is unchanged. A whole-file PUT
+#: saves the create/complete requests and the server-side assembly of the parts, which is what
+#: a file that fits in one window would gain nothing from (benchmarks/s3.py measures both).
+S3_MULTIPART_THRESHOLD = int(os.environ.get("TXCKPT_S3_MULTIPART_THRESHOLD", 0)) or None
 _S3_MIN_PART = 5 << 20  # S3's minimum size of every part but the last
 _S3_MAX_PARTS = 10_000
 _DELETE_BATCH = 1000  # DeleteObjects limit
@@ -373,6 +379,8 @@ class S3Storage(FsspecStorage):
         self.prefix = prefix.strip("/")
         self.part_size = max(S3_PART_SIZE, _S3_MIN_PART)
         self.max_in_flight = max(1, min(S3_MAX_IN_FLIGHT, getattr(fs, "max_concurrency", 10)))
+        self.multipart_threshold = max(S3_MULTIPART_THRESHOLD or self.part_size * self.max_in_flight,
+                                       self.part_size)
 
     # ----- helpers -----------------------------------------------------------------------------
     def _obj(self, key: str) -> str:
@@ -644,9 +652,10 @@ def _on_loop_thread(fs: Any) -> bool:
 class _S3Writer(io.RawIOBase):
     """Streaming upload of one object, written exactly once (no copy, no rename).
 
-    Bytes are buffered up to one part. A file that ends before the first part is full is sent as
-    a single PutObject at ``close()``. Otherwise a multipart upload starts with the first full part
-    and parts are uploaded concurrently on s3fs's event loop, at most ``max_in_flight`` at a time
+    Bytes are buffered up to the storage's ``multipart_threshold`` (default: one window of
+    ``max_in_flight`` parts). A file that ends before that is sent as a single PutObject at
+    ``close()``. Otherwise a multipart upload starts, the buffer goes out as parts, and further
+    parts are uploaded concurrently on s3fs's event loop, at most ``max_in_flight`` at a time
     (``write`` waits for a slot), so memory stays below ``part_size * (max_in_flight + 1)``.
     ``close()`` uploads the last part and completes the upload: the object appears whole, at once.
     ``abort()`` (or a failing ``close()``) aborts the multipart upload: nothing remains.
@@ -693,6 +702,8 @@ class _S3Writer(io.RawIOBase):
         self._pieces.append(piece)
         self._buffered += n
         self.size += n
+        if self._upload_id is None and self._buffered <= self._st.multipart_threshold:
+            return n  # may still end as one PutObject
         while self._buffered >= self.next_part_size():
             self._send_part(self._take(self.next_part_size()))
         return n
