@@ -67,7 +67,11 @@ def _cached_root(commits: int, lineages: int) -> tuple[str, dict[str, Any]]:
             stamp = json.load(f)
         if {k: stamp.get(k) for k in want} == want:
             txckpt.forget_roots()
-            last = txckpt.get_last_checkpoint(base)
+            try:
+                last = txckpt.get_last_checkpoint(base)
+            except Exception as e:  # a cache built by an older txckpt, or damaged: build it again
+                h.log(f"lookup: the cached root is unusable ({type(e).__name__}: {e}); rebuilding it")
+                last = None
             if last and last.endswith(f"checkpoint-{stamp['tip']}"):
                 stamp["cached"] = True
                 return base, stamp
