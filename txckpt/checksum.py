@@ -11,6 +11,8 @@ from typing import BinaryIO
 
 import xxhash
 
+from .storage.base import AbortOnError
+
 ALGORITHM = "xxh3-128"
 _READ_CHUNK = 8 << 20
 
@@ -46,7 +48,7 @@ def digest_stream(stream: BinaryIO, chunk: int = _READ_CHUNK) -> tuple[int, str]
     return size, hasher.hexdigest()
 
 
-class HashingWriter(io.RawIOBase):
+class HashingWriter(AbortOnError, io.RawIOBase):
     """A write-only stream that hashes and counts every byte on its way to ``sink``.
 
     ``close()`` closes the sink (which, for txckpt's storage writers, is where durability happens).

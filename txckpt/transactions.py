@@ -437,15 +437,6 @@ class _TrackedWriter(HashingWriter):
         super().abort()
         self._tx._open_writers.discard(self._name)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, *_):
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
 
 def _hash_and_sync(storage: Any, key: str, name: str, durable: bool) -> FileEntry:
     local = storage.local_path(key)

@@ -32,6 +32,25 @@ from typing import BinaryIO, Iterator
 from ..errors import UnsafePathError
 
 
+class AbortOnError:
+    """The ``with`` protocol of a writer that :meth:`Storage.open_write` returns.
+
+    Such a writer has ``close()``, which keeps what was written (durably, if asked), and
+    ``abort()``, which discards it. A ``with`` block that raises aborts instead of closing, so a
+    failed write never leaves a complete-looking file behind. List it before ``io.RawIOBase``
+    in a writer's bases: IOBase's own ``__exit__`` would ``close()``.
+    """
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()  # type: ignore[attr-defined]
+        else:
+            self.abort()  # type: ignore[attr-defined]
+
+
 def join(*parts: str) -> str:
     """Join root-relative keys with '/'."""
     return posixpath.join(*[p for p in parts if p])
@@ -89,8 +108,8 @@ class Storage(abc.ABC):
 
         Contract: the key is private to the caller (a staging key), so an existing file may be
         replaced. Bytes become visible at ``close()``; with ``durable=True`` they are on stable
-        storage when ``close()`` returns. ``abort()`` on the returned object, where present,
-        discards a partial upload.
+        storage when ``close()`` returns. ``abort()`` on the returned object discards a partial
+        upload; the object is an :class:`AbortOnError` context manager.
         """
 
     @abc.abstractmethod

@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Any, BinaryIO, Iterator
 
-from .base import Storage
+from .base import AbortOnError, Storage
 
 #: Multipart upload tuning for S3 (see docs/remote.md for the measurements behind them).
 #: Memory held by one writer stays below ``part_size * (max_in_flight + 1)``.
@@ -210,7 +210,7 @@ class FsspecStorage(Storage):
         self._fresh(key, tree=True)
 
 
-class _AbortableWriter:
+class _AbortableWriter(AbortOnError):
     """fsspec file opened for writing, with abort() that discards a partial upload.
 
     fsspec uploads a half-written object when an exception leaves ``with fs.open(...)``; txckpt
@@ -262,15 +262,6 @@ class _AbortableWriter:
             except Exception:  # best effort: gc reclaims what is left
                 pass
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, *_):
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
 
 # =================================================================================================
 # memory://
@@ -299,7 +290,7 @@ class MemoryStorage(FsspecStorage):
         self.fs.pipe_file(self._p(key), bytes(data))
 
 
-class _MemoryWriter(io.RawIOBase):
+class _MemoryWriter(AbortOnError, io.RawIOBase):
     def __init__(self, fs: Any, path: str):
         super().__init__()
         self._fs = fs
@@ -325,12 +316,6 @@ class _MemoryWriter(io.RawIOBase):
     def abort(self) -> None:
         self._buf = io.BytesIO()
         super().close()
-
-    def __exit__(self, exc_type, *_):
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
     def __del__(self):  # an abandoned writer publishes nothing (IOBase.__del__ would close())
         if not self.closed:
@@ -649,7 +634,7 @@ def _on_loop_thread(fs: Any) -> bool:
         return False
 
 
-class _S3Writer(io.RawIOBase):
+class _S3Writer(AbortOnError, io.RawIOBase):
     """Streaming upload of one object, written exactly once (no copy, no rename).
 
     Bytes are buffered up to the storage's ``multipart_threshold`` (default: one window of
@@ -811,12 +796,6 @@ class _S3Writer(io.RawIOBase):
             asyncio.ensure_future(abort)
         else:
             _run(self._fs, abort, timeout=timeout)
-
-    def __exit__(self, exc_type, *_):
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
     def __del__(self):  # an abandoned writer must not leave an upload running
         if sys.is_finalizing():  # the event loop thread may be gone: gc reclaims the upload
