@@ -140,6 +140,47 @@ def test_malformed_safetensors_is_an_integrity_error():
         read_object("m.safetensors", "safetensors", torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
 
+class _Custom:
+    def __init__(self, v):
+        self.v = v
+
+
+def _torch_bytes(obj, **kw):
+    f = io.BytesIO()
+    torch.save(obj, f, **kw)
+    return torch.frombuffer(bytearray(f.getvalue()), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("zero_copy", ["1", "0"])
+def test_torch_files_decode_from_the_buffer(monkeypatch, zero_copy):
+    monkeypatch.setenv("TXCKPT_ZERO_COPY_LOAD", zero_copy)
+    a = torch.randn(1000)
+    obj = {"a": a, "same": a, "view": a[10:20], "n": 3, "s": "x"}
+    buf = _torch_bytes(obj)
+    out = read_object("o.pt", "torch", buf)
+    assert torch.equal(out["a"], a) and torch.equal(out["view"], a[10:20]) and out["n"] == 3
+    assert out["same"].data_ptr() == out["a"].data_ptr()  # shared storages stay shared
+    inside = buf.data_ptr() <= out["a"].data_ptr() < buf.data_ptr() + buf.numel()
+    assert inside == (zero_copy == "1")
+    # A storage of its own: saving one tensor does not save the whole file.
+    assert out["a"].untyped_storage().nbytes() == a.numel() * a.element_size()
+
+
+def test_torch_weights_only_is_enforced_on_the_buffer():
+    import pickle
+
+    buf = _torch_bytes({"c": _Custom(5)})
+    with pytest.raises(pickle.UnpicklingError):
+        read_object("o.pt", "torch", buf)
+    assert read_object("o.pt", "torch", buf, weights_only=False)["c"].v == 5
+
+
+def test_torch_legacy_format_falls_back():
+    t = torch.arange(10.0)
+    buf = _torch_bytes({"t": t}, _use_new_zipfile_serialization=False)
+    assert torch.equal(read_object("o.pt", "torch", buf)["t"], t)
+
+
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt"])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "missing"])
 def test_damage_raises_integrity_error(root, small_chunks, name, damage):

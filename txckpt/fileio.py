@@ -14,6 +14,7 @@ Only regular files: a directory or a missing file raises the usual OSError subcl
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,8 @@ HASH_CHUNK = 1 << 20
 _PIPELINE_MIN = 2 * READ_CHUNK
 
 _SYNC_FILE_RANGE_WRITE = 2
+#: Buffers from this size up are anonymous mappings advised to use transparent huge pages.
+_HUGE_MIN = 4 << 20
 
 
 class SizeMismatch(Exception):
@@ -88,7 +91,7 @@ def read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool = True)
         if actual != size:
             raise SizeMismatch(actual)
         _advise_sequential(fd)
-        buf = torch.empty(size, dtype=torch.uint8)  # uninitialised: no zero-fill pass
+        buf = new_buffer(size)
         view = memoryview(buf.numpy()) if size else memoryview(b"")
         hasher = new_hasher() if hash else None
         pool = ThreadPoolExecutor(max_workers=1) if hasher is not None and pipeline and size >= _PIPELINE_MIN else None
@@ -118,6 +121,29 @@ def read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool = True)
         return buf, (hasher.hexdigest() if hasher is not None else None)
     finally:
         os.close(fd)
+
+
+def new_buffer(size: int) -> Any:
+    """An uninitialised ``torch.uint8`` tensor of ``size`` bytes. Large ones are private
+    anonymous mappings advised to use transparent huge pages (where the kernel allows it on
+    request, the common default): the first write into a fresh buffer faults its memory in, and
+    one 2 MiB fault instead of 512 small ones makes a read into it about twice as fast. The
+    mapping is released when the last tensor viewing it is freed."""
+    import torch
+
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    if size >= _HUGE_MIN and advise is not None and flags:
+        try:
+            m = mmap.mmap(-1, size, flags=flags)
+            try:
+                m.madvise(advise)
+            except OSError:
+                pass  # no THP here: plain pages, as torch.empty would give
+            return torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive
+        except (OSError, ValueError):
+            pass
+    return torch.empty(size, dtype=torch.uint8)
 
 
 def hash_file(path: str, *, fsync: bool = False) -> tuple[int, str]:

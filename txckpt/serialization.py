@@ -123,9 +123,9 @@ def _torch_save_config():
 
 def read_object(name: str, kind: str, data: Any, *, map_location: Any = "cpu", weights_only: bool = True) -> Any:
     """Turn verified bytes back into the object ``write_object`` wrote. ``data`` is ``bytes``
-    or a ``torch.uint8`` tensor holding the file (what verification read it into): safetensors
-    tensors are then views of that buffer (each on its own storage slice, so saving one tensor
-    saves only its bytes), and torch.load reads its records straight out of it."""
+    or a ``torch.uint8`` tensor holding the file (what verification read it into): the tensors
+    of a safetensors or torch file are then views of that buffer, each on its own storage slice
+    (so saving one tensor saves only its bytes), and the buffer lives as long as any of them."""
     try:
         if kind == "bytes":
             return _as_bytes(data)
@@ -143,8 +143,9 @@ def read_object(name: str, kind: str, data: Any, *, map_location: Any = "cpu", w
         if kind == "torch":
             import torch
 
-            stream = _BufferReader(data) if _is_tensor(data) else io.BytesIO(data)
-            return torch.load(stream, map_location=map_location, weights_only=weights_only)
+            if _is_tensor(data):
+                return _torch_load_buffer(data, map_location, weights_only)
+            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
     except Exception as e:  # the bytes matched their checksum, so this is a format problem
         if type(e).__name__ == "UnpicklingError":
             raise
@@ -232,6 +233,61 @@ def _safetensors_views(buf: Any) -> dict[str, Any] | None:
     if pos != total - base:
         return None
     return out
+
+
+def _torch_load_buffer(buf: Any, map_location: Any, weights_only: bool) -> Any:
+    """``torch.load`` of the file held in uint8 tensor ``buf``, its tensors' storages slices of
+    ``buf`` (what ``torch.load(path, mmap=True)`` does with a mapped file, here with the buffer
+    that was verified): no copy, no second allocation. Falls back to ``torch.load`` reading
+    from ``buf`` (one copy per record) for what that path does not cover (the pre-1.6 format,
+    TorchScript archives, a torch without these internals, TXCKPT_ZERO_COPY_LOAD=0)."""
+    import os
+    import pickle
+
+    import torch
+
+    internals = _zero_copy_internals()
+    if internals is not None and os.environ.get("TXCKPT_ZERO_COPY_LOAD", "1") != "0":
+        S = internals
+        if S._is_zipfile(_BufferReader(buf)):
+            reader = torch._C.PyTorchFileReader(_BufferReader(buf))
+            if not S._is_torchscript_zip(reader):
+                if os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true"):
+                    weights_only = True  # as torch.load does
+                module = S._weights_only_unpickler if weights_only else pickle
+                try:
+                    return S._load(reader, map_location, module, overall_storage=buf.untyped_storage(),
+                                   encoding="utf-8")
+                except pickle.UnpicklingError as e:
+                    if not weights_only:
+                        raise
+                    raise pickle.UnpicklingError(
+                        f"Weights only load failed: {e}. Load with weights_only=False only if you trust "
+                        "the checkpoint's source."
+                    ) from None
+    return torch.load(_BufferReader(buf), map_location=map_location, weights_only=weights_only)
+
+
+_INTERNALS: list[Any] = []
+
+
+def _zero_copy_internals() -> Any:
+    """``torch.serialization`` if it has the pieces ``torch.load(..., mmap=True)`` is built
+    from (torch >= 2.1), else None."""
+    if not _INTERNALS:
+        import inspect
+
+        import torch
+        from torch import serialization as S
+
+        ok = all(hasattr(S, n) for n in ("_load", "_weights_only_unpickler", "_is_zipfile", "_is_torchscript_zip"))
+        ok = ok and hasattr(torch._C, "PyTorchFileReader")
+        try:
+            ok = ok and "overall_storage" in inspect.signature(S._load).parameters
+        except (TypeError, ValueError):
+            ok = False
+        _INTERNALS.append(S if ok else None)
+    return _INTERNALS[0]
 
 
 class _BufferReader(io.RawIOBase):
