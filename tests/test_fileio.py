@@ -20,6 +20,7 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(fileio, "READ_CHUNK", 4096)
     monkeypatch.setattr(fileio, "_PIPELINE_MIN", 8192)
     monkeypatch.setattr(fileio, "HASH_CHUNK", 4096)
+    monkeypatch.setattr(fileio, "HOT_CHUNK", 4096)
 
 
 def _file(tmp_path, data: bytes, name="f.bin"):
@@ -31,12 +32,12 @@ def _file(tmp_path, data: bytes, name="f.bin"):
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 8192, 100_000])
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_read_into_buffer_content_and_digest(tmp_path, monkeypatch, size, pipelined):
-    if pipelined:
-        monkeypatch.setattr(fileio, "READ_CHUNK", 4096)
-        monkeypatch.setattr(fileio, "_PIPELINE_MIN", 8192)
+    monkeypatch.setattr(fileio, "READ_CHUNK", 4096)
+    monkeypatch.setattr(fileio, "HOT_CHUNK", 3000)
+    monkeypatch.setattr(fileio, "_PIPELINE_MIN", 8192)
     data = os.urandom(size)
     path = _file(tmp_path, data)
-    buf, digest = fileio.read_into_buffer(path, size, hash=True)
+    buf, digest = fileio.read_into_buffer(path, size, hash=True, pipeline=pipelined)
     assert buf.dtype == torch.uint8 and buf.numel() == size
     assert bytes(buf.numpy()) == data
     assert digest == checksum.digest_bytes(data)

@@ -80,6 +80,13 @@ def _read_one(storage: Storage, manifest: Manifest, where: str, name: str, keep:
     return name, (data if keep else None)
 
 
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _stat_size(path: str) -> int:
     st = os.stat(path)
     if stat.S_ISDIR(st.st_mode):
@@ -105,12 +112,16 @@ def verify_checkpoint_files(
         if n not in manifest.files:
             raise CheckpointNotFoundError(f"{where} has no file {n!r}")
     out: dict[str, Any] = {}
-    # The largest file is read last to finish: the others' readers are done by then and leave a
-    # core to hash it on, in a thread of its own. The other files are hashed by their readers
-    # (the cheaper way while every core is reading).
+    # Hashing in a thread of its own costs about twice the CPU of hashing in the reader, and is
+    # free only on a core that is otherwise idle. With as many readers as cores, the largest
+    # file is the one still being read when the others are done: its hash gets that thread
+    # (and a core freed by the others' readers); the others are hashed by their readers. Each
+    # core beyond the readers takes the hash of one more file, largest first.
     sequential = workers <= 1 or len(names) <= 1
-    largest = max(names, key=lambda n: manifest.files[n].size, default=None)
-    pipelined = set() if (os.cpu_count() or 1) < 2 else set(names) if sequential else {largest}
+    readers = 1 if sequential else min(workers, len(names))
+    spare = _cpus() - readers
+    by_size = sorted(names, key=lambda n: -manifest.files[n].size)
+    pipelined = set(by_size[:spare + 1]) if _cpus() > 1 else set()
 
     def one(n: str):
         return _read_one(storage, manifest, where, n, keep_bytes, verify, pipeline=n in pipelined)
