@@ -13,7 +13,10 @@ from typing import BinaryIO, Iterator
 
 from .base import Storage
 
-_WRITE_BUFFER = 8 << 20
+#: BufferedWriter size of a data file. It only gathers small writes (pickle opcodes, zip and
+#: safetensors headers); tensors arrive in larger writes that bypass it. 1 MiB, not more: the
+#: buffer is memory a streaming save holds on top of the state.
+_WRITE_BUFFER = 1 << 20
 
 
 def makedirs_durable(path: str, durable: bool) -> None:
@@ -44,7 +47,10 @@ def fsync_dir(path: str) -> None:
 
 
 _SYNC_FILE_RANGE_WRITE = 2
-_WRITE_BEHIND = 32 << 20
+#: Start write-back every this many bytes. Small enough that a file of a few tens of MiB is
+#: mostly on its way to the disk when close() fsyncs it (64 MiB saves, fsync on, 25 rounds:
+#: ÷ raw write + fsync 1.53 with 32 MiB, 1.37 with 4 MiB); each call is one cheap syscall.
+_WRITE_BEHIND = 4 << 20
 
 
 def _load_sync_file_range():
@@ -64,7 +70,7 @@ _sync_file_range = _load_sync_file_range()
 class _DurableFile:
     """A buffered file whose close() fsyncs (when durable) before returning.
 
-    With durability on it also starts write-back every 32 MiB (sync_file_range, asynchronous),
+    With durability on it also starts write-back every 4 MiB (sync_file_range, asynchronous),
     so the disk writes while the serialiser runs and the final fsync waits only for the tail."""
 
     def __init__(self, path: str, durable: bool):
