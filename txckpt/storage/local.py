@@ -13,10 +13,12 @@ from typing import BinaryIO, Iterator
 
 from .base import Storage
 
-#: BufferedWriter size of a data file. It only gathers small writes (pickle opcodes, zip and
-#: safetensors headers); tensors arrive in larger writes that bypass it. 1 MiB, not more: the
+#: Buffer of a data file. It only gathers small writes (pickle opcodes, zip and safetensors
+#: headers, small tensors); larger writes bypass it. 1 MiB, not more: the
 #: buffer is memory a streaming save holds on top of the state.
 _WRITE_BUFFER = 1 << 20
+#: Writes of at least this many bytes skip the buffer (after it is written out, for order).
+_DIRECT_WRITE = 64 << 10
 
 
 def makedirs_durable(path: str, durable: bool) -> None:
@@ -68,33 +70,55 @@ _sync_file_range = _load_sync_file_range()
 
 
 class _DurableFile:
-    """A buffered file whose close() fsyncs (when durable) before returning.
+    """A file whose close() fsyncs (when durable) before returning.
 
-    With durability on it also starts write-back every 4 MiB (sync_file_range, asynchronous),
-    so the disk writes while the serialiser runs and the final fsync waits only for the tail."""
+    Writes smaller than ``_DIRECT_WRITE`` are gathered in a buffer of up to ``_WRITE_BUFFER``
+    bytes; larger ones (tensor data) go to the file as they are, without a copy into a buffer
+    first. With durability on it also starts write-back every 4 MiB (sync_file_range,
+    asynchronous), so the disk writes while the serialiser runs and the final fsync waits only
+    for the tail."""
 
     def __init__(self, path: str, durable: bool):
         self._path = path
         self._durable = durable
-        self._f = open(path, "wb", buffering=_WRITE_BUFFER)
+        self._f = open(path, "wb", buffering=0)
+        self._buf = bytearray()
         self.closed = False
         self._written = 0
         self._flushed_to = 0
 
     def write(self, data) -> int:
-        n = self._f.write(data)
-        if self._durable and _sync_file_range is not None:
-            self._written += n
-            if self._written - self._flushed_to >= _WRITE_BEHIND:
-                self._f.flush()
-                # Queue write-back of what is written so far; never blocks on the disk.
-                _sync_file_range(self._f.fileno(), self._flushed_to, self._written - self._flushed_to,
-                                 _SYNC_FILE_RANGE_WRITE)
-                self._flushed_to = self._written
+        view = data if isinstance(data, (bytes, bytearray)) else memoryview(data).cast("B")
+        n = len(view)
+        if n < _DIRECT_WRITE:
+            self._buf += view
+            if len(self._buf) >= _WRITE_BUFFER:
+                self._drain()
+        else:
+            self._drain()
+            self._write_all(view)
+        self._written += n
+        if self._durable and _sync_file_range is not None and self._written - self._flushed_to >= _WRITE_BEHIND:
+            self._drain()
+            # Queue write-back of what is written so far; never waits for the disk.
+            _sync_file_range(self._f.fileno(), self._flushed_to, self._written - self._flushed_to,
+                             _SYNC_FILE_RANGE_WRITE)
+            self._flushed_to = self._written
         return n
 
+    def _drain(self) -> None:
+        if self._buf:
+            self._write_all(self._buf)
+            del self._buf[:]
+
+    def _write_all(self, data) -> None:
+        view = memoryview(data)
+        done = 0
+        while done < len(view):
+            done += self._f.write(view[done:])
+
     def flush(self) -> None:
-        self._f.flush()
+        self._drain()
 
     def fileno(self) -> int:
         return self._f.fileno()
@@ -103,7 +127,7 @@ class _DurableFile:
         if self.closed:
             return
         try:
-            self._f.flush()
+            self._drain()
             if self._durable:
                 os.fsync(self._f.fileno())
         finally:
