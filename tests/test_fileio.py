@@ -266,3 +266,32 @@ def test_trainer_refuses_a_streamed_file_rewritten_afterwards(tmp_path):
     ckpt = txckpt.get_last_checkpoint(str(tmp_path / "b"))
     txckpt.verify_checkpoint(ckpt)
     assert set(torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True)) == {"other"}
+
+
+# ----- local writes ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_durable_file_keeps_the_order_of_small_and_large_writes(tmp_path, monkeypatch, durable):
+    """Small writes are buffered, large ones go straight to the file: the bytes still land in
+    the order written, across buffer drains and write-behind points."""
+    from txckpt.storage import local
+
+    monkeypatch.setattr(local, "_WRITE_BUFFER", 4096)
+    monkeypatch.setattr(local, "_DIRECT_WRITE", 1024)
+    monkeypatch.setattr(local, "_WRITE_BEHIND", 8192)
+    path = str(tmp_path / "f")
+    f = local._DurableFile(path, durable)
+    expected = bytearray()
+    for i, n in enumerate([10, 1023, 1024, 5, 5000, 3, 4095, 4096, 20_000, 1, 0, 700, 700, 700, 700, 700, 700]):
+        chunk = bytes([i % 251]) * n
+        data = memoryview(chunk) if i % 2 else chunk
+        assert f.write(data) == n
+        expected += chunk
+    f.write(torch.arange(1000, dtype=torch.float32).numpy())  # a non-byte memoryview
+    expected += torch.arange(1000, dtype=torch.float32).numpy().tobytes()
+    f.close()
+    assert open(path, "rb").read() == bytes(expected)
+    g = local._DurableFile(str(tmp_path / "g"), durable)
+    g.write(b"x" * 5000)
+    g.abort()
+    assert not os.path.exists(str(tmp_path / "g"))
