@@ -48,6 +48,10 @@ def digest_stream(stream: BinaryIO, chunk: int = _READ_CHUNK) -> tuple[int, str]
     return size, hasher.hexdigest()
 
 
+#: How much HashingWriter hashes before writing it on (see HashingWriter.write).
+_PIECE = 1 << 20
+
+
 class HashingWriter(AbortOnError, io.RawIOBase):
     """A write-only stream that hashes and counts every byte on its way to ``sink``.
 
@@ -73,16 +77,20 @@ class HashingWriter(AbortOnError, io.RawIOBase):
         return True
 
     def write(self, data) -> int:  # type: ignore[override]
-        view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else data
+        view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
         n = len(view)
-        if n:
-            self._hasher.update(view)
+        # Hash and write piece by piece, so each piece goes to the sink while it is still in the
+        # CPU cache the hash just pulled it into (one pass over memory instead of two for the
+        # large writes serializers make).
+        for start in range(0, n, _PIECE):
+            piece = view[start:start + _PIECE]
+            self._hasher.update(piece)
             try:
-                self._sink.write(view)
+                self._sink.write(piece)
             except OSError as e:
                 self._failed(e)
                 raise
-            self.size += n
+        self.size += n
         return n
 
     def tell(self) -> int:

@@ -11,7 +11,7 @@ import shutil
 import uuid
 from typing import BinaryIO, Iterator
 
-from .base import Storage
+from .base import AbortOnError, Storage
 
 #: Buffer of a data file. It only gathers small writes (pickle opcodes, zip and safetensors
 #: headers, small tensors); larger writes bypass it. 1 MiB, not more: the
@@ -69,7 +69,7 @@ def _load_sync_file_range():
 _sync_file_range = _load_sync_file_range()
 
 
-class _DurableFile:
+class _DurableFile(AbortOnError):
     """A file whose close() fsyncs (when durable) before returning.
 
     Writes smaller than ``_DIRECT_WRITE`` are gathered in a buffer of up to ``_WRITE_BUFFER``
@@ -143,14 +143,6 @@ class _DurableFile:
         except FileNotFoundError:
             pass
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, *_):
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 _RENAME_NOREPLACE = 1
