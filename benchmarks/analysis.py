@@ -94,4 +94,22 @@ ANALYSIS: dict[str, str] = {
         "from the cache) and starts the file's write-back before hashing (interleaved A/B, "
         "1.2 GiB: 0.69 -> 0.59 of the stock Trainer + fsync)."
     ),
+    "s3-save": (
+        "Three costs separate a save from `pipe_file` of its bytes on this setup. **Serialising**: "
+        "`pipe_file` is handed the finished bytes, while the save runs `torch.save` and the "
+        "safetensors writer and hashes on the way (the request timeline shows the gap between the "
+        "two data PUTs: the optimizer being serialised). **moto's multipart assembly**: its "
+        "`CompleteMultipartUpload` concatenates every part into a new object on the benchmark's own "
+        "2 cores, so a multipart file costs the server its bytes twice; since 1715dba files up to one "
+        "window of parts (`part_size × max_in_flight`, 64 MiB by default, "
+        "`TXCKPT_S3_MULTIPART_THRESHOLD`) go up as one PutObject, as `pipe_file` sends them, and "
+        "only larger files pay it. On real S3 the assembly is not the client's CPU, and parts of a "
+        "large file overlap its serialisation. **Small requests**: 9 per save besides the data "
+        "(log reads, intent, staging listing, manifest, log entry, hint, manifest read-back, intent "
+        "delete; 1715dba removed the second read of the log). What would close the rest: upload "
+        "a file's last part (or its single PUT) in the background while the next file serialises, "
+        "waiting for all of them before the manifest; and serialise the optimizer state in parallel "
+        "with the weights' upload. The row against `pipe_file` in txckpt's own part shape shows "
+        "what is txckpt's own cost once the request shapes are equal."
+    ),
 }
