@@ -46,6 +46,7 @@ def run(quick: bool, only: list[str] | None = None, workers: int = 2, seed: int 
             cases = [c for c in cases if not c.needs_s3]
     warm_up(trainer=any("trainer" in c.id for c in cases), s3=endpoint is not None)
     workdir = tempfile.mkdtemp(prefix="txckpt-reliability-", dir=scratch_base())
+    load_before = os.getloadavg()
     t0 = time.monotonic()
     try:
         results = run_cases(cases, Ctx(workdir, quick, seed, endpoint), workers=workers, budget=budget,
@@ -59,6 +60,10 @@ def run(quick: bool, only: list[str] | None = None, workers: int = 2, seed: int 
     wall = time.monotonic() - t0
     info = machine()
     info["Mode"] = ("quick" if quick else "full") + f", seed {seed}, {workers} cases at a time"
+    # The wall time depends on what else the 2 cores run: say how busy they were.
+    info["Load average"] = (f"{' '.join(f'{x:.2f}' for x in load_before)} at the start, "
+                            f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end (1/5/15 min; "
+                            f"the campaign itself keeps about {workers} busy)")
     return results, wall, info
 
 
