@@ -70,13 +70,16 @@ class RootContext:
         where = parse(path)
         if where is None:
             return None
+        from . import log as commit_log
         from .api import open_root
+        from .storage import open_storage
 
-        root = open_root(where.root, storage_options)
-        state = root.state()
+        state = commit_log.read_state(open_storage(where.root, storage_options))
         if state.seq < 0:
             return None  # a directory of plain checkpoints, or a cache: no log to check against
-        return cls(where, root, state)
+        # Only real roots get a (per-process, cached) CheckpointRoot: its history is folded
+        # incrementally across reads of older checkpoints.
+        return cls(where, open_root(where.root, storage_options), state)
 
     def check_committed(self, manifest: Manifest, path: str) -> None:
         """Raise unless ``manifest`` is the one the log committed for its txid.
