@@ -87,6 +87,10 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
+#: Below this many bytes in all, a checkpoint's files are read one after the other.
+_PARALLEL_MIN = 8 << 20
+
+
 def _stat_size(path: str) -> int:
     st = os.stat(path)
     if stat.S_ISDIR(st.st_mode):
@@ -117,7 +121,10 @@ def verify_checkpoint_files(
     # file is the one still being read when the others are done: its hash gets that thread
     # (and a core freed by the others' readers); the others are hashed by their readers. Each
     # core beyond the readers takes the hash of one more file, largest first.
-    sequential = workers <= 1 or len(names) <= 1
+    # Small checkpoints are read in this thread: starting threads costs more than they save
+    # below a few MiB (a reader polling a root loads many small ones).
+    total = sum(manifest.files[n].size for n in names)
+    sequential = workers <= 1 or len(names) <= 1 or total < _PARALLEL_MIN
     readers = 1 if sequential else min(workers, len(names))
     spare = _cpus() - readers
     by_size = sorted(names, key=lambda n: -manifest.files[n].size)
