@@ -594,10 +594,27 @@ def run_verify(target: str, options: dict[str, Any], *, workers: int | None = No
         root = open_root_arg(target, options)
         kind = "root"
         try:
-            history = root.history()
+            # An audit reads every entry (a fresh process's lookups and retention may start from
+            # a history snapshot and never read old entries again: damage there shows up here).
+            from . import log as commit_log
+
+            history = commit_log.read_history(root.storage, snapshots=False)
         except TxckptError as e:
             problems.append(str(e))
             history = None
+        if history is not None:
+            try:
+                quick = commit_log.read_history(root.storage)
+            except TxckptError as e:
+                problems.append(str(e))
+            else:
+                if quick.base_seq >= 0 and quick.state.seq == history.state.seq and (
+                    quick.checkpoints, quick.retired, quick.abandoned_at
+                ) != (history.checkpoints, history.retired, history.abandoned_at):
+                    problems.append(
+                        f"the history snapshot of log entry {quick.base_seq} disagrees with the log; "
+                        "delete .txckpt/snapshots/ (snapshots only save reading the log)"
+                    )
         if history is not None and history.state.seq < 0:
             legacy = root.legacy_checkpoints()
             if legacy:

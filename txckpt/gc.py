@@ -14,6 +14,8 @@
 * **intents** whose transaction committed or whose writer is gone; expired reader leases.
 * **temp files** (``*.tmp``) of interrupted create-if-absent and replace writes in ``.txckpt/``,
   ``.txckpt/log``, ``.txckpt/intents`` and ``.txckpt/readers``, older than ``grace_seconds``.
+* **history snapshots** (protocol §4a) older than the newest one that reads back, and damaged
+  ones (a reader ignores those and reads the log).
 * with a ``policy``: what the :class:`~txckpt.retention.RetentionPolicy` lets go.
 * on S3: multipart uploads under the root that were never completed, older than the grace
   period and not part of a live writer's staging (when the storage backend can list them).
@@ -34,6 +36,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from . import log as commit_log
 from .publication import ORPHANS_DIR, TX_DIR, public_key
 from .retention import (
     READERS_DIR,
@@ -48,14 +51,14 @@ from .root import INTENTS_DIR
 log = logging.getLogger("txckpt")
 
 META_DIR = ".txckpt"
-TEMP_DIRS = (META_DIR, f"{META_DIR}/log", INTENTS_DIR, READERS_DIR)
+TEMP_DIRS = (META_DIR, f"{META_DIR}/log", INTENTS_DIR, READERS_DIR, commit_log.SNAPSHOT_DIR)
 
 
 @dataclass
 class GcItem:
     """One thing gc removed (or would remove, or kept on purpose)."""
 
-    kind: str  # staging | retired | policy | intent | lease | temp | upload | publish | unpublish
+    kind: str  # staging | retired | policy | intent | lease | temp | upload | publish | unpublish | snapshot
     key: str  # root-relative key (an upload: its object key)
     reason: str
     bytes: int = 0
@@ -283,7 +286,7 @@ def collect_garbage(
     now = time.time() if now is None else now
     report = GcReport(root.url, dry_run)
 
-    history = root.history()
+    history = root.history(snapshot=not dry_run)
     _publication(root, history, report)
 
     # (f) the retention policy: its retire entry is phase one; the data goes below, in (b).
@@ -397,12 +400,31 @@ def collect_garbage(
             _remove(report, GcItem("temp", key, f"temp file of an interrupted write, {now - mtime:.0f}s old", size),
                     storage.delete_file, key)
 
+    # (h) history snapshots: every one older than the newest usable one, and damaged ones.
+    _snapshots(storage, report)
+
     # (g) incomplete multipart uploads (S3).
     _uploads(root, report, now, grace_seconds, hostname)
 
     # Orphans are the operator's to inspect: listed, never touched.
     report.orphans = [f"{ORPHANS_DIR}/{n}" for n in storage.list_dir(ORPHANS_DIR)]
     return report
+
+
+def _snapshots(storage: Any, report: GcReport) -> None:
+    newest_usable = None
+    for seq in reversed(commit_log.list_snapshots(storage)):
+        key = commit_log.snapshot_key(seq)
+        if newest_usable is None:
+            # A snapshot appears whole (one create-if-absent write), so one that does not
+            # read back is damaged, not in progress. read_snapshot warns about it.
+            if commit_log.read_snapshot(storage, seq) is not None:
+                newest_usable = seq
+                continue
+            why = "damaged or foreign history snapshot (the log is read instead)"
+        else:
+            why = f"history snapshot superseded by the one at entry {newest_usable}"
+        _remove(report, GcItem("snapshot", key, why), storage.delete_file, key)
 
 
 def _file_size(storage: Any, key: str) -> int:

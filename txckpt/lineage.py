@@ -256,7 +256,15 @@ class History:
     state: State = field(default_factory=State)
     checkpoints: dict[str, Checkpoint] = field(default_factory=dict)  # by txid
     retired: dict[str, int] = field(default_factory=dict)  # txid -> seq of the retire entry
+    #: txid -> time of the first ``fork`` entry that abandoned it (retention's abandoned TTL).
+    abandoned_at: dict[str, float] = field(default_factory=dict)
+    #: The entries folded by this object, oldest first. A history read from a snapshot
+    #: (protocol §4a) holds only the entries after it: ``entries[0]["seq"] == base_seq + 1``.
     entries: list[dict[str, Any]] = field(default_factory=list)
+    #: The seq of the snapshot this history started from; -1 when folded from entry 0.
+    base_seq: int = -1
+    #: The newest snapshot this history read or wrote (when the next one is due).
+    snapshot_seq: int = -1
 
     def apply(self, entry: dict[str, Any]) -> None:
         seq = int(entry["seq"])
@@ -278,8 +286,43 @@ class History:
         elif action == "retire":
             for txid in entry["txids"]:
                 self.retired.setdefault(txid, seq)
+        elif action == "fork":
+            for txid in entry.get("abandoned") or []:
+                self.abandoned_at.setdefault(txid, float(entry["time"]))
         self.state = State.from_json(seq, entry["state"])
         self.entries.append(entry)
+
+    # ----- snapshots (protocol §4a) ------------------------------------------------------------
+    def snapshot_body(self) -> dict[str, Any]:
+        """What a snapshot at ``state.seq`` records besides the state (which it takes from the
+        log entry it is bound to)."""
+        return {
+            "checkpoints": [
+                {"lineage": c.lineage, "step": c.step, "txid": c.txid, "digest": c.digest, "seq": c.seq,
+                 "time": c.time, "bytes": c.bytes, "files": c.files, "adopted": c.adopted, "key": c.key}
+                for c in sorted(self.checkpoints.values(), key=lambda c: c.seq)
+            ],
+            "retired": dict(sorted(self.retired.items())),
+            "abandoned_at": dict(sorted(self.abandoned_at.items())),
+        }
+
+    @classmethod
+    def from_snapshot(cls, state: State, body: dict[str, Any]) -> "History":
+        """The history folded through ``state.seq``, from a snapshot body bound to that entry.
+        Raises ValueError/KeyError/TypeError on a malformed body (the caller falls back)."""
+        h = cls(state=state, base_seq=state.seq, snapshot_seq=state.seq)
+        for c in body["checkpoints"]:
+            seq = int(c["seq"])
+            if not 0 <= seq <= state.seq:
+                raise ValueError(f"checkpoint {c.get('txid')} has seq {seq}, after the snapshot's {state.seq}")
+            h.checkpoints[str(c["txid"])] = Checkpoint(
+                str(c["lineage"]), int(c["step"]), str(c["txid"]), str(c["digest"]), seq, float(c["time"]),
+                int(c["bytes"]), int(c["files"]), bool(c["adopted"]),
+                None if c["key"] is None else str(c["key"]),
+            )
+        h.retired = {str(k): int(v) for k, v in body["retired"].items()}
+        h.abandoned_at = {str(k): float(v) for k, v in body["abandoned_at"].items()}
+        return h
 
     # ----- queries -----------------------------------------------------------------------------
     def in_view(self, lineage: str | None, include_retired: bool = False) -> list[Checkpoint]:

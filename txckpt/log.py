@@ -10,6 +10,7 @@ absent. The hint may lag or be missing; it is never trusted beyond that.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -24,11 +25,23 @@ META_DIR = ".txckpt"
 LOG_DIR = f"{META_DIR}/log"
 LATEST_HINT = f"{META_DIR}/latest"
 FORMAT = "txckpt-log/1"
+SNAPSHOT_DIR = f"{META_DIR}/snapshots"
+SNAPSHOT_FORMAT = "txckpt-snapshot/1"
+#: A writer that folded at least this many entries past the newest snapshot leaves a new one.
+SNAPSHOT_EVERY = max(1, int(os.environ.get("TXCKPT_SNAPSHOT_EVERY", "") or 100))
+#: Snapshots a reader tries (newest first) before it folds the whole log.
+_SNAPSHOT_TRIES = 3
+
+_log = logging.getLogger("txckpt")
 _MAX_APPEND_ATTEMPTS = 64
 
 
 def entry_key(seq: int) -> str:
     return f"{LOG_DIR}/{seq:020d}.json"
+
+
+def snapshot_key(seq: int) -> str:
+    return f"{SNAPSHOT_DIR}/{seq:020d}.json"
 
 
 def writer_identity() -> dict[str, Any]:
@@ -117,8 +130,14 @@ def list_seqs(storage: Storage) -> list[int]:
     return sorted(seqs)
 
 
-def read_history(storage: Storage, since: History | None = None) -> History:
-    """Fold every entry (or every entry after ``since``) into a History."""
+def read_history(storage: Storage, since: History | None = None, *, snapshots: bool = True) -> History:
+    """Fold every entry (or every entry after ``since``) into a History.
+
+    Without ``since``, the fold starts from the newest usable snapshot (§4a) unless
+    ``snapshots`` is false; its ``entries`` then hold only the entries after that snapshot.
+    """
+    if since is None and snapshots:
+        since = read_newest_snapshot(storage)
     history = since if since is not None else History()
     seq = history.state.seq + 1
     seqs = [s for s in list_seqs(storage) if s >= seq]
@@ -206,3 +225,84 @@ def append(
         f"could not append to the log after {_MAX_APPEND_ATTEMPTS} attempts: too many concurrent "
         "writers on one root"
     )
+
+
+# ----- snapshots (protocol §4a) ----------------------------------------------------------------
+def list_snapshots(storage: Storage) -> list[int]:
+    seqs = []
+    for name in storage.list_dir(SNAPSHOT_DIR):
+        stem, dot, ext = name.partition(".")
+        if ext == "json" and stem.isdigit() and len(stem) == 20:
+            seqs.append(int(stem))
+    return sorted(seqs)
+
+
+def read_snapshot(storage: Storage, seq: int) -> History | None:
+    """The history folded through entry ``seq``, from its snapshot; None (with a warning) if the
+    snapshot is damaged or bound to another entry, or if it is gone.
+
+    Raises LogCorruptError if entry ``seq`` itself is missing or damaged: a snapshot is written
+    only after its entry exists, so the log lost or garbled entries."""
+    key = snapshot_key(seq)
+    try:
+        data = storage.read_bytes(key)
+    except FileNotFoundError:
+        return None  # removed by gc meanwhile: the caller tries an older one
+    problem = None
+    try:
+        snap = json.loads(data)
+        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or snap.get("seq") != seq:
+            problem = f"it is not a {SNAPSHOT_FORMAT} snapshot of entry {seq}"
+        elif snap.pop("digest", None) != _digest(snap):
+            problem = "it does not match its digest"
+    except (ValueError, UnicodeDecodeError) as e:
+        problem = f"it is not valid JSON ({e})"
+    if problem is None:
+        entry = read_entry(storage, seq)
+        if entry is None:
+            raise LogCorruptError(
+                f"{storage.full_path(key)} is a snapshot of log entry {seq}, which is missing: the "
+                "log lost entries. Restore .txckpt/log from a backup; nothing was changed"
+            )
+        if snap.get("entry_digest") != _digest(entry):
+            problem = f"it was made from another log entry {seq} (another root, or a restored log)"
+        else:
+            try:
+                return History.from_snapshot(State.from_json(seq, entry["state"]), snap)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                problem = f"it is malformed ({type(e).__name__}: {e})"
+    _log.warning(
+        "txckpt: ignoring the history snapshot %s: %s. Snapshots only save reading the log, which "
+        "is read instead; `txckpt gc` removes the bad snapshot.", storage.full_path(key), problem,
+    )
+    return None
+
+
+def read_newest_snapshot(storage: Storage) -> History | None:
+    for seq in reversed(list_snapshots(storage)[-_SNAPSHOT_TRIES:]):
+        history = read_snapshot(storage, seq)
+        if history is not None:
+            return history
+    return None
+
+
+def write_snapshot_if_due(storage: Storage, history: History, *, durable: bool) -> bool:
+    """Leave a snapshot of ``history`` if it folded ``SNAPSHOT_EVERY`` entries or more past the
+    newest snapshot it read or wrote. Best effort: a snapshot only saves reads, so a failure to write
+    one (a read-only root, a full disk) is not an error. Returns whether one was written."""
+    if not history.entries or history.state.seq - history.snapshot_seq < SNAPSHOT_EVERY:
+        return False
+    newest = history.entries[-1]
+    seq = history.state.seq
+    if newest.get("seq") != seq:  # pragma: no cover - History.apply keeps them in step
+        return False
+    snap = {"format": SNAPSHOT_FORMAT, "seq": seq, "entry_digest": _digest(newest), **history.snapshot_body()}
+    data = (json.dumps({**snap, "digest": _digest(snap)}, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    try:
+        storage.create_exclusive(snapshot_key(seq), data, durable=durable)
+    except FileExistsError:
+        return False  # another process snapshotted the same entry: same content
+    except OSError as e:
+        _log.debug("txckpt: could not write a history snapshot at entry %d: %s", seq, e)
+        return False
+    return True

@@ -137,7 +137,7 @@ class RetentionPolicy:
         if self.abandoned == "keep":
             keep |= {c.txid for c in abandoned}
         else:
-            since = abandoned_since(history)
+            since = history.abandoned_at
             ttl = float(self.abandoned)
             for c in abandoned:
                 if now - since.get(c.txid, c.time) < ttl:
@@ -187,16 +187,6 @@ def protected_by_state(state: State) -> set[str]:
         out.add(tip["txid"])
     # Every lineage's tip is the newest checkpoint of that lineage's view; a lineage that has not
     # saved yet has the fork point as its tip (already covered).
-    return out
-
-
-def abandoned_since(history: History) -> dict[str, float]:
-    """txid -> time of the log entry that abandoned it (a fork's "abandoned" list)."""
-    out: dict[str, float] = {}
-    for entry in history.entries:
-        if entry.get("action") == "fork":
-            for txid in entry.get("abandoned") or []:
-                out.setdefault(txid, float(entry["time"]))
     return out
 
 
@@ -428,7 +418,7 @@ def apply_retention(root: Any, policy: RetentionPolicy, *, dry_run: bool = False
     """Retire and delete what ``policy`` lets go; returns their :class:`~txckpt.CheckpointInfo`
     as it was before (state "current" or "abandoned"). ``dry_run`` only reports. Also finishes
     the deletion of checkpoints retired earlier whose data a crash left behind."""
-    history = root.history()
+    history = root.history(snapshot=not dry_run)
     decided_at = history.state.seq
     going = plan_retention(root, policy, history, now=now)
     infos = {i.txid: i for i in root.checkpoints("all")} if going else {}

@@ -96,9 +96,16 @@ class CheckpointRoot:
     def state(self) -> State:
         return commit_log.read_state(self.storage)
 
-    def history(self) -> History:
-        """Every entry folded; cached and extended incrementally on each call."""
+    def history(self, *, snapshot: bool = False) -> History:
+        """Every entry folded; cached and extended incrementally on each call. A fresh fold
+        starts from the newest history snapshot (protocol §4a).
+
+        ``snapshot``: leave a new snapshot if this fold read many entries past the last one.
+        Operations that already write to the root pass it (retention, gc, forks); plain readers
+        do not, so reading never needs write access."""
         self._history = commit_log.read_history(self.storage, self._history)
+        if snapshot and commit_log.write_snapshot_if_due(self.storage, self._history, durable=self.durable):
+            self._history.snapshot_seq = self._history.state.seq
         return self._history
 
     def legacy_checkpoints(self) -> list[int]:
@@ -203,14 +210,16 @@ class CheckpointRoot:
                     f"{step if step is not None else path}; start without resuming"
                 )
             return None
-        history = self.history()
-        if path is not None:
-            target = self._checkpoint_at_path(path, history)
-        elif step is not None:
-            target = history.find(step=step)
-        else:
+        if path is None and step is None:
+            # Continuing the current lineage needs only the state, not the folded history: a
+            # restart of a long run must not read every log entry (lookup is O(1), so is this).
             self._claim(state)
             return self.get_last_checkpoint()
+        history = self.history(snapshot=True)
+        if path is not None:
+            target = self._checkpoint_at_path(path, history)
+        else:
+            target = history.find(step=step)
         if same_ref(target.ref, state.head_tip):
             self._claim(state)
             return self.locate(target.ref)

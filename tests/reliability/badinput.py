@@ -69,6 +69,16 @@ def build_base(url: str, so: dict | None) -> dict[str, Any]:
               "pid": 999999, "time": time.time() - 100, "world_size": 1}
     st.create_exclusive(f".txckpt/intents/{dead}.json", json.dumps(intent).encode(), durable=False)
 
+    # A history snapshot of the newest entry (protocol §4a; written by retention and gc every
+    # 100 entries, here at once): damaged, it must be ignored, never trusted.
+    from txckpt import log as commit_log
+
+    every, commit_log.SNAPSHOT_EVERY = commit_log.SNAPSHOT_EVERY, 1
+    try:
+        assert commit_log.write_snapshot_if_due(st, hist, durable=False)
+    finally:
+        commit_log.SNAPSHOT_EVERY = every
+
     def key_of(c):
         return r.publication.locate(c.ref)
 
@@ -86,6 +96,7 @@ def build_base(url: str, so: dict | None) -> dict[str, Any]:
     targets["latest"] = ".txckpt/latest"
     targets["intent"] = f".txckpt/intents/{dead}.json"
     targets["lease"] = lease
+    targets["snapshot"] = commit_log.snapshot_key(hist.state.seq)
     return {"tags": tags, "targets": targets, "keys": {t: key_of(c) for t, c in by_tag.items()},
             "txids": {t: c.txid for t, c in by_tag.items()}}
 
@@ -151,6 +162,25 @@ def probe(url: str, so: dict | None, info: dict[str, Any], before: dict[str, str
     # Every committed checkpoint, loaded where the root says it is.
     rr = attempt("history", lambda: CheckpointRoot(url, so).checkpoints("all"))
     if isinstance(rr, list):
+        # The history a fresh process reads (from a snapshot when one is usable) is the log's.
+        from txckpt import log as commit_log
+
+        from txckpt.cli import run_verify
+        from txckpt.errors import TxckptError
+
+        st = CheckpointRoot(url, so).storage
+        quick = commit_log.read_history(st)
+        try:
+            full = commit_log.read_history(st, snapshots=False)
+        except TxckptError:
+            # An old entry is damaged under a snapshot that folded it while it was intact: the
+            # answers stand, and the audit must report the damage.
+            if run_verify(url, so)["ok"]:
+                v.append("[silent] `txckpt verify` passes a root whose log has a damaged entry")
+        else:
+            if (quick.checkpoints, quick.retired, quick.abandoned_at, quick.state.to_json()) != (
+                    full.checkpoints, full.retired, full.abandoned_at, full.state.to_json()):
+                v.append(f"[silent] the history read from snapshot {quick.base_seq} differs from the log's")
         digests = {t: c.digest for t, c in CheckpointRoot(url, so).history().checkpoints.items()}
         for c in rr:
             if c.path is None:
@@ -340,7 +370,7 @@ def file_damage(ctx: Ctx, case: Case, result: Result) -> None:
     for name in which:
         key = t[name]
         data = _read_template(c, key)
-        is_json = name.startswith("log/") or name.endswith(".json") or name in ("latest", "intent", "lease")
+        is_json = name.startswith("log/") or name.endswith(".json") or name in ("latest", "intent", "lease", "snapshot")
         every = case.params.get("every", {}).get(name, 1)
         # Full mode on a local root: every byte of the riskiest JSON files (an abandoned checkpoint's
         # commit entry, the newest manifest, the hint, intent and lease), every 3rd byte of the others;
@@ -732,7 +762,7 @@ def _tree_hash(root: str) -> str:
 
 DATA = ["B-4/model.safetensors", "B-4/optimizer.pt", "B-4/trainer_state.json", "B-4/extra.dat",
         "A-6/model.safetensors", "A-6/optimizer.pt"]
-META = ["B-4/txckpt-manifest.json", "A-6/txckpt-manifest.json", "latest", "intent", "lease"]
+META = ["B-4/txckpt-manifest.json", "A-6/txckpt-manifest.json", "latest", "intent", "lease", "snapshot"]
 LOG = ["log/commit-A-4", "log/fork", "log/newest"]
 
 
@@ -745,9 +775,10 @@ def cases() -> list[Case]:
                  "flipped byte, truncation, deletion of each data file kind (safetensors, torch, json, bytes)",
                  backend, file_damage, cost=40 if s3 else 8, needs_s3=s3, params={"targets": DATA}),
             Case(f"badinput/{backend}/manifest-hint-intent-lease", "badinput",
-                 "flipped bytes (every byte in full mode, every 3rd of the abandoned manifest), truncation, deletion: manifests, latest hint, "
-                 "intent, reader lease", backend, file_damage, cost=40 if s3 else 10, needs_s3=s3,
-                 params={"targets": META, "every": {"A-6/txckpt-manifest.json": 3}}),
+                 "flipped bytes (every byte in full mode, every 3rd of the abandoned manifest and the history "
+                 "snapshot), truncation, deletion: manifests, latest hint, intent, reader lease, history snapshot",
+                 backend, file_damage, cost=40 if s3 else 10, needs_s3=s3,
+                 params={"targets": META, "every": {"A-6/txckpt-manifest.json": 3, "snapshot": 3}}),
             Case(f"badinput/{backend}/log-entries", "badinput",
                  "flipped bytes (full mode: every byte of the first, every 3rd of the others), truncation, deletion: a commit entry of an abandoned "
                  "checkpoint, the fork entry, the newest entry", backend, file_damage,

@@ -322,6 +322,11 @@ def leaks(r, hist, expect: dict[str, Any]) -> list[str]:
             v.append(f"[leak] the data of retired {txid} survived gc")
     for name in s.list_dir(INTENTS_DIR):
         v.append(f"[leak] intent {name} survived gc")
+    from txckpt import log as commit_log
+
+    snapshots = commit_log.list_snapshots(s)
+    if len(snapshots) > 1:
+        v.append(f"[leak] superseded history snapshots {snapshots[:-1]} survived gc")
     for d in TEMP_DIRS:
         for name in s.list_dir(d):
             if name.endswith(".tmp"):

@@ -88,6 +88,7 @@ def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool, retained:
 
     import txckpt
     from txckpt.gc import collect_garbage
+    from txckpt import log as commit_log
     from txckpt.lineage import History
     from txckpt.root import CheckpointRoot
 
@@ -99,7 +100,18 @@ def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool, retained:
         with open(memo, "rb") as f:
             saved = pickle.load(f)
         r._history = saved["hist"]
+    else:  # the whole log, not a snapshot: this check must see every entry
+        r._history = commit_log.read_history(r.storage, snapshots=False)
     hist = r.history()
+    # What a fresh process folds from the newest history snapshot must be what the whole log says.
+    quick = commit_log.read_history(r.storage)
+    if quick.state.seq == hist.state.seq:
+        for name in ("checkpoints", "retired", "abandoned_at"):
+            if getattr(quick, name) != getattr(hist, name):
+                v.append(f"[snapshot] the history read from snapshot {quick.base_seq} differs from the log in {name}")
+        if quick.state.to_json() != hist.state.to_json():
+            v.append(f"[snapshot] the state read from snapshot {quick.base_seq} differs from the log's")
+    snapshots_used = quick.base_seq
     # Lookup.
     path = txckpt.get_last_checkpoint(root)
     if hist.state.head_tip is not None:
@@ -139,7 +151,7 @@ def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool, retained:
     # Every retire entry named only what the policy let go at that point of the log.
     h = saved["replay"] if saved else History()
     pol = _policy()
-    for e in hist.entries[h.state.seq + 1:]:
+    for e in (e for e in hist.entries if e["seq"] > h.state.seq):
         if e.get("action") == "retire":
             allowed = {c.txid for c in pol.decide(h, now=float("inf"))}
             bad = [t for t in e["txids"] if t not in allowed]
@@ -150,12 +162,15 @@ def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool, retained:
     if retained and kept > KEEP_LAST + forks:
         v.append(f"[bound] {kept} checkpoints are not retired after a completed retention; the policy keeps "
                  f"{KEEP_LAST} + {forks} fork points")
+    # The next check needs only the entries after this one's (the replay is at hist's seq).
+    hist.entries = []
+    h.entries = []
     with open(memo + ".tmp", "wb") as f:
         pickle.dump({"hist": hist, "replay": h}, f)
     os.replace(memo + ".tmp", memo)
     used = _bytes(root)
     out = {"violations": v, "kept": kept, "forks": forks, "bytes": used, "kept_bytes": kept_bytes,
-           "seq": hist.state.seq, "log_bytes": used - _bytes(root, skip_log=True)}
+           "seq": hist.state.seq, "log_bytes": used - _bytes(root, skip_log=True), "snapshot": snapshots_used}
     if full_gc:
         rep = collect_garbage(r, now=time.time() + 7200)
         for item in rep.errors:
@@ -176,7 +191,7 @@ def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool, retained:
 def _bytes(root: str, skip_log: bool = False) -> int:
     n = 0
     for d, _, files in os.walk(root):
-        if skip_log and os.sep + ".txckpt" + os.sep + "log" in d + os.sep:
+        if skip_log and any(os.sep + ".txckpt" + os.sep + sub + os.sep in d + os.sep for sub in ("log", "snapshots")):
             continue
         for f in files:
             try:
