@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import urllib.parse
 import urllib.request
 import uuid
@@ -226,13 +227,16 @@ class _Middleware:
         op = classify(environ)
         self.stats.record(op, _body_length(environ))
         fault = self._take_fault(op, environ.get("PATH_INFO", ""))
+        if fault is not None and fault.get("delay"):  # a slow request: answered normally, late
+            time.sleep(fault["delay"])
+            return self._dispatch(op, environ, start_response)
         if fault is not None:
             if fault["after_apply"]:  # moto applies the request; the client never hears of it
                 list(self._dispatch(op, environ, lambda *a, **k: (lambda data: None)))
-            body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code>"
-                    b"<Message>injected by tests/s3_server.py</Message></Error>")
-            start_response("500 Internal Server Error",
-                           [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
+            status, code = fault.get("status", "500 Internal Server Error"), fault.get("code", "InternalError")
+            body = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
+                    "<Message>injected by tests/s3_server.py</Message></Error>").encode()
+            start_response(status, [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
             return [body]
         return self._dispatch(op, environ, start_response)
 
@@ -321,6 +325,21 @@ class S3Server:
         assert self._app is not None, "start() the server first"
         with self._app.faults_lock:
             self._app.faults.append({"op": op, "key": key, "after_apply": after_apply})
+
+    def inject_denial(self, op: str, key: str) -> None:
+        """Answer the next ``op`` request on a path ending in ``/key`` with 403 AccessDenied
+        without applying it (not retried: s3fs raises PermissionError)."""
+        assert self._app is not None, "start() the server first"
+        with self._app.faults_lock:
+            self._app.faults.append({"op": op, "key": key, "after_apply": False,
+                                     "status": "403 Forbidden", "code": "AccessDenied"})
+
+    def inject_delay(self, op: str, key: str, seconds: float) -> None:
+        """Hold the next ``op`` request on a path ending in ``/key`` for ``seconds`` before moto
+        handles it (an upload that is still on the wire)."""
+        assert self._app is not None, "start() the server first"
+        with self._app.faults_lock:
+            self._app.faults.append({"op": op, "key": key, "after_apply": False, "delay": seconds})
 
     def clear_failures(self) -> None:
         if self._app is not None:

@@ -69,6 +69,7 @@ class Transaction:
         self._plan: dict[str, Any] | None = None
         self._written: dict[str, FileEntry] = {}
         self._open_writers: set[str] = set()
+        self._writes: Any = None  # the storage's WriteBatch of this rank's staging files
         self._local_dir: str | None = None
         self._temp_root: str | None = None
         self._entered = False
@@ -159,6 +160,7 @@ class Transaction:
             raise _rebuild_error(plan["error"])
         self._plan = plan
         self.txid = plan["txid"]
+        self._writes = self._root.storage.write_batch()
         try:
             if plan.get("step") != self.step:
                 raise TransactionAbortedError(
@@ -208,7 +210,7 @@ class Transaction:
         if name in self._written or name in self._open_writers:
             raise InvalidArgumentError(f"{name!r} was already written in this transaction")
         try:
-            sink = self._root.storage.open_write(f"{self.staging_key}/{name}", durable=self._root.durable)
+            sink = self._writes.open_write(f"{self.staging_key}/{name}", durable=self._root.durable)
         except OSError as e:
             raise storage_error(e, f"create {name!r} in the staging directory") from e
         self._open_writers.add(name)
@@ -261,27 +263,43 @@ class Transaction:
         return False
 
     def _rank_report(self, exc: BaseException | None) -> dict[str, Any]:
+        # Every upload of this rank has finished (or failed) before the report leaves: rank 0
+        # checks the staged files, or deletes the staging, right after the gather, and no upload
+        # may land after either.
         if exc is not None:
+            self._cancel_writes()
             return {"rank": self.rank, "error": _describe_error(exc)}
         try:
             if self._open_writers:
                 raise InvalidArgumentError(f"files still open at commit: {sorted(self._open_writers)}")
             files = {name: e.to_json() for name, e in self._written.items()}
-            storage = self._root.storage
             if self._temp_root and self._local_dir is not None:
                 # Remote root: upload what other code wrote into the local scratch directory.
                 for name, size in _walk_local(self._local_dir):
                     if name in files:
                         raise InvalidArgumentError(f"{name!r} written both through tx.open and tx.directory")
                     check_file_name(name)
-                    size, digest = storage.upload_file(
+                    size, digest = self._writes.upload_file(
                         os.path.join(self._local_dir, name), f"{self.staging_key}/{name}",
                         durable=self._root.durable,
                     )
                     files[name] = FileEntry(size, digest, kind_for_name(name), self.rank).to_json()
+            try:
+                self._writes.wait()
+            except OSError as e:
+                raise storage_error(e, "upload the checkpoint's files") from e
             return {"rank": self.rank, "files": files}
         except Exception as e:
+            self._cancel_writes()
             return {"rank": self.rank, "error": _describe_error(e)}
+
+    def _cancel_writes(self) -> None:
+        if self._writes is None:
+            return
+        try:
+            self._writes.cancel()
+        except Exception:  # pragma: no cover - cancel ignores upload failures by contract
+            log.warning("txckpt: waiting for the uploads of %s failed", self.txid, exc_info=True)
 
     def _commit_or_abort(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
         plan = self._plan

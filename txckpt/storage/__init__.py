@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from .base import Storage, check_relative_key, join
+from .base import Storage, WriteBatch, check_relative_key, join
 from .fsspec_store import FsspecStorage
 from .local import LocalStorage
 
-__all__ = ["Storage", "LocalStorage", "FsspecStorage", "open_storage", "check_relative_key", "join"]
+__all__ = ["Storage", "WriteBatch", "LocalStorage", "FsspecStorage", "open_storage", "check_relative_key", "join"]
 
 
 def _is_local(root: str) -> bool:

@@ -11,8 +11,10 @@ differs from another in three ways only, and each is a method here:
 
 The call sequence of a save, as the transaction issues it (see docs/protocol.md, "Save"):
 
-1. ``open_write`` each data file under ``.txckpt/tx/<txid>/`` and ``close()`` it; with
-   ``durable=True`` a closed file's bytes survive power loss.
+1. ``write_batch()``, then ``open_write`` each data file under ``.txckpt/tx/<txid>/`` through
+   the batch and ``close()`` it; ``wait()`` on the batch returns once every file closed through
+   it is complete at its key (with ``durable=True``, on stable storage), or raises. An aborted
+   save calls ``cancel()`` instead, before its staging is deleted.
 2. ``sync_dir`` on the staging directory (and on any sub-directory written into).
 3. ``create_exclusive`` of the manifest inside the staging directory, then ``sync_dir``.
 4. ``create_exclusive`` of the next log entry: the commit point. Either the whole entry is
@@ -72,6 +74,46 @@ def check_relative_key(key: str) -> str:
     return key
 
 
+class WriteBatch:
+    """The files one transaction (one rank) writes into its staging directory, and when their
+    bytes are in place. Made by :meth:`Storage.write_batch`.
+
+    Contract:
+
+    * ``open_write`` / ``upload_file`` as on the storage. A backend MAY finish a file's upload
+      after its ``close()`` (or ``upload_file``) returns, in the background, while the caller
+      writes the next file. At most a small fixed number of closed files are pending at once
+      (the backend documents it): a ``close()`` beyond that waits for the oldest, so memory
+      stays bounded. A ``close()`` MAY raise the failure of an earlier file of the batch.
+    * ``wait()`` returns only when every file closed through the batch is complete at its key
+      (durable where ``durable=True`` was asked). If any upload failed it raises an ``OSError``
+      naming the file, after every other upload of the batch has finished or failed; a failed
+      upload leaves nothing at its key. The caller MUST call ``wait()`` before it relies on the
+      files (lists or checks the staging, writes a manifest naming them).
+    * ``cancel()`` waits for the uploads still running, ignores their failures, and starts no
+      more: when it returns nothing of the batch is still being written, so the caller may
+      delete the staging and know that no upload lands after the delete.
+
+    This default writes synchronously (each ``close()`` returns with its file complete), so
+    ``wait()`` and ``cancel()`` have nothing to do.
+    """
+
+    def __init__(self, storage: "Storage"):
+        self.storage = storage
+
+    def open_write(self, key: str, *, durable: bool) -> BinaryIO:
+        return self.storage.open_write(key, durable=durable)
+
+    def upload_file(self, local_file: str, key: str, *, durable: bool) -> tuple[int, str]:
+        return self.storage.upload_file(local_file, key, durable=durable)
+
+    def wait(self) -> None:
+        """Block until every file of the batch is complete; raise the first failure (OSError)."""
+
+    def cancel(self) -> None:
+        """Block until no upload of the batch is running; failures are ignored."""
+
+
 class Storage(abc.ABC):
     """One root on one backend. Keys are root-relative, '/'-separated, never absolute."""
 
@@ -128,6 +170,10 @@ class Storage(abc.ABC):
         """Write ``data`` at ``key``, replacing any previous content atomically (readers see the
         old or the new bytes). Never a commit point: used for hints, intents, and manifests of an
         adoption that the log has not committed yet. ``durable=True`` fsyncs the new content."""
+
+    def write_batch(self) -> WriteBatch:
+        """A :class:`WriteBatch` for the staging files of one transaction (see its contract)."""
+        return WriteBatch(self)
 
     def sync_dir(self, key: str) -> None:
         """Make the directory entries under ``key`` durable. No-op where there are no directories."""
