@@ -1,4 +1,5 @@
-"""``python -m benchmarks run [--quick] [--tiny] [--cases save,load] [--out DIR]``."""
+"""``python -m benchmarks run [--quick] [--tiny] [--cases save,load] [--out DIR]``;
+``python -m benchmarks render [--results R] [--merge R2]``."""
 
 from __future__ import annotations
 
@@ -29,13 +30,21 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--tiny", action="store_true", help="smoke test: tiny sizes, measures nothing")
     r.add_argument("--cases", help=f"comma-separated subset of {','.join(CASES)}")
     r.add_argument("--sizes", help="comma-separated sizes, e.g. 64M,256M (default by mode)")
-    r.add_argument("--out", default=os.path.join(here, "docs"), help="directory for benchmarks.md/.png")
+    r.add_argument("--out", help="directory for benchmarks.md/.png (default docs/; for a --cases subset, "
+                                  "<scratch>/partial-<cases>/, so that a partial run never replaces "
+                                  "docs/benchmarks.md: fold it in with `render --merge`)")
     r.add_argument("--scratch", help="directory for written files (default .bench-tmp; never tmpfs)")
     rr = sub.add_parser("render", help="rewrite benchmarks.md/.png from the last run's saved results "
                                          "(after editing benchmarks/analysis.py or report.py; measures nothing)")
     rr.add_argument("--results", help="results.json of a run (default: <scratch>/results.json)")
     rr.add_argument("--out", default=os.path.join(here, "docs"))
     rr.add_argument("--scratch", help="the run's scratch directory (default .bench-tmp)")
+    rr.add_argument("--merge", action="append", default=[], metavar="RESULTS",
+                    help="results of a later run of some cases (`run --cases s3` writes "
+                         "<scratch>/results.s3.json): "
+                         "its tables replace the same tables of --results, the machine table records "
+                         "when and at which commit and load they were measured, and the merged "
+                         "results are written to <scratch>/results.json (repeatable)")
     a = p.parse_args(argv)
     if a.cmd == "render":
         return render(a)
@@ -59,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
             tables.append(t)
     h.remove(os.path.join(s.scratch, "run"))
     elapsed = time.perf_counter() - t0
+    partial = a.cases is not None and set(cases) != set(CASES)
+    tag = "+".join(cases)
+    if a.out is None:
+        a.out = os.path.join(s.scratch, f"partial-{tag}") if partial else os.path.join(here, "docs")
+    results = os.path.join(s.scratch, f"results.{tag}.json" if partial else "results.json")
     os.makedirs(a.out, exist_ok=True)
     from .report import write_markdown, write_plot
 
@@ -67,11 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     md = os.path.join(a.out, "benchmarks.md")
     machine = h.machine()
     write_markdown(md, tables, machine, png if have_png else None, elapsed)
-    with open(os.path.join(s.scratch, "results.json"), "w") as f:
+    with open(results, "w") as f:
         json.dump({"mode": {"quick": s.quick, "tiny": s.tiny}, "machine": machine, "elapsed": elapsed,
                    "tables": tables}, f, indent=1, default=str)
-    h.log(f"wrote {md}{' and ' + png if have_png else ''} in {elapsed:.0f} s; raw results in "
-          f"{os.path.join(s.scratch, 'results.json')}")
+    h.log(f"wrote {md}{' and ' + png if have_png else ''} in {elapsed:.0f} s; raw results in {results}")
+    if partial:
+        h.log(f"a partial run: to update docs/benchmarks.md with it, `python -m benchmarks render "
+              f"--merge {results}` (the other sections stay those of {os.path.join(s.scratch, 'results.json')})")
     failed = [t["title"] for t in tables if t.get("status") == "failed"]
     if failed:
         h.log(f"failed cases: {failed}")
@@ -85,6 +101,11 @@ def render(a) -> int:
     path = a.results or os.path.join(scratch, "results.json")
     with open(path) as f:
         saved = json.load(f)
+    for other_path in a.merge:
+        saved = _merge(saved, other_path)
+    if a.merge:
+        with open(os.path.join(scratch, "results.json"), "w") as f:
+            json.dump(saved, f, indent=1, default=str)
     h.configure(quick=saved["mode"]["quick"], tiny=saved["mode"]["tiny"], scratch=scratch)
     os.makedirs(a.out, exist_ok=True)
     png = os.path.join(a.out, "benchmarks.png")
@@ -93,6 +114,26 @@ def render(a) -> int:
     write_markdown(md, saved["tables"], saved["machine"], png if have_png else None, saved["elapsed"])
     h.log(f"re-rendered {md} from {path} (measured {saved['machine'].get('Date')})")
     return 0
+
+
+def _merge(saved: dict, other_path: str) -> dict:
+    """``saved`` with the tables of the run in ``other_path`` in place of its own of the same id
+    (or title); a partial run never wipes the other sections. The machine table keeps the first
+    run's rows and gains one per merged run."""
+    with open(other_path) as f:
+        other = json.load(f)
+    if other["mode"] != saved["mode"]:
+        raise SystemExit(f"{other_path} was measured in mode {other['mode']}, the results in {saved['mode']}")
+    key = lambda t: t.get("id") or t["title"]  # noqa: E731
+    new = {key(t): t for t in other["tables"]}
+    tables = [new.pop(key(t), t) for t in saved["tables"]] + list(new.values())
+    m = other["machine"]
+    titles = ", ".join(dict.fromkeys(t["title"].split(":")[0] for t in other["tables"]))
+    machine = dict(saved["machine"])
+    machine[f"Re-measured: {titles}"] = (
+        f"`{m.get('Command')}` ({other['elapsed'] / 60:.1f} min) on {m.get('Date')}, txckpt "
+        f"{m.get('txckpt')}, load average {m.get('Load average')}")
+    return {**saved, "machine": machine, "tables": tables}
 
 
 if __name__ == "__main__":

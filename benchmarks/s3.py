@@ -458,8 +458,13 @@ def _save_tables(server, rec: _Recorder) -> tuple[dict[str, Any], dict[str, Any]
         "`pipe_file` in txckpt's part size and concurrency compares (nearly) equal request shapes. "
         "txckpt's own additions per save are its small-file requests (intent, manifest, log "
         "entry, hint, the reads of the log before the commit, the listing that checks the "
-        "staged files, the read of the manifest after it) and serialising the state, which "
-        "`pipe_file` gets done beforehand. In this run: " + " ".join(findings),
+        "staged files, the read of the manifest after it) and serialising the state (hashing it, "
+        "and copying it once into the request body), which `pipe_file` gets done beforehand. A "
+        "file's upload runs in the background while the next file is serialised "
+        "(`S3Storage.write_batch`, at most `TXCKPT_S3_PENDING_FILES`, 2, files pending; the save "
+        "waits for all of them before it checks the staging and writes the manifest), so the "
+        "first file's serialisation and the last file's upload are what it does not overlap. "
+        "In this run: " + " ".join(findings),
     ]
     common = (
         "moto's `ThreadedMotoServer` on 127.0.0.1 in the benchmark's own process "
