@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     have_png = write_plot(png, tables)
     md = os.path.join(a.out, "benchmarks.md")
     machine = h.machine()
+    if a.cases:
+        machine["Command"] += f" --cases {a.cases}"
     write_markdown(md, tables, machine, png if have_png else None, elapsed)
     with open(results, "w") as f:
         json.dump({"mode": {"quick": s.quick, "tiny": s.tiny}, "machine": machine, "elapsed": elapsed,
