@@ -261,12 +261,19 @@ def trainer_sweep(ctx: Ctx, case: Case, result: Result) -> None:
     ops = child_value(lambda: save_in_child(LocalInjector(under=live)), "the Trainer's counting run")
     pts = choose_points(ops, "local", ctx.quick, every=True, cap=40 if ctx.quick else None, seed=ctx.seed)
     found = []
+    unreached: list[str] = []
     for k, when in pts:
         reset()
         code, out = run_child(lambda: save_in_child(LocalInjector(kill_at=k, when=when, under=live)), timeout=300)
         label = f"trainer: {when} op {k}/{len(ops)} ({ops[k - 1]['name']})"
-        if code != -9:
-            found.append(f"{label}: [harness] the child was not killed (exit {code}: {out and out.get('error')})")
+        if code == 0:
+            # The save finished with fewer file operations than the counting run (seen once in
+            # CI at the very last one, the rmdir of the retired checkpoint's home): the point was
+            # not reached. The finished save's state is still checked, as in the other sweeps.
+            unreached.append(label)
+        elif code != -9:
+            found.append(f"{label}: [harness] the child was not killed and failed (exit {code}: "
+                         f"{out and out.get('error')})")
             continue
         ccode, verdict = run_child(lambda: check(live, None, expect), timeout=300)
         if ccode != 0:
@@ -277,7 +284,9 @@ def trainer_sweep(ctx: Ctx, case: Case, result: Result) -> None:
     result.points = len(pts)
     names = {o["name"].split("(")[0] for o in ops}
     result.notes.append(f"{len(ops)} Python-level file ops ({', '.join(sorted(names))}); {len(pts)} points"
-                        + (" (sampled)" if len(pts) < 2 * len(ops) else ""))
+                        + (" (sampled)" if len(pts) < 2 * len(ops) else "")
+                        + (f"; {len(unreached)} not reached (the save had fewer operations), their finished "
+                           f"state checked: {'; '.join(unreached[:3])}" if unreached else ""))
     classify(result, found, case.known)
 
 
