@@ -34,6 +34,7 @@ this kind normally means the job lost a rank and has to be restarted anyway.
 from __future__ import annotations
 
 import abc
+import atexit
 import logging
 import os
 import sys
@@ -147,14 +148,39 @@ def _group_for(dist: Any, timeout_s: float) -> Any:
                 "rank died, raised before reaching it, or is slower than the timeout (set "
                 f"{TIMEOUT_ENV} or timeout=). Nothing was committed."
             ) from e
-        _cached.update(world=world, group=group, timeout=timeout_s)
+        if not _cached.get("exit_hook"):
+            atexit.register(_release_group_at_exit)
+        _cached.update(world=world, group=group, timeout=timeout_s, exit_hook=True)
         return group
+
+
+def _release_group_at_exit() -> None:
+    """Destroy txckpt's gloo group while the interpreter is still whole. Left to interpreter
+    teardown (this module's reference outlives even the job's own destroy_process_group), its
+    C++ threads can be destroyed while joinable: std::terminate, a SIGABRT after a clean run
+    (seen in the 2-rank Trainer test)."""
+    with _lock:
+        group = _cached.get("group")
+        _cached.clear()
+        _cached["exit_hook"] = True
+    if group is None:
+        return
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
+    except Exception:  # noqa: BLE001 - exiting anyway; the reference is dropped above
+        pass
 
 
 def _forget_group(group: Any) -> None:
     with _lock:
         if _cached.get("group") is group:
+            hook = _cached.get("exit_hook")
             _cached.clear()
+            if hook:
+                _cached["exit_hook"] = True
 
 
 def _short(e: BaseException) -> str:
