@@ -44,6 +44,20 @@ def busy_root(url, opts=None, saves: int = 20) -> None:
         apply_retention(r, policy)
 
 
+def count_log_reads(monkeypatch, r) -> list[str]:
+    """The keys of the log entries ``r`` reads from now on."""
+    reads: list[str] = []
+    original = r.storage.read_bytes
+
+    def counting(key):
+        if key.startswith(commit_log.LOG_DIR + "/"):
+            reads.append(key)
+        return original(key)
+
+    monkeypatch.setattr(r.storage, "read_bytes", counting)
+    return reads
+
+
 def same_history(a, b) -> None:
     assert a.state.seq == b.state.seq
     assert a.state.to_json() == b.state.to_json()
@@ -73,15 +87,7 @@ def test_fresh_retention_reads_only_the_entries_after_the_snapshot(root, monkeyp
     busy_root(root, saves=30)
     r = fresh(root)
     total = r.state().seq + 1
-    reads: list[str] = []
-    original = r.storage.read_bytes
-
-    def counting(key):
-        if key.startswith(commit_log.LOG_DIR + "/"):
-            reads.append(key)
-        return original(key)
-
-    monkeypatch.setattr(r.storage, "read_bytes", counting)
+    reads = count_log_reads(monkeypatch, r)
     apply_retention(r, RetentionPolicy(keep_last=2, abandoned=0))
     assert total > 4 * EVERY
     # The snapshot's own entry, at most EVERY - 1 after it, and the probes past the end.
@@ -91,15 +97,7 @@ def test_fresh_retention_reads_only_the_entries_after_the_snapshot(root, monkeyp
 def test_restart_resuming_the_current_lineage_reads_a_constant_number_of_entries(root, monkeypatch):
     busy_root(root, saves=30)
     r = fresh(root)
-    reads: list[str] = []
-    original = r.storage.read_bytes
-
-    def counting(key):
-        if key.startswith(commit_log.LOG_DIR + "/"):
-            reads.append(key)
-        return original(key)
-
-    monkeypatch.setattr(r.storage, "read_bytes", counting)
+    reads = count_log_reads(monkeypatch, r)
     path = r.resume()
     assert path == txckpt.get_last_checkpoint(root)
     # The state (newest entry + probe), the claim (re-read, append), the lookup: a constant, not

@@ -121,13 +121,18 @@ def read_state(storage: Storage) -> State:
     return State.from_json(entry["seq"], entry["state"])
 
 
-def list_seqs(storage: Storage) -> list[int]:
+def _numbered(storage: Storage, directory: str) -> list[int]:
+    """The seqs of the ``<seq:020d>.json`` files in ``directory`` (log entries, snapshots)."""
     seqs = []
-    for name in storage.list_dir(LOG_DIR):
+    for name in storage.list_dir(directory):
         stem, dot, ext = name.partition(".")
         if ext == "json" and stem.isdigit() and len(stem) == 20:
             seqs.append(int(stem))
     return sorted(seqs)
+
+
+def list_seqs(storage: Storage) -> list[int]:
+    return _numbered(storage, LOG_DIR)
 
 
 def read_history(storage: Storage, since: History | None = None, *, snapshots: bool = True) -> History:
@@ -229,12 +234,7 @@ def append(
 
 # ----- snapshots (protocol §4a) ----------------------------------------------------------------
 def list_snapshots(storage: Storage) -> list[int]:
-    seqs = []
-    for name in storage.list_dir(SNAPSHOT_DIR):
-        stem, dot, ext = name.partition(".")
-        if ext == "json" and stem.isdigit() and len(stem) == 20:
-            seqs.append(int(stem))
-    return sorted(seqs)
+    return _numbered(storage, SNAPSHOT_DIR)
 
 
 def read_snapshot(storage: Storage, seq: int) -> History | None:
