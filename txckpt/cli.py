@@ -608,9 +608,7 @@ def run_verify(target: str, options: dict[str, Any], *, workers: int | None = No
             except TxckptError as e:
                 problems.append(str(e))
             else:
-                if quick.base_seq >= 0 and quick.state.seq == history.state.seq and (
-                    quick.checkpoints, quick.retired, quick.abandoned_at
-                ) != (history.checkpoints, history.retired, history.abandoned_at):
+                if quick.base_seq >= 0 and quick.state.seq == history.state.seq and not quick.folds_like(history):
                     problems.append(
                         f"the history snapshot of log entry {quick.base_seq} disagrees with the log; "
                         "delete .txckpt/snapshots/ (snapshots only save reading the log)"

@@ -292,6 +292,12 @@ class History:
         self.state = State.from_json(seq, entry["state"])
         self.entries.append(entry)
 
+    def folds_like(self, other: "History") -> bool:
+        """Whether both folds say the same of the root (entries aside): what a fold from a
+        snapshot must give, against the fold of every entry."""
+        return (self.state.seq, self.state.to_json(), self.checkpoints, self.retired, self.abandoned_at) == (
+            other.state.seq, other.state.to_json(), other.checkpoints, other.retired, other.abandoned_at)
+
     # ----- snapshots (protocol §4a) ------------------------------------------------------------
     def snapshot_body(self) -> dict[str, Any]:
         """What a snapshot at ``state.seq`` records besides the state (which it takes from the
