@@ -41,6 +41,7 @@ import errno
 import os
 import re
 import signal
+import threading
 from typing import Any, Callable
 
 _WRITE_MODES = set("wax+")
@@ -67,19 +68,31 @@ class Injector:
         #: [{"name", "mut" (changes storage), "group" (write-run id), "inject" (ENOSPC-able)}]
         self.ops: list[dict[str, Any]] = []
         self._saved: list[tuple[Any, str, Any]] = []
-        self._depth = 0
+        # Per thread: txckpt fsyncs the staged files from a thread pool (transactions.py), and a
+        # shared depth made one thread's fsync uncounted while another's ran (1 op fewer, 1 in ~15).
+        self._tls = threading.local()
+        self._lock = threading.Lock()
         self._last_write: str | None = None
         self._group = 0
         self.fired = False
 
+    @property
+    def _depth(self) -> int:
+        return getattr(self._tls, "depth", 0)
+
+    @_depth.setter
+    def _depth(self, value: int) -> None:
+        self._tls.depth = value
+
     # ----- the decision at one operation ---------------------------------------------------------
     def _record(self, name: str, mut: bool, write_key: str | None, inject: bool) -> int:
-        if write_key is None or write_key != self._last_write:
-            self._group += 1
-        self._last_write = write_key
-        self.count += 1
-        self.ops.append({"name": stable(name), "mut": mut, "group": self._group, "inject": inject})
-        return self.count
+        with self._lock:
+            if write_key is None or write_key != self._last_write:
+                self._group += 1
+            self._last_write = write_key
+            self.count += 1
+            self.ops.append({"name": stable(name), "mut": mut, "group": self._group, "inject": inject})
+            return self.count
 
     def _crash(self, where: str) -> None:
         self.fired = True
