@@ -77,6 +77,69 @@ def test_refusals_on_every_backend(any_root):
         zombie.save(3, files("Z", 3))
 
 
+def test_writer_plans_a_save_without_reading_the_log(any_root):
+    """A session that holds the lineage plans its next save against the state of its own last
+    commit (protocol §8 step 1): the save reads no log entry and no hint before its commit."""
+    url, opts = any_root
+    root = txckpt.CheckpointRoot(url, opts)
+    root.save(1, files("A", 1))
+    reads = []
+    real_read = root.storage.read_bytes
+
+    def counting_read(key):
+        reads.append(key)
+        return real_read(key)
+
+    root.storage.read_bytes = counting_read
+    root.save(2, files("A", 2))
+    assert not [k for k in reads if k.startswith(".txckpt/log/") or k == ".txckpt/latest"], reads
+    assert txckpt.read_manifest(fresh(url, opts).get_last_checkpoint(), storage_options=opts).step == 2
+
+
+def test_save_after_another_process_appended_commits_after_the_newest_entry(any_root):
+    """The state a save planned against is stale (another process retired a checkpoint since):
+    the commit's first attempt loses the create-if-absent race and it appends after the newest
+    entry instead, validated against it."""
+    from txckpt.retention import retire
+
+    url, opts = any_root
+    writer = txckpt.CheckpointRoot(url, opts)
+    writer.save(1, files("A", 1))
+    writer.save(2, files("A", 2))
+    other = fresh(url, opts)
+    one = next(c for c in other.checkpoints("all") if c.step == 1)
+    assert retire(other, [one.txid]) == [one.txid]
+    seq_before = fresh(url, opts).state().seq
+    writer.save(3, files("A", 3))
+    r = fresh(url, opts)
+    assert r.state().seq == seq_before + 1
+    m = txckpt.read_manifest(r.get_last_checkpoint(), storage_options=opts)
+    assert m.step == 3 and m.parent["step"] == 2
+    assert one.txid in r.history().retired
+
+
+def test_stale_writer_save_fails_at_commit_and_leaves_nothing(any_root):
+    """A zombie whose lineage another job forked away plans against its own stale state, stages
+    its files, and is refused at the commit: StaleLineageError, nothing committed, its staging and
+    intent deleted, the new lineage untouched."""
+    url, opts = any_root
+    zombie = txckpt.CheckpointRoot(url, opts)
+    zombie.save(1, files("Z", 1))
+    restart = fresh(url, opts)
+    restart.resume(step=1)
+    restart.save(2, files("R", 2))
+    with pytest.raises(StaleLineageError):
+        with zombie.transaction(3) as tx:
+            for name, obj in files("Z", 3).items():
+                tx.save(name, obj)
+    storage = open_storage(url, opts)
+    assert not list(storage.walk_files(f".txckpt/tx/{tx.txid}"))
+    assert not storage.exists(f".txckpt/intents/{tx.txid}.json")
+    r = fresh(url, opts)
+    assert tag_of(r.get_last_checkpoint(), opts) == "R"
+    assert not [c for c in r.checkpoints("all") if c.step == 3]
+
+
 def test_abort_leaves_nothing_visible(any_root):
     url, opts = any_root
     txckpt.save_checkpoint(url, 1, files("A", 1), storage_options=opts)

@@ -196,12 +196,43 @@ def test_a_save_commits_after_its_uploads_and_sends_the_same_requests(s3_root, s
     files = {"a.bin": _blob(3 << 20), "b.bin": _blob(2 << 20, 2)}
     with s3_server.counter() as c:
         path = root.save(2, files)
-    # state (latest, log/1, log/2 missing), intent, 2 data PUTs, listing, manifest, commit
-    # entry, hint, manifest read-back, intent delete
-    assert dict(c.ops) == {"GetObject": 4, "PutObject": 6, "ListObjectsV2": 1, "DeleteObject": 1}
+    # intent, 2 data PUTs, listing, manifest, commit entry, then at once: hint, manifest
+    # read-back, intent delete. No state reads: the session plans against its own last commit.
+    assert dict(c.ops) == {"GetObject": 1, "PutObject": 6, "ListObjectsV2": 1, "DeleteObject": 1}
     assert c.uploaded_bytes - sum(len(v) for v in files.values()) < 4096  # + small files only
     loaded = txckpt.load_checkpoint(path, storage_options=s3_root[1])
     assert {k: bytes(v) for k, v in loaded.items()} == files
+
+
+def test_after_the_commit_point_hint_read_back_and_intent_delete_overlap(s3_root, s3_server):
+    """Protocol §8 steps 9-11 on an object store: the hint, the publication's manifest read-back
+    and the intent's delete are independent and go out at once. The hint's PUT waits (at most
+    30 s) until the intent's delete has started: it returns at once only if they overlap."""
+    import threading
+
+    root = _root(s3_root)
+    root.save(1, {"x.bin": b"x"})
+    st = root.storage
+    delete_started = threading.Event()
+    hint_saw_delete: list[bool] = []
+    real_replace, real_delete = st.replace, st.delete_file
+
+    def replace(key, data, **kw):
+        if key == ".txckpt/latest":
+            hint_saw_delete.append(delete_started.wait(30))
+        return real_replace(key, data, **kw)
+
+    def delete_file(key):
+        if key.startswith(".txckpt/intents/"):
+            delete_started.set()
+        return real_delete(key)
+
+    st.replace, st.delete_file = replace, delete_file
+    path = root.save(2, {"x.bin": b"y"})
+    assert hint_saw_delete == [True]
+    assert not st.list_dir(".txckpt/intents")
+    assert st.read_bytes(".txckpt/latest") == str(root.state().seq).encode()
+    assert bytes(txckpt.load_checkpoint(path, storage_options=s3_root[1])["x.bin"]) == b"y"
 
 
 def test_a_retried_put_sends_the_whole_body_again(s3, s3_server):

@@ -449,6 +449,60 @@ def test_rename_capability_flag(storage, request):
     assert storage.atomic_dir_rename == (_kind(request) == "local")
 
 
+def test_run_concurrently_returns_each_result_or_exception_in_order(storage, request):
+    storage.replace("a", b"1")
+
+    def refused():
+        raise PermissionError(13, "refused")
+
+    out = storage.run_concurrently([
+        lambda: storage.read_bytes("a"), refused, lambda: storage.read_bytes("missing"), lambda: None,
+    ])
+    assert out[0] == b"1" and isinstance(out[1], PermissionError)
+    assert isinstance(out[2], FileNotFoundError) and out[3] is None
+    # Overlapping pays where a request is a round trip; a local disk keeps one order of file
+    # operations (the crash sweeps count them).
+    assert storage.overlap_requests == (_kind(request) not in ("local", "memory"))
+
+
+def test_run_concurrently_overlaps_only_where_requests_are_round_trips(storage):
+    """The first call waits (at most 30 s) for the second to start: with overlap that happens at
+    once; run one after the other, the first times out and says so."""
+    import threading
+
+    second_started = threading.Event()
+
+    def first():
+        return second_started.wait(30 if storage.overlap_requests else 0)
+
+    def second():
+        second_started.set()
+        return "done"
+
+    saw_second, _ = storage.run_concurrently([first, second])
+    assert saw_second == storage.overlap_requests
+
+
+def test_run_concurrently_works_in_a_forked_child(storage):
+    """A child forked after the parent used the pool (a DataLoader worker, a fork-based launcher)
+    gets a pool of its own: the inherited one has no threads and would never run its work."""
+    import multiprocessing
+
+    started = threading.Barrier(4)
+    # Four calls that wait for each other: the parent's pool has all its threads now.
+    storage.run_concurrently([lambda: started.wait(30)] * 4 if storage.overlap_requests else [])
+
+    def child():
+        os._exit(0 if storage.run_concurrently([lambda: 1, lambda: 2]) == [1, 2] else 1)
+
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(120)  # a bound for a hang, not a synchronisation: the child needs milliseconds
+    if proc.is_alive():
+        proc.kill()
+    assert proc.exitcode == 0
+
+
 # =================================================================================================
 # S3 specifics: multipart, aborts, request counts
 # =================================================================================================

@@ -183,9 +183,13 @@ def append(
     *,
     durable: bool,
     start: State | None = None,
+    update_hint: bool = True,
 ) -> dict[str, Any]:
     """Append one entry. ``build(state, seq, time)`` validates against the newest state and
     returns the entry's body (with its new "state"); it may raise to refuse.
+
+    ``update_hint=False``: the caller writes the ``latest`` hint itself (:func:`write_hint`),
+    e.g. at the same time as other follow-ups of a commit.
 
     On a lost race the newest state is re-read and ``build`` runs again, so every validation
     holds against the state the entry is actually appended to.
@@ -221,15 +225,22 @@ def append(
             from .errors import storage_error
 
             raise storage_error(e, f"append log entry {seq}") from e
-        try:
-            storage.replace(LATEST_HINT, str(seq).encode())
-        except OSError:
-            pass  # the hint only saves reads; readers probe past a stale one
+        if update_hint:
+            write_hint(storage, seq)
         return entry
     raise ConcurrentWriterError(
         f"could not append to the log after {_MAX_APPEND_ATTEMPTS} attempts: too many concurrent "
         "writers on one root"
     )
+
+
+def write_hint(storage: Storage, seq: int) -> None:
+    """Point ``latest`` at entry ``seq``, which exists. Best effort: the hint only saves reads,
+    and readers probe past a stale one (§6)."""
+    try:
+        storage.replace(LATEST_HINT, str(seq).encode())
+    except OSError:
+        pass
 
 
 # ----- snapshots (protocol §4a) ----------------------------------------------------------------

@@ -37,7 +37,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
-from . import log as commit_log
 from .errors import CheckpointNotFoundError, InvalidArgumentError
 from .lineage import Checkpoint, History, State
 from .manifest import MANIFEST_NAME, Manifest
@@ -337,7 +336,7 @@ def retire(root: Any, txids: Iterable[str], *, policy: RetentionPolicy | None = 
         return {"action": "retire", "txids": chosen, "state": state.to_json()}
 
     try:
-        commit_log.append(root.storage, build, durable=root.durable)
+        root.append_entry(build)
     except _NothingToRetire:
         return []
     return chosen

@@ -87,6 +87,9 @@ class CheckpointRoot:
         self._history: History | None = None
         #: The state each pending save of this process was planned against, by txid.
         self._base_states: dict[str, State] = {}
+        #: The newest state this process has read or appended; a save of the lineage this
+        #: session holds plans against it without reading the log (protocol §8 step 1).
+        self._known_state: State | None = None
 
     @property
     def url(self) -> str:
@@ -94,7 +97,19 @@ class CheckpointRoot:
 
     # ----- reading the log ---------------------------------------------------------------------
     def state(self) -> State:
-        return commit_log.read_state(self.storage)
+        state = commit_log.read_state(self.storage)
+        self._note_state(state)
+        return state
+
+    def _note_state(self, state: State) -> None:
+        if self._known_state is None or state.seq >= self._known_state.seq:
+            self._known_state = state
+
+    def append_entry(self, build: Any, *, start: State | None = None, update_hint: bool = True) -> dict[str, Any]:
+        """Append one log entry (``commit_log.append``) and remember the state it made."""
+        entry = commit_log.append(self.storage, build, durable=self.durable, start=start, update_hint=update_hint)
+        self._note_state(State.from_json(entry["seq"], entry["state"]))
+        return entry
 
     def history(self, *, snapshot: bool = False) -> History:
         """Every entry folded; cached and extended incrementally on each call. A fresh fold
@@ -104,6 +119,7 @@ class CheckpointRoot:
         Operations that already write to the root pass it (retention, gc, forks); plain readers
         do not, so reading never needs write access."""
         self._history = commit_log.read_history(self.storage, self._history)
+        self._note_state(self._history.state)
         if snapshot and commit_log.write_snapshot_if_due(self.storage, self._history, durable=self.durable):
             self._history.snapshot_seq = self._history.state.seq
         return self._history
@@ -251,7 +267,7 @@ class CheckpointRoot:
             new_state = fresh.after_claim(seq, lineage, self.session)
             return {"action": "claim", "lineage": lineage, "writer": self.session, "state": new_state.to_json()}
 
-        commit_log.append(self.storage, build, durable=self.durable)
+        self.append_entry(build)
         self.writer_lineage = lineage
 
     def new_lineage(self, *, external_parent: str | os.PathLike | None = None) -> str:
@@ -291,7 +307,7 @@ class CheckpointRoot:
                 "state": new_state.to_json(),
             }
 
-        commit_log.append(self.storage, build, durable=self.durable)
+        self.append_entry(build)
         self.writer_lineage = lid
         history = self.history()
         if abandoned:
@@ -401,7 +417,7 @@ class CheckpointRoot:
             return {"action": "adopt", "lineage": lid, "checkpoints": records, "state": new_state.to_json()}
 
         try:
-            commit_log.append(self.storage, build, durable=self.durable)
+            self.append_entry(build)
         except _AlreadyAdopted:
             return None
         log.warning(
@@ -416,7 +432,15 @@ class CheckpointRoot:
         """Validate a save of ``step`` against the newest state; returns the plan the ranks share."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise InvalidArgumentError(f"step must be a non-negative int, not {step!r}")
-        state = self.state()
+        if self.writer_lineage is not None and self._known_state is not None:
+            # This session holds a lineage: plan against the newest state it knows (its own last
+            # commit, usually) instead of reading the log. If another process appended since,
+            # the commit's create-if-absent of entry seq+1 loses, and the commit re-reads and
+            # re-validates against the newest state (§8 steps 1 and 9): a stale plan can only
+            # fail later, never commit wrongly.
+            state = self._known_state
+        else:
+            state = self.state()
         if state.seq < 0 and self.legacy_checkpoints():
             self.adopt()
             state = self.state()
@@ -451,7 +475,8 @@ class CheckpointRoot:
         self.storage.delete_file(f"{INTENTS_DIR}/{txid}.json")
 
     def commit(self, manifest: Manifest, writer: str | None = None) -> str:
-        """Append the commit entry for a staged, durable manifest and publish it; returns the path."""
+        """Append the commit entry for a staged, durable manifest, publish it and delete its
+        intent; returns the path."""
         record = {
             "lineage": manifest.lineage, "step": manifest.step, "txid": manifest.txid,
             "digest": manifest.digest, "bytes": manifest.total_bytes, "files": len(manifest.files),
@@ -463,19 +488,29 @@ class CheckpointRoot:
                                            writer if writer is not None else self.session, manifest.digest)
             return {"action": "commit", "checkpoint": record, "state": new_state.to_json()}
 
-        commit_log.append(self.storage, build, durable=self.durable, start=self._base_states.pop(manifest.txid, None))
+        entry = self.append_entry(build, start=self._base_states.pop(manifest.txid, None), update_hint=False)
         committed = ref(manifest.lineage, manifest.step, manifest.txid)
-        try:
-            key = self.publication.publish(committed)
-        except OSError as e:
+        # Committed. What is left does not depend on each other (§8 steps 9-11), so on object
+        # stores the three requests overlap instead of costing three round trips in a row.
+        _, where, cleared = self.storage.run_concurrently([
+            lambda: commit_log.write_hint(self.storage, entry["seq"]),
+            lambda: self.publication.publish(committed),
+            lambda: self.clear_intent(manifest.txid),
+        ])
+        if isinstance(cleared, Exception):
+            log.warning("txckpt: checkpoint %s is committed, but its intent could not be deleted (%s); "
+                        "`txckpt gc` removes it", manifest.txid, cleared)
+        if isinstance(where, OSError):
             # Committed is committed: the checkpoint stays valid at its home, and the next
             # publication or `txckpt gc` gives it its name.
             log.warning("txckpt: checkpoint %s is committed but could not be published (%s); "
-                        "it stays at its home until the next save or `txckpt gc`", manifest.txid, e)
-            key = self.publication.locate(committed)
-        if key is None:  # pragma: no cover - the data was just written
+                        "it stays at its home until the next save or `txckpt gc`", manifest.txid, where)
+            where = self.publication.locate(committed)
+        elif isinstance(where, Exception):
+            raise where
+        if where is None:  # pragma: no cover - the data was just written
             raise CheckpointNotFoundError(f"committed checkpoint {manifest.txid} vanished during publication")
-        return self.storage.full_path(key)
+        return self.storage.full_path(where)
 
     def transaction(self, step: int, **kwargs: Any):
         from .transactions import Transaction

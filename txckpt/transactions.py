@@ -395,9 +395,7 @@ class Transaction:
             files=files, created=time.time(), world_size=self.world_size, metadata=self.metadata,
         )
         storage.create_exclusive(f"{key}/{MANIFEST_NAME}", manifest.encode(), durable=durable)
-        path = self._root.commit(manifest, plan.get("writer"))
-        self._root.clear_intent(plan["txid"])
-        return path
+        return self._root.commit(manifest, plan.get("writer"))  # deletes the intent too
 
     def _committed_path(self) -> str | None:
         """Where this transaction's checkpoint is, if its commit entry exists; None if it does not.

@@ -19,7 +19,8 @@ The call sequence of a save, as the transaction issues it (see docs/protocol.md,
 3. ``create_exclusive`` of the manifest inside the staging directory, then ``sync_dir``.
 4. ``create_exclusive`` of the next log entry: the commit point. Either the whole entry is
    visible to every reader or none of it is; of two racing writers exactly one succeeds.
-5. Publication (rename backends only): ``rename_noreplace`` of directories.
+5. After the commit point, independent follow-ups through ``run_concurrently``: the ``latest``
+   hint, publication (rename backends: ``rename_noreplace`` of directories), the intent's delete.
 
 Reads that decide correctness (``read_bytes``, ``exists``, ``list_dir``) must see every write
 another process completed before the call: backends that cache listings bypass their caches.
@@ -28,8 +29,11 @@ another process completed before the call: backends that cache listings bypass t
 from __future__ import annotations
 
 import abc
+import concurrent.futures
+import os
 import posixpath
-from typing import BinaryIO, Iterator
+import threading
+from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 from ..errors import UnsafePathError
 
@@ -114,15 +118,62 @@ class WriteBatch:
         """Block until no upload of the batch is running; failures are ignored."""
 
 
+def _outcome(call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except Exception as e:
+        return e
+
+
+_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+_POOL_LOCK = threading.Lock()
+
+
+def _forget_pool_after_fork() -> None:
+    # A forked child has none of the parent's threads: a pool inherited from the parent would
+    # take work and never run it (the child hangs), and its lock may have been held at the fork.
+    global _POOL_LOCK
+    _POOL.clear()
+    _POOL_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+def _shared_pool() -> concurrent.futures.ThreadPoolExecutor:
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="txckpt-io"))
+        return _POOL[0]
+
+
 class Storage(abc.ABC):
     """One root on one backend. Keys are root-relative, '/'-separated, never absolute."""
 
     #: True where a directory can be renamed atomically without replacing a non-empty target
     #: (local POSIX filesystems). False on object stores, where "rename" is copy + delete.
     atomic_dir_rename: bool = False
+    #: True where an operation costs a network round trip, so that independent ones are worth
+    #: overlapping (:meth:`run_concurrently`). False on local disks (microseconds each, and one
+    #: order of file operations keeps crash tests deterministic) and in memory.
+    overlap_requests: bool = False
 
     def __init__(self, url: str):
         self.url = url
+
+    def run_concurrently(self, calls: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Run independent operations of this storage; returns, per call in order, its result
+        or the exception it raised (this method itself does not raise them).
+
+        Contract: the caller passes only operations that may complete in any order (no call
+        depends on another's effect) and returns only after all of them finished. Backends
+        with ``overlap_requests`` run them at once, on a small shared thread pool; others run
+        them one after the other, in the order given."""
+        if not self.overlap_requests or len(calls) < 2:
+            return [_outcome(call) for call in calls]
+        pool = _shared_pool()
+        return [f.result() for f in [pool.submit(_outcome, call) for call in calls]]
 
     # ----- addresses ---------------------------------------------------------------------------
     @abc.abstractmethod

@@ -70,6 +70,7 @@ def _is_memory(fs: Any) -> bool:
 
 class FsspecStorage(Storage):
     atomic_dir_rename = False
+    overlap_requests = True  # every operation is a round trip to a remote store
 
     def __new__(cls, url: str, fs: Any, root_path: str):
         if cls is FsspecStorage:
@@ -282,6 +283,8 @@ class MemoryStorage(FsspecStorage):
     by one dict assignment at ``close()``, and create-if-absent is one ``dict.setdefault`` (atomic
     under the GIL), so of several threads exactly one wins. In-process only, by nature.
     """
+
+    overlap_requests = False  # no round trips to hide
 
     def open_write(self, key: str, *, durable: bool) -> BinaryIO:
         return _MemoryWriter(self.fs, self._p(key))  # type: ignore[return-value]
