@@ -24,6 +24,7 @@ import concurrent.futures
 import io
 import os
 import sys
+import zlib
 from typing import Any, BinaryIO, Iterator
 
 from .base import AbortOnError, Storage, WriteBatch
@@ -637,17 +638,28 @@ async def _upload_part(fs: Any, bucket: str, key: str, upload_id: str, number: i
     return out["ETag"]
 
 
-async def _put_object(fs: Any, bucket: str, key: str, body: io.BytesIO) -> None:
+async def _put_object(fs: Any, bucket: str, key: str, body: io.BytesIO, crc32: int | None = None) -> None:
     """One PutObject of a file-like body, rewound before every attempt. botocore rewinds it
     between its own retries, but s3fs retries a transport error by calling again with the same
     arguments, and botocore sends a file-like body from where it stands: without the rewind, a
-    retry after a connection dropped mid-body would store only the rest of the file."""
+    retry after a connection dropped mid-body would store only the rest of the file.
+
+    ``crc32``: the body's CRC32, computed by the writer as the bytes arrived. Sent as the
+    request's checksum (S3 refuses a body that does not match it) unless the client is set not
+    to send checksums or the user's ``s3_additional_kwargs`` chose one; botocore would otherwise
+    compute the same CRC32 by re-reading the whole body on s3fs's event loop, the one thread
+    every upload of the process shares."""
+    import base64
+
     from s3fs.core import _error_wrapper
 
     await fs.set_session()
     client = await fs.get_s3(bucket)
     method = client.put_object
     kwargs = fs._get_s3_method_kwargs(method, Bucket=bucket, Key=key, Body=body)
+    sends_checksums = getattr(client.meta.config, "request_checksum_calculation", None) == "when_supported"
+    if crc32 is not None and sends_checksums and not any(k.startswith("Checksum") for k in kwargs):
+        kwargs["ChecksumCRC32"] = base64.b64encode(crc32.to_bytes(4, "big")).decode()
 
     async def attempt(**kw):
         body.seek(0)
@@ -739,6 +751,7 @@ class _S3Writer(AbortOnError, io.RawIOBase):
         self._inflight: dict[concurrent.futures.Future, int] = {}
         self._next_part = 1
         self._fixed = bool(getattr(self._fs, "fixed_upload_size", False))
+        self._crc32 = 0
         self.size = 0
 
     def writable(self) -> bool:
@@ -760,6 +773,7 @@ class _S3Writer(AbortOnError, io.RawIOBase):
             n = len(view)
             if self.size + n <= self._st.multipart_threshold:
                 head.write(view)  # the caller may reuse its buffer: copied, once
+                self._crc32 = zlib.crc32(view, self._crc32)  # while the bytes are in cache
                 self.size += n
                 return n
             # Too large for one PutObject: a multipart upload.
@@ -859,7 +873,7 @@ class _S3Writer(AbortOnError, io.RawIOBase):
             bucket = self._st.bucket
             if self._head is not None:
                 body, self._head = self._head, None
-                coro = _put_object(self._fs, bucket, self._obj, body)
+                coro = _put_object(self._fs, bucket, self._obj, body, self._crc32)
             else:
                 if self._buffered:
                     self._send_part(self._take(self._buffered))
