@@ -203,6 +203,29 @@ def test_resume_from_a_path_of_an_abandoned_lineage(root):
         txckpt.resume(root, path="/somewhere/else/checkpoint-1")
 
 
+def test_resume_from_a_path_refuses_what_the_log_did_not_commit_or_retired(root):
+    """resume(path=...) takes only a checkpoint the log committed with that very manifest: not a
+    manifest edited after the commit, not one the retention policy retired."""
+    from txckpt.manifest import Manifest
+    from txckpt.retention import retire
+
+    for s in (1, 2, 3):
+        txckpt.save_checkpoint(root, s, state(s, "A"))
+    r = txckpt.CheckpointRoot(root)
+    two, one = (next(c for c in r.checkpoints("all") if c.step == k) for k in (2, 1))
+    manifest_path = os.path.join(two.path, "txckpt-manifest.json")
+    with open(manifest_path, "rb") as f:
+        edited = Manifest.decode(f.read())
+    edited.metadata = {"edited": "after the commit"}
+    with open(manifest_path, "wb") as f:
+        f.write(edited.encode())  # self-consistent (re-digested), not the manifest the log committed
+    with pytest.raises(CheckpointNotFoundError, match="not a committed checkpoint"):
+        txckpt.CheckpointRoot(root).resume(path=two.path)
+    assert retire(txckpt.CheckpointRoot(root), [one.txid]) == [one.txid]
+    with pytest.raises(CheckpointNotFoundError, match="retired"):
+        txckpt.CheckpointRoot(root).resume(path=one.path)
+
+
 def test_durability_can_be_turned_off(root, monkeypatch):
     calls = []
     real = os.fsync

@@ -349,15 +349,16 @@ class CheckpointRoot:
                 f"{os.fspath(path)} has no txckpt manifest: it is not a committed checkpoint of "
                 f"{self.url} (list them with `txckpt ls`)"
             ) from None
-        c = history.checkpoints.get(manifest.txid)
-        if c is None or c.digest != manifest.digest:
+        # The same decision as a load's (reader.RootContext.check_committed): the digest the
+        # log committed for this txid. Here the history is folded already, for the fork.
+        if history.committed_digest(manifest.txid) != manifest.digest:
             raise CheckpointNotFoundError(
                 f"{os.fspath(path)} is not a committed checkpoint of {self.url} (staging leftover, "
                 "or copied from another root); choose one from `txckpt ls`"
             )
-        if c.txid in history.retired:
+        if manifest.txid in history.retired:
             raise CheckpointNotFoundError(f"{os.fspath(path)} was retired by the retention policy")
-        return c
+        return history.checkpoints[manifest.txid]
 
     # ----- adoption of a legacy root -----------------------------------------------------------
     def adopt(self) -> str | None:
