@@ -138,6 +138,14 @@ def test_stale_writer_save_fails_at_commit_and_leaves_nothing(any_root):
     r = fresh(url, opts)
     assert tag_of(r.get_last_checkpoint(), opts) == "R"
     assert not [c for c in r.checkpoints("all") if c.step == 3]
+    # Refused once, the zombie knows the newest state (the refused commit re-read it to learn
+    # whether it had committed): its next save is refused before it stages anything.
+    written = []
+    real_replace = zombie.storage.replace
+    zombie.storage.replace = lambda key, data, **kw: (written.append(key), real_replace(key, data, **kw))[1]
+    with pytest.raises(StaleLineageError):
+        zombie.save(4, files("Z", 4))
+    assert not [k for k in written if k.startswith(".txckpt/intents/")], written
 
 
 def test_abort_leaves_nothing_visible(any_root):
