@@ -150,6 +150,24 @@ def test_gc_keeps_only_the_newest_snapshot(any_root):
             txckpt.verify_checkpoint(info.path, storage_options=opts)
 
 
+def test_gc_reads_the_snapshot_its_fold_started_from_once(root, monkeypatch):
+    busy_root(root, saves=30)
+    r = fresh(root)
+    newest = commit_log.list_snapshots(r.storage)[-1]
+    reads: list[str] = []
+    original = r.storage.read_bytes
+
+    def counting(key):
+        if key.startswith(commit_log.SNAPSHOT_DIR + "/"):
+            reads.append(key)
+        return original(key)
+
+    monkeypatch.setattr(r.storage, "read_bytes", counting)
+    collect_garbage(r, grace_seconds=0)
+    assert reads == [commit_log.snapshot_key(newest)], reads
+    assert commit_log.list_snapshots(fresh(root).storage) == [newest]
+
+
 def test_a_snapshot_of_a_lost_entry_is_a_damaged_log(root):
     busy_root(root)
     r = fresh(root)

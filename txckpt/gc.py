@@ -401,7 +401,7 @@ def collect_garbage(
                     storage.delete_file, key)
 
     # (h) history snapshots: every one older than the newest usable one, and damaged ones.
-    _snapshots(storage, report)
+    _snapshots(storage, report, known_usable=history.snapshot_seq)
 
     # (g) incomplete multipart uploads (S3).
     _uploads(root, report, now, grace_seconds, hostname)
@@ -411,14 +411,16 @@ def collect_garbage(
     return report
 
 
-def _snapshots(storage: Any, report: GcReport) -> None:
+def _snapshots(storage: Any, report: GcReport, known_usable: int = -1) -> None:
+    """``known_usable``: the seq of a snapshot this process's fold just read or wrote (it needs
+    no second read); -1 if none."""
     newest_usable = None
     for seq in reversed(commit_log.list_snapshots(storage)):
         key = commit_log.snapshot_key(seq)
         if newest_usable is None:
             # A snapshot appears whole (one create-if-absent write), so one that does not
             # read back is damaged, not in progress. read_snapshot warns about it.
-            if commit_log.read_snapshot(storage, seq) is not None:
+            if seq == known_usable or commit_log.read_snapshot(storage, seq) is not None:
                 newest_usable = seq
                 continue
             why = "damaged or foreign history snapshot (the log is read instead)"
