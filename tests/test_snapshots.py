@@ -44,13 +44,13 @@ def busy_root(url, opts=None, saves: int = 20) -> None:
         apply_retention(r, policy)
 
 
-def count_log_reads(monkeypatch, r) -> list[str]:
-    """The keys of the log entries ``r`` reads from now on."""
+def count_log_reads(monkeypatch, r, under: str = commit_log.LOG_DIR) -> list[str]:
+    """The keys under ``under`` (default: the log's entries) that ``r`` reads from now on."""
     reads: list[str] = []
     original = r.storage.read_bytes
 
     def counting(key):
-        if key.startswith(commit_log.LOG_DIR + "/"):
+        if key.startswith(under + "/"):
             reads.append(key)
         return original(key)
 
@@ -154,15 +154,7 @@ def test_gc_reads_the_snapshot_its_fold_started_from_once(root, monkeypatch):
     busy_root(root, saves=30)
     r = fresh(root)
     newest = commit_log.list_snapshots(r.storage)[-1]
-    reads: list[str] = []
-    original = r.storage.read_bytes
-
-    def counting(key):
-        if key.startswith(commit_log.SNAPSHOT_DIR + "/"):
-            reads.append(key)
-        return original(key)
-
-    monkeypatch.setattr(r.storage, "read_bytes", counting)
+    reads = count_log_reads(monkeypatch, r, under=commit_log.SNAPSHOT_DIR)
     collect_garbage(r, grace_seconds=0)
     assert reads == [commit_log.snapshot_key(newest)], reads
     assert commit_log.list_snapshots(fresh(root).storage) == [newest]
