@@ -111,6 +111,9 @@ class SingleProcess(Coordinator):
 # The gloo group txckpt uses, and the default group it was made for. Guarded by _lock.
 _lock = threading.Lock()
 _cached: dict[str, Any] = {}
+#: Whether _release_group_at_exit is registered (once, when the first group is made: after
+#: torch.distributed's own exit handlers, so it runs before them).
+_exit_hook_registered = False
 
 
 def _default_group(dist: Any) -> Any:
@@ -119,6 +122,7 @@ def _default_group(dist: Any) -> Any:
 
 def _group_for(dist: Any, timeout_s: float) -> Any:
     """txckpt's gloo group for the current default group, created on first use."""
+    global _exit_hook_registered
     world = _default_group(dist)
     td = timedelta(seconds=timeout_s)
     with _lock:
@@ -148,9 +152,10 @@ def _group_for(dist: Any, timeout_s: float) -> Any:
                 "rank died, raised before reaching it, or is slower than the timeout (set "
                 f"{TIMEOUT_ENV} or timeout=). Nothing was committed."
             ) from e
-        if not _cached.get("exit_hook"):
+        if not _exit_hook_registered:
             atexit.register(_release_group_at_exit)
-        _cached.update(world=world, group=group, timeout=timeout_s, exit_hook=True)
+            _exit_hook_registered = True
+        _cached.update(world=world, group=group, timeout=timeout_s)
         return group
 
 
@@ -162,7 +167,6 @@ def _release_group_at_exit() -> None:
     with _lock:
         group = _cached.get("group")
         _cached.clear()
-        _cached["exit_hook"] = True
     if group is None:
         return
     try:
@@ -177,10 +181,7 @@ def _release_group_at_exit() -> None:
 def _forget_group(group: Any) -> None:
     with _lock:
         if _cached.get("group") is group:
-            hook = _cached.get("exit_hook")
             _cached.clear()
-            if hook:
-                _cached["exit_hook"] = True
 
 
 def _short(e: BaseException) -> str:
