@@ -147,6 +147,14 @@ class Transaction:
                     # The intent carries this process's start time from /proc, which is what gc
                     # checks a local writer's liveness with (not this process's clock).
                     write_intent(self._root, plan, self._coord.world_size)
+                    # The committer creates the shared staging directory before the plan goes
+                    # out, so no two ranks race to create it (and a crash point of one rank's
+                    # save does not depend on which rank got there first).
+                    staging = self._root.storage.local_path(plan["key"])
+                    if staging is not None:
+                        from .storage.local import makedirs_durable
+
+                        makedirs_durable(staging, self._root.durable)
                 except OSError as os_error:
                     raise storage_error(os_error, f"start the save of step {self.step}") from os_error
             except Exception as e:  # every rank must learn why
@@ -168,13 +176,6 @@ class Transaction:
                 )
             if not self._coord.is_committer:
                 self._check_shared_root(plan)
-            if self._root.storage.local_path(plan["key"]) is not None:
-                from .storage.local import makedirs_durable
-
-                try:
-                    makedirs_durable(self._root.storage.local_path(plan["key"]), self._root.durable)
-                except OSError as os_error:
-                    raise storage_error(os_error, "create the staging directory") from os_error
         except BaseException as e:
             # The other ranks are inside the transaction already and will gather at its end:
             # take part in the gather and the outcome broadcast with this error, so that every
