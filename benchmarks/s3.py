@@ -116,13 +116,6 @@ class _Recorder:
             self.events.clear()
 
 
-def _install_recorder(server, classify) -> _Recorder:
-    # S3Server's middleware dispatches to ``_app.app`` (moto); wrap that one.
-    mw = server._app
-    rec = _Recorder(mw.app, classify)
-    mw.app = rec
-    return rec
-
 
 def _delete_prefix(client, prefix: str) -> None:
     token = None
@@ -756,10 +749,10 @@ def run(quick: bool) -> dict[str, Any]:
     try:
         with s3mod.running_s3_server() as server:
             server.create_bucket(BUCKET)
-            rec = _install_recorder(server, s3mod.classify)
-            bytes_table, save_table = _save_tables(server, rec)
-            sweep = _sweep_table(server, rec)
-            lookup_table = _lookup_table(server)
+            with server.wrapped(lambda moto_app: _Recorder(moto_app, s3mod.classify)) as rec:
+                bytes_table, save_table = _save_tables(server, rec)
+                sweep = _sweep_table(server, rec)
+                lookup_table = _lookup_table(server)
     finally:
         logger.setLevel(level)
     return {"tables": [bytes_table, save_table, sweep, lookup_table]}

@@ -46,7 +46,7 @@ import urllib.request
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import pytest
 
@@ -66,6 +66,7 @@ FAKE_ENV = {
 }
 # The moto control plane (reset etc.) is not S3 traffic: not counted.
 _MOTO_API = "/moto-api"
+_App = TypeVar("_App")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,6 +328,20 @@ class S3Server:
 
     def counter(self) -> RequestCounter:
         return RequestCounter(self.stats)
+
+    @contextlib.contextmanager
+    def wrapped(self, make: Callable[[Any], _App]) -> Iterator[_App]:
+        """Put ``make(moto_app)``, a WSGI app that calls the one it is given, in front of moto
+        for the block (inside the counting and fault-injecting middleware) and yield it: how a
+        test sees the headers a client sent, or a benchmark times each request in the server."""
+        assert self._app is not None, "the server is not started"
+        inner = self._app.app
+        outer = make(inner)
+        self._app.app = outer
+        try:
+            yield outer
+        finally:
+            self._app.app = inner
 
     def inject_failure(self, op: str, key: str, *, after_apply: bool = True) -> None:
         """Answer the next ``op`` request on a path ending in ``/key`` with HTTP 500 InternalError

@@ -535,24 +535,16 @@ def test_s3_file_within_the_threshold_is_one_put_and_larger_is_multipart(s3, s3_
 
 
 class _PutHeaders:
-    """The x-amz-checksum-crc32 header of every PutObject the server receives (None: absent)."""
+    """A WSGI app in front of moto (``S3Server.wrapped``): the x-amz-checksum-crc32 header of
+    every PutObject the server receives (None: absent)."""
 
-    def __init__(self, s3_server):
-        self.mw, self.seen = s3_server._app, []
+    def __init__(self, app):
+        self.app, self.seen = app, []
 
-    def __enter__(self):
-        app = self.app = self.mw.app
-
-        def spy(environ, start_response):
-            if environ.get("REQUEST_METHOD") == "PUT" and "uploadId" not in environ.get("QUERY_STRING", ""):
-                self.seen.append((environ.get("PATH_INFO", ""), environ.get("HTTP_X_AMZ_CHECKSUM_CRC32")))
-            return app(environ, start_response)
-
-        self.mw.app = spy
-        return self
-
-    def __exit__(self, *exc):
-        self.mw.app = self.app
+    def __call__(self, environ, start_response):
+        if environ.get("REQUEST_METHOD") == "PUT" and "uploadId" not in environ.get("QUERY_STRING", ""):
+            self.seen.append((environ.get("PATH_INFO", ""), environ.get("HTTP_X_AMZ_CHECKSUM_CRC32")))
+        return self.app(environ, start_response)
 
 
 def _crc32_b64(data: bytes) -> str:
@@ -570,7 +562,7 @@ def test_s3_single_put_carries_the_crc32_of_the_bytes_as_written(s3, s3_server):
     moto does not check the header; the test checks what is sent."""
     s3.multipart_threshold = 8 << 20
     data = _blob(3 << 20, seed=3)
-    with _PutHeaders(s3_server) as put:
+    with s3_server.wrapped(_PutHeaders) as put:
         f = s3.open_write("tx/crc.bin", durable=True)
         for i in range(0, len(data), 1 << 20):
             f.write(data[i:i + (1 << 20)])
@@ -589,7 +581,7 @@ def test_s3_writer_sends_no_checksum_when_the_client_is_told_not_to(s3_root, s3_
     stores that reject the checksum headers): the writer sends none either."""
     url, opts = s3_root
     st = open_storage(url, {**opts, "config_kwargs": {"request_checksum_calculation": "when_required"}})
-    with _PutHeaders(s3_server) as put:
+    with s3_server.wrapped(_PutHeaders) as put:
         f = st.open_write("tx/plain.bin", durable=True)
         f.write(b"plain bytes")
         f.close()
