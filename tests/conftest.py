@@ -9,6 +9,20 @@ import txckpt
 pytest_plugins = ["tests.s3_server"] if os.path.exists(os.path.join(os.path.dirname(__file__), "s3_server.py")) else []
 
 
+def count_reads(monkeypatch, root: txckpt.CheckpointRoot, under: str) -> list[str]:
+    """The keys under ``under`` (a prefix inside the root) that ``root`` reads from now on."""
+    reads: list[str] = []
+    original = root.storage.read_bytes
+
+    def counting(key):
+        if key.startswith(under):
+            reads.append(key)
+        return original(key)
+
+    monkeypatch.setattr(root.storage, "read_bytes", counting)
+    return reads
+
+
 @pytest.fixture(autouse=True)
 def _fresh_process_state():
     """Each test starts as a fresh process would: no remembered roots or lineages."""

@@ -11,6 +11,8 @@ import txckpt
 from txckpt.errors import ConcurrentWriterError, IntegrityError, StaleLineageError, StepConflictError
 from txckpt.storage import open_storage
 
+from tests.conftest import count_reads
+
 
 def files(tag, step):
     return {
@@ -77,20 +79,13 @@ def test_refusals_on_every_backend(any_root):
         zombie.save(3, files("Z", 3))
 
 
-def test_writer_plans_a_save_without_reading_the_log(any_root):
+def test_writer_plans_a_save_without_reading_the_log(any_root, monkeypatch):
     """A session that holds the lineage plans its next save against the state of its own last
     commit (protocol §8 step 1): the save reads no log entry and no hint before its commit."""
     url, opts = any_root
     root = txckpt.CheckpointRoot(url, opts)
     root.save(1, files("A", 1))
-    reads = []
-    real_read = root.storage.read_bytes
-
-    def counting_read(key):
-        reads.append(key)
-        return real_read(key)
-
-    root.storage.read_bytes = counting_read
+    reads = count_reads(monkeypatch, root, ".txckpt/")
     root.save(2, files("A", 2))
     assert not [k for k in reads if k.startswith(".txckpt/log/") or k == ".txckpt/latest"], reads
     assert txckpt.read_manifest(fresh(url, opts).get_last_checkpoint(), storage_options=opts).step == 2

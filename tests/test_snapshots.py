@@ -13,6 +13,8 @@ from txckpt.errors import LogCorruptError
 from txckpt.gc import collect_garbage
 from txckpt.retention import RetentionPolicy, apply_retention
 
+from tests.conftest import count_reads
+
 EVERY = 6
 
 
@@ -46,18 +48,7 @@ def busy_root(url, opts=None, saves: int = 20) -> None:
 
 def count_log_reads(monkeypatch, r, under: str = commit_log.LOG_DIR) -> list[str]:
     """The keys under ``under`` (default: the log's entries) that ``r`` reads from now on."""
-    reads: list[str] = []
-    original = r.storage.read_bytes
-
-    def counting(key):
-        if key.startswith(under + "/"):
-            reads.append(key)
-        return original(key)
-
-    monkeypatch.setattr(r.storage, "read_bytes", counting)
-    return reads
-
-
+    return count_reads(monkeypatch, r, under + "/")
 
 
 def test_fold_from_snapshot_equals_fold_of_every_entry(any_root):
