@@ -276,6 +276,9 @@ def test_enospc_making_the_staging_directory_is_a_storage_error(root, monkeypatc
     monkeypatch.setattr(os, "mkdir", full)
     with pytest.raises(StorageError):
         txckpt.save_checkpoint(root, 2, payload("W-2", 2))
+    # The save left nothing: neither its intent nor a part of its staging.
+    assert os.listdir(os.path.join(root, ".txckpt", "intents")) == []
+    assert not [t for t in os.listdir(os.path.join(root, ".txckpt", "tx")) if t.startswith("2-")]
 
 
 # Regression test of KI-enospc-staging-fork, fixed in the core (was a strict xfail).

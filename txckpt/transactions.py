@@ -147,14 +147,7 @@ class Transaction:
                     # The intent carries this process's start time from /proc, which is what gc
                     # checks a local writer's liveness with (not this process's clock).
                     write_intent(self._root, plan, self._coord.world_size)
-                    # The committer creates the shared staging directory before the plan goes
-                    # out, so no two ranks race to create it (and a crash point of one rank's
-                    # save does not depend on which rank got there first).
-                    staging = self._root.storage.local_path(plan["key"])
-                    if staging is not None:
-                        from .storage.local import makedirs_durable
-
-                        makedirs_durable(staging, self._root.durable)
+                    self._create_staging(plan)
                 except OSError as os_error:
                     raise storage_error(os_error, f"start the save of step {self.step}") from os_error
             except Exception as e:  # every rank must learn why
@@ -187,6 +180,23 @@ class Transaction:
             self._coord.broadcast(outcome)
             raise
         return self
+
+    def _create_staging(self, plan: dict[str, Any]) -> None:
+        """The committer creates the shared staging directory (rename backends) before the plan
+        goes out, so no two ranks race to create it (and no rank's file operations depend on
+        which rank got there first). If it cannot, the intent just written goes too."""
+        staging = self._root.storage.local_path(plan["key"])
+        if staging is None:
+            return
+        from .storage.local import makedirs_durable
+
+        try:
+            makedirs_durable(staging, self._root.durable)
+        except BaseException:
+            self._plan = plan
+            self._abort()
+            self._plan = None
+            raise
 
     def _check_shared_root(self, plan: dict[str, Any]) -> None:
         """A rank other than the committer must see the intent that rank 0 wrote before it
