@@ -301,3 +301,32 @@ def test_transaction_local_dir_for_remote_scratch(any_root, tmp_path):
         if not url.startswith("/"):
             assert str(tmp_path / "scratch") in tx.directory
     assert txckpt.load_checkpoint(tx.path, storage_options=opts)["a.json"] == 1
+
+
+def test_retention_after_each_save_does_not_grow_with_what_was_retired_before(any_root, monkeypatch):
+    """A Trainer with save_total_limit applies retention after every save: its storage requests
+    must not grow with the number of checkpoints retired earlier in the run (a check per retired
+    checkpoint made a save on S3 cost ~4 requests per checkpoint ever retired)."""
+    from txckpt.retention import RetentionPolicy, apply_retention
+
+    url, opts = any_root
+    root = txckpt.CheckpointRoot(url, opts)
+    policy = RetentionPolicy(keep_last=2)
+    calls: list[str] = []
+    for method in ("read_bytes", "exists", "list_dir", "walk_files", "open_read"):
+        real = getattr(root.storage, method)
+
+        def counted(*a, _real=real, _name=method, **kw):
+            calls.append(_name)
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(root.storage, method, counted)
+    cost = {}
+    for step in range(1, 41):
+        root.save(step, files("R", step))
+        del calls[:]
+        gone = apply_retention(root, policy)
+        assert [c.step for c in gone] == ([step - 2] if step > 2 else [])
+        cost[step] = len(calls)
+    assert cost[40] == cost[10], cost
+    assert [c.step for c in fresh(url, opts).checkpoints()] == [39, 40]

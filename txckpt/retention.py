@@ -420,7 +420,7 @@ def apply_retention(root: Any, policy: RetentionPolicy, *, dry_run: bool = False
     history = root.history(snapshot=not dry_run)
     decided_at = history.state.seq
     going = plan_retention(root, policy, history, now=now)
-    infos = {i.txid: i for i in root.checkpoints("all")} if going else {}
+    infos = {i.txid: i for i in root.describe(going)}
     if dry_run:
         return [infos[c.txid] for c in going if c.txid in infos]
     retired = set(retire(root, [c.txid for c in going], policy=policy, decided_at=decided_at, now=now))
@@ -429,14 +429,32 @@ def apply_retention(root: Any, policy: RetentionPolicy, *, dry_run: bool = False
 
 
 def retired_present(root: Any, history: History | None = None) -> list[Checkpoint]:
-    """Retired checkpoints whose data (or an empty ``.txckpt/tx/<txid>``) is still on storage."""
+    """Retired checkpoints whose data (or an empty ``.txckpt/tx/<txid>``) is still on storage.
+
+    Retention runs after every save and a long run retires thousands of checkpoints, so this
+    does not check each one ever retired: two listings (the root's top level and ``tx/``) show
+    which could still have data, and only those are checked. A name that appears after the
+    listings is found by the next call, as one that appears after a check would be."""
     history = history or root.history()
+    retired = [history.checkpoints[t] for t in sorted(history.retired, key=lambda t: history.retired[t])
+               if t in history.checkpoints]
+    if not retired:
+        return []
+    s = root.storage
+    homes = set(s.list_dir(TX_DIR))
+    top_names = set(s.list_dir(""))
+
+    def may_have_data(c: Checkpoint) -> bool:
+        if c.txid in homes:
+            return True
+        # Anywhere else it can be (a published ``checkpoint-N``, an adopted checkpoint's own
+        # directory) is a key whose first component is a name at the root's top level.
+        return any(key.split("/", 1)[0] in top_names
+                   for key in root.publication.candidates(c.ref) if not key.startswith(TX_DIR + "/"))
+
     out = []
-    for txid in sorted(history.retired, key=lambda t: history.retired[t]):
-        c = history.checkpoints.get(txid)
-        if c is None:
-            continue
-        if root.publication.locate(c.ref) is not None or root.storage.exists(f"{TX_DIR}/{txid}"):
+    for c in retired:
+        if may_have_data(c) and (root.publication.locate(c.ref) is not None or s.exists(f"{TX_DIR}/{c.txid}")):
             out.append(c)
     return out
 

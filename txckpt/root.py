@@ -14,7 +14,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from . import checksum, log as commit_log
 from .errors import (
@@ -191,11 +191,18 @@ class CheckpointRoot:
         """Committed checkpoints: of the current lineage ("current"), of every lineage ("all"),
         or of one lineage id's view. Retired ones are included only with "all"."""
         history = self.history()
-        current = {c.txid for c in history.in_view(None, include_retired=True)}
         if lineage == "all":
             chosen = sorted(history.checkpoints.values(), key=lambda c: (c.step, c.seq))
         else:
             chosen = history.in_view(None if lineage == "current" else lineage)
+        return self.describe(chosen, with_paths=with_paths)
+
+    def describe(self, chosen: Iterable[Checkpoint], *, with_paths: bool = True) -> list[CheckpointInfo]:
+        """:class:`CheckpointInfo` of log checkpoints ``chosen``, in that order; with
+        ``with_paths``, each is located on storage (a few reads per checkpoint, so callers that
+        need a few describe only those, not every checkpoint ever committed)."""
+        history = self.history()
+        current = {c.txid for c in history.in_view(None, include_retired=True)}
         out = []
         for c in chosen:
             key = self.publication.locate(c.ref) if with_paths else None
