@@ -145,7 +145,12 @@ def read_history(storage: Storage, since: History | None = None, *, snapshots: b
         since = read_newest_snapshot(storage)
     history = since if since is not None else History()
     seq = history.state.seq + 1
-    seqs = [s for s in list_seqs(storage) if s >= seq]
+    # A fold from entry 0 lists the log, so that a hole (an entry deleted by hand) is reported
+    # rather than taken for the end of the log. A fold that extends a history or a snapshot
+    # probes forward only, as a lookup does (§6): its cost follows the entries appended since,
+    # not the log's length (retention folds after every save). A hole there ends the probe
+    # short of the hint, which the check below reports.
+    seqs = list_seqs(storage) if seq == 0 else []
     # A listing may lag on some stores; probing past it finds entries created since.
     expected = seq
     for s in seqs:
