@@ -165,6 +165,27 @@ def test_a_snapshot_of_a_lost_entry_is_a_damaged_log(root):
         fresh(root).history()
 
 
+def test_a_hole_after_the_snapshot_is_a_damaged_log(root):
+    """A fold from a snapshot, or one extending a history a session holds, reads on without
+    listing the log (its cost follows what was appended since): an entry deleted there ends
+    that read short of the latest hint and is reported, never taken for the end of the log."""
+    busy_root(root)
+    held = fresh(root)
+    held_end = held.history().state.seq
+    writer = fresh(root)
+    writer.resume()
+    tip = writer.state().head_tip["step"]
+    for step in (tip + 1, tip + 2):
+        writer.save(step, files("later", step))
+    seq = commit_log.list_snapshots(writer.storage)[-1]
+    assert writer.state().seq > held_end + 1 > seq
+    writer.storage.delete_file(commit_log.entry_key(held_end + 1))
+    with pytest.raises(LogCorruptError, match="lost entries"):
+        fresh(root).history()
+    with pytest.raises(LogCorruptError, match="lost entries"):
+        held.history()
+
+
 def test_snapshot_write_failure_is_not_an_error(root, monkeypatch):
     """A read-only or full root cannot take a snapshot; retention still does its work."""
     busy_root(root, saves=8)
