@@ -420,7 +420,7 @@ def apply_retention(root: Any, policy: RetentionPolicy, *, dry_run: bool = False
     history = root.history(snapshot=not dry_run)
     decided_at = history.state.seq
     going = plan_retention(root, policy, history, now=now)
-    infos = {i.txid: i for i in root.describe(going)}
+    infos = {i.txid: i for i in root.describe(going)} if going else {}
     if dry_run:
         return [infos[c.txid] for c in going if c.txid in infos]
     retired = set(retire(root, [c.txid for c in going], policy=policy, decided_at=decided_at, now=now))
