@@ -193,9 +193,7 @@ class Transaction:
         try:
             makedirs_durable(staging, self._root.durable)
         except BaseException:
-            self._plan = plan
-            self._abort()
-            self._plan = None
+            self._abort(plan)
             raise
 
     def _check_shared_root(self, plan: dict[str, Any]) -> None:
@@ -433,8 +431,9 @@ class Transaction:
             )
         return path
 
-    def _abort(self) -> None:
-        plan = self._plan
+    def _abort(self, plan: dict[str, Any] | None = None) -> None:
+        """Delete the staging and the intent of ``plan`` (default: this transaction's)."""
+        plan = plan or self._plan
         if plan is None:
             return
         storage = self._root.storage
