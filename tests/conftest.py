@@ -9,17 +9,24 @@ import txckpt
 pytest_plugins = ["tests.s3_server"] if os.path.exists(os.path.join(os.path.dirname(__file__), "s3_server.py")) else []
 
 
-def count_reads(monkeypatch, root: txckpt.CheckpointRoot, under: str) -> list[str]:
-    """The keys under ``under`` (a prefix inside the root) that ``root`` reads from now on."""
+def count_reads(monkeypatch, root: txckpt.CheckpointRoot, under: str = "",
+                methods: tuple[str, ...] = ("read_bytes",)) -> list[str]:
+    """The keys under ``under`` (a prefix inside the root) that ``root`` reads from now on
+    through ``methods`` of its storage; a ``list_dir`` also adds ``<key>/<name>`` for every name
+    it returns (what a listing costs grows with them)."""
     reads: list[str] = []
-    original = root.storage.read_bytes
+    for method in methods:
+        original = getattr(root.storage, method)
 
-    def counting(key):
-        if key.startswith(under):
-            reads.append(key)
-        return original(key)
+        def counting(key, *args, _original=original, _method=method, **kwargs):
+            out = _original(key, *args, **kwargs)
+            if key.startswith(under):
+                reads.append(key)
+                if _method == "list_dir":
+                    reads.extend(f"{key}/{name}" for name in out)
+            return out
 
-    monkeypatch.setattr(root.storage, "read_bytes", counting)
+        monkeypatch.setattr(root.storage, method, counting)
     return reads
 
 

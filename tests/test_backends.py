@@ -312,18 +312,7 @@ def test_retention_after_each_save_does_not_grow_with_what_was_retired_before(an
     url, opts = any_root
     root = txckpt.CheckpointRoot(url, opts)
     policy = RetentionPolicy(keep_last=2)
-    calls: list[str] = []  # one per request-like call, and one per name a listing returned
-    for method in ("read_bytes", "exists", "list_dir", "walk_files", "open_read"):
-        real = getattr(root.storage, method)
-
-        def counted(*a, _real=real, _name=method, **kw):
-            calls.append(_name)
-            out = _real(*a, **kw)
-            if _name == "list_dir":
-                calls.extend("listed" for _ in out)
-            return out
-
-        monkeypatch.setattr(root.storage, method, counted)
+    calls = count_reads(monkeypatch, root, methods=("read_bytes", "exists", "list_dir", "walk_files", "open_read"))
     cost = {}
     for step in range(1, 41):
         root.save(step, files("R", step))
