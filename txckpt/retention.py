@@ -420,7 +420,7 @@ def apply_retention(root: Any, policy: RetentionPolicy, *, dry_run: bool = False
     history = root.history(snapshot=not dry_run)
     decided_at = history.state.seq
     going = plan_retention(root, policy, history, now=now)
-    infos = {i.txid: i for i in root.describe(going)} if going else {}
+    infos = {i.txid: i for i in root.describe(going, history=history)} if going else {}
     if dry_run:
         return [infos[c.txid] for c in going if c.txid in infos]
     retired = set(retire(root, [c.txid for c in going], policy=policy, decided_at=decided_at, now=now))
@@ -444,19 +444,14 @@ def retired_present(root: Any, history: History | None = None) -> list[Checkpoin
     homes = set(s.list_dir(TX_DIR))
     top_names = set(s.list_dir(""))
 
-    def may_have_data(c: Checkpoint) -> bool:
-        if c.txid in homes:
-            return True
-        # Anywhere else it can be (a published ``checkpoint-N``, an adopted checkpoint's own
-        # directory) is a key whose first component is a name at the root's top level.
+    def elsewhere(c: Checkpoint) -> bool:
+        # Anywhere outside tx/ it can be (a published ``checkpoint-N``, an adopted checkpoint's
+        # own directory) is a key whose first component is a name at the root's top level.
         return any(key.split("/", 1)[0] in top_names
                    for key in root.publication.candidates(c.ref) if not key.startswith(TX_DIR + "/"))
 
-    out = []
-    for c in retired:
-        if may_have_data(c) and (root.publication.locate(c.ref) is not None or s.exists(f"{TX_DIR}/{c.txid}")):
-            out.append(c)
-    return out
+    # A txid the listing of tx/ shows is present already; any other needs its data located.
+    return [c for c in retired if c.txid in homes or (elsewhere(c) and root.publication.locate(c.ref) is not None)]
 
 
 def finish_retired(root: Any, *, now: float | None = None) -> list[Checkpoint]:

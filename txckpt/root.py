@@ -195,13 +195,15 @@ class CheckpointRoot:
             chosen = sorted(history.checkpoints.values(), key=lambda c: (c.step, c.seq))
         else:
             chosen = history.in_view(None if lineage == "current" else lineage)
-        return self.describe(chosen, with_paths=with_paths)
+        return self.describe(chosen, with_paths=with_paths, history=history)
 
-    def describe(self, chosen: Iterable[Checkpoint], *, with_paths: bool = True) -> list[CheckpointInfo]:
+    def describe(self, chosen: Iterable[Checkpoint], *, with_paths: bool = True,
+                 history: History | None = None) -> list[CheckpointInfo]:
         """:class:`CheckpointInfo` of log checkpoints ``chosen``, in that order; with
         ``with_paths``, each is located on storage (a few reads per checkpoint, so callers that
-        need a few describe only those, not every checkpoint ever committed)."""
-        history = self.history()
+        need a few describe only those, not every checkpoint ever committed). ``history``: the
+        one ``chosen`` came from, if the caller holds it (saves re-reading the log's tail)."""
+        history = history or self.history()
         current = {c.txid for c in history.in_view(None, include_retired=True)}
         out = []
         for c in chosen:
