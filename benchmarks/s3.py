@@ -116,7 +116,6 @@ class _Recorder:
             self.events.clear()
 
 
-
 def _delete_prefix(client, prefix: str) -> None:
     token = None
     while True:
