@@ -281,3 +281,23 @@ def test_an_empty_legacy_directory_is_never_committed(tmp_path, txlog):
     assert [(c.step, c.files) for c in hist.checkpoints.values()] == [(10, 2)]
     assert "holds no files" in txlog.text
     assert txckpt.get_last_checkpoint(root) == os.path.join(root, "checkpoint-10")
+
+
+def test_zero_padded_names_on_every_backend(any_root):
+    """Object stores keep an adopted checkpoint at the key it was found at: the padded name."""
+    from txckpt.storage import open_storage
+
+    url, opts = any_root
+    storage = open_storage(url, opts)
+    for name, step in (("checkpoint-00500", 500), ("checkpoint-01000", 1000)):
+        with storage.open_write(f"{name}/trainer_state.json", durable=False) as f:
+            f.write(b'{"global_step": %d}' % step)
+    assert txckpt.get_last_checkpoint(url, storage_options=opts).rstrip("/").endswith("checkpoint-01000")
+    txckpt.save_checkpoint(url, 1500, {"w.bin": torch.ones(2)}, storage_options=opts)  # adopts first
+    txckpt.forget_roots()
+    r = CheckpointRoot(url, opts)
+    got = {c.step: c for c in r.checkpoints("all")}
+    assert sorted(got) == [500, 1000, 1500]
+    assert got[500].path.rstrip("/").endswith("checkpoint-00500") and got[500].files == 1
+    assert txckpt.load_checkpoint(got[1000].path, storage_options=opts)["trainer_state.json"] == {"global_step": 1000}
+    assert not storage.exists("checkpoint-500") and not storage.exists("checkpoint-1000")

@@ -169,14 +169,19 @@ def adopt(root: "CheckpointRoot") -> str | None:
         for d, m in stale:
             # Nobody can commit what is there: no log, no live adopter of other bytes (one of the
             # same bytes writes these very bytes). A crashed adoption's, or an older txckpt's.
-            log.warning("txckpt: replacing the uncommitted manifest in %s (left by an adoption that "
-                        "crashed before its commit, when the files were different)", s.full_path(d.key))
+            log.warning("txckpt: replacing the uncommitted manifest in %s (left by an adoption that never "
+                        "committed and described other bytes: one that crashed before the files changed, or "
+                        "an older txckpt's)", s.full_path(d.key))
             s.replace(f"{d.key}/{MANIFEST_NAME}", m.encode(), durable=root.durable)
         _append_adopt_entry(root, lid, dirs, manifests)
     except _Lost:
         return None
     finally:
-        s.delete_file(intent_key)
+        try:
+            s.delete_file(intent_key)
+        except OSError as e:  # the outcome stands; gc removes an intent whose writer is gone
+            log.warning("txckpt: could not delete the adoption intent %s (%s); `txckpt gc` removes it",
+                        intent_key, e)
     log.warning(
         "txckpt: adopted %d checkpoint(s) of %s written without txckpt (steps %s) as lineage %s; "
         "their checksums were computed now, so damage done before adoption cannot be detected.",
@@ -196,9 +201,9 @@ def _create_or_match(root: "CheckpointRoot", key: str, m: Manifest) -> bool:
         pass
     try:
         there = Manifest.decode(s.read_bytes(f"{key}/{MANIFEST_NAME}"))
-    except FileNotFoundError:  # pragma: no cover - manifests are never deleted before a commit
-        return _create_or_match(root, key, m)
-    except ManifestError:
+    except (FileNotFoundError, ManifestError):
+        # Unreadable, or gone again (nothing deletes one; a hand edit): not ours, so the caller
+        # decides as for any other manifest (replaced only if nobody can commit it).
         return False
     return there.digest == m.digest
 
