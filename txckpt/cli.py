@@ -362,8 +362,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     history = root.history()
     rows_json: list[dict[str, Any]] = []
     if history.state.seq < 0:
-        for step in root.legacy_checkpoints():
-            key = f"checkpoint-{step}"
+        for step, key in root.legacy_dirs():
             rows_json.append({"step": step, "lineage": "-", "txid": None, "state": "legacy",
                               "bytes": sum(max(0, s) for _, s in root.storage.walk_files(key)),
                               "time": root.storage.modified_time(key), "path": root.storage.full_path(key),
@@ -722,8 +721,9 @@ def cmd_adopt(args: argparse.Namespace) -> int:
         steps = root.legacy_checkpoints()
         lid = root.adopt()
         msg = {"adopted": lid, "steps": steps,
-               "message": (f"adopted steps {', '.join(map(str, steps))} of {root.url} as lineage {lid}"
-                           if lid else "nothing to adopt")}
+               "message": (f"adopted steps {', '.join(map(str, steps))} of {root.url} as lineage {lid}" if lid
+                           else f"another process adopted {root.url} first; nothing to do"
+                           if root.state().seq >= 0 else "nothing to adopt")}
     if args.json:
         _print_json(msg)
     else:

@@ -54,6 +54,31 @@ class UnsafePathError(ManifestError, InvalidArgumentError):
     """A file name escapes its checkpoint: ``..``, an absolute path, or a symlink that leaves the root."""
 
 
+class AdoptionError(TxckptError):
+    """A legacy root (checkpoint-N directories, no log) cannot be adopted as it is.
+
+    ``root``: the root; ``step``: the step concerned (None if several); ``paths``: the
+    directories concerned. Nothing was committed and no committed data was touched."""
+
+    def __init__(self, message: str, *, root: str | None = None, step: int | None = None,
+                 paths: list[str] | tuple[str, ...] = ()):
+        super().__init__(message)
+        self.root = root
+        self.step = step
+        self.paths = list(paths)
+        self.path = self.paths[0] if self.paths else None
+
+
+class AmbiguousCheckpointNameError(AdoptionError):
+    """Two directories of a legacy root name one step (``checkpoint-500`` and ``checkpoint-0500``):
+    which one a resume should load is unknowable. Rename or remove one of ``paths``."""
+
+
+class AdoptionInProgressError(AdoptionError, ConcurrentWriterError):
+    """Another live process is adopting the same legacy root and found other bytes in it (its
+    files changed between the two hashings). Wait for it to finish, then retry."""
+
+
 class LogCorruptError(TxckptError):
     """The root's commit log (``.txckpt/log``) is unreadable or inconsistent."""
 

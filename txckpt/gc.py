@@ -22,8 +22,9 @@
 
 It also completes publication (current checkpoints get their ``checkpoint-N`` names, others
 lose them). It never touches the log, a committed checkpoint that is not retired (an empty
-``.txckpt/tx/<txid>`` left by publication belongs to a committed checkpoint and stays), or
-``.txckpt/orphans`` (listed in the report only).
+``.txckpt/tx/<txid>`` left by publication belongs to a committed checkpoint and stays),
+``.txckpt/orphans`` (listed in the report only), or an uncommitted ``.txckpt/tx/adopted-*``: no
+save stages there, so it is a legacy directory publication moved aside (kept, and listed).
 """
 
 from __future__ import annotations
@@ -345,6 +346,14 @@ def collect_garbage(
     for txid in staged_now:
         if txid in history.checkpoints:
             continue  # committed: a home (possibly an empty one, after publication); (b) did retired
+        if txid.startswith("adopted-"):
+            # No save stages under an adopted txid: this is a legacy directory that a publication
+            # moved out of its checkpoint-N name, holding a manifest no log committed. Its bytes
+            # may be all there is of a committed adopted checkpoint: never deleted (protocol §11).
+            report.kept.append(GcItem("staging", f"{TX_DIR}/{txid}", "legacy checkpoint data under an "
+                                      "uncommitted adopted txid (never deleted; inspect it, or move it "
+                                      "back and `txckpt adopt` it)", _tree_bytes(storage, f"{TX_DIR}/{txid}")))
+            continue
         intent = intents.get(txid)
         gone, why = writer_status(intent, now=now, grace_seconds=grace_seconds, hostname=hostname)
         if txid in intents and intent is None:

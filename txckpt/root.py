@@ -11,22 +11,20 @@ from __future__ import annotations
 import logging
 import os
 import re
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from . import checksum, log as commit_log
+from . import log as commit_log
 from .errors import (
     CheckpointNotFoundError,
     ConcurrentWriterError,
     InvalidArgumentError,
-    ManifestError,
     StaleLineageError,
     StepConflictError,
 )
 from .lineage import Checkpoint, History, State, new_lineage_id, ref, same_ref
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, kind_for_name
+from .manifest import MANIFEST_NAME, Manifest
 from .publication import TX_DIR, home_key, publication_for, public_key
 from .storage import Storage, open_storage
 
@@ -126,12 +124,14 @@ class CheckpointRoot:
 
     def legacy_checkpoints(self) -> list[int]:
         """Steps of plain checkpoint-N directories (a root written without txckpt)."""
-        steps = []
-        for name in self.storage.list_dir(""):
-            m = _CHECKPOINT_RE.match(name)
-            if m:
-                steps.append(int(m.group(1)))
-        return sorted(steps)
+        return sorted({int(m.group(1)) for m in map(_CHECKPOINT_RE.match, self.storage.list_dir("")) if m})
+
+    def legacy_dirs(self) -> list[tuple[int, str]]:
+        """(step, name) of the checkpoint-N directories as they are named (``checkpoint-00500``);
+        two names for one step raise AmbiguousCheckpointNameError."""
+        from .adoption import legacy_dirs
+
+        return legacy_dirs(self)
 
     def path_of(self, key: str) -> str:
         return self.storage.full_path(key)
@@ -149,16 +149,16 @@ class CheckpointRoot:
         """
         state = self.state()
         if state.seq < 0:
-            steps = self.legacy_checkpoints()
-            if not steps:
+            dirs = self.legacy_dirs()
+            if not dirs:
                 return None
             log.warning(
-                "txckpt: %s has no txckpt log; using the highest checkpoint-N (%d) the way "
+                "txckpt: %s has no txckpt log; using the highest checkpoint-N (%s) the way "
                 "transformers does, without lineage or integrity checks. The first txckpt save "
                 "adopts these checkpoints (or run `txckpt adopt`).",
-                self.url, steps[-1],
+                self.url, dirs[-1][1],
             )
-            return self.storage.full_path(public_key(steps[-1]))
+            return self.storage.full_path(dirs[-1][1])
         tip = state.head_tip
         if tip is None:
             return None
@@ -371,71 +371,11 @@ class CheckpointRoot:
 
     # ----- adoption of a legacy root -----------------------------------------------------------
     def adopt(self) -> str | None:
-        """Record plain checkpoint-N directories as a root lineage (checksums computed now)."""
-        if self.state().seq >= 0:
-            return None
-        steps = self.legacy_checkpoints()
-        if not steps:
-            return None
-        tables: dict[int, dict[str, FileEntry]] = {}
-        existing: dict[int, Manifest | None] = {}
-        for step in steps:
-            key = public_key(step)
-            files = {}
-            for name, _size in self.storage.walk_files(key):
-                if name == MANIFEST_NAME:
-                    continue
-                if self.storage.is_symlink_escape(f"{key}/{name}"):
-                    log.warning("txckpt: adoption skips %s/%s, a symlink out of the root", key, name)
-                    continue
-                with self.storage.open_read(f"{key}/{name}") as f:
-                    size, digest = checksum.digest_stream(f)
-                files[name] = FileEntry(size, digest, kind_for_name(name))
-            tables[step] = files
-            try:
-                existing[step] = Manifest.decode(self.storage.read_bytes(f"{key}/{MANIFEST_NAME}"))
-            except (FileNotFoundError, ManifestError):
-                existing[step] = None
-        # A crashed (or concurrent) adoption may have written manifests already. They were never
-        # committed (the log is empty), so they are reused when they describe the same bytes as
-        # one adoption, and replaced otherwise: two adopters then converge on the same txids.
-        lineages = {m.lineage for m in existing.values() if m is not None and m.adopted}
-        reusable = len(lineages) == 1 and all(
-            m is not None and m.adopted and m.files == tables[step] for step, m in existing.items()
-        )
-        lid = lineages.pop() if reusable else new_lineage_id()
-        records = []
-        parent = None
-        for step in steps:
-            key = public_key(step)
-            manifest = existing[step] if reusable else None
-            if manifest is None:
-                manifest = Manifest(f"adopted-{step}-{lid}", lid, step, parent, tables[step], time.time(), adopted=True)
-                self.storage.replace(f"{key}/{MANIFEST_NAME}", manifest.encode(), durable=self.durable)
-            records.append({
-                "step": step, "txid": manifest.txid, "digest": manifest.digest, "key": key,
-                "bytes": manifest.total_bytes, "files": len(manifest.files),
-            })
-            parent = ref(lid, step, manifest.txid, key, manifest.digest)
+        """Record plain checkpoint-N directories as a root lineage (checksums computed now); None
+        if there is nothing to adopt or another process adopted the root first (txckpt/adoption.py)."""
+        from .adoption import adopt
 
-        def build(state: State, seq: int, now: float) -> dict[str, Any]:
-            if state.seq >= 0:
-                raise _AlreadyAdopted()
-            new_state = state.after_new_lineage(seq, now, lid, None, "adopt")
-            last = records[-1]
-            new_state.lineages[lid].tip = ref(lid, last["step"], last["txid"], last["key"], last["digest"])
-            return {"action": "adopt", "lineage": lid, "checkpoints": records, "state": new_state.to_json()}
-
-        try:
-            self.append_entry(build)
-        except _AlreadyAdopted:
-            return None
-        log.warning(
-            "txckpt: adopted %d checkpoint(s) of %s written without txckpt (steps %s) as lineage %s; "
-            "their checksums were computed now, so damage done before adoption cannot be detected.",
-            len(records), self.url, ", ".join(str(s) for s in steps), lid,
-        )
-        return lid
+        return adopt(self)
 
     # ----- saving ------------------------------------------------------------------------------
     def prepare_save(self, step: int) -> dict[str, Any]:
@@ -535,10 +475,6 @@ class CheckpointRoot:
                 tx.save(name, obj)
         assert tx.path is not None
         return tx.path
-
-
-class _AlreadyAdopted(Exception):
-    pass
 
 
 __all__ = ["CheckpointRoot", "CheckpointInfo", "durable_default", "TX_DIR", "INTENTS_DIR"]

@@ -495,4 +495,6 @@ def cases() -> list[Case]:
                  "gc (grace 3600 s and 0 s) while a writer's staging waits for its commit", backend,
                  gc_beside_live_writer, cost=5 if s3 else 2, needs_s3=s3),
         ]
-    return out
+    from .adoption import concurrency_cases
+
+    return out + concurrency_cases()

@@ -357,7 +357,9 @@ def cases() -> list[Case]:
     out.append(Case("crash/ranks/save", "crash",
                     "coordinated save on gloo ranks, one rank SIGKILLed at a file op (tests/test_distributed.py: 4 ranks "
                     "at chosen points; full mode adds 2 ranks at every op)", "local", ranks_sweep, cost=60.0))
-    return out
+    from .adoption import crash_cases
+
+    return out + crash_cases()
 
 
 # =================================================================================================

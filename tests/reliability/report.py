@@ -49,7 +49,10 @@ CAMPAIGNS = [
      "before its commit, just after retention read the leases) and release it when another process has acted. "
      "Two writers (zombies, the same job twice, racing commits), readers polling during saves with rotation, "
      "rotation against readers holding leases (txckpt.retention implements reader leases), gc beside a live "
-     "writer."),
+     "writer. Concurrent adoption of a legacy root (adopt+adopt, save+save, adopt+save): released together, both "
+     "paused after hashing and released in a random order, or one paused at a random point of its adoption and "
+     "SIGKILLed there (tests/reliability/adoption.py; the crash campaign's adoption-race row instead SIGKILLs one "
+     "of the two at a random file operation)."),
     ("badinput", "4. Bad input",
      "Each probe damages a copy of a root with two lineages (A: 2, 4, 6; rollback to 2; B: 4), then a fresh "
      "process looks up, loads what lookup returned, loads every committed checkpoint, runs gc and a restarted "

@@ -1,0 +1,223 @@
+"""Adoption of a legacy root: plain ``checkpoint-N`` directories (a stock Trainer's) recorded as
+the root's first lineage. Protocol: docs/protocol.md §9.
+
+Several processes may adopt one root at once (the same job launched twice, ``txckpt adopt``
+beside a first save). Before the commit, a manifest in a ``checkpoint-N`` directory is shared,
+mutable state, so adoption is built such that no adopter can overwrite another one's manifest
+once the log may commit it:
+
+* **The adoption is a function of the bytes.** The lineage id, the txids and every manifest
+  (including ``created``: the newest file time) are derived from the directories' names and file
+  checksums, so adopters that hash the same bytes write byte-identical manifests.
+* **Manifests are created if absent.** An identical manifest already there is reused as it is;
+  a committed manifest is never rewritten.
+* **A different manifest is replaced only when nobody may commit it**: the log has no entry 0,
+  and no live adopter of other bytes exists. Every adopter announces itself with an intent
+  (``.txckpt/intents/adopt-<lineage>.<session>.json``) before it writes a manifest and lists the
+  others' after, so of two live adopters of different bytes at least one sees the other and
+  refuses (:class:`~txckpt.errors.AdoptionInProgressError`) before it commits or replaces.
+* **Entry 0 decides.** It is created if absent; the loser changes nothing more and continues as
+  an ordinary writer against the winner's state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import checksum
+from .errors import AdoptionInProgressError, AmbiguousCheckpointNameError, ManifestError
+from .lineage import State, ref
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, kind_for_name
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .root import CheckpointRoot
+
+log = logging.getLogger("txckpt")
+
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+#: Temp files of txckpt's own atomic writes of a manifest (a crashed adoption's): not user data.
+_MANIFEST_TMP_RE = re.compile(r"^\.?" + re.escape(MANIFEST_NAME) + r"\.[0-9a-f]{12}\.tmp$")
+INTENT_PREFIX = "adopt-"
+
+
+def legacy_dirs(root: "CheckpointRoot") -> list[tuple[int, str]]:
+    """(step, directory name) of every ``checkpoint-N`` at the root's top level, by step; the name
+    is the one found (``checkpoint-00500`` stays that: transformers accepts ``^checkpoint-(\\d+)$``).
+    Two names for one step: :class:`AmbiguousCheckpointNameError` naming both."""
+    by_step: dict[int, list[str]] = {}
+    for name in root.storage.list_dir(""):
+        m = CHECKPOINT_RE.match(name)
+        if m:
+            by_step.setdefault(int(m.group(1)), []).append(name)
+    for step, names in sorted(by_step.items()):
+        if len(names) > 1:
+            paths = [root.storage.full_path(n) for n in sorted(names)]
+            raise AmbiguousCheckpointNameError(
+                f"{root.url} has {len(names)} directories for step {step}: {', '.join(paths)}; which one "
+                "a resume should load is unknowable. Rename or remove all but one of them, then retry",
+                root=root.url, step=step, paths=paths)
+    return [(step, names[0]) for step, names in sorted(by_step.items())]
+
+
+@dataclass
+class _Dir:
+    step: int
+    key: str
+    files: dict[str, FileEntry]
+    newest: float
+
+
+def _hash_dir(root: "CheckpointRoot", step: int, key: str) -> _Dir:
+    s = root.storage
+    files: dict[str, FileEntry] = {}
+    newest = 0.0
+    for name, _size in s.walk_files(key):
+        if name == MANIFEST_NAME or _MANIFEST_TMP_RE.match(name):
+            continue
+        if s.is_symlink_escape(f"{key}/{name}"):
+            log.warning("txckpt: adoption skips %s/%s, a symlink out of the root", key, name)
+            continue
+        with s.open_read(f"{key}/{name}") as f:
+            size, digest = checksum.digest_stream(f)
+        files[name] = FileEntry(size, digest, kind_for_name(name))
+        newest = max(newest, s.modified_time(f"{key}/{name}") or 0.0)
+    return _Dir(step, key, files, newest)
+
+
+def plan_adoption(dirs: list[_Dir]) -> tuple[str, list[Manifest]]:
+    """The lineage id and the manifests an adoption of ``dirs`` writes: a function of the names
+    and the bytes only, so every adopter of the same bytes computes the same ones."""
+    # Everything a manifest holds goes into the id, so one id means one set of manifests.
+    canonical = json.dumps([[d.step, d.key, d.newest,
+                             {n: [e.size, e.checksum, e.kind] for n, e in sorted(d.files.items())}]
+                            for d in dirs], separators=(",", ":")).encode()
+    lid = checksum.digest_bytes(canonical)[:8]
+    manifests = []
+    parent = None
+    for d in dirs:
+        m = Manifest(f"adopted-{d.step}-{lid}", lid, d.step, parent, d.files, d.newest, adopted=True)
+        m.encode()  # sets the digest
+        manifests.append(m)
+        parent = ref(lid, d.step, m.txid, d.key, m.digest)
+    return lid, manifests
+
+
+class _Lost(Exception):
+    """Entry 0 exists: another adopter (or a save) won."""
+
+
+def _other_live_adopters(root: "CheckpointRoot", lid: str) -> list[str]:
+    """Live adopters of other bytes (another lineage id), from their intents."""
+    import time
+
+    from .gc import read_intents, writer_status
+
+    out = []
+    for name, intent in read_intents(root.storage).items():
+        if not name.startswith(INTENT_PREFIX) or name[len(INTENT_PREFIX):].split(".", 1)[0] == lid:
+            continue
+        gone, why = writer_status(intent, now=time.time(), grace_seconds=3600.0)
+        if not gone:
+            out.append(f"{name} ({why})")
+    return out
+
+
+def adopt(root: "CheckpointRoot") -> str | None:
+    """Adopt the legacy root; returns the new lineage id, or None if there was nothing to adopt or
+    another process adopted it first (the caller then continues against the winner's state)."""
+    from .gc import intent_record
+    from .root import INTENTS_DIR
+
+    if root.state().seq >= 0:
+        return None
+    found = legacy_dirs(root)
+    dirs = []
+    for step, key in found:
+        d = _hash_dir(root, step, key)
+        if not d.files:
+            log.warning("txckpt: %s holds no files; it is not adopted (an empty checkpoint would load as "
+                        "nothing). Remove it, or fill it, and adopt again", root.storage.full_path(key))
+            continue
+        dirs.append(d)
+    if not dirs:
+        return None
+    lid, manifests = plan_adoption(dirs)
+    s = root.storage
+    intent_key = f"{INTENTS_DIR}/{INTENT_PREFIX}{lid}.{root.session}.json"
+    s.replace(intent_key, json.dumps(intent_record(
+        {"txid": f"{INTENT_PREFIX}{lid}.{root.session}", "step": dirs[-1].step, "lineage": lid}, 1)).encode())
+    try:
+        stale = []
+        for d, m in zip(dirs, manifests):
+            if not _create_or_match(root, d.key, m):
+                stale.append((d, m))
+        # Listed after our intent exists: of two live adopters of different bytes, at least one
+        # sees the other here (each wrote its intent before listing), and refuses.
+        others = _other_live_adopters(root, lid)
+        if root.state().seq >= 0:
+            raise _Lost()
+        if others:
+            raise AdoptionInProgressError(
+                f"another process is adopting {root.url} and hashed other bytes than this one "
+                f"({'; '.join(others)}): the legacy checkpoints changed while they were read. Nothing "
+                "was committed. Wait until no other process writes the root, then retry",
+                root=root.url, paths=[s.full_path(d.key) for d, _ in stale])
+        for d, m in stale:
+            # Nobody can commit what is there: no log, no live adopter of other bytes (one of the
+            # same bytes writes these very bytes). A crashed adoption's, or an older txckpt's.
+            log.warning("txckpt: replacing the uncommitted manifest in %s (left by an adoption that never "
+                        "committed and described other bytes: one that crashed before the files changed, or "
+                        "an older txckpt's)", s.full_path(d.key))
+            s.replace(f"{d.key}/{MANIFEST_NAME}", m.encode(), durable=root.durable)
+        _append_adopt_entry(root, lid, dirs, manifests)
+    except _Lost:
+        return None
+    finally:
+        try:
+            s.delete_file(intent_key)
+        except OSError as e:  # the outcome stands; gc removes an intent whose writer is gone
+            log.warning("txckpt: could not delete the adoption intent %s (%s); `txckpt gc` removes it",
+                        intent_key, e)
+    log.warning(
+        "txckpt: adopted %d checkpoint(s) of %s written without txckpt (steps %s) as lineage %s; "
+        "their checksums were computed now, so damage done before adoption cannot be detected.",
+        len(dirs), root.url, ", ".join(str(d.step) for d in dirs), lid,
+    )
+    return lid
+
+
+def _create_or_match(root: "CheckpointRoot", key: str, m: Manifest) -> bool:
+    """Create ``key``'s manifest if absent. True if ``key`` now holds ``m`` (created, or an
+    identical one there already); False if it holds another one (left for the caller)."""
+    s = root.storage
+    try:
+        s.create_exclusive(f"{key}/{MANIFEST_NAME}", m.encode(), durable=root.durable)
+        return True
+    except FileExistsError:
+        pass
+    try:
+        there = Manifest.decode(s.read_bytes(f"{key}/{MANIFEST_NAME}"))
+    except (FileNotFoundError, ManifestError):
+        # Unreadable, or gone again (nothing deletes one; a hand edit): not ours, so the caller
+        # decides as for any other manifest (replaced only if nobody can commit it).
+        return False
+    return there.digest == m.digest
+
+
+def _append_adopt_entry(root: "CheckpointRoot", lid: str, dirs: list[_Dir], manifests: list[Manifest]) -> None:
+    records = [{"step": d.step, "txid": m.txid, "digest": m.digest, "key": d.key,
+                "bytes": m.total_bytes, "files": len(m.files)} for d, m in zip(dirs, manifests)]
+
+    def build(state: State, seq: int, now: float) -> dict[str, Any]:
+        if state.seq >= 0:
+            raise _Lost()
+        new_state = state.after_new_lineage(seq, now, lid, None, "adopt")
+        last = records[-1]
+        new_state.lineages[lid].tip = ref(lid, last["step"], last["txid"], last["key"], last["digest"])
+        return {"action": "adopt", "lineage": lid, "checkpoints": records, "state": new_state.to_json()}
+
+    root.append_entry(build)
