@@ -22,6 +22,25 @@ class CheckpointNotFoundError(TxckptError, FileNotFoundError):
     """A checkpoint, or a file of one, that a caller or the log names does not exist."""
 
 
+class LookupRaceError(TxckptError):
+    """A lookup found the newest checkpoint retired and deleted under it again and again: a
+    writer rotates (retention with a small keep_last) faster than this reader reads. Nothing is
+    damaged; retry, keep more checkpoints, or take a reader lease. ``root``, ``attempts``."""
+
+    def __init__(self, message: str, *, root: str | None = None, attempts: int | None = None):
+        super().__init__(message)
+        self.root = root
+        self.attempts = attempts
+
+    def __reduce__(self):
+        return _with_fields, (type(self), str(self), {"root": self.root, "attempts": self.attempts})
+
+
+def _with_fields(cls: type, message: str, fields: dict) -> Exception:
+    """Unpickle an error that carries keyword fields (errors cross process boundaries)."""
+    return cls(message, **fields)
+
+
 class StepConflictError(TxckptError):
     """A save names a step that is not newer than the newest committed step of the lineage.
 

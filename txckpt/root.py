@@ -21,6 +21,7 @@ from .errors import (
     CheckpointNotFoundError,
     ConcurrentWriterError,
     InvalidArgumentError,
+    LookupRaceError,
     ManifestError,
     StaleLineageError,
     StepConflictError,
@@ -34,6 +35,8 @@ log = logging.getLogger("txckpt")
 
 INTENTS_DIR = ".txckpt/intents"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+#: How many times a lookup follows a tip that was retired and deleted under it (§6 step 4).
+LOOKUP_ATTEMPTS = 16
 
 
 def durable_default() -> bool:
@@ -142,11 +145,16 @@ class CheckpointRoot:
 
     # ----- lookup ------------------------------------------------------------------------------
     def get_last_checkpoint(self) -> str | None:
-        """The newest committed checkpoint of the current lineage, or None.
+        """The newest committed checkpoint of the current lineage (its full path), or None.
 
         A root without a log (written by a stock Trainer) is read the way transformers reads it,
         with a warning: the highest checkpoint-N.
         """
+        key = self.last_checkpoint_key()
+        return None if key is None else self.storage.full_path(key)
+
+    def last_checkpoint_key(self) -> str | None:
+        """:meth:`get_last_checkpoint` as a key inside the root (protocol §6)."""
         state = self.state()
         if state.seq < 0:
             steps = self.legacy_checkpoints()
@@ -158,29 +166,51 @@ class CheckpointRoot:
                 "adopts these checkpoints (or run `txckpt adopt`).",
                 self.url, steps[-1],
             )
-            return self.storage.full_path(public_key(steps[-1]))
-        tip = state.head_tip
-        if tip is None:
-            return None
-        key = self.publication.locate(tip)
-        if key is not None:
-            return self.storage.full_path(key)
-        return self._fallback_lookup(tip)
+            return public_key(steps[-1])
+        missed: set[str] = set()
+        for _ in range(LOOKUP_ATTEMPTS):
+            tip = state.head_tip
+            if tip is None:
+                return None
+            key = self.publication.locate(tip)
+            if key is not None:
+                return key
+            # The tip is not where its ref says. Either the log moved on since this process read
+            # it (newer saves made the tip retirable and retention deleted it, or a publication
+            # renamed it between two of locate's reads): read the log again and follow the new
+            # tip; or, with the log unchanged on a second miss, its data was deleted by hand.
+            fresh = self.state()
+            if same_ref(fresh.head_tip, tip):
+                if tip["txid"] in missed:
+                    return self._fallback_lookup(tip)
+                missed.add(tip["txid"])
+            state = fresh
+        raise LookupRaceError(
+            f"the newest checkpoint of {self.url} was retired and deleted under this lookup "
+            f"{LOOKUP_ATTEMPTS} times in a row (a writer rotating with a small keep_last faster than "
+            "this reader reads); retry, keep more checkpoints, or take a reader lease "
+            "(txckpt.retention, docs/retention.md)",
+            root=self.url, attempts=LOOKUP_ATTEMPTS,
+        )
 
     def _fallback_lookup(self, missing: dict[str, Any]) -> str | None:
+        """The tip ``missing`` is committed, not retired, and absent from storage: the newest
+        present checkpoint of the view (newer ones first, if the log moved on meanwhile)."""
         history = self.history()
         for c in reversed(history.in_view(None)):
-            if c.step >= missing["step"]:
+            if c.txid == missing["txid"]:
                 continue
             key = self.publication.locate(c.ref)
-            if key is not None:
+            if key is None:
+                continue
+            if c.step < missing["step"]:
                 log.warning(
                     "txckpt: the newest checkpoint of the current lineage, step %d (txid %s), is "
                     "missing from %s (deleted or renamed by hand?). Falling back to step %d. "
                     "Run `txckpt verify` to see what else is missing.",
                     missing["step"], missing["txid"], self.url, c.step,
                 )
-                return self.storage.full_path(key)
+            return key
         log.warning(
             "txckpt: no checkpoint of the current lineage of %s is present on storage "
             "(deleted by hand?); starting from scratch. Run `txckpt verify`.", self.url,
