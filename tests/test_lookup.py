@@ -10,7 +10,7 @@ import pytest
 
 import txckpt
 from txckpt import log as commit_log
-from txckpt.errors import LookupRaceError
+from txckpt.errors import LookupRaceError, RootNotFoundError
 from txckpt.gc import collect_garbage
 from txckpt.lineage import ref
 from txckpt.publication import home_key
@@ -138,3 +138,55 @@ def test_a_tip_deleted_by_hand_still_falls_back_with_a_warning(tmp_path, txlog):
     txckpt.forget_roots()
     assert txckpt.get_last_checkpoint(root) == os.path.join(root, "checkpoint-1")
     assert "Falling back to step 1" in txlog.text
+
+
+# ----- a root that does not exist; a checkpoint directory as the root -------------------------
+def test_a_missing_root_directory_raises_file_not_found_like_transformers(tmp_path):
+    from transformers.trainer_utils import get_last_checkpoint as hf_last
+
+    typo = str(tmp_path / "ouptut")
+    with pytest.raises(FileNotFoundError):
+        hf_last(typo)
+    with pytest.raises(RootNotFoundError) as e:
+        txckpt.get_last_checkpoint(typo)
+    assert isinstance(e.value, FileNotFoundError)
+    assert e.value.root == typo and e.value.bucket is None
+    assert "does not exist" in str(e.value) and "typo" in str(e.value)
+    assert not os.path.exists(typo), "a lookup must not create the root"
+
+
+def test_an_empty_existing_root_is_none(tmp_path):
+    os.makedirs(tmp_path / "out")
+    assert txckpt.get_last_checkpoint(str(tmp_path / "out")) is None
+
+
+@pytest.mark.s3
+def test_a_url_whose_bucket_does_not_exist_raises_root_not_found(s3_root):
+    url, so = s3_root
+    with pytest.raises(RootNotFoundError) as e:
+        txckpt.get_last_checkpoint("s3://no-such-bucket-txckpt/run", storage_options=so)
+    assert isinstance(e.value, FileNotFoundError)
+    assert e.value.bucket == "s3://no-such-bucket-txckpt" and "bucket" in str(e.value)
+    # A prefix not written yet, in a bucket that exists, is an empty root (a new run).
+    assert txckpt.get_last_checkpoint(url, storage_options=so) is None
+
+
+def test_a_checkpoint_directory_passed_as_the_root_warns(tmp_path, txlog):
+    root = str(tmp_path / "out")
+    txckpt.save_checkpoint(root, 10, files(10))
+    assert txckpt.get_last_checkpoint(os.path.join(root, "checkpoint-10")) is None
+    assert "checkpoint-10 is a checkpoint directory, not a root" in txlog.text
+    assert f"Pass its parent, {root}" in txlog.text
+
+
+# ----- the path, in transformers' form ----------------------------------------------------------
+def test_the_path_has_transformers_form_for_a_relative_root(tmp_path, monkeypatch):
+    from transformers.trainer_utils import get_last_checkpoint as hf_last
+
+    monkeypatch.chdir(tmp_path)
+    txckpt.save_checkpoint("out", 2, files(2))
+    assert txckpt.get_last_checkpoint("out") == os.path.join("out", "checkpoint-2") == hf_last("out")
+    assert txckpt.get_last_checkpoint("out/") == hf_last("out/")
+    assert step_of(txckpt.get_last_checkpoint("out"), None) == 2  # and it reads, cross-checked
+    txckpt.forget_roots()
+    assert txckpt.get_last_checkpoint(str(tmp_path / "out")) == str(tmp_path / "out" / "checkpoint-2")

@@ -23,6 +23,7 @@ from .errors import (
     InvalidArgumentError,
     LookupRaceError,
     ManifestError,
+    RootNotFoundError,
     StaleLineageError,
     StepConflictError,
 )
@@ -157,8 +158,10 @@ class CheckpointRoot:
         """:meth:`get_last_checkpoint` as a key inside the root (protocol §6)."""
         state = self.state()
         if state.seq < 0:
+            self.require_exists()
             steps = self.legacy_checkpoints()
             if not steps:
+                self._warn_if_checkpoint_dir()
                 return None
             log.warning(
                 "txckpt: %s has no txckpt log; using the highest checkpoint-N (%d) the way "
@@ -192,6 +195,36 @@ class CheckpointRoot:
             "(txckpt.retention, docs/retention.md)",
             root=self.url, attempts=LOOKUP_ATTEMPTS,
         )
+
+    def require_exists(self) -> None:
+        """Raise :class:`RootNotFoundError` if the root itself is missing: its local directory, or
+        the bucket of an object-store URL (protocol §6 step 5). Answering "no checkpoint" there
+        would make ``if last: resume(last)`` silently train from scratch on a typo."""
+        missing = self.storage.missing_root()
+        if missing is None:
+            return
+        if missing == self.url:
+            raise RootNotFoundError(
+                f"{self.url} does not exist: there is no such directory, so there is no checkpoint "
+                "to look up. Check the path (a typo in output_dir?); for a new run, create it or skip "
+                "the lookup (a save creates the root)", root=self.url,
+            )
+        raise RootNotFoundError(
+            f"the bucket {missing} of {self.url} does not exist (or is not visible with these "
+            "credentials and endpoint). Check the URL and storage_options; for a new run, create the "
+            "bucket first", root=self.url, bucket=missing,
+        )
+
+    def _warn_if_checkpoint_dir(self) -> None:
+        name = self.url.rstrip("/").rsplit("/", 1)[-1]
+        if _CHECKPOINT_RE.match(name) or self.storage.exists(MANIFEST_NAME):
+            parent = self.url.rstrip("/")[: -len(name) - 1] or "/"
+            log.warning(
+                "txckpt: %s is a checkpoint directory, not a root (an output_dir): "
+                "get_last_checkpoint looks for checkpoints inside the directory it is given, and "
+                "finds none in a checkpoint. Pass its parent, %s, to find the newest checkpoint; "
+                "pass this path to load_checkpoint to read this one.", self.url, parent,
+            )
 
     def _fallback_lookup(self, missing: dict[str, Any]) -> str | None:
         """The tip ``missing`` is committed, not retired, and absent from storage: the newest
