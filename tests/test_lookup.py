@@ -3,7 +3,6 @@ a checkpoint directory passed as the root, and the form of the path it returns."
 
 from __future__ import annotations
 
-import logging
 import os
 
 import pytest
@@ -161,14 +160,22 @@ def test_an_empty_existing_root_is_none(tmp_path):
 
 
 @pytest.mark.s3
-def test_a_url_whose_bucket_does_not_exist_raises_root_not_found(s3_root):
+def test_a_url_whose_bucket_does_not_exist_raises_root_not_found(s3_root, s3_requests):
     url, so = s3_root
     with pytest.raises(RootNotFoundError) as e:
         txckpt.get_last_checkpoint("s3://no-such-bucket-txckpt/run", storage_options=so)
     assert isinstance(e.value, FileNotFoundError)
     assert e.value.bucket == "s3://no-such-bucket-txckpt" and "bucket" in str(e.value)
-    # A prefix not written yet, in a bucket that exists, is an empty root (a new run).
-    assert txckpt.get_last_checkpoint(url, storage_options=so) is None
+    # A prefix not written yet, in a bucket that exists, is an empty root (a new run); only
+    # this answer pays for the check (one HeadBucket), a lookup with a log still costs 4 GETs.
+    with s3_requests.reset() as c:
+        assert txckpt.get_last_checkpoint(url, storage_options=so) is None
+    assert c.ops["HeadBucket"] == 1
+    txckpt.save_checkpoint(url, 1, files(1), storage_options=so)
+    txckpt.forget_roots()
+    with s3_requests.reset() as c:
+        path = txckpt.get_last_checkpoint(url, storage_options=so)
+    assert dict(c.ops) == {"GetObject": 4} and step_of(path, so) == 1
 
 
 def test_a_checkpoint_directory_passed_as_the_root_warns(tmp_path, txlog):

@@ -217,7 +217,7 @@ class CheckpointRoot:
 
     def _warn_if_checkpoint_dir(self) -> None:
         name = self.url.rstrip("/").rsplit("/", 1)[-1]
-        if _CHECKPOINT_RE.match(name) or self.storage.exists(MANIFEST_NAME):
+        if _CHECKPOINT_RE.match(name):  # both of a checkpoint's places are named so (§2)
             parent = self.url.rstrip("/")[: -len(name) - 1] or "/"
             log.warning(
                 "txckpt: %s is a checkpoint directory, not a root (an output_dir): "
