@@ -1,23 +1,30 @@
 # Quick start: `make demo` and `make test`. Both build .venv on a fresh machine first.
+# `make demo` installs only what the demo needs (torch and txckpt's own dependencies);
+# `make test` (and `make venv`, which .ci/run calls) adds the test and bench extras.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+BASE := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
 .PHONY: venv demo test test-fast bench bench-quick reliability clean
 
-$(STAMP): pyproject.toml
+$(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	# The CPU wheel of torch 2.13.0 lies on these machines; a bare `torch` pulls a multi-GB CUDA build.
 	$(PY) -m pip install $(TORCH)
+	$(PY) -m pip install -e . $(TORCH)
+	touch $(BASE)
+
+$(STAMP): $(BASE) pyproject.toml
 	$(PY) -m pip install -e '.[test,bench]' $(TORCH)
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-demo: $(STAMP)
+demo: $(BASE)
 	$(PY) -m txckpt.demo
 
 test: $(STAMP)

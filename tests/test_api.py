@@ -62,7 +62,9 @@ def test_manifest_records_sizes_checksums_lineage(root):
 
 
 def test_get_last_checkpoint_contract(root, tmp_path):
-    assert txckpt.get_last_checkpoint(str(tmp_path / "missing")) is None
+    # transformers' contract: a missing directory raises FileNotFoundError (tests/test_lookup.py)
+    with pytest.raises(FileNotFoundError):
+        txckpt.get_last_checkpoint(str(tmp_path / "missing"))
     os.makedirs(root)
     assert txckpt.get_last_checkpoint(root) is None
     for s in (2, 4, 10):

@@ -37,6 +37,8 @@ def fresh(url, opts):
 
 def test_save_lookup_load(any_root):
     url, opts = any_root
+    if "://" not in url:
+        os.makedirs(url)  # a missing local root raises FileNotFoundError (tests/test_lookup.py)
     assert txckpt.get_last_checkpoint(url, storage_options=opts) is None
     for s in (2, 4):
         path = txckpt.save_checkpoint(url, s, files("A", s), storage_options=opts)

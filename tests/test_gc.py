@@ -250,7 +250,7 @@ def test_finishes_retired_deletions_and_respects_leases(any_root):
     assert retire(r, [by_step[1].txid, by_step[2].txid]) == [by_step[1].txid, by_step[2].txid]
     assert r.locate(by_step[1].ref) is not None
     r.storage.replace(f"{READERS_DIR}/{by_step[3].txid}.old.json",
-                      json.dumps({"txid": by_step[3].txid, "expires": time.time() - 1}).encode())
+                      json.dumps({"txid": by_step[3].txid, "expires": time.time() - 86400}).encode())
     report = collect_garbage(r)
     assert len(report.of("retired")) == 1 and by_step[1].txid in report.of("retired")[0].reason
     assert [i.kind for i in report.kept] == ["retired"]

@@ -338,6 +338,30 @@ def test_load_follows_a_checkpoint_published_after_lookup(root, monkeypatch):
     txckpt.load_checkpoint(seen["path"])  # follows the txid to checkpoint-2 (protocol §6a)
 
 
+# Regression test of KI-lookup-outpaced (concurrency/*/readers-polling on a loaded machine).
+def test_lookup_is_not_none_when_rotation_deletes_the_tip_it_read(root, monkeypatch):
+    from txckpt import log as commit_log
+    from txckpt.retention import RetentionPolicy, apply_retention
+
+    writer = CheckpointRoot(root)
+    for s in (1, 2, 3):
+        writer.save(s, payload(f"W-{s}", s))
+    real, held = commit_log.read_state, []
+
+    def read_state(storage):  # the reader, held between its read of the log and its next request
+        out = real(storage)
+        if not held:
+            held.append(out.seq)
+            for s in (4, 5):
+                writer.save(s, payload(f"W-{s}", s))
+                apply_retention(writer, RetentionPolicy(keep_last=2))
+        return out
+
+    monkeypatch.setattr(commit_log, "read_state", read_state)
+    path = CheckpointRoot(root).get_last_checkpoint()
+    assert path is not None and txckpt.read_manifest(path).step == 5
+
+
 def test_every_known_issue_has_a_reproducer():
     from tests.reliability.known import FIXED
 

@@ -194,6 +194,34 @@ def test_leased_checkpoint_is_kept_until_released(tmp_path):
     assert published(root) == [3]
 
 
+def test_a_deleter_whose_clock_runs_ahead_does_not_undercut_a_live_lease(any_root, monkeypatch):
+    """The lease's ``expires`` is the reader's clock, compared with the deleter's: a deleter
+    whose clock runs 2 minutes ahead (within the documented bound, 5 minutes) must neither
+    retire and delete the leased checkpoint nor remove the lease, while it has 1 minute left."""
+    import time
+
+    from txckpt.retention import READERS_DIR, lease_clock_skew
+
+    save(any_root, (1, 2, 3))
+    reader = fresh(any_root)
+    one = next(c for c in reader.history().checkpoints.values() if c.step == 1)
+    lease = acquire_reader_lease(reader, one.txid, 60)
+    ahead = time.time() + 120  # the deleter's clock: 2 minutes ahead of the reader's
+    deleter = fresh(any_root)
+    apply_retention(deleter, RetentionPolicy(keep_last=1), now=ahead)
+    collect_garbage(deleter, now=ahead)
+    assert steps_of(fresh(any_root).checkpoints()) == [1, 3]
+    assert deleter.locate(one.ref) is not None and deleter.storage.exists(lease)
+    # Beyond the bound the lease counts as expired, as docs/protocol.md §11 says.
+    assert lease_clock_skew() == 300
+    beyond = time.time() + 60 + 301
+    apply_retention(deleter, RetentionPolicy(keep_last=1), now=beyond)
+    collect_garbage(deleter, now=beyond)
+    assert deleter.locate(one.ref) is None and deleter.storage.list_dir(READERS_DIR) == []
+    monkeypatch.setenv("TXCKPT_LEASE_CLOCK_SKEW", "0")
+    assert lease_clock_skew() == 0
+
+
 def test_a_lease_is_refused_once_retired_and_not_left_behind(tmp_path):
     from txckpt.errors import CheckpointNotFoundError
     from txckpt.retention import READERS_DIR, read_leases

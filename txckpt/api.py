@@ -12,7 +12,7 @@ from .manifest import MANIFEST_NAME, Manifest
 from .reader import RootContext
 from .root import CheckpointRoot
 from .serialization import read_object
-from .storage import open_storage
+from .storage import LocalStorage, open_storage
 from .verify import verify_checkpoint_files
 
 _roots: dict[tuple[Any, ...], CheckpointRoot] = {}
@@ -75,10 +75,19 @@ def transaction(
 def get_last_checkpoint(root: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> str | None:
     """Drop-in for ``transformers.trainer_utils.get_last_checkpoint``: the newest committed
     checkpoint of the current lineage, or None. Never a staging leftover, never an abandoned
-    lineage's checkpoint."""
-    if storage_options is None and "://" not in os.fspath(root) and not os.path.isdir(root):
+    lineage's checkpoint.
+
+    As transformers' does, it raises ``FileNotFoundError`` (:class:`RootNotFoundError`) for a
+    root directory that does not exist (or a URL whose bucket does not exist), and returns the
+    path in its form: ``os.path.join(root, "checkpoint-N")``, relative when ``root`` is."""
+    r = open_root(root, storage_options)
+    key = r.last_checkpoint_key()
+    if key is None:
         return None
-    return open_root(root, storage_options).get_last_checkpoint()
+    given = os.fspath(root)
+    if isinstance(r.storage, LocalStorage) and not given.startswith("file://"):
+        return os.path.join(given, *key.split("/"))
+    return r.storage.full_path(key)
 
 
 def _on_rank0(fn, collective: bool | None):

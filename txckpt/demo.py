@@ -5,10 +5,14 @@
 1. Save steps 2, 4 and 6.  2. Roll back: resume(step=2); the warning names 4 and 6.
 3. A real child process crashes (SIGKILL) while saving step 4 of the new lineage.
 4. Restart: get_last_checkpoint gives 2.  5. Save 4 and 6.  6. The old 4 and 6 are intact.
+7. `txckpt log ROOT`: the lineage graph of what it wrote.
+
+It needs torch only (``make demo`` installs nothing else).
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
@@ -51,12 +55,28 @@ with txckpt.transaction({root!r}, {step}) as tx:
     return subprocess.run([sys.executable, "-c", code]).returncode
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m txckpt.demo",
+        description="The rollback story of the transformers bug report, told with txckpt: save, roll "
+                    "back, crash a real process mid-save, restart, and check that nothing was mixed "
+                    "or overwritten. Ends with `txckpt log ROOT`.",
+    )
+    p.add_argument("root", nargs="?", default=None,
+                   help="a new (or empty) directory to write to; default: a fresh temporary directory")
+    return p.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     sys.stdout.reconfigure(line_buffering=True)
     logging.basicConfig(level=logging.WARNING, format="   [warning] %(message)s", stream=sys.stdout)
-    root = argv[0] if argv else os.path.join(tempfile.mkdtemp(prefix="txckpt-demo-"), "output")
-    print(f"txckpt demo: a rollback in {root}\n")
+    root = args.root or os.path.join(tempfile.mkdtemp(prefix="txckpt-demo-"), "output")
+    if os.path.exists(root) and (not os.path.isdir(root) or os.listdir(root)):
+        print(f"txckpt demo: {root} exists and is not an empty directory; the demo tells its story on "
+              "a fresh root: pass a new directory (or remove this one)", file=sys.stderr)
+        return 2
+    print(f"txckpt demo: a rollback in {root} ({os.path.abspath(root)})\n")
 
     print("1. Run A saves steps 2, 4 and 6.")
     for step in (2, 4, 6):
@@ -100,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     last = txckpt.get_last_checkpoint(root)
     print(f"\n   get_last_checkpoint -> {last} (run {run_of(last)})")
     print("\nNothing was mixed, nothing was overwritten, and the rollback was announced.")
-    return 0
+    print(f"\n7. The demo wrote to {os.path.abspath(root)}. Its lineage graph, `txckpt log {root}`:\n")
+    from .cli import main as cli
+
+    return cli(["log", root])
 
 
 if __name__ == "__main__":

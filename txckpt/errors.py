@@ -22,6 +22,44 @@ class CheckpointNotFoundError(TxckptError, FileNotFoundError):
     """A checkpoint, or a file of one, that a caller or the log names does not exist."""
 
 
+class RootNotFoundError(TxckptError, FileNotFoundError):
+    """The root passed to a lookup does not exist: a local directory that is missing, or an
+    fsspec URL whose bucket does not exist (a typo in ``output_dir``, usually). Like
+    transformers' ``get_last_checkpoint``, txckpt raises instead of answering "no checkpoint",
+    which would silently train from scratch. ``root``: the root as given; ``bucket``: the
+    missing bucket (None for a local directory)."""
+
+    def __init__(self, message: str, *, root: str | None = None, bucket: str | None = None):
+        super().__init__(2, message, root)  # errno ENOENT and the name, as FileNotFoundError has
+        self.root = root
+        self.bucket = bucket
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+    def __reduce__(self):
+        return _with_fields, (type(self), str(self), {"root": self.root, "bucket": self.bucket})
+
+
+class LookupRaceError(TxckptError):
+    """A lookup found the newest checkpoint retired and deleted under it again and again: a
+    writer rotates (retention with a small keep_last) faster than this reader reads. Nothing is
+    damaged; retry, keep more checkpoints, or take a reader lease. ``root``, ``attempts``."""
+
+    def __init__(self, message: str, *, root: str | None = None, attempts: int | None = None):
+        super().__init__(message)
+        self.root = root
+        self.attempts = attempts
+
+    def __reduce__(self):
+        return _with_fields, (type(self), str(self), {"root": self.root, "attempts": self.attempts})
+
+
+def _with_fields(cls: type, message: str, fields: dict) -> Exception:
+    """Unpickle an error that carries keyword fields (errors cross process boundaries)."""
+    return cls(message, **fields)
+
+
 class StepConflictError(TxckptError):
     """A save names a step that is not newer than the newest committed step of the lineage.
 

@@ -45,7 +45,7 @@ def parse(path: str | os.PathLike) -> RootPath | None:
     """The root a checkpoint path lies in, judged by its shape alone (None: no root shape)."""
     p = os.fspath(path)
     if "://" not in p:
-        p = os.path.abspath(p)
+        p = os.path.abspath(os.path.expanduser(p))  # as LocalStorage reads it
     p = p.rstrip("/")
     m = _HOME_RE.match(p)
     if m and m.group("root"):

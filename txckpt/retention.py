@@ -242,9 +242,24 @@ def release_reader_lease(root: Any, key: str) -> None:
     root.storage.delete_file(key)
 
 
+def lease_clock_skew() -> float:
+    """Seconds by which a deleter's clock may run ahead of a reader's without undercutting the
+    reader's lease (``TXCKPT_LEASE_CLOCK_SKEW``, default 300). A lease's ``expires`` is the
+    reader's clock; a deleter compares it with its own, so it takes a lease for expired only
+    this long after ``expires``. Released leases are deleted at once, so the margin delays only
+    the deletion of checkpoints whose readers died holding a lease."""
+    try:
+        return max(0.0, float(os.environ.get("TXCKPT_LEASE_CLOCK_SKEW", "") or 300.0))
+    except ValueError:
+        return 300.0
+
+
 def read_leases(storage: Any, now: float | None = None) -> tuple[set[str], list[str]]:
-    """(txids under a live lease, keys of expired or unreadable leases)."""
-    now = time.time() if now is None else now
+    """(txids under a live lease, keys of expired or unreadable leases).
+
+    ``now``: the deleter's clock. A lease is live until ``expires`` plus
+    :func:`lease_clock_skew`: the two clocks are different machines' (docs/protocol.md §11)."""
+    now = (time.time() if now is None else now) - lease_clock_skew()
     live: set[str] = set()
     expired: list[str] = []
     for name in storage.list_dir(READERS_DIR):
@@ -487,6 +502,7 @@ __all__ = [
     "acquire_reader_lease",
     "release_reader_lease",
     "read_leases",
+    "lease_clock_skew",
     "protected_by_state",
     "READERS_DIR",
 ]

@@ -20,6 +20,9 @@ from .errors import (
     CheckpointNotFoundError,
     ConcurrentWriterError,
     InvalidArgumentError,
+    LookupRaceError,
+    ManifestError,
+    RootNotFoundError,
     StaleLineageError,
     StepConflictError,
 )
@@ -32,6 +35,8 @@ log = logging.getLogger("txckpt")
 
 INTENTS_DIR = ".txckpt/intents"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+#: How many times a lookup follows a tip that was retired and deleted under it (§6 step 4).
+LOOKUP_ATTEMPTS = 16
 
 
 def durable_default() -> bool:
@@ -142,15 +147,22 @@ class CheckpointRoot:
 
     # ----- lookup ------------------------------------------------------------------------------
     def get_last_checkpoint(self) -> str | None:
-        """The newest committed checkpoint of the current lineage, or None.
+        """The newest committed checkpoint of the current lineage (its full path), or None.
 
         A root without a log (written by a stock Trainer) is read the way transformers reads it,
         with a warning: the highest checkpoint-N.
         """
+        key = self.last_checkpoint_key()
+        return None if key is None else self.storage.full_path(key)
+
+    def last_checkpoint_key(self) -> str | None:
+        """:meth:`get_last_checkpoint` as a key inside the root (protocol §6)."""
         state = self.state()
         if state.seq < 0:
+            self.require_exists()
             dirs = self.legacy_dirs()
             if not dirs:
+                self._warn_if_checkpoint_dir()
                 return None
             log.warning(
                 "txckpt: %s has no txckpt log; using the highest checkpoint-N (%s) the way "
@@ -158,29 +170,81 @@ class CheckpointRoot:
                 "adopts these checkpoints (or run `txckpt adopt`).",
                 self.url, dirs[-1][1],
             )
-            return self.storage.full_path(dirs[-1][1])
-        tip = state.head_tip
-        if tip is None:
-            return None
-        key = self.publication.locate(tip)
-        if key is not None:
-            return self.storage.full_path(key)
-        return self._fallback_lookup(tip)
+            return dirs[-1][1]
+        missed: set[str] = set()
+        for _ in range(LOOKUP_ATTEMPTS):
+            tip = state.head_tip
+            if tip is None:
+                return None
+            key = self.publication.locate(tip)
+            if key is not None:
+                return key
+            # The tip is not where its ref says. Either the log moved on since this process read
+            # it (newer saves made the tip retirable and retention deleted it, or a publication
+            # renamed it between two of locate's reads): read the log again and follow the new
+            # tip; or, with the log unchanged on a second miss, its data was deleted by hand.
+            fresh = self.state()
+            if same_ref(fresh.head_tip, tip):
+                if tip["txid"] in missed:
+                    return self._fallback_lookup(tip)
+                missed.add(tip["txid"])
+            state = fresh
+        raise LookupRaceError(
+            f"the newest checkpoint of {self.url} was retired and deleted under this lookup "
+            f"{LOOKUP_ATTEMPTS} times in a row (a writer rotating with a small keep_last faster than "
+            "this reader reads); retry, keep more checkpoints, or take a reader lease "
+            "(txckpt.retention, docs/retention.md)",
+            root=self.url, attempts=LOOKUP_ATTEMPTS,
+        )
+
+    def require_exists(self) -> None:
+        """Raise :class:`RootNotFoundError` if the root itself is missing: its local directory, or
+        the bucket of an object-store URL (protocol §6 step 5). Answering "no checkpoint" there
+        would make ``if last: resume(last)`` silently train from scratch on a typo."""
+        missing = self.storage.missing_root()
+        if missing is None:
+            return
+        if missing == self.url:
+            raise RootNotFoundError(
+                f"{self.url} does not exist: there is no such directory, so there is no checkpoint "
+                "to look up. Check the path (a typo in output_dir?); for a new run, create it or skip "
+                "the lookup (a save creates the root)", root=self.url,
+            )
+        raise RootNotFoundError(
+            f"the bucket {missing} of {self.url} does not exist (or is not visible with these "
+            "credentials and endpoint). Check the URL and storage_options; for a new run, create the "
+            "bucket first", root=self.url, bucket=missing,
+        )
+
+    def _warn_if_checkpoint_dir(self) -> None:
+        name = self.url.rstrip("/").rsplit("/", 1)[-1]
+        if _CHECKPOINT_RE.match(name):  # both of a checkpoint's places are named so (§2)
+            parent = self.url.rstrip("/")[: -len(name) - 1] or "/"
+            log.warning(
+                "txckpt: %s is a checkpoint directory, not a root (an output_dir): "
+                "get_last_checkpoint looks for checkpoints inside the directory it is given, and "
+                "finds none in a checkpoint. Pass its parent, %s, to find the newest checkpoint; "
+                "pass this path to load_checkpoint to read this one.", self.url, parent,
+            )
 
     def _fallback_lookup(self, missing: dict[str, Any]) -> str | None:
+        """The tip ``missing`` is committed, not retired, and absent from storage: the newest
+        present checkpoint of the view (newer ones first, if the log moved on meanwhile)."""
         history = self.history()
         for c in reversed(history.in_view(None)):
-            if c.step >= missing["step"]:
+            if c.txid == missing["txid"]:
                 continue
             key = self.publication.locate(c.ref)
-            if key is not None:
+            if key is None:
+                continue
+            if c.step < missing["step"]:
                 log.warning(
                     "txckpt: the newest checkpoint of the current lineage, step %d (txid %s), is "
                     "missing from %s (deleted or renamed by hand?). Falling back to step %d. "
                     "Run `txckpt verify` to see what else is missing.",
                     missing["step"], missing["txid"], self.url, c.step,
                 )
-                return self.storage.full_path(key)
+            return key
         log.warning(
             "txckpt: no checkpoint of the current lineage of %s is present on storage "
             "(deleted by hand?); starting from scratch. Run `txckpt verify`.", self.url,

@@ -338,6 +338,43 @@ def readers_polling(ctx: Ctx, case: Case, result: Result) -> None:
     classify(result, found, case.known)
 
 
+def reader_outpaced(ctx: Ctx, case: Case, result: Result) -> None:
+    """The readers-polling race made to happen every time: a reader reads the log (the tip is
+    step 3), then is held between that request and its next while the writer saves 4 and 5,
+    rotates (keep_last=2: 3 is retired and deleted) and runs gc. Released, its lookup must
+    return a committed checkpoint that loads (or raise a typed error), never None."""
+    backend = case.backend
+    root, so = _root(ctx, backend, "outpaced")
+    found: list[str] = []
+    spec = "txckpt.log:read_state"
+    with Actor("writer") as w, Actor("reader") as r:
+        for s in (1, 2, 3):
+            w.value(op_save, root, s, f"W-{s}", so)
+            w.value(op_retention, root, 2, so)
+        r.pause(spec, when="after")
+        r.send(op_lookup, root, so)
+        assert r.wait() == ("paused", spec)
+        for s in (4, 5):
+            w.value(op_save, root, s, f"W-{s}", so)
+            w.value(op_retention, root, 2, so)
+        w.value(op_gc, root, so)
+        r.go()
+        out = r.wait()
+        r.unpause(spec)
+        if out[0] == "ok" and out[1] is None:
+            found.append("[reader] lookup returned None after step 5 was saved (its first read of the log "
+                         "saw step 3, which rotation then deleted)")
+        elif out[0] == "err" and not out[4]:
+            found.append(f"[reader] lookup raised an untyped {out[1]}: {out[2]}")
+        elif out[0] == "ok":
+            tags = child_value(lambda: sorted(__import__("tests.reliability.invariants", fromlist=["x"])
+                                              .read_tags(out[1], so)), "tags")
+            if tags != ["W-5"]:
+                found.append(f"[reader] lookup returned {out[1]} holding {tags}, not the newest save W-5")
+    result.tried, result.points, result.unit = 1, 1, "interleavings"
+    classify(result, found, case.known)
+
+
 # ----- rotation vs readers that announced themselves --------------------------------------------
 def leased_reader(ctx: Ctx, case: Case, result: Result) -> None:
     backend = case.backend
@@ -480,6 +517,10 @@ def cases() -> list[Case]:
             Case(f"concurrency/{backend}/readers-polling", "concurrency",
                  "2 readers polling lookup+load while a writer saves, rotates (keep_last=2) and runs gc", backend,
                  readers_polling, cost=40 if s3 else 25, needs_s3=s3),
+            Case(f"concurrency/{backend}/reader-outpaced", "concurrency",
+                 "a reader held between its read of the log and its read of the tip while the writer "
+                 "saves, rotates the tip away (keep_last=2) and runs gc", backend, reader_outpaced,
+                 cost=4 if s3 else 2, needs_s3=s3),
             Case(f"concurrency/{backend}/leased-reader", "concurrency",
                  "a reader holding a lease loads while rotation and gc run; gc deletes after the release", backend,
                  leased_reader, cost=6 if s3 else 3, needs_s3=s3),

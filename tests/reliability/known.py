@@ -89,4 +89,8 @@ FIXED: list[FixedIssue] = [
                "test_gc_keeps_a_live_writers_staging_when_its_clock_is_behind"),
     FixedIssue("KI-enospc-torch-save", "A full disk in the middle of a torch.save surfaced as torch's RuntimeError "
                "('unexpected pos'), not StorageError", "2ef5ec5", "test_enospc_inside_torch_save_is_a_storage_error"),
+    FixedIssue("KI-lookup-outpaced", "A reader's lookup returned None on a root full of committed checkpoints when "
+               "the writer saved and rotated (keep_last) between the reader's read of the log and its read of the "
+               "tip, which retention had deleted (protocol §6 step 4)", "98c760d",
+               "test_lookup_is_not_none_when_rotation_deletes_the_tip_it_read"),
 ]

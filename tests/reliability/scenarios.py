@@ -186,7 +186,7 @@ def build_gc(url, so):
     # A temp file of an interrupted log append, and an expired reader lease.
     st.create_exclusive(".txckpt/log/.00000000000000000099.json.0123456789ab.tmp", b"{", durable=False)
     st.create_exclusive(".txckpt/readers/x.0123456789ab.json",
-                        json.dumps({"txid": a[2], "expires": time.time() - 10, "pid": 1}).encode(), durable=False)
+                        json.dumps({"txid": a[2], "expires": time.time() - 86400, "pid": 1}).encode(), durable=False)
     txckpt.forget_roots()
     going = [c.txid for c in plan_retention(_root(url, so), _gc_policy())]
     assert going == [b[3]], going

@@ -272,6 +272,12 @@ class Storage(abc.ABC):
         """Every file below ``key`` as (key relative to ``key``, size), fresh. Symlinks are
         reported by ``is_symlink_escape`` rather than followed."""
 
+    def missing_root(self) -> str | None:
+        """What of the root itself is missing (the local directory, the bucket), or None.
+        An object-store prefix exists once something is written under it, so only a missing
+        bucket counts there; backends that cannot tell answer None."""
+        return None
+
     def is_symlink_escape(self, key: str) -> bool:
         """True if ``key`` is (or passes through) a symlink that resolves outside the root."""
         return False

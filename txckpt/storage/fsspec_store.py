@@ -547,6 +547,13 @@ class S3Storage(FsspecStorage):
         except FileNotFoundError:
             return None
 
+    def missing_root(self) -> str | None:
+        try:
+            self._call("head_bucket")  # 1 HeadBucket
+        except FileNotFoundError:
+            return f"s3://{self.bucket}"
+        return None
+
     def exists(self, key: str) -> bool:
         if self._head(key) is not None:
             return True

@@ -271,6 +271,9 @@ class LocalStorage(Storage):
     def exists(self, key: str) -> bool:
         return os.path.lexists(self._p(key))
 
+    def missing_root(self) -> str | None:
+        return None if os.path.isdir(self.root) else self.root
+
     def list_dir(self, key: str) -> list[str]:
         try:
             return sorted(os.listdir(self._p(key)))

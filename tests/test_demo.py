@@ -1,0 +1,36 @@
+"""`python -m txckpt.demo`, as README runs it: a relative root, --help, and its ending."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def demo(cwd, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "txckpt.demo", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_the_readme_command_with_a_relative_root_runs_and_ends_with_the_log(tmp_path):
+    out = demo(tmp_path, "out")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "get_last_checkpoint -> " + os.path.join("out", "checkpoint-2") + " " in out.stdout
+    assert f"The demo wrote to {tmp_path / 'out'}" in out.stdout
+    graph = out.stdout[out.stdout.index("`txckpt log out`"):]
+    assert "(HEAD -> lineage" in graph and "abandoned" in graph and "lineages:" in graph
+    assert "fork point of" in graph
+
+
+def test_help_prints_usage_and_creates_nothing(tmp_path):
+    out = demo(tmp_path, "--help")
+    assert out.returncode == 0 and "usage: python -m txckpt.demo" in out.stdout
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_root_that_is_not_empty_is_refused_before_writing(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    out = demo(tmp_path, "out")
+    assert out.returncode == 2 and "not an empty directory" in out.stderr
+    assert os.listdir(tmp_path / "out") == ["notes.txt"]
