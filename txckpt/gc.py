@@ -463,7 +463,7 @@ def _publication(root: Any, history: Any, report: GcReport) -> None:
                     report.items.append(GcItem("unpublish", name, f"{name} holds {occupant}, which is not "
                                                "in the current lineage: back to its home"))
     else:
-        for name in root.reconcile_publication(history):
+        for name in root.reconcile_publication(history, publish=False):
             report.items.append(GcItem("unpublish", name, "not in the current lineage: moved back to its home",
                                        done=True))
     for c in current:
@@ -471,7 +471,7 @@ def _publication(root: Any, history: Any, report: GcReport) -> None:
         if key is None or key == public_key(c.step) or c.adopted:
             continue
         item = GcItem("publish", public_key(c.step), f"committed step {c.step} (txid {c.txid}) was not "
-                      "published (a crash after its commit): give it its name")
+                      "published (a crash after its commit, or during a fork): give it its name")
         report.items.append(item)
         if not report.dry_run:
             try:
