@@ -90,6 +90,8 @@ class CheckpointRoot:
         #: The newest state this process has read or appended; a save of the lineage this
         #: session holds plans against it without reading the log (protocol §8 step 1).
         self._known_state: State | None = None
+        #: Whether this session's first commit reclaimed dead writers' staging (gc.reclaim_after_save).
+        self.staging_reclaimed = False
 
     @property
     def url(self) -> str:
