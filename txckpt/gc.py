@@ -613,5 +613,5 @@ def _uploads(root: Any, report: GcReport, now: float, grace_seconds: float, host
                 i.error = f"{type(e).__name__}: {e}"
 
 
-__all__ = ["collect_garbage", "reclaim_staging", "reclaim_after_save", "GcReport", "GcItem", "writer_status", "pid_alive", "process_start", "intent_record",
-           "write_intent", "read_intents"]
+__all__ = ["collect_garbage", "reclaim_staging", "reclaim_after_save", "GcReport", "GcItem", "writer_status",
+           "pid_alive", "process_start", "intent_record", "write_intent", "read_intents"]

@@ -334,8 +334,8 @@ class CheckpointRoot:
         try:
             self.reconcile_publication(history)
         except OSError as e:
-            # The fork is committed; publication is derived state that the next save or
-            # `txckpt gc` completes. Lookups follow the log, not the names.
+            # The fork is committed; publication is derived state that `txckpt gc` completes
+            # (a save publishes only its own checkpoint). Lookups follow the log, not the names.
             log.warning("txckpt: the rollback is recorded, but moving the checkpoint-N names to the "
                         "new lineage's checkpoints failed (%s); `txckpt gc` completes it", e)
         return lid
