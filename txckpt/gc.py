@@ -303,6 +303,14 @@ def reclaim_staging(root: Any, report: GcReport, history: Any, *, now: float, gr
     for txid in staged_now:
         if txid in history.checkpoints:
             continue  # committed: a home (possibly an empty one, after publication); (b) did retired
+        if txid.startswith("adopted-"):
+            # No save stages under an adopted txid: this is a legacy directory that a publication
+            # moved out of its checkpoint-N name, holding a manifest no log committed. Its bytes
+            # may be all there is of a committed adopted checkpoint: never deleted (protocol §11).
+            report.kept.append(GcItem("staging", f"{TX_DIR}/{txid}", "legacy checkpoint data under an "
+                                      "uncommitted adopted txid (never deleted; inspect it, or move it "
+                                      "back and `txckpt adopt` it)", _tree_bytes(storage, f"{TX_DIR}/{txid}")))
+            continue
         gone, why = _judge(storage, txid, intents, **judge)
         if gone:
             candidates.append((txid, why))
