@@ -350,7 +350,10 @@ class CheckpointRoot:
         view = history.in_view(None, include_retired=True)
         moved = self.publication.unpublish({c.txid for c in view}, set(history.checkpoints))
         if publish:
-            self.publication.publish_missing([c.ref for c in view if c.txid not in history.retired])
+            # Adopted checkpoints keep the name they were found at (it may be zero-padded), as in
+            # gc: only checkpoints that txckpt saved get checkpoint-<step>.
+            self.publication.publish_missing([c.ref for c in view if c.txid not in history.retired
+                                              and not c.adopted])
         return moved
 
     def _checkpoint_at_path(self, path: str | os.PathLike, history: History) -> Checkpoint:
