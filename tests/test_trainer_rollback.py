@@ -48,6 +48,11 @@ def by_txid(out, txid):
     return next(c for c in committed(out, "all").values() if c.txid == txid)
 
 
+def uncommitted_staging(out):
+    txckpt.forget_roots()
+    return set(os.listdir(out / ".txckpt" / "tx")) - set(txckpt.CheckpointRoot(out).history().checkpoints)
+
+
 def rollback_warning(stderr):
     return [l for l in stderr.splitlines() if "rolling back" in l and "abandons" in l]
 
@@ -83,9 +88,15 @@ def test_torn(tmp_path, crash):
     assert_holds_exactly_its_manifest(a4.path)
     txckpt.forget_roots()
     assert os.path.basename(txckpt.get_last_checkpoint(out)) == "checkpoint-2"
+    # The killed save left its staging (and its intent) behind.
+    (dead,) = uncommitted_staging(out)
+    assert os.listdir(out / ".txckpt" / "intents") == [f"{dead}.json"]
 
     p = run("restart", out)
     assert begins_at(p) == 2
+    # The restarted job's first save reclaimed it (protocol §8 step 12), without `txckpt gc`.
+    assert uncommitted_staging(out) == set()
+    assert os.listdir(out / ".txckpt" / "intents") == []
 
     # checkpoint-4 now holds run B's files only; run A's checkpoint-4 still exists, intact.
     current = {c.step: c for c in committed(out).values()}

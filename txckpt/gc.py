@@ -8,7 +8,7 @@
   intent, or the host rebooted since), or the intent is older than ``grace_seconds`` (writers on
   other hosts, whose liveness cannot be checked). A live writer's staging is never
   removed. Before anything is deleted the log is read again, so a save that committed meanwhile
-  is kept.
+  is kept. A session's first save applies the same rules after its commit (:func:`reclaim_after_save`).
 * **retired**: data of checkpoints a ``retire`` entry names (phase two of a deletion that a
   crash interrupted), except those under a live reader lease.
 * **intents** whose transaction committed or whose writer is gone; expired reader leases.
@@ -52,6 +52,8 @@ from .root import INTENTS_DIR
 log = logging.getLogger("txckpt")
 
 META_DIR = ".txckpt"
+#: Age past which an intent of another host, an unreadable intent or a temp file is taken for dead.
+GRACE_SECONDS = 3600.0
 TEMP_DIRS = (META_DIR, f"{META_DIR}/log", INTENTS_DIR, READERS_DIR, commit_log.SNAPSHOT_DIR)
 
 
@@ -273,12 +275,110 @@ def _remove(report: GcReport, item: GcItem, fn, *args) -> None:
         log.warning("txckpt gc: could not remove %s: %s", item.key, item.error)
 
 
+def _judge(storage: Any, txid: str, intents: dict[str, Any], *, now: float, grace_seconds: float,
+           hostname: str) -> tuple[bool, str]:
+    """(gone, why) for the writer of ``txid``: :func:`writer_status` of its intent; an
+    unreadable intent counts as gone once older than the grace period."""
+    if txid in intents and intents[txid] is None:
+        mtime = storage.modified_time(f"{INTENTS_DIR}/{txid}.json")
+        gone = mtime is not None and now - mtime > grace_seconds
+        return gone, "unreadable intent " + ("older than the grace period" if gone else "(recent: kept)")
+    return writer_status(intents.get(txid), now=now, grace_seconds=grace_seconds, hostname=hostname)
+
+
+def reclaim_staging(root: Any, report: GcReport, history: Any, *, now: float, grace_seconds: float,
+                    hostname: str, only: set[str] | None = None, measure_kept: bool = True) -> Any:
+    """(a) leftover staging and (d) stale intents, by the rules of the module doc: the one
+    implementation of gc and of a save's reclaim (:func:`reclaim_after_save`). ``history``: the
+    log folded before this call; ``only``: judge only the staging of these txids. Returns the
+    history re-read before the deletions."""
+    storage = root.storage
+    # List the staging first, then read the intents: a writer creates its intent before its
+    # staging, so every staging listed here either has its intent in what is read next, or its
+    # writer has already removed it (after committing or aborting) or never ran to completion.
+    staged_now = [t for t in storage.list_dir(TX_DIR) if only is None or t in only]
+    intents = read_intents(storage)
+    judge = dict(now=now, grace_seconds=grace_seconds, hostname=hostname)
+    candidates: list[tuple[str, str]] = []
+    live: set[str] = set()
+    for txid in staged_now:
+        if txid in history.checkpoints:
+            continue  # committed: a home (possibly an empty one, after publication); (b) did retired
+        if txid.startswith("adopted-"):
+            # No save stages under an adopted txid: this is a legacy directory that a publication
+            # moved out of its checkpoint-N name, holding a manifest no log committed. Its bytes
+            # may be all there is of a committed adopted checkpoint: never deleted (protocol §11).
+            report.kept.append(GcItem("staging", f"{TX_DIR}/{txid}", "legacy checkpoint data under an "
+                                      "uncommitted adopted txid (never deleted; inspect it, or move it "
+                                      "back and `txckpt adopt` it)", _tree_bytes(storage, f"{TX_DIR}/{txid}")))
+            continue
+        gone, why = _judge(storage, txid, intents, **judge)
+        if gone:
+            candidates.append((txid, why))
+        else:
+            live.add(txid)
+            report.kept.append(GcItem("staging", f"{TX_DIR}/{txid}", why,
+                                      _tree_bytes(storage, f"{TX_DIR}/{txid}") if measure_kept else 0))
+    # A save may have committed since the history was read (its intent disappears only after its
+    # commit entry exists): read the log again before deleting anything.
+    history = root.history()
+    for txid, why in candidates:
+        if txid in history.checkpoints:
+            continue
+        key = f"{TX_DIR}/{txid}"
+        step = _staged_step(storage, key)
+        desc = f"uncommitted staging{'' if step is None else f' of step {step}'}: {why}"
+        _remove(report, GcItem("staging", key, desc, _tree_bytes(storage, key)), storage.delete_tree, key)
+    staged = {t for t, _ in candidates}
+    for txid in intents:
+        if txid in live:
+            continue
+        key = f"{INTENTS_DIR}/{txid}.json"
+        if txid in history.checkpoints:
+            why = "its transaction committed (the writer stopped before removing it)"
+        elif txid in staged:
+            why = "its staging is reclaimed"
+        else:
+            gone, why = _judge(storage, txid, intents, **judge)
+            if not gone:
+                continue
+        _remove(report, GcItem("intent", key, f"stale intent: {why}"), storage.delete_file, key)
+    return history
+
+
+def reclaim_after_save(root: Any, *, grace_seconds: float = GRACE_SECONDS) -> GcReport | None:
+    """Protocol §8 step 12: a session's first commit reclaims the staging and intents of dead
+    writers by :func:`reclaim_staging`'s rules, after the commit point and the publication: a
+    failure here never touches the save, and a crash in the middle leaves what the next session
+    (or gc) finishes. It starts from the intents (a killed save always leaves its own), so with
+    none of a gone writer it costs one listing. Never raises; None if already done."""
+    if root.staging_reclaimed:
+        return None
+    root.staging_reclaimed = True
+    report = GcReport(root.url, dry_run=False)
+    storage, now, hostname = root.storage, time.time(), socket.gethostname()
+    try:
+        intents = read_intents(storage)
+        gone = {t for t in intents
+                if _judge(storage, t, intents, now=now, grace_seconds=grace_seconds, hostname=hostname)[0]}
+        if gone:
+            reclaim_staging(root, report, root.history(snapshot=True), now=now, grace_seconds=grace_seconds,
+                            hostname=hostname, only=gone, measure_kept=False)
+    except Exception as e:  # the checkpoint is committed; this is housekeeping
+        log.warning("txckpt: the save committed, but reclaiming the staging of dead writers under %s "
+                    "failed (%s: %s); `txckpt gc` reclaims it", root.url, type(e).__name__, e)
+        return report
+    for item in report.of("staging"):
+        log.info("txckpt: reclaimed %s (%d bytes) under %s: %s", item.key, item.bytes, root.url, item.reason)
+    return report
+
+
 # ----- the collector ---------------------------------------------------------------------------
 def collect_garbage(
     root: Any,
     *,
     dry_run: bool = False,
-    grace_seconds: float = 3600.0,
+    grace_seconds: float = GRACE_SECONDS,
     policy: RetentionPolicy | None = None,
     now: float | None = None,
 ) -> GcReport:
@@ -335,64 +435,8 @@ def collect_garbage(
             log.warning("txckpt gc: could not delete retired %s: %s", c.txid, item.error)
 
     # (a) leftover staging and (d) stale intents.
-    # List the staging first, then read the intents: a writer creates its intent before its
-    # staging, so every staging listed here either has its intent in what is read next, or its
-    # writer has already removed it (after committing or aborting) or never ran to completion.
-    staged_now = storage.list_dir(TX_DIR)
-    intents = read_intents(storage)
     hostname = socket.gethostname()
-    candidates: list[tuple[str, str]] = []
-    live: set[str] = set()
-    for txid in staged_now:
-        if txid in history.checkpoints:
-            continue  # committed: a home (possibly an empty one, after publication); (b) did retired
-        if txid.startswith("adopted-"):
-            # No save stages under an adopted txid: this is a legacy directory that a publication
-            # moved out of its checkpoint-N name, holding a manifest no log committed. Its bytes
-            # may be all there is of a committed adopted checkpoint: never deleted (protocol §11).
-            report.kept.append(GcItem("staging", f"{TX_DIR}/{txid}", "legacy checkpoint data under an "
-                                      "uncommitted adopted txid (never deleted; inspect it, or move it "
-                                      "back and `txckpt adopt` it)", _tree_bytes(storage, f"{TX_DIR}/{txid}")))
-            continue
-        intent = intents.get(txid)
-        gone, why = writer_status(intent, now=now, grace_seconds=grace_seconds, hostname=hostname)
-        if txid in intents and intent is None:
-            mtime = storage.modified_time(f"{INTENTS_DIR}/{txid}.json")
-            gone = mtime is not None and now - mtime > grace_seconds
-            why = "unreadable intent " + ("older than the grace period" if gone else "(recent: kept)")
-        if gone:
-            candidates.append((txid, why))
-        else:
-            live.add(txid)
-            report.kept.append(GcItem("staging", f"{TX_DIR}/{txid}", why, _tree_bytes(storage, f"{TX_DIR}/{txid}")))
-    # A save may have committed since the history was read (its intent disappears only after its
-    # commit entry exists): read the log again before deleting anything.
-    history = root.history()
-    for txid, why in candidates:
-        if txid in history.checkpoints:
-            continue
-        key = f"{TX_DIR}/{txid}"
-        step = _staged_step(storage, key)
-        desc = f"uncommitted staging{'' if step is None else f' of step {step}'}: {why}"
-        _remove(report, GcItem("staging", key, desc, _tree_bytes(storage, key)), storage.delete_tree, key)
-    staged = {t for t, _ in candidates}
-    for txid, intent in intents.items():
-        if txid in live:
-            continue
-        key = f"{INTENTS_DIR}/{txid}.json"
-        if txid in history.checkpoints:
-            why = "its transaction committed (the writer stopped before removing it)"
-        elif txid in staged:
-            why = "its staging is reclaimed"
-        else:
-            gone, why = writer_status(intent, now=now, grace_seconds=grace_seconds, hostname=hostname)
-            if intent is None:
-                mtime = storage.modified_time(key)
-                gone = mtime is not None and now - mtime > grace_seconds
-                why = "unreadable intent older than the grace period"
-            if not gone:
-                continue
-        _remove(report, GcItem("intent", key, f"stale intent: {why}"), storage.delete_file, key)
+    history = reclaim_staging(root, report, history, now=now, grace_seconds=grace_seconds, hostname=hostname)
     for key in expired_leases:
         _remove(report, GcItem("lease", key, "expired reader lease"), storage.delete_file, key)
 
@@ -472,7 +516,7 @@ def _publication(root: Any, history: Any, report: GcReport) -> None:
                     report.items.append(GcItem("unpublish", name, f"{name} holds {occupant}, which is not "
                                                "in the current lineage: back to its home"))
     else:
-        for name in root.reconcile_publication(history):
+        for name in root.reconcile_publication(history, publish=False):
             report.items.append(GcItem("unpublish", name, "not in the current lineage: moved back to its home",
                                        done=True))
     for c in current:
@@ -480,7 +524,7 @@ def _publication(root: Any, history: Any, report: GcReport) -> None:
         if key is None or key == public_key(c.step) or c.adopted:
             continue
         item = GcItem("publish", public_key(c.step), f"committed step {c.step} (txid {c.txid}) was not "
-                      "published (a crash after its commit): give it its name")
+                      "published (a crash after its commit, or during a fork): give it its name")
         report.items.append(item)
         if not report.dry_run:
             try:
@@ -578,5 +622,5 @@ def _uploads(root: Any, report: GcReport, now: float, grace_seconds: float, host
                 i.error = f"{type(e).__name__}: {e}"
 
 
-__all__ = ["collect_garbage", "GcReport", "GcItem", "writer_status", "pid_alive", "process_start", "intent_record",
-           "write_intent", "read_intents"]
+__all__ = ["collect_garbage", "reclaim_staging", "reclaim_after_save", "GcReport", "GcItem", "writer_status",
+           "pid_alive", "process_start", "intent_record", "write_intent", "read_intents"]

@@ -79,6 +79,9 @@ class InPlacePublication:
     def unpublish(self, keep: set[str], known: set[str]) -> list[str]:
         return []
 
+    def publish_missing(self, refs: list[dict[str, Any]]) -> list[str]:
+        return []
+
 
 class RenamePublication(InPlacePublication):
     def candidates(self, ref: dict[str, Any]) -> list[str]:
@@ -143,6 +146,21 @@ class RenamePublication(InPlacePublication):
                 self._evict(name, int(step_text), occupant)
                 moved.append(name)
         return moved
+
+    def publish_missing(self, refs: list[dict[str, Any]]) -> list[str]:
+        """Publish every committed ref of ``refs`` (the head's view) that does not hold its
+        ``checkpoint-N`` name: after a fork that restores checkpoints another fork abandoned.
+        One listing of the root and one manifest read per name present; refs whose data is
+        missing are skipped. Returns the names given."""
+        names = set(self.storage.list_dir(""))
+        given = []
+        for r in refs:
+            pub = public_key(r["step"])
+            if pub in names and manifest_txid(self.storage, pub) == r["txid"]:
+                continue
+            if self.publish(r) == pub:
+                given.append(pub)
+        return given
 
 
 def publication_for(storage: Storage, durable: bool = True) -> InPlacePublication:

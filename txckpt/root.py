@@ -93,6 +93,8 @@ class CheckpointRoot:
         #: The newest state this process has read or appended; a save of the lineage this
         #: session holds plans against it without reading the log (protocol §8 step 1).
         self._known_state: State | None = None
+        #: Whether this session's first commit reclaimed dead writers' staging (gc.reclaim_after_save).
+        self.staging_reclaimed = False
 
     @property
     def url(self) -> str:
@@ -396,17 +398,27 @@ class CheckpointRoot:
         try:
             self.reconcile_publication(history)
         except OSError as e:
-            # The fork is committed; publication is derived state that the next save or
-            # `txckpt gc` completes. Lookups follow the log, not the names.
-            log.warning("txckpt: the rollback is recorded, but moving the abandoned checkpoints out "
-                        "of their checkpoint-N names failed (%s); `txckpt gc` completes it", e)
+            # The fork is committed; publication is derived state that `txckpt gc` completes
+            # (a save publishes only its own checkpoint). Lookups follow the log, not the names.
+            log.warning("txckpt: the rollback is recorded, but moving the checkpoint-N names to the "
+                        "new lineage's checkpoints failed (%s); `txckpt gc` completes it", e)
         return lid
 
-    def reconcile_publication(self, history: History | None = None) -> list[str]:
-        """Make the checkpoint-N names match the current lineage (rename backends only)."""
+    def reconcile_publication(self, history: History | None = None, *, publish: bool = True) -> list[str]:
+        """Make the checkpoint-N names match the current lineage (rename backends only, §7):
+        names held by committed checkpoints outside the head's view go back to their homes, then
+        the view's checkpoints that lack their name get it (a fork that restores what an earlier
+        fork abandoned). Returns the names moved out. ``publish=False``: the first half only
+        (gc publishes, and reports, each one itself)."""
         history = history or self.history()
-        keep = {c.txid for c in history.in_view(None, include_retired=True)}
-        return self.publication.unpublish(keep, set(history.checkpoints))
+        view = history.in_view(None, include_retired=True)
+        moved = self.publication.unpublish({c.txid for c in view}, set(history.checkpoints))
+        if publish:
+            # Adopted checkpoints keep the name they were found at (it may be zero-padded), as in
+            # gc: only checkpoints that txckpt saved get checkpoint-<step>.
+            self.publication.publish_missing([c.ref for c in view if c.txid not in history.retired
+                                              and not c.adopted])
+        return moved
 
     def _checkpoint_at_path(self, path: str | os.PathLike, history: History) -> Checkpoint:
         key = self.storage.key_of(os.fspath(path))

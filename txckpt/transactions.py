@@ -27,7 +27,7 @@ from .errors import (
     UnsafePathError,
     storage_error,
 )
-from .gc import write_intent
+from .gc import reclaim_after_save, write_intent
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, check_file_name, kind_for_name
 from .serialization import write_object
 
@@ -260,6 +260,10 @@ class Transaction:
             if self._coord.is_committer:
                 outcome = self._commit_or_abort(reports or [report])
             outcome = self._coord.broadcast(outcome)
+            if "path" in outcome and self._coord.is_committer:
+                # Committed, and every rank has its path: now the session's first save reclaims
+                # what dead writers left (§8 step 12), off the other ranks' way.
+                reclaim_after_save(self._root)
         finally:
             self._done = True
             if self._temp_root:

@@ -1,0 +1,59 @@
+"""A fork publishes the new head's view (protocol §10 step 4): undoing a rollback gives the
+restored checkpoints back their checkpoint-N names, so plain tools agree with txckpt."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from transformers.trainer_utils import get_last_checkpoint as stock_get_last_checkpoint
+
+import txckpt
+from txckpt.gc import collect_garbage
+from txckpt.publication import manifest_txid
+
+
+@pytest.fixture(autouse=True)
+def _fast(monkeypatch):
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+
+
+def published(root: str) -> dict[int, str | None]:
+    """step -> txid named by the manifest of every checkpoint-N directory."""
+    r = txckpt.CheckpointRoot(root)
+    return {int(n[len("checkpoint-"):]): manifest_txid(r.storage, n)
+            for n in os.listdir(root) if n.startswith("checkpoint-")}
+
+
+def view(root: str) -> dict[int, str]:
+    return {c.step: c.txid for c in txckpt.CheckpointRoot(root).checkpoints()}
+
+
+@pytest.mark.parametrize("undo_to", [40, 25])
+def test_undoing_a_rollback_publishes_the_restored_checkpoints(tmp_path, undo_to):
+    root = str(tmp_path / "out")
+    for s in range(5, 45, 5):
+        txckpt.save_checkpoint(root, s, {"w.bin": f"A{s}".encode()})
+    txckpt.forget_roots()
+    txckpt.resume(root, step=10)
+    assert published(root) == view(root) and sorted(view(root)) == [5, 10]
+    assert stock_get_last_checkpoint(root) == os.path.join(root, "checkpoint-10")
+    abandoned = {c.step: c for c in txckpt.CheckpointRoot(root).checkpoints("all") if c.state == "abandoned"}
+    assert sorted(abandoned) == [15, 20, 25, 30, 35, 40]
+    assert "/.txckpt/tx/" in abandoned[undo_to].path
+
+    txckpt.forget_roots()
+    resumed = txckpt.resume(root, path=abandoned[undo_to].path)
+
+    expected = os.path.join(root, f"checkpoint-{undo_to}")
+    assert resumed == expected
+    assert sorted(view(root)) == list(range(5, undo_to + 5, 5))
+    # Every checkpoint of the current view holds its name, and only those do.
+    assert published(root) == view(root)
+    assert txckpt.get_last_checkpoint(root) == expected
+    assert stock_get_last_checkpoint(root) == expected
+    assert bytes(txckpt.load_checkpoint(expected)["w.bin"]) == f"A{undo_to}".encode()
+    # Nothing is left for gc to complete.
+    txckpt.forget_roots()
+    assert [i for i in collect_garbage(txckpt.CheckpointRoot(root), dry_run=True).items
+            if i.kind in ("publish", "unpublish")] == []
