@@ -207,3 +207,77 @@ def test_demo_runs(tmp_path):
     assert "abandons 2 checkpoint(s)" in out.stdout
     assert "get_last_checkpoint -> " + str(tmp_path / "demo" / "checkpoint-2") in out.stdout
     assert out.stdout.count("verified, manifest unchanged: True") == 2
+
+
+# ----- special files where a committed file was (a FIFO must never hang a reader) -------------
+_SPECIAL_PROBE = r"""
+import json, sys
+import txckpt
+from txckpt.errors import IntegrityError, SpecialFileError
+path = sys.argv[1]
+out = {}
+for label, fn in [("load", lambda: txckpt.load_checkpoint(path)),
+                  ("load-unverified", lambda: txckpt.load_checkpoint(path, verify=False)),
+                  ("verify", lambda: txckpt.verify_checkpoint(path))]:
+    try:
+        fn()
+        out[label] = "ok"
+    except SpecialFileError as e:
+        out[label] = ["SpecialFileError", e.kind, e.path, str(e)]
+    except Exception as e:
+        out[label] = [type(e).__name__, str(e)]
+print(json.dumps(out))
+"""
+
+
+def _replace_with_special(p, kind):
+    os.unlink(p)
+    if kind == "FIFO":
+        os.mkfifo(p)
+        return None
+    import socket
+
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(p)  # a bound socket stays in the file system while s lives
+    return s
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "socket"])
+@pytest.mark.parametrize("name", ["model.safetensors", "trainer_state.json"])
+def test_committed_file_replaced_by_a_special_file_is_a_typed_error_not_a_hang(tmp_path, kind, name):
+    root = str(tmp_path / "r")  # short: a unix socket's path is limited to 107 bytes
+    path = make(root)
+    p = os.path.join(path, name)
+    keep = _replace_with_special(p, kind)
+    try:
+        # A child process: on a reader that blocks on the FIFO the timeout fails the test.
+        out = subprocess.run([sys.executable, "-c", _SPECIAL_PROBE, path], capture_output=True, text=True,
+                             timeout=120)
+    finally:
+        if keep is not None:
+            keep.close()
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    for label in ("load", "load-unverified", "verify"):
+        typ, got_kind, got_path, msg = res[label]
+        assert (typ, got_kind, got_path) == ("SpecialFileError", kind, p), res
+        assert "resume from another" in msg
+    assert issubclass(txckpt.errors.SpecialFileError, IntegrityError)
+
+
+def test_fileio_never_blocks_on_a_fifo(tmp_path):
+    from txckpt import fileio
+    from txckpt.errors import SpecialFileError
+
+    p = str(tmp_path / "fifo")
+    os.mkfifo(p)
+    code = ("import sys; from txckpt import fileio\n"
+            "for f in (lambda: fileio.hash_file(sys.argv[1]), lambda: fileio.read_into_buffer(sys.argv[1], 0, hash=True),\n"
+            "          lambda: fileio.open_regular(sys.argv[1])):\n"
+            "    try: f(); print('read')\n"
+            "    except Exception as e: print(type(e).__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code, p], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["SpecialFileError"] * 3, out.stderr
+    with pytest.raises(SpecialFileError) as e:
+        fileio.regular_size(p)
+    assert e.value.kind == "FIFO" and e.value.path == p

@@ -466,3 +466,26 @@ def test_cli_on_s3(s3_root, s3_server):
     assert set(before) - set(after) == {k for k in before if k.startswith(f".txckpt/tx/{staged[0]}/")
                                         or k == f".txckpt/intents/{staged[0]}.json"}
     assert set(after) <= set(before)
+
+
+def test_verify_and_export_report_a_fifo_instead_of_hanging(rolled, tmp_path):
+    root, a, b = rolled
+    p = os.path.join(root, "checkpoint-4", "weights.bin")
+    os.unlink(p)
+    os.mkfifo(p)  # opening it for reading would wait for a writer forever
+    out = run("verify", root, check=1)  # run()'s timeout fails the test if verify blocks
+    assert f"PROBLEM: {p}: a FIFO, not a regular file" in out.stdout
+    out = run("verify", os.path.join(root, "checkpoint-4"), check=1)
+    assert "a FIFO, not a regular file" in out.stdout
+    dest = str(tmp_path / "exported")
+    out = run("export", root, "--step", "4", dest, check=1)
+    assert "a FIFO, not a regular file" in out.stderr
+    assert not os.path.exists(dest) or os.listdir(dest) == []
+    # The manifest itself replaced by a FIFO: a PROBLEM line too.
+    m = os.path.join(root, "checkpoint-2", txckpt.MANIFEST_NAME)
+    os.unlink(m)
+    os.mkfifo(m)
+    out = run("verify", root, check=1)
+    assert "PROBLEM: step 2 " in out.stdout and "data is missing" in out.stdout
+    out = run("verify", os.path.join(root, "checkpoint-2"), check=1)
+    assert f"PROBLEM: {m}: a FIFO, not a regular file" in out.stdout

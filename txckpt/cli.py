@@ -26,6 +26,7 @@ from .errors import (
     InvalidArgumentError,
     ManifestError,
     NotATxckptRootError,
+    SpecialFileError,
     TxckptError,
 )
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
@@ -516,8 +517,12 @@ def _check_file(task: _Task) -> tuple[int, str | None]:
     try:
         with s.open_read(key) as f:
             size, digest = checksum.digest_stream(f)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError):
         return 0, f"{where}: missing (the manifest lists it, {entry.size} bytes)"
+    except IsADirectoryError:
+        return 0, f"{where}: a directory where the manifest lists a file"
+    except SpecialFileError as e:
+        return 0, f"{where}: a {e.kind}, not a regular file (not read: reading would block)"
     except OSError as e:
         return 0, f"{where}: unreadable ({e})"
     if size != entry.size:
@@ -534,6 +539,9 @@ def _plan_checkpoint(storage: Any, key: str, where: str, expected: Any | None,
         data = storage.read_bytes(f"{prefix}{MANIFEST_NAME}")
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         problems.append(f"{where}/{MANIFEST_NAME}: missing (not a committed txckpt checkpoint)")
+        return None, []
+    except SpecialFileError as e:
+        problems.append(f"{where}/{MANIFEST_NAME}: a {e.kind}, not a regular file (not read)")
         return None, []
     try:
         manifest = Manifest.decode(data, f"{where}/{MANIFEST_NAME}")
@@ -767,8 +775,9 @@ def cmd_export(args: argparse.Namespace) -> int:
             break
         try:
             reader = src.open_read(f"{key}/{name}")
-        except FileNotFoundError:
-            problems.append(f"{src.full_path(key)}/{name}: missing")
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, SpecialFileError) as e:
+            what = f"a {e.kind}, not a regular file" if isinstance(e, SpecialFileError) else "missing"
+            problems.append(f"{src.full_path(key)}/{name}: {what}")
             break
         writer = HashingWriter(dest.open_write(name, durable=durable))
         written.append(name)

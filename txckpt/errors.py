@@ -46,6 +46,22 @@ class IntegrityError(TxckptError):
     """Stored bytes do not match the manifest (size, checksum, missing file, edited manifest)."""
 
 
+class SpecialFileError(IntegrityError):
+    """A name txckpt reads as a regular file is a FIFO, socket or device (something replaced the
+    file). txckpt never opens it for a blocking read. ``.path``: where; ``.kind``: what it is."""
+
+    def __init__(self, message: str = "", *, path: str | None = None, kind: str | None = None):
+        if not message and path is not None:
+            message = (
+                f"{path} is a {kind or 'special file'}, not a regular file: something replaced a file "
+                "txckpt reads (by hand, or another program), and txckpt does not read from it. Remove "
+                "it; a checkpoint that lists it is damaged: resume from another one (`txckpt ls`)"
+            )
+        super().__init__(message)
+        self.path = path
+        self.kind = kind
+
+
 class ManifestError(IntegrityError):
     """A manifest is missing, unreadable, edited, of an unknown format, or names unsafe paths."""
 

@@ -467,10 +467,9 @@ class _TrackedWriter(HashingWriter):
 def _hash_and_sync(storage: Any, key: str, name: str, durable: bool) -> FileEntry:
     local = storage.local_path(key)
     if local is not None:
-        with open(local, "rb", buffering=0) as f:
-            size, digest = digest_stream(f)
-            if durable:
-                os.fsync(f.fileno())
+        from .fileio import hash_file
+
+        size, digest = hash_file(local, fsync=durable)  # a FIFO here raises, never blocks
     else:
         with storage.open_read(key) as f:
             size, digest = digest_stream(f)

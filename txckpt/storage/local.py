@@ -262,11 +262,15 @@ class LocalStorage(Storage):
 
     # ----- reading -----------------------------------------------------------------------------
     def read_bytes(self, key: str) -> bytes:
-        with open(self._p(key), "rb") as f:
+        from ..fileio import open_regular_file
+
+        with open_regular_file(self._p(key)) as f:
             return f.read()
 
     def open_read(self, key: str) -> BinaryIO:
-        return open(self._p(key), "rb", buffering=_WRITE_BUFFER)
+        from ..fileio import open_regular_file
+
+        return open_regular_file(self._p(key), _WRITE_BUFFER)
 
     def exists(self, key: str) -> bool:
         return os.path.lexists(self._p(key))
