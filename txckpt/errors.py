@@ -89,12 +89,34 @@ class StorageError(TxckptError, OSError):
     """The storage backend refused an operation (full disk, read-only root, permissions)."""
 
 
+class TempFileRemovedError(StorageError):
+    """The private temp file of a create-if-absent (or replace) write vanished before it got its
+    name: another process deleted it (``txckpt gc --grace 0`` beside a running job, or by hand).
+    Nothing was written under the final name. ``.path``: the temp file."""
+
+    def __init__(self, message: str = "", *, path: str | None = None, target: str | None = None):
+        import errno as _errno
+
+        if not message:
+            message = (
+                f"the temp file {path} vanished before txckpt could link it to {target}: another process "
+                "deleted it (`txckpt gc --grace 0` running beside this job, or by hand). Nothing was "
+                f"written under {target} and nothing was lost; retry, and run gc with a grace period "
+                "longer than a write takes (the default, 3600 s)"
+            )
+        super().__init__(_errno.ENOENT, message)
+        self.path = path
+        self.target = target
+
+
 _STORAGE_ADVICE = {
     "ENOSPC": "the disk is full: free space (`txckpt gc` reclaims leftover staging) or save elsewhere",
     "EDQUOT": "the disk quota is exhausted: free space or raise the quota",
     "EROFS": "the root is on a read-only filesystem: save to a writable root",
     "EACCES": "permission denied: check the root's ownership and mode",
     "EPERM": "operation not permitted: check the root's ownership and mode",
+    "ENAMETOOLONG": "a path is longer than the file system allows: use shorter file names, or a root "
+                    "with a shorter path",
 }
 
 
@@ -107,5 +129,6 @@ def storage_error(e: OSError, what: str) -> OSError:
     if advice is None or isinstance(e, StorageError):
         return e
     err = StorageError(e.errno, f"txckpt could not {what}: {e.strerror or e}; {advice}. Nothing was committed.")
-    err.filename = e.filename
+    if e.filename is not None:  # OSError's str() would end in ": None"
+        err.filename = e.filename
     return err

@@ -26,7 +26,7 @@ from .errors import (
     StepConflictError,
 )
 from .lineage import Checkpoint, History, State, new_lineage_id, ref, same_ref
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, kind_for_name
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, check_step, kind_for_name
 from .publication import TX_DIR, home_key, publication_for, public_key
 from .storage import Storage, open_storage
 
@@ -220,8 +220,8 @@ class CheckpointRoot:
         """Declare where this process continues from; see :func:`txckpt.resume`."""
         if step is not None and path is not None:
             raise InvalidArgumentError("give step or path, not both")
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise InvalidArgumentError(f"step must be a non-negative int, not {step!r}")
+        if step is not None:
+            check_step(step)
         state = self.state()
         if state.seq < 0 and self.legacy_checkpoints():
             if step is None and path is None:
@@ -440,8 +440,7 @@ class CheckpointRoot:
     # ----- saving ------------------------------------------------------------------------------
     def prepare_save(self, step: int) -> dict[str, Any]:
         """Validate a save of ``step`` against the newest state; returns the plan the ranks share."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise InvalidArgumentError(f"step must be a non-negative int, not {step!r}")
+        check_step(step)
         if self.writer_lineage is not None and self._known_state is not None:
             # This session holds a lineage: plan against the newest state it knows (its own last
             # commit, usually) instead of reading the log. If another process appended since,
