@@ -489,3 +489,26 @@ def test_verify_and_export_report_a_fifo_instead_of_hanging(rolled, tmp_path):
     assert "PROBLEM: step 2 " in out.stdout and "data is missing" in out.stdout
     out = run("verify", os.path.join(root, "checkpoint-2"), check=1)
     assert f"PROBLEM: {m}: a FIFO, not a regular file" in out.stdout
+
+
+def test_export_refuses_a_dest_reached_through_a_symlink_into_the_root_and_a_file(rolled, tmp_path):
+    root, a, b = rolled
+    before = tree(root)
+    link = tmp_path / "looks-outside"
+    os.symlink(os.path.join(root, ".txckpt", "tx"), link)
+    for dest in (str(link / "export"), str(link)):
+        p = run("export", root, "--step", "4", dest, check=2)
+        assert "lies inside ROOT" in p.stderr
+    os.symlink(root, tmp_path / "root-link")
+    p = run("export", root, "--step", "4", str(tmp_path / "root-link" / "x"), check=2)
+    assert "lies inside ROOT" in p.stderr
+    assert tree(root) == before  # nothing written into the root, so gc has nothing to delete
+    f = tmp_path / "a-file"
+    f.write_bytes(b"keep me")
+    p = run("export", root, "--step", "4", str(f), check=2)
+    assert "is an existing file" in p.stderr and f.read_bytes() == b"keep me"
+    # A symlink to a directory outside the root is a fine destination.
+    (tmp_path / "real-out").mkdir()
+    os.symlink(tmp_path / "real-out", tmp_path / "out-link")
+    run("export", root, "--step", "4", str(tmp_path / "out-link"))
+    assert "weights.bin" in os.listdir(tmp_path / "real-out")

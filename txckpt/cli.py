@@ -762,10 +762,21 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise IntegrityError(f"{src.full_path(key)}/{MANIFEST_NAME} differs from the manifest the log committed")
     dest_options = parse_storage_options(args.dest_storage_option) if args.dest_storage_option else args.storage_options
     dest = open_storage(args.dest, dest_options if _is_url(args.dest) else None)
+    dest_local = dest.local_path("")
+    if dest_local is not None and os.path.lexists(dest_local) and not os.path.isdir(dest_local):
+        raise UsageError(f"DEST {args.dest} is an existing file; export into a new or empty directory")
+    inside = src.key_of(dest.full_path("")) is not None and dest.full_path("").startswith(src.full_path(""))
+    if dest_local is not None and src.local_path("") is not None:
+        # Real paths: a DEST reached through a symlink into the root is inside it (gc would
+        # take the export for garbage there).
+        from .storage.local import lies_within
+
+        inside = inside or lies_within(dest_local, src.local_path(""))
+    if inside:
+        raise UsageError(f"DEST {args.dest} lies inside ROOT (its real path, symlinks resolved); "
+                         "export outside the root")
     if dest.exists("") and dest.list_dir(""):
         raise UsageError(f"DEST {args.dest} exists and is not empty; export into a new or empty directory")
-    if src.key_of(dest.full_path("")) is not None and dest.full_path("").startswith(src.full_path("")):
-        raise UsageError(f"DEST {args.dest} lies inside ROOT; export outside the root")
     durable = not args.no_sync
     written: list[str] = []
     problems: list[str] = []

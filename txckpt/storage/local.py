@@ -181,6 +181,13 @@ def rename_noreplace(src: str, dst: str) -> None:
     os.rename(src, dst)
 
 
+def lies_within(path: str, root: str) -> bool:
+    """Whether ``path`` (which need not exist yet) is ``root`` or below it, comparing real
+    paths: symlinks on the way of either are resolved."""
+    real, root_real = os.path.realpath(path), os.path.realpath(root)
+    return real == root_real or real.startswith(root_real.rstrip(os.sep) + os.sep)
+
+
 class LocalStorage(Storage):
     atomic_dir_rename = True
 
