@@ -512,3 +512,124 @@ def test_export_refuses_a_dest_reached_through_a_symlink_into_the_root_and_a_fil
     os.symlink(tmp_path / "real-out", tmp_path / "out-link")
     run("export", root, "--step", "4", str(tmp_path / "out-link"))
     assert "weights.bin" in os.listdir(tmp_path / "real-out")
+
+
+_FULL_DISK = r"""
+import json, os, subprocess, sys
+import txckpt
+mnt = sys.argv[1]
+root = os.path.join(mnt, "out")
+TX = os.path.join(os.path.dirname(sys.executable), "txckpt")
+out = {}
+for s in (1, 2, 3):
+    txckpt.save_checkpoint(root, s, {"w.bin": os.urandom(500_000), "s.json": {"step": s}})
+out["reserve_made"] = os.path.getsize(os.path.join(root, ".txckpt", "reserve"))
+
+def fill(name):
+    with open(os.path.join(mnt, name), "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == 28, e
+    try:
+        with open(os.path.join(mnt, "probe"), "wb") as f:
+            f.write(b"x")
+            f.flush()
+        return False
+    except OSError:
+        os.unlink(os.path.join(mnt, "probe"))
+        return True
+
+out["full"] = fill("filler")
+try:
+    txckpt.save_checkpoint(root, 4, {"w.bin": b"x" * 100_000})
+    out["save"] = "committed"
+except txckpt.errors.StorageError as e:
+    out["save"] = str(e)
+out["reserve_after_save"] = os.path.exists(os.path.join(root, ".txckpt", "reserve"))
+p = subprocess.run([TX, "gc", "--keep-last", "1", root], capture_output=True, text=True)
+out["gc"] = [p.returncode, p.stdout, p.stderr]
+txckpt.forget_roots()
+out["left"] = sorted(c.step for c in txckpt.CheckpointRoot(root).checkpoints("all") if c.state != "retired")
+out["last"] = txckpt.get_last_checkpoint(root)
+out["reserve_back"] = os.path.exists(os.path.join(root, ".txckpt", "reserve"))
+p = subprocess.run([TX, "verify", root], capture_output=True, text=True)
+out["verify"] = p.returncode
+# A root whose reserve is gone (an older txckpt's) on a full disk: gc first reclaims what needs no
+# log entry (here an uncommitted staging), which makes room for the retire entry.
+os.unlink(os.path.join(mnt, "filler"))
+for s in (5, 6):
+    txckpt.save_checkpoint(root, s, {"w.bin": os.urandom(500_000)})
+RESERVE = os.path.join(root, ".txckpt", "reserve")
+os.unlink(RESERVE)
+staging = os.path.join(root, ".txckpt", "tx", "0-deadbeef-0000000000", "checkpoint-0")
+os.makedirs(staging)
+with open(os.path.join(staging, "junk.bin"), "wb") as f:
+    f.write(os.urandom(20_000))
+out["full2"] = fill("filler2")
+p = subprocess.run([TX, "gc", "--keep-last", "2", root], capture_output=True, text=True)
+out["gc2"] = [p.returncode, p.stdout, p.stderr]
+out["staging_left"] = os.path.exists(staging)
+txckpt.forget_roots()
+out["left2"] = sorted(c.step for c in txckpt.CheckpointRoot(root).checkpoints("all") if c.state != "retired")
+# Nothing to reclaim without an entry, and no reserve: gc says what to do, and deletes nothing.
+if os.path.exists(RESERVE):
+    os.unlink(RESERVE)
+out["full3"] = fill("filler3")
+p = subprocess.run([TX, "gc", "--keep-last", "1", root], capture_output=True, text=True)
+out["gc3"] = [p.returncode, p.stdout, p.stderr]
+txckpt.forget_roots()
+out["left3"] = sorted(c.step for c in txckpt.CheckpointRoot(root).checkpoints("all") if c.state != "retired")
+os.unlink(os.path.join(mnt, "filler3"))  # space freed by hand, as the message says
+p = subprocess.run([TX, "gc", "--keep-last", "1", root], capture_output=True, text=True)
+out["gc4"] = p.returncode
+txckpt.forget_roots()
+out["left4"] = sorted(c.step for c in txckpt.CheckpointRoot(root).checkpoints("all") if c.state != "retired")
+print(json.dumps(out))
+"""
+
+
+def _in_tiny_tmpfs(tmp_path, code, size="4m"):
+    """Run ``code`` with a fresh tmpfs of ``size`` mounted at argv[1], in a private mount
+    namespace (unshare -rm); skip where the machine does not allow one."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cmd = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "$1" && exec "$2" -c "$3" "$1"',
+           "sh", str(mnt), sys.executable, code]
+    try:
+        p = subprocess.run(["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=64k tmpfs "{mnt}"'],
+                           capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        p = None
+    if p is None or p.returncode != 0:
+        pytest.skip("no private mount namespace here (unshare -rm, mount -t tmpfs)")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_gc_keep_last_frees_space_on_a_100_percent_full_disk(tmp_path):
+    out = _in_tiny_tmpfs(tmp_path, _FULL_DISK)
+    assert out["reserve_made"] > 0 and out["full"] is True
+    # A save on the full disk fails, typed, and leaves the reserve for gc.
+    assert "disk is full" in out["save"] and "--keep-last" in out["save"] and not out["save"].endswith("None")
+    assert out["reserve_after_save"] is True
+    rc, stdout, stderr = out["gc"]
+    assert rc == 0, stdout + stderr
+    assert out["left"] == [3] and out["last"].endswith("checkpoint-3") and out["verify"] == 0
+    assert out["reserve_back"] is True  # the freed space holds it again
+    # Without a reserve: the staging goes first, and its space holds the retire entry.
+    assert out["full2"] is True
+    rc, stdout, stderr = out["gc2"]
+    assert rc == 0 and out["staging_left"] is False, stdout + stderr
+    assert out["left2"] == [5, 6]
+    # Nothing to reclaim first and no reserve: nothing committed is deleted, and the message says
+    # what to do; once space is freed by hand, the same command works.
+    assert out["full3"] is True
+    rc, stdout, stderr = out["gc3"]
+    assert rc == 1, stdout + stderr
+    assert "Free a few MiB" in stdout + stderr and "--keep-last N` again" in stdout + stderr
+    assert ": None" not in stdout + stderr
+    assert out["left3"] == [5, 6]
+    assert out["gc4"] == 0 and out["left4"] == [6]

@@ -110,7 +110,9 @@ class TempFileRemovedError(StorageError):
 
 
 _STORAGE_ADVICE = {
-    "ENOSPC": "the disk is full: free space (`txckpt gc` reclaims leftover staging) or save elsewhere",
+    "ENOSPC": "the disk is full: free space (`txckpt gc ROOT` reclaims leftover staging; `txckpt gc ROOT "
+              "--keep-last N` deletes older checkpoints, recording it in space txckpt reserves for that) or "
+              "save elsewhere",
     "EDQUOT": "the disk quota is exhausted: free space or raise the quota",
     "EROFS": "the root is on a read-only filesystem: save to a writable root",
     "EACCES": "permission denied: check the root's ownership and mode",

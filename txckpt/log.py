@@ -9,6 +9,7 @@ absent. The hint may lag or be missing; it is never trusted beyond that.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -189,6 +190,7 @@ def append(
     durable: bool,
     start: State | None = None,
     update_hint: bool = True,
+    on_full: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Append one entry. ``build(state, seq, time)`` validates against the newest state and
     returns the entry's body (with its new "state"); it may raise to refuse.
@@ -203,6 +205,10 @@ def append(
     attempt appends after it without reading the log again: entries are gapless and created
     if absent, so creating entry ``start.seq + 1`` succeeds only if ``start`` is still the
     newest state; if it is not, the attempt loses the race and the loop re-reads.
+
+    ``on_full``: called once if creating the entry fails for lack of space (ENOSPC, EDQUOT); if
+    it returns True (it freed space: retention releases ``.txckpt/reserve``), the append is tried
+    again from a fresh read.
     """
     entry_id = uuid.uuid4().hex
     for attempt in range(_MAX_APPEND_ATTEMPTS):
@@ -229,6 +235,10 @@ def append(
         except OSError as e:
             from .errors import storage_error
 
+            if on_full is not None and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                freed, on_full = on_full(), None
+                if freed:
+                    continue
             raise storage_error(e, f"append log entry {seq}") from e
         if update_hint:
             write_hint(storage, seq)

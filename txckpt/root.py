@@ -105,10 +105,17 @@ class CheckpointRoot:
         if self._known_state is None or state.seq >= self._known_state.seq:
             self._known_state = state
 
-    def append_entry(self, build: Any, *, start: State | None = None, update_hint: bool = True) -> dict[str, Any]:
-        """Append one log entry (``commit_log.append``) and remember the state it made."""
-        entry = commit_log.append(self.storage, build, durable=self.durable, start=start, update_hint=update_hint)
+    def append_entry(self, build: Any, *, start: State | None = None, update_hint: bool = True,
+                     on_full: Any = None) -> dict[str, Any]:
+        """Append one log entry (``commit_log.append``) and remember the state it made. The
+        root's first entry also makes the space reserve retention uses on a full disk."""
+        entry = commit_log.append(self.storage, build, durable=self.durable, start=start,
+                                  update_hint=update_hint, on_full=on_full)
         self._note_state(State.from_json(entry["seq"], entry["state"]))
+        if entry["seq"] == 0:
+            from .reserve import ensure_reserve
+
+            ensure_reserve(self.storage, durable=self.durable)
         return entry
 
     def history(self, *, snapshot: bool = False) -> History:
