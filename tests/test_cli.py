@@ -523,7 +523,8 @@ TX = os.path.join(os.path.dirname(sys.executable), "txckpt")
 out = {}
 for s in (1, 2, 3):
     txckpt.save_checkpoint(root, s, {"w.bin": os.urandom(500_000), "s.json": {"step": s}})
-out["reserve_made"] = os.path.getsize(os.path.join(root, ".txckpt", "reserve"))
+RESERVE = os.path.join(root, ".txckpt", "reserve")
+out["reserve_made"] = os.path.getsize(RESERVE) if os.path.exists(RESERVE) else 0
 
 def fill(name):
     with open(os.path.join(mnt, name), "wb", buffering=0) as f:
@@ -561,8 +562,8 @@ out["verify"] = p.returncode
 os.unlink(os.path.join(mnt, "filler"))
 for s in (5, 6):
     txckpt.save_checkpoint(root, s, {"w.bin": os.urandom(500_000)})
-RESERVE = os.path.join(root, ".txckpt", "reserve")
-os.unlink(RESERVE)
+if os.path.exists(RESERVE):
+    os.unlink(RESERVE)
 staging = os.path.join(root, ".txckpt", "tx", "0-deadbeef-0000000000", "checkpoint-0")
 os.makedirs(staging)
 with open(os.path.join(staging, "junk.bin"), "wb") as f:
@@ -611,13 +612,13 @@ def _in_tiny_tmpfs(tmp_path, code, size="4m"):
 
 def test_gc_keep_last_frees_space_on_a_100_percent_full_disk(tmp_path):
     out = _in_tiny_tmpfs(tmp_path, _FULL_DISK)
-    assert out["reserve_made"] > 0 and out["full"] is True
-    # A save on the full disk fails, typed, and leaves the reserve for gc.
-    assert "disk is full" in out["save"] and "--keep-last" in out["save"] and not out["save"].endswith("None")
-    assert out["reserve_after_save"] is True
+    assert out["full"] is True
     rc, stdout, stderr = out["gc"]
     assert rc == 0, stdout + stderr
     assert out["left"] == [3] and out["last"].endswith("checkpoint-3") and out["verify"] == 0
+    # A save on the full disk fails, typed, and leaves the reserve (made with the root) for gc.
+    assert "disk is full" in out["save"] and "--keep-last" in out["save"] and not out["save"].endswith("None")
+    assert out["reserve_made"] > 0 and out["reserve_after_save"] is True
     assert out["reserve_back"] is True  # the freed space holds it again
     # Without a reserve: the staging goes first, and its space holds the retire entry.
     assert out["full2"] is True
