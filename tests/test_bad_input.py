@@ -423,3 +423,28 @@ def test_tx_save_and_tx_directory_with_distinct_names_still_commit(root):
         _save_pretrained_like(tx.directory)
     out = txckpt.load_checkpoint(tx.path)
     assert out["config.json"] == {"hidden": 4} and torch.equal(out["model.safetensors"]["w"], torch.ones(3))
+
+
+def test_fifo_log_entry_hint_lease_and_intent_are_handled_without_blocking(root):
+    make(root)
+    meta = os.path.join(root, ".txckpt")
+    newest = sorted(os.listdir(os.path.join(meta, "log")))[-1]
+    os.makedirs(os.path.join(meta, "readers"), exist_ok=True)
+    os.makedirs(os.path.join(meta, "intents"), exist_ok=True)
+    os.unlink(os.path.join(meta, "latest"))
+    for rel in ("latest", "readers/x.0000.json", "intents/9-abc-0000.json"):
+        os.mkfifo(os.path.join(meta, rel))
+    code = ("import sys, txckpt\nfrom txckpt.gc import collect_garbage\n"
+            "r = sys.argv[1]\nprint(txckpt.get_last_checkpoint(r))\n"
+            "rep = collect_garbage(txckpt.CheckpointRoot(r), grace_seconds=0)\n"
+            "print(sorted(i.kind for i in rep.items if i.done))\n")
+    out = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == os.path.join(root, "checkpoint-2")  # a FIFO hint reads as a missing one
+    assert lines[1] == str(sorted(["intent", "lease"]))  # unreadable records: gc removes them
+    os.unlink(os.path.join(meta, "log", newest))
+    os.mkfifo(os.path.join(meta, "log", newest))
+    code = "import sys, txckpt\ntry:\n    txckpt.get_last_checkpoint(sys.argv[1])\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+    out = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("LogCorruptError") and "a FIFO, not a file" in out.stdout, out.stdout + out.stderr

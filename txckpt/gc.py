@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import log as commit_log
+from .errors import SpecialFileError
 from .publication import ORPHANS_DIR, TX_DIR, public_key
 from .retention import (
     READERS_DIR,
@@ -247,7 +248,7 @@ def read_intents(storage: Any) -> dict[str, dict[str, Any] | None]:
             out[txid] = record if isinstance(record, dict) else None
         except FileNotFoundError:
             continue
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, SpecialFileError):  # a FIFO there: unreadable too
             out[txid] = None
     return out
 

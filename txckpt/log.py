@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from .errors import ConcurrentWriterError, LogCorruptError
+from .errors import ConcurrentWriterError, LogCorruptError, SpecialFileError
 from .lineage import History, State
 from .storage.base import Storage
 
@@ -82,13 +82,18 @@ def read_entry(storage: Storage, seq: int) -> dict[str, Any] | None:
         data = storage.read_bytes(entry_key(seq))
     except FileNotFoundError:
         return None
+    except SpecialFileError as e:
+        raise LogCorruptError(
+            f"log entry {entry_key(seq)} is a {e.kind}, not a file: the log was damaged outside txckpt. "
+            "Restore .txckpt/log from a backup; txckpt will not guess what it said"
+        ) from None
     return _decode(data, seq)
 
 
 def _hint(storage: Storage) -> int:
     try:
         return max(0, int(storage.read_bytes(LATEST_HINT).decode().strip() or 0))
-    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+    except (FileNotFoundError, ValueError, UnicodeDecodeError, SpecialFileError):
         return 0
 
 
@@ -270,14 +275,18 @@ def read_snapshot(storage: Storage, seq: int) -> History | None:
     Raises LogCorruptError if entry ``seq`` itself is missing or damaged: a snapshot is written
     only after its entry exists, so the log lost or garbled entries."""
     key = snapshot_key(seq)
+    problem = None
     try:
         data = storage.read_bytes(key)
     except FileNotFoundError:
         return None  # removed by gc meanwhile: the caller tries an older one
-    problem = None
+    except SpecialFileError as e:
+        data, problem = b"", f"it is a {e.kind}, not a regular file"
     try:
-        snap = json.loads(data)
-        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or snap.get("seq") != seq:
+        snap = json.loads(data) if problem is None else None
+        if problem is not None:
+            pass
+        elif not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or snap.get("seq") != seq:
             problem = f"it is not a {SNAPSHOT_FORMAT} snapshot of entry {seq}"
         elif snap.pop("digest", None) != _digest(snap):
             problem = "it does not match its digest"

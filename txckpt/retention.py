@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
-from .errors import CheckpointNotFoundError, InvalidArgumentError, StorageError
+from .errors import CheckpointNotFoundError, InvalidArgumentError, SpecialFileError, StorageError
 from .lineage import Checkpoint, History, State
 from .manifest import MANIFEST_NAME, Manifest
 from .publication import TX_DIR, home_key, manifest_txid
@@ -257,7 +257,7 @@ def read_leases(storage: Any, now: float | None = None) -> tuple[set[str], list[
             txid, expires = str(record["txid"]), float(record["expires"])
         except FileNotFoundError:
             continue
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, SpecialFileError):
             expired.append(key)
             continue
         if expires > now:
