@@ -464,3 +464,10 @@ except Exception as e:
     for root in (str(tmp_path / "local"), "memory://fifo-commit"):
         out = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=120)
         assert out.stdout.split() == ["SpecialFileError", "True", "None"], (root, out.stdout, out.stderr)
+
+
+def test_a_path_over_the_file_system_limit_is_a_storage_error(root):
+    name = "abcdefgh/" * 500 + "x"  # every component is short; the whole path is over PATH_MAX
+    with pytest.raises(txckpt.errors.StorageError, match="longer than the file system allows"):
+        txckpt.save_checkpoint(root, 1, {name: b"x"})
+    assert txckpt.get_last_checkpoint(root) is None and _staging_empty(root)
