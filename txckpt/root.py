@@ -26,7 +26,8 @@ from .errors import (
     StepConflictError,
 )
 from .lineage import Checkpoint, History, State, new_lineage_id, ref, same_ref
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, check_step, kind_for_name
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, kind_for_name
+from .manifest import check_step
 from .publication import TX_DIR, home_key, publication_for, public_key
 from .storage import Storage, open_storage
 
