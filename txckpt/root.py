@@ -27,7 +27,6 @@ from .errors import (
 )
 from .lineage import Checkpoint, History, State, new_lineage_id, ref, same_ref
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, kind_for_name
-from .manifest import check_step
 from .publication import TX_DIR, home_key, publication_for, public_key
 from .storage import Storage, open_storage
 
@@ -229,6 +228,8 @@ class CheckpointRoot:
         if step is not None and path is not None:
             raise InvalidArgumentError("give step or path, not both")
         if step is not None:
+            from .manifest import check_step
+
             check_step(step)
         state = self.state()
         if state.seq < 0 and self.legacy_checkpoints():
@@ -448,6 +449,8 @@ class CheckpointRoot:
     # ----- saving ------------------------------------------------------------------------------
     def prepare_save(self, step: int) -> dict[str, Any]:
         """Validate a save of ``step`` against the newest state; returns the plan the ranks share."""
+        from .manifest import check_step
+
         check_step(step)
         if self.writer_lineage is not None and self._known_state is not None:
             # This session holds a lineage: plan against the newest state it knows (its own last
