@@ -28,17 +28,9 @@ from .errors import (
     storage_error,
 )
 from .gc import write_intent
-from .manifest import (
-    MANIFEST_NAME,
-    FileEntry,
-    Manifest,
-    check_file_name,
-    check_name_tree,
-    check_new_file_name,
-    kind_for_name,
-    name_conflict,
-)
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, check_file_name, check_name_tree, kind_for_name
 from .serialization import write_object
+from .txnames import TxNames
 
 log = logging.getLogger("txckpt")
 
@@ -78,11 +70,7 @@ class Transaction:
         self._plan: dict[str, Any] | None = None
         self._written: dict[str, FileEntry] = {}
         self._open_writers: set[str] = set()
-        #: directory prefix -> a name below it, of every file written or being written
-        self._dirs: dict[str, str] = {}
-        #: name -> (dev, ino, size, mtime_ns) of a file tx.open wrote into the local staging
-        #: directory once tx.directory is handed out: tells at commit whether other code wrote it again
-        self._identity: dict[str, tuple[int, ...]] = {}
+        self._names = TxNames()  # directories of the names, and marks of files tx.directory may rewrite
         self._writes: Any = None  # the storage's WriteBatch of this rank's staging files
         self._local_dir: str | None = None
         self._temp_root: str | None = None
@@ -231,43 +219,17 @@ class Transaction:
         self._require_open()
         if mode != "wb":
             raise InvalidArgumentError(f"transaction files open with mode 'wb' only, not {mode!r}")
-        check_new_file_name(name)
+        check_file_name(name)
         if name in self._written or name in self._open_writers:
             raise InvalidArgumentError(f"{name!r} was already written in this transaction")
-        self._check_name_free(name)
+        self._names.check_new(name, lambda n: n in self._written or n in self._open_writers, self._local_dir)
         try:
             sink = self._writes.open_write(f"{self.staging_key}/{name}", durable=self._root.durable)
         except OSError as e:
             raise storage_error(e, f"create {name!r} in the staging directory") from e
         self._open_writers.add(name)
-        parts = name.split("/")
-        for i in range(1, len(parts)):
-            self._dirs.setdefault("/".join(parts[:i]), name)
+        self._names.opened(name)
         return _TrackedWriter(self, name, sink)  # type: ignore[return-value]
-
-    def _check_name_free(self, name: str) -> None:
-        """Refuse a name that collides with a file of this transaction: ``a`` beside ``a/b``
-        (one would have to be a file and a directory), or a name code already wrote into
-        :attr:`directory` (``save_pretrained`` then ``tx.save("config.json")``: the second
-        write would replace the first unnoticed)."""
-        if name in self._dirs:
-            raise name_conflict(name, self._dirs[name])
-        parts = name.split("/")
-        prefixes = ["/".join(parts[:i]) for i in range(1, len(parts))]
-        for prefix in prefixes:
-            if prefix in self._written or prefix in self._open_writers:
-                raise name_conflict(prefix, name)
-        if self._local_dir is None:
-            return
-        for prefix in prefixes:
-            p = os.path.join(self._local_dir, *prefix.split("/"))
-            if os.path.lexists(p) and not os.path.isdir(p):
-                raise name_conflict(prefix, name)
-        if os.path.lexists(os.path.join(self._local_dir, *parts)):
-            raise InvalidArgumentError(
-                f"{name!r} is already in tx.directory (written there by other code, e.g. save_pretrained): "
-                f"tx.save/tx.open would replace it. Write each file one way only, or under another name"
-            )
 
     def save(self, name: str, obj: Any) -> None:
         """Write ``obj`` as file ``name`` by the rules of :func:`txckpt.save_checkpoint`."""
@@ -299,45 +261,8 @@ class Transaction:
             self._mark(name)
 
     def _mark(self, name: str) -> None:
-        """Remember a tx.open file of a local staging directory that other code can write into
-        (tx.directory is out), so that the commit sees a second write of it. Its mtime is set 1 ns
-        back first: any later write sets the clock's current (coarse) time, which differs from
-        that even within one clock tick, so an in-place rewrite of the same size is seen too."""
-        if self._temp_root:
-            return  # remote root: tx.directory is a scratch directory of its own
-        local = self._root.storage.local_path(f"{self.staging_key}/{name}")
-        try:
-            st = os.stat(local)
-            os.utime(local, ns=(st.st_atime_ns, st.st_mtime_ns - 1))
-            self._identity[name] = _identity(os.stat(local))
-        except OSError:
-            pass  # gone already: the commit's check of the staged files reports it
-
-    def _aborted_file(self, name: str) -> None:
-        self._open_writers.discard(name)
-        self._dirs = {}
-        for n in list(self._written) + sorted(self._open_writers):
-            parts = n.split("/")
-            for i in range(1, len(parts)):
-                self._dirs.setdefault("/".join(parts[:i]), n)
-
-    def _check_not_overwritten(self) -> None:
-        """A file tx.open wrote that other code wrote again through tx.directory (same local
-        staging directory) would commit with the first write's checksum: refuse, and say so."""
-        if self._local_dir is None or self._temp_root:
-            return
-        storage = self._root.storage
-        for name, before in self._identity.items():
-            try:
-                now = _identity(os.stat(storage.local_path(f"{self.staging_key}/{name}")))
-            except OSError:
-                continue  # missing: the commit's check of the staged files reports it
-            if now != before:
-                raise InvalidArgumentError(
-                    f"{name!r} was written through tx.save/tx.open and then written again in tx.directory "
-                    "(by code such as save_pretrained using the same name): write each file one way only, "
-                    "or under another name. Nothing was committed"
-                )
+        if not self._temp_root:  # on a remote root tx.directory is a scratch directory of its own
+            self._names.mark(name, self._root.storage.local_path(f"{self.staging_key}/{name}"))
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
@@ -368,7 +293,7 @@ class Transaction:
         try:
             if self._open_writers:
                 raise InvalidArgumentError(f"files still open at commit: {sorted(self._open_writers)}")
-            self._check_not_overwritten()
+            self._names.check_not_rewritten(lambda n: self._root.storage.local_path(f"{self.staging_key}/{n}"))
             files = {name: e.to_json() for name, e in self._written.items()}
             if self._temp_root and self._local_dir is not None:
                 # Remote root: upload what other code wrote into the local scratch directory.
@@ -550,7 +475,8 @@ class _TrackedWriter(HashingWriter):
         if self.closed:
             return
         super().abort()
-        self._tx._aborted_file(self._name)
+        self._tx._open_writers.discard(self._name)
+        self._tx._names.rebuild(list(self._tx._written) + sorted(self._tx._open_writers))
 
 
 def _hash_and_sync(storage: Any, key: str, name: str, durable: bool) -> FileEntry:
@@ -563,10 +489,6 @@ def _hash_and_sync(storage: Any, key: str, name: str, durable: bool) -> FileEntr
         with storage.open_read(key) as f:
             size, digest = digest_stream(f)
     return FileEntry(size, digest, kind_for_name(name))
-
-
-def _identity(st: os.stat_result) -> tuple[int, ...]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _walk_local(base: str):
