@@ -109,8 +109,6 @@ def regular_size(path: str) -> int:
     return st.st_size
 
 
-_open_regular = open_regular
-
 
 def _advise_sequential(fd: int) -> None:
     fadvise = getattr(os, "posix_fadvise", None)
@@ -140,7 +138,7 @@ def read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool = True)
     """
     import torch
 
-    fd = _open_regular(path)
+    fd = open_regular(path)
     try:
         actual = os.fstat(fd).st_size
         if actual != size:
@@ -205,7 +203,7 @@ def new_buffer(size: int) -> Any:
 def hash_file(path: str, *, fsync: bool = False) -> tuple[int, str]:
     """``(size, xxh3-128 hex digest)`` of the file at ``path``; with ``fsync`` the file is
     durable when this returns (its write-back is started before hashing, so the two overlap)."""
-    fd = _open_regular(path)
+    fd = open_regular(path)
     try:
         if fsync:
             _start_writeback(fd)
