@@ -109,7 +109,6 @@ def regular_size(path: str) -> int:
     return st.st_size
 
 
-
 def _advise_sequential(fd: int) -> None:
     fadvise = getattr(os, "posix_fadvise", None)
     if fadvise is not None:
