@@ -466,3 +466,171 @@ def test_cli_on_s3(s3_root, s3_server):
     assert set(before) - set(after) == {k for k in before if k.startswith(f".txckpt/tx/{staged[0]}/")
                                         or k == f".txckpt/intents/{staged[0]}.json"}
     assert set(after) <= set(before)
+
+
+def test_verify_and_export_report_a_fifo_instead_of_hanging(rolled, tmp_path):
+    root, a, b = rolled
+    p = os.path.join(root, "checkpoint-4", "weights.bin")
+    os.unlink(p)
+    os.mkfifo(p)  # opening it for reading would wait for a writer forever
+    out = run("verify", root, check=1)  # run()'s timeout fails the test if verify blocks
+    assert f"PROBLEM: {p}: a FIFO, not a regular file" in out.stdout
+    out = run("verify", os.path.join(root, "checkpoint-4"), check=1)
+    assert "a FIFO, not a regular file" in out.stdout
+    dest = str(tmp_path / "exported")
+    out = run("export", root, "--step", "4", dest, check=1)
+    assert "a FIFO, not a regular file" in out.stderr
+    assert not os.path.exists(dest) or os.listdir(dest) == []
+    # The manifest itself replaced by a FIFO: a PROBLEM line too.
+    m = os.path.join(root, "checkpoint-2", txckpt.MANIFEST_NAME)
+    os.unlink(m)
+    os.mkfifo(m)
+    out = run("verify", root, check=1)
+    assert "PROBLEM: step 2 " in out.stdout and "data is missing" in out.stdout
+    out = run("verify", os.path.join(root, "checkpoint-2"), check=1)
+    assert f"PROBLEM: {m}: a FIFO, not a regular file" in out.stdout
+
+
+def test_export_refuses_a_dest_reached_through_a_symlink_into_the_root_and_a_file(rolled, tmp_path):
+    root, a, b = rolled
+    before = tree(root)
+    link = tmp_path / "looks-outside"
+    os.symlink(os.path.join(root, ".txckpt", "tx"), link)
+    for dest in (str(link / "export"), str(link)):
+        p = run("export", root, "--step", "4", dest, check=2)
+        assert "lies inside ROOT" in p.stderr
+    os.symlink(root, tmp_path / "root-link")
+    p = run("export", root, "--step", "4", str(tmp_path / "root-link" / "x"), check=2)
+    assert "lies inside ROOT" in p.stderr
+    assert tree(root) == before  # nothing written into the root, so gc has nothing to delete
+    f = tmp_path / "a-file"
+    f.write_bytes(b"keep me")
+    p = run("export", root, "--step", "4", str(f), check=2)
+    assert "is an existing file" in p.stderr and f.read_bytes() == b"keep me"
+    # A symlink to a directory outside the root is a fine destination.
+    (tmp_path / "real-out").mkdir()
+    os.symlink(tmp_path / "real-out", tmp_path / "out-link")
+    run("export", root, "--step", "4", str(tmp_path / "out-link"))
+    assert "weights.bin" in os.listdir(tmp_path / "real-out")
+
+
+_FULL_DISK = r"""
+import json, os, subprocess, sys
+import txckpt
+mnt = sys.argv[1]
+root = os.path.join(mnt, "out")
+TX = os.path.join(os.path.dirname(sys.executable), "txckpt")
+out = {}
+for s in (1, 2, 3):
+    txckpt.save_checkpoint(root, s, {"w.bin": os.urandom(500_000), "s.json": {"step": s}})
+RESERVE = os.path.join(root, ".txckpt", "reserve")
+out["reserve_made"] = os.path.getsize(RESERVE) if os.path.exists(RESERVE) else 0
+
+def fill(name):
+    with open(os.path.join(mnt, name), "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == 28, e
+    try:
+        with open(os.path.join(mnt, "probe"), "wb") as f:
+            f.write(b"x")
+            f.flush()
+        return False
+    except OSError:
+        os.unlink(os.path.join(mnt, "probe"))
+        return True
+
+out["full"] = fill("filler")
+try:
+    txckpt.save_checkpoint(root, 4, {"w.bin": b"x" * 100_000})
+    out["save"] = "committed"
+except txckpt.errors.StorageError as e:
+    out["save"] = str(e)
+out["reserve_after_save"] = os.path.exists(os.path.join(root, ".txckpt", "reserve"))
+p = subprocess.run([TX, "gc", "--keep-last", "1", root], capture_output=True, text=True)
+out["gc"] = [p.returncode, p.stdout, p.stderr]
+txckpt.forget_roots()
+out["left"] = sorted(c.step for c in txckpt.CheckpointRoot(root).checkpoints("all") if c.state != "retired")
+out["last"] = txckpt.get_last_checkpoint(root)
+out["reserve_back"] = os.path.exists(os.path.join(root, ".txckpt", "reserve"))
+p = subprocess.run([TX, "verify", root], capture_output=True, text=True)
+out["verify"] = p.returncode
+# A root whose reserve is gone (an older txckpt's) on a full disk: gc first reclaims what needs no
+# log entry (here an uncommitted staging), which makes room for the retire entry.
+os.unlink(os.path.join(mnt, "filler"))
+for s in (5, 6):
+    txckpt.save_checkpoint(root, s, {"w.bin": os.urandom(500_000)})
+if os.path.exists(RESERVE):
+    os.unlink(RESERVE)
+staging = os.path.join(root, ".txckpt", "tx", "0-deadbeef-0000000000", "checkpoint-0")
+os.makedirs(staging)
+with open(os.path.join(staging, "junk.bin"), "wb") as f:
+    f.write(os.urandom(20_000))
+out["full2"] = fill("filler2")
+p = subprocess.run([TX, "gc", "--keep-last", "2", root], capture_output=True, text=True)
+out["gc2"] = [p.returncode, p.stdout, p.stderr]
+out["staging_left"] = os.path.exists(staging)
+txckpt.forget_roots()
+out["left2"] = sorted(c.step for c in txckpt.CheckpointRoot(root).checkpoints("all") if c.state != "retired")
+# Nothing to reclaim without an entry, and no reserve: gc says what to do, and deletes nothing.
+if os.path.exists(RESERVE):
+    os.unlink(RESERVE)
+out["full3"] = fill("filler3")
+p = subprocess.run([TX, "gc", "--keep-last", "1", root], capture_output=True, text=True)
+out["gc3"] = [p.returncode, p.stdout, p.stderr]
+txckpt.forget_roots()
+out["left3"] = sorted(c.step for c in txckpt.CheckpointRoot(root).checkpoints("all") if c.state != "retired")
+os.unlink(os.path.join(mnt, "filler3"))  # space freed by hand, as the message says
+p = subprocess.run([TX, "gc", "--keep-last", "1", root], capture_output=True, text=True)
+out["gc4"] = p.returncode
+txckpt.forget_roots()
+out["left4"] = sorted(c.step for c in txckpt.CheckpointRoot(root).checkpoints("all") if c.state != "retired")
+print(json.dumps(out))
+"""
+
+
+def _in_tiny_tmpfs(tmp_path, code, size="4m"):
+    """Run ``code`` with a fresh tmpfs of ``size`` mounted at argv[1], in a private mount
+    namespace (unshare -rm); skip where the machine does not allow one."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cmd = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "$1" && exec "$2" -c "$3" "$1"',
+           "sh", str(mnt), sys.executable, code]
+    try:
+        p = subprocess.run(["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=64k tmpfs "{mnt}"'],
+                           capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        p = None
+    if p is None or p.returncode != 0:
+        pytest.skip("no private mount namespace here (unshare -rm, mount -t tmpfs)")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_gc_keep_last_frees_space_on_a_100_percent_full_disk(tmp_path):
+    out = _in_tiny_tmpfs(tmp_path, _FULL_DISK)
+    assert out["full"] is True
+    rc, stdout, stderr = out["gc"]
+    assert rc == 0, stdout + stderr
+    assert out["left"] == [3] and out["last"].endswith("checkpoint-3") and out["verify"] == 0
+    # A save on the full disk fails, typed, and leaves the reserve (made with the root) for gc.
+    assert "disk is full" in out["save"] and "--keep-last" in out["save"] and not out["save"].endswith("None")
+    assert out["reserve_made"] > 0 and out["reserve_after_save"] is True
+    assert out["reserve_back"] is True  # the freed space holds it again
+    # Without a reserve: the staging goes first, and its space holds the retire entry.
+    assert out["full2"] is True
+    rc, stdout, stderr = out["gc2"]
+    assert rc == 0 and out["staging_left"] is False, stdout + stderr
+    assert out["left2"] == [5, 6]
+    # Nothing to reclaim first and no reserve: nothing committed is deleted, and the message says
+    # what to do; once space is freed by hand, the same command works.
+    assert out["full3"] is True
+    rc, stdout, stderr = out["gc3"]
+    assert rc == 1, stdout + stderr
+    assert "Free a few MiB" in stdout + stderr and "--keep-last N` again" in stdout + stderr
+    assert ": None" not in stdout + stderr
+    assert out["left3"] == [5, 6]
+    assert out["gc4"] == 0 and out["left4"] == [6]

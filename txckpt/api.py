@@ -8,6 +8,7 @@ import threading
 from typing import Any, Mapping
 
 from .errors import CheckpointNotFoundError, IntegrityError, InvalidArgumentError, ManifestError
+from .fileio import open_regular_file
 from .manifest import MANIFEST_NAME, Manifest
 from .reader import RootContext
 from .root import CheckpointRoot
@@ -272,7 +273,8 @@ def fetch_checkpoint(
         manifest = _checked_manifest(path, ctx, seen, storage_options)
         if os.path.exists(os.path.join(dest, MANIFEST_NAME)):
             try:
-                cached = Manifest.decode(open(os.path.join(dest, MANIFEST_NAME), "rb").read())
+                with open_regular_file(os.path.join(dest, MANIFEST_NAME)) as f:
+                    cached = Manifest.decode(f.read())
                 if cached.digest == manifest.digest:
                     verify_checkpoint(dest)
                     return dest

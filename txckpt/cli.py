@@ -26,6 +26,7 @@ from .errors import (
     InvalidArgumentError,
     ManifestError,
     NotATxckptRootError,
+    SpecialFileError,
     TxckptError,
 )
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
@@ -515,8 +516,12 @@ def _check_file(task: _Task) -> tuple[int, str | None]:
     try:
         with s.open_read(key) as f:
             size, digest = checksum.digest_stream(f)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError):
         return 0, f"{where}: missing (the manifest lists it, {entry.size} bytes)"
+    except IsADirectoryError:
+        return 0, f"{where}: a directory where the manifest lists a file"
+    except SpecialFileError as e:
+        return 0, f"{where}: a {e.kind}, not a regular file (not read: reading would block)"
     except OSError as e:
         return 0, f"{where}: unreadable ({e})"
     if size != entry.size:
@@ -533,6 +538,9 @@ def _plan_checkpoint(storage: Any, key: str, where: str, expected: Any | None,
         data = storage.read_bytes(f"{prefix}{MANIFEST_NAME}")
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         problems.append(f"{where}/{MANIFEST_NAME}: missing (not a committed txckpt checkpoint)")
+        return None, []
+    except SpecialFileError as e:
+        problems.append(f"{where}/{MANIFEST_NAME}: a {e.kind}, not a regular file (not read)")
         return None, []
     try:
         manifest = Manifest.decode(data, f"{where}/{MANIFEST_NAME}")
@@ -754,10 +762,21 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise IntegrityError(f"{src.full_path(key)}/{MANIFEST_NAME} differs from the manifest the log committed")
     dest_options = parse_storage_options(args.dest_storage_option) if args.dest_storage_option else args.storage_options
     dest = open_storage(args.dest, dest_options if _is_url(args.dest) else None)
+    dest_local = dest.local_path("")
+    if dest_local is not None and os.path.lexists(dest_local) and not os.path.isdir(dest_local):
+        raise UsageError(f"DEST {args.dest} is an existing file; export into a new or empty directory")
+    inside = src.key_of(dest.full_path("")) is not None and dest.full_path("").startswith(src.full_path(""))
+    if dest_local is not None and src.local_path("") is not None:
+        # Real paths: a DEST reached through a symlink into the root is inside it (gc would
+        # take the export for garbage there).
+        from .storage.local import lies_within
+
+        inside = inside or lies_within(dest_local, src.local_path(""))
+    if inside:
+        raise UsageError(f"DEST {args.dest} lies inside ROOT (its real path, symlinks resolved); "
+                         "export outside the root")
     if dest.exists("") and dest.list_dir(""):
         raise UsageError(f"DEST {args.dest} exists and is not empty; export into a new or empty directory")
-    if src.key_of(dest.full_path("")) is not None and dest.full_path("").startswith(src.full_path("")):
-        raise UsageError(f"DEST {args.dest} lies inside ROOT; export outside the root")
     durable = not args.no_sync
     written: list[str] = []
     problems: list[str] = []
@@ -767,8 +786,9 @@ def cmd_export(args: argparse.Namespace) -> int:
             break
         try:
             reader = src.open_read(f"{key}/{name}")
-        except FileNotFoundError:
-            problems.append(f"{src.full_path(key)}/{name}: missing")
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, SpecialFileError) as e:
+            what = f"a {e.kind}, not a regular file" if isinstance(e, SpecialFileError) else "missing"
+            problems.append(f"{src.full_path(key)}/{name}: {what}")
             break
         writer = HashingWriter(dest.open_write(name, durable=durable))
         written.append(name)

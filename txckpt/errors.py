@@ -84,6 +84,22 @@ class IntegrityError(TxckptError):
     """Stored bytes do not match the manifest (size, checksum, missing file, edited manifest)."""
 
 
+class SpecialFileError(IntegrityError):
+    """A name txckpt reads as a regular file is a FIFO, socket or device (something replaced the
+    file). txckpt never opens it for a blocking read. ``.path``: where; ``.kind``: what it is."""
+
+    def __init__(self, message: str = "", *, path: str | None = None, kind: str | None = None):
+        if not message and path is not None:
+            message = (
+                f"{path} is a {kind or 'special file'}, not a regular file: something replaced a file "
+                "txckpt reads (by hand, or another program), and txckpt does not read from it. Remove "
+                "it; a checkpoint that lists it is damaged: resume from another one (`txckpt ls`)"
+            )
+        super().__init__(message)
+        self.path = path
+        self.kind = kind
+
+
 class ManifestError(IntegrityError):
     """A manifest is missing, unreadable, edited, of an unknown format, or names unsafe paths."""
 
@@ -136,12 +152,36 @@ class StorageError(TxckptError, OSError):
     """The storage backend refused an operation (full disk, read-only root, permissions)."""
 
 
+class TempFileRemovedError(StorageError):
+    """The private temp file of a create-if-absent (or replace) write vanished before it got its
+    name: another process deleted it (``txckpt gc --grace 0`` beside a running job, or by hand).
+    Nothing was written under the final name. ``.path``: the temp file."""
+
+    def __init__(self, message: str = "", *, path: str | None = None, target: str | None = None):
+        import errno as _errno
+
+        if not message:
+            message = (
+                f"the temp file {path} vanished before txckpt could link it to {target}: another process "
+                "deleted it (`txckpt gc --grace 0` running beside this job, or by hand). Nothing was "
+                f"written under {target} and nothing was lost; retry, and run gc with a grace period "
+                "longer than a write takes (the default, 3600 s)"
+            )
+        super().__init__(_errno.ENOENT, message)
+        self.path = path
+        self.target = target
+
+
 _STORAGE_ADVICE = {
-    "ENOSPC": "the disk is full: free space (`txckpt gc` reclaims leftover staging) or save elsewhere",
+    "ENOSPC": "the disk is full: free space (`txckpt gc ROOT` reclaims leftover staging; `txckpt gc ROOT "
+              "--keep-last N` deletes older checkpoints, recording it in space txckpt reserves for that) or "
+              "save elsewhere",
     "EDQUOT": "the disk quota is exhausted: free space or raise the quota",
     "EROFS": "the root is on a read-only filesystem: save to a writable root",
     "EACCES": "permission denied: check the root's ownership and mode",
     "EPERM": "operation not permitted: check the root's ownership and mode",
+    "ENAMETOOLONG": "a path is longer than the file system allows: use shorter file names, or a root "
+                    "with a shorter path",
 }
 
 
@@ -154,5 +194,6 @@ def storage_error(e: OSError, what: str) -> OSError:
     if advice is None or isinstance(e, StorageError):
         return e
     err = StorageError(e.errno, f"txckpt could not {what}: {e.strerror or e}; {advice}. Nothing was committed.")
-    err.filename = e.filename
+    if e.filename is not None:  # OSError's str() would end in ": None"
+        err.filename = e.filename
     return err

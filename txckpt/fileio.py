@@ -9,11 +9,14 @@
   code wrote into a staging directory. It starts the file's write-back first, so the disk
   writes while the file is hashed and the final fsync waits for less.
 
-Only regular files: a directory or a missing file raises the usual OSError subclasses.
+Only regular files (:func:`open_regular`, the opener every local read shares): a FIFO, socket or
+device raises :class:`~txckpt.errors.SpecialFileError` without blocking; a directory or a missing
+file raises the usual OSError subclasses.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import stat
@@ -21,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .checksum import new_hasher
+from .errors import SpecialFileError
 
 #: readinto chunk of :func:`read_into_buffer` when the reader does not hash, or hands the hash
 #: to another thread: large enough that the per-chunk cost (one syscall, one hand-over) is
@@ -49,16 +53,60 @@ class SizeMismatch(Exception):
         self.actual = actual
 
 
-def _open_regular(path: str) -> int:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+_SPECIAL_KINDS = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                  (stat.S_ISBLK, "block device"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _SPECIAL_KINDS if test(mode)), "special file")
+
+
+def _check_mode(path: str, mode: int) -> None:
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(21, "Is a directory", path)
+    raise SpecialFileError(path=path, kind=_kind(mode))
+
+
+def open_regular(path: str) -> int:
+    """The one opener of every local read of a file txckpt did or will name (load, verify,
+    export, fetch, commit-time hashing, log and manifest reads): an fd of a regular file.
+
+    Opened with O_NONBLOCK (a FIFO opens at once instead of waiting for a writer, a device gets
+    no blocking open) and O_NOCTTY, then checked with fstat on that fd (no stat-then-open race):
+    a FIFO, socket or device raises :class:`~txckpt.errors.SpecialFileError`, a directory
+    IsADirectoryError. The returned fd is blocking again."""
     try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise IsADirectoryError(21, "Is a directory", path)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # a socket (or a device without a driver) cannot be opened
+            try:
+                mode = os.stat(path).st_mode
+            except OSError:
+                raise e from None
+            _check_mode(path, mode)
+        raise
+    try:
+        _check_mode(path, os.fstat(fd).st_mode)
+        os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def open_regular_file(path: str, buffering: int = -1):
+    """:func:`open_regular` as a binary file object."""
+    return os.fdopen(open_regular(path), "rb", buffering=buffering)
+
+
+def regular_size(path: str) -> int:
+    """The size of the regular file at ``path`` (stat only: nothing is opened); a FIFO, socket
+    or device raises SpecialFileError, a directory IsADirectoryError."""
+    st = os.stat(path)
+    _check_mode(path, st.st_mode)
+    return st.st_size
 
 
 def _advise_sequential(fd: int) -> None:
@@ -89,7 +137,7 @@ def read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool = True)
     """
     import torch
 
-    fd = _open_regular(path)
+    fd = open_regular(path)
     try:
         actual = os.fstat(fd).st_size
         if actual != size:
@@ -154,7 +202,7 @@ def new_buffer(size: int) -> Any:
 def hash_file(path: str, *, fsync: bool = False) -> tuple[int, str]:
     """``(size, xxh3-128 hex digest)`` of the file at ``path``; with ``fsync`` the file is
     durable when this returns (its write-back is started before hashing, so the two overlap)."""
-    fd = _open_regular(path)
+    fd = open_regular(path)
     try:
         if fsync:
             _start_writeback(fd)

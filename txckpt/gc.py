@@ -16,7 +16,9 @@
   ``.txckpt/log``, ``.txckpt/intents`` and ``.txckpt/readers``, older than ``grace_seconds``.
 * **history snapshots** (protocol §4a) older than the newest one that reads back, and damaged
   ones (a reader ignores those and reads the log).
-* with a ``policy``: what the :class:`~txckpt.retention.RetentionPolicy` lets go.
+* with a ``policy``: what the :class:`~txckpt.retention.RetentionPolicy` lets go. It runs after
+  everything that needs no log entry, so on a full disk that space can hold its retire entry (as
+  can ``.txckpt/reserve``, :mod:`txckpt.reserve`, which gc makes again once there is room).
 * on S3: multipart uploads under the root that were never completed, older than the grace
   period and not part of a live writer's staging (when the storage backend can list them).
 
@@ -38,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import log as commit_log
+from .errors import SpecialFileError
 from .publication import ORPHANS_DIR, TX_DIR, public_key
 from .retention import (
     READERS_DIR,
@@ -47,6 +50,7 @@ from .retention import (
     read_leases,
     retired_present,
 )
+from .reserve import ensure_reserve
 from .root import INTENTS_DIR
 
 log = logging.getLogger("txckpt")
@@ -85,21 +89,17 @@ class GcReport:
 
     @property
     def bytes(self) -> int:
-        return sum(i.bytes for i in self.items if i.kind not in ("publish", "unpublish"))
+        """Bytes reclaimed (a dry run: reclaimable); what failed or was kept does not count."""
+        return sum(i.bytes for i in self.items
+                   if i.kind not in ("publish", "unpublish") and (self.dry_run or i.done))
 
     def of(self, kind: str) -> list[GcItem]:
         return [i for i in self.items if i.kind == kind]
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "root": self.root,
-            "dry_run": self.dry_run,
-            "bytes": self.bytes,
-            "items": [asdict(i) for i in self.items],
-            "kept": [asdict(i) for i in self.kept],
-            "orphans": list(self.orphans),
-            "errors": len(self.errors),
-        }
+        return {"root": self.root, "dry_run": self.dry_run, "bytes": self.bytes,
+                "items": [asdict(i) for i in self.items], "kept": [asdict(i) for i in self.kept],
+                "orphans": list(self.orphans), "errors": len(self.errors)}
 
 
 # ----- writer liveness ---------------------------------------------------------------------------
@@ -251,7 +251,7 @@ def read_intents(storage: Any) -> dict[str, dict[str, Any] | None]:
             out[txid] = record if isinstance(record, dict) else None
         except FileNotFoundError:
             continue
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, SpecialFileError):  # a FIFO there: unreadable too
             out[txid] = None
     return out
 
@@ -390,49 +390,10 @@ def collect_garbage(
     history = root.history(snapshot=not dry_run)
     _publication(root, history, report)
 
-    # (f) the retention policy: its retire entry is phase one; the data goes below, in (b).
-    policy_items: dict[str, GcItem] = {}
-    if policy is not None:
-        going = apply_retention(root, policy, dry_run=True, now=now)
-        for info in going:
-            key = storage.key_of(info.path) if info.path else None
-            item = GcItem("policy", key or f"{TX_DIR}/{info.txid}",
-                          f"retention policy lets go of step {info.step} ({info.state}, lineage "
-                          f"{info.lineage}, txid {info.txid})", info.bytes)
-            report.items.append(item)
-            policy_items[info.txid] = item
-        if not dry_run and going:
-            from .retention import retire
-
-            retired = set(retire(root, [i.txid for i in going], policy=policy,
-                                 decided_at=history.state.seq, now=now))
-            for txid, item in policy_items.items():
-                if txid not in retired:
-                    item.reason += " (kept after all: the log moved and the policy now keeps it)"
-        history = root.history()
-
-    # (b) data of retired checkpoints (including what the policy just retired).
+    # What needs no log entry goes first: on a full disk it may make room for the retire entry
+    # of (f). (b) data of checkpoints retired earlier (a crash between retention's two phases).
     leased, expired_leases = read_leases(storage, now)
-    for c in retired_present(root, history):
-        key = root.publication.locate(c.ref) or f"{TX_DIR}/{c.txid}"
-        item = policy_items.get(c.txid)
-        if item is None:
-            item = GcItem("retired", key, f"step {c.step} of lineage {c.lineage} (txid {c.txid}) is "
-                          "retired; its data was not deleted yet", _tree_bytes(storage, key))
-            report.items.append(item)
-        if c.txid in leased:
-            report.items.remove(item)
-            item.reason += "; kept for now: a reader holds a lease on it"
-            report.kept.append(item)
-            continue
-        if dry_run:
-            continue
-        try:
-            delete_checkpoint_data(root, c)
-            item.done = True
-        except Exception as e:
-            item.error = f"{type(e).__name__}: {e}"
-            log.warning("txckpt gc: could not delete retired %s: %s", c.txid, item.error)
+    _delete_retired(root, report, history, leased, {})
 
     # (a) leftover staging and (d) stale intents.
     hostname = socket.gethostname()
@@ -456,12 +417,77 @@ def collect_garbage(
     # (h) history snapshots: every one older than the newest usable one, and damaged ones.
     _snapshots(storage, report, known_usable=history.snapshot_seq)
 
+    # (f) the retention policy: its retire entry is phase one; then (b) deletes what it retired.
+    if policy is not None:
+        _apply_policy(root, report, policy, now)
+
     # (g) incomplete multipart uploads (S3).
     _uploads(root, report, now, grace_seconds, hostname)
 
     # Orphans are the operator's to inspect: listed, never touched.
     report.orphans = [f"{ORPHANS_DIR}/{n}" for n in storage.list_dir(ORPHANS_DIR)]
+    if not dry_run:
+        ensure_reserve(storage, durable=root.durable)  # made again once there is room for it
     return report
+
+
+def _delete_retired(root: Any, report: GcReport, history: Any, leased: set[str],
+                    policy_items: dict[str, GcItem]) -> None:
+    """(b): delete retired checkpoints' data, except leased ones (``leased`` read after ``history``)."""
+    storage = root.storage
+    for c in retired_present(root, history):
+        key = root.publication.locate(c.ref) or f"{TX_DIR}/{c.txid}"
+        item = policy_items.get(c.txid)
+        if item is None:
+            item = GcItem("retired", key, f"step {c.step} of lineage {c.lineage} (txid {c.txid}) is "
+                          "retired; its data was not deleted yet", _tree_bytes(storage, key))
+            report.items.append(item)
+        if c.txid in leased:
+            report.items.remove(item)
+            item.reason += "; kept for now: a reader holds a lease on it"
+            report.kept.append(item)
+            continue
+        if report.dry_run:
+            continue
+        try:
+            delete_checkpoint_data(root, c)
+            item.done = True
+        except Exception as e:
+            item.error = f"{type(e).__name__}: {e}"
+            log.warning("txckpt gc: could not delete retired %s: %s", c.txid, item.error)
+
+
+def _apply_policy(root: Any, report: GcReport, policy: RetentionPolicy, now: float) -> None:
+    """(f): retire what the policy lets go (one entry; on a full disk in the reserve's space), then
+    delete it. A failed retire is reported on the policy's items."""
+    from .errors import StorageError
+    from .retention import retire
+    history = root.history()
+    going = apply_retention(root, policy, dry_run=True, now=now)
+    policy_items: dict[str, GcItem] = {}
+    for info in going:
+        key = root.storage.key_of(info.path) if info.path else None
+        item = GcItem("policy", key or f"{TX_DIR}/{info.txid}",
+                      f"retention policy lets go of step {info.step} ({info.state}, lineage "
+                      f"{info.lineage}, txid {info.txid})", info.bytes)
+        report.items.append(item)
+        policy_items[info.txid] = item
+    if report.dry_run or not going:
+        return
+    try:
+        retired = set(retire(root, [i.txid for i in going], policy=policy,
+                             decided_at=history.state.seq, now=now))
+    except StorageError as e:  # a full disk without a reserve: the message says what to do
+        for item in policy_items.values():
+            item.error = f"{type(e).__name__}: {e}"
+        log.warning("txckpt gc: %s", e)
+        return
+    for txid, item in policy_items.items():
+        if txid not in retired:
+            item.reason += " (kept after all: the log moved and the policy now keeps it)"
+    history = root.history()
+    leased, _ = read_leases(root.storage, now)  # after the retired set (protocol §11)
+    _delete_retired(root, report, history, leased, policy_items)
 
 
 def _snapshots(storage: Any, report: GcReport, known_usable: int = -1) -> None:

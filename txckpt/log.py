@@ -9,6 +9,7 @@ absent. The hint may lag or be missing; it is never trusted beyond that.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from .errors import ConcurrentWriterError, LogCorruptError
+from .errors import ConcurrentWriterError, LogCorruptError, SpecialFileError
 from .lineage import History, State
 from .storage.base import Storage
 
@@ -81,13 +82,18 @@ def read_entry(storage: Storage, seq: int) -> dict[str, Any] | None:
         data = storage.read_bytes(entry_key(seq))
     except FileNotFoundError:
         return None
+    except SpecialFileError as e:
+        raise LogCorruptError(
+            f"log entry {entry_key(seq)} is a {e.kind}, not a file: the log was damaged outside txckpt. "
+            "Restore .txckpt/log from a backup; txckpt will not guess what it said"
+        ) from None
     return _decode(data, seq)
 
 
 def _hint(storage: Storage) -> int:
     try:
         return max(0, int(storage.read_bytes(LATEST_HINT).decode().strip() or 0))
-    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+    except (FileNotFoundError, ValueError, UnicodeDecodeError, SpecialFileError):
         return 0
 
 
@@ -189,6 +195,7 @@ def append(
     durable: bool,
     start: State | None = None,
     update_hint: bool = True,
+    on_full: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Append one entry. ``build(state, seq, time)`` validates against the newest state and
     returns the entry's body (with its new "state"); it may raise to refuse.
@@ -203,6 +210,10 @@ def append(
     attempt appends after it without reading the log again: entries are gapless and created
     if absent, so creating entry ``start.seq + 1`` succeeds only if ``start`` is still the
     newest state; if it is not, the attempt loses the race and the loop re-reads.
+
+    ``on_full``: called once if creating the entry fails for lack of space (ENOSPC, EDQUOT); if
+    it returns True (it freed space: retention releases ``.txckpt/reserve``), the append is tried
+    again from a fresh read.
     """
     entry_id = uuid.uuid4().hex
     for attempt in range(_MAX_APPEND_ATTEMPTS):
@@ -229,6 +240,10 @@ def append(
         except OSError as e:
             from .errors import storage_error
 
+            if on_full is not None and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                freed, on_full = on_full(), None
+                if freed:
+                    continue
             raise storage_error(e, f"append log entry {seq}") from e
         if update_hint:
             write_hint(storage, seq)
@@ -260,14 +275,18 @@ def read_snapshot(storage: Storage, seq: int) -> History | None:
     Raises LogCorruptError if entry ``seq`` itself is missing or damaged: a snapshot is written
     only after its entry exists, so the log lost or garbled entries."""
     key = snapshot_key(seq)
+    problem = None
     try:
         data = storage.read_bytes(key)
     except FileNotFoundError:
         return None  # removed by gc meanwhile: the caller tries an older one
-    problem = None
+    except SpecialFileError as e:
+        data, problem = b"", f"it is a {e.kind}, not a regular file"
     try:
-        snap = json.loads(data)
-        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or snap.get("seq") != seq:
+        snap = json.loads(data) if problem is None else None
+        if problem is not None:
+            pass
+        elif not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or snap.get("seq") != seq:
             problem = f"it is not a {SNAPSHOT_FORMAT} snapshot of entry {seq}"
         elif snap.pop("digest", None) != _digest(snap):
             problem = "it does not match its digest"

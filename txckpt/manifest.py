@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from . import checksum
-from .errors import ManifestError, UnsafePathError
+from .errors import InvalidArgumentError, ManifestError, UnsafePathError
 from .storage.base import check_relative_key
 
 MANIFEST_NAME = "txckpt-manifest.json"
@@ -56,12 +56,68 @@ def kind_for_name(name: str) -> str:
     return "bytes"
 
 
+#: Steps are 0 <= step < MAX_STEP (a signed 64-bit int, what every trainer's counter fits in): the
+#: step is part of the txid, of staging and intent file names and of ``checkpoint-N``, which must
+#: stay within file name limits (and within Python's int-to-str digit limit).
+MAX_STEP = 2**63
+
+
+def check_step(step: Any, what: str = "step") -> int:
+    """``step`` if it is an int with 0 <= step < 2**63, else InvalidArgumentError."""
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < MAX_STEP:
+        shown = step if not isinstance(step, int) or step.bit_length() <= 64 else f"an int of {step.bit_length()} bits"
+        raise InvalidArgumentError(
+            f"{what} must be an int with 0 <= {what} < 2**63, not {shown!r}; pass the training step "
+            "(e.g. the Trainer's global_step)"
+        )
+    return step
+
+
 def check_file_name(name: str) -> str:
     """A name a checkpoint may hold: relative, no '..', and not the manifest itself."""
     check_relative_key(name)
     if name == MANIFEST_NAME:
         raise UnsafePathError(f"{MANIFEST_NAME!r} is reserved for txckpt's manifest")
     return name
+
+
+#: The longest component (bytes of UTF-8) a new file name may have: NAME_MAX of the common local
+#: file systems (ext4, xfs, btrfs, tmpfs), so that every checkpoint can be fetched or exported to
+#: a local disk, whatever backend wrote it.
+NAME_MAX = 255
+
+
+def check_new_file_name(name: str) -> str:
+    """:func:`check_file_name`, plus what a save must refuse up front: a component longer than
+    NAME_MAX bytes (no local file system could hold it)."""
+    check_file_name(name)
+    for part in name.split("/"):
+        n = len(part.encode("utf-8", "surrogateescape"))
+        if n > NAME_MAX:
+            raise InvalidArgumentError(
+                f"file name {name[:60]!r}... has a component of {n} bytes; file systems allow at most "
+                f"{NAME_MAX}: use a shorter name"
+            )
+    return name
+
+
+def check_name_tree(names: Iterable[str]) -> None:
+    """Refuse a set of file names in which one name is a directory of another (``a`` and
+    ``a/b``): no file system can hold both, so such a checkpoint could never be read back."""
+    names = set(names)
+    for name in names:
+        parts = name.split("/")
+        for i in range(1, len(parts)):
+            prefix = "/".join(parts[:i])
+            if prefix in names:
+                raise name_conflict(prefix, name)
+
+
+def name_conflict(file_name: str, nested: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"file names {file_name!r} and {nested!r} in one checkpoint: {nested!r} needs {file_name!r} to be a "
+        "directory, but it is a file. Rename one of them; nothing was committed"
+    )
 
 
 @dataclass

@@ -22,6 +22,7 @@ import time
 import uuid
 from typing import Any
 
+from .errors import SpecialFileError
 from .manifest import MANIFEST_NAME
 from .storage.base import Storage
 
@@ -45,6 +46,8 @@ def manifest_txid(storage: Storage, key: str) -> str | None:
         data = storage.read_bytes(f"{key}/{MANIFEST_NAME}")
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
+    except SpecialFileError:
+        return ""  # a FIFO (socket, device) where the manifest was: unreadable, never waited on
     try:
         return str(json.loads(data).get("txid", ""))
     except (ValueError, AttributeError, UnicodeDecodeError):

@@ -37,10 +37,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
-from .errors import CheckpointNotFoundError, InvalidArgumentError
+from .errors import CheckpointNotFoundError, InvalidArgumentError, SpecialFileError, StorageError
 from .lineage import Checkpoint, History, State
 from .manifest import MANIFEST_NAME, Manifest
 from .publication import TX_DIR, home_key, manifest_txid
+from .reserve import FULL, ensure_reserve, full_disk_error, release_reserve
 
 log = logging.getLogger("txckpt")
 
@@ -271,7 +272,7 @@ def read_leases(storage: Any, now: float | None = None) -> tuple[set[str], list[
             txid, expires = str(record["txid"]), float(record["expires"])
         except FileNotFoundError:
             continue
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, SpecialFileError):
             expired.append(key)
             continue
         if expires > now:
@@ -351,9 +352,14 @@ def retire(root: Any, txids: Iterable[str], *, policy: RetentionPolicy | None = 
         return {"action": "retire", "txids": chosen, "state": state.to_json()}
 
     try:
-        root.append_entry(build)
+        # On a full disk the entry goes into the space .txckpt/reserve held back for it.
+        root.append_entry(build, on_full=lambda: release_reserve(root.storage))
     except _NothingToRetire:
         return []
+    except StorageError as e:
+        if e.errno in FULL:
+            raise full_disk_error(e, root.url) from e
+        raise
     return chosen
 
 
@@ -440,6 +446,7 @@ def apply_retention(root: Any, policy: RetentionPolicy, *, dry_run: bool = False
         return [infos[c.txid] for c in going if c.txid in infos]
     retired = set(retire(root, [c.txid for c in going], policy=policy, decided_at=decided_at, now=now))
     finish_retired(root, now=now)
+    ensure_reserve(root.storage, durable=root.durable)  # again, if a full disk used it up
     return [infos[c.txid] for c in going if c.txid in retired and c.txid in infos]
 
 

@@ -110,10 +110,17 @@ class CheckpointRoot:
         if self._known_state is None or state.seq >= self._known_state.seq:
             self._known_state = state
 
-    def append_entry(self, build: Any, *, start: State | None = None, update_hint: bool = True) -> dict[str, Any]:
-        """Append one log entry (``commit_log.append``) and remember the state it made."""
-        entry = commit_log.append(self.storage, build, durable=self.durable, start=start, update_hint=update_hint)
+    def append_entry(self, build: Any, *, start: State | None = None, update_hint: bool = True,
+                     on_full: Any = None) -> dict[str, Any]:
+        """Append one log entry (``commit_log.append``) and remember the state it made. The
+        root's first entry also makes the space reserve retention uses on a full disk."""
+        entry = commit_log.append(self.storage, build, durable=self.durable, start=start,
+                                  update_hint=update_hint, on_full=on_full)
         self._note_state(State.from_json(entry["seq"], entry["state"]))
+        if entry["seq"] == 0:
+            from .reserve import ensure_reserve
+
+            ensure_reserve(self.storage, durable=self.durable)
         return entry
 
     def history(self, *, snapshot: bool = False) -> History:
@@ -286,8 +293,10 @@ class CheckpointRoot:
         """Declare where this process continues from; see :func:`txckpt.resume`."""
         if step is not None and path is not None:
             raise InvalidArgumentError("give step or path, not both")
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise InvalidArgumentError(f"step must be a non-negative int, not {step!r}")
+        if step is not None:
+            from .manifest import check_step
+
+            check_step(step)
         state = self.state()
         if state.seq < 0 and self.legacy_checkpoints():
             if step is None and path is None:
@@ -456,8 +465,9 @@ class CheckpointRoot:
     # ----- saving ------------------------------------------------------------------------------
     def prepare_save(self, step: int) -> dict[str, Any]:
         """Validate a save of ``step`` against the newest state; returns the plan the ranks share."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise InvalidArgumentError(f"step must be a non-negative int, not {step!r}")
+        from .manifest import check_step
+
+        check_step(step)
         if self.writer_lineage is not None and self._known_state is not None:
             # This session holds a lineage: plan against the newest state it knows (its own last
             # commit, usually) instead of reading the log. If another process appended since,

@@ -28,8 +28,9 @@ from .errors import (
     storage_error,
 )
 from .gc import reclaim_after_save, write_intent
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, check_file_name, kind_for_name
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, check_file_name, check_name_tree, kind_for_name
 from .serialization import write_object
+from .txnames import TxNames
 
 log = logging.getLogger("txckpt")
 
@@ -69,6 +70,7 @@ class Transaction:
         self._plan: dict[str, Any] | None = None
         self._written: dict[str, FileEntry] = {}
         self._open_writers: set[str] = set()
+        self._names = TxNames()  # directories of the names, and marks of files tx.directory may rewrite
         self._writes: Any = None  # the storage's WriteBatch of this rank's staging files
         self._local_dir: str | None = None
         self._temp_root: str | None = None
@@ -111,6 +113,8 @@ class Transaction:
                 local = os.path.join(self._temp_root, f"checkpoint-{self.step}")
             os.makedirs(local, exist_ok=True)
             self._local_dir = local
+            for name in self._written:
+                self._mark(name)
         return self._local_dir
 
     @property
@@ -218,11 +222,13 @@ class Transaction:
         check_file_name(name)
         if name in self._written or name in self._open_writers:
             raise InvalidArgumentError(f"{name!r} was already written in this transaction")
+        self._names.check_new(name, lambda n: n in self._written or n in self._open_writers, self._local_dir)
         try:
             sink = self._writes.open_write(f"{self.staging_key}/{name}", durable=self._root.durable)
         except OSError as e:
             raise storage_error(e, f"create {name!r} in the staging directory") from e
         self._open_writers.add(name)
+        self._names.opened(name)
         return _TrackedWriter(self, name, sink)  # type: ignore[return-value]
 
     def save(self, name: str, obj: Any) -> None:
@@ -251,6 +257,12 @@ class Transaction:
     def _finished_file(self, name: str, entry: FileEntry) -> None:
         self._open_writers.discard(name)
         self._written[name] = entry
+        if self._local_dir is not None:
+            self._mark(name)
+
+    def _mark(self, name: str) -> None:
+        if not self._temp_root:  # on a remote root tx.directory is a scratch directory of its own
+            self._names.mark(name, self._root.storage.local_path(f"{self.staging_key}/{name}"))
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
@@ -285,6 +297,7 @@ class Transaction:
         try:
             if self._open_writers:
                 raise InvalidArgumentError(f"files still open at commit: {sorted(self._open_writers)}")
+            self._names.check_not_rewritten(lambda n: self._root.storage.local_path(f"{self.staging_key}/{n}"))
             files = {name: e.to_json() for name, e in self._written.items()}
             if self._temp_root and self._local_dir is not None:
                 # Remote root: upload what other code wrote into the local scratch directory.
@@ -389,6 +402,7 @@ class Transaction:
                 files[name] = entry
         if not files:
             raise InvalidArgumentError("the transaction wrote no files; nothing to commit")
+        check_name_tree(files)  # ranks (or an object store) may hold both 'a' and 'a/b'
         gone = sorted(n for n, e in files.items() if present.get(n) != e.size)
         if gone:
             raise TransactionAbortedError(
@@ -466,15 +480,15 @@ class _TrackedWriter(HashingWriter):
             return
         super().abort()
         self._tx._open_writers.discard(self._name)
+        self._tx._names.rebuild(list(self._tx._written) + sorted(self._tx._open_writers))
 
 
 def _hash_and_sync(storage: Any, key: str, name: str, durable: bool) -> FileEntry:
     local = storage.local_path(key)
     if local is not None:
-        with open(local, "rb", buffering=0) as f:
-            size, digest = digest_stream(f)
-            if durable:
-                os.fsync(f.fileno())
+        from .fileio import hash_file
+
+        size, digest = hash_file(local, fsync=durable)  # a FIFO here raises, never blocks
     else:
         with storage.open_read(key) as f:
             size, digest = digest_stream(f)

@@ -10,7 +10,6 @@ reused buffer. Other backends read each file whole.
 from __future__ import annotations
 
 import os
-import stat
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
@@ -71,7 +70,12 @@ def _read_one(storage: Storage, manifest: Manifest, where: str, name: str, keep:
         data = storage.read_bytes(name)
     except fileio.SizeMismatch as e:
         raise _wrong_size(where, name, e.actual, entry.size) from None
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+    except IsADirectoryError:
+        raise IntegrityError(
+            f"{where}/{name} is a directory where the manifest lists a file: the checkpoint is damaged; "
+            "resume from another checkpoint (`txckpt ls`)"
+        ) from None
+    except (FileNotFoundError, NotADirectoryError):
         raise _missing(where, name) from None
     if len(data) != entry.size:
         raise _wrong_size(where, name, len(data), entry.size)
@@ -92,10 +96,7 @@ _PARALLEL_MIN = 8 << 20
 
 
 def _stat_size(path: str) -> int:
-    st = os.stat(path)
-    if stat.S_ISDIR(st.st_mode):
-        raise IsADirectoryError(21, "Is a directory", path)
-    return st.st_size
+    return fileio.regular_size(path)
 
 
 def verify_checkpoint_files(

@@ -108,12 +108,14 @@ def content_index(url: str, so: dict | None) -> dict[str, str]:
     """key -> sha1 of every file under the root."""
     from txckpt.storage import open_storage
 
+    from txckpt.errors import SpecialFileError
+
     st = open_storage(url, so)
     out = {}
     for key, _ in st.walk_files(""):
         try:
             out[key] = hashlib.sha1(st.read_bytes(key)).hexdigest()
-        except (FileNotFoundError, IsADirectoryError, OSError):
+        except (FileNotFoundError, IsADirectoryError, OSError, SpecialFileError):
             continue
     return out
 
@@ -357,6 +359,16 @@ def _delete(key: str) -> Callable[[Damage], set[str]]:
     return f
 
 
+def _fifo(key: str) -> Callable[[Damage], set[str]]:
+    """Replace the file with a FIFO (local roots): a reader that opens it blocking hangs forever,
+    which the probe's timeout turns into a harness failure."""
+    def f(d: Damage) -> set[str]:
+        d.delete(key)
+        os.mkfifo(d._path(key))
+        return {key}
+    return f
+
+
 def file_damage(ctx: Ctx, case: Case, result: Result) -> None:
     """Flip, truncate, delete: each file kind of the newest checkpoint (and of an abandoned one),
     the manifest, three log entries, the latest hint, an intent and a lease."""
@@ -399,6 +411,8 @@ def file_damage(ctx: Ctx, case: Case, result: Result) -> None:
             if len(data) > 1 or how == "zero":
                 c.run(f"{name}: truncate ({how})", _truncate(key, how))
         c.run(f"{name}: delete", _delete(key))
+        if case.backend == "local":
+            c.run(f"{name}: replaced by a FIFO", _fifo(key))
     c.finish("outcomes: " + "; ".join(f"{n}x [{k}]" for k, n in sorted(c.outcomes.items(), key=lambda x: -x[1])[:6]))
 
 
@@ -783,7 +797,8 @@ def cases() -> list[Case]:
         s3 = backend == "s3"
         out += [
             Case(f"badinput/{backend}/data-files", "badinput",
-                 "flipped byte, truncation, deletion of each data file kind (safetensors, torch, json, bytes)",
+                 "flipped byte, truncation, deletion (local: also a FIFO in its place) of each data file kind "
+                 "(safetensors, torch, json, bytes)",
                  backend, file_damage, cost=40 if s3 else 8, needs_s3=s3, params={"targets": DATA}),
             Case(f"badinput/{backend}/manifest-hint-intent-lease", "badinput",
                  "flipped bytes (every byte in full mode, every 3rd of the abandoned manifest and the history "

@@ -232,11 +232,12 @@ class Storage(abc.ABC):
     def upload_file(self, local_file: str, key: str, *, durable: bool) -> tuple[int, str]:
         """Copy a local file to ``key`` once, hashing on the way; returns (size, xxh3-128 hex)."""
         from ..checksum import HashingWriter
+        from ..fileio import open_regular_file
 
         writer = HashingWriter(self.open_write(key, durable=durable))
         ok = False
         try:
-            with open(local_file, "rb") as src:
+            with open_regular_file(local_file) as src:  # a FIFO there raises, never blocks
                 while True:
                     block = src.read(16 << 20)
                     if not block:

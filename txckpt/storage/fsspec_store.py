@@ -501,13 +501,14 @@ class S3Storage(FsspecStorage):
 
     def _upload_file(self, local_file: str, key: str, batch: "_S3WriteBatch | None") -> tuple[int, str]:
         from ..checksum import new_hasher
+        from ..fileio import open_regular_file
 
         hasher = new_hasher()
         writer = _S3Writer(self, key, batch)
         ok = False
         size = 0
         try:
-            with open(local_file, "rb", buffering=0) as src:
+            with open_regular_file(local_file, 0) as src:  # a FIFO in the scratch dir never blocks
                 while True:
                     block = src.read(writer.next_part_size())
                     if not block:

@@ -181,6 +181,13 @@ def rename_noreplace(src: str, dst: str) -> None:
     os.rename(src, dst)
 
 
+def lies_within(path: str, root: str) -> bool:
+    """Whether ``path`` (which need not exist yet) is ``root`` or below it, comparing real
+    paths: symlinks on the way of either are resolved."""
+    real, root_real = os.path.realpath(path), os.path.realpath(root)
+    return real == root_real or real.startswith(root_real.rstrip(os.sep) + os.sep)
+
+
 class LocalStorage(Storage):
     atomic_dir_rename = True
 
@@ -220,14 +227,13 @@ class LocalStorage(Storage):
         # The content is complete and durable under a private name before it gets its public
         # name through link(2), which fails with EEXIST if the name is taken: no reader ever
         # sees a partial file, and of two racers exactly one links.
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
+        _write_tmp(tmp, data, durable)
         try:
             try:
                 os.link(tmp, path)
+            except FileNotFoundError:
+                _raise_if_tmp_removed(tmp, path)
+                raise
             except OSError as e:
                 if e.errno == errno.EEXIST:
                     raise FileExistsError(errno.EEXIST, "already exists", path) from None
@@ -246,12 +252,12 @@ class LocalStorage(Storage):
         path = self._p(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _write_tmp(tmp, data, durable)
+        try:
+            os.replace(tmp, path)
+        except FileNotFoundError:
+            _raise_if_tmp_removed(tmp, path)
+            raise
         if durable:
             fsync_dir(os.path.dirname(path))
 
@@ -262,11 +268,15 @@ class LocalStorage(Storage):
 
     # ----- reading -----------------------------------------------------------------------------
     def read_bytes(self, key: str) -> bytes:
-        with open(self._p(key), "rb") as f:
+        from ..fileio import open_regular_file
+
+        with open_regular_file(self._p(key)) as f:
             return f.read()
 
     def open_read(self, key: str) -> BinaryIO:
-        return open(self._p(key), "rb", buffering=_WRITE_BUFFER)
+        from ..fileio import open_regular_file
+
+        return open_regular_file(self._p(key), _WRITE_BUFFER)
 
     def exists(self, key: str) -> bool:
         return os.path.lexists(self._p(key))
@@ -324,6 +334,32 @@ class LocalStorage(Storage):
     def rename_noreplace(self, src: str, dst: str) -> None:
         makedirs_durable(os.path.dirname(self._p(dst)), True)
         rename_noreplace(self._p(src), self._p(dst))
+
+
+def _write_tmp(tmp: str, data: bytes, durable: bool) -> None:
+    """Write a create-if-absent's or replace's private temp file; on failure (a full disk) it is
+    removed again, so a failed write leaves no empty temp file behind."""
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _raise_if_tmp_removed(tmp: str, path: str) -> None:
+    """After a link/rename of ``tmp`` failed with ENOENT: a typed error if the temp file itself
+    was deleted meanwhile (its directory is still there)."""
+    if not os.path.lexists(tmp) and os.path.isdir(os.path.dirname(path)):
+        from ..errors import TempFileRemovedError
+
+        raise TempFileRemovedError(path=tmp, target=path) from None
 
 
 def _ignore_missing(func, path, exc_info):
