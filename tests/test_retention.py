@@ -116,6 +116,12 @@ def test_best_is_kept_by_path_txid_or_metric(tmp_path):
     # save_total_limit=1 with a best that is not the newest keeps two, as transformers does.
     policy = RetentionPolicy.from_save_total_limit(1, best_path)
     assert steps_of(policy.decide(h)) == [1, 2, 4, 5]
+    # The limit counts the best, as transformers' rotation does: an older best takes the place of
+    # the second newest; a best among the newest changes nothing.
+    assert steps_of(RetentionPolicy.from_save_total_limit(2, best_path).decide(h)) == [1, 2, 4, 5]
+    assert steps_of(RetentionPolicy.from_save_total_limit(3, best_path).decide(h)) == [1, 2, 4]
+    assert steps_of(RetentionPolicy.from_save_total_limit(2, by_step[5].txid).decide(h)) == [1, 2, 3, 4]
+    assert steps_of(RetentionPolicy(keep_last=2, keep_best=[best_path]).decide(h)) == [1, 2, 4]
     # By a metric in the manifests' metadata (lower is better by default).
     policy = RetentionPolicy(keep_last=1, best_metric="eval_loss", keep_best_n=2)
     assert steps_of(apply_retention(r, policy, dry_run=True)) == [1, 3, 4]

@@ -65,6 +65,9 @@ class RetentionPolicy:
     best_metric: str | None = None
     keep_best_n: int = 1
     greater_is_better: bool = False
+    #: keep_best counts toward keep_last (transformers' save_total_limit): a best outside the
+    #: keep_last newest takes one of their places; the newest always stays.
+    best_in_last: bool = False
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_every"):
@@ -86,12 +89,13 @@ class RetentionPolicy:
     def from_save_total_limit(
         cls, save_total_limit: int | None, best_model_checkpoint: str | None = None, **kwargs: Any
     ) -> "RetentionPolicy":
-        """The Trainer's ``save_total_limit``: the N newest of the current lineage, plus the best
-        checkpoint (so with a limit of 1 and a best that is not the newest, two remain, as in
-        transformers). None keeps everything."""
+        """The Trainer's ``save_total_limit``, as transformers counts it: N checkpoints of the
+        current lineage, the newest and the best among them (N-1 newest plus an older best; with
+        a limit of 1 and a best that is not the newest, two remain). None keeps everything."""
         return cls(
             keep_last=save_total_limit if save_total_limit else None,
             keep_best=[best_model_checkpoint] if best_model_checkpoint else [],
+            best_in_last=True,
             **kwargs,
         )
 
@@ -119,13 +123,18 @@ class RetentionPolicy:
         keep = set(protected) | self.always_kept(history)
         current = history.in_view(None)
         current_ids = {c.txid for c in current}
-        keep |= self._resolve_best(history, current)
+        best = self._resolve_best(history, current)
+        keep |= best
         rules = self.keep_last is not None or self.keep_every is not None or self.best_metric is not None
         if not rules:
             keep |= current_ids
         else:
             if self.keep_last is not None:
-                keep |= {c.txid for c in current[-self.keep_last:]}
+                last = self.keep_last
+                if self.best_in_last:
+                    newest = {c.txid for c in current[-last:]}
+                    last = max(1, last - len({c.txid for c in current if c.txid in best} - newest))
+                keep |= {c.txid for c in current[-last:]}
             if self.keep_every is not None:
                 keep |= {c.txid for c in current if c.step % self.keep_every == 0}
             if self.best_metric is not None and metrics:
