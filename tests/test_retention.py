@@ -15,6 +15,7 @@ from txckpt.retention import (
     apply_retention,
     release_reader_lease,
     retire,
+    rewind,
 )
 
 
@@ -116,6 +117,12 @@ def test_best_is_kept_by_path_txid_or_metric(tmp_path):
     # save_total_limit=1 with a best that is not the newest keeps two, as transformers does.
     policy = RetentionPolicy.from_save_total_limit(1, best_path)
     assert steps_of(policy.decide(h)) == [1, 2, 4, 5]
+    # The limit counts the best, as transformers' rotation does: an older best takes the place of
+    # the second newest; a best among the newest changes nothing.
+    assert steps_of(RetentionPolicy.from_save_total_limit(2, best_path).decide(h)) == [1, 2, 4, 5]
+    assert steps_of(RetentionPolicy.from_save_total_limit(3, best_path).decide(h)) == [1, 2, 4]
+    assert steps_of(RetentionPolicy.from_save_total_limit(2, by_step[5].txid).decide(h)) == [1, 2, 3, 4]
+    assert steps_of(RetentionPolicy(keep_last=2, keep_best=[best_path]).decide(h)) == [1, 2, 4]
     # By a metric in the manifests' metadata (lower is better by default).
     policy = RetentionPolicy(keep_last=1, best_metric="eval_loss", keep_best_n=2)
     assert steps_of(apply_retention(r, policy, dry_run=True)) == [1, 3, 4]
@@ -247,6 +254,70 @@ def test_invalid_policies():
             RetentionPolicy(**bad)
 
 
+def _rewind_template(root: str) -> dict[str, dict]:
+    """a: 1..5; rolled back to a's 2; b: 3..6. Returns {lineage tag: {step: txid}}."""
+    save(root, (1, 2, 3, 4, 5), "a")
+    txckpt.forget_roots()
+    txckpt.resume(root, step=2)
+    save(root, (3, 4, 5, 6), "b")
+    txckpt.forget_roots()
+    h = txckpt.CheckpointRoot(root).history()
+    b = h.state.head
+    return {tag: {c.step: c.txid for c in h.checkpoints.values() if (c.lineage == b) == (tag == "b")}
+            for tag in ("a", "b")}
+
+
+def test_rewind_retires_only_what_the_rollback_leaves(tmp_path):
+    root = str(tmp_path / "out")
+    ids = _rewind_template(root)
+    r = fresh(root)
+    entries = len(r.history().entries)
+    gone = rewind(r, os.path.join(root, "checkpoint-4"))  # b's 4, by its published path
+    assert sorted(c.txid for c in gone) == sorted([ids["b"][5], ids["b"][6]])
+    r = fresh(root)
+    h = r.history()
+    assert [e["action"] for e in h.entries[entries:]] == ["fork", "retire"]
+    assert h.state.head_tip["txid"] == ids["b"][4]
+    assert txckpt.get_last_checkpoint(root) == os.path.join(root, "checkpoint-4")
+    assert txckpt.read_manifest(txckpt.get_last_checkpoint(root)).txid == ids["b"][4]
+    assert set(h.retired) == {ids["b"][5], ids["b"][6]}
+    assert published(root) == [1, 2, 3, 4]
+    # Run a's checkpoints (abandoned by the earlier rollback) and the fork point are untouched.
+    for step in (2, 3, 4, 5):
+        c = h.checkpoints[ids["a"][step]]
+        txckpt.verify_checkpoint(r.locate(c.ref))
+    for step in (5, 6):
+        assert r.locate(h.checkpoints[ids["b"][step]].ref) is None
+        assert not os.path.exists(os.path.join(root, ".txckpt", "tx", ids["b"][step]))
+    # The next save continues from the kept checkpoint.
+    save(root, (5,), "c")
+    assert txckpt.read_manifest(txckpt.get_last_checkpoint(root)).step == 5
+
+
+def test_rewind_to_the_newest_changes_nothing_and_refuses_other_lineages(tmp_path):
+    root = str(tmp_path / "out")
+    ids = _rewind_template(root)
+    r = fresh(root)
+    n = len(r.history().entries)
+    assert rewind(r, ids["b"][6]) == []
+    with pytest.raises(txckpt.errors.CheckpointNotFoundError, match="current lineage"):
+        rewind(r, ids["a"][4])  # abandoned: not something to roll the current lineage back to
+    assert len(fresh(root).history().entries) == n
+
+
+def test_rewind_leaves_a_leased_checkpoint_for_later(tmp_path):
+    root = str(tmp_path / "out")
+    ids = _rewind_template(root)
+    r = fresh(root)
+    lease = acquire_reader_lease(r, ids["b"][6])
+    gone = rewind(r, ids["b"][4])
+    assert [c.step for c in gone] == [5]
+    h = fresh(root).history()
+    assert ids["b"][6] not in h.retired and h.state.head_tip["txid"] == ids["b"][4]
+    txckpt.verify_checkpoint(fresh(root).locate(h.checkpoints[ids["b"][6]].ref))  # still readable
+    release_reader_lease(r, lease)
+
+
 # ----- crash safety -------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_apply_retention_crash_sweep(tmp_path):
@@ -325,6 +396,66 @@ def test_apply_retention_crash_sweep(tmp_path):
 
     result = sweep("apply_retention", template, str(tmp_path / "work"), scenario, check)
     print(f"apply_retention crash sweep: {len(result.ops)} file ops, {result.crash_points} crash points, "
+          f"{len(result.violations)} violations")
+    assert result.crash_points >= 2 * 10
+    assert not result.violations, "\n".join(result.violations[:20])
+
+
+@pytest.mark.slow
+def test_rewind_crash_sweep(tmp_path):
+    """SIGKILL rewind (the Trainer's end of training with save_total_limit=1) before and after
+    each file operation: lookup returns the old newest or the kept one, never anything else;
+    nothing but the checkpoints the rollback leaves is ever deleted; gc finishes the deletion."""
+    from tests.crash_harness import sweep
+
+    template = str(tmp_path / "template")
+    ids = _rewind_template(template)
+    h = txckpt.CheckpointRoot(template).history()
+    going = {ids["b"][5], ids["b"][6]}
+    keep = {t: c for t, c in h.checkpoints.items() if t not in going}
+
+    def scenario(root: str):
+        txckpt.forget_roots()
+        rewind(txckpt.CheckpointRoot(root), ids["b"][4])
+
+    def check(root: str, k: int, when: str) -> list[str]:
+        v: list[str] = []
+        txckpt.forget_roots()
+        r = txckpt.CheckpointRoot(root)
+        hist = r.history()
+        forked = any(e["action"] == "fork" for e in hist.entries[len(h.entries):])
+        last = txckpt.get_last_checkpoint(root)
+        want = ids["b"][4] if forked else ids["b"][6]
+        if last is None or txckpt.read_manifest(last).txid != want:
+            v.append(f"lookup returned {last}, expected {want} (forked: {forked})")
+        for txid, c in hist.checkpoints.items():
+            where = r.locate(c.ref)
+            if txid in keep or txid not in hist.retired:
+                if where is None:
+                    v.append(f"{txid} (step {c.step}) is gone but was not retired")
+                else:
+                    txckpt.verify_checkpoint(where)
+        if set(hist.retired) - going:
+            v.append(f"retired {sorted(set(hist.retired) - going)}, which the rollback did not leave")
+        for name in os.listdir(root):
+            if name.startswith("checkpoint-"):
+                try:
+                    txckpt.verify_checkpoint(os.path.join(root, name))
+                except Exception as e:
+                    v.append(f"visible {name} is not whole: {e}")
+        collect_garbage(r, grace_seconds=0)
+        hist = r.history()
+        for txid in hist.retired:
+            if r.locate(hist.checkpoints[txid].ref) is not None or os.path.exists(
+                    os.path.join(root, ".txckpt", "tx", txid)):
+                v.append(f"gc left retired {txid} behind")
+        for txid, c in keep.items():
+            if r.locate(c.ref) is None:
+                v.append(f"after gc: kept {txid} is gone")
+        return v
+
+    result = sweep("rewind", template, str(tmp_path / "work"), scenario, check)
+    print(f"rewind crash sweep: {len(result.ops)} file ops, {result.crash_points} crash points, "
           f"{len(result.violations)} violations")
     assert result.crash_points >= 2 * 10
     assert not result.violations, "\n".join(result.violations[:20])

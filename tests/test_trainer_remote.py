@@ -205,6 +205,31 @@ def test_save_total_limit_on_a_remote_root(tmp_path, s3_root):
         assert not list(storage.walk_files(f".txckpt/tx/{c.txid}"))
 
 
+def test_an_older_best_is_resolved_and_kept_alone_on_a_remote_root(tmp_path, s3_root):
+    """eval_strategy="epoch", save_strategy="steps": the evaluation that makes step 4 the best
+    runs after its commit; the best is resolved to step 4's committed remote key, survives
+    rotation, and with save_total_limit=1 it alone remains at the end (its objects stay, the
+    rest are deleted from the store)."""
+    url, opts = s3_root
+    torch.manual_seed(0)
+    args = make_args(str(tmp_path / "out"), -1, num_train_epochs=3, eval_strategy="epoch", save_strategy="steps",
+                     save_steps=1, save_total_limit=1, metric_for_best_model="accuracy", greater_is_better=True)
+    trainer = TransactionalTrainer(model=TinyModel(TinyConfig()), args=args, train_dataset=Data(0, n=16),
+                                   eval_dataset=Data(7, n=8), txckpt_root=url, txckpt_storage_options=opts)
+    accuracies = iter([0.59, 0.57, 0.55])
+    trainer._evaluate = lambda *a, **k: {"eval_accuracy": next(accuracies)}
+    trainer.train()
+    cps = current(s3_root)
+    assert sorted(cps) == [4]
+    assert trainer.state.best_model_checkpoint == cps[4].path
+    assert txckpt.get_last_checkpoint(url, storage_options=opts) == cps[4].path
+    txckpt.verify_checkpoint(cps[4].path, storage_options=opts)
+    storage = open_storage(url, opts)
+    for c in everything(s3_root).values():
+        if c.state == "retired":
+            assert not list(storage.walk_files(f".txckpt/tx/{c.txid}"))
+
+
 def test_hub_push_from_a_remote_root_pushes_a_verified_local_copy(tmp_path, s3_root, monkeypatch):
     url, opts = s3_root
     pushed = []

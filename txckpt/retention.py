@@ -66,6 +66,9 @@ class RetentionPolicy:
     best_metric: str | None = None
     keep_best_n: int = 1
     greater_is_better: bool = False
+    #: keep_best counts toward keep_last (transformers' save_total_limit): a best outside the
+    #: keep_last newest takes one of their places; the newest always stays.
+    best_in_last: bool = False
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_every"):
@@ -87,12 +90,13 @@ class RetentionPolicy:
     def from_save_total_limit(
         cls, save_total_limit: int | None, best_model_checkpoint: str | None = None, **kwargs: Any
     ) -> "RetentionPolicy":
-        """The Trainer's ``save_total_limit``: the N newest of the current lineage, plus the best
-        checkpoint (so with a limit of 1 and a best that is not the newest, two remain, as in
-        transformers). None keeps everything."""
+        """The Trainer's ``save_total_limit``, as transformers counts it: N checkpoints of the
+        current lineage, the newest and the best among them (N-1 newest plus an older best; with
+        a limit of 1 and a best that is not the newest, two remain). None keeps everything."""
         return cls(
             keep_last=save_total_limit if save_total_limit else None,
             keep_best=[best_model_checkpoint] if best_model_checkpoint else [],
+            best_in_last=True,
             **kwargs,
         )
 
@@ -120,13 +124,18 @@ class RetentionPolicy:
         keep = set(protected) | self.always_kept(history)
         current = history.in_view(None)
         current_ids = {c.txid for c in current}
-        keep |= self._resolve_best(history, current)
+        best = self._resolve_best(history, current)
+        keep |= best
         rules = self.keep_last is not None or self.keep_every is not None or self.best_metric is not None
         if not rules:
             keep |= current_ids
         else:
             if self.keep_last is not None:
-                keep |= {c.txid for c in current[-self.keep_last:]}
+                last = self.keep_last
+                if self.best_in_last:
+                    newest = {c.txid for c in current[-last:]}
+                    last = max(1, last - len({c.txid for c in current if c.txid in best} - newest))
+                keep |= {c.txid for c in current[-last:]}
             if self.keep_every is not None:
                 keep |= {c.txid for c in current if c.step % self.keep_every == 0}
             if self.best_metric is not None and metrics:
@@ -450,6 +459,53 @@ def apply_retention(root: Any, policy: RetentionPolicy, *, dry_run: bool = False
     return [infos[c.txid] for c in going if c.txid in retired and c.txid in infos]
 
 
+def rewind(root: Any, keep: str, *, now: float | None = None) -> list[Checkpoint]:
+    """Make committed checkpoint ``keep`` (a txid, or a path under the root) of the current
+    lineage its newest, and let go of the newer ones; returns the checkpoints retired.
+
+    This is how the Trainer keeps only the best checkpoint at the end of training with
+    ``save_total_limit=1`` (upstream deletes every other checkpoint, the newest included, so
+    that a restart resumes the best). The head tip is never retired, so it is done in the
+    protocol's own steps, each of which a crash may end the sequence after:
+
+    1. a ``fork`` entry whose parent is ``keep`` (a rollback, §10): from then on lookups and
+       ``resume`` return ``keep``; the newer checkpoints of the lineage are abandoned, still intact;
+    2. one ``retire`` entry naming the checkpoints that fork abandoned, except fork points of
+       other lineages and leased ones; if the log moved in between, only those still abandoned
+       are retired (an undone rollback makes them current again, and they stay);
+    3. their data is deleted (:func:`finish_retired`; a crash leaves it to the next retention or gc).
+
+    Other lineages' checkpoints are never named. ``keep`` already the newest: nothing happens.
+    """
+    history = root.history()
+    txid = keep if keep in history.checkpoints else next(iter(_resolve_paths(root, [keep])), None)
+    view = {c.txid: c for c in history.in_view(None)}
+    if txid is None or txid not in view:
+        raise CheckpointNotFoundError(
+            f"{keep} is not a committed, kept checkpoint of the current lineage of {root.url}; "
+            "nothing was rolled back (see `txckpt ls`)"
+        )
+    tip = history.state.head_tip
+    if tip is not None and tip.get("txid") == txid:
+        return []
+    root._fork(view[txid].ref, history, reason="fork", announce=False)
+    fresh = root.history()
+    still = {c.txid for c in fresh.in_view(None)}
+    leased, _ = read_leases(root.storage, now)
+    going = [c for t, c in view.items() if t not in still and t not in leased]
+    # Re-decided inside the append if anything was appended after the fork: only what is still
+    # abandoned then (abandoned=0 lets every abandoned checkpoint go, the current lineage stays).
+    retired = set(retire(root, [c.txid for c in going], policy=RetentionPolicy(abandoned=0),
+                         decided_at=fresh.state.seq, now=now))
+    finish_retired(root, now=now)
+    gone = [c for c in going if c.txid in retired]
+    if gone:
+        log.info("txckpt: rolled the current lineage of %s back to step %d (txid %s) and retired the %d "
+                 "newer checkpoint(s) it left: %s", root.url, view[txid].step, txid, len(gone),
+                 ", ".join(f"step {c.step}" for c in gone))
+    return gone
+
+
 def retired_present(root: Any, history: History | None = None) -> list[Checkpoint]:
     """Retired checkpoints whose data (or an empty ``.txckpt/tx/<txid>``) is still on storage.
 
@@ -503,6 +559,7 @@ __all__ = [
     "apply_retention",
     "plan_retention",
     "retire",
+    "rewind",
     "delete_checkpoint_data",
     "finish_retired",
     "retired_present",

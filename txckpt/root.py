@@ -362,7 +362,9 @@ class CheckpointRoot:
         parent = None if external_parent is None else {"external": os.fspath(external_parent)}
         return self._fork(parent, history, reason="root" if parent is None else "external")
 
-    def _fork(self, parent: dict[str, Any] | None, history: History, reason: str) -> str:
+    def _fork(self, parent: dict[str, Any] | None, history: History, reason: str, *, announce: bool = True) -> str:
+        """Append a fork entry (§10). ``announce=False``: the caller retires what the fork
+        abandons (retention.rewind) and says so itself, instead of the "kept intact" warning."""
         expected_head = history.state.head
         lid = new_lineage_id(history.state.lineages)
         abandoned: list[Checkpoint] = []
@@ -394,7 +396,7 @@ class CheckpointRoot:
         self.append_entry(build)
         self.writer_lineage = lid
         history = self.history()
-        if abandoned:
+        if abandoned and announce:
             frm = f"step {parent['step']} of lineage {parent['lineage']}" if parent and "step" in parent else (
                 f"external checkpoint {parent['external']}" if parent else "scratch")
             log.warning(

@@ -178,6 +178,7 @@ class TransactionalCheckpointMixin:
                 # <root>/checkpoint-N on a local disk; the transaction's own key on object stores.
                 expected = tx.final_path
                 self._txckpt_streamed = {}
+                self._txckpt_resolve_best(root, step)
                 super()._save_checkpoint(model, trial, *args, **kwargs)  # type: ignore[misc]
                 self._txckpt_check_streamed(tx)
                 self._txckpt_publish_best(tx, expected)
@@ -277,6 +278,23 @@ class TransactionalCheckpointMixin:
             "epoch": None if self.state.epoch is None else float(self.state.epoch),
             "trial": None if trial is None else str(getattr(trial, "number", trial)),
         }
+
+    def _txckpt_resolve_best(self, root: str, step: int) -> None:
+        """Upstream's save sets best_model_checkpoint to ``<run_dir>/checkpoint-<best_global_step>``
+        if that directory exists; here run_dir is the staging root, where an older step never is
+        (a best found by an evaluation after its commit, eval per epoch and save per step, would be
+        lost, and retention would delete it). Resolve the step against the current lineage's
+        committed checkpoints, before upstream writes trainer_state.json; none: keep the value."""
+        best_step = getattr(self.state, "best_global_step", None)
+        strategy = getattr(self.args.save_strategy, "value", self.args.save_strategy)  # type: ignore[attr-defined]
+        if not best_step or int(best_step) == step or strategy not in ("steps", "epoch", "best"):
+            return  # the step being saved: upstream names staging, _txckpt_publish_best fixes it
+        current = self.state.best_model_checkpoint
+        if current is not None and _checkpoint_name_step(current) == int(best_step):
+            return  # resolved at an earlier save
+        path = _committed_step_path(root, self.txckpt_storage_options, int(best_step))
+        if path is not None:
+            self.state.best_model_checkpoint = path
 
     def _txckpt_publish_best(self, tx: Any, expected: str) -> None:
         """Upstream derives best_model_checkpoint from _get_output_dir, i.e. from staging, when the
@@ -492,17 +510,41 @@ class TransactionalCheckpointMixin:
     def _finalize_training(self, trial: Any, *args: Any, **kwargs: Any) -> Any:
         """transformers 5.x: the end-of-training cleanup deletes every ``checkpoint-*`` of the run
         directory but the best when ``save_total_limit == 1``, through the module function
-        ``sort_checkpoints``, which a subclass cannot redirect. Hide the limit for the duration;
-        txckpt's retention (newest and best kept) already ran after the last commit."""
+        ``sort_checkpoints``, which a subclass cannot redirect, with ``rmtree`` (other lineages'
+        checkpoints and internal names included). Do the same through txckpt first
+        (:meth:`_txckpt_keep_only_best`), then hide the limit from upstream's cleanup."""
         limit = self.args.save_total_limit
         hide = limit == 1 and self.state.best_model_checkpoint is not None
         if hide:
+            self._txckpt_keep_only_best(trial)
             self.args.save_total_limit = None
         try:
             return super()._finalize_training(trial, *args, **kwargs)  # type: ignore[misc]
         finally:
             if hide:
                 self.args.save_total_limit = limit
+
+    def _txckpt_keep_only_best(self, trial: Any) -> None:
+        """End of training with ``save_total_limit == 1`` and a best checkpoint: upstream keeps
+        only the best (it deletes the newest too, so a restart resumes the best). Here the current
+        lineage is rolled back to the best and the newer checkpoints it leaves are retired
+        (``txckpt.retention.rewind``: a fork entry, a retire entry, then the data); other lineages
+        are not touched. Rank 0, like upstream's ``should_save`` cleanup; a failure is logged,
+        never fatal (the newest then stays, as after a crash in between)."""
+        best = self.state.best_model_checkpoint
+        if best is None or not self.args.should_save or not self.is_world_process_zero():  # type: ignore[attr-defined]
+            return
+        from txckpt.retention import rewind
+
+        root = self._txckpt_root(trial)
+        try:
+            gone = rewind(txckpt.open_root(root, self.txckpt_storage_options), best)
+        except Exception as e:  # noqa: BLE001 - the checkpoints are committed; this only frees space
+            log.warning("txckpt: save_total_limit=1: keeping only the best checkpoint %s at the end of "
+                        "training failed (%s: %s); the newest is kept too", best, type(e).__name__, e)
+            return
+        if gone:  # (rewind logs what it retired) the lineage's newest is the best now
+            self._txckpt_last_step = _checkpoint_name_step(best)
 
     def _txckpt_retention(self, root: str) -> None:
         """Apply ``save_total_limit`` to the current lineage's committed checkpoints, keeping the
@@ -552,9 +594,15 @@ class TransactionalCheckpointMixin:
         _check_save_on_each_node(self.args)
         resolved = self._txckpt_resolve_resume(resume_from_checkpoint, trial)
         try:
-            return super().train(  # type: ignore[misc]
+            result = super().train(  # type: ignore[misc]
                 resume_from_checkpoint=resolved, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
             )
+            if not hasattr(Trainer, "_finalize_training") and self.args.save_total_limit == 1 \
+                    and self.state.best_model_checkpoint is not None:
+                # transformers 4.x: its inline end-of-training cleanup got no checkpoints from
+                # _sorted_checkpoints; keep only the best here, as 5.x's _finalize_training does.
+                self._txckpt_keep_only_best(trial)
+            return result
         finally:
             self._txckpt_drop_push_copies()  # upstream waited for the last push at the end
 
@@ -753,6 +801,23 @@ def _external_parent_of_empty_head(root: str, storage_options: dict | None) -> s
     if info is None or info.tip is not None or not info.parent or "external" not in info.parent:
         return None
     return str(info.parent["external"])
+
+
+def _checkpoint_name_step(path: str) -> int | None:
+    """K for a path whose last component is ``checkpoint-K`` (published or a home), else None."""
+    m = _CHECKPOINT_RE.match(os.path.basename(path.rstrip("/").rstrip(os.sep)))
+    return int(m.group(1)) if m else None
+
+
+def _committed_step_path(root: str, storage_options: dict | None, step: int) -> str | None:
+    """Where the current lineage's committed checkpoint of ``step`` is; None if it has none
+    (never saved, or retired)."""
+    r = txckpt.open_root(root, storage_options)
+    try:
+        c = r.history().find(step=step)
+    except _errors.CheckpointNotFoundError:
+        return None
+    return r.locate(c.ref)
 
 
 def _step_of(path: str) -> int | None:
