@@ -21,9 +21,7 @@ from .errors import (
     ConcurrentWriterError,
     InvalidArgumentError,
     LookupRaceError,
-    ManifestError,
     RootNotFoundError,
-    StaleLineageError,
     StepConflictError,
 )
 from .lineage import Checkpoint, History, State, new_lineage_id, ref, same_ref

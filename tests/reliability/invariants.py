@@ -125,6 +125,15 @@ def check(url: str, so: dict | None, expect: dict[str, Any]) -> list[str]:
     allowed = expect["allowed"]
     try:
         last = txckpt.get_last_checkpoint(url, storage_options=so)
+    except txckpt.errors.RootNotFoundError as e:
+        # transformers' contract: a root that does not exist is FileNotFoundError, not "no
+        # checkpoint". Right only where nothing was ever committed (a crash before the first
+        # save created the directory); anywhere else it hides committed checkpoints.
+        if hist.checkpoints:
+            v.append(f"[lookup] RootNotFoundError although {len(hist.checkpoints)} checkpoint(s) are committed: {e}")
+            last = "<error>"
+        else:
+            last = None
     except Exception as e:
         v.append(f"[lookup] get_last_checkpoint raised {type(e).__name__}: {e}")
         last = "<error>"
