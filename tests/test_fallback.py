@@ -184,3 +184,22 @@ def test_integrity_errors_carry_their_path_across_processes():
     e = pickle.loads(pickle.dumps(NoIntactCheckpointError("m", path="/p", root="/r", damaged=[{"step": 1}])))
     assert (e.path, e.root, e.damaged) == ("/p", "/r", [{"step": 1}])
     assert pickle.loads(pickle.dumps(ManifestError("m", path="/q"))).path == "/q"
+
+
+@pytest.mark.distributed
+def test_every_rank_gets_rank_0s_decision_and_the_job_forks_once(tmp_path):
+    from tests import dist_workers as dw
+
+    root = str(tmp_path / "out")
+    txids, paths = commit(root, None)
+    damage(paths[6], {}, "flipped_byte")
+    run = dw.launch(2, dw.fallback_every_rank, str(tmp_path / "res"), root=root)
+    for r in run.results:
+        assert r.exitcode == 0 and r.ok is not None, run.describe() + "\n" + (r.trace or "")
+    assert {r.ok["resumed"] for r in run.results} == {paths[4]}
+    assert {r.ok["saved"] for r in run.results} == {f"{root}/checkpoint-5"}
+    txckpt.forget_roots()
+    r = txckpt.CheckpointRoot(root)
+    assert len(r.state().lineages) == 2, "one fork for the job, not one per rank"
+    assert [c.step for c in r.checkpoints()] == [2, 4, 5]
+    assert txckpt.read_manifest(f"{root}/checkpoint-5").world_size == 2
