@@ -546,3 +546,14 @@ def rollback_every_rank(rank: int, world: int, *, root: str, step: int) -> Any:
     path = txckpt.resume(root, step=step)
     saved = txckpt.save_checkpoint(root, step + 1, payload(rank, step + 1))
     return {"resumed": path, "saved": saved}
+
+
+def fallback_every_rank(rank: int, world: int, *, root: str) -> Any:
+    """Every rank restarts with resume(root, on_damaged="fallback") (rank 0 verifies and decides),
+    then all ranks save the step after the one resumed."""
+    import txckpt
+
+    path = txckpt.resume(root, on_damaged="fallback")
+    step = txckpt.read_manifest(path).step
+    saved = txckpt.save_checkpoint(root, step + 1, payload(rank, step + 1))
+    return {"resumed": path, "saved": saved}

@@ -14,7 +14,7 @@ from .reader import RootContext
 from .root import CheckpointRoot
 from .serialization import read_object
 from .storage import LocalStorage, open_storage
-from .verify import verify_checkpoint_files
+from .verify import FALLBACK_HINT, verify_checkpoint_files
 
 _roots: dict[tuple[Any, ...], CheckpointRoot] = {}
 _lock = threading.Lock()
@@ -120,6 +120,7 @@ def resume(
     step: int | None = None,
     *,
     path: str | os.PathLike | None = None,
+    on_damaged: str = "raise",
     storage_options: Mapping[str, Any] | None = None,
     collective: bool | None = None,
 ) -> str | None:
@@ -130,11 +131,19 @@ def resume(
     checkpoint of the root, forks a new lineage; one warning names every checkpoint it abandons.
     Abandoned checkpoints are kept intact and never returned by get_last_checkpoint again.
 
+    ``on_damaged`` (restarts only): ``"raise"`` (default) checks nothing beyond today's lookup;
+    loading a damaged checkpoint raises IntegrityError naming the file. ``"fallback"`` verifies
+    the newest checkpoint first (one read of its bytes) and, if it is damaged, forks from the
+    newest checkpoint of the current lineage that verifies, with one warning naming each damaged
+    checkpoint and its failing file; the damaged ones stay on disk untouched. If none verifies:
+    NoIntactCheckpointError, and nothing changes.
+
     Inside an initialised torch.distributed group every rank calls it: rank 0 changes the
     lineage once and every rank gets its answer (pass ``collective=False`` to call it from one
     rank alone).
     """
-    return _on_rank0(lambda: open_root(root, storage_options).resume(step, path=path), collective)
+    return _on_rank0(lambda: open_root(root, storage_options).resume(step, path=path, on_damaged=on_damaged),
+                     collective)
 
 
 def new_lineage(
@@ -293,12 +302,14 @@ def fetch_checkpoint(
                         size, digest = _copy_hashing(reader, out)
                 except FileNotFoundError:
                     raise IntegrityError(
-                        f"{path}/{name} is missing (the manifest lists it): the stored checkpoint is damaged"
+                        f"{path}/{name} is missing (the manifest lists it): the stored checkpoint is "
+                        f"damaged; {FALLBACK_HINT}", path=f"{path}/{name}",
                     ) from None
                 if size != entry.size or digest != entry.checksum:
                     raise IntegrityError(
                         f"{path}/{name} has {size} bytes / xxh3-128 {digest}, the manifest says "
-                        f"{entry.size} / {entry.checksum}: the stored checkpoint is damaged"
+                        f"{entry.size} / {entry.checksum}: the stored checkpoint is damaged; "
+                        f"{FALLBACK_HINT}", path=f"{path}/{name}",
                     )
             with open(os.path.join(scratch, MANIFEST_NAME), "wb") as out:
                 out.write(manifest.encode())

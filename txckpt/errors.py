@@ -81,7 +81,18 @@ class StaleLineageError(ConcurrentWriterError):
 
 
 class IntegrityError(TxckptError):
-    """Stored bytes do not match the manifest (size, checksum, missing file, edited manifest)."""
+    """Stored bytes do not match the manifest (size, checksum, missing file, edited manifest).
+
+    ``path``: the file that failed (a checkpoint file, or its manifest), when known. On a restart,
+    ``txckpt.resume(root, on_damaged="fallback")`` (Trainer: ``txckpt_on_damaged="fallback"``)
+    forks from the newest checkpoint that verifies instead of raising."""
+
+    def __init__(self, message: str = "", *, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+    def __reduce__(self):
+        return _with_fields, (type(self), str(self), {"path": self.path})
 
 
 class SpecialFileError(IntegrityError):
@@ -102,6 +113,25 @@ class SpecialFileError(IntegrityError):
 
 class ManifestError(IntegrityError):
     """A manifest is missing, unreadable, edited, of an unknown format, or names unsafe paths."""
+
+
+class NoIntactCheckpointError(IntegrityError):
+    """``resume(root, on_damaged="fallback")`` found every checkpoint of the current lineage
+    damaged (or missing): there is nothing to fall back to, and nothing was forked or changed.
+    ``root``; ``damaged``: one ``{"step", "txid", "path", "error"}`` per checkpoint, newest
+    first (``path``: the file that failed); ``path``: the newest one's failing file. Restore the
+    files from a backup, or start a new lineage (``train(resume_from_checkpoint=None)``,
+    ``txckpt.new_lineage``)."""
+
+    def __init__(self, message: str = "", *, path: str | None = None, root: str | None = None,
+                 damaged: list[dict] | tuple = ()):
+        super().__init__(message, path=path)
+        self.root = root
+        self.damaged = list(damaged)
+
+    def __reduce__(self):
+        return _with_fields, (type(self), str(self), {"path": self.path, "root": self.root,
+                                                      "damaged": self.damaged})
 
 
 class UnsafePathError(ManifestError, InvalidArgumentError):

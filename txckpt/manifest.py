@@ -166,9 +166,9 @@ class Manifest:
         try:
             body = json.loads(data)
         except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is damaged") from None
+            raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is damaged", path=where) from None
         if not isinstance(body, dict):
-            raise ManifestError(f"{where} is not a JSON object; the checkpoint is damaged")
+            raise ManifestError(f"{where} is not a JSON object; the checkpoint is damaged", path=where)
         if body.get("format") != FORMAT:
             raise ManifestError(
                 f"{where} has format {body.get('format')!r}, this txckpt reads {FORMAT!r}; "
@@ -178,7 +178,8 @@ class Manifest:
         if claimed != _digest(body):
             raise ManifestError(
                 f"{where} was edited after it was written (its digest does not match its content); "
-                "do not trust this checkpoint: resume from another one, or re-save"
+                "do not trust this checkpoint: resume from another one (on a restart, "
+                "txckpt.resume(root, on_damaged=\"fallback\") does), or re-save", path=where,
             )
         if body.get("checksum_algorithm") != checksum.ALGORITHM:
             raise ManifestError(f"{where} uses checksum {body.get('checksum_algorithm')!r}")
@@ -206,7 +207,7 @@ class Manifest:
                 digest=str(claimed),
             )
         except (KeyError, TypeError, ValueError) as e:
-            raise ManifestError(f"{where} is missing a field ({e})") from None
+            raise ManifestError(f"{where} is missing a field ({e})", path=where) from None
 
 
 def _digest(body: dict[str, Any]) -> str:

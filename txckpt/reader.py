@@ -25,6 +25,7 @@ from typing import Any, Mapping
 from .errors import IntegrityError, ManifestError
 from .manifest import MANIFEST_NAME, Manifest
 from .publication import TX_DIR
+from .verify import FALLBACK_HINT
 
 _HOME_RE = re.compile(r"^(?P<root>.*)/" + re.escape(TX_DIR) + r"/(?P<txid>[^/]+)/checkpoint-(?P<step>\d+)$")
 _PUBLIC_RE = re.compile(r"^(?P<root>.*)/checkpoint-(?P<step>\d+)$")
@@ -106,8 +107,8 @@ class RootContext:
             raise IntegrityError(
                 f"{path}/{MANIFEST_NAME} is not the manifest the log committed for txid "
                 f"{manifest.txid} (digest {manifest.digest}, the commit entry recorded {digest}): "
-                "it was edited or replaced after the commit; the checkpoint is damaged; resume from "
-                "another checkpoint (`txckpt verify` lists what else is wrong)"
+                "it was edited or replaced after the commit; the checkpoint is damaged; "
+                f"{FALLBACK_HINT} (`txckpt verify` lists what else is wrong)", path=f"{path}/{MANIFEST_NAME}",
             )
 
     def moved_to(self, txid: str | None) -> str | None:

@@ -287,10 +287,21 @@ class CheckpointRoot:
         return out
 
     # ----- lineage changes ---------------------------------------------------------------------
-    def resume(self, step: int | None = None, *, path: str | os.PathLike | None = None) -> str | None:
-        """Declare where this process continues from; see :func:`txckpt.resume`."""
+    def resume(self, step: int | None = None, *, path: str | os.PathLike | None = None,
+               on_damaged: str = "raise", verify: Any = None) -> str | None:
+        """Declare where this process continues from; see :func:`txckpt.resume`. ``verify``
+        (``path -> path`` to use, IntegrityError on damage): how a restart checks the checkpoint
+        it continues from (txckpt/fallback.py); with ``on_damaged="raise"`` only if given."""
+        from .fallback import check_on_damaged, resume_intact
+
+        check_on_damaged(on_damaged)
         if step is not None and path is not None:
             raise InvalidArgumentError("give step or path, not both")
+        if on_damaged == "fallback" and (step is not None or path is not None):
+            raise InvalidArgumentError(
+                'on_damaged="fallback" applies to a restart (no step, no path): a checkpoint named '
+                "explicitly is the one to load; check it with txckpt.verify_checkpoint"
+            )
         if step is not None:
             from .manifest import check_step
 
@@ -298,7 +309,8 @@ class CheckpointRoot:
         state = self.state()
         if state.seq < 0 and self.legacy_checkpoints():
             if step is None and path is None:
-                return self.get_last_checkpoint()  # warns; the first save adopts
+                # Warns; the first save adopts. Without manifests there is nothing to verify.
+                return self.get_last_checkpoint()
             self.adopt()
             state = self.state()
         if state.seq < 0:
@@ -311,8 +323,13 @@ class CheckpointRoot:
         if path is None and step is None:
             # Continuing the current lineage needs only the state, not the folded history: a
             # restart of a long run must not read every log entry (lookup is O(1), so is this).
+            if on_damaged == "fallback":
+                return resume_intact(self, state, verify)
+            found = self.get_last_checkpoint()
+            if found is not None and verify is not None:
+                found = verify(found)  # before the claim: a damaged tip changes nothing
             self._claim(state)
-            return self.get_last_checkpoint()
+            return found
         history = self.history(snapshot=True)
         if path is not None:
             target = self._checkpoint_at_path(path, history)
@@ -360,9 +377,12 @@ class CheckpointRoot:
         parent = None if external_parent is None else {"external": os.fspath(external_parent)}
         return self._fork(parent, history, reason="root" if parent is None else "external")
 
-    def _fork(self, parent: dict[str, Any] | None, history: History, reason: str, *, announce: bool = True) -> str:
+    def _fork(self, parent: dict[str, Any] | None, history: History, reason: str, *, announce: bool = True,
+              damaged: list[dict[str, Any]] | None = None) -> str:
         """Append a fork entry (§10). ``announce=False``: the caller retires what the fork
-        abandons (retention.rewind) and says so itself, instead of the "kept intact" warning."""
+        abandons (retention.rewind) and says so itself, instead of the "kept intact" warning.
+        ``damaged``: the checkpoints a restart found damaged (txckpt/fallback.py), recorded in the
+        entry and named in the one warning."""
         expected_head = history.state.head
         lid = new_lineage_id(history.state.lineages)
         abandoned: list[Checkpoint] = []
@@ -382,7 +402,7 @@ class CheckpointRoot:
             abandoned = [
                 c for c in fresh.in_view(expected_head) if not new_state.contains(lid, c.lineage, c.step)
             ] if expected_head else []
-            return {
+            entry = {
                 "action": "fork",
                 "lineage": lid,
                 "parent": parent,
@@ -390,11 +410,25 @@ class CheckpointRoot:
                 "abandoned": [c.txid for c in abandoned],
                 "state": new_state.to_json(),
             }
+            if damaged:
+                entry["damaged"] = damaged
+            return entry
 
         self.append_entry(build)
         self.writer_lineage = lid
         history = self.history()
-        if abandoned and announce:
+        if damaged:
+            from .fallback import describe_damaged
+
+            log.warning(
+                "txckpt: the newest checkpoint(s) of %s failed verification: %s. Falling back to step "
+                "%d of lineage %s: new lineage %s abandons %d checkpoint(s): %s. Nothing was deleted: "
+                "the damaged ones stay on disk as they are (`txckpt verify` reports them); restore "
+                "them from a backup if you need them.",
+                self.url, describe_damaged(damaged), parent["step"], parent["lineage"], lid,
+                len(abandoned), _describe(abandoned),
+            )
+        elif abandoned and announce:
             frm = f"step {parent['step']} of lineage {parent['lineage']}" if parent and "step" in parent else (
                 f"external checkpoint {parent['external']}" if parent else "scratch")
             log.warning(

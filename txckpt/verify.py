@@ -22,24 +22,34 @@ from .storage.base import Storage
 _BUFFER_KINDS = ("safetensors", "torch")
 
 
+#: What a message about a damaged checkpoint tells the user to do (errors and docs quote it).
+FALLBACK_HINT = (
+    "resume from another checkpoint: on a restart, txckpt.resume(root, on_damaged=\"fallback\") "
+    "(Trainer: txckpt_on_damaged=\"fallback\") forks from the newest checkpoint that verifies and "
+    "keeps this one on disk; or pick one with `txckpt ls` and `txckpt resume ROOT --step K`"
+)
+
+
 def _missing(where: str, name: str) -> IntegrityError:
     return IntegrityError(
-        f"{where}/{name} is missing (the manifest lists it): the checkpoint is damaged; "
-        "resume from another checkpoint (`txckpt ls`)"
+        f"{where}/{name} is missing (the manifest lists it): the checkpoint is damaged; {FALLBACK_HINT}",
+        path=f"{where}/{name}",
     )
 
 
 def _wrong_size(where: str, name: str, actual: int, expected: int) -> IntegrityError:
     return IntegrityError(
         f"{where}/{name} has {actual} bytes, the manifest says {expected} (truncated or "
-        "rewritten): the checkpoint is damaged; resume from another checkpoint"
+        f"rewritten): the checkpoint is damaged; {FALLBACK_HINT}",
+        path=f"{where}/{name}",
     )
 
 
 def _wrong_checksum(where: str, name: str) -> IntegrityError:
     return IntegrityError(
         f"{where}/{name} does not match its checksum (xxh3-128): its bytes changed after the "
-        "commit; the checkpoint is damaged; resume from another checkpoint"
+        f"commit; the checkpoint is damaged; {FALLBACK_HINT}",
+        path=f"{where}/{name}",
     )
 
 

@@ -50,6 +50,7 @@ from transformers import Trainer
 import txckpt
 from txckpt.coordination import coordination_timeout, current_coordinator
 from txckpt import errors as _errors
+from txckpt.fallback import check_on_damaged
 
 log = logging.getLogger("txckpt.transformers")
 
@@ -76,6 +77,10 @@ class TransactionalCheckpointMixin:
       ``<output_dir>/.txckpt-cache``. It belongs to the run: do not share it between jobs.
     * ``txckpt_timeout``: seconds a rank waits for the others inside a transaction (``None``:
       txckpt's default, ``TXCKPT_COORDINATION_TIMEOUT`` or 600 s).
+    * ``txckpt_on_damaged``: what ``resume_from_checkpoint=True`` does when the newest checkpoint
+      fails verification (it is verified before upstream loads it; a remote one while it is
+      fetched into the cache): ``"raise"`` (default) IntegrityError naming the file;
+      ``"fallback"`` forks from the newest checkpoint that verifies (``txckpt.resume``).
 
     Class attribute only: ``txckpt_stream_optimizer`` (default True): the ``torch.save`` calls of
     upstream's ``_save_optimizer_and_scheduler`` (``optimizer.pt``, ``scheduler.pt``) write
@@ -88,6 +93,7 @@ class TransactionalCheckpointMixin:
     txckpt_storage_options: dict[str, Any] | None = None
     txckpt_cache_dir: str | None = None
     txckpt_timeout: float | None = None
+    txckpt_on_damaged: str = "raise"
     txckpt_stream_optimizer: bool = True
 
     def __init_subclass__(cls, **kwargs: Any):
@@ -99,8 +105,11 @@ class TransactionalCheckpointMixin:
     def __init__(self, *args: Any, txckpt_root: str | os.PathLike | None = None,
                  txckpt_storage_options: dict[str, Any] | None = None,
                  txckpt_cache_dir: str | os.PathLike | None = None,
-                 txckpt_timeout: float | None = None, **kwargs: Any):
+                 txckpt_timeout: float | None = None, txckpt_on_damaged: str | None = None, **kwargs: Any):
         _check_mro(type(self))
+        if txckpt_on_damaged is not None:
+            check_on_damaged(txckpt_on_damaged)
+            self.txckpt_on_damaged = txckpt_on_damaged
         if txckpt_root is not None:
             self.txckpt_root = os.fspath(txckpt_root)
         if txckpt_storage_options is not None:
@@ -120,6 +129,8 @@ class TransactionalCheckpointMixin:
         self._txckpt_prune_after_commit = False
         #: Remote root: local copies made for Hub pushes, with the push job reading them.
         self._txckpt_push_copies: list[tuple[str, Any]] = []
+        #: Remote root: the cache copy rank 0 fetched (and so verified) while resuming, by path.
+        self._txckpt_verified: dict[str, str] = {}
         super().__init__(*args, **kwargs)
         self._txckpt_install_jit()
 
@@ -381,6 +392,8 @@ class TransactionalCheckpointMixin:
         """This process's verified copy of committed checkpoint ``remote`` at ``dest`` (reused if
         it already holds the same manifest and verifies)."""
         so = self.txckpt_storage_options
+        if self._txckpt_verified.pop(remote, None) == dest:
+            return dest  # fetched and verified by this resume's fallback check: not twice
         try:
             return txckpt.fetch_checkpoint(remote, dest, storage_options=so)
         except OSError as e:
@@ -640,12 +653,33 @@ class TransactionalCheckpointMixin:
         self._txckpt_last_step = _step_of(local) if path is not None and _is_within(path, root) else None
         return local
 
+    def _txckpt_resume_check(self, root: str) -> Any:
+        """How a restart verifies the checkpoint it continues from (upstream loads files without
+        checking them): on a local root, txckpt's verification (one read); on a remote one the
+        fetch into the cache, which verifies, is the check, so the copy checked is the copy
+        loaded. With "raise" a remote root needs no check here: the fetch after it raises."""
+        so = self.txckpt_storage_options
+        if not _is_remote(root):
+            return lambda path: (txckpt.verify_checkpoint(path, storage_options=so), path)[1]
+        if self.txckpt_on_damaged == "raise":
+            return None
+
+        def fetch(path: str) -> str:
+            m = txckpt.read_manifest(path, storage_options=so)
+            dest = os.path.join(self._txckpt_cache(), m.txid, f"{PREFIX_CHECKPOINT_DIR}-{m.step}")
+            self._txckpt_verified = {path: self._txckpt_fetch_here(path, dest)}
+            return path
+
+        return fetch
+
     def _txckpt_resolve_on_rank0(self, resume: str | bool | None, root: str) -> str | None:
         # Runs on rank 0 alone, which broadcasts the answer: lineage changes here are not
         # collectives (collective=False), or the other ranks would be waited for twice.
         so = self.txckpt_storage_options
         if resume is True:
-            path = txckpt.resume(root, storage_options=so, collective=False) if _exists(root, so) else None
+            path = txckpt.open_root(root, so).resume(
+                on_damaged=self.txckpt_on_damaged, verify=self._txckpt_resume_check(root),
+            ) if _exists(root, so) else None
             if path is None:
                 path = _external_parent_of_empty_head(root, so)
                 if path is not None:
