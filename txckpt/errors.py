@@ -22,6 +22,25 @@ class CheckpointNotFoundError(TxckptError, FileNotFoundError):
     """A checkpoint, or a file of one, that a caller or the log names does not exist."""
 
 
+class RootNotFoundError(TxckptError, FileNotFoundError):
+    """The root passed to a lookup does not exist: a local directory that is missing, or an
+    fsspec URL whose bucket does not exist (a typo in ``output_dir``, usually). Like
+    transformers' ``get_last_checkpoint``, txckpt raises instead of answering "no checkpoint",
+    which would silently train from scratch. ``root``: the root as given; ``bucket``: the
+    missing bucket (None for a local directory)."""
+
+    def __init__(self, message: str, *, root: str | None = None, bucket: str | None = None):
+        super().__init__(2, message, root)  # errno ENOENT and the name, as FileNotFoundError has
+        self.root = root
+        self.bucket = bucket
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+    def __reduce__(self):
+        return _with_fields, (type(self), str(self), {"root": self.root, "bucket": self.bucket})
+
+
 class StepConflictError(TxckptError):
     """A save names a step that is not newer than the newest committed step of the lineage.
 
@@ -118,3 +137,44 @@ def storage_error(e: OSError, what: str) -> OSError:
     err = StorageError(e.errno, f"txckpt could not {what}: {e.strerror or e}; {advice}. Nothing was committed.")
     err.filename = e.filename
     return err
+
+
+class RemoteAccessError(TxckptError):
+    """A remote root (S3, GCS, Azure) cannot be reached as configured. Not an OSError on
+    purpose: code that tolerates a missing key must not take it for one. ``root``: the root;
+    ``endpoint``: the endpoint the client used (None: the provider's default)."""
+
+    def __init__(self, message: str, *, root: str | None = None, endpoint: str | None = None):
+        super().__init__(message)
+        self.root = root
+        self.endpoint = endpoint
+
+    def __reduce__(self):
+        return _with_fields, (type(self), str(self), {"root": self.root, "endpoint": self.endpoint})
+
+
+class CredentialsError(RemoteAccessError):
+    """The client found no credentials for a remote root (none in the environment, the
+    profile or ``storage_options``). The message names where it looks; docs/remote.md has the
+    how-to."""
+
+
+class EndpointUnreachableError(RemoteAccessError):
+    """No connection to the storage endpoint could be made (a wrong ``endpoint_url``, a server
+    that is not running, no network). ``attempts``: how many the client made; ``seconds``: how
+    long they took."""
+
+    def __init__(self, message: str, *, root: str | None = None, endpoint: str | None = None,
+                 attempts: int | None = None, seconds: float | None = None):
+        super().__init__(message, root=root, endpoint=endpoint)
+        self.attempts = attempts
+        self.seconds = seconds
+
+    def __reduce__(self):
+        return _with_fields, (type(self), str(self), {"root": self.root, "endpoint": self.endpoint,
+                                                      "attempts": self.attempts, "seconds": self.seconds})
+
+
+def _with_fields(cls: type, message: str, fields: dict) -> Exception:
+    """Unpickle an error that carries keyword fields (errors cross process boundaries)."""
+    return cls(message, **fields)
