@@ -28,6 +28,13 @@ _CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_T
                     "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN")
 
 
+@pytest.fixture(autouse=True)
+def _botocores_default_retries(monkeypatch):
+    """botocore's own default (5 attempts, legacy mode), whatever the environment says."""
+    for name in ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture
 def closed_endpoint() -> str:
     """An http URL on loopback where nothing listens (bound, then closed)."""
