@@ -49,6 +49,26 @@ def test_save_lookup_load(any_root):
     assert m.step == 4 and sorted(m.files) == ["model.safetensors", "optimizer.pt", "trainer_state.json"]
 
 
+def test_the_rollback_warning_says_where_the_abandoned_checkpoints_are(any_root, txlog):
+    url, opts = any_root
+    paths = {s: txckpt.save_checkpoint(url, s, files("A", s), storage_options=opts) for s in (2, 4)}
+    txid = txckpt.read_manifest(paths[4], storage_options=opts).txid
+    txckpt.forget_roots()
+    txckpt.resume(url, step=2, storage_options=opts)
+    warning = next(r.getMessage() for r in txlog.records if "rolling back" in r.getMessage())
+    storage = fresh(url, opts).storage
+    home = f".txckpt/tx/{txid}/checkpoint-4"
+    if storage.atomic_dir_rename:
+        assert "the abandoned ones move to .txckpt/tx/<txid>/checkpoint-N" in warning
+        assert storage.key_of(paths[4]) == "checkpoint-4" and not os.path.exists(paths[4])
+        assert txckpt.read_manifest(storage.full_path(home), storage_options=opts).txid == txid
+    else:
+        # Nothing moves on an object store: the path the save returned is where it stays.
+        assert "move to" not in warning and "nothing is moved on this object store" in warning
+        assert storage.key_of(paths[4]) == home
+        assert txckpt.read_manifest(paths[4], storage_options=opts).txid == txid
+
+
 def test_rollback_on_every_backend(any_root, txlog):
     url, opts = any_root
     for s in (2, 4, 6):

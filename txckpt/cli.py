@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -964,10 +965,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InvalidArgumentError, NotATxckptRootError) as e:
         print(f"txckpt {args.command}: usage error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except TxckptError as e:
-        print(f"txckpt {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
-        return EXIT_PROBLEM
-    except OSError as e:
+    except (TxckptError, OSError) as e:  # one line; the traceback only with -v
+        if args.verbose:
+            traceback.print_exc()
         print(f"txckpt {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_PROBLEM
     except KeyboardInterrupt:

@@ -55,11 +55,6 @@ class LookupRaceError(TxckptError):
         return _with_fields, (type(self), str(self), {"root": self.root, "attempts": self.attempts})
 
 
-def _with_fields(cls: type, message: str, fields: dict) -> Exception:
-    """Unpickle an error that carries keyword fields (errors cross process boundaries)."""
-    return cls(message, **fields)
-
-
 class StepConflictError(TxckptError):
     """A save names a step that is not newer than the newest committed step of the lineage.
 
@@ -227,3 +222,44 @@ def storage_error(e: OSError, what: str) -> OSError:
     if e.filename is not None:  # OSError's str() would end in ": None"
         err.filename = e.filename
     return err
+
+
+class RemoteAccessError(TxckptError):
+    """A remote root (S3, GCS, Azure) cannot be reached as configured. Not an OSError on
+    purpose: code that tolerates a missing key must not take it for one. ``root``: the root;
+    ``endpoint``: the endpoint the client used (None: the provider's default)."""
+
+    def __init__(self, message: str, *, root: str | None = None, endpoint: str | None = None):
+        super().__init__(message)
+        self.root = root
+        self.endpoint = endpoint
+
+    def __reduce__(self):
+        return _with_fields, (type(self), str(self), {"root": self.root, "endpoint": self.endpoint})
+
+
+class CredentialsError(RemoteAccessError):
+    """The client found no credentials for a remote root (none in the environment, the
+    profile or ``storage_options``). The message names where it looks; docs/remote.md has the
+    how-to."""
+
+
+class EndpointUnreachableError(RemoteAccessError):
+    """No connection to the storage endpoint could be made (a wrong ``endpoint_url``, a server
+    that is not running, no network). ``attempts``: how many the client made; ``seconds``: how
+    long they took."""
+
+    def __init__(self, message: str, *, root: str | None = None, endpoint: str | None = None,
+                 attempts: int | None = None, seconds: float | None = None):
+        super().__init__(message, root=root, endpoint=endpoint)
+        self.attempts = attempts
+        self.seconds = seconds
+
+    def __reduce__(self):
+        return _with_fields, (type(self), str(self), {"root": self.root, "endpoint": self.endpoint,
+                                                      "attempts": self.attempts, "seconds": self.seconds})
+
+
+def _with_fields(cls: type, message: str, fields: dict) -> Exception:
+    """Unpickle an error that carries keyword fields (errors cross process boundaries)."""
+    return cls(message, **fields)

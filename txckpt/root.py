@@ -431,12 +431,17 @@ class CheckpointRoot:
         elif abandoned and announce:
             frm = f"step {parent['step']} of lineage {parent['lineage']}" if parent and "step" in parent else (
                 f"external checkpoint {parent['external']}" if parent else "scratch")
+            where = (  # what happens to their paths: only rename backends publish (protocol §7)
+                "saves of the same steps on the new lineage get the checkpoint-N names, and the "
+                "abandoned ones move to .txckpt/tx/<txid>/checkpoint-N"
+                if self.storage.atomic_dir_rename else
+                "nothing is moved on this object store: each stays at the path it was committed at "
+                "(.txckpt/tx/<txid>/checkpoint-N; an adopted one at its checkpoint-N)")
             log.warning(
                 "txckpt: rolling back %s to %s. New lineage %s abandons %d checkpoint(s) of lineage "
                 "%s: %s. They are kept intact (see `txckpt log`), never overwritten, and no longer "
-                "returned by get_last_checkpoint; saves of the same steps on the new lineage get "
-                "the checkpoint-N names, and the abandoned ones move to .txckpt/tx/<txid>/.",
-                self.url, frm, lid, len(abandoned), expected_head, _describe(abandoned),
+                "returned by get_last_checkpoint; %s.",
+                self.url, frm, lid, len(abandoned), expected_head, _describe(abandoned), where,
             )
         try:
             self.reconcile_publication(history)

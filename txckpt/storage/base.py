@@ -162,6 +162,14 @@ class Storage(abc.ABC):
     def __init__(self, url: str):
         self.url = url
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # What the stack below raises (no credentials, a missing bucket, an unreachable
+        # endpoint) leaves every backend operation as a typed txckpt error: storage/errors.py.
+        super().__init_subclass__(**kwargs)
+        from .errors import map_errors
+
+        map_errors(cls)
+
     def run_concurrently(self, calls: Sequence[Callable[[], Any]]) -> list[Any]:
         """Run independent operations of this storage; returns, per call in order, its result
         or the exception it raised (this method itself does not raise them).

@@ -434,7 +434,7 @@ class S3Storage(FsspecStorage):
         answer was lost. Then, and only then, the object is read back: if it holds exactly our
         bytes, our attempt won (txckpt writes a unique id into every such file).
         """
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import ClientError, ConnectTimeoutError, EndpointConnectionError
         from s3fs.errors import translate_boto_error
 
         fs = self.fs
@@ -455,6 +455,8 @@ class S3Storage(FsspecStorage):
             try:
                 await method(**kwargs)
                 return
+            except (EndpointConnectionError, ConnectTimeoutError):
+                raise  # never sent, and botocore already retried it (storage/errors.py says so)
             except ClientError as e:
                 response = getattr(e, "response", {}) or {}
                 code = str(response.get("Error", {}).get("Code", ""))
