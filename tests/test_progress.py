@@ -1,0 +1,105 @@
+"""What txckpt reports while it moves data: phase records at DEBUG, one summary at INFO, and
+the CLI's progress bars on a terminal (docs/protocol.md §8, "Reporting")."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+import txckpt
+
+MiB = 1 << 20
+
+
+def _records(caplog, op: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "txckpt" and getattr(r, "txckpt_op", None) == op]
+
+
+def test_a_64_mib_s3_save_logs_its_phases_at_debug_and_one_summary_at_info(s3_root, caplog):
+    url, opts = s3_root
+    tensors = {"w": torch.arange(16 * MiB, dtype=torch.float32)}  # 64 MiB
+    caplog.set_level(logging.DEBUG, logger="txckpt")
+    path = txckpt.save_checkpoint(url, 7, {"model.safetensors": tensors, "meta.json": {"a": 1}},
+                                  storage_options=opts)
+    records = _records(caplog, "save")
+    phases = [r.txckpt_phase for r in records]
+    assert phases == ["staging", "data", "manifest", "commit", "publish", "done"]
+    assert all(r.levelno == logging.DEBUG for r in records[:-1])
+    data = records[1]
+    assert data.txckpt_bytes >= 64 * MiB and "MiB/s" in data.getMessage()
+    summary = records[-1]
+    assert summary.levelno == logging.INFO
+    total = txckpt.read_manifest(path, storage_options=opts).total_bytes
+    assert summary.txckpt_bytes == total and summary.txckpt_files == 2
+    message = summary.getMessage()
+    assert message.startswith("saved step 7: 2 files, 64.0 MiB") and f"({total} bytes)" in message
+    assert "MiB/s" in message and message.endswith(path)
+    assert summary.txckpt_seconds >= sum(r.txckpt_seconds for r in records[:-1]) - 1e-6
+    # The logger's name says "txckpt": no message repeats it.
+    assert not any(r.getMessage().startswith("txckpt:") for r in records)
+
+
+def test_load_and_fetch_log_their_phases_and_one_summary_each(tmp_path, caplog):
+    root = str(tmp_path / "out")
+    path = txckpt.save_checkpoint(root, 3, {"a.bin": b"x" * MiB, "b.json": [1, 2]})
+    caplog.set_level(logging.DEBUG, logger="txckpt")
+    caplog.clear()
+    txckpt.load_checkpoint(path)
+    records = _records(caplog, "load")
+    assert [r.txckpt_phase for r in records] == ["manifest", "data", "decode", "done"]
+    assert records[-1].levelno == logging.INFO and records[-1].txckpt_bytes == txckpt.read_manifest(path).total_bytes
+    assert records[-1].getMessage().startswith("loaded step 3: 2 files, 1.0 MiB")
+
+    caplog.clear()
+    dest = str(tmp_path / "cache" / "c3")
+    txckpt.fetch_checkpoint(path, dest)
+    records = _records(caplog, "fetch")
+    assert [r.txckpt_phase for r in records] == ["manifest", "data", "install", "done"]
+    assert records[-1].levelno == logging.INFO and records[-1].getMessage().endswith(dest)
+    caplog.clear()
+    txckpt.fetch_checkpoint(path, dest)  # the cached copy, verified, no download
+    assert [r.txckpt_phase for r in _records(caplog, "fetch")] == ["manifest", "cached", "done"]
+
+
+def test_at_info_a_save_is_one_record_and_at_warning_none(tmp_path, caplog):
+    root = str(tmp_path / "out")
+    caplog.set_level(logging.INFO, logger="txckpt")
+    txckpt.save_checkpoint(root, 1, {"a.bin": b"abc"})
+    assert [r.txckpt_phase for r in _records(caplog, "save")] == ["done"]
+    caplog.clear()
+    caplog.set_level(logging.WARNING, logger="txckpt")
+    txckpt.save_checkpoint(root, 2, {"a.bin": b"abc"})
+    assert _records(caplog, "save") == []
+
+
+def log_a_save(rank: int, world: int, *, root: str, step: int) -> list[list]:
+    """A rank of a 2-process save: the (phase, level, bytes) of every txckpt record it logged."""
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record)
+
+    logger = logging.getLogger("txckpt")
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(Keep())
+    txckpt.save_checkpoint(root, step, {f"rank{rank}.bin": bytes([rank]) * ((rank + 1) * MiB)})
+    return [[r.txckpt_phase, r.levelname, r.txckpt_bytes] for r in seen if getattr(r, "txckpt_op", "") == "save"]
+
+
+def test_in_a_process_group_the_summary_is_logged_once_by_rank_0_with_every_ranks_bytes(tmp_path):
+    from tests import dist_workers as dw
+
+    root = str(tmp_path / "out")
+    run = dw.launch(2, log_a_save, str(tmp_path / "res"), root=root, step=4)
+    assert all(r.error is None and not r.hung for r in run.results), [(r.error, r.trace) for r in run.results]
+    by_rank = {r.rank: r.ok for r in run.results}
+    total = txckpt.read_manifest(os.path.join(root, "checkpoint-4")).total_bytes
+    assert total == 3 * MiB
+    assert by_rank[0] == [["staging", "DEBUG", None], ["data (rank 0)", "DEBUG", MiB],
+                          ["manifest", "DEBUG", None], ["commit", "DEBUG", None],
+                          ["publish", "DEBUG", None], ["done", "INFO", total]]
+    assert by_rank[1] == [["staging", "DEBUG", None], ["data (rank 1)", "DEBUG", 2 * MiB]]
