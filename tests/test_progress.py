@@ -75,6 +75,85 @@ def test_at_info_a_save_is_one_record_and_at_warning_none(tmp_path, caplog):
     assert _records(caplog, "save") == []
 
 
+def _cli_on_a_terminal(*argv: str, columns: int = 120) -> tuple[int, str]:
+    """Run ``python -m txckpt ARGV`` with stderr on a pseudo-terminal ``columns`` wide (0: a
+    terminal that reports no size, as some ``docker exec -t`` and CI ptys do); returns (rc, stderr)."""
+    import pty
+    import subprocess
+    import sys
+
+    master, slave = pty.openpty()
+    if columns:
+        import fcntl
+        import struct
+        import termios
+
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "txckpt", *argv], stdout=subprocess.DEVNULL,
+                            stderr=slave, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    return proc.wait(timeout=120), b"".join(chunks).decode(errors="replace")
+
+
+@pytest.fixture
+def two_mib_root(tmp_path):
+    root = str(tmp_path / "out")
+    txckpt.save_checkpoint(root, 1, {"a.bin": b"a" * MiB, "b.bin": b"b" * MiB})
+    return root
+
+
+def test_verify_and_export_show_a_bar_on_a_terminal_that_stays_on_screen(two_mib_root, tmp_path):
+    rc, err = _cli_on_a_terminal("verify", two_mib_root)
+    assert rc == 0 and "verify: 100%" in err and "2.00M/2.00M" in err, err
+    rc, err = _cli_on_a_terminal("export", two_mib_root, str(tmp_path / "copy"), "--step", "1")
+    assert rc == 0 and "export: 100%" in err and "2.00M/2.00M" in err, err
+
+
+def test_a_terminal_that_reports_no_size_still_gets_a_bar(two_mib_root):
+    rc, err = _cli_on_a_terminal("verify", two_mib_root, columns=0)
+    assert rc == 0 and "verify: 100%" in err and "2.00M/2.00M" in err, err
+
+
+def test_no_progress_json_and_a_pipe_show_no_bar(two_mib_root, tmp_path):
+    import subprocess
+    import sys
+
+    for argv in (["verify", two_mib_root, "--no-progress"], ["verify", two_mib_root, "--json"],
+                 ["export", two_mib_root, str(tmp_path / "c1"), "--step", "1", "--no-progress"],
+                 ["gc", two_mib_root, "--no-progress"]):
+        rc, err = _cli_on_a_terminal(*argv)
+        assert rc == 0 and "%|" not in err and "B/s]" not in err, (argv, err)
+    piped = subprocess.run([sys.executable, "-m", "txckpt", "verify", two_mib_root], capture_output=True,
+                           text=True, timeout=120)
+    assert piped.returncode == 0 and piped.stderr == "", piped.stderr
+
+
+def test_adopt_and_gc_bars_count_the_bytes_they_move(tmp_path):
+    root = tmp_path / "legacy"
+    (root / "checkpoint-5").mkdir(parents=True)
+    (root / "checkpoint-5" / "model.bin").write_bytes(b"m" * (3 * MiB))
+    rc, err = _cli_on_a_terminal("adopt", str(root))
+    assert rc == 0 and "adopt: 3.00MB [" in err, err
+    # The adoption's warning is written above the bar, not into its line.
+    assert "\radopt: 0.00B [00:00, ?B/s]txckpt" not in err and "adopted 1 checkpoint(s)" in err, err
+    # A dead writer's staging (its intent names a pid that does not run) is gc's to reclaim.
+    staged = root / ".txckpt" / "tx" / "9-deadbeef-0000000000" / "checkpoint-9"
+    staged.mkdir(parents=True)
+    (staged / "w.bin").write_bytes(b"w" * (2 * MiB))
+    rc, err = _cli_on_a_terminal("gc", str(root), "--grace", "0")
+    assert rc == 0 and "gc: 2.00MB [" in err, err
+
+
 def log_a_save(rank: int, world: int, *, root: str, step: int) -> list[list]:
     """A rank of a 2-process save: the (phase, level, bytes) of every txckpt record it logged."""
     seen: list[logging.LogRecord] = []
