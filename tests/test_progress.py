@@ -75,6 +75,39 @@ def test_at_info_a_save_is_one_record_and_at_warning_none(tmp_path, caplog):
     assert _records(caplog, "save") == []
 
 
+_TRAIN = r"""
+import sys
+sys.path.insert(0, {scripts!r})
+import torch
+from tiny import Data, TinyConfig, TinyModel, make_args
+from txckpt.integrations.transformers import TransactionalTrainer
+torch.manual_seed(0)
+args = make_args(sys.argv[1], 2, **({{"log_level": sys.argv[2]}} if sys.argv[2] != "default" else {{}}))
+TransactionalTrainer(model=TinyModel(TinyConfig()), args=args, train_dataset=Data(0)).train()
+"""
+
+
+@pytest.mark.trainer
+@pytest.mark.parametrize("log_level", ["info", "default"])
+def test_a_trainer_save_logs_at_transformers_verbosity(tmp_path, log_level):
+    """A Trainer script configures no logging: txckpt's summary shows through transformers'
+    handler exactly when transformers logs at INFO (the Trainer's ``log_level``)."""
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+
+    scripts = os.path.join(os.path.dirname(__file__), "trainer_scripts")
+    out = subprocess.run([sys.executable, "-c", _TRAIN.format(scripts=scripts), str(tmp_path / "out"), log_level],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    saved = [line for line in out.stderr.splitlines() if "saved step 2: " in line]
+    if log_level == "info":
+        assert len(saved) == 1 and "bytes) in" in saved[0], out.stderr[-3000:]
+        assert "save step 2: staging" not in out.stderr  # DEBUG phases stay below INFO
+    else:
+        assert saved == [], saved
+
+
 def _cli_on_a_terminal(*argv: str, columns: int = 120) -> tuple[int, str]:
     """Run ``python -m txckpt ARGV`` with stderr on a pseudo-terminal ``columns`` wide (0: a
     terminal that reports no size, as some ``docker exec -t`` and CI ptys do); returns (rc, stderr)."""
@@ -182,3 +215,29 @@ def test_in_a_process_group_the_summary_is_logged_once_by_rank_0_with_every_rank
                           ["manifest", "DEBUG", None], ["commit", "DEBUG", None],
                           ["publish", "DEBUG", None], ["done", "INFO", total]]
     assert by_rank[1] == [["staging", "DEBUG", None], ["data (rank 1)", "DEBUG", 2 * MiB]]
+
+
+def test_following_transformers_verbosity_leaves_a_level_the_application_set_alone():
+    from transformers.utils import logging as hf_logging
+
+    from txckpt.progress import follow_transformers_verbosity
+
+    logger = logging.getLogger("txckpt")
+    before_level, before_handlers = logger.level, list(logger.handlers)
+    before_verbosity = hf_logging.get_verbosity()
+    try:
+        logger.setLevel(logging.NOTSET)
+        hf_logging.set_verbosity_info()
+        follow_transformers_verbosity()
+        assert logger.level == logging.INFO
+        hf_logging.set_verbosity_debug()
+        follow_transformers_verbosity()  # follows transformers while it is the one setting it
+        assert logger.level == logging.DEBUG
+        logger.setLevel(logging.ERROR)  # the application's choice wins from now on
+        hf_logging.set_verbosity_info()
+        follow_transformers_verbosity()
+        assert logger.level == logging.ERROR
+    finally:
+        hf_logging.set_verbosity(before_verbosity)
+        logger.setLevel(before_level)
+        logger.handlers[:] = before_handlers
