@@ -189,8 +189,9 @@ class bar:
             else:
                 # A pty that reports no size (0x0) gets no bar from tqdm: give it one of 80x24.
                 sized = _columns(sys.stderr) > 0
+                # Decimal units, as the CLI's own lines print sizes (402.7 MB).
                 self._b = _Bar(tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B",
-                                    unit_divisor=1024, file=sys.stderr, leave=True,
+                                    file=sys.stderr, leave=True,
                                     dynamic_ncols=sized, ncols=None if sized else 80,
                                     nrows=None if sized else 24))  # tqdm hides bars past row 0
         _active.append(self)
