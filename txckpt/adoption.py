@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import checksum
+from . import checksum, progress
 from .errors import AdoptionInProgressError, AmbiguousCheckpointNameError, ManifestError
 from .lineage import State, ref
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, kind_for_name
@@ -83,6 +83,7 @@ def _hash_dir(root: "CheckpointRoot", step: int, key: str) -> _Dir:
             continue
         with s.open_read(f"{key}/{name}") as f:
             size, digest = checksum.digest_stream(f)
+        progress.advance(size)
         files[name] = FileEntry(size, digest, kind_for_name(name))
         newest = max(newest, s.modified_time(f"{key}/{name}") or 0.0)
     return _Dir(step, key, files, newest)

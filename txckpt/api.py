@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from .errors import CheckpointNotFoundError, IntegrityError, InvalidArgumentError, ManifestError
 from .fileio import open_regular_file
 from .manifest import MANIFEST_NAME, Manifest
+from .progress import Timer
 from .reader import RootContext
 from .root import CheckpointRoot
 from .serialization import read_object
@@ -221,11 +222,15 @@ def _read_checkpoint(
     names: list[str] | None,
     keep_bytes: bool,
     verify: bool,
+    timer: Timer | None = None,
 ) -> tuple[Manifest, dict[str, bytes]]:
     """Read (and verify) a checkpoint's manifest and files, following it if it moves."""
 
     def attempt(path: str, ctx: RootContext | None, seen: dict[str, Any]):
         manifest = _checked_manifest(path, ctx, seen, storage_options)
+        if timer is not None:
+            timer.label = f"step {manifest.step}"
+            timer.phase("manifest")
         wanted = sorted(manifest.files) if names is None else names
         unknown = [n for n in wanted if n not in manifest.files]
         if unknown:
@@ -256,11 +261,18 @@ def load_checkpoint(
     each one's size and checksum against the manifest (and, inside a root, the manifest against
     the log's commit entry). torch files load with ``weights_only=True`` unless told otherwise."""
     names = None if files is None else list(files)
-    manifest, blobs = _read_checkpoint(path, storage_options, names, keep_bytes=True, verify=verify)
-    return {
+    timer = Timer("load", os.fspath(path))
+    manifest, blobs = _read_checkpoint(path, storage_options, names, keep_bytes=True, verify=verify, timer=timer)
+    wanted = sorted(manifest.files) if names is None else names
+    nbytes = sum(manifest.files[n].size for n in wanted)
+    timer.phase("data", nbytes)
+    out = {
         n: read_object(n, manifest.files[n].kind, blobs[n], map_location=map_location, weights_only=weights_only)
-        for n in (sorted(manifest.files) if names is None else names)
+        for n in wanted
     }
+    timer.phase("decode")
+    timer.done("loaded", nbytes, len(wanted), os.fspath(path))
+    return out
 
 
 def fetch_checkpoint(
@@ -277,15 +289,20 @@ def fetch_checkpoint(
     import tempfile
 
     dest = os.path.abspath(os.fspath(dest))
+    timer = Timer("fetch", os.fspath(path))
 
     def attempt(path: str, ctx: RootContext | None, seen: dict[str, Any]) -> str:
         manifest = _checked_manifest(path, ctx, seen, storage_options)
+        timer.label = f"step {manifest.step}"
+        timer.phase("manifest")
         if os.path.exists(os.path.join(dest, MANIFEST_NAME)):
             try:
                 with open_regular_file(os.path.join(dest, MANIFEST_NAME)) as f:
                     cached = Manifest.decode(f.read())
                 if cached.digest == manifest.digest:
                     verify_checkpoint(dest)
+                    timer.phase("cached", manifest.total_bytes)
+                    timer.done("fetched (cached copy verified)", manifest.total_bytes, len(manifest.files), dest)
                     return dest
             except Exception:
                 pass  # a damaged or different cache entry: fetch again
@@ -313,10 +330,13 @@ def fetch_checkpoint(
                     )
             with open(os.path.join(scratch, MANIFEST_NAME), "wb") as out:
                 out.write(manifest.encode())
+            timer.phase("data", manifest.total_bytes)
             _install_fetched(scratch, dest, manifest)
+            timer.phase("install")
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
+        timer.done("fetched", manifest.total_bytes, len(manifest.files), dest)
         return dest
 
     return _following_moves(path, storage_options, attempt)

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Sequence
 
 from . import __version__, checksum
@@ -31,6 +31,7 @@ from .errors import (
     TxckptError,
 )
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
+from .progress import BarAwareHandler, bar as progress_bar, bar_wanted
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -121,7 +122,7 @@ def _looks_like_root(root: Any) -> bool:
 def _configure_logging(verbose: bool) -> None:
     logger = logging.getLogger("txckpt")
     if not any(getattr(h, "_txckpt_cli", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = BarAwareHandler(sys.stderr)  # a record never lands inside a progress bar
         handler.setFormatter(logging.Formatter("%(message)s"))
         handler._txckpt_cli = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
@@ -567,16 +568,6 @@ def _plan_checkpoint(storage: Any, key: str, where: str, expected: Any | None,
     return manifest, tasks
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm  # optional
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="B", unit_scale=True, desc="verify", file=sys.stderr, leave=False)
-
-
 def run_verify(target: str, options: dict[str, Any], *, workers: int | None = None,
                progress: bool = False, include_abandoned: bool = True) -> dict[str, Any]:
     """Verify a root (every committed checkpoint that is not retired) or one checkpoint."""
@@ -643,27 +634,24 @@ def run_verify(target: str, options: dict[str, Any], *, workers: int | None = No
                                 "lineage": c.lineage, "state": "current" if c.txid in current else "abandoned",
                                 "files": len(t)})
     total = sum(t.entry.size for t in tasks)
-    bar = _progress(total, progress)
     workers = workers or min(8, max(2, 2 * (os.cpu_count() or 1)))
     read = 0
-    try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            for size, problem in pool.map(_check_file, tasks):
-                read += size
-                if bar is not None:
-                    bar.update(size)
-                if problem:
-                    problems.append(problem)
-    finally:
-        if bar is not None:
-            bar.close()
+    with progress_bar("verify", total=total, enabled=progress) as bar, \
+            ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(_check_file, t) for t in tasks]
+        for done in as_completed(futures):  # the bar moves as each file finishes, in any order
+            bar.update(done.result()[0])
+        for size, problem in (f.result() for f in futures):  # problems in the files' order
+            read += size
+            if problem:
+                problems.append(problem)
     return {"target": target, "kind": kind, "checkpoints": checked, "files": len(tasks), "bytes": read,
             "problems": problems, "warnings": warnings, "ok": not problems}
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    progress = sys.stderr.isatty() and not args.json and not args.no_progress
+    progress = bar_wanted(args.no_progress, args.json)
     result = run_verify(args.target, args.storage_options, workers=args.workers, progress=progress)
     result["seconds"] = round(time.monotonic() - started, 3)
     if args.json:
@@ -692,7 +680,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
             keep_last=args.keep_last, keep_every=args.keep_every, keep_best=args.keep or [],
             abandoned="keep" if args.abandoned_ttl is None else args.abandoned_ttl,
         )
-    report = collect_garbage(root, dry_run=args.dry_run, grace_seconds=args.grace, policy=policy)
+    with progress_bar("gc", enabled=not args.dry_run and bar_wanted(args.no_progress, args.json)):
+        report = collect_garbage(root, dry_run=args.dry_run, grace_seconds=args.grace, policy=policy)
     if args.json:
         _print_json(report.to_json())
         return EXIT_PROBLEM if report.errors else EXIT_OK
@@ -728,7 +717,8 @@ def cmd_adopt(args: argparse.Namespace) -> int:
         msg = {"adopted": None, "message": f"{root.url} already has a txckpt log; nothing to adopt"}
     else:
         steps = root.legacy_checkpoints()
-        lid = root.adopt()
+        with progress_bar("adopt", enabled=bar_wanted(args.no_progress, args.json)):  # bytes hashed
+            lid = root.adopt()
         msg = {"adopted": lid, "steps": steps,
                "message": (f"adopted steps {', '.join(map(str, steps))} of {root.url} as lineage {lid}" if lid
                            else f"another process adopted {root.url} first; nothing to do"
@@ -781,6 +771,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     durable = not args.no_sync
     written: list[str] = []
     problems: list[str] = []
+    bar = progress_bar("export", total=manifest.total_bytes, enabled=bar_wanted(args.no_progress, args.json))
     for name, entry in sorted(manifest.files.items()):
         if src.is_symlink_escape(f"{key}/{name}"):
             problems.append(f"{src.full_path(key)}/{name}: a symlink that leaves the root (refused)")
@@ -800,6 +791,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                     if not block:
                         break
                     writer.write(block)
+                    bar.update(len(block))
             writer.close()
         except BaseException:
             writer.abort()
@@ -808,6 +800,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             problems.append(f"{src.full_path(key)}/{name}: {writer.size} bytes / xxh3-128 {writer.digest}, "
                             f"the manifest says {entry.size} / {entry.checksum}: the source is damaged")
             break
+    bar.close()
     if problems:
         for name in written:
             dest.delete_file(name)
@@ -918,10 +911,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="retention: let abandoned checkpoints go after SECONDS abandoned (default: keep)")
     sp.add_argument("--keep", action="append", default=None, metavar="TXID|PATH",
                     help="retention: always keep this checkpoint (repeatable)")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar even on a TTY")
     sp.set_defaults(func=cmd_gc)
 
     sp = sub.add_parser("adopt", parents=[common], help="record a legacy output_dir's checkpoint-N dirs as a lineage")
     sp.add_argument("root", metavar="ROOT")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar even on a TTY")
     sp.set_defaults(func=cmd_adopt)
 
     sp = sub.add_parser("export", parents=[common], help="copy a committed checkpoint to a plain directory, verified")
@@ -933,6 +928,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="storage option for DEST (default: those of ROOT)")
     sp.add_argument("--no-manifest", action="store_true", help="do not copy txckpt-manifest.json")
     sp.add_argument("--no-sync", action="store_true", help="skip fsync of the exported files")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar even on a TTY")
     sp.set_defaults(func=cmd_export)
 
     sp = sub.add_parser("resume", parents=[common], help="roll the root back to a committed step (forks a lineage)")

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import log as commit_log
+from . import progress
 from .errors import SpecialFileError
 from .publication import ORPHANS_DIR, TX_DIR, public_key
 from .retention import (
@@ -270,6 +271,7 @@ def _remove(report: GcReport, item: GcItem, fn, *args) -> None:
     try:
         fn(*args)
         item.done = True
+        progress.advance(item.bytes or 0)
     except Exception as e:  # reported, and the rest goes on
         item.error = f"{type(e).__name__}: {e}"
         log.warning("txckpt gc: could not remove %s: %s", item.key, item.error)
@@ -386,6 +388,7 @@ def collect_garbage(
     storage = root.storage
     now = time.time() if now is None else now
     report = GcReport(root.url, dry_run)
+    started = time.perf_counter()
 
     history = root.history(snapshot=not dry_run)
     _publication(root, history, report)
@@ -428,6 +431,11 @@ def collect_garbage(
     report.orphans = [f"{ORPHANS_DIR}/{n}" for n in storage.list_dir(ORPHANS_DIR)]
     if not dry_run:
         ensure_reserve(storage, durable=root.durable)  # made again once there is room for it
+    counted = [i for i in report.items if i.kind not in ("publish", "unpublish") and (dry_run or i.done)]
+    nbytes = sum(i.bytes for i in counted)
+    log.info("gc of %s: %d item(s), %s (%d bytes) %s in %.2fs", root.url, len(counted), progress.human(nbytes),
+             nbytes, "reclaimable" if dry_run else "reclaimed", time.perf_counter() - started,
+             extra={"txckpt_op": "gc", "txckpt_phase": "done", "txckpt_bytes": nbytes, "txckpt_files": len(counted)})
     return report
 
 
@@ -452,6 +460,7 @@ def _delete_retired(root: Any, report: GcReport, history: Any, leased: set[str],
         try:
             delete_checkpoint_data(root, c)
             item.done = True
+            progress.advance(item.bytes or 0)
         except Exception as e:
             item.error = f"{type(e).__name__}: {e}"
             log.warning("txckpt gc: could not delete retired %s: %s", c.txid, item.error)

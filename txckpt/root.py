@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from . import log as commit_log
+from . import progress
 from .errors import (
     CheckpointNotFoundError,
     ConcurrentWriterError,
@@ -564,6 +565,7 @@ class CheckpointRoot:
             return {"action": "commit", "checkpoint": record, "state": new_state.to_json()}
 
         entry = self.append_entry(build, start=self._base_states.pop(manifest.txid, None), update_hint=False)
+        progress.phase("commit")
         committed = ref(manifest.lineage, manifest.step, manifest.txid)
         # Committed. What is left does not depend on each other (§8 steps 9-11), so on object
         # stores the three requests overlap instead of costing three round trips in a row.
@@ -572,6 +574,7 @@ class CheckpointRoot:
             lambda: self.publication.publish(committed),
             lambda: self.clear_intent(manifest.txid),
         ])
+        progress.phase("publish")
         if isinstance(cleared, Exception):
             log.warning("txckpt: checkpoint %s is committed, but its intent could not be deleted (%s); "
                         "`txckpt gc` removes it", manifest.txid, cleared)

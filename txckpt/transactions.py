@@ -29,6 +29,7 @@ from .errors import (
 )
 from .gc import reclaim_after_save, write_intent
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, check_file_name, check_name_tree, kind_for_name
+from .progress import Timer, timing
 from .serialization import write_object
 from .txnames import TxNames
 
@@ -76,6 +77,8 @@ class Transaction:
         self._temp_root: str | None = None
         self._entered = False
         self._done = False
+        self._timer: Timer | None = None  # phases logged at DEBUG, the summary at INFO (rank 0)
+        self._manifest: Manifest | None = None
 
     # ----- properties --------------------------------------------------------------------------
     @property
@@ -141,6 +144,7 @@ class Transaction:
         if self._entered:
             raise InvalidArgumentError("a transaction can be entered once")
         self._entered = True
+        self._timer = Timer("save", f"step {self.step}")
         if self._coord is None:
             self._coord = current_coordinator(self._timeout)
         plan: dict[str, Any]
@@ -165,6 +169,7 @@ class Transaction:
             raise _rebuild_error(plan["error"])
         self._plan = plan
         self.txid = plan["txid"]
+        self._timer.phase("staging")
         self._writes = self._root.storage.write_batch()
         try:
             if plan.get("step") != self.step:
@@ -267,6 +272,9 @@ class Transaction:
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
             report = self._rank_report(exc)
+            if "files" in report:
+                self._timer.phase("data" if self.world_size == 1 else f"data (rank {self.rank})",
+                                  sum(f["size"] for f in report["files"].values()))
             reports = self._coord.gather(report)
             outcome: dict[str, Any] = {}
             if self._coord.is_committer:
@@ -333,7 +341,10 @@ class Transaction:
         failed = [r for r in reports if "error" in r]
         if not failed:
             try:
-                return {"path": self._commit(reports)}
+                path = self._commit(reports)
+                m = self._manifest
+                self._timer.done("saved", m.total_bytes, len(m.files), path)
+                return {"path": path}
             except Exception as e:
                 if isinstance(e, OSError):
                     e = storage_error(e, f"commit checkpoint step {plan['step']}")
@@ -422,7 +433,10 @@ class Transaction:
             files=files, created=time.time(), world_size=self.world_size, metadata=self.metadata,
         )
         storage.create_exclusive(f"{key}/{MANIFEST_NAME}", manifest.encode(), durable=durable)
-        return self._root.commit(manifest, plan.get("writer"))  # deletes the intent too
+        self._manifest = manifest
+        self._timer.phase("manifest")
+        with timing(self._timer):  # root.commit ends the commit and publish phases
+            return self._root.commit(manifest, plan.get("writer"))  # deletes the intent too
 
     def _committed_path(self) -> str | None:
         """Where this transaction's checkpoint is, if its commit entry exists; None if it does not.

@@ -51,6 +51,7 @@ import txckpt
 from txckpt.coordination import coordination_timeout, current_coordinator
 from txckpt import errors as _errors
 from txckpt.fallback import check_on_damaged
+from txckpt.progress import follow_transformers_verbosity
 
 log = logging.getLogger("txckpt.transformers")
 
@@ -170,6 +171,7 @@ class TransactionalCheckpointMixin:
             # Called again from inside a save (a subclass's override): join the open transaction.
             return super()._save_checkpoint(model, trial, *args, **kwargs)  # type: ignore[misc]
         _check_save_on_each_node(self.args)
+        follow_transformers_verbosity()  # the save's records show at transformers' verbosity
         step = int(self.state.global_step)
         if self._txckpt_last_step is not None and step == self._txckpt_last_step:
             # E.g. a JIT checkpoint requested right after a regular save or a resume: the committed
