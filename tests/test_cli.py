@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -122,6 +123,101 @@ def test_log_head_without_checkpoints_of_its_own(tmp_path, monkeypatch):
     assert "no checkpoints of its own yet" in out[0] and out[0].startswith("*")
     assert any("step 1" in l and "fork point of" in l for l in out)
     assert sum("abandoned" in l for l in out if "step" in l) == 2
+
+
+def test_log_max_count_on_300_saves_prints_a_screenful(tmp_path, monkeypatch):
+    """-n 5 prints 5 checkpoints, a legend with the step list abbreviated, and how many it left
+    out; without -n every checkpoint is drawn, the legend still one line per lineage."""
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+    root = str(tmp_path / "out")
+    save_steps(root, range(10, 3001, 10))
+    txckpt.forget_roots()
+    out = run("log", root, "-n", "5").stdout.splitlines()
+    assert len(out) <= 15, out
+    assert [l.split()[2] for l in out if l.startswith("*")] == ["3000", "2990", "2980", "2970", "2960"]
+    (legend,) = [l for l in out if "steps:" in l]
+    assert "steps: 10, 20, 30, ..., 2980, 2990, 3000 (300 checkpoints)" in legend and len(legend) < 160
+    assert "295 older checkpoint(s) not shown (-n 5)" in out[-1]
+    full = run("log", root, "--max-count", "300").stdout.splitlines()
+    assert sum(l.startswith("*") for l in full) == 300 and "not shown" not in full[-1]
+    assert sum("steps:" in l for l in full) == 1 and len(max(full, key=len)) < 160
+    data = json.loads(run("log", root, "-n", "3", "--json").stdout)
+    assert [n["step"] for n in data["nodes"]] == [3000, 2990, 2980] and data["omitted"] == 297
+    assert run("log", root, "-n", "0", check=2).returncode == 2
+
+
+def test_log_unrelated_lineages_get_their_own_lanes(tmp_path, monkeypatch):
+    """train() without resume_from_checkpoint on a used output_dir starts a new root lineage;
+    it must not be drawn in the lane of the old lineage, as if it were the old tip's child."""
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+    root = str(tmp_path / "out")
+    save_steps(root, (1, 2, 3), "a")
+    txckpt.forget_roots()
+    txckpt.new_lineage(root)
+    out = run("log", root).stdout.splitlines()
+    # The new head, before its first save, has no parent: the old lineage starts a lane of its own.
+    assert out[0].startswith("*") and "no checkpoints of its own yet" in out[0]
+    old = [l for l in out if l.lstrip().startswith("*") and "step" in l]
+    assert len(old) == 3 and all(l.startswith("  *") for l in old), out
+    save_steps(root, (1, 2), "b")
+    txckpt.forget_roots()
+    out = run("log", root).stdout.splitlines()
+    nodes = [l for l in out if "step" in l and not l.startswith("  ")]
+    new = [l for l in nodes if l.startswith("*")]
+    assert len(new) == 2 and "HEAD -> lineage" in new[0] and "root lineage" in new[0]
+    old = [l for l in out if l.startswith("  *")]
+    assert len(old) == 3 and "abandoned" in old[0] and "root lineage" in old[0], out
+    assert not any(l.strip() in ("|/", "|") for l in out)  # nothing joins the two histories
+
+
+def test_log_rollback_keeps_lanes_joined(rolled):
+    """A fork still joins its parent's lane at the fork point (the lanes above are unchanged)."""
+    root, a, b = rolled
+    out = run("log", root).stdout.splitlines()
+    assert [l[:3] for l in out[:5]] == ["*  ", "| *", "| *", "|/", "*  "]
+
+
+def _dot_parts(text: str):
+    import re
+
+    nodes = dict(re.findall(r'^\s+(n\d+) \[label="([^"]*)"', text, re.M))
+    styles = dict(re.findall(r'^\s+(n\d+) \[label="[^"]*", style="(\w+)"', text, re.M))
+    edges = re.findall(r'^\s+(\w+) -> (n\d+)(?: \[([^\]]*)\])?;', text, re.M)
+    clusters = re.findall(r'subgraph (cluster_\d+) \{\n\s+label="([^"]*)"', text)
+    return nodes, styles, edges, clusters
+
+
+def test_log_format_dot_draws_steps_forks_abandoned_and_retired(rolled):
+    root, a, b = rolled
+    save_steps(root, (6, 8), "b")
+    txckpt.forget_roots()
+    run("gc", root, "--keep-last", "1")  # retires b's 4 and 6
+    text = run("log", root, "--format", "dot", "--all").stdout
+    assert text.startswith("digraph txckpt {") and text.rstrip().endswith("}")
+    assert text.count("{") == text.count("}")
+    nodes, styles, edges, clusters = _dot_parts(text)
+    label = {v.replace("\\n", " "): k for k, v in nodes.items()}
+    assert sorted(label) == sorted([
+        "step 8 current", "step 6 retired", "step 4 retired", "step 6 abandoned", "step 4 abandoned",
+        "step 2 current fork point"])
+    assert {styles[label["step 6 abandoned"]], styles[label["step 4 abandoned"]]} == {"dashed"}
+    assert styles[label["step 6 retired"]] == "dotted" and styles[label["step 8 current"]] == "filled"
+    assert sorted(c[1].split("\\n")[0] for c in clusters) == sorted([f"lineage {b} (HEAD)", f"lineage {a}"])
+    by_pair = {(x, y): attrs for x, y, attrs in edges}
+    fork = label["step 2 current fork point"]
+    assert "fork" in by_pair[(fork, label["step 4 retired"])]  # b forked at a's step 2
+    assert (fork, label["step 4 abandoned"]) in by_pair  # a's own chain goes on, abandoned
+    assert (label["step 6 retired"], label["step 8 current"]) in by_pair
+    assert ("HEAD", label["step 8 current"]) in by_pair
+    # Without --all the retired ones are left out and the chain skips over them.
+    nodes, styles, edges, clusters = _dot_parts(run("log", root, "--format", "dot").stdout)
+    label = {v.replace("\\n", " "): k for k, v in nodes.items()}
+    assert not any("retired" in k for k in label)
+    assert (label["step 2 current fork point"], label["step 8 current"], 'label="fork", style="bold", color="#1f5f99"') in edges
+    assert run("log", root, "--format", "dot", "--json", check=2).returncode == 2
+    if shutil.which("dot"):  # render it when Graphviz is installed (the test needs no Graphviz)
+        p = subprocess.run(["dot", "-Tsvg"], input=text, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and "<svg" in p.stdout and not p.stderr, p.stderr
 
 
 # ----- ls / show ---------------------------------------------------------------------------------
@@ -281,7 +377,12 @@ def test_gc_keep_last_retires_and_keeps_what_must_stay(rolled):
     assert infos[(a, 4)].state == "abandoned" and infos[(a, 4)].path  # abandoned kept by default
     assert sorted(n for n in os.listdir(root) if n.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-8"]
     run("verify", root)
-    assert "~" in run("log", root).stdout
+    # log hides the retired checkpoints (their data is gone) unless --all, and says so.
+    out = run("log", root).stdout
+    assert "retired" not in "".join(l for l in out.splitlines() if "step" in l)
+    assert "2 retired checkpoint(s) hidden (--all shows them)" in out
+    out = run("log", root, "--all").stdout
+    assert sum("retired" in l and "(deleted)" in l for l in out.splitlines()) == 2 and "~" in out
 
 
 # ----- adopt / export / resume -------------------------------------------------------------------

@@ -127,206 +127,31 @@ def _configure_logging(verbose: bool) -> None:
     logger.propagate = False
 
 
-def _key_display(root: Any, path: str | None) -> str:
-    if path is None:
-        return "(missing)"
-    key = root.storage.key_of(path)
-    return key if key else path
-
-
-# ----- log: the lineage graph --------------------------------------------------------------------
-def build_graph(root: Any, history: Any) -> dict[str, Any]:
-    """The lineage graph as data: nodes newest first, with lanes and the text drawing."""
-    state = history.state
-    head = state.head
-    head_tip = state.head_tip
-    current = {c.txid for c in history.in_view(None, include_retired=True)}
-    forks: dict[str, list[str]] = {}
-    for lid, info in state.lineages.items():
-        p = info.parent_ref
-        if p is not None:
-            forks.setdefault(p["txid"], []).append(lid)
-    by_lineage: dict[str, list[Any]] = {}
-    for c in history.checkpoints.values():
-        by_lineage.setdefault(c.lineage, []).append(c)
-    for cs in by_lineage.values():
-        cs.sort(key=lambda c: (c.step, c.seq))
-
-    def parent_of(c: Any) -> str | None:
-        own = [x for x in by_lineage.get(c.lineage, []) if x.step < c.step or (x.step == c.step and x.seq < c.seq)]
-        if own:
-            return own[-1].txid
-        info = state.lineages.get(c.lineage)
-        p = info.parent_ref if info else None
-        return p["txid"] if p and p["txid"] in history.checkpoints else None
-
-    def lineage_desc(lid: str) -> str:
-        info = state.lineages.get(lid)
-        if info is None:
-            return lid
-        p = info.parent
-        if p and "txid" in p:
-            return f"forked from {p['lineage']} at step {p['step']}"
-        if p and "external" in p:
-            return f"started from external {p['external']}"
-        return {"adopt": "adopted legacy checkpoints", "root": "root lineage"}.get(info.reason, info.reason)
-
-    nodes: list[dict[str, Any]] = []
-    for c in sorted(history.checkpoints.values(), key=lambda c: (c.seq, c.step), reverse=True):
-        path = root.locate(c.ref)
-        if c.txid in history.retired:
-            st = "retired"
-        elif c.txid in current:
-            st = "current"
-        else:
-            st = "abandoned"
-        nodes.append({
-            "txid": c.txid, "step": c.step, "lineage": c.lineage, "state": st, "adopted": c.adopted,
-            "path": path, "key": _key_display(root, path) if path else None, "bytes": c.bytes,
-            "time": c.time, "parent": parent_of(c), "labels": [],
-        })
-    index = {n["txid"]: n for n in nodes}
-    # Decorations, git-style: lineage tips (HEAD first), fork points.
-    virtual: list[dict[str, Any]] = []
-    for lid, info in sorted(state.lineages.items(), key=lambda kv: (kv[0] != head, -kv[1].created_seq)):
-        own = by_lineage.get(lid, [])
-        name = f"HEAD -> lineage {lid}" if lid == head else f"lineage {lid}"
-        label = f"{name}, {lineage_desc(lid)}"
-        if own:
-            index[own[-1].txid]["labels"].append(label)
-        elif lid == head:
-            p = info.parent_ref
-            virtual.append({
-                "txid": None, "step": None, "lineage": lid, "state": "head", "adopted": False, "path": None,
-                "key": None, "bytes": 0, "time": info.created_time,
-                "parent": p["txid"] if p and p["txid"] in history.checkpoints else None,
-                "labels": [f"{label}; no checkpoints of its own yet"],
-            })
-    for txid, children in forks.items():
-        if txid in index:
-            index[txid]["labels"].append("fork point of " + ", ".join(sorted(children)))
-    nodes = virtual + nodes
-    lines = _draw(nodes, head_first="HEAD" if virtual else (head_tip or {}).get("txid"))
-    lineages = []
-    for lid, info in sorted(state.lineages.items(), key=lambda kv: kv[1].created_seq):
-        own = by_lineage.get(lid, [])
-        p = info.parent
-        lineages.append({
-            "id": lid,
-            "head": lid == head,
-            "reason": info.reason,
-            "created": info.created_time,
-            "parent_lineage": p.get("lineage") if p else None,
-            "fork_step": p.get("step") if p else None,
-            "external_parent": p.get("external") if p else None,
-            "description": lineage_desc(lid),
-            "steps": [c.step for c in own],
-            "abandoned_steps": [c.step for c in own if c.txid not in current and c.txid not in history.retired],
-            "retired_steps": [c.step for c in own if c.txid in history.retired],
-        })
-    return {"head": head, "lines": lines, "nodes": nodes, "lineages": lineages}
-
-
-def _draw(nodes: list[dict[str, Any]], head_first: str | None) -> list[tuple[str, dict[str, Any] | None]]:
-    """Lanes like ``git log --graph``: (graph prefix, node or None for a connector line)."""
-    columns: list[Any] = []
-    if head_first is not None:
-        columns.append(head_first)
-    out: list[tuple[str, dict[str, Any] | None]] = []
-    for n in nodes:
-        me = n["txid"] if n["txid"] is not None else "HEAD"
-        hits = [i for i, t in enumerate(columns) if t == me]
-        if not hits:
-            columns.append(me)
-            hits = [len(columns) - 1]
-        col = hits[0]
-        for j in reversed(hits[1:]):  # merge extra lanes into the leftmost: "|/", "|_|/"
-            chars = [" "] * (2 * len(columns))
-            for k in range(len(columns)):
-                if k < j:
-                    chars[2 * k] = "|"
-            for pos in range(2 * col + 1, 2 * j - 1, 2):
-                chars[pos] = "_"
-            chars[2 * j - 1] = "/"
-            for k in range(j + 1, len(columns)):
-                chars[2 * k - 1] = "/"
-            out.append(("".join(chars).rstrip(), None))
-            del columns[j]
-        chars = []
-        for k in range(len(columns)):
-            chars.append("*" if k == col else "|")
-        out.append((" ".join(chars), n))
-        parent = n["parent"]
-        if parent is None:
-            if col < len(columns) - 1:
-                line = [" "] * (2 * len(columns))
-                for k in range(col):
-                    line[2 * k] = "|"
-                for k in range(col + 1, len(columns)):
-                    line[2 * k - 1] = "/"
-                del columns[col]
-                out.append(("".join(line).rstrip(), None))
-            else:
-                del columns[col]
-        else:
-            columns[col] = parent
-    return out
-
-
-def render_log(graph: dict[str, Any]) -> str:
-    width = max((len(p) for p, _ in graph["lines"]), default=0)
-    out = []
-    for prefix, n in graph["lines"]:
-        if n is None:
-            out.append(prefix)
-            continue
-        labels = f"  ({'; '.join(n['labels'])})" if n["labels"] else ""
-        if n["txid"] is None:
-            out.append(f"{prefix.ljust(width)}  {labels.strip()}")
-            continue
-        state = n["state"] + (",adopted" if n["adopted"] else "")
-        where = n["key"] or "(data missing)" if n["state"] != "retired" else (n["key"] or "(deleted)")
-        out.append(
-            f"{prefix.ljust(width)}  step {str(n['step']).ljust(6)} {n['lineage']}  {state.ljust(9)}  "
-            f"{where}{labels}"
-        )
-    out.append("")
-    out.append("lineages:")
-    rows = []
-    for l in reversed(graph["lineages"]):
-        steps = ", ".join(
-            f"{s}{'*' if s in l['abandoned_steps'] else ''}{'~' if s in l['retired_steps'] else ''}"
-            for s in l["steps"]
-        ) or "-"
-        rows.append([f"  {l['id']}", "HEAD" if l["head"] else "", l["description"],
-                     f"created {human_time(l['created'])}", f"steps: {steps}"])
-    out.append(table(rows, ["", "", "", "", ""]).split("\n", 1)[1] if rows else "  (none)")
-    notes = []
-    if any(l["abandoned_steps"] for l in graph["lineages"]):
-        notes.append("* abandoned: kept intact, not in the current lineage")
-    if any(l["retired_steps"] for l in graph["lineages"]):
-        notes.append("~ retired by the retention policy")
-    if notes:
-        out.append(f"  ({'; '.join(notes)})")
-    return "\n".join(out)
-
-
+# ----- log: the lineage graph (drawn by txckpt/logview.py) ----------------------------------------
 def cmd_log(args: argparse.Namespace) -> int:
+    from .logview import build_graph, render_dot, render_text
+
+    if args.json and args.format != "text":
+        raise UsageError("--json and --format dot are alternatives; give one")
     root = open_root_arg(args.root, args.storage_options)
     history = root.history()
     if history.state.seq < 0:
         legacy = root.legacy_checkpoints()
         if args.json:
             _print_json({"head": None, "lineages": [], "nodes": [], "legacy_steps": legacy})
+        elif args.format == "dot":
+            print("digraph txckpt {\n  " + " -> ".join(f'"checkpoint-{s} (legacy)"' for s in legacy) + "\n}")
         else:
             print(f"{root.url} has no txckpt log; legacy checkpoint-N steps: {legacy or 'none'}. "
                   "Run `txckpt adopt ROOT` to record them as a lineage.")
         return EXIT_OK
-    graph = build_graph(root, history)
+    graph = build_graph(root, history, max_count=args.max_count or None, include_retired=args.all)
     if args.json:
         _print_json({k: v for k, v in graph.items() if k != "lines"} | {"graph": [p for p, _ in graph["lines"]]})
+    elif args.format == "dot":
+        print(render_dot(graph, f"txckpt log {root.url}"))
     else:
-        print(render_log(graph))
+        print(render_text(graph))
     return EXIT_OK
 
 
@@ -863,6 +688,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("log", parents=[common], help="the lineage graph (like git log --graph)")
     sp.add_argument("root", metavar="ROOT")
+    sp.add_argument("-n", "--max-count", type=int, default=None, metavar="N",
+                    help="show only the N newest checkpoints (default: all)")
+    sp.add_argument("--all", action="store_true",
+                    help="also show checkpoints the retention policy retired (their data is deleted)")
+    sp.add_argument("--format", choices=("text", "dot"), default="text",
+                    help="text (default) or dot: Graphviz source, e.g. `| dot -Tpng -o lineages.png`")
     sp.set_defaults(func=cmd_log)
 
     sp = sub.add_parser("ls", parents=[common], help="table of committed checkpoints and leftover staging")
@@ -931,7 +762,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(args.verbose)
     try:
         args.storage_options = parse_storage_options(args.storage_option)
-        for name in ("step", "keep_last", "keep_every", "workers"):
+        for name in ("step", "keep_last", "keep_every", "workers", "max_count"):
             v = getattr(args, name, None)
             if v is not None and v < (0 if name == "step" else 1):
                 raise UsageError(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'step' else '>= 1'}, not {v}")
