@@ -220,6 +220,44 @@ def test_log_format_dot_draws_steps_forks_abandoned_and_retired(rolled):
         assert p.returncode == 0 and "<svg" in p.stdout and not p.stderr, p.stderr
 
 
+def _run_into_pipe(args, *, read_first: int) -> subprocess.CompletedProcess:
+    """Run the console script with stdout a real pipe whose reader closes early: before the
+    command starts (``| true``) when read_first is 0, else after reading that many bytes
+    (``| head``). The pipe holds 4 KiB, less than the output, so the writer is still writing
+    when the reader goes: it must meet the closed pipe, whatever the timing."""
+    import fcntl
+
+    r, w = os.pipe()
+    fcntl.fcntl(w, 1031, 4096)  # F_SETPIPE_SZ
+    if not read_first:
+        os.close(r)
+    p = subprocess.Popen([TXCKPT, *args], stdout=w, stderr=subprocess.PIPE, text=True, env=ENV)
+    os.close(w)
+    if read_first:
+        got = b""
+        while len(got) < read_first:
+            chunk = os.read(r, read_first - len(got))
+            assert chunk, "the command wrote less than expected"
+            got += chunk
+        os.close(r)
+    err = p.stderr.read()
+    return subprocess.CompletedProcess(p.args, p.wait(timeout=120), None, err)
+
+
+def test_a_reader_that_closes_the_pipe_early_ends_the_command_quietly(tmp_path, monkeypatch):
+    """`txckpt log ROOT | true` and `| head` exit 0 with nothing on stderr (was: a
+    BrokenPipeError message and exit 1)."""
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+    root = str(tmp_path / "out")
+    save_steps(root, range(1, 201))
+    txckpt.forget_roots()
+    assert len(run("log", root).stdout) > 2 * 4096 and len(run("ls", root).stdout) > 2 * 4096
+    for args in (["log", root], ["ls", root], ["log", root, "--format", "dot"]):
+        for read_first in (0, 100):
+            p = _run_into_pipe(args, read_first=read_first)
+            assert (p.returncode, p.stderr) == (0, ""), (args, read_first, p.stderr)
+
+
 # ----- ls / show ---------------------------------------------------------------------------------
 def test_ls_states_and_staged_leftover(rolled):
     root, a, b = rolled

@@ -753,6 +753,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _stdout_gone() -> None:
+    """The reader of stdout closed it (``txckpt log ROOT | head``): like git, stop quietly.
+    Point stdout at /dev/null so the interpreter's final flush of what is still buffered does
+    not fail again ("Exception ignored ... BrokenPipeError")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is not a file (captured in-process)
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -768,7 +780,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise UsageError(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'step' else '>= 1'}, not {v}")
         if getattr(args, "grace", 0) is not None and getattr(args, "grace", 0) < 0:
             raise UsageError("--grace must be >= 0")
-        return int(args.func(args))
+        rc = int(args.func(args))
+        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        _stdout_gone()
+        return EXIT_OK
     except UsageError as e:
         print(f"txckpt {args.command}: usage error: {e}", file=sys.stderr)
         return EXIT_USAGE
