@@ -781,9 +781,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "grace", 0) is not None and getattr(args, "grace", 0) < 0:
             raise UsageError("--grace must be >= 0")
         rc = int(args.func(args))
-        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+        try:
+            sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+        except BrokenPipeError:
+            _stdout_gone()
         return rc
-    except BrokenPipeError:
+    except BrokenPipeError:  # the command stopped in the middle of its output
         _stdout_gone()
         return EXIT_OK
     except UsageError as e:
