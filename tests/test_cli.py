@@ -273,6 +273,19 @@ def test_ls_states_and_staged_leftover(rolled):
     assert [(r["step"], r["lineage"]) for r in current] == [(2, a), (4, b)]
 
 
+def test_ls_unknown_lineage_exits_1_naming_the_known_ones(rolled):
+    """A typo in --lineage used to print "no checkpoints" and exit 0."""
+    root, a, b = rolled
+    p = run("ls", root, "--lineage", "nosuch", check=1)
+    assert p.stdout == "" and "LineageNotFoundError" in p.stderr and "'nosuch'" in p.stderr
+    assert f"{b} (HEAD), {a}" in p.stderr
+    assert [r["lineage"] for r in json.loads(run("ls", root, "--lineage", a, "--json").stdout)] == [a, a, a]
+    with pytest.raises(txckpt.errors.LineageNotFoundError) as e:
+        txckpt.CheckpointRoot(root).checkpoints("nosuch")
+    assert e.value.lineage == "nosuch" and e.value.known == [b, a]
+    assert isinstance(e.value, txckpt.errors.CheckpointNotFoundError)
+
+
 def test_show_manifest(rolled):
     root, a, b = rolled
     out = run("show", os.path.join(root, "checkpoint-4")).stdout

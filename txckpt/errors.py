@@ -22,6 +22,17 @@ class CheckpointNotFoundError(TxckptError, FileNotFoundError):
     """A checkpoint, or a file of one, that a caller or the log names does not exist."""
 
 
+class LineageNotFoundError(CheckpointNotFoundError):
+    """A lineage id that the root's log does not know (a typo, or another root's id).
+
+    ``lineage``: the id asked for; ``known``: the root's lineage ids (``txckpt log`` shows them)."""
+
+    def __init__(self, message: str, *, lineage: str, known: list[str] | tuple[str, ...] = ()):
+        super().__init__(message)
+        self.lineage = lineage
+        self.known = list(known)
+
+
 class StepConflictError(TxckptError):
     """A save names a step that is not newer than the newest committed step of the lineage.
 
