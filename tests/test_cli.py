@@ -494,6 +494,23 @@ def test_resume_rolls_back_with_the_warning(rolled):
     assert "CheckpointNotFoundError" in p.stderr
 
 
+def test_resume_at_the_newest_step_does_not_fence_the_running_job(tmp_path, monkeypatch):
+    """`txckpt resume ROOT` (and `--step` of the newest checkpoint) says "nothing changed": it
+    must not claim the lineage, which made the job writing it fail its next save."""
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+    root = str(tmp_path / "out")
+    save_steps(root, (1, 2))  # this process is the job writing the root
+    log_dir = os.path.join(root, ".txckpt", "log")
+    entries = sorted(os.listdir(log_dir))
+    for args in ([], ["--step", "2"]):
+        p = run("resume", root, *args)
+        assert "nothing changed" in p.stdout and p.stderr == ""
+    assert json.loads(run("resume", root, "--json").stdout)["forked"] is False
+    assert sorted(os.listdir(log_dir)) == entries  # no claim entry
+    save_steps(root, (3,))  # the job goes on
+    assert txckpt.get_last_checkpoint(root) == os.path.join(root, "checkpoint-3")
+
+
 # ----- usage and exit codes ----------------------------------------------------------------------
 def test_usage_errors_exit_2(tmp_path, rolled):
     root, a, b = rolled
@@ -504,6 +521,20 @@ def test_usage_errors_exit_2(tmp_path, rolled):
     assert run("gc", root, "--keep-last", "0", check=2).returncode == 2
     assert run("export", root, str(tmp_path / "x"), check=2).returncode == 2  # no --step
     assert run("--help", check=0).stdout.count("Exit codes") == 1
+
+
+def test_every_subcommand_help_opens_with_what_it_does():
+    first = {}
+    for command in ("log", "ls", "show", "verify", "gc", "adopt", "export", "resume"):
+        out = run(command, "--help").stdout
+        paragraphs = out.split("\n\n")
+        assert paragraphs[0].startswith(f"usage: txckpt {command}")
+        assert not paragraphs[1].startswith(("positional", "options")), out  # a description comes first
+        first[command] = " ".join(paragraphs[1].split())
+    assert first["log"].startswith("Draw the root's lineage graph")
+    resume = first["resume"]
+    assert "fork a new lineage" in resume and "are abandoned: kept intact" in resume
+    assert "StaleLineageError" in resume
 
 
 def test_storage_options_parse_json():

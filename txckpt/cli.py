@@ -643,7 +643,14 @@ def cmd_resume(args: argparse.Namespace) -> int:
     before = root.history()
     head_before = before.state.head
     current_before = {c.txid: c for c in before.in_view(None)}
-    path = root.resume(args.step)
+    tip = before.state.head_tip
+    if args.step is None or (tip is not None and tip["step"] == args.step):
+        # Nothing to roll back: only say where a restart continues. root.resume() would also
+        # claim the lineage for this command's session, fencing off the job that is writing
+        # it (StaleLineageError at its next save); the operator's command is no writer.
+        path = root.get_last_checkpoint()
+    else:
+        path = root.resume(args.step)
     after = root.history()
     current_after = {c.txid for c in after.in_view(None)}
     abandoned = [c for t, c in current_before.items() if t not in current_after]
@@ -686,7 +693,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    sp = sub.add_parser("log", parents=[common], help="the lineage graph (like git log --graph)")
+    sp = sub.add_parser("log", parents=[common], help="the lineage graph (like git log --graph)",
+                        description="Draw the root's lineage graph, newest first, like git log --graph: every "
+                                    "committed checkpoint with its step, lineage, state (current, abandoned, "
+                                    "retired) and where its data is; forks, and HEAD, the lineage the next "
+                                    "resume and save follow.")
     sp.add_argument("root", metavar="ROOT")
     sp.add_argument("-n", "--max-count", type=int, default=None, metavar="N",
                     help="show only the N newest checkpoints (default: all)")
@@ -696,25 +707,38 @@ def build_parser() -> argparse.ArgumentParser:
                     help="text (default) or dot: Graphviz source, e.g. `| dot -Tpng -o lineages.png`")
     sp.set_defaults(func=cmd_log)
 
-    sp = sub.add_parser("ls", parents=[common], help="table of committed checkpoints and leftover staging")
+    sp = sub.add_parser("ls", parents=[common], help="table of committed checkpoints and leftover staging",
+                        description="List every committed checkpoint of every lineage in a table (step, "
+                                    "lineage, size, time, state, path), plus staging directories of saves that "
+                                    "never committed.")
     sp.add_argument("root", metavar="ROOT")
     sp.add_argument("--lineage", default=None,
                     help='only the view of this lineage ("current" for the head); default: everything')
     sp.set_defaults(func=cmd_ls)
 
-    sp = sub.add_parser("show", parents=[common], help="a checkpoint's manifest, readable")
+    sp = sub.add_parser("show", parents=[common], help="a checkpoint's manifest, readable",
+                        description="Print one checkpoint's manifest, readable: step, lineage, txid, parent, "
+                                    "files with sizes and checksums, metadata, and whether the root's log "
+                                    "committed it. Give a checkpoint directory, or ROOT with --step/--txid.")
     sp.add_argument("path", metavar="PATH", help="a checkpoint directory (or ROOT with --step/--txid)")
     sp.add_argument("--step", type=int, default=None, help="PATH is a root: show this step of the current lineage")
     sp.add_argument("--txid", default=None, help="PATH is a root: show the checkpoint with this txid")
     sp.set_defaults(func=cmd_show)
 
-    sp = sub.add_parser("verify", parents=[common], help="check sizes and checksums of a root or one checkpoint")
+    sp = sub.add_parser("verify", parents=[common], help="check sizes and checksums of a root or one checkpoint",
+                        description="Read every file of every committed checkpoint of a root (or of one "
+                                    "checkpoint) and check its size and checksum against the manifest; report "
+                                    "every problem and exit 1 if there is any.")
     sp.add_argument("target", metavar="ROOT|PATH")
     sp.add_argument("--workers", type=int, default=None, help="parallel reads (default: 2 x CPUs, at most 8)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar even on a TTY")
     sp.set_defaults(func=cmd_verify)
 
-    sp = sub.add_parser("gc", parents=[common], help="reclaim leftover staging, retired data, stale files")
+    sp = sub.add_parser("gc", parents=[common], help="reclaim leftover staging, retired data, stale files",
+                        description="Remove what crashes and retention leave behind (staging of saves that "
+                                    "never committed, data of retired checkpoints, stale intents, leases and "
+                                    "temp files), printing each item and why. Never touches the log or a "
+                                    "committed checkpoint that is not retired. Try --dry-run first.")
     sp.add_argument("root", metavar="ROOT")
     sp.add_argument("--dry-run", "-n", action="store_true", help="list what would be removed; change nothing")
     sp.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
@@ -730,11 +754,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="retention: always keep this checkpoint (repeatable)")
     sp.set_defaults(func=cmd_gc)
 
-    sp = sub.add_parser("adopt", parents=[common], help="record a legacy output_dir's checkpoint-N dirs as a lineage")
+    sp = sub.add_parser("adopt", parents=[common], help="record a legacy output_dir's checkpoint-N dirs as a lineage",
+                        description="Record the checkpoint-N directories of a root written without txckpt (a "
+                                    "stock Trainer output_dir) as a lineage: hash every file now, write a "
+                                    "manifest into each directory, commit them with one log entry.")
     sp.add_argument("root", metavar="ROOT")
     sp.set_defaults(func=cmd_adopt)
 
-    sp = sub.add_parser("export", parents=[common], help="copy a committed checkpoint to a plain directory, verified")
+    sp = sub.add_parser("export", parents=[common], help="copy a committed checkpoint to a plain directory, verified",
+                        description="Copy one committed checkpoint to DEST, a new or empty plain directory "
+                                    "(local or fsspec URL), checking every file's checksum on the way.")
     sp.add_argument("root", metavar="ROOT")
     sp.add_argument("dest", metavar="DEST", help="a new or empty directory, local or fsspec URL")
     sp.add_argument("--step", type=int, default=None, help="step of the current lineage")
@@ -745,7 +774,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-sync", action="store_true", help="skip fsync of the exported files")
     sp.set_defaults(func=cmd_export)
 
-    sp = sub.add_parser("resume", parents=[common], help="roll the root back to a committed step (forks a lineage)")
+    sp = sub.add_parser("resume", parents=[common], help="roll the root back to a committed step (forks a lineage)",
+                        description="Roll the root back to committed step N of the current lineage: fork a "
+                                    "new lineage from it, which becomes the current one. The checkpoints "
+                                    "after N in the current lineage are abandoned: kept intact (see "
+                                    "`txckpt log`), never again returned by get_last_checkpoint, and a job "
+                                    "still writing the old lineage is refused at its next save "
+                                    "(StaleLineageError). Without --step, or at the newest step, nothing "
+                                    "changes: it prints where a restart continues.")
     sp.add_argument("root", metavar="ROOT")
     sp.add_argument("--step", type=int, default=None,
                     help="committed step of the current lineage to continue from (default: the newest)")
