@@ -300,6 +300,25 @@ def test_show_manifest(rolled):
     assert "txckpt-manifest.json" in p.stderr
 
 
+def test_show_or_load_a_root_says_it_is_a_root(rolled, tmp_path):
+    """`txckpt show ROOT` and `load_checkpoint(ROOT)` said only that ROOT has no manifest."""
+    root, a, b = rolled
+    p = run("show", root, check=2)
+    assert "is a root, not a checkpoint" in p.stderr and "--step N" in p.stderr and "--step 4," in p.stderr
+    with pytest.raises(txckpt.errors.NotACheckpointError) as e:
+        txckpt.load_checkpoint(root)
+    assert e.value.path == root and f"load_checkpoint(get_last_checkpoint({root!r}))" in str(e.value)
+    assert isinstance(e.value, txckpt.errors.ManifestError)  # what it raised before, still caught
+    legacy = tmp_path / "legacy"
+    (legacy / "checkpoint-10").mkdir(parents=True)
+    (legacy / "checkpoint-10" / "w.bin").write_bytes(b"w")
+    with pytest.raises(txckpt.errors.NotACheckpointError):
+        txckpt.read_manifest(str(legacy))
+    with pytest.raises(txckpt.errors.ManifestError) as e:  # a plain directory is not a root
+        txckpt.load_checkpoint(str(legacy / "checkpoint-10"))
+    assert not isinstance(e.value, txckpt.errors.NotACheckpointError)
+
+
 # ----- verify ------------------------------------------------------------------------------------
 def flip_byte(path: str, offset: int = 3) -> None:
     with open(path, "r+b") as f:

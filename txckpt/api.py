@@ -7,7 +7,14 @@ import os
 import threading
 from typing import Any, Mapping
 
-from .errors import CheckpointNotFoundError, IntegrityError, InvalidArgumentError, ManifestError
+from .adoption import CHECKPOINT_RE
+from .errors import (
+    CheckpointNotFoundError,
+    IntegrityError,
+    InvalidArgumentError,
+    ManifestError,
+    NotACheckpointError,
+)
 from .manifest import MANIFEST_NAME, Manifest
 from .reader import RootContext
 from .root import CheckpointRoot
@@ -149,11 +156,25 @@ def _read_own_manifest(path: str | os.PathLike, storage_options: Mapping[str, An
     except (FileNotFoundError, NotADirectoryError):
         if not storage.exists(""):
             raise CheckpointNotFoundError(f"no checkpoint at {os.fspath(path)}") from None
+        if _is_a_root(storage):
+            raise NotACheckpointError(
+                f"{os.fspath(path)} is a checkpoint root (an output_dir), not a checkpoint: load its "
+                f"newest checkpoint with load_checkpoint(get_last_checkpoint({os.fspath(path)!r})), or "
+                "give one checkpoint directory (`txckpt ls ROOT` lists them)",
+                path=os.fspath(path),
+            ) from None
         raise ManifestError(
             f"{os.fspath(path)} has no {MANIFEST_NAME}: it is not a committed txckpt checkpoint "
             "(a staging leftover, or written by another tool; `txckpt adopt` records legacy ones)"
         ) from None
     return Manifest.decode(data, f"{os.fspath(path)}/{MANIFEST_NAME}")
+
+
+def _is_a_root(storage: Any) -> bool:
+    """A txckpt root (it has a log) or a legacy output_dir (it has checkpoint-N directories)."""
+    if storage.list_dir(".txckpt/log"):
+        return True
+    return any(CHECKPOINT_RE.match(name) for name in storage.list_dir(""))
 
 
 def read_manifest(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:

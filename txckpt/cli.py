@@ -25,6 +25,7 @@ from .errors import (
     IntegrityError,
     InvalidArgumentError,
     ManifestError,
+    NotACheckpointError,
     NotATxckptRootError,
     TxckptError,
 )
@@ -270,7 +271,16 @@ def cmd_show(args: argparse.Namespace) -> int:
     path, root = _checkpoint_arg(args)
     if not _is_url(path) and not os.path.exists(path):
         raise UsageError(f"PATH {path} does not exist")
-    manifest = read_manifest(path, storage_options=args.storage_options)
+    try:
+        manifest = read_manifest(path, storage_options=args.storage_options)
+    except NotACheckpointError:
+        tip = open_root_arg(path, args.storage_options).state().head_tip
+        example = f"e.g. --step {tip['step']}, the newest; " if tip else ""
+        raise UsageError(
+            f"{path} is a root, not a checkpoint: add --step N for a step of its current lineage "
+            f"({example}`txckpt ls ROOT` lists them) or --txid T for any lineage, or give a checkpoint "
+            "directory"
+        ) from None
     status = None
     found = (root, root.storage.key_of(path)) if root is not None else _find_root_of(path, args.storage_options)
     if found is not None:

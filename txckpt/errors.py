@@ -65,6 +65,16 @@ class UnsafePathError(ManifestError, InvalidArgumentError):
     """A file name escapes its checkpoint: ``..``, an absolute path, or a symlink that leaves the root."""
 
 
+class NotACheckpointError(ManifestError, InvalidArgumentError):
+    """A path given as a checkpoint is a root (a Trainer ``output_dir`` with ``.txckpt/log`` or
+    ``checkpoint-N`` directories), not one checkpoint. ``path``: the path given. Load the
+    root's newest checkpoint with ``load_checkpoint(get_last_checkpoint(root))``."""
+
+    def __init__(self, message: str, *, path: str):
+        super().__init__(message)
+        self.path = path
+
+
 class AdoptionError(TxckptError):
     """A legacy root (checkpoint-N directories, no log) cannot be adopted as it is.
 
