@@ -513,6 +513,32 @@ def test_resume_rolls_back_with_the_warning(rolled):
     assert "CheckpointNotFoundError" in p.stderr
 
 
+def test_rollback_warning_is_a_short_line_and_an_indented_list(tmp_path):
+    """Through logging.basicConfig (what a training script has) the warning used to be one
+    ~700-character line starting "WARNING:txckpt:txckpt:"."""
+    root = str(tmp_path / "out")
+    code = textwrap.dedent(f"""
+        import logging, txckpt
+        logging.basicConfig()
+        for s in range(1, 15):
+            txckpt.save_checkpoint({root!r}, s, {{"w.bin": b"x"}})
+        txckpt.forget_roots()
+        txckpt.resume({root!r}, step=2)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = p.stderr.splitlines()
+    h = txckpt.CheckpointRoot(root).history()
+    (old,) = [l for l in h.state.lineages if l != h.state.head]
+    assert lines[0] == (f"WARNING:txckpt:rolling back to step 2 of lineage {old}: new lineage "
+                        f"{h.state.head} abandons 12 checkpoint(s)")
+    assert "txckpt:txckpt:" not in p.stderr and all(l.startswith("  ") for l in lines[1:])
+    assert max(len(l) for l in lines if root not in l) < 120 and lines[1] == f"  root: {root}"
+    listed = [l.split()[0] for l in lines if l.startswith("    checkpoint-")]
+    assert listed == [f"checkpoint-{s}" for s in range(3, 13)]
+    assert f"... and 2 more (`txckpt log {root}` shows every one)" in p.stderr
+
+
 def test_resume_at_the_newest_step_does_not_fence_the_running_job(tmp_path, monkeypatch):
     """`txckpt resume ROOT` (and `--step` of the newest checkpoint) says "nothing changed": it
     must not claim the lineage, which made the job writing it fail its next save."""
@@ -668,3 +694,4 @@ def test_cli_on_s3(s3_root, s3_server):
     assert set(before) - set(after) == {k for k in before if k.startswith(f".txckpt/tx/{staged[0]}/")
                                         or k == f".txckpt/intents/{staged[0]}.json"}
     assert set(after) <= set(before)
+
