@@ -695,3 +695,40 @@ def test_cli_on_s3(s3_root, s3_server):
                                         or k == f".txckpt/intents/{staged[0]}.json"}
     assert set(after) <= set(before)
 
+
+# ----- messages that say which file and what to do ------------------------------------------------
+def test_non_tensor_in_a_safetensors_file_names_the_file_and_suggests_pt_or_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+    import torch
+
+    root = str(tmp_path / "out")
+    with pytest.raises(txckpt.errors.InvalidArgumentError) as e:
+        txckpt.save_checkpoint(root, 1, {"model.safetensors": {"w": torch.zeros(2), "lr": 0.1}})
+    msg = str(e.value)
+    assert msg.startswith("'model.safetensors': its entry 'lr' is a float, not a torch.Tensor")
+    assert ".pt" in msg and ".json" in msg
+    with pytest.raises(txckpt.errors.InvalidArgumentError) as e:
+        txckpt.save_checkpoint(root, 1, {"extra.safetensors": [torch.zeros(2)]})
+    assert str(e.value).startswith("'extra.safetensors' takes a dict of name -> torch.Tensor, not a list")
+    assert txckpt.get_last_checkpoint(root) is None  # nothing committed
+
+
+def test_weights_only_refusal_names_the_file_and_the_global(tmp_path, monkeypatch):
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+    import argparse
+    import pickle
+
+    import torch
+
+    root = str(tmp_path / "out")
+    path = txckpt.save_checkpoint(root, 1, {"args.pt": {"args": argparse.Namespace(lr=0.1)},
+                                            "w.pt": {"w": torch.ones(1)}})
+    with pytest.raises(txckpt.errors.WeightsOnlyError) as e:
+        txckpt.load_checkpoint(path)
+    err = e.value
+    assert err.path == os.path.join(path, "args.pt") and err.global_name == "argparse.Namespace"
+    assert str(err).startswith(f"{path}/args.pt: ") and "add_safe_globals([argparse.Namespace])" in str(err)
+    assert "weights_only=False" in str(err)
+    assert isinstance(err, pickle.UnpicklingError)  # what torch.load raises: old handlers still work
+    assert txckpt.load_checkpoint(path, weights_only=False)["args.pt"]["args"].lr == 0.1
+    assert torch.equal(txckpt.load_checkpoint(path, files=["w.pt"])["w.pt"]["w"], torch.ones(1))

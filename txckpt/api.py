@@ -124,7 +124,7 @@ def resume(
 
     ``step=None`` (and no ``path``): the newest checkpoint of the current lineage, as on a
     restart. An older committed step of the current lineage, or the ``path`` of any committed
-    checkpoint of the root, forks a new lineage; one warning names every checkpoint it abandons.
+    checkpoint of the root, forks a new lineage; one warning names the checkpoints it abandons.
     Abandoned checkpoints are kept intact and never returned by get_last_checkpoint again.
 
     Inside an initialised torch.distributed group every rank calls it: rank 0 changes the
@@ -260,7 +260,8 @@ def load_checkpoint(
     names = None if files is None else list(files)
     manifest, blobs = _read_checkpoint(path, storage_options, names, keep_bytes=True, verify=verify)
     return {
-        n: read_object(n, manifest.files[n].kind, blobs[n], map_location=map_location, weights_only=weights_only)
+        n: read_object(n, manifest.files[n].kind, blobs[n], map_location=map_location, weights_only=weights_only,
+                       where=f"{os.fspath(path).rstrip('/')}/{n}")
         for n in (sorted(manifest.files) if names is None else names)
     }
 

@@ -5,6 +5,8 @@ All errors derive from :class:`TxckptError`, so ``except txckpt.errors.TxckptErr
 
 from __future__ import annotations
 
+import pickle
+
 
 class TxckptError(Exception):
     """Base class of every error txckpt raises on purpose."""
@@ -73,6 +75,19 @@ class NotACheckpointError(ManifestError, InvalidArgumentError):
     def __init__(self, message: str, *, path: str):
         super().__init__(message)
         self.path = path
+
+
+class WeightsOnlyError(TxckptError, pickle.UnpicklingError):
+    """A torch file of a checkpoint pickles an object that torch's ``weights_only=True`` loader
+    (txckpt's default) refuses to build. ``path``: the file; ``global_name``: the global it
+    refused (``"argparse.Namespace"``), None if torch did not name one. Nothing is wrong with
+    the bytes (they matched their checksum). If you trust the checkpoint, allow the class with
+    ``torch.serialization.add_safe_globals([...])`` or load with ``weights_only=False``."""
+
+    def __init__(self, message: str, *, path: str, global_name: str | None):
+        super().__init__(message)
+        self.path = path
+        self.global_name = global_name
 
 
 class AdoptionError(TxckptError):
