@@ -455,6 +455,22 @@ def test_gc_keep_last_retires_and_keeps_what_must_stay(rolled):
     assert sum("retired" in l and "(deleted)" in l for l in out.splitlines()) == 2 and "~" in out
 
 
+def test_gc_summary_counts_the_names_it_publishes(tmp_path, monkeypatch):
+    """The summary said "0 item(s)" under a "would publish" line."""
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+    root = str(tmp_path / "out")
+    save_steps(root, (1, 2))
+    (c,) = [c for c in txckpt.CheckpointRoot(root).checkpoints() if c.step == 2]
+    # What a crash between the commit and the publication leaves: the checkpoint at its home.
+    os.rename(os.path.join(root, "checkpoint-2"), os.path.join(root, ".txckpt", "tx", c.txid, "checkpoint-2"))
+    lines = run("gc", root, "--dry-run").stdout.splitlines()
+    assert lines[0].startswith("would publish    publish   checkpoint-2")
+    assert lines[-1] == "0 item(s), 0 B reclaimable; 1 checkpoint name(s) would be published"
+    assert run("gc", root).stdout.splitlines()[-1] == "0 item(s), 0 B reclaimed; 1 checkpoint name(s) published"
+    assert os.path.isdir(os.path.join(root, "checkpoint-2"))
+    assert run("gc", root).stdout.strip() == "nothing to collect"
+
+
 # ----- adopt / export / resume -------------------------------------------------------------------
 def test_adopt_legacy_root(tmp_path):
     root = tmp_path / "legacy"

@@ -542,7 +542,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print("nothing to collect")
     else:
         n = len([i for i in report.items if i.kind not in ("publish", "unpublish")])
+        names = [f"{k} checkpoint name(s) {'would be ' if args.dry_run else ''}{kind}ed"
+                 for kind in ("publish", "unpublish")
+                 if (k := sum(i.kind == kind and (args.dry_run or i.done) for i in report.items))]
         print(f"{n} item(s), {human_bytes(report.bytes)} {'reclaimable' if args.dry_run else 'reclaimed'}"
+              + "".join(f"; {x}" for x in names)
               + (f", {len(report.errors)} error(s)" if report.errors else ""))
     return EXIT_PROBLEM if report.errors else EXIT_OK
 
