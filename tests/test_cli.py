@@ -748,3 +748,18 @@ def test_weights_only_refusal_names_the_file_and_the_global(tmp_path, monkeypatc
     assert isinstance(err, pickle.UnpicklingError)  # what torch.load raises: old handlers still work
     assert txckpt.load_checkpoint(path, weights_only=False)["args.pt"]["args"].lr == 0.1
     assert torch.equal(txckpt.load_checkpoint(path, files=["w.pt"])["w.pt"]["w"], torch.ones(1))
+
+
+def test_emulator_skip_messages_give_the_install_commands_of_the_docs_and_ci():
+    """The Azure rows' skip message said `npm install -g azurite`; docs/remote.md and .ci/run
+    install it into .ci/node and export AZURITE_BLOB."""
+    from tests import s3_server
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    remote = open(os.path.join(here, "docs", "remote.md")).read()
+    ci = open(os.path.join(here, ".ci", "run")).read()
+    (npm,) = [l for l in remote.splitlines() if l.startswith("npm install")]
+    assert npm in s3_server.AZURITE_HOWTO
+    assert "azurite@3.37.0" in ci and 'AZURITE_BLOB="$PWD/.ci/node/node_modules/.bin/azurite-blob"' in ci
+    assert s3_server.AZURITE_CI_PATH == os.path.join(here, ".ci", "node", "node_modules", ".bin", "azurite-blob")
+    assert "-g azurite" not in open(s3_server.__file__).read()
