@@ -763,3 +763,20 @@ def test_emulator_skip_messages_give_the_install_commands_of_the_docs_and_ci():
     assert "azurite@3.37.0" in ci and 'AZURITE_BLOB="$PWD/.ci/node/node_modules/.bin/azurite-blob"' in ci
     assert s3_server.AZURITE_CI_PATH == os.path.join(here, ".ci", "node", "node_modules", ".bin", "azurite-blob")
     assert "-g azurite" not in open(s3_server.__file__).read()
+
+
+def test_the_new_errors_pickle_with_their_fields():
+    """Errors cross process boundaries (ranks, worker pools): they must unpickle, fields kept."""
+    import pickle
+
+    from txckpt import errors
+
+    for e, fields in [
+        (errors.LineageNotFoundError("m", lineage="x", known=["a", "b"]), {"lineage": "x", "known": ["a", "b"]}),
+        (errors.NotACheckpointError("m", path="/r"), {"path": "/r"}),
+        (errors.WeightsOnlyError("m", path="/r/a.pt", global_name="argparse.Namespace"),
+         {"path": "/r/a.pt", "global_name": "argparse.Namespace"}),
+    ]:
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and str(back) == "m"
+        assert {k: getattr(back, k) for k in fields} == fields

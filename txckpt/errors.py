@@ -29,7 +29,7 @@ class LineageNotFoundError(CheckpointNotFoundError):
 
     ``lineage``: the id asked for; ``known``: the root's lineage ids (``txckpt log`` shows them)."""
 
-    def __init__(self, message: str, *, lineage: str, known: list[str] | tuple[str, ...] = ()):
+    def __init__(self, message: str, *, lineage: str | None = None, known: list[str] | tuple[str, ...] = ()):
         super().__init__(message)
         self.lineage = lineage
         self.known = list(known)
@@ -72,7 +72,7 @@ class NotACheckpointError(ManifestError, InvalidArgumentError):
     ``checkpoint-N`` directories), not one checkpoint. ``path``: the path given. Load the
     root's newest checkpoint with ``load_checkpoint(get_last_checkpoint(root))``."""
 
-    def __init__(self, message: str, *, path: str):
+    def __init__(self, message: str, *, path: str | None = None):
         super().__init__(message)
         self.path = path
 
@@ -84,7 +84,7 @@ class WeightsOnlyError(TxckptError, pickle.UnpicklingError):
     the bytes (they matched their checksum). If you trust the checkpoint, allow the class with
     ``torch.serialization.add_safe_globals([...])`` or load with ``weights_only=False``."""
 
-    def __init__(self, message: str, *, path: str, global_name: str | None):
+    def __init__(self, message: str, *, path: str | None = None, global_name: str | None = None):
         super().__init__(message)
         self.path = path
         self.global_name = global_name
