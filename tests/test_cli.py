@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -124,6 +125,139 @@ def test_log_head_without_checkpoints_of_its_own(tmp_path, monkeypatch):
     assert sum("abandoned" in l for l in out if "step" in l) == 2
 
 
+def test_log_max_count_on_300_saves_prints_a_screenful(tmp_path, monkeypatch):
+    """-n 5 prints 5 checkpoints, a legend with the step list abbreviated, and how many it left
+    out; without -n every checkpoint is drawn, the legend still one line per lineage."""
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+    root = str(tmp_path / "out")
+    save_steps(root, range(10, 3001, 10))
+    txckpt.forget_roots()
+    out = run("log", root, "-n", "5").stdout.splitlines()
+    assert len(out) <= 15, out
+    assert [l.split()[2] for l in out if l.startswith("*")] == ["3000", "2990", "2980", "2970", "2960"]
+    (legend,) = [l for l in out if "steps:" in l]
+    assert "steps: 10, 20, 30, ..., 2980, 2990, 3000 (300 checkpoints)" in legend and len(legend) < 160
+    assert "295 older checkpoint(s) not shown (-n 5)" in out[-1]
+    full = run("log", root, "--max-count", "300").stdout.splitlines()
+    assert sum(l.startswith("*") for l in full) == 300 and "not shown" not in full[-1]
+    assert sum("steps:" in l for l in full) == 1 and len(max(full, key=len)) < 160
+    data = json.loads(run("log", root, "-n", "3", "--json").stdout)
+    assert [n["step"] for n in data["nodes"]] == [3000, 2990, 2980] and data["omitted"] == 297
+    assert run("log", root, "-n", "0", check=2).returncode == 2
+
+
+def test_log_unrelated_lineages_get_their_own_lanes(tmp_path, monkeypatch):
+    """train() without resume_from_checkpoint on a used output_dir starts a new root lineage;
+    it must not be drawn in the lane of the old lineage, as if it were the old tip's child."""
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+    root = str(tmp_path / "out")
+    save_steps(root, (1, 2, 3), "a")
+    txckpt.forget_roots()
+    txckpt.new_lineage(root)
+    out = run("log", root).stdout.splitlines()
+    # The new head, before its first save, has no parent: the old lineage starts a lane of its own.
+    assert out[0].startswith("*") and "no checkpoints of its own yet" in out[0]
+    old = [l for l in out if l.lstrip().startswith("*") and "step" in l]
+    assert len(old) == 3 and all(l.startswith("  *") for l in old), out
+    save_steps(root, (1, 2), "b")
+    txckpt.forget_roots()
+    out = run("log", root).stdout.splitlines()
+    nodes = [l for l in out if "step" in l and not l.startswith("  ")]
+    new = [l for l in nodes if l.startswith("*")]
+    assert len(new) == 2 and "HEAD -> lineage" in new[0] and "root lineage" in new[0]
+    old = [l for l in out if l.startswith("  *")]
+    assert len(old) == 3 and "abandoned" in old[0] and "root lineage" in old[0], out
+    assert not any(l.strip() in ("|/", "|") for l in out)  # nothing joins the two histories
+
+
+def test_log_rollback_keeps_lanes_joined(rolled):
+    """A fork still joins its parent's lane at the fork point (the lanes above are unchanged)."""
+    root, a, b = rolled
+    out = run("log", root).stdout.splitlines()
+    assert [l[:3] for l in out[:5]] == ["*  ", "| *", "| *", "|/", "*  "]
+
+
+def _dot_parts(text: str):
+    import re
+
+    nodes = dict(re.findall(r'^\s+(n\d+) \[label="([^"]*)"', text, re.M))
+    styles = dict(re.findall(r'^\s+(n\d+) \[label="[^"]*", style="(\w+)"', text, re.M))
+    edges = re.findall(r'^\s+(\w+) -> (n\d+)(?: \[([^\]]*)\])?;', text, re.M)
+    clusters = re.findall(r'subgraph (cluster_\d+) \{\n\s+label="([^"]*)"', text)
+    return nodes, styles, edges, clusters
+
+
+def test_log_format_dot_draws_steps_forks_abandoned_and_retired(rolled):
+    root, a, b = rolled
+    save_steps(root, (6, 8), "b")
+    txckpt.forget_roots()
+    run("gc", root, "--keep-last", "1")  # retires b's 4 and 6
+    text = run("log", root, "--format", "dot", "--all").stdout
+    assert text.startswith("digraph txckpt {") and text.rstrip().endswith("}")
+    assert text.count("{") == text.count("}")
+    nodes, styles, edges, clusters = _dot_parts(text)
+    label = {v.replace("\\n", " "): k for k, v in nodes.items()}
+    assert sorted(label) == sorted([
+        "step 8 current", "step 6 retired", "step 4 retired", "step 6 abandoned", "step 4 abandoned",
+        "step 2 current fork point"])
+    assert {styles[label["step 6 abandoned"]], styles[label["step 4 abandoned"]]} == {"dashed"}
+    assert styles[label["step 6 retired"]] == "dotted" and styles[label["step 8 current"]] == "filled"
+    assert sorted(c[1].split("\\n")[0] for c in clusters) == sorted([f"lineage {b} (HEAD)", f"lineage {a}"])
+    by_pair = {(x, y): attrs for x, y, attrs in edges}
+    fork = label["step 2 current fork point"]
+    assert "fork" in by_pair[(fork, label["step 4 retired"])]  # b forked at a's step 2
+    assert (fork, label["step 4 abandoned"]) in by_pair  # a's own chain goes on, abandoned
+    assert (label["step 6 retired"], label["step 8 current"]) in by_pair
+    assert ("HEAD", label["step 8 current"]) in by_pair
+    # Without --all the retired ones are left out and the chain skips over them.
+    nodes, styles, edges, clusters = _dot_parts(run("log", root, "--format", "dot").stdout)
+    label = {v.replace("\\n", " "): k for k, v in nodes.items()}
+    assert not any("retired" in k for k in label)
+    assert (label["step 2 current fork point"], label["step 8 current"], 'label="fork", style="bold", color="#1f5f99"') in edges
+    assert run("log", root, "--format", "dot", "--json", check=2).returncode == 2
+    if shutil.which("dot"):  # render it when Graphviz is installed (the test needs no Graphviz)
+        p = subprocess.run(["dot", "-Tsvg"], input=text, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and "<svg" in p.stdout and not p.stderr, p.stderr
+
+
+def _run_into_pipe(args, *, read_first: int) -> subprocess.CompletedProcess:
+    """Run the console script with stdout a real pipe whose reader closes early: before the
+    command starts (``| true``) when read_first is 0, else after reading that many bytes
+    (``| head``). The pipe holds 4 KiB, less than the output, so the writer is still writing
+    when the reader goes: it must meet the closed pipe, whatever the timing."""
+    import fcntl
+
+    r, w = os.pipe()
+    fcntl.fcntl(w, 1031, 4096)  # F_SETPIPE_SZ
+    if not read_first:
+        os.close(r)
+    p = subprocess.Popen([TXCKPT, *args], stdout=w, stderr=subprocess.PIPE, text=True, env=ENV)
+    os.close(w)
+    if read_first:
+        got = b""
+        while len(got) < read_first:
+            chunk = os.read(r, read_first - len(got))
+            assert chunk, "the command wrote less than expected"
+            got += chunk
+        os.close(r)
+    err = p.stderr.read()
+    return subprocess.CompletedProcess(p.args, p.wait(timeout=120), None, err)
+
+
+def test_a_reader_that_closes_the_pipe_early_ends_the_command_quietly(tmp_path, monkeypatch):
+    """`txckpt log ROOT | true` and `| head` exit 0 with nothing on stderr (was: a
+    BrokenPipeError message and exit 1)."""
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+    root = str(tmp_path / "out")
+    save_steps(root, range(1, 201))
+    txckpt.forget_roots()
+    assert len(run("log", root).stdout) > 2 * 4096 and len(run("ls", root).stdout) > 2 * 4096
+    for args in (["log", root], ["ls", root], ["log", root, "--format", "dot"]):
+        for read_first in (0, 100):
+            p = _run_into_pipe(args, read_first=read_first)
+            assert (p.returncode, p.stderr) == (0, ""), (args, read_first, p.stderr)
+
+
 # ----- ls / show ---------------------------------------------------------------------------------
 def test_ls_states_and_staged_leftover(rolled):
     root, a, b = rolled
@@ -139,6 +273,19 @@ def test_ls_states_and_staged_leftover(rolled):
     assert [(r["step"], r["lineage"]) for r in current] == [(2, a), (4, b)]
 
 
+def test_ls_unknown_lineage_exits_1_naming_the_known_ones(rolled):
+    """A typo in --lineage used to print "no checkpoints" and exit 0."""
+    root, a, b = rolled
+    p = run("ls", root, "--lineage", "nosuch", check=1)
+    assert p.stdout == "" and "LineageNotFoundError" in p.stderr and "'nosuch'" in p.stderr
+    assert f"{b} (HEAD), {a}" in p.stderr
+    assert [r["lineage"] for r in json.loads(run("ls", root, "--lineage", a, "--json").stdout)] == [a, a, a]
+    with pytest.raises(txckpt.errors.LineageNotFoundError) as e:
+        txckpt.CheckpointRoot(root).checkpoints("nosuch")
+    assert e.value.lineage == "nosuch" and e.value.known == [b, a]
+    assert isinstance(e.value, txckpt.errors.CheckpointNotFoundError)
+
+
 def test_show_manifest(rolled):
     root, a, b = rolled
     out = run("show", os.path.join(root, "checkpoint-4")).stdout
@@ -151,6 +298,25 @@ def test_show_manifest(rolled):
     assert "state       abandoned" in out
     p = run("show", os.path.join(root, ".txckpt"), check=1)
     assert "txckpt-manifest.json" in p.stderr
+
+
+def test_show_or_load_a_root_says_it_is_a_root(rolled, tmp_path):
+    """`txckpt show ROOT` and `load_checkpoint(ROOT)` said only that ROOT has no manifest."""
+    root, a, b = rolled
+    p = run("show", root, check=2)
+    assert "is a root, not a checkpoint" in p.stderr and "--step N" in p.stderr and "--step 4," in p.stderr
+    with pytest.raises(txckpt.errors.NotACheckpointError) as e:
+        txckpt.load_checkpoint(root)
+    assert e.value.path == root and f"load_checkpoint(get_last_checkpoint({root!r}))" in str(e.value)
+    assert isinstance(e.value, txckpt.errors.ManifestError)  # what it raised before, still caught
+    legacy = tmp_path / "legacy"
+    (legacy / "checkpoint-10").mkdir(parents=True)
+    (legacy / "checkpoint-10" / "w.bin").write_bytes(b"w")
+    with pytest.raises(txckpt.errors.NotACheckpointError):
+        txckpt.read_manifest(str(legacy))
+    with pytest.raises(txckpt.errors.ManifestError) as e:  # a plain directory is not a root
+        txckpt.load_checkpoint(str(legacy / "checkpoint-10"))
+    assert not isinstance(e.value, txckpt.errors.NotACheckpointError)
 
 
 # ----- verify ------------------------------------------------------------------------------------
@@ -281,7 +447,28 @@ def test_gc_keep_last_retires_and_keeps_what_must_stay(rolled):
     assert infos[(a, 4)].state == "abandoned" and infos[(a, 4)].path  # abandoned kept by default
     assert sorted(n for n in os.listdir(root) if n.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-8"]
     run("verify", root)
-    assert "~" in run("log", root).stdout
+    # log hides the retired checkpoints (their data is gone) unless --all, and says so.
+    out = run("log", root).stdout
+    assert "retired" not in "".join(l for l in out.splitlines() if "step" in l)
+    assert "2 retired checkpoint(s) hidden (--all shows them)" in out
+    out = run("log", root, "--all").stdout
+    assert sum("retired" in l and "(deleted)" in l for l in out.splitlines()) == 2 and "~" in out
+
+
+def test_gc_summary_counts_the_names_it_publishes(tmp_path, monkeypatch):
+    """The summary said "0 item(s)" under a "would publish" line."""
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+    root = str(tmp_path / "out")
+    save_steps(root, (1, 2))
+    (c,) = [c for c in txckpt.CheckpointRoot(root).checkpoints() if c.step == 2]
+    # What a crash between the commit and the publication leaves: the checkpoint at its home.
+    os.rename(os.path.join(root, "checkpoint-2"), os.path.join(root, ".txckpt", "tx", c.txid, "checkpoint-2"))
+    lines = run("gc", root, "--dry-run").stdout.splitlines()
+    assert lines[0].startswith("would publish    publish   checkpoint-2")
+    assert lines[-1] == "0 item(s), 0 B reclaimable; 1 checkpoint name(s) would be published"
+    assert run("gc", root).stdout.splitlines()[-1] == "0 item(s), 0 B reclaimed; 1 checkpoint name(s) published"
+    assert os.path.isdir(os.path.join(root, "checkpoint-2"))
+    assert run("gc", root).stdout.strip() == "nothing to collect"
 
 
 # ----- adopt / export / resume -------------------------------------------------------------------
@@ -342,6 +529,49 @@ def test_resume_rolls_back_with_the_warning(rolled):
     assert "CheckpointNotFoundError" in p.stderr
 
 
+def test_rollback_warning_is_a_short_line_and_an_indented_list(tmp_path):
+    """Through logging.basicConfig (what a training script has) the warning used to be one
+    ~700-character line starting "WARNING:txckpt:txckpt:"."""
+    root = str(tmp_path / "out")
+    code = textwrap.dedent(f"""
+        import logging, txckpt
+        logging.basicConfig()
+        for s in range(1, 15):
+            txckpt.save_checkpoint({root!r}, s, {{"w.bin": b"x"}})
+        txckpt.forget_roots()
+        txckpt.resume({root!r}, step=2)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = p.stderr.splitlines()
+    h = txckpt.CheckpointRoot(root).history()
+    (old,) = [l for l in h.state.lineages if l != h.state.head]
+    assert lines[0] == (f"WARNING:txckpt:rolling back to step 2 of lineage {old}: new lineage "
+                        f"{h.state.head} abandons 12 checkpoint(s)")
+    assert "txckpt:txckpt:" not in p.stderr and all(l.startswith("  ") for l in lines[1:])
+    assert max(len(l) for l in lines if root not in l) < 120 and lines[1] == f"  root: {root}"
+    listed = [l.split()[0] for l in lines if l.startswith("    checkpoint-")]
+    assert listed == [f"checkpoint-{s}" for s in range(3, 13)]
+    assert f"... and 2 more (`txckpt log {root}` shows every one)" in p.stderr
+
+
+def test_resume_at_the_newest_step_does_not_fence_the_running_job(tmp_path, monkeypatch):
+    """`txckpt resume ROOT` (and `--step` of the newest checkpoint) says "nothing changed": it
+    must not claim the lineage, which made the job writing it fail its next save."""
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+    root = str(tmp_path / "out")
+    save_steps(root, (1, 2))  # this process is the job writing the root
+    log_dir = os.path.join(root, ".txckpt", "log")
+    entries = sorted(os.listdir(log_dir))
+    for args in ([], ["--step", "2"]):
+        p = run("resume", root, *args)
+        assert "nothing changed" in p.stdout and p.stderr == ""
+    assert json.loads(run("resume", root, "--json").stdout)["forked"] is False
+    assert sorted(os.listdir(log_dir)) == entries  # no claim entry
+    save_steps(root, (3,))  # the job goes on
+    assert txckpt.get_last_checkpoint(root) == os.path.join(root, "checkpoint-3")
+
+
 # ----- usage and exit codes ----------------------------------------------------------------------
 def test_usage_errors_exit_2(tmp_path, rolled):
     root, a, b = rolled
@@ -352,6 +582,20 @@ def test_usage_errors_exit_2(tmp_path, rolled):
     assert run("gc", root, "--keep-last", "0", check=2).returncode == 2
     assert run("export", root, str(tmp_path / "x"), check=2).returncode == 2  # no --step
     assert run("--help", check=0).stdout.count("Exit codes") == 1
+
+
+def test_every_subcommand_help_opens_with_what_it_does():
+    first = {}
+    for command in ("log", "ls", "show", "verify", "gc", "adopt", "export", "resume"):
+        out = run(command, "--help").stdout
+        paragraphs = out.split("\n\n")
+        assert paragraphs[0].startswith(f"usage: txckpt {command}")
+        assert not paragraphs[1].startswith(("positional", "options")), out  # a description comes first
+        first[command] = " ".join(paragraphs[1].split())
+    assert first["log"].startswith("Draw the root's lineage graph")
+    resume = first["resume"]
+    assert "fork a new lineage" in resume and "are abandoned: kept intact" in resume
+    assert "StaleLineageError" in resume
 
 
 def test_storage_options_parse_json():
@@ -634,3 +878,73 @@ def test_gc_keep_last_frees_space_on_a_100_percent_full_disk(tmp_path):
     assert ": None" not in stdout + stderr
     assert out["left3"] == [5, 6]
     assert out["gc4"] == 0 and out["left4"] == [6]
+
+
+# ----- messages that say which file and what to do ------------------------------------------------
+def test_non_tensor_in_a_safetensors_file_names_the_file_and_suggests_pt_or_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+    import torch
+
+    root = str(tmp_path / "out")
+    with pytest.raises(txckpt.errors.InvalidArgumentError) as e:
+        txckpt.save_checkpoint(root, 1, {"model.safetensors": {"w": torch.zeros(2), "lr": 0.1}})
+    msg = str(e.value)
+    assert msg.startswith("'model.safetensors': its entry 'lr' is a float, not a torch.Tensor")
+    assert ".pt" in msg and ".json" in msg
+    with pytest.raises(txckpt.errors.InvalidArgumentError) as e:
+        txckpt.save_checkpoint(root, 1, {"extra.safetensors": [torch.zeros(2)]})
+    assert str(e.value).startswith("'extra.safetensors' takes a dict of name -> torch.Tensor, not a list")
+    assert txckpt.get_last_checkpoint(root) is None  # nothing committed
+
+
+def test_weights_only_refusal_names_the_file_and_the_global(tmp_path, monkeypatch):
+    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+    import argparse
+    import pickle
+
+    import torch
+
+    root = str(tmp_path / "out")
+    path = txckpt.save_checkpoint(root, 1, {"args.pt": {"args": argparse.Namespace(lr=0.1)},
+                                            "w.pt": {"w": torch.ones(1)}})
+    with pytest.raises(txckpt.errors.WeightsOnlyError) as e:
+        txckpt.load_checkpoint(path)
+    err = e.value
+    assert err.path == os.path.join(path, "args.pt") and err.global_name == "argparse.Namespace"
+    assert str(err).startswith(f"{path}/args.pt: ") and "add_safe_globals([argparse.Namespace])" in str(err)
+    assert "weights_only=False" in str(err)
+    assert isinstance(err, pickle.UnpicklingError)  # what torch.load raises: old handlers still work
+    assert txckpt.load_checkpoint(path, weights_only=False)["args.pt"]["args"].lr == 0.1
+    assert torch.equal(txckpt.load_checkpoint(path, files=["w.pt"])["w.pt"]["w"], torch.ones(1))
+
+
+def test_emulator_skip_messages_give_the_install_commands_of_the_docs_and_ci():
+    """The Azure rows' skip message said `npm install -g azurite`; docs/remote.md and .ci/run
+    install it into .ci/node and export AZURITE_BLOB."""
+    from tests import s3_server
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    remote = open(os.path.join(here, "docs", "remote.md")).read()
+    ci = open(os.path.join(here, ".ci", "run")).read()
+    (npm,) = [l for l in remote.splitlines() if l.startswith("npm install")]
+    assert npm in s3_server.AZURITE_HOWTO
+    assert "azurite@3.37.0" in ci and 'AZURITE_BLOB="$PWD/.ci/node/node_modules/.bin/azurite-blob"' in ci
+    assert s3_server.AZURITE_CI_PATH == os.path.join(here, ".ci", "node", "node_modules", ".bin", "azurite-blob")
+    assert "-g azurite" not in open(s3_server.__file__).read()
+
+
+def test_the_new_errors_pickle_with_their_fields():
+    """Errors cross process boundaries (ranks, worker pools): they must unpickle, fields kept."""
+    import pickle
+
+    from txckpt import errors
+
+    for e, fields in [
+        (errors.LineageNotFoundError("m", lineage="x", known=["a", "b"]), {"lineage": "x", "known": ["a", "b"]}),
+        (errors.NotACheckpointError("m", path="/r"), {"path": "/r"}),
+        (errors.WeightsOnlyError("m", path="/r/a.pt", global_name="argparse.Namespace"),
+         {"path": "/r/a.pt", "global_name": "argparse.Namespace"}),
+    ]:
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and str(back) == "m"
+        assert {k: getattr(back, k) for k in fields} == fields

@@ -286,8 +286,15 @@ def test_torn_on_s3(tmp_path, s3_root):
 
     p = run(script_env(s3_root), "run-b", out, "torn", 4, "kill", expect_rc=-9)
     assert begins_at(p) == 2
-    warning = [line for line in p.stderr.splitlines() if "rolling back" in line and "abandons" in line]
-    assert len(warning) == 1 and a[4].txid in warning[0], p.stderr
+    lines = p.stderr.splitlines()
+    starts = [i for i, line in enumerate(lines) if "rolling back" in line and "abandons" in line]
+    assert len(starts) == 1, p.stderr
+    block = [lines[starts[0]]]  # the warning: its first line and the indented lines under it
+    for line in lines[starts[0] + 1:]:
+        if not line.startswith("  "):
+            break
+        block.append(line)
+    assert a[4].txid in "\n".join(block), p.stderr
     assert list((out / CACHE / "staging").iterdir())  # the killed save's local scratch
 
     old = everything(s3_root)

@@ -54,7 +54,18 @@ def uncommitted_staging(out):
 
 
 def rollback_warning(stderr):
-    return [l for l in stderr.splitlines() if "rolling back" in l and "abandons" in l]
+    """Each rollback warning in stderr: its first line and the indented lines under it."""
+    out: list[str] = []
+    inside = False
+    for line in stderr.splitlines():
+        if "rolling back" in line and "abandons" in line:
+            out.append(line)
+            inside = True
+        elif inside and line.startswith("  "):
+            out[-1] += "\n" + line
+        else:
+            inside = False
+    return out
 
 
 def assert_holds_exactly_its_manifest(path):

@@ -7,7 +7,14 @@ import os
 import threading
 from typing import Any, Mapping
 
-from .errors import CheckpointNotFoundError, IntegrityError, InvalidArgumentError, ManifestError
+from .adoption import CHECKPOINT_RE
+from .errors import (
+    CheckpointNotFoundError,
+    IntegrityError,
+    InvalidArgumentError,
+    ManifestError,
+    NotACheckpointError,
+)
 from .fileio import open_regular_file
 from .manifest import MANIFEST_NAME, Manifest
 from .progress import Timer
@@ -129,7 +136,7 @@ def resume(
 
     ``step=None`` (and no ``path``): the newest checkpoint of the current lineage, as on a
     restart. An older committed step of the current lineage, or the ``path`` of any committed
-    checkpoint of the root, forks a new lineage; one warning names every checkpoint it abandons.
+    checkpoint of the root, forks a new lineage; one warning names the checkpoints it abandons.
     Abandoned checkpoints are kept intact and never returned by get_last_checkpoint again.
 
     ``on_damaged`` (restarts only): ``"raise"`` (default) checks nothing beyond today's lookup;
@@ -169,11 +176,25 @@ def _read_own_manifest(path: str | os.PathLike, storage_options: Mapping[str, An
     except (FileNotFoundError, NotADirectoryError):
         if not storage.exists(""):
             raise CheckpointNotFoundError(f"no checkpoint at {os.fspath(path)}") from None
+        if _is_a_root(storage):
+            raise NotACheckpointError(
+                f"{os.fspath(path)} is a checkpoint root (an output_dir), not a checkpoint: load its "
+                f"newest checkpoint with load_checkpoint(get_last_checkpoint({os.fspath(path)!r})), or "
+                "give one checkpoint directory (`txckpt ls ROOT` lists them)",
+                path=os.fspath(path),
+            ) from None
         raise ManifestError(
             f"{os.fspath(path)} has no {MANIFEST_NAME}: it is not a committed txckpt checkpoint "
             "(a staging leftover, or written by another tool; `txckpt adopt` records legacy ones)"
         ) from None
     return Manifest.decode(data, f"{os.fspath(path)}/{MANIFEST_NAME}")
+
+
+def _is_a_root(storage: Any) -> bool:
+    """A txckpt root (it has a log) or a legacy output_dir (it has checkpoint-N directories)."""
+    if storage.list_dir(".txckpt/log"):
+        return True
+    return any(CHECKPOINT_RE.match(name) for name in storage.list_dir(""))
 
 
 def read_manifest(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:
@@ -267,7 +288,8 @@ def load_checkpoint(
     nbytes = sum(manifest.files[n].size for n in wanted)
     timer.phase("data", nbytes)
     out = {
-        n: read_object(n, manifest.files[n].kind, blobs[n], map_location=map_location, weights_only=weights_only)
+        n: read_object(n, manifest.files[n].kind, blobs[n], map_location=map_location, weights_only=weights_only,
+                       where=f"{os.fspath(path).rstrip('/')}/{n}")
         for n in wanted
     }
     timer.phase("decode")

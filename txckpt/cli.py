@@ -26,6 +26,7 @@ from .errors import (
     IntegrityError,
     InvalidArgumentError,
     ManifestError,
+    NotACheckpointError,
     NotATxckptRootError,
     SpecialFileError,
     TxckptError,
@@ -130,206 +131,31 @@ def _configure_logging(verbose: bool) -> None:
     logger.propagate = False
 
 
-def _key_display(root: Any, path: str | None) -> str:
-    if path is None:
-        return "(missing)"
-    key = root.storage.key_of(path)
-    return key if key else path
-
-
-# ----- log: the lineage graph --------------------------------------------------------------------
-def build_graph(root: Any, history: Any) -> dict[str, Any]:
-    """The lineage graph as data: nodes newest first, with lanes and the text drawing."""
-    state = history.state
-    head = state.head
-    head_tip = state.head_tip
-    current = {c.txid for c in history.in_view(None, include_retired=True)}
-    forks: dict[str, list[str]] = {}
-    for lid, info in state.lineages.items():
-        p = info.parent_ref
-        if p is not None:
-            forks.setdefault(p["txid"], []).append(lid)
-    by_lineage: dict[str, list[Any]] = {}
-    for c in history.checkpoints.values():
-        by_lineage.setdefault(c.lineage, []).append(c)
-    for cs in by_lineage.values():
-        cs.sort(key=lambda c: (c.step, c.seq))
-
-    def parent_of(c: Any) -> str | None:
-        own = [x for x in by_lineage.get(c.lineage, []) if x.step < c.step or (x.step == c.step and x.seq < c.seq)]
-        if own:
-            return own[-1].txid
-        info = state.lineages.get(c.lineage)
-        p = info.parent_ref if info else None
-        return p["txid"] if p and p["txid"] in history.checkpoints else None
-
-    def lineage_desc(lid: str) -> str:
-        info = state.lineages.get(lid)
-        if info is None:
-            return lid
-        p = info.parent
-        if p and "txid" in p:
-            return f"forked from {p['lineage']} at step {p['step']}"
-        if p and "external" in p:
-            return f"started from external {p['external']}"
-        return {"adopt": "adopted legacy checkpoints", "root": "root lineage"}.get(info.reason, info.reason)
-
-    nodes: list[dict[str, Any]] = []
-    for c in sorted(history.checkpoints.values(), key=lambda c: (c.seq, c.step), reverse=True):
-        path = root.locate(c.ref)
-        if c.txid in history.retired:
-            st = "retired"
-        elif c.txid in current:
-            st = "current"
-        else:
-            st = "abandoned"
-        nodes.append({
-            "txid": c.txid, "step": c.step, "lineage": c.lineage, "state": st, "adopted": c.adopted,
-            "path": path, "key": _key_display(root, path) if path else None, "bytes": c.bytes,
-            "time": c.time, "parent": parent_of(c), "labels": [],
-        })
-    index = {n["txid"]: n for n in nodes}
-    # Decorations, git-style: lineage tips (HEAD first), fork points.
-    virtual: list[dict[str, Any]] = []
-    for lid, info in sorted(state.lineages.items(), key=lambda kv: (kv[0] != head, -kv[1].created_seq)):
-        own = by_lineage.get(lid, [])
-        name = f"HEAD -> lineage {lid}" if lid == head else f"lineage {lid}"
-        label = f"{name}, {lineage_desc(lid)}"
-        if own:
-            index[own[-1].txid]["labels"].append(label)
-        elif lid == head:
-            p = info.parent_ref
-            virtual.append({
-                "txid": None, "step": None, "lineage": lid, "state": "head", "adopted": False, "path": None,
-                "key": None, "bytes": 0, "time": info.created_time,
-                "parent": p["txid"] if p and p["txid"] in history.checkpoints else None,
-                "labels": [f"{label}; no checkpoints of its own yet"],
-            })
-    for txid, children in forks.items():
-        if txid in index:
-            index[txid]["labels"].append("fork point of " + ", ".join(sorted(children)))
-    nodes = virtual + nodes
-    lines = _draw(nodes, head_first="HEAD" if virtual else (head_tip or {}).get("txid"))
-    lineages = []
-    for lid, info in sorted(state.lineages.items(), key=lambda kv: kv[1].created_seq):
-        own = by_lineage.get(lid, [])
-        p = info.parent
-        lineages.append({
-            "id": lid,
-            "head": lid == head,
-            "reason": info.reason,
-            "created": info.created_time,
-            "parent_lineage": p.get("lineage") if p else None,
-            "fork_step": p.get("step") if p else None,
-            "external_parent": p.get("external") if p else None,
-            "description": lineage_desc(lid),
-            "steps": [c.step for c in own],
-            "abandoned_steps": [c.step for c in own if c.txid not in current and c.txid not in history.retired],
-            "retired_steps": [c.step for c in own if c.txid in history.retired],
-        })
-    return {"head": head, "lines": lines, "nodes": nodes, "lineages": lineages}
-
-
-def _draw(nodes: list[dict[str, Any]], head_first: str | None) -> list[tuple[str, dict[str, Any] | None]]:
-    """Lanes like ``git log --graph``: (graph prefix, node or None for a connector line)."""
-    columns: list[Any] = []
-    if head_first is not None:
-        columns.append(head_first)
-    out: list[tuple[str, dict[str, Any] | None]] = []
-    for n in nodes:
-        me = n["txid"] if n["txid"] is not None else "HEAD"
-        hits = [i for i, t in enumerate(columns) if t == me]
-        if not hits:
-            columns.append(me)
-            hits = [len(columns) - 1]
-        col = hits[0]
-        for j in reversed(hits[1:]):  # merge extra lanes into the leftmost: "|/", "|_|/"
-            chars = [" "] * (2 * len(columns))
-            for k in range(len(columns)):
-                if k < j:
-                    chars[2 * k] = "|"
-            for pos in range(2 * col + 1, 2 * j - 1, 2):
-                chars[pos] = "_"
-            chars[2 * j - 1] = "/"
-            for k in range(j + 1, len(columns)):
-                chars[2 * k - 1] = "/"
-            out.append(("".join(chars).rstrip(), None))
-            del columns[j]
-        chars = []
-        for k in range(len(columns)):
-            chars.append("*" if k == col else "|")
-        out.append((" ".join(chars), n))
-        parent = n["parent"]
-        if parent is None:
-            if col < len(columns) - 1:
-                line = [" "] * (2 * len(columns))
-                for k in range(col):
-                    line[2 * k] = "|"
-                for k in range(col + 1, len(columns)):
-                    line[2 * k - 1] = "/"
-                del columns[col]
-                out.append(("".join(line).rstrip(), None))
-            else:
-                del columns[col]
-        else:
-            columns[col] = parent
-    return out
-
-
-def render_log(graph: dict[str, Any]) -> str:
-    width = max((len(p) for p, _ in graph["lines"]), default=0)
-    out = []
-    for prefix, n in graph["lines"]:
-        if n is None:
-            out.append(prefix)
-            continue
-        labels = f"  ({'; '.join(n['labels'])})" if n["labels"] else ""
-        if n["txid"] is None:
-            out.append(f"{prefix.ljust(width)}  {labels.strip()}")
-            continue
-        state = n["state"] + (",adopted" if n["adopted"] else "")
-        where = n["key"] or "(data missing)" if n["state"] != "retired" else (n["key"] or "(deleted)")
-        out.append(
-            f"{prefix.ljust(width)}  step {str(n['step']).ljust(6)} {n['lineage']}  {state.ljust(9)}  "
-            f"{where}{labels}"
-        )
-    out.append("")
-    out.append("lineages:")
-    rows = []
-    for l in reversed(graph["lineages"]):
-        steps = ", ".join(
-            f"{s}{'*' if s in l['abandoned_steps'] else ''}{'~' if s in l['retired_steps'] else ''}"
-            for s in l["steps"]
-        ) or "-"
-        rows.append([f"  {l['id']}", "HEAD" if l["head"] else "", l["description"],
-                     f"created {human_time(l['created'])}", f"steps: {steps}"])
-    out.append(table(rows, ["", "", "", "", ""]).split("\n", 1)[1] if rows else "  (none)")
-    notes = []
-    if any(l["abandoned_steps"] for l in graph["lineages"]):
-        notes.append("* abandoned: kept intact, not in the current lineage")
-    if any(l["retired_steps"] for l in graph["lineages"]):
-        notes.append("~ retired by the retention policy")
-    if notes:
-        out.append(f"  ({'; '.join(notes)})")
-    return "\n".join(out)
-
-
+# ----- log: the lineage graph (drawn by txckpt/logview.py) ----------------------------------------
 def cmd_log(args: argparse.Namespace) -> int:
+    from .logview import build_graph, render_dot, render_text
+
+    if args.json and args.format != "text":
+        raise UsageError("--json and --format dot are alternatives; give one")
     root = open_root_arg(args.root, args.storage_options)
     history = root.history()
     if history.state.seq < 0:
         legacy = root.legacy_checkpoints()
         if args.json:
             _print_json({"head": None, "lineages": [], "nodes": [], "legacy_steps": legacy})
+        elif args.format == "dot":
+            print("digraph txckpt {\n  " + " -> ".join(f'"checkpoint-{s} (legacy)"' for s in legacy) + "\n}")
         else:
             print(f"{root.url} has no txckpt log; legacy checkpoint-N steps: {legacy or 'none'}. "
                   "Run `txckpt adopt ROOT` to record them as a lineage.")
         return EXIT_OK
-    graph = build_graph(root, history)
+    graph = build_graph(root, history, max_count=args.max_count or None, include_retired=args.all)
     if args.json:
         _print_json({k: v for k, v in graph.items() if k != "lines"} | {"graph": [p for p, _ in graph["lines"]]})
+    elif args.format == "dot":
+        print(render_dot(graph, f"txckpt log {root.url}"))
     else:
-        print(render_log(graph))
+        print(render_text(graph))
     return EXIT_OK
 
 
@@ -448,7 +274,16 @@ def cmd_show(args: argparse.Namespace) -> int:
     path, root = _checkpoint_arg(args)
     if not _is_url(path) and not os.path.exists(path):
         raise UsageError(f"PATH {path} does not exist")
-    manifest = read_manifest(path, storage_options=args.storage_options)
+    try:
+        manifest = read_manifest(path, storage_options=args.storage_options)
+    except NotACheckpointError:
+        tip = open_root_arg(path, args.storage_options).state().head_tip
+        example = f"e.g. --step {tip['step']}, the newest; " if tip else ""
+        raise UsageError(
+            f"{path} is a root, not a checkpoint: add --step N for a step of its current lineage "
+            f"({example}`txckpt ls ROOT` lists them) or --txid T for any lineage, or give a checkpoint "
+            "directory"
+        ) from None
     status = None
     found = (root, root.storage.key_of(path)) if root is not None else _find_root_of(path, args.storage_options)
     if found is not None:
@@ -705,7 +540,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print("nothing to collect")
     else:
         n = len([i for i in report.items if i.kind not in ("publish", "unpublish")])
+        names = [f"{k} checkpoint name(s) {'would be ' if args.dry_run else ''}{kind}ed"
+                 for kind in ("publish", "unpublish")
+                 if (k := sum(i.kind == kind and (args.dry_run or i.done) for i in report.items))]
         print(f"{n} item(s), {human_bytes(report.bytes)} {'reclaimable' if args.dry_run else 'reclaimed'}"
+              + "".join(f"; {x}" for x in names)
               + (f", {len(report.errors)} error(s)" if report.errors else ""))
     return EXIT_PROBLEM if report.errors else EXIT_OK
 
@@ -832,7 +671,14 @@ def cmd_resume(args: argparse.Namespace) -> int:
     before = root.history()
     head_before = before.state.head
     current_before = {c.txid: c for c in before.in_view(None)}
-    path = root.resume(args.step)
+    tip = before.state.head_tip
+    if args.step is None or (tip is not None and tip["step"] == args.step):
+        # Nothing to roll back: only say where a restart continues. root.resume() would also
+        # claim the lineage for this command's session, fencing off the job that is writing
+        # it (StaleLineageError at its next save); the operator's command is no writer.
+        path = root.get_last_checkpoint()
+    else:
+        path = root.resume(args.step)
     after = root.history()
     current_after = {c.txid for c in after.in_view(None)}
     abandoned = [c for t, c in current_before.items() if t not in current_after]
@@ -875,29 +721,52 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    sp = sub.add_parser("log", parents=[common], help="the lineage graph (like git log --graph)")
+    sp = sub.add_parser("log", parents=[common], help="the lineage graph (like git log --graph)",
+                        description="Draw the root's lineage graph, newest first, like git log --graph: every "
+                                    "committed checkpoint with its step, lineage, state (current, abandoned, "
+                                    "retired) and where its data is; forks, and HEAD, the lineage the next "
+                                    "resume and save follow.")
     sp.add_argument("root", metavar="ROOT")
+    sp.add_argument("-n", "--max-count", type=int, default=None, metavar="N",
+                    help="show only the N newest checkpoints (default: all)")
+    sp.add_argument("--all", action="store_true",
+                    help="also show checkpoints the retention policy retired (their data is deleted)")
+    sp.add_argument("--format", choices=("text", "dot"), default="text",
+                    help="text (default) or dot: Graphviz source, e.g. `| dot -Tpng -o lineages.png`")
     sp.set_defaults(func=cmd_log)
 
-    sp = sub.add_parser("ls", parents=[common], help="table of committed checkpoints and leftover staging")
+    sp = sub.add_parser("ls", parents=[common], help="table of committed checkpoints and leftover staging",
+                        description="List every committed checkpoint of every lineage in a table (step, "
+                                    "lineage, size, time, state, path), plus staging directories of saves that "
+                                    "never committed.")
     sp.add_argument("root", metavar="ROOT")
     sp.add_argument("--lineage", default=None,
                     help='only the view of this lineage ("current" for the head); default: everything')
     sp.set_defaults(func=cmd_ls)
 
-    sp = sub.add_parser("show", parents=[common], help="a checkpoint's manifest, readable")
+    sp = sub.add_parser("show", parents=[common], help="a checkpoint's manifest, readable",
+                        description="Print one checkpoint's manifest, readable: step, lineage, txid, parent, "
+                                    "files with sizes and checksums, metadata, and whether the root's log "
+                                    "committed it. Give a checkpoint directory, or ROOT with --step/--txid.")
     sp.add_argument("path", metavar="PATH", help="a checkpoint directory (or ROOT with --step/--txid)")
     sp.add_argument("--step", type=int, default=None, help="PATH is a root: show this step of the current lineage")
     sp.add_argument("--txid", default=None, help="PATH is a root: show the checkpoint with this txid")
     sp.set_defaults(func=cmd_show)
 
-    sp = sub.add_parser("verify", parents=[common], help="check sizes and checksums of a root or one checkpoint")
+    sp = sub.add_parser("verify", parents=[common], help="check sizes and checksums of a root or one checkpoint",
+                        description="Read every file of every committed checkpoint of a root (or of one "
+                                    "checkpoint) and check its size and checksum against the manifest; report "
+                                    "every problem and exit 1 if there is any.")
     sp.add_argument("target", metavar="ROOT|PATH")
     sp.add_argument("--workers", type=int, default=None, help="parallel reads (default: 2 x CPUs, at most 8)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar even on a TTY")
     sp.set_defaults(func=cmd_verify)
 
-    sp = sub.add_parser("gc", parents=[common], help="reclaim leftover staging, retired data, stale files")
+    sp = sub.add_parser("gc", parents=[common], help="reclaim leftover staging, retired data, stale files",
+                        description="Remove what crashes and retention leave behind (staging of saves that "
+                                    "never committed, data of retired checkpoints, stale intents, leases and "
+                                    "temp files), printing each item and why. Never touches the log or a "
+                                    "committed checkpoint that is not retired. Try --dry-run first.")
     sp.add_argument("root", metavar="ROOT")
     sp.add_argument("--dry-run", "-n", action="store_true", help="list what would be removed; change nothing")
     sp.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
@@ -914,12 +783,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-progress", action="store_true", help="no progress bar even on a TTY")
     sp.set_defaults(func=cmd_gc)
 
-    sp = sub.add_parser("adopt", parents=[common], help="record a legacy output_dir's checkpoint-N dirs as a lineage")
+    sp = sub.add_parser("adopt", parents=[common], help="record a legacy output_dir's checkpoint-N dirs as a lineage",
+                        description="Record the checkpoint-N directories of a root written without txckpt (a "
+                                    "stock Trainer output_dir) as a lineage: hash every file now, write a "
+                                    "manifest into each directory, commit them with one log entry.")
     sp.add_argument("root", metavar="ROOT")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar even on a TTY")
     sp.set_defaults(func=cmd_adopt)
 
-    sp = sub.add_parser("export", parents=[common], help="copy a committed checkpoint to a plain directory, verified")
+    sp = sub.add_parser("export", parents=[common], help="copy a committed checkpoint to a plain directory, verified",
+                        description="Copy one committed checkpoint to DEST, a new or empty plain directory "
+                                    "(local or fsspec URL), checking every file's checksum on the way.")
     sp.add_argument("root", metavar="ROOT")
     sp.add_argument("dest", metavar="DEST", help="a new or empty directory, local or fsspec URL")
     sp.add_argument("--step", type=int, default=None, help="step of the current lineage")
@@ -931,12 +805,31 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-progress", action="store_true", help="no progress bar even on a TTY")
     sp.set_defaults(func=cmd_export)
 
-    sp = sub.add_parser("resume", parents=[common], help="roll the root back to a committed step (forks a lineage)")
+    sp = sub.add_parser("resume", parents=[common], help="roll the root back to a committed step (forks a lineage)",
+                        description="Roll the root back to committed step N of the current lineage: fork a "
+                                    "new lineage from it, which becomes the current one. The checkpoints "
+                                    "after N in the current lineage are abandoned: kept intact (see "
+                                    "`txckpt log`), never again returned by get_last_checkpoint, and a job "
+                                    "still writing the old lineage is refused at its next save "
+                                    "(StaleLineageError). Without --step, or at the newest step, nothing "
+                                    "changes: it prints where a restart continues.")
     sp.add_argument("root", metavar="ROOT")
     sp.add_argument("--step", type=int, default=None,
                     help="committed step of the current lineage to continue from (default: the newest)")
     sp.set_defaults(func=cmd_resume)
     return p
+
+
+def _stdout_gone() -> None:
+    """The reader of stdout closed it (``txckpt log ROOT | head``): like git, stop quietly.
+    Point stdout at /dev/null so the interpreter's final flush of what is still buffered does
+    not fail again ("Exception ignored ... BrokenPipeError")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is not a file (captured in-process)
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -948,13 +841,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(args.verbose)
     try:
         args.storage_options = parse_storage_options(args.storage_option)
-        for name in ("step", "keep_last", "keep_every", "workers"):
+        for name in ("step", "keep_last", "keep_every", "workers", "max_count"):
             v = getattr(args, name, None)
             if v is not None and v < (0 if name == "step" else 1):
                 raise UsageError(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'step' else '>= 1'}, not {v}")
         if getattr(args, "grace", 0) is not None and getattr(args, "grace", 0) < 0:
             raise UsageError("--grace must be >= 0")
-        return int(args.func(args))
+        rc = int(args.func(args))
+        try:
+            sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+        except BrokenPipeError:
+            _stdout_gone()
+        return rc
+    except BrokenPipeError:  # the command stopped in the middle of its output
+        _stdout_gone()
+        return EXIT_OK
     except UsageError as e:
         print(f"txckpt {args.command}: usage error: {e}", file=sys.stderr)
         return EXIT_USAGE

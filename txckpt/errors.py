@@ -5,6 +5,8 @@ All errors derive from :class:`TxckptError`, so ``except txckpt.errors.TxckptErr
 
 from __future__ import annotations
 
+import pickle
+
 
 class TxckptError(Exception):
     """Base class of every error txckpt raises on purpose."""
@@ -53,6 +55,17 @@ class LookupRaceError(TxckptError):
 
     def __reduce__(self):
         return _with_fields, (type(self), str(self), {"root": self.root, "attempts": self.attempts})
+
+
+class LineageNotFoundError(CheckpointNotFoundError):
+    """A lineage id that the root's log does not know (a typo, or another root's id).
+
+    ``lineage``: the id asked for; ``known``: the root's lineage ids (``txckpt log`` shows them)."""
+
+    def __init__(self, message: str, *, lineage: str | None = None, known: list[str] | tuple[str, ...] = ()):
+        super().__init__(message)
+        self.lineage = lineage
+        self.known = list(known)
 
 
 class StepConflictError(TxckptError):
@@ -131,6 +144,29 @@ class NoIntactCheckpointError(IntegrityError):
 
 class UnsafePathError(ManifestError, InvalidArgumentError):
     """A file name escapes its checkpoint: ``..``, an absolute path, or a symlink that leaves the root."""
+
+
+class NotACheckpointError(ManifestError, InvalidArgumentError):
+    """A path given as a checkpoint is a root (a Trainer ``output_dir`` with ``.txckpt/log`` or
+    ``checkpoint-N`` directories), not one checkpoint. ``path``: the path given. Load the
+    root's newest checkpoint with ``load_checkpoint(get_last_checkpoint(root))``."""
+
+    def __init__(self, message: str, *, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+
+class WeightsOnlyError(TxckptError, pickle.UnpicklingError):
+    """A torch file of a checkpoint pickles an object that torch's ``weights_only=True`` loader
+    (txckpt's default) refuses to build. ``path``: the file; ``global_name``: the global it
+    refused (``"argparse.Namespace"``), None if torch did not name one. Nothing is wrong with
+    the bytes (they matched their checksum). If you trust the checkpoint, allow the class with
+    ``torch.serialization.add_safe_globals([...])`` or load with ``weights_only=False``."""
+
+    def __init__(self, message: str, *, path: str | None = None, global_name: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.global_name = global_name
 
 
 class AdoptionError(TxckptError):

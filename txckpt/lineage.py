@@ -22,6 +22,7 @@ from .errors import (
     CheckpointNotFoundError,
     ConcurrentWriterError,
     InvalidArgumentError,
+    LineageNotFoundError,
     LogCorruptError,
     StaleLineageError,
     StepConflictError,
@@ -332,7 +333,18 @@ class History:
 
     # ----- queries -----------------------------------------------------------------------------
     def in_view(self, lineage: str | None, include_retired: bool = False) -> list[Checkpoint]:
-        """The checkpoints of ``lineage``'s view (default: the head), oldest first."""
+        """The checkpoints of ``lineage``'s view (default: the head), oldest first. A lineage
+        the log does not know raises :class:`LineageNotFoundError` (not an empty view: a typo
+        must not read as "no checkpoints")."""
+        if lineage is not None and lineage not in self.state.lineages:
+            known = sorted(self.state.lineages, key=lambda l: -self.state.lineages[l].created_seq)
+            head = self.state.head
+            raise LineageNotFoundError(
+                f"this root has no lineage {lineage!r}; its lineages, newest first: "
+                + (", ".join(f"{l} (HEAD)" if l == head else l for l in known) or "none")
+                + " (`txckpt log ROOT` shows them)",
+                lineage=lineage, known=known,
+            )
         lineage = lineage or self.state.head
         if lineage is None:
             return []

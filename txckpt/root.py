@@ -63,8 +63,36 @@ class CheckpointInfo:
     published: bool
 
 
-def _describe(checkpoints: list[Checkpoint]) -> str:
-    return ", ".join(f"checkpoint-{c.step} (lineage {c.lineage}, txid {c.txid})" for c in checkpoints)
+#: A rollback warning lists at most this many abandoned checkpoints (``txckpt log`` shows all).
+ROLLBACK_LISTED = 10
+
+
+def rollback_warning(url: str, parent: dict[str, Any] | None, lineage: str,
+                     abandoned: list[Checkpoint], *, renames: bool = True) -> str:
+    """The warning a fork logs: a short first line, then indented lines, one per abandoned
+    checkpoint (the first ROLLBACK_LISTED; ``txckpt log`` lists every one). No "txckpt:"
+    prefix: the "txckpt" logger's name already says where it comes from."""
+    if parent and "step" in parent:
+        head = f"rolling back to step {parent['step']} of lineage {parent['lineage']}"
+    elif parent:
+        head = f"starting lineage {lineage} from external checkpoint {parent['external']}"
+    else:
+        head = f"starting lineage {lineage} from scratch"
+    lines = [f"{head}: new lineage {lineage} abandons {len(abandoned)} checkpoint(s)",
+             f"  root: {url}",
+             "  abandoned (kept intact and never overwritten, but no longer returned by get_last_checkpoint):"]
+    listed = abandoned[:ROLLBACK_LISTED]
+    width = max(len(f"checkpoint-{c.step}") for c in listed) if listed else 0
+    lines += [f"    {f'checkpoint-{c.step}'.ljust(width)}  (lineage {c.lineage}, txid {c.txid})" for c in listed]
+    if len(abandoned) > ROLLBACK_LISTED:
+        lines.append(f"    ... and {len(abandoned) - ROLLBACK_LISTED} more (`txckpt log {url}` shows every one)")
+    # What happens to their paths: only rename backends publish (protocol §7). ``renames``: the
+    # storage renames directories atomically.
+    lines.append("  the new lineage's saves of the same steps get the checkpoint-N names, and the abandoned ones "
+                 "move to .txckpt/tx/<txid>/checkpoint-N" if renames else
+                 "  nothing is moved on this object store: each stays at the path it was committed at "
+                 "(.txckpt/tx/<txid>/checkpoint-N; an adopted one at its checkpoint-N)")
+    return "\n".join(lines)
 
 
 class CheckpointRoot:
@@ -422,7 +450,7 @@ class CheckpointRoot:
             from .fallback import describe_damaged
 
             log.warning(
-                "txckpt: the newest checkpoint(s) of %s failed verification: %s. Falling back to step "
+                "the newest checkpoint(s) of %s failed verification: %s. Falling back to step "
                 "%d of lineage %s: new lineage %s abandons %d checkpoint(s): %s. Nothing was deleted: "
                 "the damaged ones stay on disk as they are (`txckpt verify` reports them); restore "
                 "them from a backup if you need them.",
@@ -430,20 +458,8 @@ class CheckpointRoot:
                 len(abandoned), _describe(abandoned),
             )
         elif abandoned and announce:
-            frm = f"step {parent['step']} of lineage {parent['lineage']}" if parent and "step" in parent else (
-                f"external checkpoint {parent['external']}" if parent else "scratch")
-            where = (  # what happens to their paths: only rename backends publish (protocol §7)
-                "saves of the same steps on the new lineage get the checkpoint-N names, and the "
-                "abandoned ones move to .txckpt/tx/<txid>/checkpoint-N"
-                if self.storage.atomic_dir_rename else
-                "nothing is moved on this object store: each stays at the path it was committed at "
-                "(.txckpt/tx/<txid>/checkpoint-N; an adopted one at its checkpoint-N)")
-            log.warning(
-                "txckpt: rolling back %s to %s. New lineage %s abandons %d checkpoint(s) of lineage "
-                "%s: %s. They are kept intact (see `txckpt log`), never overwritten, and no longer "
-                "returned by get_last_checkpoint; %s.",
-                self.url, frm, lid, len(abandoned), expected_head, _describe(abandoned), where,
-            )
+            log.warning("%s", rollback_warning(self.url, parent, lid, abandoned,
+                                               renames=self.storage.atomic_dir_rename))
         try:
             self.reconcile_publication(history)
         except OSError as e:

@@ -11,7 +11,7 @@ import json
 import struct
 from typing import Any, BinaryIO, Mapping
 
-from .errors import InvalidArgumentError, IntegrityError
+from .errors import IntegrityError, InvalidArgumentError, WeightsOnlyError
 
 _SAFETENSORS_DTYPES: dict[Any, str] = {}
 
@@ -33,31 +33,39 @@ def _dtype_names() -> dict[Any, str]:
     return _SAFETENSORS_DTYPES
 
 
-def write_safetensors(tensors: Mapping[str, Any], out: BinaryIO, metadata: Mapping[str, str] | None = None) -> None:
+def write_safetensors(tensors: Mapping[str, Any], out: BinaryIO, metadata: Mapping[str, str] | None = None,
+                      *, name: str = "a .safetensors file") -> None:
     """Stream ``tensors`` in the safetensors format (byte-compatible with ``safetensors.torch``
-    readers) without building the file in memory."""
+    readers) without building the file in memory. ``name``: the file, for error messages."""
     import torch
 
     names = _dtype_names()
+    where = name if name == "a .safetensors file" else repr(name)
+    advice = (f"a .safetensors file holds only tensors: save other values in a file named .pt "
+              "(torch.save: any picklable object) or .json (plain data)")
     if not isinstance(tensors, Mapping):
-        raise InvalidArgumentError(".safetensors files take a dict of name -> torch.Tensor")
+        raise InvalidArgumentError(
+            f"{where} takes a dict of name -> torch.Tensor, not a {type(tensors).__name__}; {advice}")
     prepared = []
     header: dict[str, Any] = {}
     offset = 0
     # safetensors orders tensors by descending dtype alignment, then name, so every tensor stays
     # aligned; follow the same rule.
     items = sorted(tensors.items(), key=lambda kv: (-_itemsize(kv[1]), kv[0]))
-    for name, t in items:
+    for key, t in items:
         if not isinstance(t, torch.Tensor):
-            raise InvalidArgumentError(f"safetensors value {name!r} is a {type(t).__name__}, not a tensor")
+            raise InvalidArgumentError(
+                f"{where}: its entry {key!r} is a {type(t).__name__}, not a torch.Tensor; {advice}")
         if t.dtype not in names:
-            raise InvalidArgumentError(f"safetensors cannot store dtype {t.dtype} ({name!r})")
+            raise InvalidArgumentError(
+                f"{where}: safetensors cannot store dtype {t.dtype} (entry {key!r}); convert it, or save it in "
+                "a .pt file")
         t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
         t = t.contiguous()
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[key] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
         prepared.append(t)
     if metadata:
@@ -86,7 +94,7 @@ def write_object(name: str, obj: Any, out: BinaryIO) -> str:
         return "bytes"
     lower = name.lower()
     if lower.endswith(".safetensors"):
-        write_safetensors(obj, out)
+        write_safetensors(obj, out, name=name)
         return "safetensors"
     if lower.endswith(".json"):
         try:
@@ -121,11 +129,13 @@ def _torch_save_config():
         return contextlib.nullcontext()
 
 
-def read_object(name: str, kind: str, data: Any, *, map_location: Any = "cpu", weights_only: bool = True) -> Any:
+def read_object(name: str, kind: str, data: Any, *, map_location: Any = "cpu", weights_only: bool = True,
+                where: str | None = None) -> Any:
     """Turn verified bytes back into the object ``write_object`` wrote. ``data`` is ``bytes``
     or a ``torch.uint8`` tensor holding the file (what verification read it into): the tensors
     of a safetensors or torch file are then views of that buffer, each on its own storage slice
-    (so saving one tensor saves only its bytes), and the buffer lives as long as any of them."""
+    (so saving one tensor saves only its bytes), and the buffer lives as long as any of them.
+    ``where``: the file's full path, for error messages (default: ``name``)."""
     try:
         if kind == "bytes":
             return _as_bytes(data)
@@ -148,9 +158,26 @@ def read_object(name: str, kind: str, data: Any, *, map_location: Any = "cpu", w
             return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
     except Exception as e:  # the bytes matched their checksum, so this is a format problem
         if type(e).__name__ == "UnpicklingError":
+            if weights_only:
+                raise _weights_only_error(where or name, e) from e
             raise
         raise IntegrityError(f"{name!r} ({kind}) matched its checksum but could not be decoded: {e}") from e
     raise IntegrityError(f"{name!r} has unknown kind {kind!r}")
+
+
+def _weights_only_error(where: str, e: Exception) -> WeightsOnlyError:
+    """torch's refusal, saying which file and which global, and what to do."""
+    import re
+
+    m = re.search(r"GLOBAL ([\w.]+)", str(e))
+    g = m.group(1) if m else None
+    what = f"refused to unpickle the global {g}" if g else f"refused the file ({e})"
+    allow = (f"allow it with torch.serialization.add_safe_globals([{g}]) before loading, or " if g else "")
+    return WeightsOnlyError(
+        f"{where}: torch's weights_only loader (txckpt's default) {what}. The bytes are intact (they "
+        f"matched their checksum). If you trust this checkpoint, {allow}load it with weights_only=False",
+        path=where, global_name=g,
+    )
 
 
 def _is_tensor(data: Any) -> bool:
