@@ -88,10 +88,10 @@ def rollback_warning(url: str, parent: dict[str, Any] | None, lineage: str,
         lines.append(f"    ... and {len(abandoned) - ROLLBACK_LISTED} more (`txckpt log {url}` shows every one)")
     # What happens to their paths: only rename backends publish (protocol §7). ``renames``: the
     # storage renames directories atomically.
-    lines.append("  the new lineage's saves of the same steps get the checkpoint-N names, and the abandoned ones "
-                 "move to .txckpt/tx/<txid>/checkpoint-N" if renames else
-                 "  nothing is moved on this object store: each stays at the path it was committed at "
-                 "(.txckpt/tx/<txid>/checkpoint-N; an adopted one at its checkpoint-N)")
+    lines += (["  the new lineage's saves of the same steps get the checkpoint-N names,",
+               "  and the abandoned ones move to .txckpt/tx/<txid>/checkpoint-N"] if renames else
+              ["  nothing is moved on this object store: each stays at the path it was committed at",
+               "  (.txckpt/tx/<txid>/checkpoint-N; an adopted one at its checkpoint-N)"])
     return "\n".join(lines)
 
 
@@ -455,7 +455,7 @@ class CheckpointRoot:
                 "the damaged ones stay on disk as they are (`txckpt verify` reports them); restore "
                 "them from a backup if you need them.",
                 self.url, describe_damaged(damaged), parent["step"], parent["lineage"], lid,
-                len(abandoned), _describe(abandoned),
+                len(abandoned), ", ".join(f"checkpoint-{c.step} (lineage {c.lineage}, txid {c.txid})" for c in abandoned),
             )
         elif abandoned and announce:
             log.warning("%s", rollback_warning(self.url, parent, lid, abandoned,

@@ -41,7 +41,7 @@ def write_safetensors(tensors: Mapping[str, Any], out: BinaryIO, metadata: Mappi
 
     names = _dtype_names()
     where = name if name == "a .safetensors file" else repr(name)
-    advice = (f"a .safetensors file holds only tensors: save other values in a file named .pt "
+    advice = ("a .safetensors file holds only tensors: save other values in a file named .pt "
               "(torch.save: any picklable object) or .json (plain data)")
     if not isinstance(tensors, Mapping):
         raise InvalidArgumentError(
