@@ -79,7 +79,7 @@ def _hash_dir(root: "CheckpointRoot", step: int, key: str) -> _Dir:
         if name == MANIFEST_NAME or _MANIFEST_TMP_RE.match(name):
             continue
         if s.is_symlink_escape(f"{key}/{name}"):
-            log.warning("txckpt: adoption skips %s/%s, a symlink out of the root", key, name)
+            log.warning("adoption skips %s/%s, a symlink out of the root", key, name)
             continue
         with s.open_read(f"{key}/{name}") as f:
             size, digest = checksum.digest_stream(f)
@@ -140,7 +140,7 @@ def adopt(root: "CheckpointRoot") -> str | None:
     for step, key in found:
         d = _hash_dir(root, step, key)
         if not d.files:
-            log.warning("txckpt: %s holds no files; it is not adopted (an empty checkpoint would load as "
+            log.warning("%s holds no files; it is not adopted (an empty checkpoint would load as "
                         "nothing). Remove it, or fill it, and adopt again", root.storage.full_path(key))
             continue
         dirs.append(d)
@@ -170,7 +170,7 @@ def adopt(root: "CheckpointRoot") -> str | None:
         for d, m in stale:
             # Nobody can commit what is there: no log, no live adopter of other bytes (one of the
             # same bytes writes these very bytes). A crashed adoption's, or an older txckpt's.
-            log.warning("txckpt: replacing the uncommitted manifest in %s (left by an adoption that never "
+            log.warning("replacing the uncommitted manifest in %s (left by an adoption that never "
                         "committed and described other bytes: one that crashed before the files changed, or "
                         "an older txckpt's)", s.full_path(d.key))
             s.replace(f"{d.key}/{MANIFEST_NAME}", m.encode(), durable=root.durable)
@@ -181,10 +181,10 @@ def adopt(root: "CheckpointRoot") -> str | None:
         try:
             s.delete_file(intent_key)
         except OSError as e:  # the outcome stands; gc removes an intent whose writer is gone
-            log.warning("txckpt: could not delete the adoption intent %s (%s); `txckpt gc` removes it",
+            log.warning("could not delete the adoption intent %s (%s); `txckpt gc` removes it",
                         intent_key, e)
     log.warning(
-        "txckpt: adopted %d checkpoint(s) of %s written without txckpt (steps %s) as lineage %s; "
+        "adopted %d checkpoint(s) of %s written without txckpt (steps %s) as lineage %s; "
         "their checksums were computed now, so damage done before adoption cannot be detected.",
         len(dirs), root.url, ", ".join(str(d.step) for d in dirs), lid,
     )

@@ -133,7 +133,7 @@ def _group_for(dist: Any, timeout_s: float) -> Any:
                     dist.distributed_c10d._set_pg_timeout(td, group)
                     _cached["timeout"] = timeout_s
                 except Exception as e:  # pragma: no cover - a torch without _set_pg_timeout
-                    log.warning("txckpt: cannot change the coordination timeout of an existing gloo "
+                    log.warning("cannot change the coordination timeout of an existing gloo "
                                 "group (%s); it stays %.0f s", e, _cached.get("timeout"))
             return group
         if not dist.is_gloo_available():  # pragma: no cover - every torch wheel has gloo

@@ -274,7 +274,7 @@ def _remove(report: GcReport, item: GcItem, fn, *args) -> None:
         progress.advance(item.bytes or 0)
     except Exception as e:  # reported, and the rest goes on
         item.error = f"{type(e).__name__}: {e}"
-        log.warning("txckpt gc: could not remove %s: %s", item.key, item.error)
+        log.warning("gc: could not remove %s: %s", item.key, item.error)
 
 
 def _judge(storage: Any, txid: str, intents: dict[str, Any], *, now: float, grace_seconds: float,
@@ -367,11 +367,11 @@ def reclaim_after_save(root: Any, *, grace_seconds: float = GRACE_SECONDS) -> Gc
             reclaim_staging(root, report, root.history(snapshot=True), now=now, grace_seconds=grace_seconds,
                             hostname=hostname, only=gone, measure_kept=False)
     except Exception as e:  # the checkpoint is committed; this is housekeeping
-        log.warning("txckpt: the save committed, but reclaiming the staging of dead writers under %s "
+        log.warning("the save committed, but reclaiming the staging of dead writers under %s "
                     "failed (%s: %s); `txckpt gc` reclaims it", root.url, type(e).__name__, e)
         return report
     for item in report.of("staging"):
-        log.info("txckpt: reclaimed %s (%d bytes) under %s: %s", item.key, item.bytes, root.url, item.reason)
+        log.info("reclaimed %s (%d bytes) under %s: %s", item.key, item.bytes, root.url, item.reason)
     return report
 
 
@@ -463,7 +463,7 @@ def _delete_retired(root: Any, report: GcReport, history: Any, leased: set[str],
             progress.advance(item.bytes or 0)
         except Exception as e:
             item.error = f"{type(e).__name__}: {e}"
-            log.warning("txckpt gc: could not delete retired %s: %s", c.txid, item.error)
+            log.warning("gc: could not delete retired %s: %s", c.txid, item.error)
 
 
 def _apply_policy(root: Any, report: GcReport, policy: RetentionPolicy, now: float) -> None:
@@ -489,7 +489,7 @@ def _apply_policy(root: Any, report: GcReport, policy: RetentionPolicy, now: flo
     except StorageError as e:  # a full disk without a reserve: the message says what to do
         for item in policy_items.values():
             item.error = f"{type(e).__name__}: {e}"
-        log.warning("txckpt gc: %s", e)
+        log.warning("gc: %s", e)
         return
     for txid, item in policy_items.items():
         if txid not in retired:

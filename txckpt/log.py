@@ -307,7 +307,7 @@ def read_snapshot(storage: Storage, seq: int) -> History | None:
             except (KeyError, TypeError, ValueError, AttributeError) as e:
                 problem = f"it is malformed ({type(e).__name__}: {e})"
     _log.warning(
-        "txckpt: ignoring the history snapshot %s: %s. Snapshots only save reading the log, which "
+        "ignoring the history snapshot %s: %s. Snapshots only save reading the log, which "
         "is read instead; `txckpt gc` removes the bad snapshot.", storage.full_path(key), problem,
     )
     return None
@@ -338,6 +338,6 @@ def write_snapshot_if_due(storage: Storage, history: History, *, durable: bool) 
     except FileExistsError:
         return False  # another process snapshotted the same entry: same content
     except OSError as e:
-        _log.debug("txckpt: could not write a history snapshot at entry %d: %s", seq, e)
+        _log.debug("could not write a history snapshot at entry %d: %s", seq, e)
         return False
     return True

@@ -125,7 +125,7 @@ class RenamePublication(InPlacePublication):
         else:
             dst = f"{ORPHANS_DIR}/{pub}.{time.strftime('%Y%m%dT%H%M%S')}.{uuid.uuid4().hex[:8]}"
             log.warning(
-                "txckpt: %s has no committed txckpt manifest (written by another tool?); moved it "
+                "%s has no committed txckpt manifest (written by another tool?); moved it "
                 "to %s instead of overwriting it. Inspect it, then delete it or `txckpt adopt` it.",
                 s.full_path(pub), s.full_path(dst),
             )

@@ -68,7 +68,7 @@ def ensure_reserve(storage: Any, *, durable: bool) -> bool:
         except OSError:
             pass
         if e.errno not in FULL:
-            log.debug("txckpt: could not make %s: %s", path, e)
+            log.debug("could not make %s: %s", path, e)
         return False
     return True
 
@@ -83,7 +83,7 @@ def release_reserve(storage: Any) -> bool:
         os.unlink(path)
     except FileNotFoundError:
         return False
-    log.warning("txckpt: the disk of %s is full; released the space txckpt reserves for retention "
+    log.warning("the disk of %s is full; released the space txckpt reserves for retention "
                 "(%s) to record what it deletes", storage.full_path(""), RESERVE_KEY)
     return True
 

@@ -245,7 +245,7 @@ def _drop_lease(root: Any, key: str) -> None:
     except FileNotFoundError:
         pass
     except OSError:  # left behind: it names a retired txid, gc removes it once it expires
-        log.warning("txckpt: could not remove the refused reader lease %s", key, exc_info=True)
+        log.warning("could not remove the refused reader lease %s", key, exc_info=True)
 
 
 def release_reader_lease(root: Any, key: str) -> None:
@@ -435,7 +435,7 @@ def _put_back(root: Any, aside: str, key: str, txid: str | None) -> None:
             s.rename_noreplace(aside, dst)
         except FileExistsError:
             continue
-        log.warning("txckpt: retention raced with a publication of %s; put it back at %s", key, dst)
+        log.warning("retention raced with a publication of %s; put it back at %s", key, dst)
         current = {x.txid for x in history.in_view(None, include_retired=True)}
         if other is not None and dst != key and other.txid in current:
             root.publication.publish(other.ref)
@@ -500,7 +500,7 @@ def rewind(root: Any, keep: str, *, now: float | None = None) -> list[Checkpoint
     finish_retired(root, now=now)
     gone = [c for c in going if c.txid in retired]
     if gone:
-        log.info("txckpt: rolled the current lineage of %s back to step %d (txid %s) and retired the %d "
+        log.info("rolled the current lineage of %s back to step %d (txid %s) and retired the %d "
                  "newer checkpoint(s) it left: %s", root.url, view[txid].step, txid, len(gone),
                  ", ".join(f"step {c.step}" for c in gone))
     return gone
@@ -547,7 +547,7 @@ def finish_retired(root: Any, *, now: float | None = None) -> list[Checkpoint]:
     done = []
     for c in present:
         if c.txid in leased:
-            log.info("txckpt: %s is retired but leased by a reader; deleting it later", c.txid)
+            log.info("%s is retired but leased by a reader; deleting it later", c.txid)
             continue
         delete_checkpoint_data(root, c)
         done.append(c)

@@ -201,7 +201,7 @@ class CheckpointRoot:
                 self._warn_if_checkpoint_dir()
                 return None
             log.warning(
-                "txckpt: %s has no txckpt log; using the highest checkpoint-N (%s) the way "
+                "%s has no txckpt log; using the highest checkpoint-N (%s) the way "
                 "transformers does, without lineage or integrity checks. The first txckpt save "
                 "adopts these checkpoints (or run `txckpt adopt`).",
                 self.url, dirs[-1][1],
@@ -257,7 +257,7 @@ class CheckpointRoot:
         if _CHECKPOINT_RE.match(name):  # both of a checkpoint's places are named so (§2)
             parent = self.url.rstrip("/")[: -len(name) - 1] or "/"
             log.warning(
-                "txckpt: %s is a checkpoint directory, not a root (an output_dir): "
+                "%s is a checkpoint directory, not a root (an output_dir): "
                 "get_last_checkpoint looks for checkpoints inside the directory it is given, and "
                 "finds none in a checkpoint. Pass its parent, %s, to find the newest checkpoint; "
                 "pass this path to load_checkpoint to read this one.", self.url, parent,
@@ -275,14 +275,14 @@ class CheckpointRoot:
                 continue
             if c.step < missing["step"]:
                 log.warning(
-                    "txckpt: the newest checkpoint of the current lineage, step %d (txid %s), is "
+                    "the newest checkpoint of the current lineage, step %d (txid %s), is "
                     "missing from %s (deleted or renamed by hand?). Falling back to step %d. "
                     "Run `txckpt verify` to see what else is missing.",
                     missing["step"], missing["txid"], self.url, c.step,
                 )
             return key
         log.warning(
-            "txckpt: no checkpoint of the current lineage of %s is present on storage "
+            "no checkpoint of the current lineage of %s is present on storage "
             "(deleted by hand?); starting from scratch. Run `txckpt verify`.", self.url,
         )
         return None
@@ -465,7 +465,7 @@ class CheckpointRoot:
         except OSError as e:
             # The fork is committed; publication is derived state that `txckpt gc` completes
             # (a save publishes only its own checkpoint). Lookups follow the log, not the names.
-            log.warning("txckpt: the rollback is recorded, but moving the checkpoint-N names to the "
+            log.warning("the rollback is recorded, but moving the checkpoint-N names to the "
                         "new lineage's checkpoints failed (%s); `txckpt gc` completes it", e)
         return lid
 
@@ -592,12 +592,12 @@ class CheckpointRoot:
         ])
         progress.phase("publish")
         if isinstance(cleared, Exception):
-            log.warning("txckpt: checkpoint %s is committed, but its intent could not be deleted (%s); "
+            log.warning("checkpoint %s is committed, but its intent could not be deleted (%s); "
                         "`txckpt gc` removes it", manifest.txid, cleared)
         if isinstance(where, OSError):
             # Committed is committed: the checkpoint stays valid at its home, and the next
             # publication or `txckpt gc` gives it its name.
-            log.warning("txckpt: checkpoint %s is committed but could not be published (%s); "
+            log.warning("checkpoint %s is committed but could not be published (%s); "
                         "it stays at its home until the next save or `txckpt gc`", manifest.txid, where)
             where = self.publication.locate(committed)
         elif isinstance(where, Exception):

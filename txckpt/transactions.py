@@ -333,7 +333,7 @@ class Transaction:
         try:
             self._writes.cancel()
         except Exception:  # pragma: no cover - cancel ignores upload failures by contract
-            log.warning("txckpt: waiting for the uploads of %s failed", self.txid, exc_info=True)
+            log.warning("waiting for the uploads of %s failed", self.txid, exc_info=True)
 
     def _commit_or_abort(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
         plan = self._plan
@@ -352,18 +352,18 @@ class Transaction:
                     committed = self._committed_path()
                 except CheckpointNotFoundError as lost:
                     # Committed, and its data is gone: nothing is left to delete; say so.
-                    log.error("txckpt: %s", lost)
+                    log.error("%s", lost)
                     try:
                         self._root.clear_intent(plan["txid"])
                     except OSError:
                         pass  # gc removes the intent of a committed txid
                     return {"error": _describe_error(lost)}
                 if committed is not None:  # the commit point was passed: never delete
-                    log.warning("txckpt: checkpoint %s committed, but finishing it failed: %s",
+                    log.warning("checkpoint %s committed, but finishing it failed: %s",
                                 plan["txid"], e)
                     return {"path": committed}
                 failed = [{"rank": self.rank, "error": _describe_error(e)}]
-                log.debug("txckpt: commit of %s failed", plan["txid"], exc_info=True)
+                log.debug("commit of %s failed", plan["txid"], exc_info=True)
         self._abort()
         first = failed[0]
         err = dict(first["error"])
@@ -473,7 +473,7 @@ class Transaction:
             storage.delete_tree(plan["key"].rsplit("/", 1)[0])
             self._root.clear_intent(plan["txid"])
         except OSError:
-            log.warning("txckpt: could not remove staging %s; `txckpt gc` will", plan["key"], exc_info=True)
+            log.warning("could not remove staging %s; `txckpt gc` will", plan["key"], exc_info=True)
 
 
 class _TrackedWriter(HashingWriter):

@@ -176,7 +176,7 @@ class TransactionalCheckpointMixin:
         if self._txckpt_last_step is not None and step == self._txckpt_last_step:
             # E.g. a JIT checkpoint requested right after a regular save or a resume: the committed
             # checkpoint-N already holds this step; saving it again would be a StepConflictError.
-            log.info("txckpt: checkpoint-%d is already committed in this lineage; not saving it again", step)
+            log.info("checkpoint-%d is already committed in this lineage; not saving it again", step)
             return
         root = self._txckpt_root(trial)
         self._txckpt_pending_push = None
@@ -204,7 +204,7 @@ class TransactionalCheckpointMixin:
             if self.state.best_model_checkpoint == expected:
                 self.state.best_model_checkpoint = committed
             log.warning(
-                "txckpt: checkpoint-%d was committed at %s, not at %s; trainer_state.json inside it "
+                "checkpoint-%d was committed at %s, not at %s; trainer_state.json inside it "
                 "names %s as best_model_checkpoint", step, committed, expected, expected,
             )
         if self._txckpt_prune_after_commit:
@@ -279,7 +279,7 @@ class TransactionalCheckpointMixin:
             return
         for name in os.listdir(base):
             if name.startswith("txckpt-"):
-                log.info("txckpt: removing the staging leftover %s", os.path.join(base, name))
+                log.info("removing the staging leftover %s", os.path.join(base, name))
                 shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
     def _txckpt_metadata(self, trial: Any) -> dict[str, Any]:
@@ -333,7 +333,7 @@ class TransactionalCheckpointMixin:
             try:
                 copy = self._txckpt_push_copy(os.fspath(checkpoint_folder))
             except Exception as e:  # noqa: BLE001 - the checkpoint is committed; a push is optional
-                log.warning("txckpt: not pushing %s to the Hub: fetching a local copy failed (%s: %s)",
+                log.warning("not pushing %s to the Hub: fetching a local copy failed (%s: %s)",
                             checkpoint_folder, type(e).__name__, e)
                 return
             checkpoint_folder = copy
@@ -468,7 +468,7 @@ class TransactionalCheckpointMixin:
         try:
             local = self._txckpt_fetch_committed(best)
         except (_errors.CheckpointNotFoundError, _errors.ManifestError) as e:
-            log.warning("txckpt: could not load the best model from %s (%s); keeping the last weights", best, e)
+            log.warning("could not load the best model from %s (%s); keeping the last weights", best, e)
             return None
         self.state.best_model_checkpoint = local
         try:
@@ -505,7 +505,7 @@ class TransactionalCheckpointMixin:
                 txckpt.read_manifest(remote[-1], storage_options=self.txckpt_storage_options)
                 self.state.best_model_checkpoint = remote[-1]
             except (_errors.CheckpointNotFoundError, _errors.ManifestError):
-                log.warning("txckpt: the best checkpoint %s recorded in the resumed state is gone; "
+                log.warning("the best checkpoint %s recorded in the resumed state is gone; "
                             "ignoring it for this run", remote[-1])
         return result
 
@@ -555,7 +555,7 @@ class TransactionalCheckpointMixin:
         try:
             gone = rewind(txckpt.open_root(root, self.txckpt_storage_options), best)
         except Exception as e:  # noqa: BLE001 - the checkpoints are committed; this only frees space
-            log.warning("txckpt: save_total_limit=1: keeping only the best checkpoint %s at the end of "
+            log.warning("save_total_limit=1: keeping only the best checkpoint %s at the end of "
                         "training failed (%s: %s); the newest is kept too", best, type(e).__name__, e)
             return
         if gone:  # (rewind logs what it retired) the lineage's newest is the best now
@@ -571,7 +571,7 @@ class TransactionalCheckpointMixin:
         try:
             _apply_retention(root, self.txckpt_storage_options, limit, self.state.best_model_checkpoint)
         except Exception as e:  # noqa: BLE001 - retention must not kill a training run
-            log.warning("txckpt: retention after the commit failed (%s: %s); nothing was deleted "
+            log.warning("retention after the commit failed (%s: %s); nothing was deleted "
                         "that must be kept; `txckpt gc` retries", type(e).__name__, e)
 
     # ----- JIT checkpointing (transformers 5.x) ------------------------------------------------
@@ -586,7 +586,7 @@ class TransactionalCheckpointMixin:
 
     def _txckpt_execute_jit(self, manager: Any) -> None:
         manager.is_checkpoint_requested = False
-        log.info("txckpt: JIT checkpoint at step %d", self.state.global_step)
+        log.info("JIT checkpoint at step %d", self.state.global_step)
         self._save_checkpoint(self.model, trial=None)  # type: ignore[attr-defined]
 
     # ----- resume ------------------------------------------------------------------------------
@@ -651,7 +651,7 @@ class TransactionalCheckpointMixin:
         self._txckpt_prune_after_commit = _is_remote(root)
         if path is not None and _is_remote(path):
             local = self._txckpt_fetch_committed(path)
-            log.info("txckpt: resuming from %s (local copy %s)", path, local)
+            log.info("resuming from %s (local copy %s)", path, local)
         self._txckpt_last_step = _step_of(local) if path is not None and _is_within(path, root) else None
         return local
 
@@ -685,7 +685,7 @@ class TransactionalCheckpointMixin:
             if path is None:
                 path = _external_parent_of_empty_head(root, so)
                 if path is not None:
-                    log.warning("txckpt: the current lineage of %s has no checkpoint yet; it started from "
+                    log.warning("the current lineage of %s has no checkpoint yet; it started from "
                                 "the external checkpoint %s, resuming from there", root, path)
             if path is None:
                 where = self.args.output_dir if self.txckpt_root is None else root
@@ -696,7 +696,7 @@ class TransactionalCheckpointMixin:
                 newest = txckpt.get_last_checkpoint(root, storage_options=so)
                 if newest is not None:
                     log.warning(
-                        "txckpt: train(resume_from_checkpoint=None) on %s, which has committed checkpoints "
+                        "train(resume_from_checkpoint=None) on %s, which has committed checkpoints "
                         "(newest: %s). Starting from scratch on a new lineage; the existing checkpoints are "
                         "kept but no longer resumed by resume_from_checkpoint=True. To continue them, pass "
                         "resume_from_checkpoint=True.", root, os.path.basename(newest),
@@ -720,7 +720,7 @@ class TransactionalCheckpointMixin:
         local_step = _named_step(path, out)
         if self.txckpt_root is not None and local_step is not None and not os.path.exists(path):
             # The stock spelling "<output_dir>/checkpoint-K", with the checkpoints elsewhere.
-            log.info("txckpt: %s does not exist; the root is %s, resuming its step %d", path, root, local_step)
+            log.info("%s does not exist; the root is %s, resuming its step %d", path, root, local_step)
             return txckpt.resume(root, local_step, storage_options=so, collective=False)
         txckpt.new_lineage(root, external_parent=path, storage_options=so, collective=False)
         return path if _is_url(path) else os.fspath(resume)
@@ -985,7 +985,7 @@ def _apply_retention(root: str, storage_options: dict | None, keep_last: int, be
     policy = RetentionPolicy.from_save_total_limit(keep_last, best)
     gone = apply_retention(txckpt.open_root(root, storage_options), policy)
     for c in gone:
-        log.info("txckpt: retention (save_total_limit=%d) deleted checkpoint-%d (txid %s)", keep_last, c.step, c.txid)
+        log.info("retention (save_total_limit=%d) deleted checkpoint-%d (txid %s)", keep_last, c.step, c.txid)
 
 
 class TransactionalTrainer(TransactionalCheckpointMixin, Trainer):
