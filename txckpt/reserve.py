@@ -4,7 +4,7 @@ Retention is two-phase (docs/protocol.md §11): a ``retire`` entry is appended f
 is deleted after. On a disk that is 100 % full even that small entry cannot be created (ext4 and
 tmpfs refuse a single byte), so ``txckpt gc --keep-last N``, the remedy for a full disk, would
 free nothing. A local root therefore keeps ``.txckpt/reserve``: a file of ``RESERVE_BYTES``
-whose blocks are allocated (``posix_fallocate``). When a retire append fails with ENOSPC or
+whose blocks are allocated (written as zeros, not sparse). When a retire append fails with ENOSPC or
 EDQUOT, the reserve is deleted and the append tried again, in the space it released; once
 retention has deleted data, the reserve is made again. Only retire appends may use it: a save's
 commit on a full disk fails (``StorageError``) and leaves the reserve for the gc that frees space.
@@ -49,18 +49,14 @@ def ensure_reserve(storage: Any, *, durable: bool) -> bool:
         return False  # not a txckpt root (yet)
     tmp = os.path.join(directory, f".reserve.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            try:
-                os.posix_fallocate(fd, 0, RESERVE_BYTES)  # real blocks, not a sparse file
-            except (AttributeError, OSError) as e:
-                if isinstance(e, OSError) and e.errno in FULL:
-                    raise
-                os.pwrite(fd, b"\0" * RESERVE_BYTES, 0)  # a file system without fallocate
+        # Written through plain file writes, not fallocate: writing zeros allocates real blocks
+        # too (no sparse file), and it is the one way of writing files txckpt uses elsewhere (the
+        # power-loss harness records exactly those).
+        with open(tmp, "xb") as f:
+            f.write(bytes(RESERVE_BYTES))
+            f.flush()
             if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+                os.fsync(f.fileno())
         os.rename(tmp, path)  # whole or absent: a concurrent maker's reserve is just replaced
     except OSError as e:
         try:
