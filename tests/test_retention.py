@@ -320,11 +320,21 @@ def test_rewind_leaves_a_leased_checkpoint_for_later(tmp_path):
 
 # ----- crash safety -------------------------------------------------------------------------------
 @pytest.mark.slow
+def _sweep_clean(name, template, tmp_path, scenario, check):
+    """SIGKILL ``scenario`` before and after each of its file operations; every point clean."""
+    from tests.crash_harness import sweep
+
+    result = sweep(name, template, str(tmp_path / "work"), scenario, check)
+    print(f"{name} crash sweep: {len(result.ops)} file ops, {result.crash_points} crash points, "
+          f"{len(result.violations)} violations")
+    assert result.crash_points >= 2 * 10
+    assert not result.violations, "\n".join(result.violations[:20])
+
+
 def test_apply_retention_crash_sweep(tmp_path):
     """SIGKILL apply_retention before and after each of its file operations; after each crash
     nothing that must be kept is gone, no half-deleted checkpoint-N is visible, and gc then
     finishes the deletion."""
-    from tests.crash_harness import sweep
 
     template = str(tmp_path / "template")
     save(template, (1, 2, 3, 4, 5), "a")
@@ -394,11 +404,7 @@ def test_apply_retention_crash_sweep(tmp_path):
             v.append(f"after gc, .txckpt/tx holds {leftovers}")
         return v
 
-    result = sweep("apply_retention", template, str(tmp_path / "work"), scenario, check)
-    print(f"apply_retention crash sweep: {len(result.ops)} file ops, {result.crash_points} crash points, "
-          f"{len(result.violations)} violations")
-    assert result.crash_points >= 2 * 10
-    assert not result.violations, "\n".join(result.violations[:20])
+    _sweep_clean("apply_retention", template, tmp_path, scenario, check)
 
 
 @pytest.mark.slow
@@ -406,7 +412,6 @@ def test_rewind_crash_sweep(tmp_path):
     """SIGKILL rewind (the Trainer's end of training with save_total_limit=1) before and after
     each file operation: lookup returns the old newest or the kept one, never anything else;
     nothing but the checkpoints the rollback leaves is ever deleted; gc finishes the deletion."""
-    from tests.crash_harness import sweep
 
     template = str(tmp_path / "template")
     ids = _rewind_template(template)
@@ -454,8 +459,4 @@ def test_rewind_crash_sweep(tmp_path):
                 v.append(f"after gc: kept {txid} is gone")
         return v
 
-    result = sweep("rewind", template, str(tmp_path / "work"), scenario, check)
-    print(f"rewind crash sweep: {len(result.ops)} file ops, {result.crash_points} crash points, "
-          f"{len(result.violations)} violations")
-    assert result.crash_points >= 2 * 10
-    assert not result.violations, "\n".join(result.violations[:20])
+    _sweep_clean("rewind", template, tmp_path, scenario, check)

@@ -32,7 +32,7 @@ from .errors import (
     TxckptError,
 )
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
-from .progress import BarAwareHandler, bar as progress_bar, bar_wanted
+from .progress import BarAwareHandler, bar as progress_bar, bar_wanted, human
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -49,14 +49,7 @@ class Problem(Exception):
 
 # ----- formatting ----------------------------------------------------------------------------------
 def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{n} B"  # pragma: no cover
+    return "-" if n is None else human(n, si=True)
 
 
 def human_time(t: float | None) -> str:

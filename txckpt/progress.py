@@ -27,13 +27,15 @@ from typing import Any, Iterator
 log = logging.getLogger("txckpt")
 
 
-def human(nbytes: float) -> str:
-    """Binary units, as throughput is usually read: ``64.0 MiB``."""
+def human(nbytes: float, *, si: bool = False) -> str:
+    """``64.0 MiB``: binary units, as throughput is usually read (log records); ``si=True``:
+    decimal units, ``67.1 MB``, as ``ls -h``-style listings and the CLI's tables read."""
+    base, units = (1000, ("B", "kB", "MB", "GB", "TB")) if si else (1024, ("B", "KiB", "MiB", "GiB", "TiB"))
     value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
+    for unit in units:
+        if value < base or unit == units[-1]:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
+        value /= base
     return f"{nbytes} B"  # pragma: no cover
 
 
