@@ -197,3 +197,19 @@ def test_the_path_has_transformers_form_for_a_relative_root(tmp_path, monkeypatc
     assert step_of(txckpt.get_last_checkpoint("out"), None) == 2  # and it reads, cross-checked
     txckpt.forget_roots()
     assert txckpt.get_last_checkpoint(str(tmp_path / "out")) == str(tmp_path / "out" / "checkpoint-2")
+
+
+@pytest.mark.parametrize("kind", [pytest.param("gcs", marks=pytest.mark.gcs),
+                                  pytest.param("azure", marks=pytest.mark.azure)])
+def test_a_missing_bucket_or_container_raises_root_not_found_on_gcs_and_azure(kind, request):
+    """The drop-in contract on every bucketed store, not only S3: a missing bucket (GCS) or
+    container (Azure) is RootNotFoundError, never None (which would train from scratch)."""
+    url, so = request.getfixturevalue(f"{kind}_root")
+    scheme = url.split("://", 1)[0]
+    with pytest.raises(RootNotFoundError) as e:
+        txckpt.get_last_checkpoint(f"{scheme}://no-such-bucket-txckpt/run", storage_options=so)
+    assert isinstance(e.value, FileNotFoundError) and "no-such-bucket-txckpt" in (e.value.bucket or "")
+    assert txckpt.get_last_checkpoint(url, storage_options=so) is None  # an unwritten prefix: empty
+    txckpt.save_checkpoint(url, 1, files(1), storage_options=so)
+    txckpt.forget_roots()
+    assert step_of(txckpt.get_last_checkpoint(url, storage_options=so), so) == 1

@@ -89,6 +89,16 @@ class FsspecStorage(Storage):
     def _p(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root
 
+    def missing_root(self) -> str | None:
+        """GCS, Azure and other bucketed stores: the root's first path component is the bucket
+        (or container); it missing is a missing root (protocol §6 step 5). One existence check,
+        made only when the root has no log."""
+        bucket = self.root.split("/", 1)[0]
+        if not bucket:
+            return None
+        self.fs.invalidate_cache(bucket)  # another process may have just created it
+        return None if self.fs.exists(bucket) else self.fs.unstrip_protocol(bucket)
+
     def full_path(self, key: str) -> str:
         return self.fs.unstrip_protocol(self._p(key))
 
@@ -286,6 +296,9 @@ class MemoryStorage(FsspecStorage):
     """
 
     overlap_requests = False  # no round trips to hide
+
+    def missing_root(self) -> str | None:
+        return None  # memory:// has no buckets: every path can be written
 
     def open_write(self, key: str, *, durable: bool) -> BinaryIO:
         return _MemoryWriter(self.fs, self._p(key))  # type: ignore[return-value]
