@@ -28,7 +28,15 @@ from .errors import (
     storage_error,
 )
 from .gc import reclaim_after_save, write_intent
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, check_file_name, check_name_tree, kind_for_name
+from .manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    check_file_name,
+    check_name_tree,
+    check_step,
+    kind_for_name,
+)
 from .progress import Timer, timing
 from .serialization import write_object
 from .txnames import TxNames
@@ -60,6 +68,8 @@ class Transaction:
         coordinator: Coordinator | None = None,
         local_dir: str | os.PathLike | None = None,
     ):
+        # Validated before anything formats it (a step of 5,000 digits cannot even be printed).
+        step = check_step(step)
         self._root = root
         self._scratch_parent = None if local_dir is None else os.fspath(local_dir)
         self.step = step
