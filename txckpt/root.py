@@ -26,7 +26,7 @@ from .errors import (
 )
 from .lineage import Checkpoint, History, State, new_lineage_id, ref, same_ref
 from .manifest import MANIFEST_NAME, Manifest
-from .publication import TX_DIR, home_key, publication_for, public_key
+from .publication import TX_DIR, home_key, publication_for
 from .storage import Storage, open_storage
 
 log = logging.getLogger("txckpt")
@@ -62,8 +62,9 @@ class CheckpointInfo:
     published: bool
 
 
-def _describe(checkpoints: list[Checkpoint]) -> str:
-    return ", ".join(f"checkpoint-{c.step} (lineage {c.lineage}, txid {c.txid})" for c in checkpoints)
+def _describe(checkpoints: list[Checkpoint], naming: Any = None) -> str:
+    name = naming.public if naming is not None else (lambda step: f"checkpoint-{step}")
+    return ", ".join(f"{name(c.step)} (lineage {c.lineage}, txid {c.txid})" for c in checkpoints)
 
 
 class CheckpointRoot:
@@ -136,7 +137,8 @@ class CheckpointRoot:
 
     def legacy_checkpoints(self) -> list[int]:
         """Steps of plain checkpoint-N directories (a root written without txckpt)."""
-        return sorted({int(m.group(1)) for m in map(_CHECKPOINT_RE.match, self.storage.list_dir("")) if m})
+        step_of = self.publication.naming.step_of
+        return sorted({n for n in map(step_of, self.storage.list_dir("")) if n is not None})
 
     def legacy_dirs(self) -> list[tuple[int, str]]:
         """(step, name) of the checkpoint-N directories as they are named (``checkpoint-00500``);
@@ -282,7 +284,7 @@ class CheckpointRoot:
             state = "retired" if c.txid in history.retired else ("current" if c.txid in current else "abandoned")
             out.append(CheckpointInfo(
                 c.step, c.lineage, c.txid, None if key is None else self.storage.full_path(key), state,
-                c.time, c.bytes, c.files, c.adopted, key == public_key(c.step),
+                c.time, c.bytes, c.files, c.adopted, key == self.publication.public_key(c.step),
             ))
         return out
 
@@ -402,7 +404,7 @@ class CheckpointRoot:
                 "%s: %s. They are kept intact (see `txckpt log`), never overwritten, and no longer "
                 "returned by get_last_checkpoint; saves of the same steps on the new lineage get "
                 "the checkpoint-N names, and the abandoned ones move to .txckpt/tx/<txid>/.",
-                self.url, frm, lid, len(abandoned), expected_head, _describe(abandoned),
+                self.url, frm, lid, len(abandoned), expected_head, _describe(abandoned, self.publication.naming),
             )
         try:
             self.reconcile_publication(history)
