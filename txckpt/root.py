@@ -284,7 +284,9 @@ class CheckpointRoot:
             state = "retired" if c.txid in history.retired else ("current" if c.txid in current else "abandoned")
             out.append(CheckpointInfo(
                 c.step, c.lineage, c.txid, None if key is None else self.storage.full_path(key), state,
-                c.time, c.bytes, c.files, c.adopted, key == self.publication.public_key(c.step),
+                c.time, c.bytes, c.files, c.adopted,
+                # (a home is never a public name: no need to read the root's naming for it)
+                key is not None and not key.startswith(TX_DIR + "/") and key == self.publication.public_key(c.step),
             ))
         return out
 

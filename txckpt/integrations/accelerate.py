@@ -113,7 +113,8 @@ class TransactionalAccelerator(Accelerator):
         r = self._root(root)
 
         def record() -> str:
-            os.makedirs(root, exist_ok=True) if not _is_url(root) else None
+            if not _is_url(root):
+                os.makedirs(root, exist_ok=True)  # as stock save_state does
             return record_naming(r.storage, naming, durable=r.durable).prefix
 
         prefix = txckpt.api._on_rank0(record, None)
@@ -126,9 +127,13 @@ class TransactionalAccelerator(Accelerator):
 
         def plan() -> int:
             r = self._root(root)
-            if r.state().seq < 0 and r.legacy_checkpoints():
+            # A session holding the head plans against the state it knows (its last commit), as
+            # the save itself does (protocol §8 step 1): a stale plan fails at the commit.
+            state = r._known_state if r.writer_lineage is not None and r._known_state is not None else r.state()
+            if state.seq < 0 and r.legacy_checkpoints():
                 r.adopt()  # a stock accelerate project: its checkpoint_<i> become a lineage
-            tip = r.state().head_tip
+                state = r.state()
+            tip = state.head_tip
             return max(int(self.project_configuration.iteration), 0 if tip is None else tip["step"] + 1)
 
         return txckpt.api._on_rank0(plan, None)
