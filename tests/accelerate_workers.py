@@ -151,7 +151,9 @@ def _arm_crash(name: str, pid_dir: str) -> None:
     real_save, real_torch_save = ck.save, torch.save
 
     def hit(f) -> None:
-        if os.path.basename(os.fspath(f)) == name:
+        # Rank 0 only: accelerate calls save() on every rank and writes on the main one alone,
+        # so another rank reaches the name before rank 0 wrote the files before it.
+        if os.environ.get("RANK") == "0" and os.path.basename(os.fspath(f)) == name:
             _kill_job(pid_dir)
 
     def save(obj, f, *a, **kw):

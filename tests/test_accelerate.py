@@ -24,7 +24,7 @@ STOCK_FAILS = pytest.mark.xfail(strict=True, reason="stock accelerate has this f
 VARIANTS = [
     pytest.param(("stock", "local"), marks=STOCK_FAILS, id="stock-local"),
     pytest.param(("txckpt", "local"), id="txckpt-local"),
-    pytest.param(("txckpt", "s3"), id="txckpt-s3"),
+    pytest.param(("txckpt", "s3"), marks=pytest.mark.s3, id="txckpt-s3"),
 ]
 
 
@@ -61,7 +61,7 @@ class Runs:
         return outs[0]
 
 
-@pytest.fixture(params=[1, 2], ids=["1proc", "2proc"])
+@pytest.fixture(params=[pytest.param(1, id="1proc"), pytest.param(2, marks=pytest.mark.distributed, id="2proc")])
 def world(request):
     return request.param
 
