@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import signal
+import threading
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -35,16 +36,21 @@ class Tracer:
         self.count = 0
         self.ops: list[str] = []
         self._saved: list[tuple[Any, str, Any]] = []
+        # Ops may run on several threads at once (the commit hashes and fsyncs files written by
+        # other code in a pool): each op takes its number under the lock and is judged by it.
+        self._lock = threading.Lock()
 
     def op(self, name: str, fn: Callable, *args, **kwargs):
-        self.count += 1
-        self.ops.append(name)
-        if self.count == self.kill_at and self.when == "before":
+        with self._lock:
+            self.count += 1
+            n = self.count
+            self.ops.append(name)
+        if n == self.kill_at and self.when == "before":
             os.kill(os.getpid(), signal.SIGKILL)
         try:
             return fn(*args, **kwargs)
         finally:  # an op that fails (mkdir of an existing dir) has still happened
-            if self.count == self.kill_at and self.when == "after":
+            if n == self.kill_at and self.when == "after":
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def _patch(self, owner: Any, attr: str, name: str) -> None:

@@ -38,7 +38,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("txckpt")
 
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 #: Temp files of txckpt's own atomic writes of a manifest (a crashed adoption's): not user data.
 _MANIFEST_TMP_RE = re.compile(r"^\.?" + re.escape(MANIFEST_NAME) + r"\.[0-9a-f]{12}\.tmp$")
 INTENT_PREFIX = "adopt-"
@@ -49,10 +48,11 @@ def legacy_dirs(root: "CheckpointRoot") -> list[tuple[int, str]]:
     is the one found (``checkpoint-00500`` stays that: transformers accepts ``^checkpoint-(\\d+)$``).
     Two names for one step: :class:`AmbiguousCheckpointNameError` naming both."""
     by_step: dict[int, list[str]] = {}
+    step_of = root.publication.naming.step_of  # checkpoint-N, or the root's naming (txckpt/naming.py)
     for name in root.storage.list_dir(""):
-        m = CHECKPOINT_RE.match(name)
-        if m:
-            by_step.setdefault(int(m.group(1)), []).append(name)
+        step = step_of(name)
+        if step is not None:
+            by_step.setdefault(step, []).append(name)
     for step, names in sorted(by_step.items()):
         if len(names) > 1:
             paths = [root.storage.full_path(n) for n in sorted(names)]

@@ -7,7 +7,6 @@ import os
 import threading
 from typing import Any, Mapping
 
-from .adoption import CHECKPOINT_RE
 from .errors import (
     CheckpointNotFoundError,
     IntegrityError,
@@ -194,7 +193,10 @@ def _is_a_root(storage: Any) -> bool:
     """A txckpt root (it has a log) or a legacy output_dir (it has checkpoint-N directories)."""
     if storage.list_dir(".txckpt/log"):
         return True
-    return any(CHECKPOINT_RE.match(name) for name in storage.list_dir(""))
+    from .naming import DEFAULT, read_naming
+
+    naming = read_naming(storage) or DEFAULT  # a root names its checkpoints its own way (§2)
+    return any(naming.step_of(name) is not None for name in storage.list_dir(""))
 
 
 def read_manifest(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:

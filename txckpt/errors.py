@@ -299,3 +299,21 @@ class EndpointUnreachableError(RemoteAccessError):
 def _with_fields(cls: type, message: str, fields: dict) -> Exception:
     """Unpickle an error that carries keyword fields (errors cross process boundaries)."""
     return cls(message, **fields)
+
+
+class NamingConflictError(InvalidArgumentError):
+    """A root publishes its checkpoints under one naming (``checkpoint-N`` by default, recorded in
+    ``.txckpt/naming``); a writer asked for another one (``checkpoint_N``, accelerate's). Two
+    namings in one root would give one step two public names. Use the naming the root has, or
+    another root. ``root``, ``recorded`` and ``requested``: the prefixes."""
+
+    def __init__(self, message: str, *, root: str | None = None, recorded: str | None = None,
+                 requested: str | None = None):
+        super().__init__(message)
+        self.root = root
+        self.recorded = recorded
+        self.requested = requested
+
+    def __reduce__(self):
+        return _with_fields, (type(self), str(self), {"root": self.root, "recorded": self.recorded,
+                                                       "requested": self.requested})

@@ -42,7 +42,7 @@ from typing import Any
 from . import log as commit_log
 from . import progress
 from .errors import SpecialFileError
-from .publication import ORPHANS_DIR, TX_DIR, public_key
+from .publication import ORPHANS_DIR, TX_DIR
 from .retention import (
     READERS_DIR,
     RetentionPolicy,
@@ -545,7 +545,7 @@ def _publication(root: Any, history: Any, report: GcReport) -> None:
         from .publication import manifest_txid
 
         for name in s.list_dir(""):
-            if name.startswith("checkpoint-") and name[len("checkpoint-"):].isdigit():
+            if root.publication.naming.step_of(name) is not None:
                 occupant = manifest_txid(s, name)
                 if occupant and occupant in history.checkpoints and occupant not in current_ids:
                     report.items.append(GcItem("unpublish", name, f"{name} holds {occupant}, which is not "
@@ -556,14 +556,15 @@ def _publication(root: Any, history: Any, report: GcReport) -> None:
                                        done=True))
     for c in current:
         key = root.publication.locate(c.ref)
-        if key is None or key == public_key(c.step) or c.adopted:
+        pub = root.publication.public_key(c.step)
+        if key is None or key == pub or c.adopted:
             continue
-        item = GcItem("publish", public_key(c.step), f"committed step {c.step} (txid {c.txid}) was not "
+        item = GcItem("publish", pub, f"committed step {c.step} (txid {c.txid}) was not "
                       "published (a crash after its commit, or during a fork): give it its name")
         report.items.append(item)
         if not report.dry_run:
             try:
-                item.done = root.publication.publish(c.ref) == public_key(c.step)
+                item.done = root.publication.publish(c.ref) == pub
             except OSError as e:
                 item.error = f"{type(e).__name__}: {e}"
 

@@ -3,7 +3,8 @@
 Two strategies, chosen by the storage's ``atomic_dir_rename``:
 
 * :class:`RenamePublication` (local disks): a committed checkpoint of the current lineage is
-  renamed from its home ``.txckpt/tx/<txid>/checkpoint-N`` to ``checkpoint-N``, so plain tools
+  renamed from its home ``.txckpt/tx/<txid>/checkpoint-N`` to its public name, ``checkpoint-N``
+  or the root's naming (``txckpt/naming.py``: ``checkpoint_N`` for accelerate), so plain tools
   (``from_pretrained``, a stock Trainer) read it. A checkpoint that loses the name (another
   lineage's, after a rollback) is renamed back to its own home: never overwritten, never deleted.
 * :class:`InPlacePublication` (object stores): a checkpoint stays where it was written, since a
@@ -24,6 +25,7 @@ from typing import Any
 
 from .errors import SpecialFileError
 from .manifest import MANIFEST_NAME
+from .naming import DEFAULT, Naming, read_naming
 from .storage.base import Storage
 
 log = logging.getLogger("txckpt")
@@ -32,8 +34,8 @@ TX_DIR = ".txckpt/tx"
 ORPHANS_DIR = ".txckpt/orphans"
 
 
-def public_key(step: int) -> str:
-    return f"checkpoint-{step}"
+def public_key(step: int, naming: Naming = DEFAULT) -> str:
+    return naming.public(step)
 
 
 def home_key(txid: str, step: int) -> str:
@@ -58,6 +60,32 @@ class InPlacePublication:
     def __init__(self, storage: Storage, durable: bool = True):
         self.storage = storage
         self.durable = durable
+        self._naming: Naming | None = None
+
+    @property
+    def naming(self) -> Naming:
+        """The root's naming (``.txckpt/naming``, else ``checkpoint-N``), read once it is fixed:
+        the file is created before the root's first entry, so with entry 0 present and no
+        file the default holds for good. Only public names need it (never an object store's
+        lookup, which costs no extra request)."""
+        if self._naming is None:
+            found = read_naming(self.storage)
+            if found is not None:
+                self._naming = found
+            else:
+                from .log import entry_key
+
+                if self.storage.exists(entry_key(0)):
+                    self._naming = DEFAULT
+                return DEFAULT
+        return self._naming
+
+    @naming.setter
+    def naming(self, value: Naming) -> None:
+        self._naming = value
+
+    def public_key(self, step: int) -> str:
+        return self.naming.public(step)
 
     def _sync(self, key: str) -> None:
         if self.durable:
@@ -89,13 +117,13 @@ class InPlacePublication:
 class RenamePublication(InPlacePublication):
     def candidates(self, ref: dict[str, Any]) -> list[str]:
         keys = super().candidates(ref)
-        pub = public_key(ref["step"])
+        pub = self.public_key(ref["step"])
         return [pub] + [k for k in keys if k != pub]
 
     def publish(self, ref: dict[str, Any]) -> str | None:
-        """Give committed checkpoint ``ref`` the name ``checkpoint-<step>``. Returns its key."""
+        """Give committed checkpoint ``ref`` its public name (``checkpoint-<step>``). Returns its key."""
         s = self.storage
-        pub = public_key(ref["step"])
+        pub = self.public_key(ref["step"])
         for _ in range(8):
             occupant = manifest_txid(s, pub)
             if occupant == ref["txid"]:
@@ -140,13 +168,14 @@ class RenamePublication(InPlacePublication):
         """Move published checkpoints whose txid is committed (in ``known``) but not in ``keep``
         (the current lineage) back to their homes. Returns the names moved."""
         moved = []
+        naming = self.naming
         for name in self.storage.list_dir(""):
-            step_text = name[len("checkpoint-"):] if name.startswith("checkpoint-") else ""
-            if not step_text.isdigit():
+            step = naming.step_of(name)
+            if step is None:
                 continue
             occupant = manifest_txid(self.storage, name)
             if occupant and occupant in known and occupant not in keep:
-                self._evict(name, int(step_text), occupant)
+                self._evict(name, step, occupant)
                 moved.append(name)
         return moved
 
@@ -158,7 +187,7 @@ class RenamePublication(InPlacePublication):
         names = set(self.storage.list_dir(""))
         given = []
         for r in refs:
-            pub = public_key(r["step"])
+            pub = self.public_key(r["step"])
             if pub in names and manifest_txid(self.storage, pub) == r["txid"]:
                 continue
             if self.publish(r) == pub:

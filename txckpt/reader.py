@@ -28,7 +28,9 @@ from .publication import TX_DIR
 from .verify import FALLBACK_HINT
 
 _HOME_RE = re.compile(r"^(?P<root>.*)/" + re.escape(TX_DIR) + r"/(?P<txid>[^/]+)/checkpoint-(?P<step>\d+)$")
-_PUBLIC_RE = re.compile(r"^(?P<root>.*)/checkpoint-(?P<step>\d+)$")
+#: ``<root>/<prefix><step>``: checkpoint-N, or a root's own naming (txckpt/naming.py), checked
+#: against the root's naming once the root is open.
+_PUBLIC_RE = re.compile(r"^(?P<root>.*)/(?P<name>[^/.][^/]*?)(?P<step>\d+)$")
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ def parse(path: str | os.PathLike) -> RootPath | None:
                         int(m.group("step")), m.group("txid"))
     m = _PUBLIC_RE.match(p)
     if m and m.group("root"):
-        return RootPath(m.group("root"), f"checkpoint-{m.group('step')}", int(m.group("step")), None)
+        return RootPath(m.group("root"), f"{m.group('name')}{m.group('step')}", int(m.group("step")), None)
     return None
 
 
@@ -80,7 +82,10 @@ class RootContext:
             return None  # a directory of plain checkpoints, or a cache: no log to check against
         # Only real roots get a (per-process, cached) CheckpointRoot: its history is folded
         # incrementally across reads of older checkpoints.
-        return cls(where, open_root(where.root, storage_options), state)
+        root = open_root(where.root, storage_options)
+        if where.txid is None and root.publication.naming.step_of(where.key) != where.step:
+            return None  # not a public name of this root (step_4 in a checkpoint-N root)
+        return cls(where, root, state)
 
     def check_committed(self, manifest: Manifest, path: str) -> None:
         """Raise unless ``manifest`` is the one the log committed for its txid.

@@ -27,7 +27,7 @@ from .errors import (
 )
 from .lineage import Checkpoint, History, State, new_lineage_id, ref, same_ref
 from .manifest import MANIFEST_NAME, Manifest
-from .publication import TX_DIR, home_key, publication_for, public_key
+from .publication import TX_DIR, home_key, publication_for
 from .storage import Storage, open_storage
 
 log = logging.getLogger("txckpt")
@@ -63,12 +63,17 @@ class CheckpointInfo:
     published: bool
 
 
+def _describe(checkpoints: list[Checkpoint], naming: Any = None) -> str:
+    name = naming.public if naming is not None else (lambda step: f"checkpoint-{step}")
+    return ", ".join(f"{name(c.step)} (lineage {c.lineage}, txid {c.txid})" for c in checkpoints)
+
+
 #: A rollback warning lists at most this many abandoned checkpoints (``txckpt log`` shows all).
 ROLLBACK_LISTED = 10
 
 
 def rollback_warning(url: str, parent: dict[str, Any] | None, lineage: str,
-                     abandoned: list[Checkpoint], *, renames: bool = True) -> str:
+                     abandoned: list[Checkpoint], *, renames: bool = True, naming: Any = None) -> str:
     """The warning a fork logs: a short first line, then indented lines, one per abandoned
     checkpoint (the first ROLLBACK_LISTED; ``txckpt log`` lists every one). No "txckpt:"
     prefix: the "txckpt" logger's name already says where it comes from."""
@@ -81,9 +86,10 @@ def rollback_warning(url: str, parent: dict[str, Any] | None, lineage: str,
     lines = [f"{head}: new lineage {lineage} abandons {len(abandoned)} checkpoint(s)",
              f"  root: {url}",
              "  abandoned (kept intact and never overwritten, but no longer returned by get_last_checkpoint):"]
+    name = naming.public if naming is not None else (lambda step: f"checkpoint-{step}")
     listed = abandoned[:ROLLBACK_LISTED]
-    width = max(len(f"checkpoint-{c.step}") for c in listed) if listed else 0
-    lines += [f"    {f'checkpoint-{c.step}'.ljust(width)}  (lineage {c.lineage}, txid {c.txid})" for c in listed]
+    width = max(len(name(c.step)) for c in listed) if listed else 0
+    lines += [f"    {name(c.step).ljust(width)}  (lineage {c.lineage}, txid {c.txid})" for c in listed]
     if len(abandoned) > ROLLBACK_LISTED:
         lines.append(f"    ... and {len(abandoned) - ROLLBACK_LISTED} more (`txckpt log {url}` shows every one)")
     # What happens to their paths: only rename backends publish (protocol §7). ``renames``: the
@@ -165,7 +171,8 @@ class CheckpointRoot:
 
     def legacy_checkpoints(self) -> list[int]:
         """Steps of plain checkpoint-N directories (a root written without txckpt)."""
-        return sorted({int(m.group(1)) for m in map(_CHECKPOINT_RE.match, self.storage.list_dir("")) if m})
+        step_of = self.publication.naming.step_of
+        return sorted({n for n in map(step_of, self.storage.list_dir("")) if n is not None})
 
     def legacy_dirs(self) -> list[tuple[int, str]]:
         """(step, name) of the checkpoint-N directories as they are named (``checkpoint-00500``);
@@ -311,7 +318,9 @@ class CheckpointRoot:
             state = "retired" if c.txid in history.retired else ("current" if c.txid in current else "abandoned")
             out.append(CheckpointInfo(
                 c.step, c.lineage, c.txid, None if key is None else self.storage.full_path(key), state,
-                c.time, c.bytes, c.files, c.adopted, key == public_key(c.step),
+                c.time, c.bytes, c.files, c.adopted,
+                # (a home is never a public name: no need to read the root's naming for it)
+                key is not None and not key.startswith(TX_DIR + "/") and key == self.publication.public_key(c.step),
             ))
         return out
 
@@ -455,11 +464,11 @@ class CheckpointRoot:
                 "the damaged ones stay on disk as they are (`txckpt verify` reports them); restore "
                 "them from a backup if you need them.",
                 self.url, describe_damaged(damaged), parent["step"], parent["lineage"], lid,
-                len(abandoned), ", ".join(f"checkpoint-{c.step} (lineage {c.lineage}, txid {c.txid})" for c in abandoned),
+                len(abandoned), _describe(abandoned, self.publication.naming),
             )
         elif abandoned and announce:
             log.warning("%s", rollback_warning(self.url, parent, lid, abandoned,
-                                               renames=self.storage.atomic_dir_rename))
+                                               renames=self.storage.atomic_dir_rename, naming=self.publication.naming))
         try:
             self.reconcile_publication(history)
         except OSError as e:

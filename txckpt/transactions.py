@@ -138,12 +138,12 @@ class Transaction:
     @property
     def final_path(self) -> str:
         """Where the checkpoint will be once committed (``path`` after a clean exit): its
-        ``checkpoint-<step>`` name on local disks, its staging key on object stores."""
+        public name (``checkpoint-<step>``, or the root's naming) on local disks, its staging key on
+        object stores."""
         self._require_open()
-        from .publication import public_key
-
         storage = self._root.storage
-        return storage.full_path(public_key(self.step) if storage.atomic_dir_rename else self.staging_key)
+        return storage.full_path(self._root.publication.public_key(self.step) if storage.atomic_dir_rename
+                                 else self.staging_key)
 
     def _require_open(self) -> None:
         if not self._entered or self._done or self._plan is None:

@@ -1,0 +1,104 @@
+"""Per-root naming (txckpt/naming.py, protocol §2/§7/§9): a root records how its checkpoints
+are named (``checkpoint_N`` for accelerate) and publication, lookup, legacy detection, gc and
+path reads follow it; ``checkpoint-N`` stays the default."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import txckpt
+from txckpt.errors import IntegrityError, InvalidArgumentError, NamingConflictError
+from txckpt.naming import DEFAULT, NAMING_KEY, Naming, record_naming, split_name
+
+
+def _named_root(path: str, prefix: str = "checkpoint_") -> txckpt.CheckpointRoot:
+    r = txckpt.open_root(path)
+    os.makedirs(path, exist_ok=True)
+    record_naming(r.storage, Naming(prefix), durable=True)
+    return r
+
+
+def test_publication_lookup_and_fork_follow_the_roots_naming(root, txlog):
+    _named_root(root)
+    for step in (1, 2, 3):
+        p = txckpt.save_checkpoint(root, step, {"a.json": {"step": step}})
+        assert p == os.path.join(root, f"checkpoint_{step}")
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["checkpoint_1", "checkpoint_2", "checkpoint_3"]
+    assert json.loads(open(os.path.join(root, NAMING_KEY)).read())["prefix"] == "checkpoint_"
+    txckpt.forget_roots()  # a fresh process reads the naming from the root
+    assert txckpt.get_last_checkpoint(root) == os.path.join(root, "checkpoint_3")
+    txckpt.resume(root, step=2)
+    assert "checkpoint_3 (lineage" in txlog.text  # the fork's warning names it as published
+    assert not os.path.exists(os.path.join(root, "checkpoint_3"))  # abandoned: back to its home
+    assert txckpt.save_checkpoint(root, 3, {"a.json": {"step": 33}}) == os.path.join(root, "checkpoint_3")
+    assert txckpt.load_checkpoint(os.path.join(root, "checkpoint_3"))["a.json"] == {"step": 33}
+    assert [c.published for c in txckpt.CheckpointRoot(root).checkpoints()] == [True, True, True]
+
+
+def test_gc_completes_publication_under_the_roots_naming(root):
+    r = _named_root(root)
+    txckpt.save_checkpoint(root, 1, {"a.json": 1})
+    c = r.checkpoints()[0]
+    os.rename(os.path.join(root, "checkpoint_1"), os.path.join(root, ".txckpt", "tx", c.txid, "checkpoint-1"))
+    txckpt.forget_roots()
+    txckpt.collect_garbage(txckpt.CheckpointRoot(root))
+    assert os.path.isdir(os.path.join(root, "checkpoint_1"))
+
+
+def test_a_path_under_the_roots_naming_is_checked_against_the_log(root):
+    """A ``checkpoint_N`` path is a checkpoint inside its root (§6a): an edited, re-digested
+    manifest is caught by the log's digest, as for ``checkpoint-N``."""
+    _named_root(root)
+    path = txckpt.save_checkpoint(root, 1, {"a.json": {"v": 1}})
+    manifest_path = os.path.join(path, txckpt.MANIFEST_NAME)
+    with open(manifest_path, "rb") as f:
+        edited = txckpt.Manifest.decode(f.read())
+    edited.metadata = {"edited": "after the commit"}
+    with open(manifest_path, "wb") as f:
+        f.write(edited.encode())  # self-consistent (re-digested), not the manifest the log committed
+    txckpt.forget_roots()
+    with pytest.raises(IntegrityError, match="not the manifest the log committed"):
+        txckpt.verify_checkpoint(path)
+
+
+def test_legacy_directories_under_the_roots_naming_are_adopted(root):
+    """A stock accelerate project (``checkpoint_<i>`` directories, no log) is legacy for a root
+    named ``checkpoint_``: lookup returns its newest, the first save adopts them."""
+    for i in (0, 1):
+        os.makedirs(os.path.join(root, f"checkpoint_{i}"))
+        open(os.path.join(root, f"checkpoint_{i}", "model.bin"), "wb").write(bytes([i]))
+    _named_root(root)
+    assert txckpt.get_last_checkpoint(root) == os.path.join(root, "checkpoint_1")
+    p = txckpt.save_checkpoint(root, 2, {"a.json": 2})
+    assert p == os.path.join(root, "checkpoint_2")
+    assert [c.step for c in txckpt.CheckpointRoot(root).checkpoints()] == [0, 1, 2]
+
+
+def test_one_root_has_one_naming(root):
+    _named_root(root, "checkpoint_")
+    r = txckpt.open_root(root)
+    with pytest.raises(NamingConflictError) as e:
+        record_naming(r.storage, Naming("step_"), durable=True)
+    assert (e.value.recorded, e.value.requested) == ("checkpoint_", "step_")
+    other = os.path.join(os.path.dirname(root), "plain")
+    txckpt.save_checkpoint(other, 1, {"a.json": 1})  # a default root: checkpoint-N for good
+    with pytest.raises(NamingConflictError, match="checkpoint-N"):
+        record_naming(txckpt.open_root(other).storage, Naming("checkpoint_"), durable=True)
+    assert record_naming(txckpt.open_root(other).storage, DEFAULT, durable=True) == DEFAULT
+    assert not os.path.exists(os.path.join(other, NAMING_KEY))
+
+
+@pytest.mark.parametrize("bad", ["", ".hidden_", "a/b_", "step4", "x\n"])
+def test_bad_prefixes_are_refused(bad):
+    with pytest.raises(InvalidArgumentError):
+        Naming(bad)
+
+
+def test_split_name():
+    assert split_name("step_4") == (Naming("step_"), 4)
+    assert split_name("checkpoint-00500") == (DEFAULT, 500)
+    with pytest.raises(InvalidArgumentError, match="step number"):
+        split_name("final")

@@ -1,0 +1,110 @@
+"""How a root names its checkpoints: ``<prefix><step>``, ``checkpoint-N`` by default.
+
+A root records a naming other than the default in ``.txckpt/naming`` (protocol §2), a small JSON
+file created once, if absent, before the root's first log entry, and never changed:
+``{"format": "txckpt-naming/1", "prefix": "checkpoint_"}`` (accelerate's ``checkpoint_<i>``). A
+root without the file uses ``checkpoint-``. The naming decides the public names of published
+checkpoints (§7), which directories of a root without a log are legacy checkpoints (§9), and
+which paths have the shape of a published checkpoint (§6a). Homes keep ``checkpoint-N``
+(``.txckpt/tx/<txid>/checkpoint-N``): they are txckpt's own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from .errors import InvalidArgumentError, NamingConflictError
+
+NAMING_KEY = ".txckpt/naming"
+NAMING_FORMAT = "txckpt-naming/1"
+DEFAULT_PREFIX = "checkpoint-"
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_+=,@-][A-Za-z0-9_.+=,@-]*$")
+
+
+@dataclass(frozen=True)
+class Naming:
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        check_prefix(self.prefix)
+
+    def public(self, step: int) -> str:
+        return f"{self.prefix}{step}"
+
+    def step_of(self, name: str) -> int | None:
+        """N if ``name`` is ``<prefix>N`` (``checkpoint-00500`` is 500), else None."""
+        rest = name[len(self.prefix):] if name.startswith(self.prefix) else ""
+        return int(rest) if rest.isascii() and rest.isdigit() else None
+
+    def encode(self) -> bytes:
+        return json.dumps({"format": NAMING_FORMAT, "prefix": self.prefix}, sort_keys=True).encode()
+
+
+def check_prefix(prefix: str) -> None:
+    if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix) or prefix[-1].isdigit():
+        raise InvalidArgumentError(
+            f"checkpoint name prefix {prefix!r} is not usable: it must be a non-empty file name of "
+            "letters, digits and _.+=,@- that does not start with '.' or end with a digit "
+            "(the step follows it: 'checkpoint-' gives checkpoint-500)")
+
+
+DEFAULT = Naming()
+
+
+def split_name(name: str) -> tuple[Naming, int]:
+    """The naming and step of a directory name ``<prefix><digits>`` (``step_4``: ``step_``, 4)."""
+    m = re.match(r"^(.*?)(\d+)$", name)
+    if not m or not m.group(1):
+        raise InvalidArgumentError(
+            f"{name!r} does not end with a step number after a prefix (like checkpoint_4 or step_4): "
+            "a txckpt checkpoint's name is <prefix><step>")
+    return Naming(m.group(1)), int(m.group(2))
+
+
+def read_naming(storage) -> Naming | None:
+    """The naming recorded in the root, or None where none is (then: the default)."""
+    try:
+        data = storage.read_bytes(NAMING_KEY)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        obj = json.loads(data)
+        if obj.get("format") != NAMING_FORMAT:
+            raise ValueError(obj.get("format"))
+        return Naming(obj["prefix"])
+    except (ValueError, KeyError, AttributeError, TypeError, InvalidArgumentError) as e:
+        from .errors import LogCorruptError
+
+        raise LogCorruptError(
+            f"{storage.full_path(NAMING_KEY)} is damaged ({e!r}): it records how the root names its "
+            "checkpoints. Restore it (its content is {\"format\": \"txckpt-naming/1\", \"prefix\": ...})"
+        ) from None
+
+
+def record_naming(storage, naming: Naming, *, durable: bool) -> Naming:
+    """Make ``naming`` the root's: create ``.txckpt/naming`` if absent (before the root's first log
+    entry). Raises :class:`NamingConflictError` if the root has another naming already (a file
+    naming another prefix, or a log without the file: the default)."""
+    recorded = read_naming(storage)
+    if recorded is None:
+        from .log import entry_key
+
+        if storage.exists(entry_key(0)):
+            recorded = DEFAULT
+        elif naming != DEFAULT:
+            try:
+                storage.create_exclusive(NAMING_KEY, naming.encode(), durable=durable)
+                return naming
+            except FileExistsError:
+                recorded = read_naming(storage) or DEFAULT
+        else:
+            return naming
+    if recorded != naming:
+        raise NamingConflictError(
+            f"{storage.full_path('')} names its checkpoints {recorded.public('N')}, not "
+            f"{naming.public('N')}: one root has one naming (recorded in {NAMING_KEY}, or "
+            "checkpoint-N where the file is absent). Use another root, or the root's naming",
+            root=storage.full_path(""), recorded=recorded.prefix, requested=naming.prefix)
+    return recorded
