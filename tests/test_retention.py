@@ -79,7 +79,7 @@ def test_keep_last(any_root):
     entries = [e for e in r.history().entries if e["action"] == "retire"]
     assert len(entries) == 1 and len(entries[0]["txids"]) == 4
     prev = r.history().entries[entries[0]["seq"] - 1]
-    assert entries[0]["state"] == prev["state"]
+    assert entries[0]["head"] == prev["head"]
     assert apply_retention(r, policy) == []  # idempotent
     with pytest.raises(txckpt.errors.CheckpointNotFoundError, match="retention"):
         txckpt.resume(any_root, step=3)
@@ -163,7 +163,7 @@ def test_abandoned_ttl_counts_from_the_fork(tmp_path):
     txckpt.forget_roots()
     txckpt.resume(root, step=1)
     h = fresh(root).history()
-    fork_time = next(e["time"] for e in h.entries if e["action"] == "fork" and e["abandoned"])
+    fork_time = next(e["time"] for e in h.entries if e["action"] == "fork" and e["seq"] > 0)
     policy = RetentionPolicy(abandoned=3600)
     assert policy.decide(h, now=fork_time + 3599) == []
     assert steps_of(policy.decide(h, now=fork_time + 3601)) == [2, 3]
