@@ -332,6 +332,22 @@ class History:
     base_seq: int = -1
     #: The newest snapshot this history read or wrote (when the next one is due).
     snapshot_seq: int = -1
+    #: lineage -> txid -> checkpoint, every one and the non-retired ones: a view's checkpoints
+    #: without a pass over every checkpoint ever committed (retention asks after every save).
+    _by_lineage: dict[str, dict[str, Checkpoint]] = field(default_factory=dict, repr=False, compare=False)
+    _live: dict[str, dict[str, Checkpoint]] = field(default_factory=dict, repr=False, compare=False)
+
+    def _add(self, c: Checkpoint) -> None:
+        self.checkpoints[c.txid] = c
+        self._by_lineage.setdefault(c.lineage, {})[c.txid] = c
+        if c.txid not in self.retired:
+            self._live.setdefault(c.lineage, {})[c.txid] = c
+
+    def _retire(self, txid: str, seq: int) -> None:
+        self.retired.setdefault(txid, seq)
+        c = self.checkpoints.get(txid)
+        if c is not None:
+            self._live.get(c.lineage, {}).pop(txid, None)
 
     def apply(self, entry: dict[str, Any]) -> None:
         seq = int(entry["seq"])
@@ -340,19 +356,19 @@ class History:
         action = entry.get("action")
         if action == "commit":
             c = entry["checkpoint"]
-            self.checkpoints[c["txid"]] = Checkpoint(
+            self._add(Checkpoint(
                 c["lineage"], int(c["step"]), c["txid"], c["digest"], seq, float(entry["time"]),
                 int(c.get("bytes", 0)), int(c.get("files", 0)),
-            )
+            ))
         elif action == "adopt":
             for c in entry["checkpoints"]:
-                self.checkpoints[c["txid"]] = Checkpoint(
+                self._add(Checkpoint(
                     entry["lineage"], int(c["step"]), c["txid"], c["digest"], seq, float(entry["time"]),
                     int(c.get("bytes", 0)), int(c.get("files", 0)), adopted=True, key=c.get("key"),
-                )
+                ))
         elif action == "retire":
             for txid in entry["txids"]:
-                self.retired.setdefault(txid, seq)
+                self._retire(txid, seq)
         new = self.state.after_entry(entry)
         if action == "fork":
             # A /1 fork entry lists what it abandons; a /2 one does not (that list grows with the
@@ -401,12 +417,13 @@ class History:
             seq = int(c["seq"])
             if not 0 <= seq <= state.seq:
                 raise ValueError(f"checkpoint {c.get('txid')} has seq {seq}, after the snapshot's {state.seq}")
-            h.checkpoints[str(c["txid"])] = Checkpoint(
+            h._add(Checkpoint(
                 str(c["lineage"]), int(c["step"]), str(c["txid"]), str(c["digest"]), seq, float(c["time"]),
                 int(c["bytes"]), int(c["files"]), bool(c["adopted"]),
                 None if c["key"] is None else str(c["key"]),
-            )
-        h.retired = {str(k): int(v) for k, v in body["retired"].items()}
+            ))
+        for k, v in body["retired"].items():
+            h._retire(str(k), int(v))
         h.abandoned_at = {str(k): float(v) for k, v in body["abandoned_at"].items()}
         return h
 
@@ -416,10 +433,10 @@ class History:
         lineage = lineage or self.state.head
         if lineage is None:
             return []
-        limits = _limits(self.state.view(lineage))
+        index = self._by_lineage if include_retired else self._live
         out = [
-            c for c in self.checkpoints.values()
-            if c.step <= limits.get(c.lineage, -1) and (include_retired or c.txid not in self.retired)
+            c for lid, limit in _limits(self.state.view(lineage)).items()
+            for c in index.get(lid, {}).values() if c.step <= limit
         ]
         return sorted(out, key=lambda c: (c.step, c.seq))
 
