@@ -336,6 +336,10 @@ class History:
     #: without a pass over every checkpoint ever committed (retention asks after every save).
     _by_lineage: dict[str, dict[str, Checkpoint]] = field(default_factory=dict, repr=False, compare=False)
     _live: dict[str, dict[str, Checkpoint]] = field(default_factory=dict, repr=False, compare=False)
+    #: The retired checkpoints by the first component of each key outside tx/ they may have
+    #: (the published name ``checkpoint-<step>``, an adopted key): which ones a listing of the
+    #: root's top level can show a trace of, without a pass over every one ever retired.
+    _retired_names: dict[str, dict[str, Checkpoint]] = field(default_factory=dict, repr=False, compare=False)
 
     def _add(self, c: Checkpoint) -> None:
         self.checkpoints[c.txid] = c
@@ -348,6 +352,13 @@ class History:
         c = self.checkpoints.get(txid)
         if c is not None:
             self._live.get(c.lineage, {}).pop(txid, None)
+            for name in {f"checkpoint-{c.step}", (c.key or "").split("/", 1)[0]} - {""}:
+                self._retired_names.setdefault(name, {})[txid] = c
+
+    def retired_named(self, names: Iterable[str]) -> list[Checkpoint]:
+        """The retired checkpoints that may have a key outside tx/ starting with one of ``names``
+        (the published name of their step, or their adopted key)."""
+        return [c for n in names for c in self._retired_names.get(n, {}).values()]
 
     def apply(self, entry: dict[str, Any]) -> None:
         seq = int(entry["seq"])
@@ -441,10 +452,10 @@ class History:
         return sorted(out, key=lambda c: (c.step, c.seq))
 
     def abandoned(self, include_retired: bool = False) -> list[Checkpoint]:
-        current = {c.txid for c in self.in_view(None, include_retired=True)}
+        limits = _limits(self.state.view(self.state.head)) if self.state.head else {}
+        index = self._by_lineage if include_retired else self._live
         return sorted(
-            (c for c in self.checkpoints.values()
-             if c.txid not in current and (include_retired or c.txid not in self.retired)),
+            (c for lid, cs in index.items() for c in cs.values() if c.step > limits.get(lid, -1)),
             key=lambda c: (c.lineage, c.step),
         )
 
