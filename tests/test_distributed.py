@@ -426,6 +426,6 @@ def test_resume_on_every_rank_forks_once(tmp_path, world, txlog):
     assert {r.ok["resumed"] for r in run.results} == {os.path.join(root, "checkpoint-2")}
     assert {r.ok["saved"] for r in run.results} == {os.path.join(root, "checkpoint-3")}
     r = txckpt.CheckpointRoot(root)
-    assert len(r.state().lineages) == 2, "one fork for the job, not one per rank"
+    assert len(r.history().state.lineages) == 2, "one fork for the job, not one per rank"
     assert [c.step for c in r.checkpoints()] == [2, 3]
     assert txckpt.read_manifest(os.path.join(root, "checkpoint-3")).world_size == world

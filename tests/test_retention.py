@@ -79,7 +79,7 @@ def test_keep_last(any_root):
     entries = [e for e in r.history().entries if e["action"] == "retire"]
     assert len(entries) == 1 and len(entries[0]["txids"]) == 4
     prev = r.history().entries[entries[0]["seq"] - 1]
-    assert entries[0]["state"] == prev["state"]
+    assert entries[0]["head"] == prev["head"]
     assert apply_retention(r, policy) == []  # idempotent
     with pytest.raises(txckpt.errors.CheckpointNotFoundError, match="retention"):
         txckpt.resume(any_root, step=3)
@@ -163,7 +163,7 @@ def test_abandoned_ttl_counts_from_the_fork(tmp_path):
     txckpt.forget_roots()
     txckpt.resume(root, step=1)
     h = fresh(root).history()
-    fork_time = next(e["time"] for e in h.entries if e["action"] == "fork" and e["abandoned"])
+    fork_time = next(e["time"] for e in h.entries if e["action"] == "fork" and e["seq"] > 0)
     policy = RetentionPolicy(abandoned=3600)
     assert policy.decide(h, now=fork_time + 3599) == []
     assert steps_of(policy.decide(h, now=fork_time + 3601)) == [2, 3]
@@ -460,3 +460,33 @@ def test_rewind_crash_sweep(tmp_path):
         return v
 
     _sweep_clean("rewind", template, tmp_path, scenario, check)
+
+
+def test_retention_after_a_save_does_not_revisit_every_checkpoint_ever_retired(tmp_path, monkeypatch):
+    """Retention runs after every save: its cost must follow what is kept and what the listings
+    show, not the history. Deterministic: count the per-checkpoint work, not time."""
+    root = str(tmp_path / "out")
+    r = txckpt.CheckpointRoot(root)
+    policy = RetentionPolicy(keep_last=2)
+    for s in range(1, 31):
+        r.save(s, {"meta.json": {"step": s}})
+        apply_retention(r, policy)
+    h = r.history()
+    assert len(h.retired) == 28 and not [c for c in r.checkpoints("all") if c.state == "retired" and c.path]
+    calls = []
+    real = type(r.publication).candidates
+
+    def counted(self, ref):
+        calls.append(ref["txid"])
+        return real(self, ref)
+
+    monkeypatch.setattr(type(r.publication), "candidates", counted)
+    r.save(31, {"meta.json": {"step": 31}})
+    apply_retention(r, policy)
+    # Only the checkpoint this retention retired is located and deleted; none of the 28 retired
+    # before (their data is gone, the listings show no trace of them) is located again.
+    assert len(h.retired) == 29
+    assert not set(calls) & {t for t, seq in h.retired.items() if seq < h.state.seq}, calls
+    # A view's checkpoints come from the lineage's live ones, not from every checkpoint ever.
+    assert [c.step for c in h.in_view(None)] == [30, 31]
+    assert len(h.in_view(None, include_retired=True)) == 31

@@ -7,9 +7,11 @@ committed by the lineage itself, or is in the parent lineage's view at or before
 Everything else is *abandoned* from the head's point of view: kept, never overwritten, but never
 returned by ``get_last_checkpoint``.
 
-This module is pure: it knows nothing of bytes or storage. The compact :class:`State` rides in
-every log entry, so the newest entry alone answers "what is the newest checkpoint of the current
-lineage"; :class:`History` folds every entry for questions about all checkpoints.
+This module is pure: it knows nothing of bytes or storage. Every log entry carries the head
+lineage's record after it (``txckpt-log/2``; ``/1`` entries carried every lineage's), so the
+newest entry alone answers "what is the newest checkpoint of the current lineage" and validates a
+commit or a claim: :meth:`State.from_entry` gives that *partial* state. :class:`History` folds
+every entry (or a snapshot and the entries after it) into the full state and every checkpoint.
 """
 
 from __future__ import annotations
@@ -93,13 +95,25 @@ class LineageInfo:
         return p if p and "txid" in p else None
 
 
+def _record(seq: int, rec: Any) -> LineageInfo:
+    try:
+        return LineageInfo.from_json(str(rec["id"]), rec)
+    except (KeyError, TypeError, ValueError) as e:
+        raise LogCorruptError(f"log entry {seq} has a malformed head lineage record ({e})") from None
+
+
 @dataclass
 class State:
-    """The compact state after log entry ``seq``: the head and every lineage's tip."""
+    """The compact state after log entry ``seq``: the head and every lineage's tip.
+
+    ``partial``: read from one ``txckpt-log/2`` entry, so ``lineages`` holds the head's record
+    only (what lookup, a commit's and a claim's validation need). Questions about other lineages
+    (fork points, ancestry, ids in use) take ``History.state``, which is always complete."""
 
     seq: int = -1
     head: str | None = None
     lineages: dict[str, LineageInfo] = field(default_factory=dict)
+    partial: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {"head": self.head, "lineages": {k: v.to_json() for k, v in sorted(self.lineages.items())}}
@@ -119,7 +133,54 @@ class State:
         return cls(seq, head, lineages)
 
     def copy(self) -> "State":
-        return State.from_json(self.seq, self.to_json())
+        new = State.from_json(self.seq, self.to_json())
+        new.partial = self.partial
+        return new
+
+    # ----- log entries (txckpt-log/1 and /2) -----------------------------------------------------
+    def head_record(self) -> dict[str, Any] | None:
+        """What a ``txckpt-log/2`` entry records of this state: the head lineage's record."""
+        info = self.head_info
+        return None if info is None else {"id": info.id, **info.to_json()}
+
+    @classmethod
+    def from_entry(cls, entry: dict[str, Any]) -> "State":
+        """The state after one decoded entry: complete for a ``/1`` entry (it carries every
+        lineage), partial for a ``/2`` one (the head's record only)."""
+        seq = int(entry["seq"])
+        if "state" in entry:  # txckpt-log/1
+            return cls.from_json(seq, entry["state"])
+        rec = entry.get("head")
+        if rec is None:
+            return cls(seq, partial=True)
+        info = _record(seq, rec)
+        return cls(seq, info.id, {info.id: info}, partial=True)
+
+    def after_entry(self, entry: dict[str, Any]) -> "State":
+        """The full state after ``entry``, this being the full state before it. A ``/2`` entry
+        changes one lineage only (every action changes the head's record, or creates a new head),
+        so its record replaces that lineage's and the others carry over unchanged."""
+        seq = int(entry["seq"])
+        if "state" in entry:  # txckpt-log/1: the whole state
+            return State.from_json(seq, entry["state"])
+        rec = entry.get("head")
+        if rec is None:
+            raise LogCorruptError(f"log entry {seq} has no head lineage record")
+        info = _record(seq, rec)
+        creates = entry.get("action") in ("fork", "adopt")
+        if creates and (info.id in self.lineages or info.created_seq != seq or entry.get("lineage") != info.id):
+            raise LogCorruptError(
+                f"log entry {seq} ({entry.get('action')}) does not create lineage {info.id} as it says; "
+                "the log was edited by hand: restore .txckpt/log from a backup"
+            )
+        if not creates and info.id not in self.lineages:
+            raise LogCorruptError(
+                f"log entry {seq} names head lineage {info.id!r}, which no earlier entry created; "
+                "the log was edited by hand: restore .txckpt/log from a backup"
+            )
+        lineages = dict(self.lineages)  # LineageInfo objects of a folded state are never mutated
+        lineages[info.id] = info
+        return State(seq, info.id, lineages)
 
     @property
     def head_info(self) -> LineageInfo | None:
@@ -161,7 +222,7 @@ class State:
         digest: str | None = None,
     ) -> "State":
         info = self.lineages.get(lineage)
-        if info is None:
+        if info is None and (not self.partial or self.head == lineage):
             raise StaleLineageError(
                 f"lineage {lineage} does not exist in this root (it may belong to another root); "
                 "call txckpt.resume(root) to continue the root's current lineage"
@@ -174,6 +235,7 @@ class State:
                 "rollback took over this root; stop this job, or call txckpt.resume(root) to continue "
                 "the current lineage. Nothing was committed or lost."
             )
+        assert info is not None
         if info.writer is not None and writer != info.writer:
             raise StaleLineageError(
                 f"another job took over lineage {lineage} of this root (it resumed or claimed it after "
@@ -230,6 +292,11 @@ class State:
         return new
 
 
+def _limits(view: list[tuple[str, float]]) -> dict[str, float]:
+    """A view as lineage -> newest step it contributes (a lineage occurs once in a view)."""
+    return dict(view)
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """One committed checkpoint, as the log records it."""
@@ -266,6 +333,33 @@ class History:
     base_seq: int = -1
     #: The newest snapshot this history read or wrote (when the next one is due).
     snapshot_seq: int = -1
+    #: lineage -> txid -> checkpoint, every one and the non-retired ones: a view's checkpoints
+    #: without a pass over every checkpoint ever committed (retention asks after every save).
+    _by_lineage: dict[str, dict[str, Checkpoint]] = field(default_factory=dict, repr=False, compare=False)
+    _live: dict[str, dict[str, Checkpoint]] = field(default_factory=dict, repr=False, compare=False)
+    #: The retired checkpoints by the first component of each key outside tx/ they may have
+    #: (the published name ``checkpoint-<step>``, an adopted key): which ones a listing of the
+    #: root's top level can show a trace of, without a pass over every one ever retired.
+    _retired_names: dict[str, dict[str, Checkpoint]] = field(default_factory=dict, repr=False, compare=False)
+
+    def _add(self, c: Checkpoint) -> None:
+        self.checkpoints[c.txid] = c
+        self._by_lineage.setdefault(c.lineage, {})[c.txid] = c
+        if c.txid not in self.retired:
+            self._live.setdefault(c.lineage, {})[c.txid] = c
+
+    def _retire(self, txid: str, seq: int) -> None:
+        self.retired.setdefault(txid, seq)
+        c = self.checkpoints.get(txid)
+        if c is not None:
+            self._live.get(c.lineage, {}).pop(txid, None)
+            for name in {f"checkpoint-{c.step}", (c.key or "").split("/", 1)[0]} - {""}:
+                self._retired_names.setdefault(name, {})[txid] = c
+
+    def retired_named(self, names: Iterable[str]) -> list[Checkpoint]:
+        """The retired checkpoints that may have a key outside tx/ starting with one of ``names``
+        (the published name of their step, or their adopted key)."""
+        return [c for n in names for c in self._retired_names.get(n, {}).values()]
 
     def apply(self, entry: dict[str, Any]) -> None:
         seq = int(entry["seq"])
@@ -274,24 +368,37 @@ class History:
         action = entry.get("action")
         if action == "commit":
             c = entry["checkpoint"]
-            self.checkpoints[c["txid"]] = Checkpoint(
+            self._add(Checkpoint(
                 c["lineage"], int(c["step"]), c["txid"], c["digest"], seq, float(entry["time"]),
                 int(c.get("bytes", 0)), int(c.get("files", 0)),
-            )
+            ))
         elif action == "adopt":
             for c in entry["checkpoints"]:
-                self.checkpoints[c["txid"]] = Checkpoint(
+                self._add(Checkpoint(
                     entry["lineage"], int(c["step"]), c["txid"], c["digest"], seq, float(entry["time"]),
                     int(c.get("bytes", 0)), int(c.get("files", 0)), adopted=True, key=c.get("key"),
-                )
+                ))
         elif action == "retire":
             for txid in entry["txids"]:
-                self.retired.setdefault(txid, seq)
-        elif action == "fork":
-            for txid in entry.get("abandoned") or []:
+                self._retire(txid, seq)
+        new = self.state.after_entry(entry)
+        if action == "fork":
+            # A /1 fork entry lists what it abandons; a /2 one does not (that list grows with the
+            # history), and the fold derives it from the views before and after, as the forker did.
+            abandoned = entry.get("abandoned") if "state" in entry else [
+                c.txid for c in self.abandoned_by(new, self.state.head)]
+            for txid in abandoned or []:
                 self.abandoned_at.setdefault(txid, float(entry["time"]))
-        self.state = State.from_json(seq, entry["state"])
+        self.state = new
         self.entries.append(entry)
+
+    def abandoned_by(self, new: State, old_head: str | None) -> list[Checkpoint]:
+        """The checkpoints of ``old_head``'s view (retired ones aside) that are outside the view
+        of ``new``'s head: what a fork from the folded state to ``new`` abandons."""
+        if old_head is None or new.head is None:
+            return []
+        new_view = _limits(new.view(new.head))
+        return [c for c in self.in_view(old_head) if c.step > new_view.get(c.lineage, -1)]
 
     def folds_like(self, other: "History") -> bool:
         """Whether both folds say the same of the root (entries aside): what a fold from a
@@ -322,12 +429,13 @@ class History:
             seq = int(c["seq"])
             if not 0 <= seq <= state.seq:
                 raise ValueError(f"checkpoint {c.get('txid')} has seq {seq}, after the snapshot's {state.seq}")
-            h.checkpoints[str(c["txid"])] = Checkpoint(
+            h._add(Checkpoint(
                 str(c["lineage"]), int(c["step"]), str(c["txid"]), str(c["digest"]), seq, float(c["time"]),
                 int(c["bytes"]), int(c["files"]), bool(c["adopted"]),
                 None if c["key"] is None else str(c["key"]),
-            )
-        h.retired = {str(k): int(v) for k, v in body["retired"].items()}
+            ))
+        for k, v in body["retired"].items():
+            h._retire(str(k), int(v))
         h.abandoned_at = {str(k): float(v) for k, v in body["abandoned_at"].items()}
         return h
 
@@ -348,19 +456,18 @@ class History:
         lineage = lineage or self.state.head
         if lineage is None:
             return []
-        view = self.state.view(lineage)
+        index = self._by_lineage if include_retired else self._live
         out = [
-            c for c in self.checkpoints.values()
-            if any(c.lineage == l and c.step <= limit for l, limit in view)
-            and (include_retired or c.txid not in self.retired)
+            c for lid, limit in _limits(self.state.view(lineage)).items()
+            for c in index.get(lid, {}).values() if c.step <= limit
         ]
         return sorted(out, key=lambda c: (c.step, c.seq))
 
     def abandoned(self, include_retired: bool = False) -> list[Checkpoint]:
-        current = {c.txid for c in self.in_view(None, include_retired=True)}
+        limits = _limits(self.state.view(self.state.head)) if self.state.head else {}
+        index = self._by_lineage if include_retired else self._live
         return sorted(
-            (c for c in self.checkpoints.values()
-             if c.txid not in current and (include_retired or c.txid not in self.retired)),
+            (c for lid, cs in index.items() for c in cs.values() if c.step > limits.get(lid, -1)),
             key=lambda c: (c.lineage, c.step),
         )
 

@@ -5,6 +5,11 @@ writers that race for the same ``seq`` exactly one wins, and the loser re-reads 
 ``.txckpt/latest`` is a hint (the seq of a recent entry) that lets a reader find the newest entry
 in a constant number of reads: read the hint, read that entry, probe the next seq until it is
 absent. The hint may lag or be missing; it is never trusted beyond that.
+
+Format ``txckpt-log/2`` (written): an entry says what its action changed and carries the head
+lineage's record after it, so its size depends on neither the number of lineages nor the
+history; the folded state lives in snapshots (protocol §4a). ``txckpt-log/1`` entries (every
+lineage's record in each) are still read: a root may hold both, /1 entries first.
 """
 
 from __future__ import annotations
@@ -25,9 +30,14 @@ from .storage.base import Storage
 META_DIR = ".txckpt"
 LOG_DIR = f"{META_DIR}/log"
 LATEST_HINT = f"{META_DIR}/latest"
-FORMAT = "txckpt-log/1"
+FORMAT = "txckpt-log/2"
+#: The format before entries stopped carrying every lineage's record; read, never written.
+FORMAT_V1 = "txckpt-log/1"
+_FORMATS = (FORMAT, FORMAT_V1)
 SNAPSHOT_DIR = f"{META_DIR}/snapshots"
-SNAPSHOT_FORMAT = "txckpt-snapshot/1"
+SNAPSHOT_FORMAT = "txckpt-snapshot/2"
+#: Snapshots of /1 logs, which took the state from their entry; read, never written.
+SNAPSHOT_FORMAT_V1 = "txckpt-snapshot/1"
 #: A writer that folded at least this many entries past the newest snapshot leaves a new one.
 SNAPSHOT_EVERY = max(1, int(os.environ.get("TXCKPT_SNAPSHOT_EVERY", "") or 100))
 #: Snapshots a reader tries (newest first) before it folds the whole log.
@@ -57,7 +67,13 @@ def _decode(data: bytes, seq: int) -> dict[str, Any]:
             f"log entry {seq} ({entry_key(seq)}) is not valid JSON ({e}); the log was damaged "
             "outside txckpt: restore it from a backup, or move .txckpt aside to start over"
         ) from None
-    if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("seq") != seq:
+    if not isinstance(entry, dict) or entry.get("format") not in _FORMATS or entry.get("seq") != seq:
+        if isinstance(entry, dict) and isinstance(entry.get("format"), str) and \
+                entry["format"].startswith("txckpt-log/") and entry.get("seq") == seq:
+            raise LogCorruptError(
+                f"log entry {entry_key(seq)} is in format {entry['format']}, which this txckpt does "
+                f"not read ({', '.join(_FORMATS)}): a newer txckpt wrote it; upgrade txckpt"
+            )
         raise LogCorruptError(
             f"log entry {entry_key(seq)} is not a {FORMAT} entry for seq {seq}; "
             "the log was edited or copied from another root"
@@ -120,11 +136,16 @@ def read_latest(storage: Storage) -> dict[str, Any] | None:
         seq, entry = seq + 1, nxt
 
 
-def read_state(storage: Storage) -> State:
-    entry = read_latest(storage)
+def entry_state(entry: dict[str, Any] | None) -> State:
+    """The state one entry carries (None: a root without a log): for a /2 entry a partial state
+    holding the head's record only, enough for lookup and for validating a commit or a claim."""
     if entry is None:
         return State()
-    return State.from_json(entry["seq"], entry["state"])
+    return State.from_entry(entry)
+
+
+def read_state(storage: Storage) -> State:
+    return entry_state(read_latest(storage))
 
 
 def _numbered(storage: Storage, directory: str) -> list[int]:
@@ -198,7 +219,9 @@ def append(
     on_full: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Append one entry. ``build(state, seq, time)`` validates against the newest state and
-    returns the entry's body (with its new "state"); it may raise to refuse.
+    returns the entry's body: the action's fields and "state", the State after it (or its
+    ``to_json()``); it may raise to refuse. The entry records that state's head record only.
+    ``state`` is partial (:func:`entry_state`): what the newest entry says.
 
     ``update_hint=False``: the caller writes the ``latest`` hint itself (:func:`write_hint`),
     e.g. at the same time as other follow-ups of a commit.
@@ -220,12 +243,15 @@ def append(
         if attempt == 0 and start is not None and start.seq >= 0:
             state = start
         else:
-            latest = read_latest(storage)
-            state = State() if latest is None else State.from_json(latest["seq"], latest["state"])
+            state = entry_state(read_latest(storage))
         seq = state.seq + 1
         now = time.time()
-        body = build(state, seq, now)
-        entry = {"format": FORMAT, "seq": seq, "id": entry_id, "time": now, "writer": writer_identity(), **body}
+        body = dict(build(state, seq, now))
+        new_state = body.pop("state")
+        if not isinstance(new_state, State):
+            new_state = State.from_json(seq, new_state)
+        entry = {"format": FORMAT, "seq": seq, "id": entry_id, "time": now, "writer": writer_identity(), **body,
+                 "head": new_state.head_record()}
         data = (json.dumps({**entry, "digest": _digest(entry)}, sort_keys=True, indent=1) + "\n").encode()
         try:
             storage.create_exclusive(entry_key(seq), data, durable=durable)
@@ -286,7 +312,8 @@ def read_snapshot(storage: Storage, seq: int) -> History | None:
         snap = json.loads(data) if problem is None else None
         if problem is not None:
             pass
-        elif not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or snap.get("seq") != seq:
+        elif not isinstance(snap, dict) or snap.get("format") not in (SNAPSHOT_FORMAT, SNAPSHOT_FORMAT_V1) \
+                or snap.get("seq") != seq:
             problem = f"it is not a {SNAPSHOT_FORMAT} snapshot of entry {seq}"
         elif snap.pop("digest", None) != _digest(snap):
             problem = "it does not match its digest"
@@ -303,14 +330,31 @@ def read_snapshot(storage: Storage, seq: int) -> History | None:
             problem = f"it was made from another log entry {seq} (another root, or a restored log)"
         else:
             try:
-                return History.from_snapshot(State.from_json(seq, entry["state"]), snap)
-            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                state = _snapshot_state(seq, snap, entry)
+                if state is None:
+                    problem = f"its state is not the one log entry {seq} records"
+                else:
+                    return History.from_snapshot(state, snap)
+            except (KeyError, TypeError, ValueError, AttributeError, LogCorruptError) as e:
                 problem = f"it is malformed ({type(e).__name__}: {e})"
     _log.warning(
         "ignoring the history snapshot %s: %s. Snapshots only save reading the log, which "
         "is read instead; `txckpt gc` removes the bad snapshot.", storage.full_path(key), problem,
     )
     return None
+
+
+def _snapshot_state(seq: int, snap: dict[str, Any], entry: dict[str, Any]) -> State | None:
+    """The full state after entry ``seq`` from its snapshot; None if the two disagree.
+
+    A /2 snapshot records the full state (a /2 entry holds the head's record only), which must
+    agree with what the entry says; a /1 snapshot relies on its /1 entry, which holds it all."""
+    if snap["format"] == SNAPSHOT_FORMAT_V1:
+        return State.from_json(seq, entry["state"]) if "state" in entry else None
+    state = State.from_json(seq, snap["state"])
+    if "state" in entry:
+        return state if entry["state"] == state.to_json() else None
+    return state if State.from_entry(entry).head_record() == state.head_record() else None
 
 
 def read_newest_snapshot(storage: Storage) -> History | None:
@@ -331,7 +375,8 @@ def write_snapshot_if_due(storage: Storage, history: History, *, durable: bool) 
     seq = history.state.seq
     if newest.get("seq") != seq:  # pragma: no cover - History.apply keeps them in step
         return False
-    snap = {"format": SNAPSHOT_FORMAT, "seq": seq, "entry_digest": _digest(newest), **history.snapshot_body()}
+    snap = {"format": SNAPSHOT_FORMAT, "seq": seq, "entry_digest": _digest(newest),
+            "state": history.state.to_json(), **history.snapshot_body()}
     data = (json.dumps({**snap, "digest": _digest(snap)}, sort_keys=True, separators=(",", ":")) + "\n").encode()
     try:
         storage.create_exclusive(snapshot_key(seq), data, durable=durable)

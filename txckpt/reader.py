@@ -90,7 +90,7 @@ class RootContext:
     def check_committed(self, manifest: Manifest, path: str) -> None:
         """Raise unless ``manifest`` is the one the log committed for its txid.
 
-        The newest entry's state carries every lineage's tip with its manifest digest, so
+        The newest entry carries the head lineage's tip with its manifest digest, so
         checking the newest checkpoint (what a resume loads) costs the two reads of a lookup;
         an older one folds the log (cached and extended incrementally per process)."""
         digest = None

@@ -40,7 +40,7 @@ from typing import Any, Iterable, Union
 from .errors import CheckpointNotFoundError, InvalidArgumentError, SpecialFileError, StorageError
 from .lineage import Checkpoint, History, State
 from .manifest import MANIFEST_NAME, Manifest
-from .publication import TX_DIR, home_key, manifest_txid
+from .publication import TX_DIR, home_key, manifest_txid, public_key
 from .reserve import FULL, ensure_reserve, full_disk_error, release_reserve
 
 log = logging.getLogger("txckpt")
@@ -514,13 +514,13 @@ def retired_present(root: Any, history: History | None = None) -> list[Checkpoin
     which could still have data, and only those are checked. A name that appears after the
     listings is found by the next call, as one that appears after a check would be."""
     history = history or root.history()
-    retired = [history.checkpoints[t] for t in sorted(history.retired, key=lambda t: history.retired[t])
-               if t in history.checkpoints]
-    if not retired:
+    if not history.retired:
         return []
     s = root.storage
     homes = set(s.list_dir(TX_DIR))
     top_names = set(s.list_dir(""))
+    retired = {t: history.checkpoints[t] for t in homes if t in history.retired and t in history.checkpoints}
+    retired.update((c.txid, c) for c in history.retired_named(top_names))
 
     def elsewhere(c: Checkpoint) -> bool:
         # Anywhere outside tx/ it can be (a published ``checkpoint-N``, an adopted checkpoint's
@@ -528,8 +528,16 @@ def retired_present(root: Any, history: History | None = None) -> list[Checkpoin
         return any(key.split("/", 1)[0] in top_names
                    for key in root.publication.candidates(c.ref) if not key.startswith(TX_DIR + "/"))
 
+    def may_be_elsewhere(c: Checkpoint) -> bool:
+        # What ``elsewhere`` asks, cheaply: the keys outside tx/ that a publication's candidates
+        # hold are the published name and the adopted key. This runs over every checkpoint ever
+        # retired after every save, so it must not build refs or candidate lists for each.
+        return public_key(c.step) in top_names or (c.key is not None and c.key.split("/", 1)[0] in top_names)
+
     # A txid the listing of tx/ shows is present already; any other needs its data located.
-    return [c for c in retired if c.txid in homes or (elsewhere(c) and root.publication.locate(c.ref) is not None)]
+    return sorted((c for c in retired.values() if c.txid in homes or (
+        may_be_elsewhere(c) and elsewhere(c) and root.publication.locate(c.ref) is not None)),
+        key=lambda c: history.retired[c.txid])
 
 
 def finish_retired(root: Any, *, now: float | None = None) -> list[Checkpoint]:

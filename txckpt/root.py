@@ -149,7 +149,7 @@ class CheckpointRoot:
         root's first entry also makes the space reserve retention uses on a full disk."""
         entry = commit_log.append(self.storage, build, durable=self.durable, start=start,
                                   update_hint=update_hint, on_full=on_full)
-        self._note_state(State.from_json(entry["seq"], entry["state"]))
+        self._note_state(commit_log.entry_state(entry))
         if entry["seq"] == 0:
             from .reserve import ensure_reserve
 
@@ -436,18 +436,12 @@ class CheckpointRoot:
                         "`txckpt log` and retry"
                     )
             new_state = state.after_new_lineage(seq, now, lid, parent, reason, writer=self.session)
+            # The entry does not list what it abandons (the fold derives it, §4): the views are
+            # the folded history's, whose lineages are complete (the newest entry's are not).
             fresh = self._history or history
-            abandoned = [
-                c for c in fresh.in_view(expected_head) if not new_state.contains(lid, c.lineage, c.step)
-            ] if expected_head else []
-            entry = {
-                "action": "fork",
-                "lineage": lid,
-                "parent": parent,
-                "reason": reason,
-                "abandoned": [c.txid for c in abandoned],
-                "state": new_state.to_json(),
-            }
+            abandoned = fresh.abandoned_by(
+                fresh.state.after_new_lineage(seq, now, lid, parent, reason, writer=self.session), expected_head)
+            entry = {"action": "fork", "lineage": lid, "parent": parent, "reason": reason, "state": new_state}
             if damaged:
                 entry["damaged"] = damaged
             return entry

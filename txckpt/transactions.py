@@ -461,9 +461,18 @@ class Transaction:
         except Exception:
             return None
         info = state.lineages.get(plan["lineage"]) if plan else None
-        if info is None or not info.tip or info.tip.get("txid") != plan["txid"]:
-            return None
-        path = self._root.locate(info.tip)
+        tip = info.tip if info is not None else None
+        if not tip or tip.get("txid") != plan["txid"]:
+            # The newest entry holds the head's record only: a later entry (a fork, a newer
+            # commit) hides ours from it, and only the folded history tells.
+            try:
+                c = self._root.history().checkpoints.get(plan["txid"]) if plan else None
+            except Exception:
+                return None
+            if c is None:
+                return None
+            tip = c.ref
+        path = self._root.locate(tip)
         if path is None:
             raise CheckpointNotFoundError(
                 f"checkpoint step {plan['step']} (txid {plan['txid']}) was committed, but its data is "

@@ -581,7 +581,7 @@ def by_hand(ctx: Ctx, case: Case, result: Result) -> None:
 
         key = c.info["targets"]["log/newest"]
         body = json.loads(d.read(key))
-        body["state"]["head"] = "0badc0de"
+        body["head"]["id"] = "0badc0de"
         d.write(key, json.dumps(body).encode())
         return {key}
 
@@ -590,8 +590,7 @@ def by_hand(ctx: Ctx, case: Case, result: Result) -> None:
     def edit_head_tip(d: Damage) -> set[str]:
         key = c.info["targets"]["log/newest"]
         body = json.loads(d.read(key))
-        head = body["state"]["head"]
-        body["state"]["lineages"][head]["tip"]["lineage"] = "0badc0de"
+        body["head"]["tip"]["lineage"] = "0badc0de"
         d.write(key, json.dumps(body).encode())
         return {key}
 

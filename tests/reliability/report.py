@@ -86,7 +86,8 @@ LIMITS = [
     "deletion of the checkpoint it looked up gets a typed error; these are counted in the notes, not as "
     "violations.",
     "The commit log is never compacted: the soak's notes give its size, which grows with every save and "
-    "rotation, each entry carrying the state of every lineage. Retention bounds the checkpoints, not the log.",
+    "rotation (each entry a bounded size since txckpt-log/2: the head lineage's record, not every lineage's). "
+    "Retention bounds the checkpoints, not the log.",
 ]
 
 

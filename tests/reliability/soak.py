@@ -253,7 +253,7 @@ def soak(ctx: Ctx, case: Case, result: Result) -> None:
                           f"{res.get('bytes_after_gc', 0)} bytes outside the log after gc vs "
                           f"{res['kept_bytes']} in kept checkpoints; the log has {res['seq'] + 1} entries, "
                           f"{res['log_bytes']} bytes (never compacted: it grows with every save and rotation, "
-                          f"each entry carrying the state of every lineage)")
+                          f"each entry of bounded size: the head lineage's record, protocol §4)")
         if len(found) > 50:
             found.append("[harness] more than 50 violations: stopped")
             break
