@@ -203,6 +203,11 @@ class TransactionalAccelerator(Accelerator):
         local = self._local_copy(where)
         manifest = txckpt.read_manifest(local)
         super().load_state(local, load_kwargs=load_kwargs, **load_model_func_kwargs)
+        # accelerate reads the files by path, outside txckpt's reader (which follows a checkpoint
+        # that moved, protocol §6a). No process returns before every one has read them: else the
+        # main process's next rollback could unpublish this checkpoint (rename it to its home)
+        # while another process still reads it by its public name (seen as a FileNotFoundError).
+        self.wait_for_everyone()
         self.project_configuration.iteration = manifest.step + 1
         return where
 
