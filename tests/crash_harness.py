@@ -202,3 +202,17 @@ def sweep(
                 result.violations.extend(f"{when} op {k} ({ops[k - 1]}): {v}" for v in verdict["ok"])
             shutil.rmtree(root, ignore_errors=True)
     return result
+
+
+def report(result: "SweepResult") -> None:
+    """Print a sweep's one-line summary (also into pytest's terminal summary) and fail on any
+    violation: the tail every crash-sweep test shares."""
+    from tests import conftest
+
+    line = (f"crash sweep [{result.name}]: {len(result.ops)} file operations, "
+            f"{result.crash_points} crash points (SIGKILL before and after each), "
+            f"{len(result.violations)} violations")
+    conftest.SUMMARY_LINES.append(line)
+    print(line)
+    assert not result.violations, "\n".join(result.violations[:20])
+

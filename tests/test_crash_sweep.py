@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import txckpt
-from tests import conftest
-from tests.crash_harness import sweep
+from tests.crash_harness import report, sweep
 
 pytestmark = pytest.mark.slow
 
@@ -95,15 +94,6 @@ def make_checker(allowed: set, before: dict[str, str], restart_tag: str, legacy:
         return v
 
     return check
-
-
-def report(result):
-    line = (f"crash sweep [{result.name}]: {len(result.ops)} file operations, "
-            f"{result.crash_points} crash points (SIGKILL before and after each), "
-            f"{len(result.violations)} violations")
-    conftest.SUMMARY_LINES.append(line)
-    print(line)
-    assert not result.violations, "\n".join(result.violations[:20])
 
 
 def test_sweep_three_file_save(tmp_path):
