@@ -31,7 +31,7 @@ def test_publication_lookup_and_fork_follow_the_roots_naming(root, txlog):
     txckpt.forget_roots()  # a fresh process reads the naming from the root
     assert txckpt.get_last_checkpoint(root) == os.path.join(root, "checkpoint_3")
     txckpt.resume(root, step=2)
-    assert "checkpoint_3 (lineage" in txlog.text  # the fork's warning names it as published
+    assert "    checkpoint_3  (lineage" in txlog.text  # the fork's warning names it as published
     assert not os.path.exists(os.path.join(root, "checkpoint_3"))  # abandoned: back to its home
     assert txckpt.save_checkpoint(root, 3, {"a.json": {"step": 33}}) == os.path.join(root, "checkpoint_3")
     assert txckpt.load_checkpoint(os.path.join(root, "checkpoint_3"))["a.json"] == {"step": 33}
