@@ -215,7 +215,17 @@ class bar:
 
 class BarAwareHandler(logging.StreamHandler):
     """The CLI's log handler: while a bar is open, a record is written above it (tqdm.write)
-    instead of into the middle of its line."""
+    instead of into the middle of its line. It writes to ``sys.stderr`` as it is at each record,
+    not as it was when the handler was made: a caller that runs the CLI in-process and swaps
+    stderr (a test's capture, a redirect) must not leave a handler writing to a closed stream."""
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass  # always the current sys.stderr
 
     def emit(self, record: logging.LogRecord) -> None:
         live = [b._b for b in _active if isinstance(b._b, _Bar)]
