@@ -27,6 +27,7 @@ from .errors import (
 )
 from .lineage import Checkpoint, History, State, new_lineage_id, ref, same_ref
 from .manifest import MANIFEST_NAME, Manifest
+from .naming import DEFAULT as DEFAULT_NAMING, Naming
 from .publication import TX_DIR, home_key, publication_for
 from .storage import Storage, open_storage
 
@@ -63,9 +64,8 @@ class CheckpointInfo:
     published: bool
 
 
-def _describe(checkpoints: list[Checkpoint], naming: Any = None) -> str:
-    name = naming.public if naming is not None else (lambda step: f"checkpoint-{step}")
-    return ", ".join(f"{name(c.step)} (lineage {c.lineage}, txid {c.txid})" for c in checkpoints)
+def _describe(checkpoints: list[Checkpoint], naming: Naming = DEFAULT_NAMING) -> str:
+    return ", ".join(f"{naming.public(c.step)} (lineage {c.lineage}, txid {c.txid})" for c in checkpoints)
 
 
 #: A rollback warning lists at most this many abandoned checkpoints (``txckpt log`` shows all).
@@ -73,7 +73,8 @@ ROLLBACK_LISTED = 10
 
 
 def rollback_warning(url: str, parent: dict[str, Any] | None, lineage: str,
-                     abandoned: list[Checkpoint], *, renames: bool = True, naming: Any = None) -> str:
+                     abandoned: list[Checkpoint], *, renames: bool = True,
+                     naming: Naming = DEFAULT_NAMING) -> str:
     """The warning a fork logs: a short first line, then indented lines, one per abandoned
     checkpoint (the first ROLLBACK_LISTED; ``txckpt log`` lists every one). No "txckpt:"
     prefix: the "txckpt" logger's name already says where it comes from."""
@@ -86,7 +87,7 @@ def rollback_warning(url: str, parent: dict[str, Any] | None, lineage: str,
     lines = [f"{head}: new lineage {lineage} abandons {len(abandoned)} checkpoint(s)",
              f"  root: {url}",
              "  abandoned (kept intact and never overwritten, but no longer returned by get_last_checkpoint):"]
-    name = naming.public if naming is not None else (lambda step: f"checkpoint-{step}")
+    name = naming.public
     listed = abandoned[:ROLLBACK_LISTED]
     width = max(len(name(c.step)) for c in listed) if listed else 0
     lines += [f"    {name(c.step).ljust(width)}  (lineage {c.lineage}, txid {c.txid})" for c in listed]
