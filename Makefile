@@ -8,7 +8,7 @@ BASE := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: venv demo test test-fast bench bench-quick reliability clean
+.PHONY: venv demo test test-fast typecheck bench bench-quick reliability clean
 
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ demo: $(BASE)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
 
 bench: $(STAMP)
 	$(PY) -m benchmarks run

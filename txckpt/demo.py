@@ -13,6 +13,7 @@ It needs torch only (``make demo`` installs nothing else).
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import os
 import signal
@@ -32,6 +33,13 @@ def state(step: int, run: str) -> dict:
         "optimizer.pt": {"exp_avg": torch.randn(256, 256, generator=g), "run": run, "step": step},
         "trainer_state.json": {"global_step": step, "run": run},
     }
+
+
+def found(path: str | None, what: str) -> str:
+    """The demo's story needs each of these paths; a None is a broken story, said by name."""
+    if path is None:
+        raise AssertionError(f"the demo expected {what}, and txckpt found none")
+    return path
 
 
 def run_of(path: str) -> str:
@@ -69,7 +77,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    sys.stdout.reconfigure(line_buffering=True)
+    if isinstance(sys.stdout, io.TextIOWrapper):  # a real console or pipe; not a test's capture
+        sys.stdout.reconfigure(line_buffering=True)
     logging.basicConfig(level=logging.WARNING, format="   [warning] %(message)s", stream=sys.stdout)
     root = args.root or os.path.join(tempfile.mkdtemp(prefix="txckpt-demo-"), "output")
     if os.path.exists(root) and (not os.path.isdir(root) or os.listdir(root)):
@@ -83,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         path = txckpt.save_checkpoint(root, step, state(step, "A"))
         print(f"   committed {path}")
     run_a = {c.step: c for c in txckpt.CheckpointRoot(root).checkpoints()}
-    digests_a = {s: txckpt.read_manifest(c.path).digest for s, c in run_a.items()}
+    digests_a = {s: txckpt.read_manifest(found(c.path, f"run A's step {s}")).digest for s, c in run_a.items()}
 
     print("\n2. A loss spike: roll back to step 2 (run B). txckpt forks a new lineage and warns:")
     txckpt.forget_roots()
@@ -95,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\n4. Restart with 'resume the latest' (resume_from_checkpoint=True):")
     txckpt.forget_roots()
-    last = txckpt.get_last_checkpoint(root)
+    last = found(txckpt.get_last_checkpoint(root), "a last checkpoint after the crash")
     print(f"   get_last_checkpoint -> {last} (step {txckpt.read_manifest(last).step}, the fork point "
           f"written by run {run_of(last)}; run B continues from it, not from run A's step 6)")
     assert last == os.path.join(root, "checkpoint-2"), "the restart must continue run B from step 2"
@@ -110,14 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     for c in txckpt.CheckpointRoot(root).checkpoints("all"):
         if c.state != "abandoned":
             continue
-        same = txckpt.read_manifest(c.path).digest == digests_a[c.step]
-        print(f"   step {c.step}: run {run_of(c.path)}, verified, manifest unchanged: {same}\n"
-              f"      at {c.path}")
-        assert same and run_of(c.path) == "A"
+        path = found(c.path, f"a path for run A's step {c.step}")
+        same = txckpt.read_manifest(path).digest == digests_a[c.step]
+        print(f"   step {c.step}: run {run_of(path)}, verified, manifest unchanged: {same}\n"
+              f"      at {path}")
+        assert same and run_of(path) == "A"
     print("\n   Every committed checkpoint (`txckpt ls`):")
     for c in txckpt.CheckpointRoot(root).checkpoints("all"):
         print(f"   step {c.step:>2}  lineage {c.lineage}  {c.state:<9}  {c.path}")
-    last = txckpt.get_last_checkpoint(root)
+    last = found(txckpt.get_last_checkpoint(root), "a last checkpoint at the end")
     print(f"\n   get_last_checkpoint -> {last} (run {run_of(last)})")
     print("\nNothing was mixed, nothing was overwritten, and the rollback was announced.")
     print(f"\n7. The demo wrote to {os.path.abspath(root)}. Its lineage graph, `txckpt log {root}`:\n")

@@ -219,7 +219,7 @@ class BarAwareHandler(logging.StreamHandler):
     not as it was when the handler was made: a caller that runs the CLI in-process and swaps
     stderr (a test's capture, a redirect) must not leave a handler writing to a closed stream."""
 
-    @property  # type: ignore[override]
+    @property
     def stream(self):
         return sys.stderr
 

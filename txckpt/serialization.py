@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 import json
 import struct
-from typing import Any, BinaryIO, Mapping
+from typing import IO, Any, BinaryIO, Mapping, cast
 
 from .errors import IntegrityError, InvalidArgumentError, WeightsOnlyError
 
@@ -76,7 +76,7 @@ def write_safetensors(tensors: Mapping[str, Any], out: BinaryIO, metadata: Mappi
     out.write(raw)
     for t in prepared:
         if t.numel():
-            out.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            out.write(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def _itemsize(t: Any) -> int:
@@ -124,7 +124,9 @@ def _torch_save_config():
     except ImportError:  # torch before 2.5: no switch, keep the default
         return contextlib.nullcontext()
     try:
-        return config.patch({"save.compute_crc32": False})
+        # torch installs patch() on its config modules at import time (install_config_module),
+        # which the module's stub cannot show.
+        return config.patch({"save.compute_crc32": False})  # type: ignore[attr-defined]
     except (AttributeError, KeyError, TypeError):
         return contextlib.nullcontext()
 
@@ -249,7 +251,9 @@ def _safetensors_views(buf: Any) -> dict[str, Any] | None:
             # Unaligned for its dtype (never in files txckpt writes): a copy of its own.
             t = buf[start:base + end].clone().view(dtype).reshape(shape)
         else:
-            t = torch.empty(0, dtype=dtype).set_(storage[start:base + end], 0, shape)
+            # torch's stub lists set_(source) and set_(source, offset, size, stride); the
+            # three-argument form (contiguous strides) that torch accepts is missing from it.
+            t = torch.empty(0, dtype=dtype).set_(storage[start:base + end], 0, shape)  # type: ignore[call-overload]
         out[name] = t
     # Like safetensors: the tensors tile the data section exactly, no gaps, no overlaps.
     pos = 0
@@ -277,7 +281,7 @@ def _torch_load_buffer(buf: Any, map_location: Any, weights_only: bool) -> Any:
     if internals is not None and os.environ.get("TXCKPT_ZERO_COPY_LOAD", "1") != "0":
         S = internals
         if S._is_zipfile(_BufferReader(buf)):
-            reader = torch._C.PyTorchFileReader(_BufferReader(buf))
+            reader = torch._C.PyTorchFileReader(cast(IO[bytes], _BufferReader(buf)))
             if not S._is_torchscript_zip(reader):
                 if os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true"):
                     weights_only = True  # as torch.load does
@@ -292,7 +296,7 @@ def _torch_load_buffer(buf: Any, map_location: Any, weights_only: bool) -> Any:
                         f"Weights only load failed: {e}. Load with weights_only=False only if you trust "
                         "the checkpoint's source."
                     ) from None
-    return torch.load(_BufferReader(buf), map_location=map_location, weights_only=weights_only)
+    return torch.load(cast(IO[bytes], _BufferReader(buf)), map_location=map_location, weights_only=weights_only)
 
 
 _INTERNALS: list[Any] = []
@@ -333,7 +337,7 @@ class _BufferReader(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def readinto(self, b) -> int:  # type: ignore[override]
+    def readinto(self, b) -> int:
         end = min(len(self._view), self._pos + len(b))
         n = max(0, end - self._pos)
         if n:
