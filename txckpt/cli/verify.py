@@ -9,10 +9,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
-from .. import checksum
 from ..errors import ManifestError, SpecialFileError, TxckptError
 from ..manifest import MANIFEST_NAME, FileEntry, Manifest
 from ..progress import bar as progress_bar, bar_wanted
+from ..reader import names_a_checkpoint
+from ..verify import FileProblem, check_file
 from .common import EXIT_OK, EXIT_PROBLEM, UsageError, human_bytes, is_url, open_root_arg, print_json
 
 
@@ -25,24 +26,26 @@ class _Task:
 
 
 def _check_file(task: _Task) -> tuple[int, str | None]:
-    s, key, where, entry = task.storage, task.key, task.where, task.entry
-    if s.is_symlink_escape(key):
-        return 0, f"{where}: a symlink that leaves the root (refused)"
+    """(bytes read, the problem as ``txckpt verify`` prints it, or None): txckpt.verify's check,
+    worded for a list of every problem."""
+    where, entry = task.where, task.entry
     try:
-        with s.open_read(key) as f:
-            size, digest = checksum.digest_stream(f)
-    except (FileNotFoundError, NotADirectoryError):
-        return 0, f"{where}: missing (the manifest lists it, {entry.size} bytes)"
-    except IsADirectoryError:
-        return 0, f"{where}: a directory where the manifest lists a file"
+        size, _ = check_file(task.storage, task.key, entry, stream=True)
+    except FileProblem as p:
+        if p.kind == "symlink":
+            return 0, f"{where}: a symlink that leaves the root (refused)"
+        if p.kind == "missing":
+            return 0, f"{where}: missing (the manifest lists it, {entry.size} bytes)"
+        if p.kind == "directory":
+            return 0, f"{where}: a directory where the manifest lists a file"
+        if p.kind == "size":
+            return p.size, f"{where}: {p.size} bytes, the manifest says {entry.size} (truncated or rewritten)"
+        return p.size, (f"{where}: checksum mismatch (xxh3-128 {p.digest}, the manifest says {entry.checksum}): "
+                        "its bytes changed after the commit")
     except SpecialFileError as e:
         return 0, f"{where}: a {e.kind}, not a regular file (not read: reading would block)"
     except OSError as e:
         return 0, f"{where}: unreadable ({e})"
-    if size != entry.size:
-        return size, f"{where}: {size} bytes, the manifest says {entry.size} (truncated or rewritten)"
-    if digest != entry.checksum:
-        return size, f"{where}: checksum mismatch (xxh3-128 {digest}, the manifest says {entry.checksum}): its bytes changed after the commit"
     return size, None
 
 
@@ -94,7 +97,7 @@ def run_verify(target: str, options: dict[str, Any], *, workers: int | None = No
     if not is_url(target) and not os.path.isdir(target):
         raise UsageError(f"{target} is not a directory")
     if storage.exists(MANIFEST_NAME) or (
-        os.path.basename(target.rstrip("/")).startswith("checkpoint-") and not storage.exists(".txckpt")
+        names_a_checkpoint(target, options) and not storage.exists(".txckpt")
         and not storage.list_dir(".txckpt/log")
     ):
         manifest, t = _plan_checkpoint(storage, "", target.rstrip("/"), None, problems, warnings)

@@ -10,6 +10,7 @@ from typing import Any
 
 from .. import checksum
 from ..errors import CheckpointNotFoundError, NotACheckpointError
+from ..reader import enclosing_root
 from .common import EXIT_OK, UsageError, human_bytes, human_time, is_url, open_root_arg, print_json, table
 
 
@@ -114,25 +115,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 # ----- show ----------------------------------------------------------------------------------------
-def _find_root_of(path: str, options: dict[str, Any]) -> tuple[Any, str] | None:
-    """The txckpt root a checkpoint path lies in (checkpoint-N or .txckpt/tx/<txid>/checkpoint-N)."""
+def _find_root_of(path: str, options: dict[str, Any]) -> Any | None:
+    """The txckpt root (one with a log) a checkpoint directory lies in, found by txckpt.reader."""
     from ..root import CheckpointRoot
 
-    p = path.rstrip("/")
-    for up in (1, 4):
-        parts = p.rsplit("/", up)
-        if len(parts) != up + 1:
-            continue
-        base = parts[0]
-        if up == 4 and not (parts[1] == ".txckpt" and parts[2] == "tx"):
-            continue
-        try:
-            candidate = CheckpointRoot(base, options)
-            if candidate.storage.list_dir(".txckpt/log"):
-                return candidate, candidate.storage.key_of(path) or ""
-        except Exception:
-            continue
-    return None
+    base = enclosing_root(path)
+    if base is None:
+        return None
+    try:
+        candidate = CheckpointRoot(base, options)
+        return candidate if candidate.storage.list_dir(".txckpt/log") else None
+    except Exception:  # not a root we can open: show the manifest without a state
+        return None
 
 
 def _checkpoint_arg(args: argparse.Namespace) -> tuple[str, Any | None]:
@@ -167,19 +161,16 @@ def cmd_show(args: argparse.Namespace) -> int:
             "directory"
         ) from None
     status = None
-    found = (root, root.storage.key_of(path)) if root is not None else _find_root_of(path, args.storage_options)
-    if found is not None:
-        r, _key = found
+    r = root if root is not None else _find_root_of(path, args.storage_options)
+    if r is not None:
         h = r.history()
         c = h.checkpoints.get(manifest.txid)
         if c is None or c.digest != manifest.digest:
             status = "NOT committed in this root (a staging leftover, or copied from elsewhere)"
-        elif c.txid in h.retired:
-            status = "retired"
-        elif c.txid in {x.txid for x in h.in_view(None)}:
-            status = "current" + (" (HEAD tip)" if (h.state.head_tip or {}).get("txid") == c.txid else "")
-        else:
-            status = "abandoned"
+        else:  # the root's own state rules: current, abandoned or retired
+            status = r.describe([c], with_paths=False, history=h)[0].state
+            if status == "current" and (h.state.head_tip or {}).get("txid") == c.txid:
+                status += " (HEAD tip)"
     info = {
         "path": path, "txid": manifest.txid, "lineage": manifest.lineage, "step": manifest.step,
         "parent": manifest.parent, "created": manifest.created, "world_size": manifest.world_size,
