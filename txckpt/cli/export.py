@@ -6,16 +6,15 @@ import argparse
 import os
 import sys
 
-from ..errors import CheckpointNotFoundError, IntegrityError, SpecialFileError
-from ..manifest import MANIFEST_NAME, Manifest
+from ..errors import CheckpointNotFoundError, IntegrityError, UnsafePathError
 from ..progress import bar as progress_bar, bar_wanted
 from .common import (EXIT_OK, EXIT_PROBLEM, UsageError, human_bytes, is_url, open_root_arg,
                      parse_storage_options, print_json)
 
 
-# ----- export --------------------------------------------------------------------------------------
 def cmd_export(args: argparse.Namespace) -> int:
-    from ..checksum import HashingWriter
+    """Find the checkpoint and check DEST here; the copy is txckpt.fetch_checkpoint's."""
+    from ..api import fetch_checkpoint, read_manifest
     from ..storage import open_storage
 
     root = open_root_arg(args.root, args.storage_options)
@@ -31,9 +30,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"checkpoint step {c.step} (txid {c.txid}) is committed but its data is missing; see `txckpt verify`"
         )
     src = root.storage
-    manifest = Manifest.decode(src.read_bytes(f"{key}/{MANIFEST_NAME}"), src.full_path(f"{key}/{MANIFEST_NAME}"))
-    if manifest.digest != c.digest:
-        raise IntegrityError(f"{src.full_path(key)}/{MANIFEST_NAME} differs from the manifest the log committed")
+    source = src.full_path(key)
+    manifest = read_manifest(source, storage_options=args.storage_options)  # checked against the log
     dest_options = parse_storage_options(args.dest_storage_option) if args.dest_storage_option else args.storage_options
     dest = open_storage(args.dest, dest_options if is_url(args.dest) else None)
     dest_local = dest.local_path("")
@@ -51,54 +49,23 @@ def cmd_export(args: argparse.Namespace) -> int:
                          "export outside the root")
     if dest.exists("") and dest.list_dir(""):
         raise UsageError(f"DEST {args.dest} exists and is not empty; export into a new or empty directory")
-    durable = not args.no_sync
-    written: list[str] = []
-    problems: list[str] = []
-    bar = progress_bar("export", total=manifest.total_bytes, enabled=bar_wanted(args.no_progress, args.json))
-    for name, entry in sorted(manifest.files.items()):
-        if src.is_symlink_escape(f"{key}/{name}"):
-            problems.append(f"{src.full_path(key)}/{name}: a symlink that leaves the root (refused)")
-            break
+    # A local DEST is installed by rename, at its real path (a symlink to a directory stays).
+    target = os.path.realpath(dest_local) if dest_local is not None else args.dest
+    problem: Exception | None = None
+    with progress_bar("export", total=manifest.total_bytes,
+                      enabled=bar_wanted(args.no_progress, args.json)) as bar:
         try:
-            reader = src.open_read(f"{key}/{name}")
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, SpecialFileError) as e:
-            what = f"a {e.kind}, not a regular file" if isinstance(e, SpecialFileError) else "missing"
-            problems.append(f"{src.full_path(key)}/{name}: {what}")
-            break
-        writer = HashingWriter(dest.open_write(name, durable=durable))
-        written.append(name)
-        try:
-            with reader:
-                while True:
-                    block = reader.read(8 << 20)
-                    if not block:
-                        break
-                    writer.write(block)
-                    bar.update(len(block))
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        if writer.size != entry.size or writer.digest != entry.checksum:
-            problems.append(f"{src.full_path(key)}/{name}: {writer.size} bytes / xxh3-128 {writer.digest}, "
-                            f"the manifest says {entry.size} / {entry.checksum}: the source is damaged")
-            break
-    bar.close()
-    if problems:
-        for name in written:
-            dest.delete_file(name)
-        for p in problems:
-            print(f"PROBLEM: {p}", file=sys.stderr)
-        print(f"export aborted; removed the {len(written)} file(s) it had written to {args.dest}", file=sys.stderr)
+            fetch_checkpoint(source, target, storage_options=args.storage_options,
+                             dest_storage_options=None if dest_local is not None else dest_options,
+                             with_manifest=not args.no_manifest, durable=not args.no_sync,
+                             progress=bar.update)
+        except (IntegrityError, UnsafePathError) as e:
+            problem = e
+    if problem is not None:
+        print(f"PROBLEM: {problem}", file=sys.stderr)
+        print(f"export aborted; removed what it had written to {args.dest}", file=sys.stderr)
         return EXIT_PROBLEM
-    if not args.no_manifest:
-        dest.create_exclusive(MANIFEST_NAME, src.read_bytes(f"{key}/{MANIFEST_NAME}"), durable=durable)
-    if durable:
-        dirs = {n.rsplit("/", 1)[0] for n in manifest.files if "/" in n}
-        for d in sorted(dirs, key=len, reverse=True):
-            dest.sync_dir(d)
-        dest.sync_dir("")
-    result = {"source": src.full_path(key), "dest": dest.full_path(""), "step": c.step, "txid": c.txid,
+    result = {"source": source, "dest": dest.full_path(""), "step": c.step, "txid": c.txid,
               "lineage": c.lineage, "files": len(manifest.files), "bytes": manifest.total_bytes,
               "manifest": not args.no_manifest}
     if args.json:
