@@ -316,8 +316,8 @@ def fetch_checkpoint(
     A local ``dest``: a ``dest`` that already holds the same manifest and verifies is reused, so a
     cache keyed by txid downloads each checkpoint once. Files land in a scratch directory beside
     it and are renamed into place only once verified (an empty directory at ``dest`` is
-    replaced). An fsspec URL ``dest`` (``dest_storage_options``): files are written into it
-    directly, and on a damaged source the ones written are removed again.
+    replaced). An fsspec URL ``dest`` (``dest_storage_options``), new or empty: files are
+    written into it directly, and on a damaged source the ones written are removed again.
 
     ``with_manifest``: also write the manifest (so the copy loads and verifies on its own);
     ``durable``: fsync what was written; ``progress``: called with each block's size."""
