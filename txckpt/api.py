@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .errors import (
     CheckpointNotFoundError,
@@ -13,6 +13,7 @@ from .errors import (
     InvalidArgumentError,
     ManifestError,
     NotACheckpointError,
+    UnsafePathError,
 )
 from .fileio import open_regular_file
 from .manifest import MANIFEST_NAME, Manifest
@@ -168,8 +169,9 @@ def new_lineage(
     )
 
 
-def _read_own_manifest(path: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> Manifest:
-    storage = open_storage(path, storage_options)
+def _read_own_manifest(storage: Any, path: str | os.PathLike) -> tuple[Manifest, bytes]:
+    """The manifest in ``storage`` (opened at the checkpoint ``path``), its own digest checked,
+    and its bytes as stored (what a copy writes)."""
     try:
         data = storage.read_bytes(MANIFEST_NAME)
     except (FileNotFoundError, NotADirectoryError):
@@ -186,7 +188,7 @@ def _read_own_manifest(path: str | os.PathLike, storage_options: Mapping[str, An
             f"{os.fspath(path)} has no {MANIFEST_NAME}: it is not a committed txckpt checkpoint "
             "(a staging leftover, or written by another tool; `txckpt adopt` records legacy ones)"
         ) from None
-    return Manifest.decode(data, f"{os.fspath(path)}/{MANIFEST_NAME}")
+    return Manifest.decode(data, f"{os.fspath(path)}/{MANIFEST_NAME}"), data
 
 
 def _is_a_root(storage: Any) -> bool:
@@ -203,14 +205,13 @@ def read_manifest(path: str | os.PathLike, *, storage_options: Mapping[str, Any]
     """The manifest of the checkpoint at ``path``, with its own digest verified; and, when
     ``path`` lies in a txckpt root, checked against the digest the root's log committed (an
     edited, replaced or never-committed manifest raises IntegrityError / ManifestError)."""
-    return _following_moves(
-        path, storage_options, lambda p, ctx, seen: _checked_manifest(p, ctx, seen, storage_options)
-    )
+    return _following_moves(path, storage_options, _checked_manifest)
 
 
 def _following_moves(path: str | os.PathLike, storage_options: Mapping[str, Any] | None, attempt):
-    """Run ``attempt(path, ctx, seen)``, which reads a checkpoint (and records the manifest's txid
-    in ``seen["txid"]`` once it has it). If it fails because the checkpoint moved since its path
+    """The one read path: resolve ``path`` to its root once (txckpt.reader), open one storage at
+    the checkpoint, and run ``attempt(path, ctx, storage, seen)``, which reads the checkpoint
+    from that storage (and records the manifest's txid in ``seen["txid"]`` once it has it). If it fails because the checkpoint moved since its path
     was looked up (published, or unpublished by a fork, while this process read), locate it
     again by its txid and run ``attempt`` where it is now: a healthy checkpoint is never called
     damaged because a rename raced the read (docs/protocol.md §6a). Each path is tried once."""
@@ -220,7 +221,7 @@ def _following_moves(path: str | os.PathLike, storage_options: Mapping[str, Any]
     while True:
         seen: dict[str, Any] = {}
         try:
-            return attempt(path, ctx, seen)
+            return attempt(path, ctx, open_storage(path, storage_options), seen)
         except (IntegrityError, ManifestError, CheckpointNotFoundError):
             moved = ctx.moved_to(seen.get("txid")) if ctx is not None else None
             if moved is None or moved in tried:
@@ -230,9 +231,9 @@ def _following_moves(path: str | os.PathLike, storage_options: Mapping[str, Any]
             ctx = RootContext.open(path, storage_options)
 
 
-def _checked_manifest(path: str, ctx: RootContext | None, seen: dict[str, Any],
-                      storage_options: Mapping[str, Any] | None) -> Manifest:
-    manifest = _read_own_manifest(path, storage_options)
+def _checked_manifest(path: str, ctx: RootContext | None, storage: Any, seen: dict[str, Any]) -> Manifest:
+    """The manifest at ``path`` (read from ``storage``), checked against the log when ``ctx``."""
+    manifest, seen["manifest_bytes"] = _read_own_manifest(storage, path)
     seen["txid"] = manifest.txid
     if ctx is not None:
         ctx.check_committed(manifest, path)
@@ -249,8 +250,8 @@ def _read_checkpoint(
 ) -> tuple[Manifest, dict[str, bytes]]:
     """Read (and verify) a checkpoint's manifest and files, following it if it moves."""
 
-    def attempt(path: str, ctx: RootContext | None, seen: dict[str, Any]):
-        manifest = _checked_manifest(path, ctx, seen, storage_options)
+    def attempt(path: str, ctx: RootContext | None, storage: Any, seen: dict[str, Any]):
+        manifest = _checked_manifest(path, ctx, storage, seen)
         if timer is not None:
             timer.label = f"step {manifest.step}"
             timer.phase("manifest")
@@ -258,7 +259,7 @@ def _read_checkpoint(
         unknown = [n for n in wanted if n not in manifest.files]
         if unknown:
             raise InvalidArgumentError(f"{path} has no file(s) {unknown}; it holds {sorted(manifest.files)}")
-        blobs = verify_checkpoint_files(open_storage(path, storage_options), manifest, path, names=wanted,
+        blobs = verify_checkpoint_files(storage, manifest, path, names=wanted,
                                         keep_bytes=keep_bytes, verify=verify)
         return manifest, blobs
 
@@ -304,72 +305,179 @@ def fetch_checkpoint(
     dest: str | os.PathLike,
     *,
     storage_options: Mapping[str, Any] | None = None,
+    dest_storage_options: Mapping[str, Any] | None = None,
+    with_manifest: bool = True,
+    durable: bool = False,
+    progress: Callable[[int], Any] | None = None,
 ) -> str:
-    """Copy a committed checkpoint (any root, e.g. S3) into local directory ``dest`` and return
-    it, verifying every file's size and checksum on the way. A ``dest`` that already holds the
-    same manifest and verifies is reused, so a cache keyed by txid downloads each checkpoint once.
-    Files land under temporary names and are renamed into place only once verified."""
-    import shutil
-    import tempfile
+    """Copy a committed checkpoint (any root, e.g. S3) to ``dest`` and return it, verifying every
+    file's size and checksum on the way.
 
-    dest = os.path.abspath(os.fspath(dest))
+    A local ``dest``: a ``dest`` that already holds the same manifest and verifies is reused, so a
+    cache keyed by txid downloads each checkpoint once. Files land in a scratch directory beside
+    it and are renamed into place only once verified (an empty directory at ``dest`` is
+    replaced). An fsspec URL ``dest`` (``dest_storage_options``), new or empty: files are
+    written into it directly, and on a damaged source the ones written are removed again.
+
+    ``with_manifest``: also write the manifest (so the copy loads and verifies on its own);
+    ``durable``: fsync what was written; ``progress``: called with each block's size."""
+    given = os.fspath(dest)
+    url = "://" in given or "::" in given  # as txckpt.storage.open_storage reads it
+    dest = given if url else os.path.abspath(given)
     timer = Timer("fetch", os.fspath(path))
 
-    def attempt(path: str, ctx: RootContext | None, seen: dict[str, Any]) -> str:
-        manifest = _checked_manifest(path, ctx, seen, storage_options)
+    def attempt(path: str, ctx: RootContext | None, src: Any, seen: dict[str, Any]) -> str:
+        manifest = _checked_manifest(path, ctx, src, seen)
         timer.label = f"step {manifest.step}"
         timer.phase("manifest")
-        if os.path.exists(os.path.join(dest, MANIFEST_NAME)):
-            try:
-                with open_regular_file(os.path.join(dest, MANIFEST_NAME)) as f:
-                    cached = Manifest.decode(f.read())
-                if cached.digest == manifest.digest:
-                    verify_checkpoint(dest)
-                    timer.phase("cached", manifest.total_bytes)
-                    timer.done("fetched (cached copy verified)", manifest.total_bytes, len(manifest.files), dest)
-                    return dest
-            except Exception:
-                pass  # a damaged or different cache entry: fetch again
-        src = open_storage(path, storage_options)
-        parent = os.path.dirname(dest)
-        os.makedirs(parent, exist_ok=True)
-        scratch = tempfile.mkdtemp(prefix=".txckpt-fetch-", dir=parent)
-        try:
-            for name, entry in sorted(manifest.files.items()):
-                target = os.path.join(scratch, *name.split("/"))
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                try:
-                    with src.open_read(name) as reader, open(target, "wb") as out:
-                        size, digest = _copy_hashing(reader, out)
-                except FileNotFoundError:
-                    raise IntegrityError(
-                        f"{path}/{name} is missing (the manifest lists it): the stored checkpoint is "
-                        f"damaged; {FALLBACK_HINT}", path=f"{path}/{name}",
-                    ) from None
-                if size != entry.size or digest != entry.checksum:
-                    raise IntegrityError(
-                        f"{path}/{name} has {size} bytes / xxh3-128 {digest}, the manifest says "
-                        f"{entry.size} / {entry.checksum}: the stored checkpoint is damaged; "
-                        f"{FALLBACK_HINT}", path=f"{path}/{name}",
-                    )
-            with open(os.path.join(scratch, MANIFEST_NAME), "wb") as out:
-                out.write(manifest.encode())
+        if url:
+            _fetch_into(src, path, manifest, open_storage(dest, dest_storage_options),
+                        seen["manifest_bytes"] if with_manifest else None, durable, progress)
             timer.phase("data", manifest.total_bytes)
-            _install_fetched(scratch, dest, manifest)
-            timer.phase("install")
-        except BaseException:
-            shutil.rmtree(scratch, ignore_errors=True)
-            raise
+        elif not _fetch_local(src, path, manifest, dest, seen["manifest_bytes"] if with_manifest else None,
+                              durable, progress, timer):
+            return dest  # the cached copy
         timer.done("fetched", manifest.total_bytes, len(manifest.files), dest)
         return dest
 
     return _following_moves(path, storage_options, attempt)
 
 
+def _fetch_local(src: Any, path: str, manifest: Manifest, dest: str, manifest_bytes: bytes | None,
+                 durable: bool, progress: Callable[[int], Any] | None, timer: Timer) -> bool:
+    """Copy into a scratch directory beside local ``dest`` and install it; False: ``dest``
+    already held the same checkpoint, verified."""
+    import shutil
+    import tempfile
+
+    if manifest_bytes is not None and os.path.exists(os.path.join(dest, MANIFEST_NAME)):
+        try:
+            with open_regular_file(os.path.join(dest, MANIFEST_NAME)) as f:
+                cached = Manifest.decode(f.read())
+            if cached.digest == manifest.digest:
+                verify_checkpoint(dest)
+                timer.phase("cached", manifest.total_bytes)
+                timer.done("fetched (cached copy verified)", manifest.total_bytes, len(manifest.files), dest)
+                return False
+        except Exception:
+            pass  # a damaged or different cache entry: fetch again
+    parent = os.path.dirname(dest)
+    os.makedirs(parent, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=".txckpt-fetch-", dir=parent)
+
+    def open_out(name: str):
+        target = os.path.join(scratch, *name.split("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        return open(target, "wb")
+
+    try:
+        _copy_files(src, path, manifest, open_out, progress)
+        if manifest_bytes is not None:
+            with open(os.path.join(scratch, MANIFEST_NAME), "wb") as out:
+                out.write(manifest_bytes)
+        if durable:
+            _fsync_tree(scratch)
+        timer.phase("data", manifest.total_bytes)
+        _install_fetched(scratch, dest, manifest)
+        if durable:
+            from .storage.local import fsync_dir
+
+            fsync_dir(parent)
+        timer.phase("install")
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return True
+
+
+def _fetch_into(src: Any, path: str, manifest: Manifest, dest: Any, manifest_bytes: bytes | None,
+                durable: bool, progress: Callable[[int], Any] | None) -> None:
+    """Copy into storage ``dest`` (an object store has no rename to install with); what was
+    written is removed again if the source turns out damaged."""
+    written: list[str] = []
+
+    def open_out(name: str):
+        out = dest.open_write(name, durable=durable)
+        written.append(name)
+        return out
+
+    try:
+        _copy_files(src, path, manifest, open_out, progress)
+    except BaseException:
+        for name in written:
+            try:
+                dest.delete_file(name)
+            except OSError:
+                pass  # reported by the error being raised; the caller sees what is left
+        raise
+    if manifest_bytes is not None:
+        dest.create_exclusive(MANIFEST_NAME, manifest_bytes, durable=durable)
+    if durable:
+        for d in sorted({n.rsplit("/", 1)[0] for n in manifest.files if "/" in n}, key=len, reverse=True):
+            dest.sync_dir(d)
+        dest.sync_dir("")
+
+
+def _copy_files(src: Any, path: str, manifest: Manifest, open_out: Callable[[str], Any],
+                progress: Callable[[int], Any] | None) -> None:
+    """Copy each file of ``manifest`` from ``src`` to ``open_out(name)``, hashing on the way;
+    IntegrityError (naming the file) on the first that is missing or does not match."""
+    for name, entry in sorted(manifest.files.items()):
+        if src.is_symlink_escape(name):
+            raise UnsafePathError(f"{path}/{name} is a symlink that leaves the root; refusing to read it")
+        try:
+            reader = src.open_read(name)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise IntegrityError(
+                f"{path}/{name} is missing (the manifest lists it): the stored checkpoint is "
+                f"damaged; {FALLBACK_HINT}", path=f"{path}/{name}",
+            ) from None
+        with reader:
+            out = open_out(name)
+            try:
+                size, digest = _copy_hashing(reader if progress is None else _Reporting(reader, progress), out)
+                out.close()
+            except BaseException:
+                abort = getattr(out, "abort", None)
+                abort() if abort is not None else out.close()  # an upload left unfinished
+                raise
+        if size != entry.size or digest != entry.checksum:
+            raise IntegrityError(
+                f"{path}/{name} has {size} bytes / xxh3-128 {digest}, the manifest says "
+                f"{entry.size} / {entry.checksum}: the stored checkpoint is damaged; "
+                f"{FALLBACK_HINT}", path=f"{path}/{name}",
+            )
+
+
+class _Reporting:
+    """A reader that tells ``progress`` the size of each block read (a progress bar)."""
+
+    def __init__(self, reader: Any, progress: Callable[[int], Any]):
+        self._reader, self._progress = reader, progress
+
+    def read(self, n: int = -1) -> bytes:
+        block = self._reader.read(n)
+        self._progress(len(block))
+        return block
+
+
+def _fsync_tree(top: str) -> None:
+    from .storage.local import fsync_dir
+
+    for dirpath, _dirs, files in os.walk(top):
+        for n in files:
+            fd = os.open(os.path.join(dirpath, n), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+
+
 def _install_fetched(scratch: str, dest: str, manifest: Manifest) -> None:
     """Rename a verified copy into place without ever deleting a copy another process may be
-    reading: if ``dest`` appeared meanwhile and holds the same verified checkpoint, keep it; if it
-    holds something else, move it aside first."""
+    reading: an empty directory at ``dest`` is replaced; if ``dest`` appeared meanwhile and holds
+    the same verified checkpoint, keep it; if it holds something else, move it aside first."""
     import shutil
     import uuid
 
@@ -380,6 +488,11 @@ def _install_fetched(scratch: str, dest: str, manifest: Manifest) -> None:
             rename_noreplace(scratch, dest)
             return
         except FileExistsError:
+            pass
+        try:
+            os.rmdir(dest)  # an empty directory (an export's DEST made beforehand) holds no copy
+            continue
+        except OSError:
             pass
         try:
             same = read_manifest(dest).digest == manifest.digest

@@ -60,6 +60,39 @@ def parse(path: str | os.PathLike) -> RootPath | None:
     return None
 
 
+def enclosing_root(path: str | os.PathLike) -> str | None:
+    """The directory that would be the root of the checkpoint directory ``path``: the root its
+    shape names (:func:`parse`), else its parent (a directory put into a root by hand, say a
+    copy). The caller checks that it has a log."""
+    where = parse(path)
+    if where is not None:
+        return where.root
+    p = os.fspath(path)
+    if "://" not in p:
+        p = os.path.abspath(os.path.expanduser(p))
+    parts = p.rstrip("/").rsplit("/", 1)
+    return parts[0] if len(parts) == 2 and parts[0] else None
+
+
+def names_a_checkpoint(path: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> bool:
+    """Whether ``path`` has the name of a checkpoint of the directory it lies in: a home
+    (``.txckpt/tx/<txid>/checkpoint-N``), or ``<prefix>N`` in the naming its parent records
+    (checkpoint-N where it records none)."""
+    where = parse(path)
+    if where is None:
+        return False
+    if where.txid is not None:
+        return True
+    from .naming import DEFAULT, read_naming
+    from .storage import open_storage
+
+    try:
+        naming = read_naming(open_storage(where.root, storage_options)) or DEFAULT
+    except Exception:  # an unreadable or damaged naming file: judge by the default
+        naming = DEFAULT
+    return naming.step_of(where.key) == where.step
+
+
 class RootContext:
     """A checkpoint path's root, opened, when that root has a log."""
 

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 from . import checksum, fileio
 from .errors import CheckpointNotFoundError, IntegrityError, UnsafePathError
-from .manifest import Manifest
+from .manifest import FileEntry, Manifest
 from .storage.base import Storage
 
 #: Kinds that are decoded into tensors: read into a tensor buffer, decoded without another copy.
@@ -53,45 +53,90 @@ def _wrong_checksum(where: str, name: str) -> IntegrityError:
     )
 
 
-def _read_one(storage: Storage, manifest: Manifest, where: str, name: str, keep: bool, verify: bool,
-              pipeline: bool = True):
-    entry = manifest.files[name]
-    if storage.is_symlink_escape(name):
-        raise UnsafePathError(f"{where}/{name} is a symlink that leaves the root; refusing to read it")
-    local = storage.local_path(name)
+class FileProblem(Exception):
+    """What :func:`check_file` found wrong with one file; each caller words it its own way
+    (:func:`verify_checkpoint_files` raises IntegrityError on the first, ``txckpt verify`` lists
+    them all).
+
+    ``kind``: "symlink" (a symlink that leaves the root: not read), "missing", "directory" (a
+    directory where the manifest lists a file), "size" or "checksum". ``size``: the bytes the
+    file has, as far as known (0 when nothing was read); ``digest``: its xxh3-128 when computed."""
+
+    def __init__(self, kind: str, *, size: int = 0, digest: str | None = None):
+        super().__init__(kind)
+        self.kind = kind
+        self.size = size
+        self.digest = digest
+
+
+def check_file(storage: Storage, key: str, entry: FileEntry, *, keep: bool = False, verify: bool = True,
+               pipeline: bool = True, stream: bool = False) -> tuple[int, Any]:
+    """The one check of a stored file against its manifest entry: ``(size, content)``, where
+    content is None unless ``keep`` (see :func:`verify_checkpoint_files`); raises
+    :class:`FileProblem`. ``verify=False`` checks sizes only. A FIFO, socket or device raises
+    SpecialFileError (never opened for a blocking read); other read errors propagate as OSError.
+    ``stream`` (a backend without local paths, ``keep`` off): hash while reading instead of
+    holding the whole file (``txckpt verify`` reads every checkpoint of a root)."""
+    if storage.is_symlink_escape(key):
+        raise FileProblem("symlink")
+    local = storage.local_path(key)
     try:
         if local is not None and keep and entry.kind in _BUFFER_KINDS:
             data, digest = fileio.read_into_buffer(local, entry.size, hash=verify, pipeline=pipeline)
             if verify and digest != entry.checksum:
-                raise _wrong_checksum(where, name)
-            return name, data
+                raise FileProblem("checksum", size=entry.size, digest=digest)
+            return entry.size, data
         if local is not None and not keep:
             if not verify:
                 size = _stat_size(local)
                 if size != entry.size:
-                    raise _wrong_size(where, name, size, entry.size)
-                return name, None
+                    raise FileProblem("size", size=size)
+                return size, None
             size, digest = fileio.hash_file(local)
+        elif stream and not keep:
+            with storage.open_read(key) as f:
+                size, digest = checksum.digest_stream(f)
+        else:
+            data = storage.read_bytes(key)
+            size = len(data)
             if size != entry.size:
-                raise _wrong_size(where, name, size, entry.size)
-            if digest != entry.checksum:
-                raise _wrong_checksum(where, name)
-            return name, None
-        data = storage.read_bytes(name)
+                raise FileProblem("size", size=size)
+            if verify:
+                digest = checksum.digest_bytes(data)
+                if digest != entry.checksum:
+                    raise FileProblem("checksum", size=size, digest=digest)
+            return size, (data if keep else None)
     except fileio.SizeMismatch as e:
-        raise _wrong_size(where, name, e.actual, entry.size) from None
+        raise FileProblem("size", size=e.actual) from None
     except IsADirectoryError:
-        raise IntegrityError(
-            f"{where}/{name} is a directory where the manifest lists a file: the checkpoint is damaged; "
-            "resume from another checkpoint (`txckpt ls`)"
-        ) from None
+        raise FileProblem("directory") from None
     except (FileNotFoundError, NotADirectoryError):
-        raise _missing(where, name) from None
-    if len(data) != entry.size:
-        raise _wrong_size(where, name, len(data), entry.size)
-    if verify and checksum.digest_bytes(data) != entry.checksum:
-        raise _wrong_checksum(where, name)
-    return name, (data if keep else None)
+        raise FileProblem("missing") from None
+    if size != entry.size:
+        raise FileProblem("size", size=size, digest=digest)
+    if digest != entry.checksum:
+        raise FileProblem("checksum", size=size, digest=digest)
+    return size, None
+
+
+def _read_one(storage: Storage, manifest: Manifest, where: str, name: str, keep: bool, verify: bool,
+              pipeline: bool = True):
+    entry = manifest.files[name]
+    try:
+        return name, check_file(storage, name, entry, keep=keep, verify=verify, pipeline=pipeline)[1]
+    except FileProblem as p:
+        if p.kind == "symlink":
+            raise UnsafePathError(f"{where}/{name} is a symlink that leaves the root; refusing to read it") from None
+        if p.kind == "directory":
+            raise IntegrityError(
+                f"{where}/{name} is a directory where the manifest lists a file: the checkpoint is damaged; "
+                "resume from another checkpoint (`txckpt ls`)"
+            ) from None
+        if p.kind == "missing":
+            raise _missing(where, name) from None
+        if p.kind == "size":
+            raise _wrong_size(where, name, p.size, entry.size) from None
+        raise _wrong_checksum(where, name) from None
 
 
 def _cpus() -> int:

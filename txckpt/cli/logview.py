@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .cli import human_time, table
+from .common import human_time, table
 
 #: Step lists longer than this are abbreviated in the legend: the first and last few, and a count.
 STEPS_SHOWN = 8

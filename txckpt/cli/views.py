@@ -1,0 +1,211 @@
+"""``txckpt log``, ``ls`` and ``show``: what a root holds, read-only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+from .. import checksum
+from ..errors import CheckpointNotFoundError, NotACheckpointError
+from ..reader import enclosing_root
+from .common import EXIT_OK, UsageError, human_bytes, human_time, is_url, open_root_arg, print_json, table
+
+
+# ----- log: the lineage graph (drawn by txckpt/logview.py) ----------------------------------------
+def cmd_log(args: argparse.Namespace) -> int:
+    from .logview import build_graph, render_dot, render_text
+
+    if args.json and args.format != "text":
+        raise UsageError("--json and --format dot are alternatives; give one")
+    root = open_root_arg(args.root, args.storage_options)
+    history = root.history()
+    if history.state.seq < 0:
+        legacy = root.legacy_checkpoints()
+        if args.json:
+            print_json({"head": None, "lineages": [], "nodes": [], "legacy_steps": legacy})
+        elif args.format == "dot":
+            print("digraph txckpt {\n  " + " -> ".join(f'"checkpoint-{s} (legacy)"' for s in legacy) + "\n}")
+        else:
+            print(f"{root.url} has no txckpt log; legacy checkpoint-N steps: {legacy or 'none'}. "
+                  "Run `txckpt adopt ROOT` to record them as a lineage.")
+        return EXIT_OK
+    graph = build_graph(root, history, max_count=args.max_count or None, include_retired=args.all)
+    if args.json:
+        print_json({k: v for k, v in graph.items() if k != "lines"} | {"graph": [p for p, _ in graph["lines"]]})
+    elif args.format == "dot":
+        print(render_dot(graph, f"txckpt log {root.url}"))
+    else:
+        print(render_text(graph))
+    return EXIT_OK
+
+
+# ----- ls ------------------------------------------------------------------------------------------
+def staged_leftovers(root: Any, history: Any) -> list[dict[str, Any]]:
+    """Uncommitted staging directories, with whether their writer is still alive."""
+    from ..gc import _staged_step, _tree_bytes, read_intents, writer_status
+    from ..publication import TX_DIR
+
+    intents = read_intents(root.storage)
+    now = time.time()
+    out = []
+    for txid in root.storage.list_dir(TX_DIR):
+        if txid in history.checkpoints:
+            continue
+        key = f"{TX_DIR}/{txid}"
+        step = _staged_step(root.storage, key)
+        parts = txid.split("-")
+        lineage = parts[1] if len(parts) >= 3 else "?"
+        intent = intents.get(txid)
+        gone, why = writer_status(intent, now=now, grace_seconds=float("inf"))
+        t = (intent or {}).get("time") or root.storage.modified_time(key)
+        out.append({
+            "step": step, "lineage": lineage, "txid": txid, "state": "staged-leftover" if gone else "staging",
+            "bytes": _tree_bytes(root.storage, key), "time": t, "path": root.storage.full_path(key),
+            "key": key, "adopted": False, "published": False, "writer": why,
+        })
+    return out
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    root = open_root_arg(args.root, args.storage_options)
+    history = root.history()
+    rows_json: list[dict[str, Any]] = []
+    if history.state.seq < 0:
+        for step, key in root.legacy_dirs():
+            rows_json.append({"step": step, "lineage": "-", "txid": None, "state": "legacy",
+                              "bytes": sum(max(0, s) for _, s in root.storage.walk_files(key)),
+                              "time": root.storage.modified_time(key), "path": root.storage.full_path(key),
+                              "key": key, "adopted": False, "published": True})
+    else:
+        lineage = "all" if args.lineage is None else args.lineage
+        for info in root.checkpoints(lineage):
+            if args.lineage is not None and info.state == "retired":
+                continue
+            rows_json.append({
+                "step": info.step, "lineage": info.lineage, "txid": info.txid, "state": info.state,
+                "bytes": info.bytes, "time": info.time, "path": info.path,
+                "key": root.storage.key_of(info.path) if info.path else None,
+                "adopted": info.adopted, "published": info.published, "files": info.files,
+                "missing": info.path is None and info.state != "retired",
+            })
+    if args.lineage is None:
+        rows_json.extend(staged_leftovers(root, history))
+    rows_json.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["time"] or 0))
+    if args.json:
+        print_json(rows_json)
+        return EXIT_OK
+    rows = []
+    for r in rows_json:
+        state = r["state"]
+        if r.get("adopted"):
+            state += " (adopted)"
+        if r.get("missing"):
+            state += " (data missing!)"
+        where = r["key"] if r["key"] is not None else ("(deleted)" if r["state"] == "retired" else "(missing)")
+        rows.append([str(r["step"] if r["step"] is not None else "?"), r["lineage"], human_bytes(r["bytes"]),
+                     human_time(r["time"]), state, where])
+    if not rows:
+        print("no checkpoints")
+        return EXIT_OK
+    print(table(rows, ["STEP", "LINEAGE", "SIZE", "TIME", "STATE", "PATH"]))
+    return EXIT_OK
+
+
+# ----- show ----------------------------------------------------------------------------------------
+def _find_root_of(path: str, options: dict[str, Any]) -> Any | None:
+    """The txckpt root (one with a log) a checkpoint directory lies in, found by txckpt.reader."""
+    from ..root import CheckpointRoot
+
+    base = enclosing_root(path)
+    if base is None:
+        return None
+    try:
+        candidate = CheckpointRoot(base, options)
+        return candidate if candidate.storage.list_dir(".txckpt/log") else None
+    except Exception:  # not a root we can open: show the manifest without a state
+        return None
+
+
+def _checkpoint_arg(args: argparse.Namespace) -> tuple[str, Any | None]:
+    """PATH of a checkpoint, from PATH or from ROOT --step/--txid."""
+    if args.step is None and args.txid is None:
+        return args.path, None
+    root = open_root_arg(args.path, args.storage_options)
+    history = root.history()
+    c = history.find(step=args.step, txid=args.txid)
+    if c.txid in history.retired:
+        raise CheckpointNotFoundError(f"checkpoint txid {c.txid} was retired by the retention policy")
+    where = root.locate(c.ref)
+    if where is None:
+        raise CheckpointNotFoundError(f"checkpoint step {c.step} (txid {c.txid}) is committed but its data is missing")
+    return where, root
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from ..api import read_manifest
+
+    path, root = _checkpoint_arg(args)
+    if not is_url(path) and not os.path.exists(path):
+        raise UsageError(f"PATH {path} does not exist")
+    try:
+        manifest = read_manifest(path, storage_options=args.storage_options)
+    except NotACheckpointError:
+        tip = open_root_arg(path, args.storage_options).state().head_tip
+        example = f"e.g. --step {tip['step']}, the newest; " if tip else ""
+        raise UsageError(
+            f"{path} is a root, not a checkpoint: add --step N for a step of its current lineage "
+            f"({example}`txckpt ls ROOT` lists them) or --txid T for any lineage, or give a checkpoint "
+            "directory"
+        ) from None
+    status = None
+    r = root if root is not None else _find_root_of(path, args.storage_options)
+    if r is not None:
+        h = r.history()
+        c = h.checkpoints.get(manifest.txid)
+        if c is None or c.digest != manifest.digest:
+            status = "NOT committed in this root (a staging leftover, or copied from elsewhere)"
+        else:  # the root's own state rules: current, abandoned or retired
+            status = r.describe([c], with_paths=False, history=h)[0].state
+            if status == "current" and (h.state.head_tip or {}).get("txid") == c.txid:
+                status += " (HEAD tip)"
+    info = {
+        "path": path, "txid": manifest.txid, "lineage": manifest.lineage, "step": manifest.step,
+        "parent": manifest.parent, "created": manifest.created, "world_size": manifest.world_size,
+        "adopted": manifest.adopted, "checksum_algorithm": checksum.ALGORITHM, "digest": manifest.digest,
+        "bytes": manifest.total_bytes, "metadata": manifest.metadata, "state": status,
+        "files": {n: manifest.files[n].to_json() for n in sorted(manifest.files)},
+    }
+    if args.json:
+        print_json(info)
+        return EXIT_OK
+    parent = manifest.parent
+    if parent and "txid" in parent:
+        parent_s = f"step {parent['step']} of lineage {parent['lineage']} (txid {parent['txid']})"
+    elif parent and "external" in parent:
+        parent_s = f"external {parent['external']}"
+    else:
+        parent_s = "none (first checkpoint of a root lineage)"
+    print(f"checkpoint  {path}")
+    print(f"step        {manifest.step}")
+    print(f"lineage     {manifest.lineage}")
+    print(f"txid        {manifest.txid}")
+    if status:
+        print(f"state       {status}")
+    print(f"parent      {parent_s}")
+    print(f"created     {human_time(manifest.created)}")
+    print(f"world size  {manifest.world_size}")
+    if manifest.adopted:
+        print("adopted     yes (checksums computed at adoption)")
+    print(f"checksums   {checksum.ALGORITHM}, manifest digest {manifest.digest}")
+    print(f"files       {len(manifest.files)}, {human_bytes(manifest.total_bytes)}")
+    rows = [[n, human_bytes(e.size), str(e.size), e.kind, str(e.rank), e.checksum]
+            for n, e in sorted(manifest.files.items())]
+    print("\n" + "\n".join("  " + line for line in table(rows, ["FILE", "SIZE", "BYTES", "KIND", "RANK", "XXH3-128"]).splitlines()))
+    if manifest.metadata:
+        print("\nmetadata")
+        for line in json.dumps(manifest.metadata, indent=2, sort_keys=True, default=str).splitlines():
+            print("  " + line)
+    return EXIT_OK
