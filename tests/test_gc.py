@@ -16,9 +16,8 @@ import pytest
 
 import txckpt
 from txckpt.gc import collect_garbage, pid_alive, process_start, writer_status
-from txckpt.publication import ORPHANS_DIR, TX_DIR, home_key
-from txckpt.retention import READERS_DIR, RetentionPolicy, acquire_reader_lease, retire
-from txckpt.root import INTENTS_DIR
+from txckpt.layout import INTENTS_DIR, ORPHANS_DIR, READERS_DIR, TX_DIR, home_key
+from txckpt.retention import RetentionPolicy, acquire_reader_lease, retire
 
 
 @pytest.fixture(autouse=True)

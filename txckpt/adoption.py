@@ -24,23 +24,21 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import checksum, progress
 from .errors import AdoptionInProgressError, AmbiguousCheckpointNameError, ManifestError
+from .layout import ADOPT_INTENT_PREFIX, MANIFEST_NAME, adopt_intent_id, adopted_txid, intent_key, is_manifest_temp
 from .lineage import State, ref
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, kind_for_name
+from .manifest import FileEntry, Manifest, kind_for_name
 
 if TYPE_CHECKING:  # pragma: no cover
     from .root import CheckpointRoot
 
 log = logging.getLogger("txckpt")
 
-#: Temp files of txckpt's own atomic writes of a manifest (a crashed adoption's): not user data.
-_MANIFEST_TMP_RE = re.compile(r"^\.?" + re.escape(MANIFEST_NAME) + r"\.[0-9a-f]{12}\.tmp$")
-INTENT_PREFIX = "adopt-"
+INTENT_PREFIX = ADOPT_INTENT_PREFIX  # the name tests and tools know it by
 
 
 def legacy_dirs(root: "CheckpointRoot") -> list[tuple[int, str]]:
@@ -76,7 +74,8 @@ def _hash_dir(root: "CheckpointRoot", step: int, key: str) -> _Dir:
     files: dict[str, FileEntry] = {}
     newest = 0.0
     for name, _size in s.walk_files(key):
-        if name == MANIFEST_NAME or _MANIFEST_TMP_RE.match(name):
+        # Temp files of txckpt's own atomic writes of a manifest (a crashed adoption's): not user data.
+        if name == MANIFEST_NAME or is_manifest_temp(name):
             continue
         if s.is_symlink_escape(f"{key}/{name}"):
             log.warning("adoption skips %s/%s, a symlink out of the root", key, name)
@@ -100,7 +99,7 @@ def plan_adoption(dirs: list[_Dir]) -> tuple[str, list[Manifest]]:
     manifests = []
     parent = None
     for d in dirs:
-        m = Manifest(f"adopted-{d.step}-{lid}", lid, d.step, parent, d.files, d.newest, adopted=True)
+        m = Manifest(adopted_txid(d.step, lid), lid, d.step, parent, d.files, d.newest, adopted=True)
         m.encode()  # sets the digest
         manifests.append(m)
         parent = ref(lid, d.step, m.txid, d.key, m.digest)
@@ -131,7 +130,6 @@ def adopt(root: "CheckpointRoot") -> str | None:
     """Adopt the legacy root; returns the new lineage id, or None if there was nothing to adopt or
     another process adopted it first (the caller then continues against the winner's state)."""
     from .gc import intent_record
-    from .root import INTENTS_DIR
 
     if root.state().seq >= 0:
         return None
@@ -148,9 +146,10 @@ def adopt(root: "CheckpointRoot") -> str | None:
         return None
     lid, manifests = plan_adoption(dirs)
     s = root.storage
-    intent_key = f"{INTENTS_DIR}/{INTENT_PREFIX}{lid}.{root.session}.json"
-    s.replace(intent_key, json.dumps(intent_record(
-        {"txid": f"{INTENT_PREFIX}{lid}.{root.session}", "step": dirs[-1].step, "lineage": lid}, 1)).encode())
+    intent_id = adopt_intent_id(lid, root.session)
+    intent = intent_key(intent_id)
+    s.replace(intent, json.dumps(intent_record(
+        {"txid": intent_id, "step": dirs[-1].step, "lineage": lid}, 1)).encode())
     try:
         stale = []
         for d, m in zip(dirs, manifests):
@@ -179,10 +178,10 @@ def adopt(root: "CheckpointRoot") -> str | None:
         return None
     finally:
         try:
-            s.delete_file(intent_key)
+            s.delete_file(intent)
         except OSError as e:  # the outcome stands; gc removes an intent whose writer is gone
             log.warning("could not delete the adoption intent %s (%s); `txckpt gc` removes it",
-                        intent_key, e)
+                        intent, e)
     log.warning(
         "adopted %d checkpoint(s) of %s written without txckpt (steps %s) as lineage %s; "
         "their checksums were computed now, so damage done before adoption cannot be detected.",

@@ -42,9 +42,8 @@ from typing import Any
 from . import log as commit_log
 from . import progress
 from .errors import SpecialFileError
-from .publication import ORPHANS_DIR, TX_DIR
+from .layout import INTENTS_DIR, ORPHANS_DIR, TEMP_DIRS, TX_DIR, parse_checkpoint_name
 from .retention import (
-    READERS_DIR,
     RetentionPolicy,
     apply_retention,
     delete_checkpoint_data,
@@ -52,14 +51,11 @@ from .retention import (
     retired_present,
 )
 from .reserve import ensure_reserve
-from .root import INTENTS_DIR
 
 log = logging.getLogger("txckpt")
 
-META_DIR = ".txckpt"
 #: Age past which an intent of another host, an unreadable intent or a temp file is taken for dead.
 GRACE_SECONDS = 3600.0
-TEMP_DIRS = (META_DIR, f"{META_DIR}/log", INTENTS_DIR, READERS_DIR, commit_log.SNAPSHOT_DIR)
 
 
 @dataclass
@@ -529,8 +525,9 @@ def _file_size(storage: Any, key: str) -> int:
 
 def _staged_step(storage: Any, key: str) -> int | None:
     for name in storage.list_dir(key):
-        if name.startswith("checkpoint-") and name[len("checkpoint-"):].isdigit():
-            return int(name[len("checkpoint-"):])
+        step = parse_checkpoint_name(name)
+        if step is not None:
+            return step
     return None
 
 

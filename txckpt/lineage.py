@@ -29,6 +29,7 @@ from .errors import (
     StaleLineageError,
     StepConflictError,
 )
+from .layout import checkpoint_name
 
 
 def new_lineage_id(taken: Iterable[str] = ()) -> str:
@@ -353,7 +354,7 @@ class History:
         c = self.checkpoints.get(txid)
         if c is not None:
             self._live.get(c.lineage, {}).pop(txid, None)
-            for name in {f"checkpoint-{c.step}", (c.key or "").split("/", 1)[0]} - {""}:
+            for name in {checkpoint_name(c.step), (c.key or "").split("/", 1)[0]} - {""}:
                 self._retired_names.setdefault(name, {})[txid] = c
 
     def retired_named(self, names: Iterable[str]) -> list[Checkpoint]:

@@ -19,27 +19,19 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-import uuid
 from typing import Any
 
 from .errors import SpecialFileError
-from .manifest import MANIFEST_NAME
+# TX_DIR, ORPHANS_DIR and home_key are layout's; importable from here as before.
+from .layout import MANIFEST_NAME, ORPHANS_DIR, TX_DIR, entry_key, home_key, orphan_key
 from .naming import DEFAULT, Naming, read_naming
 from .storage.base import Storage
 
 log = logging.getLogger("txckpt")
 
-TX_DIR = ".txckpt/tx"
-ORPHANS_DIR = ".txckpt/orphans"
-
 
 def public_key(step: int, naming: Naming = DEFAULT) -> str:
     return naming.public(step)
-
-
-def home_key(txid: str, step: int) -> str:
-    return f"{TX_DIR}/{txid}/checkpoint-{step}"
 
 
 def manifest_txid(storage: Storage, key: str) -> str | None:
@@ -72,12 +64,10 @@ class InPlacePublication:
             found = read_naming(self.storage)
             if found is not None:
                 self._naming = found
+            elif self.storage.exists(entry_key(0)):
+                self._naming = DEFAULT
             else:
-                from .log import entry_key
-
-                if self.storage.exists(entry_key(0)):
-                    self._naming = DEFAULT
-                return DEFAULT
+                return DEFAULT  # not fixed yet: read again next time
         return self._naming
 
     @naming.setter
@@ -149,9 +139,9 @@ class RenamePublication(InPlacePublication):
         if occupant:
             dst = home_key(occupant, step)
             if s.exists(dst):  # its home is taken (should not happen): keep both, aside
-                dst = f"{ORPHANS_DIR}/{pub}.{occupant}.{uuid.uuid4().hex[:8]}"
+                dst = orphan_key(pub, occupant)
         else:
-            dst = f"{ORPHANS_DIR}/{pub}.{time.strftime('%Y%m%dT%H%M%S')}.{uuid.uuid4().hex[:8]}"
+            dst = orphan_key(pub)
             log.warning(
                 "%s has no committed txckpt manifest (written by another tool?); moved it "
                 "to %s instead of overwriting it. Inspect it, then delete it or `txckpt adopt` it.",
@@ -198,3 +188,8 @@ class RenamePublication(InPlacePublication):
 def publication_for(storage: Storage, durable: bool = True) -> InPlacePublication:
     cls = RenamePublication if storage.atomic_dir_rename else InPlacePublication
     return cls(storage, durable)
+
+
+# TX_DIR, ORPHANS_DIR, home_key: re-exported for callers that import them from here (layout owns them).
+__all__ = ["InPlacePublication", "RenamePublication", "publication_for", "public_key", "manifest_txid",
+           "home_key", "TX_DIR", "ORPHANS_DIR"]

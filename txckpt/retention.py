@@ -31,22 +31,27 @@ import json
 import logging
 import os
 import posixpath
-import re
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
 from .errors import CheckpointNotFoundError, InvalidArgumentError, SpecialFileError, StorageError
 from .lineage import Checkpoint, History, State
+from .layout import (
+    READERS_DIR,
+    TX_DIR,
+    home_key,
+    lease_key,
+    orphan_key,
+    parse_checkpoint_name,
+    retiring_key,
+    tx_key,
+)
 from .manifest import MANIFEST_NAME, Manifest
-from .publication import TX_DIR, home_key, manifest_txid, public_key
+from .publication import manifest_txid, public_key
 from .reserve import FULL, ensure_reserve, full_disk_error, release_reserve
 
 log = logging.getLogger("txckpt")
-
-READERS_DIR = ".txckpt/readers"
-_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 
 Abandoned = Union[str, int, float]
 
@@ -172,15 +177,14 @@ class RetentionPolicy:
             parts = item.replace("\\", "/").rstrip("/").split("/")
             hit = False
             for i, part in enumerate(parts[:-1]):
-                if part == "tx" and i > 0 and parts[i - 1] == ".txckpt" and i + 1 < len(parts):
+                if f"{parts[i - 1] if i > 0 else ''}/{part}" == TX_DIR and i + 1 < len(parts):
                     if parts[i + 1] in history.checkpoints:
                         out.add(parts[i + 1])
                         hit = True
             if hit:
                 continue
-            m = _CHECKPOINT_NAME.match(parts[-1]) if parts else None
-            if m:
-                step = int(m.group(1))
+            step = parse_checkpoint_name(parts[-1]) if parts else None
+            if step is not None:
                 out |= {c.txid for c in current if c.step == step}
                 # A name that is no longer the current lineage's (stale path): keep every owner.
                 if not any(c.step == step for c in current):
@@ -214,7 +218,7 @@ def acquire_reader_lease(root: Any, txid: str, seconds: float = 3600.0) -> str:
     """
     if not isinstance(txid, str) or not txid or "/" in txid:
         raise InvalidArgumentError(f"txid must be a plain txid string, not {txid!r}")
-    key = f"{READERS_DIR}/{txid}.{uuid.uuid4().hex[:12]}.json"
+    key = lease_key(txid)
     record = {"txid": txid, "expires": time.time() + float(seconds), "pid": os.getpid()}
     root.storage.replace(key, json.dumps(record).encode())
     try:
@@ -384,7 +388,7 @@ def delete_checkpoint_data(root: Any, c: Checkpoint) -> list[str]:
     """
     s = root.storage
     removed: list[str] = []
-    txdir = f"{TX_DIR}/{c.txid}"
+    txdir = tx_key(c.txid)
     for _ in range(16):
         key = root.publication.locate(c.ref)
         if key is None:
@@ -393,7 +397,7 @@ def delete_checkpoint_data(root: Any, c: Checkpoint) -> list[str]:
             # Move it out of sight first. A concurrent publication may put another checkpoint
             # under this name between locate and rename: the rename target is private, and
             # whatever we moved is checked before anything is deleted.
-            aside = f"{txdir}/retiring-{uuid.uuid4().hex[:8]}"
+            aside = retiring_key(c.txid)
             try:
                 s.rename_noreplace(key, aside)
             except (FileNotFoundError, FileExistsError):
@@ -421,15 +425,13 @@ def delete_checkpoint_data(root: Any, c: Checkpoint) -> list[str]:
 def _put_back(root: Any, aside: str, key: str, txid: str | None) -> None:
     """Undo a rename that caught a checkpoint other than the one being deleted (a race with a
     publication): back to its name, or to its own home, or (not committed) to the orphans."""
-    from .publication import ORPHANS_DIR
-
     s = root.storage
     history = root.history()
     other = history.checkpoints.get(txid or "")
     targets = [key]
     if other is not None:
         targets.append(home_key(other.txid, other.step))
-    targets.append(f"{ORPHANS_DIR}/{posixpath.basename(key)}.{time.strftime('%Y%m%dT%H%M%S')}.{uuid.uuid4().hex[:8]}")
+    targets.append(orphan_key(posixpath.basename(key)))
     for dst in targets:
         try:
             s.rename_noreplace(aside, dst)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
@@ -28,13 +27,12 @@ from .errors import (
 from .lineage import Checkpoint, History, State, new_lineage_id, ref, same_ref
 from .manifest import MANIFEST_NAME, Manifest
 from .naming import DEFAULT as DEFAULT_NAMING, Naming
-from .publication import TX_DIR, home_key, publication_for
+from .layout import INTENTS_DIR, TX_DIR, home_key, intent_key, parse_checkpoint_name
+from .publication import publication_for
 from .storage import Storage, open_storage
 
 log = logging.getLogger("txckpt")
 
-INTENTS_DIR = ".txckpt/intents"
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 #: How many times a lookup follows a tip that was retired and deleted under it (§6 step 4).
 LOOKUP_ATTEMPTS = 16
 
@@ -262,7 +260,7 @@ class CheckpointRoot:
 
     def _warn_if_checkpoint_dir(self) -> None:
         name = self.url.rstrip("/").rsplit("/", 1)[-1]
-        if _CHECKPOINT_RE.match(name):  # both of a checkpoint's places are named so (§2)
+        if parse_checkpoint_name(name) is not None:  # both of a checkpoint's places are named so (§2)
             parent = self.url.rstrip("/")[: -len(name) - 1] or "/"
             log.warning(
                 "%s is a checkpoint directory, not a root (an output_dir): "
@@ -568,7 +566,7 @@ class CheckpointRoot:
                 "writer": self.session}
 
     def clear_intent(self, txid: str) -> None:
-        self.storage.delete_file(f"{INTENTS_DIR}/{txid}.json")
+        self.storage.delete_file(intent_key(txid))
 
     def commit(self, manifest: Manifest, writer: str | None = None) -> str:
         """Append the commit entry for a staged, durable manifest, publish it and delete its

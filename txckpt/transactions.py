@@ -28,6 +28,7 @@ from .errors import (
     storage_error,
 )
 from .gc import reclaim_after_save, write_intent
+from .layout import checkpoint_name, intent_key
 from .manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -123,7 +124,7 @@ class Transaction:
                 if base:
                     os.makedirs(base, exist_ok=True)
                 self._temp_root = tempfile.mkdtemp(prefix=f"txckpt-{self.txid}-", dir=base)
-                local = os.path.join(self._temp_root, f"checkpoint-{self.step}")
+                local = os.path.join(self._temp_root, checkpoint_name(self.step))
             os.makedirs(local, exist_ok=True)
             self._local_dir = local
             for name in self._written:
@@ -219,9 +220,7 @@ class Transaction:
         """A rank other than the committer must see the intent that rank 0 wrote before it
         broadcast the plan: ranks that do not share the root (node-local disks) would
         otherwise commit a manifest naming files the committer cannot see."""
-        from .root import INTENTS_DIR
-
-        if not self._root.storage.exists(f"{INTENTS_DIR}/{plan['txid']}.json"):
+        if not self._root.storage.exists(intent_key(plan["txid"])):
             raise TransactionAbortedError(
                 f"rank {self.rank} cannot see the transaction record that rank 0 just wrote under "
                 f"{self._root.url}: the ranks do not share the checkpoint root (a node-local disk, or "
