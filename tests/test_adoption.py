@@ -19,7 +19,8 @@ import torch
 
 import txckpt
 from txckpt.errors import AdoptionInProgressError, AmbiguousCheckpointNameError
-from txckpt.gc import collect_garbage, intent_record
+from txckpt.gc import collect_garbage
+from txckpt.intents import intent_record
 from txckpt.manifest import MANIFEST_NAME, Manifest
 from txckpt.layout import INTENTS_DIR
 from txckpt.root import CheckpointRoot

@@ -15,7 +15,8 @@ import uuid
 import pytest
 
 import txckpt
-from txckpt.gc import collect_garbage, pid_alive, process_start, writer_status
+from txckpt.gc import collect_garbage
+from txckpt.intents import pid_alive, process_start, writer_status
 from txckpt.layout import INTENTS_DIR, ORPHANS_DIR, READERS_DIR, TX_DIR, home_key
 from txckpt.retention import RetentionPolicy, acquire_reader_lease, retire
 

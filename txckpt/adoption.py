@@ -114,7 +114,7 @@ def _other_live_adopters(root: "CheckpointRoot", lid: str) -> list[str]:
     """Live adopters of other bytes (another lineage id), from their intents."""
     import time
 
-    from .gc import read_intents, writer_status
+    from .intents import read_intents, writer_status
 
     out = []
     for name, intent in read_intents(root.storage).items():
@@ -129,7 +129,7 @@ def _other_live_adopters(root: "CheckpointRoot", lid: str) -> list[str]:
 def adopt(root: "CheckpointRoot") -> str | None:
     """Adopt the legacy root; returns the new lineage id, or None if there was nothing to adopt or
     another process adopted it first (the caller then continues against the winner's state)."""
-    from .gc import intent_record
+    from .intents import intent_record
 
     if root.state().seq >= 0:
         return None

@@ -27,7 +27,7 @@ from .errors import (
     UnsafePathError,
     storage_error,
 )
-from .gc import reclaim_after_save, write_intent
+from .intents import reclaim_after_save, write_intent
 from .layout import checkpoint_name, intent_key
 from .manifest import (
     MANIFEST_NAME,
