@@ -25,23 +25,21 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import checksum, progress
 from .errors import AdoptionInProgressError, AmbiguousCheckpointNameError, ManifestError
 from .layout import ADOPT_INTENT_PREFIX, MANIFEST_NAME, adopt_intent_id, adopted_txid, intent_key, is_manifest_temp
 from .lineage import State, ref
 from .manifest import FileEntry, Manifest, kind_for_name
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .root import CheckpointRoot
+from .publication import Root
 
 log = logging.getLogger("txckpt")
 
 INTENT_PREFIX = ADOPT_INTENT_PREFIX  # the name tests and tools know it by
 
 
-def legacy_dirs(root: "CheckpointRoot") -> list[tuple[int, str]]:
+def legacy_dirs(root: Root) -> list[tuple[int, str]]:
     """(step, directory name) of every ``checkpoint-N`` at the root's top level, by step; the name
     is the one found (``checkpoint-00500`` stays that: transformers accepts ``^checkpoint-(\\d+)$``).
     Two names for one step: :class:`AmbiguousCheckpointNameError` naming both."""
@@ -69,7 +67,7 @@ class _Dir:
     newest: float
 
 
-def _hash_dir(root: "CheckpointRoot", step: int, key: str) -> _Dir:
+def _hash_dir(root: Root, step: int, key: str) -> _Dir:
     s = root.storage
     files: dict[str, FileEntry] = {}
     newest = 0.0
@@ -110,7 +108,7 @@ class _Lost(Exception):
     """Entry 0 exists: another adopter (or a save) won."""
 
 
-def _other_live_adopters(root: "CheckpointRoot", lid: str) -> list[str]:
+def _other_live_adopters(root: Root, lid: str) -> list[str]:
     """Live adopters of other bytes (another lineage id), from their intents."""
     import time
 
@@ -126,7 +124,7 @@ def _other_live_adopters(root: "CheckpointRoot", lid: str) -> list[str]:
     return out
 
 
-def adopt(root: "CheckpointRoot") -> str | None:
+def adopt(root: Root) -> str | None:
     """Adopt the legacy root; returns the new lineage id, or None if there was nothing to adopt or
     another process adopted it first (the caller then continues against the winner's state)."""
     from .intents import intent_record
@@ -190,7 +188,7 @@ def adopt(root: "CheckpointRoot") -> str | None:
     return lid
 
 
-def _create_or_match(root: "CheckpointRoot", key: str, m: Manifest) -> bool:
+def _create_or_match(root: Root, key: str, m: Manifest) -> bool:
     """Create ``key``'s manifest if absent. True if ``key`` now holds ``m`` (created, or an
     identical one there already); False if it holds another one (left for the caller)."""
     s = root.storage
@@ -208,7 +206,7 @@ def _create_or_match(root: "CheckpointRoot", key: str, m: Manifest) -> bool:
     return there.digest == m.digest
 
 
-def _append_adopt_entry(root: "CheckpointRoot", lid: str, dirs: list[_Dir], manifests: list[Manifest]) -> None:
+def _append_adopt_entry(root: Root, lid: str, dirs: list[_Dir], manifests: list[Manifest]) -> None:
     records = [{"step": d.step, "txid": m.txid, "digest": m.digest, "key": d.key,
                 "bytes": m.total_bytes, "files": len(m.files)} for d, m in zip(dirs, manifests)]
 

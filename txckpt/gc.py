@@ -58,6 +58,7 @@ from .intents import (
     writer_status,
 )
 from .layout import ORPHANS_DIR, TEMP_DIRS, TX_DIR
+from .publication import Root
 from .retention import (
     RetentionPolicy,
     apply_retention,
@@ -72,7 +73,7 @@ log = logging.getLogger("txckpt")
 
 # ----- the collector ---------------------------------------------------------------------------
 def collect_garbage(
-    root: Any,
+    root: Root,
     *,
     dry_run: bool = False,
     grace_seconds: float = GRACE_SECONDS,
@@ -134,7 +135,7 @@ def collect_garbage(
     return report
 
 
-def _delete_retired(root: Any, report: GcReport, history: Any, leased: set[str],
+def _delete_retired(root: Root, report: GcReport, history: Any, leased: set[str],
                     policy_items: dict[str, GcItem]) -> None:
     """(b): delete retired checkpoints' data, except leased ones (``leased`` read after ``history``)."""
     storage = root.storage
@@ -161,7 +162,7 @@ def _delete_retired(root: Any, report: GcReport, history: Any, leased: set[str],
             log.warning("gc: could not delete retired %s: %s", c.txid, item.error)
 
 
-def _apply_policy(root: Any, report: GcReport, policy: RetentionPolicy, now: float) -> None:
+def _apply_policy(root: Root, report: GcReport, policy: RetentionPolicy, now: float) -> None:
     """(f): retire what the policy lets go (one entry; on a full disk in the reserve's space), then
     delete it. A failed retire is reported on the policy's items."""
     from .errors import StorageError
@@ -223,7 +224,7 @@ def _file_size(storage: Any, key: str) -> int:
 
 
 
-def _publication(root: Any, history: Any, report: GcReport) -> None:
+def _publication(root: Root, history: Any, report: GcReport) -> None:
     """Complete publication (rename backends): the head's view holds the checkpoint-N names."""
     s = root.storage
     if not s.atomic_dir_rename:

@@ -22,6 +22,7 @@ from typing import Any
 from . import progress
 from .errors import SpecialFileError
 from .layout import INTENTS_DIR, TX_DIR, intent_key, parse_checkpoint_name
+from .publication import Root
 
 log = logging.getLogger("txckpt")
 
@@ -172,7 +173,7 @@ def intent_record(plan: dict[str, Any], world_size: int) -> dict[str, Any]:
     return record
 
 
-def write_intent(root: Any, plan: dict[str, Any], world_size: int) -> None:
+def write_intent(root: Root, plan: dict[str, Any], world_size: int) -> None:
     root.storage.replace(intent_key(plan["txid"]), json.dumps(intent_record(plan, world_size)).encode())
 
 
@@ -255,7 +256,7 @@ def _judge(storage: Any, txid: str, intents: dict[str, Any], *, now: float, grac
     return writer_status(intents.get(txid), now=now, grace_seconds=grace_seconds, hostname=hostname)
 
 
-def reclaim_staging(root: Any, report: GcReport, history: Any, *, now: float, grace_seconds: float,
+def reclaim_staging(root: Root, report: GcReport, history: Any, *, now: float, grace_seconds: float,
                     hostname: str, only: set[str] | None = None, measure_kept: bool = True) -> Any:
     """(a) leftover staging and (d) stale intents, by the rules of txckpt.gc's module doc: the one
     implementation of gc and of a save's reclaim (:func:`reclaim_after_save`). ``history``: the
@@ -315,7 +316,7 @@ def reclaim_staging(root: Any, report: GcReport, history: Any, *, now: float, gr
     return history
 
 
-def reclaim_after_save(root: Any, *, grace_seconds: float = GRACE_SECONDS) -> GcReport | None:
+def reclaim_after_save(root: Root, *, grace_seconds: float = GRACE_SECONDS) -> GcReport | None:
     """Protocol §8 step 12: a session's first commit reclaims the staging and intents of dead
     writers by :func:`reclaim_staging`'s rules, after the commit point and the publication: a
     failure here never touches the save, and a crash in the middle leaves what the next session

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 from .errors import SpecialFileError
 # TX_DIR, ORPHANS_DIR and home_key are layout's; importable from here as before.
@@ -27,7 +27,48 @@ from .layout import MANIFEST_NAME, ORPHANS_DIR, TX_DIR, entry_key, home_key, orp
 from .naming import DEFAULT, Naming, read_naming
 from .storage.base import Storage
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .lineage import Checkpoint, History, State
+
 log = logging.getLogger("txckpt")
+
+#: How many times a lookup follows a tip that was retired and deleted under it (protocol §6 step 4).
+LOOKUP_ATTEMPTS = 16
+
+
+class Root(Protocol):
+    """What the modules below the root facade (adoption, fallback, intents, retention, gc) use of
+    a :class:`txckpt.root.CheckpointRoot`: they take this instead of importing root.py, so
+    imports run downward only."""
+
+    storage: Storage
+    storage_options: dict[str, Any]
+    durable: bool
+    session: str
+    staging_reclaimed: bool
+
+    @property
+    def publication(self) -> "InPlacePublication": ...
+
+    @property
+    def url(self) -> str: ...
+
+    def state(self) -> "State": ...
+
+    def history(self, *, snapshot: bool = False) -> "History": ...
+
+    def append_entry(self, build: Callable[..., dict[str, Any]], *, start: "State | None" = None,
+                     update_hint: bool = True, on_full: Any = None) -> dict[str, Any]: ...
+
+    def describe(self, chosen: "Iterable[Checkpoint]", *, with_paths: bool = True,
+                 history: "History | None" = None) -> list[Any]: ...
+
+    def reconcile_publication(self, history: "History | None" = None, *, publish: bool = True) -> list[str]: ...
+
+    def _claim(self, state: "State") -> None: ...
+
+    def _fork(self, parent: dict[str, Any] | None, history: "History", reason: str, *, announce: bool = True,
+              damaged: list[dict[str, Any]] | None = None) -> str: ...
 
 
 def public_key(step: int, naming: Naming = DEFAULT) -> str:
@@ -191,5 +232,5 @@ def publication_for(storage: Storage, durable: bool = True) -> InPlacePublicatio
 
 
 # TX_DIR, ORPHANS_DIR, home_key: re-exported for callers that import them from here (layout owns them).
-__all__ = ["InPlacePublication", "RenamePublication", "publication_for", "public_key", "manifest_txid",
+__all__ = ["Root", "LOOKUP_ATTEMPTS", "InPlacePublication", "RenamePublication", "publication_for", "public_key", "manifest_txid",
            "home_key", "TX_DIR", "ORPHANS_DIR"]

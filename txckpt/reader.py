@@ -75,7 +75,7 @@ class RootContext:
         if where is None:
             return None
         from . import log as commit_log
-        from .api import open_root
+        from .root import open_root
         from .storage import open_storage
 
         state = commit_log.read_state(open_storage(where.root, storage_options))

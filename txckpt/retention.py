@@ -48,7 +48,7 @@ from .layout import (
     tx_key,
 )
 from .manifest import MANIFEST_NAME, Manifest
-from .publication import manifest_txid, public_key
+from .publication import Root, manifest_txid, public_key
 from .reserve import FULL, ensure_reserve, full_disk_error, release_reserve
 
 log = logging.getLogger("txckpt")
@@ -204,7 +204,7 @@ def protected_by_state(state: State) -> set[str]:
 
 
 # ----- reader leases ---------------------------------------------------------------------------
-def acquire_reader_lease(root: Any, txid: str, seconds: float = 3600.0) -> str:
+def acquire_reader_lease(root: Root, txid: str, seconds: float = 3600.0) -> str:
     """Ask retention and gc to leave checkpoint ``txid`` alone for ``seconds``. Returns the lease
     key, for :func:`release_reader_lease`. Expired leases are ignored (and removed by gc).
 
@@ -243,7 +243,7 @@ def acquire_reader_lease(root: Any, txid: str, seconds: float = 3600.0) -> str:
     return key
 
 
-def _drop_lease(root: Any, key: str) -> None:
+def _drop_lease(root: Root, key: str) -> None:
     try:
         root.storage.delete_file(key)
     except FileNotFoundError:
@@ -252,7 +252,7 @@ def _drop_lease(root: Any, key: str) -> None:
         log.warning("could not remove the refused reader lease %s", key, exc_info=True)
 
 
-def release_reader_lease(root: Any, key: str) -> None:
+def release_reader_lease(root: Root, key: str) -> None:
     root.storage.delete_file(key)
 
 
@@ -296,7 +296,7 @@ def read_leases(storage: Any, now: float | None = None) -> tuple[set[str], list[
 
 
 # ----- applying a policy -----------------------------------------------------------------------
-def _resolve_paths(root: Any, items: Iterable[str]) -> set[str]:
+def _resolve_paths(root: Root, items: Iterable[str]) -> set[str]:
     """keep_best paths that name a checkpoint under this root -> the txid in its manifest."""
     out = set()
     for item in items:
@@ -309,7 +309,7 @@ def _resolve_paths(root: Any, items: Iterable[str]) -> set[str]:
     return out
 
 
-def _read_metrics(root: Any, history: History, metric: str) -> dict[str, float]:
+def _read_metrics(root: Root, history: History, metric: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for c in history.in_view(None):
         key = root.publication.locate(c.ref)
@@ -327,7 +327,7 @@ def _read_metrics(root: Any, history: History, metric: str) -> dict[str, float]:
     return out
 
 
-def plan_retention(root: Any, policy: RetentionPolicy, history: History | None = None,
+def plan_retention(root: Root, policy: RetentionPolicy, history: History | None = None,
                    *, now: float | None = None) -> list[Checkpoint]:
     """What ``policy`` lets go now, with leases, keep_best paths and metrics resolved."""
     history = history or root.history()
@@ -337,7 +337,7 @@ def plan_retention(root: Any, policy: RetentionPolicy, history: History | None =
     return policy.decide(history, now=now, protected=protected, metrics=metrics)
 
 
-def retire(root: Any, txids: Iterable[str], *, policy: RetentionPolicy | None = None,
+def retire(root: Root, txids: Iterable[str], *, policy: RetentionPolicy | None = None,
            decided_at: int | None = None, now: float | None = None) -> list[str]:
     """Append one ``retire`` entry naming ``txids`` (phase one). Returns the txids it retired.
 
@@ -376,7 +376,7 @@ def retire(root: Any, txids: Iterable[str], *, policy: RetentionPolicy | None = 
     return chosen
 
 
-def delete_checkpoint_data(root: Any, c: Checkpoint) -> list[str]:
+def delete_checkpoint_data(root: Root, c: Checkpoint) -> list[str]:
     """Remove a retired checkpoint's data (phase two). Returns the keys removed.
 
     Local roots: a published ``checkpoint-N`` (or an adopted checkpoint's own directory) is first
@@ -422,7 +422,7 @@ def delete_checkpoint_data(root: Any, c: Checkpoint) -> list[str]:
     return removed
 
 
-def _put_back(root: Any, aside: str, key: str, txid: str | None) -> None:
+def _put_back(root: Root, aside: str, key: str, txid: str | None) -> None:
     """Undo a rename that caught a checkpoint other than the one being deleted (a race with a
     publication): back to its name, or to its own home, or (not committed) to the orphans."""
     s = root.storage
@@ -444,7 +444,7 @@ def _put_back(root: Any, aside: str, key: str, txid: str | None) -> None:
         return
 
 
-def apply_retention(root: Any, policy: RetentionPolicy, *, dry_run: bool = False,
+def apply_retention(root: Root, policy: RetentionPolicy, *, dry_run: bool = False,
                     now: float | None = None) -> list[Any]:
     """Retire and delete what ``policy`` lets go; returns their :class:`~txckpt.CheckpointInfo`
     as it was before (state "current" or "abandoned"). ``dry_run`` only reports. Also finishes
@@ -461,7 +461,7 @@ def apply_retention(root: Any, policy: RetentionPolicy, *, dry_run: bool = False
     return [infos[c.txid] for c in going if c.txid in retired and c.txid in infos]
 
 
-def rewind(root: Any, keep: str, *, now: float | None = None) -> list[Checkpoint]:
+def rewind(root: Root, keep: str, *, now: float | None = None) -> list[Checkpoint]:
     """Make committed checkpoint ``keep`` (a txid, or a path under the root) of the current
     lineage its newest, and let go of the newer ones; returns the checkpoints retired.
 
@@ -508,7 +508,7 @@ def rewind(root: Any, keep: str, *, now: float | None = None) -> list[Checkpoint
     return gone
 
 
-def retired_present(root: Any, history: History | None = None) -> list[Checkpoint]:
+def retired_present(root: Root, history: History | None = None) -> list[Checkpoint]:
     """Retired checkpoints whose data (or an empty ``.txckpt/tx/<txid>``) is still on storage.
 
     Retention runs after every save and a long run retires thousands of checkpoints, so this
@@ -542,7 +542,7 @@ def retired_present(root: Any, history: History | None = None) -> list[Checkpoin
         key=lambda c: history.retired[c.txid])
 
 
-def finish_retired(root: Any, *, now: float | None = None) -> list[Checkpoint]:
+def finish_retired(root: Root, *, now: float | None = None) -> list[Checkpoint]:
     """Delete the data of every retired checkpoint still present, except leased ones.
 
     The retired set is read first and the leases after it (as ``collect_garbage`` does): a

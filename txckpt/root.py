@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 from . import log as commit_log
 from . import progress
@@ -27,14 +28,12 @@ from .errors import (
 from .lineage import Checkpoint, History, State, new_lineage_id, ref, same_ref
 from .manifest import MANIFEST_NAME, Manifest
 from .naming import DEFAULT as DEFAULT_NAMING, Naming
-from .layout import INTENTS_DIR, TX_DIR, home_key, intent_key, parse_checkpoint_name
-from .publication import publication_for
+from .layout import INTENTS_DIR, TX_DIR, home_key, intent_key, is_url, parse_checkpoint_name
+# LOOKUP_ATTEMPTS lives below the root (fallback follows retired tips too); importable from here.
+from .publication import LOOKUP_ATTEMPTS, publication_for
 from .storage import Storage, open_storage
 
 log = logging.getLogger("txckpt")
-
-#: How many times a lookup follows a tip that was retired and deleted under it (§6 step 4).
-LOOKUP_ATTEMPTS = 16
 
 
 def durable_default() -> bool:
@@ -102,6 +101,11 @@ def rollback_warning(url: str, parent: dict[str, Any] | None, lineage: str,
 
 class CheckpointRoot:
     """One root (an output_dir or an fsspec URL) and this process's place in it."""
+
+    #: ``root -> (path -> path)``: how ``resume(on_damaged="fallback")`` checks a checkpoint when
+    #: the caller gives no ``verify``: the check a load makes (txckpt.api sets it to
+    #: ``verify_checkpoint``; the verify engine is above this module, so it is handed down).
+    default_verify: ClassVar[Callable[["CheckpointRoot"], Callable[[str], str]] | None] = None
 
     def __init__(
         self,
@@ -361,7 +365,7 @@ class CheckpointRoot:
             # Continuing the current lineage needs only the state, not the folded history: a
             # restart of a long run must not read every log entry (lookup is O(1), so is this).
             if on_damaged == "fallback":
-                return resume_intact(self, state, verify)
+                return resume_intact(self, state, verify or self._default_verify())
             found = self.get_last_checkpoint()
             if found is not None and verify is not None:
                 found = verify(found)  # before the claim: a damaged tip changes nothing
@@ -383,6 +387,12 @@ class CheckpointRoot:
                 "missing from storage; choose another step (`txckpt ls`)"
             )
         return where
+
+    def _default_verify(self) -> Callable[[str], str]:
+        make = type(self).default_verify
+        if make is None:  # pragma: no cover - txckpt/__init__ imports txckpt.api, which sets it
+            raise InvalidArgumentError('on_damaged="fallback" needs a verify function (import txckpt)')
+        return make(self)
 
     def _claim(self, state: State) -> None:
         """Take over the head lineage for this session (a restart): a job still writing it with an
@@ -623,4 +633,27 @@ class CheckpointRoot:
         return tx.path
 
 
-__all__ = ["CheckpointRoot", "CheckpointInfo", "durable_default", "TX_DIR", "INTENTS_DIR"]
+# ----- the per-process root cache ------------------------------------------------------------------
+_roots: dict[tuple[Any, ...], CheckpointRoot] = {}
+_lock = threading.Lock()
+
+
+def open_root(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> CheckpointRoot:
+    """The process's CheckpointRoot for ``root`` (created on first use)."""
+    key = (os.getpid(), os.fspath(root) if is_url(root) else os.path.abspath(os.fspath(root)),
+           repr(sorted((storage_options or {}).items())))
+    with _lock:
+        r = _roots.get(key)
+        if r is None:
+            r = _roots[key] = CheckpointRoot(root, storage_options)
+        return r
+
+
+def forget_roots() -> None:
+    """Drop what this process remembers about every root (as a fresh process would start)."""
+    with _lock:
+        _roots.clear()
+
+
+__all__ = ["CheckpointRoot", "CheckpointInfo", "durable_default", "open_root", "forget_roots", "TX_DIR",
+           "INTENTS_DIR", "LOOKUP_ATTEMPTS"]
