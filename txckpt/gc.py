@@ -225,36 +225,26 @@ def _file_size(storage: Any, key: str) -> int:
 
 
 def _publication(root: Root, history: Any, report: GcReport) -> None:
-    """Complete publication (rename backends): the head's view holds the checkpoint-N names."""
-    s = root.storage
-    if not s.atomic_dir_rename:
-        return
+    """Complete publication: the head's view holds the public names (rename backends; the
+    publication of an object store has none to complete)."""
     current = history.in_view(None)
     current_ids = {c.txid for c in history.in_view(None, include_retired=True)}
     if report.dry_run:
-        from .publication import manifest_txid
-
-        for name in s.list_dir(""):
-            if root.publication.naming.step_of(name) is not None:
-                occupant = manifest_txid(s, name)
-                if occupant and occupant in history.checkpoints and occupant not in current_ids:
-                    report.items.append(GcItem("unpublish", name, f"{name} holds {occupant}, which is not "
-                                               "in the current lineage: back to its home"))
+        for name, occupant in root.publication.misplaced(current_ids, set(history.checkpoints)):
+            report.items.append(GcItem("unpublish", name, f"{name} holds {occupant}, which is not "
+                                       "in the current lineage: back to its home"))
     else:
         for name in root.reconcile_publication(history, publish=False):
             report.items.append(GcItem("unpublish", name, "not in the current lineage: moved back to its home",
                                        done=True))
-    for c in current:
-        key = root.publication.locate(c.ref)
-        pub = root.publication.public_key(c.step)
-        if key is None or key == pub or c.adopted:
-            continue
-        item = GcItem("publish", pub, f"committed step {c.step} (txid {c.txid}) was not "
+    for r in root.publication.unpublished([c.ref for c in current if not c.adopted]):
+        pub = root.publication.public_key(r["step"])
+        item = GcItem("publish", pub, f"committed step {r['step']} (txid {r['txid']}) was not "
                       "published (a crash after its commit, or during a fork): give it its name")
         report.items.append(item)
         if not report.dry_run:
             try:
-                item.done = root.publication.publish(c.ref) == pub
+                item.done = root.publication.publish(r) == pub
             except OSError as e:
                 item.error = f"{type(e).__name__}: {e}"
 

@@ -30,23 +30,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import posixpath
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
 from .errors import CheckpointNotFoundError, InvalidArgumentError, SpecialFileError, StorageError
 from .lineage import Checkpoint, History, State
-from .layout import (
-    READERS_DIR,
-    TX_DIR,
-    home_key,
-    lease_key,
-    orphan_key,
-    parse_checkpoint_name,
-    retiring_key,
-    tx_key,
-)
+from .layout import READERS_DIR, TX_DIR, lease_key, parse_checkpoint_name
 from .manifest import MANIFEST_NAME, Manifest
 from .publication import Root, manifest_txid, public_key
 from .reserve import FULL, ensure_reserve, full_disk_error, release_reserve
@@ -382,66 +372,21 @@ def delete_checkpoint_data(root: Root, c: Checkpoint) -> list[str]:
     Local roots: a published ``checkpoint-N`` (or an adopted checkpoint's own directory) is first
     renamed into ``.txckpt/tx/<txid>/``, so no reader ever sees a half-deleted ``checkpoint-N``;
     then ``.txckpt/tx/<txid>`` goes. Object stores: the manifest is deleted first, so a partly
-    deleted checkpoint is never taken for a committed one. Safe to repeat after a crash.
+    deleted checkpoint is never taken for a committed one. Safe to repeat after a crash. Where
+    the data is, and how it leaves, is the publication's (:meth:`InPlacePublication.remove`).
 
     Only call it for a txid the log has retired.
     """
-    s = root.storage
-    removed: list[str] = []
-    txdir = tx_key(c.txid)
-    for _ in range(16):
-        key = root.publication.locate(c.ref)
-        if key is None:
-            break
-        if s.atomic_dir_rename and not key.startswith(txdir + "/"):
-            # Move it out of sight first. A concurrent publication may put another checkpoint
-            # under this name between locate and rename: the rename target is private, and
-            # whatever we moved is checked before anything is deleted.
-            aside = retiring_key(c.txid)
-            try:
-                s.rename_noreplace(key, aside)
-            except (FileNotFoundError, FileExistsError):
-                continue
-            moved = manifest_txid(s, aside)
-            if moved != c.txid:
-                _put_back(root, aside, key, moved)
-                continue
-            if root.durable:
-                s.sync_dir(txdir)
-                s.sync_dir(posixpath.dirname(key))
-            removed.append(key)
-            key = aside
-        s.delete_file(f"{key}/{MANIFEST_NAME}")
-        s.delete_tree(key)
-        if key not in removed:
-            removed.append(key)
-    if s.exists(txdir):
-        s.delete_tree(txdir)
-        if txdir not in removed:
-            removed.append(txdir)
-    return removed
 
+    def resolve(txid: str | None) -> tuple[dict[str, Any], bool] | None:
+        # A rename caught another checkpoint (a race with a publication): is it committed, and current?
+        history = root.history()
+        other = history.checkpoints.get(txid or "")
+        if other is None:
+            return None
+        return other.ref, other.txid in {x.txid for x in history.in_view(None, include_retired=True)}
 
-def _put_back(root: Root, aside: str, key: str, txid: str | None) -> None:
-    """Undo a rename that caught a checkpoint other than the one being deleted (a race with a
-    publication): back to its name, or to its own home, or (not committed) to the orphans."""
-    s = root.storage
-    history = root.history()
-    other = history.checkpoints.get(txid or "")
-    targets = [key]
-    if other is not None:
-        targets.append(home_key(other.txid, other.step))
-    targets.append(orphan_key(posixpath.basename(key)))
-    for dst in targets:
-        try:
-            s.rename_noreplace(aside, dst)
-        except FileExistsError:
-            continue
-        log.warning("retention raced with a publication of %s; put it back at %s", key, dst)
-        current = {x.txid for x in history.in_view(None, include_retired=True)}
-        if other is not None and dst != key and other.txid in current:
-            root.publication.publish(other.ref)
-        return
+    return root.publication.remove(c.ref, resolve)
 
 
 def apply_retention(root: Root, policy: RetentionPolicy, *, dry_run: bool = False,

@@ -471,7 +471,7 @@ class CheckpointRoot:
             )
         elif abandoned and announce:
             log.warning("%s", rollback_warning(self.url, parent, lid, abandoned,
-                                               renames=self.storage.atomic_dir_rename, naming=self.publication.naming))
+                                               renames=self.publication.publishes, naming=self.publication.naming))
         try:
             self.reconcile_publication(history)
         except OSError as e:

@@ -142,9 +142,7 @@ class Transaction:
         public name (``checkpoint-<step>``, or the root's naming) on local disks, its staging key on
         object stores."""
         self._require_open()
-        storage = self._root.storage
-        return storage.full_path(self._root.publication.public_key(self.step) if storage.atomic_dir_rename
-                                 else self.staging_key)
+        return self._root.storage.full_path(self._root.publication.final_key(self.step, self.staging_key))
 
     def _require_open(self) -> None:
         if not self._entered or self._done or self._plan is None:
