@@ -13,7 +13,8 @@
   crash interrupted), except those under a live reader lease.
 * **intents** whose transaction committed or whose writer is gone; expired reader leases.
 * **temp files** (``*.tmp``) of interrupted create-if-absent and replace writes in ``.txckpt/``,
-  ``.txckpt/log``, ``.txckpt/intents`` and ``.txckpt/readers``, older than ``grace_seconds``.
+  ``.txckpt/log``, ``.txckpt/intents``, ``.txckpt/readers`` and ``.txckpt/snapshots``, and a
+  crashed adoption's temp file of a manifest in a ``checkpoint-N``, older than ``grace_seconds``.
 * **history snapshots** (protocol §4a) older than the newest one that reads back, and damaged
   ones (a reader ignores those and reads the log).
 * with a ``policy``: what the :class:`~txckpt.retention.RetentionPolicy` lets go. It runs after
@@ -57,7 +58,7 @@ from .intents import (
     write_intent,
     writer_status,
 )
-from .layout import ORPHANS_DIR, TEMP_DIRS, TX_DIR
+from .layout import ORPHANS_DIR, TEMP_DIRS, TX_DIR, is_manifest_temp
 from .publication import Root
 from .retention import (
     RetentionPolicy,
@@ -101,17 +102,13 @@ def collect_garbage(
         _remove(report, GcItem("lease", key, "expired reader lease"), storage.delete_file, key)
 
     # (e) temp files of interrupted writes.
-    for d in TEMP_DIRS:
-        for name in storage.list_dir(d):
-            if not name.endswith(".tmp"):
-                continue
-            key = f"{d}/{name}"
-            mtime = storage.modified_time(key)
-            if mtime is None or now - mtime <= grace_seconds:
-                continue  # may belong to a write in progress
-            size = _file_size(storage, key)
-            _remove(report, GcItem("temp", key, f"temp file of an interrupted write, {now - mtime:.0f}s old", size),
-                    storage.delete_file, key)
+    for key in _temp_files(root):
+        mtime = storage.modified_time(key)
+        if mtime is None or now - mtime <= grace_seconds:
+            continue  # may belong to a write in progress
+        size = _file_size(storage, key)
+        _remove(report, GcItem("temp", key, f"temp file of an interrupted write, {now - mtime:.0f}s old", size),
+                storage.delete_file, key)
 
     # (h) history snapshots: every one older than the newest usable one, and damaged ones.
     _snapshots(storage, report, known_usable=history.snapshot_seq)
@@ -193,6 +190,23 @@ def _apply_policy(root: Root, report: GcReport, policy: RetentionPolicy, now: fl
     history = root.history()
     leased, _ = read_leases(root.storage, now)  # after the retired set (protocol §11)
     _delete_retired(root, report, history, leased, policy_items)
+
+
+def _temp_files(root: Root) -> list[str]:
+    """Keys of the temp files that interrupted writes may leave (age not judged here): ``*.tmp``
+    in the ``.txckpt`` directories of ``TEMP_DIRS``, and a crashed adoption's temp file of its
+    manifest inside a ``checkpoint-N`` (``checkpoint-N/[.]txckpt-manifest.json.<rnd>.tmp``, §9)."""
+    storage = root.storage
+    keys = [f"{d}/{name}" for d in TEMP_DIRS for name in storage.list_dir(d) if name.endswith(".tmp")]
+    step_of = root.publication.naming.step_of
+    for top in storage.list_dir(""):
+        if step_of(top) is None:
+            continue
+        try:
+            keys += [f"{top}/{name}" for name in storage.list_dir(top) if is_manifest_temp(name)]
+        except OSError:  # unreadable: nothing gc could remove in it either
+            continue
+    return keys
 
 
 def _snapshots(storage: Any, report: GcReport, known_usable: int = -1) -> None:
