@@ -207,7 +207,7 @@ def _create_or_match(root: Root, key: str, m: Manifest) -> bool:
 
 
 def _append_adopt_entry(root: Root, lid: str, dirs: list[_Dir], manifests: list[Manifest]) -> None:
-    records = [{"step": d.step, "txid": m.txid, "digest": m.digest, "key": d.key,
+    records: list[dict[str, Any]] = [{"step": d.step, "txid": m.txid, "digest": m.digest, "key": d.key,
                 "bytes": m.total_bytes, "files": len(m.files)} for d, m in zip(dirs, manifests)]
 
     def build(state: State, seq: int, now: float) -> dict[str, Any]:

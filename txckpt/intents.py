@@ -17,7 +17,7 @@ import os
 import socket
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from . import progress
 from .errors import SpecialFileError
@@ -117,7 +117,7 @@ def _process_start_time(pid: int) -> float | None:
         return None
 
 
-def _valid_start(start: Any) -> bool:
+def _valid_start(start: Any) -> TypeGuard[dict[str, Any]]:
     return (isinstance(start, dict) and isinstance(start.get("boot_id"), str)
             and isinstance(start.get("ticks"), int) and not isinstance(start.get("ticks"), bool))
 
@@ -185,8 +185,8 @@ def writer_status(intent: dict[str, Any] | None, *, now: float, grace_seconds: f
     hostname = hostname or socket.gethostname()
     host, pid = intent.get("host"), intent.get("pid")
     try:
-        t = float(intent.get("time"))
-    except (TypeError, ValueError):
+        t = float(intent["time"])
+    except (KeyError, TypeError, ValueError):
         t = 0.0
     age = now - t
     if host == hostname and isinstance(pid, int):
@@ -268,7 +268,6 @@ def reclaim_staging(root: Root, report: GcReport, history: Any, *, now: float, g
     # writer has already removed it (after committing or aborting) or never ran to completion.
     staged_now = [t for t in storage.list_dir(TX_DIR) if only is None or t in only]
     intents = read_intents(storage)
-    judge = dict(now=now, grace_seconds=grace_seconds, hostname=hostname)
     candidates: list[tuple[str, str]] = []
     live: set[str] = set()
     for txid in staged_now:
@@ -282,7 +281,7 @@ def reclaim_staging(root: Root, report: GcReport, history: Any, *, now: float, g
                                       "uncommitted adopted txid (never deleted; inspect it, or move it "
                                       "back and `txckpt adopt` it)", _tree_bytes(storage, f"{TX_DIR}/{txid}")))
             continue
-        gone, why = _judge(storage, txid, intents, **judge)
+        gone, why = _judge(storage, txid, intents, now=now, grace_seconds=grace_seconds, hostname=hostname)
         if gone:
             candidates.append((txid, why))
         else:
@@ -309,7 +308,7 @@ def reclaim_staging(root: Root, report: GcReport, history: Any, *, now: float, g
         elif txid in staged:
             why = "its staging is reclaimed"
         else:
-            gone, why = _judge(storage, txid, intents, **judge)
+            gone, why = _judge(storage, txid, intents, now=now, grace_seconds=grace_seconds, hostname=hostname)
             if not gone:
                 continue
         _remove(report, GcItem("intent", key, f"stale intent: {why}"), storage.delete_file, key)

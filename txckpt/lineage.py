@@ -501,5 +501,5 @@ class History:
 
     def fork_points(self) -> set[str]:
         return {
-            info.parent["txid"] for info in self.state.lineages.values() if info.parent_ref is not None
+            p["txid"] for info in self.state.lineages.values() if (p := info.parent_ref) is not None
         }

@@ -299,7 +299,7 @@ def read_snapshot(storage: Storage, seq: int) -> History | None:
     except SpecialFileError as e:
         data, problem = b"", f"it is a {e.kind}, not a regular file"
     try:
-        snap = json.loads(data) if problem is None else None
+        snap: Any = json.loads(data) if problem is None else None
         if problem is not None:
             pass
         elif not isinstance(snap, dict) or snap.get("format") not in (SNAPSHOT_FORMAT, SNAPSHOT_FORMAT_V1) \

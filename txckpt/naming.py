@@ -31,7 +31,7 @@ class Naming:
     def __post_init__(self) -> None:
         check_prefix(self.prefix)
 
-    def public(self, step: int) -> str:
+    def public(self, step: int | str) -> str:  # a str: "N", in messages
         return f"{self.prefix}{step}"
 
     def step_of(self, name: str) -> int | None:

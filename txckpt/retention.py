@@ -184,7 +184,7 @@ class RetentionPolicy:
 
 def protected_by_state(state: State) -> set[str]:
     """txids no retire entry may name: every fork point and the newest of the current lineage."""
-    out = {info.parent["txid"] for info in state.lineages.values() if info.parent_ref is not None}
+    out = {p["txid"] for info in state.lineages.values() if (p := info.parent_ref) is not None}
     tip = state.head_tip
     if tip and tip.get("txid"):
         out.add(tip["txid"])

@@ -450,7 +450,7 @@ class CheckpointRoot:
             fresh = self._history or history
             abandoned = fresh.abandoned_by(
                 fresh.state.after_new_lineage(seq, now, lid, parent, reason, writer=self.session), expected_head)
-            entry = {"action": "fork", "lineage": lid, "parent": parent, "reason": reason, "state": new_state}
+            entry: dict[str, Any] = {"action": "fork", "lineage": lid, "parent": parent, "reason": reason, "state": new_state}
             if damaged:
                 entry["damaged"] = damaged
             return entry
@@ -460,6 +460,8 @@ class CheckpointRoot:
         history = self.history()
         if damaged:
             from .fallback import describe_damaged
+
+            assert parent is not None  # a fallback forks from the newest intact checkpoint
 
             log.warning(
                 "the newest checkpoint(s) of %s failed verification: %s. Falling back to step "
@@ -555,6 +557,7 @@ class CheckpointRoot:
                 self._claim(state)
             state = self.state()
         lineage = self.writer_lineage
+        assert lineage is not None  # set by new_lineage or _claim just above
         info = state.lineages.get(lineage)
         if state.head != lineage or (info is not None and info.writer not in (None, self.session)):
             # Raises StaleLineageError with the full explanation.

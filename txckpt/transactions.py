@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO, Mapping
+from typing import Any, BinaryIO, Literal, Mapping
 
 from . import errors
 from .checksum import HashingWriter, digest_stream
@@ -245,7 +245,7 @@ class Transaction:
 
     def save(self, name: str, obj: Any) -> None:
         """Write ``obj`` as file ``name`` by the rules of :func:`txckpt.save_checkpoint`."""
-        f = self.open(name, "wb")
+        f: Any = self.open(name, "wb")  # a _TrackedWriter (kind, abort, sink_error), typed as a BinaryIO
         try:
             kind = write_object(name, obj, f)
             f.kind = kind
@@ -276,18 +276,20 @@ class Transaction:
         if not self._temp_root:  # on a remote root tx.directory is a scratch directory of its own
             self._names.mark(name, self._root.storage.local_path(f"{self.staging_key}/{name}"))
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
+        coord, timer = self._coord, self._timer
+        assert coord is not None and timer is not None  # both set by __enter__
         try:
             report = self._rank_report(exc)
             if "files" in report:
-                self._timer.phase("data" if self.world_size == 1 else f"data (rank {self.rank})",
-                                  sum(f["size"] for f in report["files"].values()))
-            reports = self._coord.gather(report)
+                timer.phase("data" if self.world_size == 1 else f"data (rank {self.rank})",
+                            sum(f["size"] for f in report["files"].values()))
+            reports = coord.gather(report)
             outcome: dict[str, Any] = {}
-            if self._coord.is_committer:
+            if coord.is_committer:
                 outcome = self._commit_or_abort(reports or [report])
-            outcome = self._coord.broadcast(outcome)
-            if "path" in outcome and self._coord.is_committer:
+            outcome = coord.broadcast(outcome)
+            if "path" in outcome and coord.is_committer:
                 # Committed, and every rank has its path: now the session's first save reclaims
                 # what dead writers left (§8 step 12), off the other ranks' way.
                 reclaim_after_save(self._root)
@@ -350,6 +352,7 @@ class Transaction:
             try:
                 path = self._commit(reports)
                 m = self._manifest
+                assert m is not None and self._timer is not None  # _commit set it; __enter__ the timer
                 self._timer.done("saved", m.total_bytes, len(m.files), path)
                 return {"path": path}
             except Exception as e:
@@ -441,6 +444,7 @@ class Transaction:
         )
         storage.create_exclusive(f"{key}/{MANIFEST_NAME}", manifest.encode(), durable=durable)
         self._manifest = manifest
+        assert self._timer is not None  # set by __enter__
         self._timer.phase("manifest")
         with timing(self._timer):  # root.commit ends the commit and publish phases
             return self._root.commit(manifest, plan.get("writer"))  # deletes the intent too
@@ -453,6 +457,8 @@ class Transaction:
         that took this writer for dead): a path that does not hold the checkpoint is never
         returned."""
         plan = self._plan
+        if plan is None:
+            return None
         try:
             state = self._root.state()
         except Exception:
