@@ -12,6 +12,9 @@ Verification is the caller's ``verify(path) -> path``: by default (the root's, s
 bytes); the Trainer mixin passes the download
 of a remote checkpoint into its cache, which verifies on the way, so the copy it verified is the
 one it loads and nothing is downloaded twice.
+
+A plain lookup whose tip is committed but missing from storage falls back too, without
+verifying: to the newest checkpoint of the view that is present (:func:`present_fallback`).
 """
 
 from __future__ import annotations
@@ -115,3 +118,28 @@ def describe_damaged(damaged: list[dict[str, Any]]) -> str:
     return "; ".join(
         f"checkpoint-{d['step']} (txid {d['txid']}): {d['path'] or '?'} failed ({d['error']})" for d in damaged
     )
+
+
+def present_fallback(root: Root, missing: dict[str, Any]) -> str | None:
+    """The tip ``missing`` is committed, not retired, and absent from storage: the newest
+    present checkpoint of the view (newer ones first, if the log moved on meanwhile)."""
+    history = root.history()
+    for c in reversed(history.in_view(None)):
+        if c.txid == missing["txid"]:
+            continue
+        key = root.publication.locate(c.ref)
+        if key is None:
+            continue
+        if c.step < missing["step"]:
+            log.warning(
+                "the newest checkpoint of the current lineage, step %d (txid %s), is "
+                "missing from %s (deleted or renamed by hand?). Falling back to step %d. "
+                "Run `txckpt verify` to see what else is missing.",
+                missing["step"], missing["txid"], root.url, c.step,
+            )
+        return key
+    log.warning(
+        "no checkpoint of the current lineage of %s is present on storage "
+        "(deleted by hand?); starting from scratch. Run `txckpt verify`.", root.url,
+    )
+    return None

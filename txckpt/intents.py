@@ -21,7 +21,7 @@ from typing import Any, TypeGuard
 
 from . import progress
 from .errors import SpecialFileError
-from .layout import INTENTS_DIR, TX_DIR, intent_key, parse_checkpoint_name
+from .layout import ADOPTED_TXID_PREFIX, INTENTS_DIR, TX_DIR, intent_key, parse_checkpoint_name
 from .publication import Root
 
 log = logging.getLogger("txckpt")
@@ -273,7 +273,7 @@ def reclaim_staging(root: Root, report: GcReport, history: Any, *, now: float, g
     for txid in staged_now:
         if txid in history.checkpoints:
             continue  # committed: a home (possibly an empty one, after publication); (b) did retired
-        if txid.startswith("adopted-"):
+        if txid.startswith(ADOPTED_TXID_PREFIX):
             # No save stages under an adopted txid: this is a legacy directory that a publication
             # moved out of its checkpoint-N name, holding a manifest no log committed. Its bytes
             # may be all there is of a committed adopted checkpoint: never deleted (protocol §11).

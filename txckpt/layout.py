@@ -79,6 +79,11 @@ def snapshot_key(seq: int) -> str:
     return f"{SNAPSHOT_DIR}/{seq:020d}.json"
 
 
+def new_txid(step: int, lineage: str) -> str:
+    """A save attempt's txid: ``<step>-<lineage>-<10 hex>`` (adopted checkpoints: :func:`adopted_txid`)."""
+    return f"{step}-{lineage}-{uuid.uuid4().hex[:10]}"
+
+
 def tx_key(txid: str) -> str:
     """``.txckpt/tx/<txid>``: what a save stages under, and what holds a checkpoint's home."""
     return f"{TX_DIR}/{txid}"
@@ -155,7 +160,7 @@ __all__ = [
     "META_DIR", "LOG_DIR", "LATEST_HINT", "SNAPSHOT_DIR", "NAMING_KEY", "TX_DIR", "INTENTS_DIR",
     "READERS_DIR", "ORPHANS_DIR", "RESERVE_KEY", "MANIFEST_NAME", "CHECKPOINT_PREFIX", "MAX_STEP",
     "ADOPT_INTENT_PREFIX", "ADOPTED_TXID_PREFIX", "TEMP_DIRS", "parse_step", "parse_checkpoint_name",
-    "checkpoint_name", "entry_key", "snapshot_key", "tx_key", "home_key", "txid_of_tx_key",
+    "checkpoint_name", "new_txid", "entry_key", "snapshot_key", "tx_key", "home_key", "txid_of_tx_key",
     "retiring_key", "intent_key", "adopt_intent_id", "adopted_txid", "lease_key", "orphan_key",
     "temp_target", "is_manifest_temp", "is_url",
 ]

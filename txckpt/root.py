@@ -12,7 +12,6 @@ import logging
 import os
 import threading
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 from . import log as commit_log
@@ -25,10 +24,20 @@ from .errors import (
     RootNotFoundError,
     StepConflictError,
 )
-from .lineage import Checkpoint, History, State, new_lineage_id, ref, same_ref
+from .layout import INTENTS_DIR, TX_DIR, home_key, intent_key, is_url, new_txid, parse_checkpoint_name
+# The fork warnings are lineage.py's (what a fork abandons).
+from .lineage import (  # CheckpointInfo: importable from here, as txckpt/__init__ does
+    Checkpoint,
+    CheckpointInfo,
+    History,
+    State,
+    describe_checkpoints,
+    new_lineage_id,
+    ref,
+    rollback_warning,
+    same_ref,
+)
 from .manifest import MANIFEST_NAME, Manifest
-from .naming import DEFAULT as DEFAULT_NAMING, Naming
-from .layout import INTENTS_DIR, TX_DIR, home_key, intent_key, is_url, parse_checkpoint_name
 # LOOKUP_ATTEMPTS lives below the root (fallback follows retired tips too); importable from here.
 from .publication import LOOKUP_ATTEMPTS, publication_for
 from .storage import Storage, open_storage
@@ -39,64 +48,6 @@ log = logging.getLogger("txckpt")
 def durable_default() -> bool:
     """fsync is on unless TXCKPT_DURABLE=0 (documented: tests and throwaway runs only)."""
     return os.environ.get("TXCKPT_DURABLE", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def new_txid(step: int, lineage: str) -> str:
-    return f"{step}-{lineage}-{uuid.uuid4().hex[:10]}"
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A committed checkpoint as users see it."""
-
-    step: int
-    lineage: str
-    txid: str
-    path: str | None  # None if its data is missing
-    state: str  # "current", "abandoned", "retired"
-    time: float
-    bytes: int
-    files: int
-    adopted: bool
-    published: bool
-
-
-def _describe(checkpoints: list[Checkpoint], naming: Naming = DEFAULT_NAMING) -> str:
-    return ", ".join(f"{naming.public(c.step)} (lineage {c.lineage}, txid {c.txid})" for c in checkpoints)
-
-
-#: A rollback warning lists at most this many abandoned checkpoints (``txckpt log`` shows all).
-ROLLBACK_LISTED = 10
-
-
-def rollback_warning(url: str, parent: dict[str, Any] | None, lineage: str,
-                     abandoned: list[Checkpoint], *, renames: bool = True,
-                     naming: Naming = DEFAULT_NAMING) -> str:
-    """The warning a fork logs: a short first line, then indented lines, one per abandoned
-    checkpoint (the first ROLLBACK_LISTED; ``txckpt log`` lists every one). No "txckpt:"
-    prefix: the "txckpt" logger's name already says where it comes from."""
-    if parent and "step" in parent:
-        head = f"rolling back to step {parent['step']} of lineage {parent['lineage']}"
-    elif parent:
-        head = f"starting lineage {lineage} from external checkpoint {parent['external']}"
-    else:
-        head = f"starting lineage {lineage} from scratch"
-    lines = [f"{head}: new lineage {lineage} abandons {len(abandoned)} checkpoint(s)",
-             f"  root: {url}",
-             "  abandoned (kept intact and never overwritten, but no longer returned by get_last_checkpoint):"]
-    name = naming.public
-    listed = abandoned[:ROLLBACK_LISTED]
-    width = max(len(name(c.step)) for c in listed) if listed else 0
-    lines += [f"    {name(c.step).ljust(width)}  (lineage {c.lineage}, txid {c.txid})" for c in listed]
-    if len(abandoned) > ROLLBACK_LISTED:
-        lines.append(f"    ... and {len(abandoned) - ROLLBACK_LISTED} more (`txckpt log {url}` shows every one)")
-    # What happens to their paths: only rename backends publish (protocol §7). ``renames``: the
-    # storage renames directories atomically.
-    lines += (["  the new lineage's saves of the same steps get the checkpoint-N names,",
-               "  and the abandoned ones move to .txckpt/tx/<txid>/checkpoint-N"] if renames else
-              ["  nothing is moved on this object store: each stays at the path it was committed at",
-               "  (.txckpt/tx/<txid>/checkpoint-N; an adopted one at its checkpoint-N)"])
-    return "\n".join(lines)
 
 
 class CheckpointRoot:
@@ -232,7 +183,9 @@ class CheckpointRoot:
             fresh = self.state()
             if same_ref(fresh.head_tip, tip):
                 if tip["txid"] in missed:
-                    return self._fallback_lookup(tip)
+                    from .fallback import present_fallback
+
+                    return present_fallback(self, tip)
                 missed.add(tip["txid"])
             state = fresh
         raise LookupRaceError(
@@ -272,30 +225,6 @@ class CheckpointRoot:
                 "finds none in a checkpoint. Pass its parent, %s, to find the newest checkpoint; "
                 "pass this path to load_checkpoint to read this one.", self.url, parent,
             )
-
-    def _fallback_lookup(self, missing: dict[str, Any]) -> str | None:
-        """The tip ``missing`` is committed, not retired, and absent from storage: the newest
-        present checkpoint of the view (newer ones first, if the log moved on meanwhile)."""
-        history = self.history()
-        for c in reversed(history.in_view(None)):
-            if c.txid == missing["txid"]:
-                continue
-            key = self.publication.locate(c.ref)
-            if key is None:
-                continue
-            if c.step < missing["step"]:
-                log.warning(
-                    "the newest checkpoint of the current lineage, step %d (txid %s), is "
-                    "missing from %s (deleted or renamed by hand?). Falling back to step %d. "
-                    "Run `txckpt verify` to see what else is missing.",
-                    missing["step"], missing["txid"], self.url, c.step,
-                )
-            return key
-        log.warning(
-            "no checkpoint of the current lineage of %s is present on storage "
-            "(deleted by hand?); starting from scratch. Run `txckpt verify`.", self.url,
-        )
-        return None
 
     def checkpoints(self, lineage: str = "current", *, with_paths: bool = True) -> list[CheckpointInfo]:
         """Committed checkpoints: of the current lineage ("current"), of every lineage ("all"),
@@ -469,7 +398,7 @@ class CheckpointRoot:
                 "the damaged ones stay on disk as they are (`txckpt verify` reports them); restore "
                 "them from a backup if you need them.",
                 self.url, describe_damaged(damaged), parent["step"], parent["lineage"], lid,
-                len(abandoned), _describe(abandoned, self.publication.naming),
+                len(abandoned), describe_checkpoints(abandoned, self.publication.naming),
             )
         elif abandoned and announce:
             log.warning("%s", rollback_warning(self.url, parent, lid, abandoned,
