@@ -19,9 +19,11 @@ import torch
 
 import txckpt
 from txckpt.errors import AdoptionInProgressError, AmbiguousCheckpointNameError
-from txckpt.gc import collect_garbage, intent_record
+from txckpt.gc import collect_garbage
+from txckpt.intents import intent_record
 from txckpt.manifest import MANIFEST_NAME, Manifest
-from txckpt.root import INTENTS_DIR, CheckpointRoot
+from txckpt.layout import INTENTS_DIR
+from txckpt.root import CheckpointRoot
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

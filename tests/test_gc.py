@@ -15,10 +15,10 @@ import uuid
 import pytest
 
 import txckpt
-from txckpt.gc import collect_garbage, pid_alive, process_start, writer_status
-from txckpt.publication import ORPHANS_DIR, TX_DIR, home_key
-from txckpt.retention import READERS_DIR, RetentionPolicy, acquire_reader_lease, retire
-from txckpt.root import INTENTS_DIR
+from txckpt.gc import collect_garbage
+from txckpt.intents import pid_alive, process_start, writer_status
+from txckpt.layout import INTENTS_DIR, ORPHANS_DIR, READERS_DIR, TX_DIR, home_key
+from txckpt.retention import RetentionPolicy, acquire_reader_lease, retire
 
 
 @pytest.fixture(autouse=True)
@@ -208,6 +208,35 @@ def test_a_commit_whose_staging_vanished_after_the_check_raises(tmp_path, monkey
         save(root, (2,))
     monkeypatch.setattr(CheckpointRoot, "commit", real)
     assert txckpt.read_manifest(fresh(root).get_last_checkpoint()).step == 1
+
+
+def test_a_crashed_adoptions_manifest_temp_files_are_reclaimed(tmp_path):
+    """A crashed adoption leaves checkpoint-N/[.]txckpt-manifest.json.<rnd>.tmp (the temp files of
+    the storage's create-if-absent and replace writes, protocol §9): gc removes them by its temp
+    rule (older than the grace period), and nothing else in the directory."""
+    root = str(tmp_path / "out")
+    ckpt = os.path.join(root, "checkpoint-3")
+    os.makedirs(ckpt)
+    open(os.path.join(ckpt, "model.bin"), "wb").write(b"weights")
+    old = [".txckpt-manifest.json.0123456789ab.tmp", "txckpt-manifest.json.ba9876543210.tmp"]
+    young = ".txckpt-manifest.json.fedcba987654.tmp"
+    user = "notes.0123456789ab.tmp"  # a user's file: not a temp of a manifest write
+    for name in old + [young, user]:
+        open(os.path.join(ckpt, name), "wb").write(b"{}")
+    for name in old + [user]:
+        os.utime(os.path.join(ckpt, name), (time.time() - 7200, time.time() - 7200))
+    report = collect_garbage(fresh(root), grace_seconds=3600)
+    assert sorted(k for k in kinds(report) if k[0] == "temp") == sorted(("temp", f"checkpoint-3/{n}") for n in old)
+    assert sorted(os.listdir(ckpt)) == sorted([young, user, "model.bin"])
+    # A dry run of a txckpt root reports them the same way (after adoption, in the adopted checkpoint).
+    txckpt.CheckpointRoot(root).adopt()
+    os.remove(os.path.join(ckpt, young))
+    stale = os.path.join(ckpt, "txckpt-manifest.json.aaaaaaaaaaaa.tmp")
+    open(stale, "wb").write(b"{}")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    report = collect_garbage(fresh(root), grace_seconds=3600, dry_run=True)
+    assert [k for k in kinds(report) if k[0] == "temp"] == [("temp", "checkpoint-3/" + os.path.basename(stale))]
+    assert os.path.exists(stale)
 
 
 def test_stale_intents_tmp_files_and_orphans(tmp_path):

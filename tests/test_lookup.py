@@ -12,7 +12,7 @@ from txckpt import log as commit_log
 from txckpt.errors import LookupRaceError, RootNotFoundError
 from txckpt.gc import collect_garbage
 from txckpt.lineage import ref
-from txckpt.publication import home_key
+from txckpt.layout import home_key
 from txckpt.retention import RetentionPolicy, apply_retention
 
 

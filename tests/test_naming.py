@@ -11,7 +11,8 @@ import pytest
 
 import txckpt
 from txckpt.errors import IntegrityError, InvalidArgumentError, NamingConflictError
-from txckpt.naming import DEFAULT, NAMING_KEY, Naming, record_naming, split_name
+from txckpt.layout import NAMING_KEY
+from txckpt.naming import DEFAULT, Naming, record_naming, split_name
 
 
 def _named_root(path: str, prefix: str = "checkpoint_") -> txckpt.CheckpointRoot:
@@ -102,3 +103,28 @@ def test_split_name():
     assert split_name("checkpoint-00500") == (DEFAULT, 500)
     with pytest.raises(InvalidArgumentError, match="step number"):
         split_name("final")
+
+
+def test_layout_parses_checkpoint_names_one_way():
+    """layout.parse_checkpoint_name is the one parse of ``checkpoint-N`` (gc, lookup, retention,
+    naming): zero padding gives the step; a number no step can be (>= 2**63, or thousands of
+    digits) is no checkpoint name, and is not parsed into a huge int."""
+    from txckpt.layout import is_url, parse_checkpoint_name
+
+    assert parse_checkpoint_name("checkpoint-500") == 500
+    assert parse_checkpoint_name("checkpoint-00500") == 500
+    assert parse_checkpoint_name("checkpoint-0") == 0
+    assert parse_checkpoint_name(f"checkpoint-{2**63 - 1}") == 2**63 - 1
+    assert parse_checkpoint_name(f"checkpoint-{2**63}") is None
+    assert parse_checkpoint_name("checkpoint-" + "9" * 5000) is None
+    assert parse_checkpoint_name("checkpoint-" + "0" * 30 + "7") == 7
+    for bad in ("checkpoint-", "checkpoint--1", "checkpoint-1a", "checkpoint-\u0663", "checkpoint_5", "x-5"):
+        assert parse_checkpoint_name(bad) is None, bad
+    assert parse_checkpoint_name("checkpoint_5", "checkpoint_") == 5
+    assert DEFAULT.step_of("checkpoint-" + "9" * 5000) is None
+    assert Naming("checkpoint_").step_of("checkpoint_0012") == 12
+    # One answer to "is this a URL" (a :: chain is one, with or without ://).
+    for url in ("s3://b/x", "file:///tmp/x", "simplecache::s3://b/x", "memory::x"):
+        assert is_url(url), url
+    for local in ("/tmp/x", "out/checkpoint-3", "a:b"):
+        assert not is_url(local), local

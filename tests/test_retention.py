@@ -207,7 +207,8 @@ def test_a_deleter_whose_clock_runs_ahead_does_not_undercut_a_live_lease(any_roo
     retire and delete the leased checkpoint nor remove the lease, while it has 1 minute left."""
     import time
 
-    from txckpt.retention import READERS_DIR, lease_clock_skew
+    from txckpt.layout import READERS_DIR
+    from txckpt.retention import lease_clock_skew
 
     save(any_root, (1, 2, 3))
     reader = fresh(any_root)
@@ -231,7 +232,8 @@ def test_a_deleter_whose_clock_runs_ahead_does_not_undercut_a_live_lease(any_roo
 
 def test_a_lease_is_refused_once_retired_and_not_left_behind(tmp_path):
     from txckpt.errors import CheckpointNotFoundError
-    from txckpt.retention import READERS_DIR, read_leases
+    from txckpt.layout import READERS_DIR
+    from txckpt.retention import read_leases
 
     root = str(tmp_path / "out")
     save(root, (1, 2, 3))

@@ -17,8 +17,7 @@ import pytest
 
 import txckpt
 from txckpt.gc import collect_garbage
-from txckpt.publication import TX_DIR, home_key
-from txckpt.root import INTENTS_DIR
+from txckpt.layout import INTENTS_DIR, TX_DIR, home_key
 
 BIG = 4 << 20  # the killed save's staged bytes
 

@@ -24,26 +24,22 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import checksum, progress
 from .errors import AdoptionInProgressError, AmbiguousCheckpointNameError, ManifestError
+from .layout import ADOPT_INTENT_PREFIX, MANIFEST_NAME, adopt_intent_id, adopted_txid, intent_key, is_manifest_temp
 from .lineage import State, ref
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, kind_for_name
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .root import CheckpointRoot
+from .manifest import FileEntry, Manifest, kind_for_name
+from .publication import Root
 
 log = logging.getLogger("txckpt")
 
-#: Temp files of txckpt's own atomic writes of a manifest (a crashed adoption's): not user data.
-_MANIFEST_TMP_RE = re.compile(r"^\.?" + re.escape(MANIFEST_NAME) + r"\.[0-9a-f]{12}\.tmp$")
-INTENT_PREFIX = "adopt-"
+INTENT_PREFIX = ADOPT_INTENT_PREFIX  # the name tests and tools know it by
 
 
-def legacy_dirs(root: "CheckpointRoot") -> list[tuple[int, str]]:
+def legacy_dirs(root: Root) -> list[tuple[int, str]]:
     """(step, directory name) of every ``checkpoint-N`` at the root's top level, by step; the name
     is the one found (``checkpoint-00500`` stays that: transformers accepts ``^checkpoint-(\\d+)$``).
     Two names for one step: :class:`AmbiguousCheckpointNameError` naming both."""
@@ -71,12 +67,13 @@ class _Dir:
     newest: float
 
 
-def _hash_dir(root: "CheckpointRoot", step: int, key: str) -> _Dir:
+def _hash_dir(root: Root, step: int, key: str) -> _Dir:
     s = root.storage
     files: dict[str, FileEntry] = {}
     newest = 0.0
     for name, _size in s.walk_files(key):
-        if name == MANIFEST_NAME or _MANIFEST_TMP_RE.match(name):
+        # Temp files of txckpt's own atomic writes of a manifest (a crashed adoption's): not user data.
+        if name == MANIFEST_NAME or is_manifest_temp(name):
             continue
         if s.is_symlink_escape(f"{key}/{name}"):
             log.warning("adoption skips %s/%s, a symlink out of the root", key, name)
@@ -100,7 +97,7 @@ def plan_adoption(dirs: list[_Dir]) -> tuple[str, list[Manifest]]:
     manifests = []
     parent = None
     for d in dirs:
-        m = Manifest(f"adopted-{d.step}-{lid}", lid, d.step, parent, d.files, d.newest, adopted=True)
+        m = Manifest(adopted_txid(d.step, lid), lid, d.step, parent, d.files, d.newest, adopted=True)
         m.encode()  # sets the digest
         manifests.append(m)
         parent = ref(lid, d.step, m.txid, d.key, m.digest)
@@ -111,11 +108,11 @@ class _Lost(Exception):
     """Entry 0 exists: another adopter (or a save) won."""
 
 
-def _other_live_adopters(root: "CheckpointRoot", lid: str) -> list[str]:
+def _other_live_adopters(root: Root, lid: str) -> list[str]:
     """Live adopters of other bytes (another lineage id), from their intents."""
     import time
 
-    from .gc import read_intents, writer_status
+    from .intents import read_intents, writer_status
 
     out = []
     for name, intent in read_intents(root.storage).items():
@@ -127,11 +124,10 @@ def _other_live_adopters(root: "CheckpointRoot", lid: str) -> list[str]:
     return out
 
 
-def adopt(root: "CheckpointRoot") -> str | None:
+def adopt(root: Root) -> str | None:
     """Adopt the legacy root; returns the new lineage id, or None if there was nothing to adopt or
     another process adopted it first (the caller then continues against the winner's state)."""
-    from .gc import intent_record
-    from .root import INTENTS_DIR
+    from .intents import intent_record
 
     if root.state().seq >= 0:
         return None
@@ -148,9 +144,10 @@ def adopt(root: "CheckpointRoot") -> str | None:
         return None
     lid, manifests = plan_adoption(dirs)
     s = root.storage
-    intent_key = f"{INTENTS_DIR}/{INTENT_PREFIX}{lid}.{root.session}.json"
-    s.replace(intent_key, json.dumps(intent_record(
-        {"txid": f"{INTENT_PREFIX}{lid}.{root.session}", "step": dirs[-1].step, "lineage": lid}, 1)).encode())
+    intent_id = adopt_intent_id(lid, root.session)
+    intent = intent_key(intent_id)
+    s.replace(intent, json.dumps(intent_record(
+        {"txid": intent_id, "step": dirs[-1].step, "lineage": lid}, 1)).encode())
     try:
         stale = []
         for d, m in zip(dirs, manifests):
@@ -179,10 +176,10 @@ def adopt(root: "CheckpointRoot") -> str | None:
         return None
     finally:
         try:
-            s.delete_file(intent_key)
+            s.delete_file(intent)
         except OSError as e:  # the outcome stands; gc removes an intent whose writer is gone
             log.warning("could not delete the adoption intent %s (%s); `txckpt gc` removes it",
-                        intent_key, e)
+                        intent, e)
     log.warning(
         "adopted %d checkpoint(s) of %s written without txckpt (steps %s) as lineage %s; "
         "their checksums were computed now, so damage done before adoption cannot be detected.",
@@ -191,7 +188,7 @@ def adopt(root: "CheckpointRoot") -> str | None:
     return lid
 
 
-def _create_or_match(root: "CheckpointRoot", key: str, m: Manifest) -> bool:
+def _create_or_match(root: Root, key: str, m: Manifest) -> bool:
     """Create ``key``'s manifest if absent. True if ``key`` now holds ``m`` (created, or an
     identical one there already); False if it holds another one (left for the caller)."""
     s = root.storage
@@ -209,8 +206,8 @@ def _create_or_match(root: "CheckpointRoot", key: str, m: Manifest) -> bool:
     return there.digest == m.digest
 
 
-def _append_adopt_entry(root: "CheckpointRoot", lid: str, dirs: list[_Dir], manifests: list[Manifest]) -> None:
-    records = [{"step": d.step, "txid": m.txid, "digest": m.digest, "key": d.key,
+def _append_adopt_entry(root: Root, lid: str, dirs: list[_Dir], manifests: list[Manifest]) -> None:
+    records: list[dict[str, Any]] = [{"step": d.step, "txid": m.txid, "digest": m.digest, "key": d.key,
                 "bytes": m.total_bytes, "files": len(m.files)} for d, m in zip(dirs, manifests)]
 
     def build(state: State, seq: int, now: float) -> dict[str, Any]:

@@ -4,7 +4,6 @@ the lineage a process resumed (or first saved to) is remembered across calls."""
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any, Callable, Mapping
 
 from .errors import (
@@ -19,31 +18,11 @@ from .fileio import open_regular_file
 from .manifest import MANIFEST_NAME, Manifest
 from .progress import Timer
 from .reader import RootContext
-from .root import CheckpointRoot
+# The per-process root cache is root.py's; open_root/forget_roots stay importable from here.
+from .root import CheckpointRoot, forget_roots, open_root
 from .serialization import read_object
 from .storage import LocalStorage, open_storage
 from .verify import FALLBACK_HINT, verify_checkpoint_files
-
-_roots: dict[tuple[Any, ...], CheckpointRoot] = {}
-_lock = threading.Lock()
-
-
-def open_root(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> CheckpointRoot:
-    """The process's CheckpointRoot for ``root`` (created on first use)."""
-    key = (os.getpid(), os.fspath(root) if "://" in os.fspath(root) else os.path.abspath(os.fspath(root)),
-           repr(sorted((storage_options or {}).items())))
-    with _lock:
-        r = _roots.get(key)
-        if r is None:
-            r = _roots[key] = CheckpointRoot(root, storage_options)
-        return r
-
-
-def forget_roots() -> None:
-    """Drop what this process remembers about every root (as a fresh process would start)."""
-    with _lock:
-        _roots.clear()
-
 
 def save_checkpoint(
     root: str | os.PathLike,
@@ -270,6 +249,21 @@ def verify_checkpoint(path: str | os.PathLike, *, storage_options: Mapping[str, 
     """Check every file's size and checksum (and, inside a root, the manifest against the log);
     raises IntegrityError (naming the file) on damage."""
     return _read_checkpoint(path, storage_options, None, keep_bytes=False, verify=True)[0]
+
+
+def _resume_verify(root: CheckpointRoot):
+    """The check a load makes, applied ahead of it by ``resume(on_damaged="fallback")``: every
+    file's size and checksum, and the manifest against the log (:func:`verify_checkpoint`).
+    Handed to the root (txckpt/fallback.py), which sits below this module."""
+
+    def verify(path: str) -> str:
+        verify_checkpoint(path, storage_options=root.storage_options or None)
+        return path
+
+    return verify
+
+
+CheckpointRoot.default_verify = _resume_verify
 
 
 def load_checkpoint(
@@ -523,3 +517,8 @@ def _copy_hashing(reader, out) -> tuple[int, str]:
         out.write(block)
         size += len(block)
     return size, hasher.hexdigest()
+
+
+#: open_root and forget_roots are root.py's (the per-process root cache); re-exported here.
+__all__ = ["save_checkpoint", "transaction", "get_last_checkpoint", "resume", "new_lineage", "read_manifest",
+           "verify_checkpoint", "load_checkpoint", "fetch_checkpoint", "open_root", "forget_roots"]

@@ -7,10 +7,14 @@ current lineage before it is used and, if it fails, forks from the newest checkp
 that verifies. The fork is an ordinary one (§10): the damaged checkpoints are in its abandoned
 set, kept on disk untouched, and its entry records which ones failed and why.
 
-Verification is the caller's ``verify(path) -> path``: by default the same check a load makes
-(:func:`txckpt.verify_checkpoint`, one read of the bytes); the Trainer mixin passes the download
+Verification is the caller's ``verify(path) -> path``: by default (the root's, set by
+``txckpt.api``) the same check a load makes (:func:`txckpt.verify_checkpoint`, one read of the
+bytes); the Trainer mixin passes the download
 of a remote checkpoint into its cache, which verifies on the way, so the copy it verified is the
 one it loads and nothing is downloaded twice.
+
+A plain lookup whose tip is committed but missing from storage falls back too, without
+verifying: to the newest checkpoint of the view that is present (:func:`present_fallback`).
 """
 
 from __future__ import annotations
@@ -19,12 +23,12 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import IntegrityError, InvalidArgumentError, LookupRaceError, NoIntactCheckpointError
+from .layout import home_key
 from .lineage import same_ref
-from .publication import home_key
+from .publication import LOOKUP_ATTEMPTS, Root
 
 if TYPE_CHECKING:
     from .lineage import State
-    from .root import CheckpointRoot
 
 log = logging.getLogger("txckpt")
 
@@ -40,19 +44,7 @@ def check_on_damaged(on_damaged: str) -> None:
         raise InvalidArgumentError(f"on_damaged must be one of {ON_DAMAGED}, not {on_damaged!r}")
 
 
-def default_verify(root: "CheckpointRoot") -> Verify:
-    """The check a load makes, applied ahead of it: every file's size and checksum, and the
-    manifest against the log (:func:`txckpt.verify_checkpoint`)."""
-    from .api import verify_checkpoint
-
-    def verify(path: str) -> str:
-        verify_checkpoint(path, storage_options=root.storage_options or None)
-        return path
-
-    return verify
-
-
-def _check(root: "CheckpointRoot", r: dict[str, Any], verify: Verify) -> str:
+def _check(root: Root, r: dict[str, Any], verify: Verify) -> str:
     """``verify`` applied to where committed checkpoint ``r`` is; IntegrityError if it is nowhere."""
     # A second pass sees a publication's rename that the first read straddled (§6 step 4).
     key = root.publication.locate(r) or root.publication.locate(r)
@@ -72,13 +64,11 @@ def _record(step: int, txid: str, e: IntegrityError) -> dict[str, Any]:
     return {"step": step, "txid": txid, "path": e.path, "error": f"{type(e).__name__}: {why}"[:_ERROR_CHARS]}
 
 
-def resume_intact(root: "CheckpointRoot", state: "State", verify: Verify | None) -> str | None:
+def resume_intact(root: Root, state: "State", verify: Verify) -> str | None:
     """Continue the current lineage from its newest checkpoint that verifies: claim the head if
     that is its tip, else fork from it. Returns what ``verify`` returned for it (None for a head
-    without checkpoints). Raises NoIntactCheckpointError, changing nothing, if none verifies."""
-    from .root import LOOKUP_ATTEMPTS
-
-    verify = verify or default_verify(root)
+    without checkpoints). Raises NoIntactCheckpointError, changing nothing, if none verifies.
+    ``verify``: the caller's (the root's default: txckpt.api's ``verify_checkpoint``)."""
     for _ in range(LOOKUP_ATTEMPTS):
         tip = state.head_tip
         if tip is None:
@@ -101,7 +91,7 @@ def resume_intact(root: "CheckpointRoot", state: "State", verify: Verify | None)
     )
 
 
-def _fall_back(root: "CheckpointRoot", tip: dict[str, Any], first: IntegrityError, verify: Verify) -> str:
+def _fall_back(root: Root, tip: dict[str, Any], first: IntegrityError, verify: Verify) -> str:
     history = root.history(snapshot=True)
     damaged = [_record(tip["step"], tip["txid"], first)]
     for c in reversed(history.in_view(None)):
@@ -128,3 +118,28 @@ def describe_damaged(damaged: list[dict[str, Any]]) -> str:
     return "; ".join(
         f"checkpoint-{d['step']} (txid {d['txid']}): {d['path'] or '?'} failed ({d['error']})" for d in damaged
     )
+
+
+def present_fallback(root: Root, missing: dict[str, Any]) -> str | None:
+    """The tip ``missing`` is committed, not retired, and absent from storage: the newest
+    present checkpoint of the view (newer ones first, if the log moved on meanwhile)."""
+    history = root.history()
+    for c in reversed(history.in_view(None)):
+        if c.txid == missing["txid"]:
+            continue
+        key = root.publication.locate(c.ref)
+        if key is None:
+            continue
+        if c.step < missing["step"]:
+            log.warning(
+                "the newest checkpoint of the current lineage, step %d (txid %s), is "
+                "missing from %s (deleted or renamed by hand?). Falling back to step %d. "
+                "Run `txckpt verify` to see what else is missing.",
+                missing["step"], missing["txid"], root.url, c.step,
+            )
+        return key
+    log.warning(
+        "no checkpoint of the current lineage of %s is present on storage "
+        "(deleted by hand?); starting from scratch. Run `txckpt verify`.", root.url,
+    )
+    return None

@@ -29,6 +29,8 @@ from .errors import (
     StaleLineageError,
     StepConflictError,
 )
+from .layout import checkpoint_name
+from .naming import DEFAULT as DEFAULT_NAMING, Naming
 
 
 def new_lineage_id(taken: Iterable[str] = ()) -> str:
@@ -353,7 +355,7 @@ class History:
         c = self.checkpoints.get(txid)
         if c is not None:
             self._live.get(c.lineage, {}).pop(txid, None)
-            for name in {f"checkpoint-{c.step}", (c.key or "").split("/", 1)[0]} - {""}:
+            for name in {checkpoint_name(c.step), (c.key or "").split("/", 1)[0]} - {""}:
                 self._retired_names.setdefault(name, {})[txid] = c
 
     def retired_named(self, names: Iterable[str]) -> list[Checkpoint]:
@@ -500,5 +502,60 @@ class History:
 
     def fork_points(self) -> set[str]:
         return {
-            info.parent["txid"] for info in self.state.lineages.values() if info.parent_ref is not None
+            p["txid"] for info in self.state.lineages.values() if (p := info.parent_ref) is not None
         }
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint as users see it."""
+
+    step: int
+    lineage: str
+    txid: str
+    path: str | None  # None if its data is missing
+    state: str  # "current", "abandoned", "retired"
+    time: float
+    bytes: int
+    files: int
+    adopted: bool
+    published: bool
+
+
+# ----- what a fork abandons, as the warning says it ------------------------------------------------
+def describe_checkpoints(checkpoints: list[Checkpoint], naming: Naming = DEFAULT_NAMING) -> str:
+    return ", ".join(f"{naming.public(c.step)} (lineage {c.lineage}, txid {c.txid})" for c in checkpoints)
+
+
+#: A rollback warning lists at most this many abandoned checkpoints (``txckpt log`` shows all).
+ROLLBACK_LISTED = 10
+
+
+def rollback_warning(url: str, parent: dict[str, Any] | None, lineage: str,
+                     abandoned: list[Checkpoint], *, renames: bool = True,
+                     naming: Naming = DEFAULT_NAMING) -> str:
+    """The warning a fork logs: a short first line, then indented lines, one per abandoned
+    checkpoint (the first ROLLBACK_LISTED; ``txckpt log`` lists every one). No "txckpt:"
+    prefix: the "txckpt" logger's name already says where it comes from."""
+    if parent and "step" in parent:
+        head = f"rolling back to step {parent['step']} of lineage {parent['lineage']}"
+    elif parent:
+        head = f"starting lineage {lineage} from external checkpoint {parent['external']}"
+    else:
+        head = f"starting lineage {lineage} from scratch"
+    lines = [f"{head}: new lineage {lineage} abandons {len(abandoned)} checkpoint(s)",
+             f"  root: {url}",
+             "  abandoned (kept intact and never overwritten, but no longer returned by get_last_checkpoint):"]
+    name = naming.public
+    listed = abandoned[:ROLLBACK_LISTED]
+    width = max(len(name(c.step)) for c in listed) if listed else 0
+    lines += [f"    {name(c.step).ljust(width)}  (lineage {c.lineage}, txid {c.txid})" for c in listed]
+    if len(abandoned) > ROLLBACK_LISTED:
+        lines.append(f"    ... and {len(abandoned) - ROLLBACK_LISTED} more (`txckpt log {url}` shows every one)")
+    # What happens to their paths: only rename backends publish (protocol §7). ``renames``: the
+    # storage renames directories atomically.
+    lines += (["  the new lineage's saves of the same steps get the checkpoint-N names,",
+               "  and the abandoned ones move to .txckpt/tx/<txid>/checkpoint-N"] if renames else
+              ["  nothing is moved on this object store: each stays at the path it was committed at",
+               "  (.txckpt/tx/<txid>/checkpoint-N; an adopted one at its checkpoint-N)"])
+    return "\n".join(lines)

@@ -24,17 +24,15 @@ import uuid
 from typing import Any, Callable
 
 from .errors import ConcurrentWriterError, LogCorruptError, SpecialFileError
+# The names are layout's; entry_key & co. stay importable from here, where most callers look.
+from .layout import LATEST_HINT, LOG_DIR, SNAPSHOT_DIR, entry_key, snapshot_key
 from .lineage import History, State
 from .storage.base import Storage
 
-META_DIR = ".txckpt"
-LOG_DIR = f"{META_DIR}/log"
-LATEST_HINT = f"{META_DIR}/latest"
 FORMAT = "txckpt-log/2"
 #: The format before entries stopped carrying every lineage's record; read, never written.
 FORMAT_V1 = "txckpt-log/1"
 _FORMATS = (FORMAT, FORMAT_V1)
-SNAPSHOT_DIR = f"{META_DIR}/snapshots"
 SNAPSHOT_FORMAT = "txckpt-snapshot/2"
 #: Snapshots of /1 logs, which took the state from their entry; read, never written.
 SNAPSHOT_FORMAT_V1 = "txckpt-snapshot/1"
@@ -45,14 +43,6 @@ _SNAPSHOT_TRIES = 3
 
 _log = logging.getLogger("txckpt")
 _MAX_APPEND_ATTEMPTS = 64
-
-
-def entry_key(seq: int) -> str:
-    return f"{LOG_DIR}/{seq:020d}.json"
-
-
-def snapshot_key(seq: int) -> str:
-    return f"{SNAPSHOT_DIR}/{seq:020d}.json"
 
 
 def writer_identity() -> dict[str, Any]:
@@ -309,7 +299,7 @@ def read_snapshot(storage: Storage, seq: int) -> History | None:
     except SpecialFileError as e:
         data, problem = b"", f"it is a {e.kind}, not a regular file"
     try:
-        snap = json.loads(data) if problem is None else None
+        snap: Any = json.loads(data) if problem is None else None
         if problem is not None:
             pass
         elif not isinstance(snap, dict) or snap.get("format") not in (SNAPSHOT_FORMAT, SNAPSHOT_FORMAT_V1) \

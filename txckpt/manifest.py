@@ -13,9 +13,9 @@ from typing import Any, Iterable
 
 from . import checksum
 from .errors import InvalidArgumentError, ManifestError, UnsafePathError
+from .layout import MANIFEST_NAME  # every name under a root is layout's; importable from here as before
 from .storage.base import check_relative_key
 
-MANIFEST_NAME = "txckpt-manifest.json"
 FORMAT = "txckpt-manifest/1"
 
 #: How load_checkpoint turns a file back into an object.

@@ -16,10 +16,11 @@ import re
 from dataclasses import dataclass
 
 from .errors import InvalidArgumentError, NamingConflictError
+from .layout import CHECKPOINT_PREFIX, NAMING_KEY, entry_key, parse_checkpoint_name
 
-NAMING_KEY = ".txckpt/naming"
 NAMING_FORMAT = "txckpt-naming/1"
-DEFAULT_PREFIX = "checkpoint-"
+#: The fixed name is layout's (homes always use it); the prefix a root chooses is this module's.
+DEFAULT_PREFIX = CHECKPOINT_PREFIX
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_+=,@-][A-Za-z0-9_.+=,@-]*$")
 
 
@@ -30,13 +31,13 @@ class Naming:
     def __post_init__(self) -> None:
         check_prefix(self.prefix)
 
-    def public(self, step: int) -> str:
+    def public(self, step: int | str) -> str:  # a str: "N", in messages
         return f"{self.prefix}{step}"
 
     def step_of(self, name: str) -> int | None:
-        """N if ``name`` is ``<prefix>N`` (``checkpoint-00500`` is 500), else None."""
-        rest = name[len(self.prefix):] if name.startswith(self.prefix) else ""
-        return int(rest) if rest.isascii() and rest.isdigit() else None
+        """N if ``name`` is ``<prefix>N`` (``checkpoint-00500`` is 500), else None (also for a
+        number no step can be: layout.parse_step)."""
+        return parse_checkpoint_name(name, self.prefix)
 
     def encode(self) -> bytes:
         return json.dumps({"format": NAMING_FORMAT, "prefix": self.prefix}, sort_keys=True).encode()
@@ -89,8 +90,6 @@ def record_naming(storage, naming: Naming, *, durable: bool) -> Naming:
     naming another prefix, or a log without the file: the default)."""
     recorded = read_naming(storage)
     if recorded is None:
-        from .log import entry_key
-
         if storage.exists(entry_key(0)):
             recorded = DEFAULT
         elif naming != DEFAULT:

@@ -10,6 +10,11 @@ Two strategies, chosen by the storage's ``atomic_dir_rename``:
 * :class:`InPlacePublication` (object stores): a checkpoint stays where it was written, since a
   "rename" there is a copy. Its path is its home.
 
+This module is the only one that knows where a checkpoint lives: its final key
+(:meth:`~InPlacePublication.final_key`), publishing and unpublishing it, and removing a retired
+one (:meth:`~InPlacePublication.remove`); nothing above ``storage/`` but :func:`publication_for`
+reads ``atomic_dir_rename``.
+
 Publication is derived state: the log alone says what is committed, and where a checkpoint is
 can always be found from its txid, so a crash between two renames loses nothing; the next
 publication (or ``txckpt gc``) completes it.
@@ -19,27 +24,61 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-import uuid
-from typing import Any
+import posixpath
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 from .errors import SpecialFileError
-from .manifest import MANIFEST_NAME
+# TX_DIR, ORPHANS_DIR and home_key are layout's; importable from here as before.
+from .layout import MANIFEST_NAME, ORPHANS_DIR, TX_DIR, entry_key, home_key, orphan_key, retiring_key, tx_key
 from .naming import DEFAULT, Naming, read_naming
 from .storage.base import Storage
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .lineage import Checkpoint, History, State
+
 log = logging.getLogger("txckpt")
 
-TX_DIR = ".txckpt/tx"
-ORPHANS_DIR = ".txckpt/orphans"
+#: How many times a lookup follows a tip that was retired and deleted under it (protocol §6 step 4).
+LOOKUP_ATTEMPTS = 16
+
+
+class Root(Protocol):
+    """What the modules below the root facade (adoption, fallback, intents, retention, gc) use of
+    a :class:`txckpt.root.CheckpointRoot`: they take this instead of importing root.py, so
+    imports run downward only."""
+
+    storage: Storage
+    storage_options: dict[str, Any]
+    durable: bool
+    session: str
+    staging_reclaimed: bool
+
+    @property
+    def publication(self) -> "InPlacePublication": ...
+
+    @property
+    def url(self) -> str: ...
+
+    def state(self) -> "State": ...
+
+    def history(self, *, snapshot: bool = False) -> "History": ...
+
+    def append_entry(self, build: Callable[..., dict[str, Any]], *, start: "State | None" = None,
+                     update_hint: bool = True, on_full: Any = None) -> dict[str, Any]: ...
+
+    def describe(self, chosen: "Iterable[Checkpoint]", *, with_paths: bool = True,
+                 history: "History | None" = None) -> list[Any]: ...
+
+    def reconcile_publication(self, history: "History | None" = None, *, publish: bool = True) -> list[str]: ...
+
+    def _claim(self, state: "State") -> None: ...
+
+    def _fork(self, parent: dict[str, Any] | None, history: "History", reason: str, *, announce: bool = True,
+              damaged: list[dict[str, Any]] | None = None) -> str: ...
 
 
 def public_key(step: int, naming: Naming = DEFAULT) -> str:
     return naming.public(step)
-
-
-def home_key(txid: str, step: int) -> str:
-    return f"{TX_DIR}/{txid}/checkpoint-{step}"
 
 
 def manifest_txid(storage: Storage, key: str) -> str | None:
@@ -56,7 +95,17 @@ def manifest_txid(storage: Storage, key: str) -> str | None:
         return ""
 
 
+#: ``txid -> (ref of that committed checkpoint, whether it is current)``, or None if the log has not
+#: committed it: what a deletion that caught another checkpoint needs to put it back.
+Resolve = Callable[[str | None], "tuple[dict[str, Any], bool] | None"]
+
+
 class InPlacePublication:
+    """Object stores: a checkpoint stays where it was written (its home, or an adopted key)."""
+
+    #: Whether committed checkpoints get public names (moved there from their homes).
+    publishes = False
+
     def __init__(self, storage: Storage, durable: bool = True):
         self.storage = storage
         self.durable = durable
@@ -72,12 +121,10 @@ class InPlacePublication:
             found = read_naming(self.storage)
             if found is not None:
                 self._naming = found
+            elif self.storage.exists(entry_key(0)):
+                self._naming = DEFAULT
             else:
-                from .log import entry_key
-
-                if self.storage.exists(entry_key(0)):
-                    self._naming = DEFAULT
-                return DEFAULT
+                return DEFAULT  # not fixed yet: read again next time
         return self._naming
 
     @naming.setter
@@ -113,8 +160,120 @@ class InPlacePublication:
     def publish_missing(self, refs: list[dict[str, Any]]) -> list[str]:
         return []
 
+    def misplaced(self, keep: set[str], known: set[str]) -> list[tuple[str, str]]:
+        """(public name, txid) of what :meth:`unpublish` would move back (a dry run)."""
+        return []
+
+    def unpublished(self, refs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The refs of ``refs`` whose data is present but lacks its public name."""
+        return []
+
+    def final_key(self, step: int, staging_key: str) -> str:
+        """Where a save of ``step`` staged at ``staging_key`` will be once committed."""
+        return staging_key
+
+    def _out_of_sight(self, ref: dict[str, Any], key: str, resolve: Resolve) -> str | None:
+        """The key to delete committed checkpoint ``ref`` (found at ``key``) from; None: look again.
+        Here: where it is (its manifest goes first, so a partly deleted one is never taken for
+        committed)."""
+        return key
+
+    def remove(self, ref: dict[str, Any], resolve: Resolve) -> list[str]:
+        """Delete the data of committed (retired) checkpoint ``ref``; returns the keys removed.
+        Safe to repeat after a crash (protocol §11). ``resolve``: see :data:`Resolve`."""
+        s = self.storage
+        removed: list[str] = []
+        txdir = tx_key(ref["txid"])
+        for _ in range(16):
+            key = self.locate(ref)
+            if key is None:
+                break
+            target = self._out_of_sight(ref, key, resolve)
+            if target is None:
+                continue
+            if target != key:
+                removed.append(key)
+            s.delete_file(f"{target}/{MANIFEST_NAME}")
+            s.delete_tree(target)
+            if target not in removed:
+                removed.append(target)
+        if s.exists(txdir):
+            s.delete_tree(txdir)
+            if txdir not in removed:
+                removed.append(txdir)
+        return removed
+
 
 class RenamePublication(InPlacePublication):
+    """Rename backends (local disks): committed checkpoints of the current lineage are renamed
+    from their homes to their public names, and back when they lose them."""
+
+    publishes = True
+
+    def final_key(self, step: int, staging_key: str) -> str:
+        return self.public_key(step)
+
+    def misplaced(self, keep: set[str], known: set[str]) -> list[tuple[str, str]]:
+        out = []
+        naming = self.naming
+        for name in self.storage.list_dir(""):
+            if naming.step_of(name) is not None:
+                occupant = manifest_txid(self.storage, name)
+                if occupant and occupant in known and occupant not in keep:
+                    out.append((name, occupant))
+        return out
+
+    def unpublished(self, refs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
+        for r in refs:
+            key = self.locate(r)
+            if key is not None and key != self.public_key(r["step"]):
+                out.append(r)
+        return out
+
+    def _out_of_sight(self, ref: dict[str, Any], key: str, resolve: Resolve) -> str | None:
+        """A published ``checkpoint-N`` (or an adopted checkpoint's own directory) is first
+        renamed to ``.txckpt/tx/<txid>/retiring-<rnd>``, so no reader ever sees a half-deleted
+        ``checkpoint-N``."""
+        s = self.storage
+        txdir = tx_key(ref["txid"])
+        if key.startswith(txdir + "/"):
+            return key
+        # A concurrent publication may put another checkpoint under this name between locate
+        # and rename: the rename target is private, and whatever was moved is checked before
+        # anything is deleted.
+        aside = retiring_key(ref["txid"])
+        try:
+            s.rename_noreplace(key, aside)
+        except (FileNotFoundError, FileExistsError):
+            return None
+        moved = manifest_txid(s, aside)
+        if moved != ref["txid"]:
+            self._put_back(aside, key, moved, resolve)
+            return None
+        if self.durable:
+            s.sync_dir(txdir)
+            s.sync_dir(posixpath.dirname(key))
+        return aside
+
+    def _put_back(self, aside: str, key: str, txid: str | None, resolve: Resolve) -> None:
+        """Undo a rename that caught a checkpoint other than the one being deleted (a race with a
+        publication): back to its name, or to its own home, or (not committed) to the orphans."""
+        s = self.storage
+        other = resolve(txid)
+        targets = [key]
+        if other is not None:
+            targets.append(home_key(other[0]["txid"], other[0]["step"]))
+        targets.append(orphan_key(posixpath.basename(key)))
+        for dst in targets:
+            try:
+                s.rename_noreplace(aside, dst)
+            except FileExistsError:
+                continue
+            log.warning("retention raced with a publication of %s; put it back at %s", key, dst)
+            if other is not None and dst != key and other[1]:
+                self.publish(other[0])
+            return
     def candidates(self, ref: dict[str, Any]) -> list[str]:
         keys = super().candidates(ref)
         pub = self.public_key(ref["step"])
@@ -149,9 +308,9 @@ class RenamePublication(InPlacePublication):
         if occupant:
             dst = home_key(occupant, step)
             if s.exists(dst):  # its home is taken (should not happen): keep both, aside
-                dst = f"{ORPHANS_DIR}/{pub}.{occupant}.{uuid.uuid4().hex[:8]}"
+                dst = orphan_key(pub, occupant)
         else:
-            dst = f"{ORPHANS_DIR}/{pub}.{time.strftime('%Y%m%dT%H%M%S')}.{uuid.uuid4().hex[:8]}"
+            dst = orphan_key(pub)
             log.warning(
                 "%s has no committed txckpt manifest (written by another tool?); moved it "
                 "to %s instead of overwriting it. Inspect it, then delete it or `txckpt adopt` it.",
@@ -198,3 +357,8 @@ class RenamePublication(InPlacePublication):
 def publication_for(storage: Storage, durable: bool = True) -> InPlacePublication:
     cls = RenamePublication if storage.atomic_dir_rename else InPlacePublication
     return cls(storage, durable)
+
+
+# TX_DIR, ORPHANS_DIR, home_key: re-exported for callers that import them from here (layout owns them).
+__all__ = ["Root", "LOOKUP_ATTEMPTS", "InPlacePublication", "RenamePublication", "publication_for", "public_key", "manifest_txid",
+           "home_key", "TX_DIR", "ORPHANS_DIR"]

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import IntegrityError, ManifestError
+from .layout import TX_DIR, is_url, parse_checkpoint_name, parse_step
 from .manifest import MANIFEST_NAME, Manifest
-from .publication import TX_DIR
 from .verify import FALLBACK_HINT
 
-_HOME_RE = re.compile(r"^(?P<root>.*)/" + re.escape(TX_DIR) + r"/(?P<txid>[^/]+)/checkpoint-(?P<step>\d+)$")
+_HOME_RE = re.compile(r"^(?P<root>.*)/" + re.escape(TX_DIR) + r"/(?P<txid>[^/]+)/(?P<name>[^/]+)$")
 #: ``<root>/<prefix><step>``: checkpoint-N, or a root's own naming (txckpt/naming.py), checked
 #: against the root's naming once the root is open.
 _PUBLIC_RE = re.compile(r"^(?P<root>.*)/(?P<name>[^/.][^/]*?)(?P<step>\d+)$")
@@ -47,16 +47,17 @@ class RootPath:
 def parse(path: str | os.PathLike) -> RootPath | None:
     """The root a checkpoint path lies in, judged by its shape alone (None: no root shape)."""
     p = os.fspath(path)
-    if "://" not in p:
+    if not is_url(p):
         p = os.path.abspath(os.path.expanduser(p))  # as LocalStorage reads it
     p = p.rstrip("/")
     m = _HOME_RE.match(p)
-    if m and m.group("root"):
-        return RootPath(m.group("root"), f"{TX_DIR}/{m.group('txid')}/checkpoint-{m.group('step')}",
-                        int(m.group("step")), m.group("txid"))
+    step = parse_checkpoint_name(m.group("name")) if m else None
+    if m and m.group("root") and step is not None:
+        return RootPath(m.group("root"), f"{TX_DIR}/{m.group('txid')}/{m.group('name')}", step, m.group("txid"))
     m = _PUBLIC_RE.match(p)
-    if m and m.group("root"):
-        return RootPath(m.group("root"), f"{m.group('name')}{m.group('step')}", int(m.group("step")), None)
+    step = parse_step(m.group("step")) if m else None
+    if m and m.group("root") and step is not None:
+        return RootPath(m.group("root"), f"{m.group('name')}{m.group('step')}", step, None)
     return None
 
 
@@ -107,7 +108,7 @@ class RootContext:
         if where is None:
             return None
         from . import log as commit_log
-        from .api import open_root
+        from .root import open_root
         from .storage import open_storage
 
         state = commit_log.read_state(open_storage(where.root, storage_options))

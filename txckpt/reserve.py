@@ -22,9 +22,11 @@ import os
 import uuid
 from typing import Any
 
+from .layout import RESERVE_KEY  # every name under a root is layout's
+
 log = logging.getLogger("txckpt")
 
-RESERVE_KEY = ".txckpt/reserve"
+
 #: Bytes held back: a retire entry carries the compact state (a few hundred bytes per lineage),
 #: its link may need a new block of ``log/``, and the deletion's renames a directory block or two.
 RESERVE_BYTES = max(0, int(os.environ.get("TXCKPT_RESERVE_BYTES", "") or 256 << 10))

@@ -30,23 +30,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-import posixpath
-import re
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
 from .errors import CheckpointNotFoundError, InvalidArgumentError, SpecialFileError, StorageError
 from .lineage import Checkpoint, History, State
+from .layout import READERS_DIR, TX_DIR, lease_key, parse_checkpoint_name
 from .manifest import MANIFEST_NAME, Manifest
-from .publication import TX_DIR, home_key, manifest_txid, public_key
+from .publication import Root, manifest_txid, public_key
 from .reserve import FULL, ensure_reserve, full_disk_error, release_reserve
 
 log = logging.getLogger("txckpt")
-
-READERS_DIR = ".txckpt/readers"
-_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 
 Abandoned = Union[str, int, float]
 
@@ -172,15 +167,14 @@ class RetentionPolicy:
             parts = item.replace("\\", "/").rstrip("/").split("/")
             hit = False
             for i, part in enumerate(parts[:-1]):
-                if part == "tx" and i > 0 and parts[i - 1] == ".txckpt" and i + 1 < len(parts):
+                if f"{parts[i - 1] if i > 0 else ''}/{part}" == TX_DIR and i + 1 < len(parts):
                     if parts[i + 1] in history.checkpoints:
                         out.add(parts[i + 1])
                         hit = True
             if hit:
                 continue
-            m = _CHECKPOINT_NAME.match(parts[-1]) if parts else None
-            if m:
-                step = int(m.group(1))
+            step = parse_checkpoint_name(parts[-1]) if parts else None
+            if step is not None:
                 out |= {c.txid for c in current if c.step == step}
                 # A name that is no longer the current lineage's (stale path): keep every owner.
                 if not any(c.step == step for c in current):
@@ -190,7 +184,7 @@ class RetentionPolicy:
 
 def protected_by_state(state: State) -> set[str]:
     """txids no retire entry may name: every fork point and the newest of the current lineage."""
-    out = {info.parent["txid"] for info in state.lineages.values() if info.parent_ref is not None}
+    out = {p["txid"] for info in state.lineages.values() if (p := info.parent_ref) is not None}
     tip = state.head_tip
     if tip and tip.get("txid"):
         out.add(tip["txid"])
@@ -200,7 +194,7 @@ def protected_by_state(state: State) -> set[str]:
 
 
 # ----- reader leases ---------------------------------------------------------------------------
-def acquire_reader_lease(root: Any, txid: str, seconds: float = 3600.0) -> str:
+def acquire_reader_lease(root: Root, txid: str, seconds: float = 3600.0) -> str:
     """Ask retention and gc to leave checkpoint ``txid`` alone for ``seconds``. Returns the lease
     key, for :func:`release_reader_lease`. Expired leases are ignored (and removed by gc).
 
@@ -214,7 +208,7 @@ def acquire_reader_lease(root: Any, txid: str, seconds: float = 3600.0) -> str:
     """
     if not isinstance(txid, str) or not txid or "/" in txid:
         raise InvalidArgumentError(f"txid must be a plain txid string, not {txid!r}")
-    key = f"{READERS_DIR}/{txid}.{uuid.uuid4().hex[:12]}.json"
+    key = lease_key(txid)
     record = {"txid": txid, "expires": time.time() + float(seconds), "pid": os.getpid()}
     root.storage.replace(key, json.dumps(record).encode())
     try:
@@ -239,7 +233,7 @@ def acquire_reader_lease(root: Any, txid: str, seconds: float = 3600.0) -> str:
     return key
 
 
-def _drop_lease(root: Any, key: str) -> None:
+def _drop_lease(root: Root, key: str) -> None:
     try:
         root.storage.delete_file(key)
     except FileNotFoundError:
@@ -248,7 +242,7 @@ def _drop_lease(root: Any, key: str) -> None:
         log.warning("could not remove the refused reader lease %s", key, exc_info=True)
 
 
-def release_reader_lease(root: Any, key: str) -> None:
+def release_reader_lease(root: Root, key: str) -> None:
     root.storage.delete_file(key)
 
 
@@ -292,7 +286,7 @@ def read_leases(storage: Any, now: float | None = None) -> tuple[set[str], list[
 
 
 # ----- applying a policy -----------------------------------------------------------------------
-def _resolve_paths(root: Any, items: Iterable[str]) -> set[str]:
+def _resolve_paths(root: Root, items: Iterable[str]) -> set[str]:
     """keep_best paths that name a checkpoint under this root -> the txid in its manifest."""
     out = set()
     for item in items:
@@ -305,7 +299,7 @@ def _resolve_paths(root: Any, items: Iterable[str]) -> set[str]:
     return out
 
 
-def _read_metrics(root: Any, history: History, metric: str) -> dict[str, float]:
+def _read_metrics(root: Root, history: History, metric: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for c in history.in_view(None):
         key = root.publication.locate(c.ref)
@@ -323,7 +317,7 @@ def _read_metrics(root: Any, history: History, metric: str) -> dict[str, float]:
     return out
 
 
-def plan_retention(root: Any, policy: RetentionPolicy, history: History | None = None,
+def plan_retention(root: Root, policy: RetentionPolicy, history: History | None = None,
                    *, now: float | None = None) -> list[Checkpoint]:
     """What ``policy`` lets go now, with leases, keep_best paths and metrics resolved."""
     history = history or root.history()
@@ -333,7 +327,7 @@ def plan_retention(root: Any, policy: RetentionPolicy, history: History | None =
     return policy.decide(history, now=now, protected=protected, metrics=metrics)
 
 
-def retire(root: Any, txids: Iterable[str], *, policy: RetentionPolicy | None = None,
+def retire(root: Root, txids: Iterable[str], *, policy: RetentionPolicy | None = None,
            decided_at: int | None = None, now: float | None = None) -> list[str]:
     """Append one ``retire`` entry naming ``txids`` (phase one). Returns the txids it retired.
 
@@ -372,77 +366,30 @@ def retire(root: Any, txids: Iterable[str], *, policy: RetentionPolicy | None = 
     return chosen
 
 
-def delete_checkpoint_data(root: Any, c: Checkpoint) -> list[str]:
+def delete_checkpoint_data(root: Root, c: Checkpoint) -> list[str]:
     """Remove a retired checkpoint's data (phase two). Returns the keys removed.
 
     Local roots: a published ``checkpoint-N`` (or an adopted checkpoint's own directory) is first
     renamed into ``.txckpt/tx/<txid>/``, so no reader ever sees a half-deleted ``checkpoint-N``;
     then ``.txckpt/tx/<txid>`` goes. Object stores: the manifest is deleted first, so a partly
-    deleted checkpoint is never taken for a committed one. Safe to repeat after a crash.
+    deleted checkpoint is never taken for a committed one. Safe to repeat after a crash. Where
+    the data is, and how it leaves, is the publication's (:meth:`InPlacePublication.remove`).
 
     Only call it for a txid the log has retired.
     """
-    s = root.storage
-    removed: list[str] = []
-    txdir = f"{TX_DIR}/{c.txid}"
-    for _ in range(16):
-        key = root.publication.locate(c.ref)
-        if key is None:
-            break
-        if s.atomic_dir_rename and not key.startswith(txdir + "/"):
-            # Move it out of sight first. A concurrent publication may put another checkpoint
-            # under this name between locate and rename: the rename target is private, and
-            # whatever we moved is checked before anything is deleted.
-            aside = f"{txdir}/retiring-{uuid.uuid4().hex[:8]}"
-            try:
-                s.rename_noreplace(key, aside)
-            except (FileNotFoundError, FileExistsError):
-                continue
-            moved = manifest_txid(s, aside)
-            if moved != c.txid:
-                _put_back(root, aside, key, moved)
-                continue
-            if root.durable:
-                s.sync_dir(txdir)
-                s.sync_dir(posixpath.dirname(key))
-            removed.append(key)
-            key = aside
-        s.delete_file(f"{key}/{MANIFEST_NAME}")
-        s.delete_tree(key)
-        if key not in removed:
-            removed.append(key)
-    if s.exists(txdir):
-        s.delete_tree(txdir)
-        if txdir not in removed:
-            removed.append(txdir)
-    return removed
+
+    def resolve(txid: str | None) -> tuple[dict[str, Any], bool] | None:
+        # A rename caught another checkpoint (a race with a publication): is it committed, and current?
+        history = root.history()
+        other = history.checkpoints.get(txid or "")
+        if other is None:
+            return None
+        return other.ref, other.txid in {x.txid for x in history.in_view(None, include_retired=True)}
+
+    return root.publication.remove(c.ref, resolve)
 
 
-def _put_back(root: Any, aside: str, key: str, txid: str | None) -> None:
-    """Undo a rename that caught a checkpoint other than the one being deleted (a race with a
-    publication): back to its name, or to its own home, or (not committed) to the orphans."""
-    from .publication import ORPHANS_DIR
-
-    s = root.storage
-    history = root.history()
-    other = history.checkpoints.get(txid or "")
-    targets = [key]
-    if other is not None:
-        targets.append(home_key(other.txid, other.step))
-    targets.append(f"{ORPHANS_DIR}/{posixpath.basename(key)}.{time.strftime('%Y%m%dT%H%M%S')}.{uuid.uuid4().hex[:8]}")
-    for dst in targets:
-        try:
-            s.rename_noreplace(aside, dst)
-        except FileExistsError:
-            continue
-        log.warning("retention raced with a publication of %s; put it back at %s", key, dst)
-        current = {x.txid for x in history.in_view(None, include_retired=True)}
-        if other is not None and dst != key and other.txid in current:
-            root.publication.publish(other.ref)
-        return
-
-
-def apply_retention(root: Any, policy: RetentionPolicy, *, dry_run: bool = False,
+def apply_retention(root: Root, policy: RetentionPolicy, *, dry_run: bool = False,
                     now: float | None = None) -> list[Any]:
     """Retire and delete what ``policy`` lets go; returns their :class:`~txckpt.CheckpointInfo`
     as it was before (state "current" or "abandoned"). ``dry_run`` only reports. Also finishes
@@ -459,7 +406,7 @@ def apply_retention(root: Any, policy: RetentionPolicy, *, dry_run: bool = False
     return [infos[c.txid] for c in going if c.txid in retired and c.txid in infos]
 
 
-def rewind(root: Any, keep: str, *, now: float | None = None) -> list[Checkpoint]:
+def rewind(root: Root, keep: str, *, now: float | None = None) -> list[Checkpoint]:
     """Make committed checkpoint ``keep`` (a txid, or a path under the root) of the current
     lineage its newest, and let go of the newer ones; returns the checkpoints retired.
 
@@ -506,7 +453,7 @@ def rewind(root: Any, keep: str, *, now: float | None = None) -> list[Checkpoint
     return gone
 
 
-def retired_present(root: Any, history: History | None = None) -> list[Checkpoint]:
+def retired_present(root: Root, history: History | None = None) -> list[Checkpoint]:
     """Retired checkpoints whose data (or an empty ``.txckpt/tx/<txid>``) is still on storage.
 
     Retention runs after every save and a long run retires thousands of checkpoints, so this
@@ -540,7 +487,7 @@ def retired_present(root: Any, history: History | None = None) -> list[Checkpoin
         key=lambda c: history.retired[c.txid])
 
 
-def finish_retired(root: Any, *, now: float | None = None) -> list[Checkpoint]:
+def finish_retired(root: Root, *, now: float | None = None) -> list[Checkpoint]:
     """Delete the data of every retired checkpoint still present, except leased ones.
 
     The retired set is read first and the leases after it (as ``collect_garbage`` does): a

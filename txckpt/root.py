@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
-import re
+import threading
 import uuid
-from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 from . import log as commit_log
 from . import progress
@@ -25,18 +24,25 @@ from .errors import (
     RootNotFoundError,
     StepConflictError,
 )
-from .lineage import Checkpoint, History, State, new_lineage_id, ref, same_ref
+from .layout import INTENTS_DIR, TX_DIR, home_key, intent_key, is_url, new_txid, parse_checkpoint_name
+# The fork warnings are lineage.py's (what a fork abandons).
+from .lineage import (  # CheckpointInfo: importable from here, as txckpt/__init__ does
+    Checkpoint,
+    CheckpointInfo,
+    History,
+    State,
+    describe_checkpoints,
+    new_lineage_id,
+    ref,
+    rollback_warning,
+    same_ref,
+)
 from .manifest import MANIFEST_NAME, Manifest
-from .naming import DEFAULT as DEFAULT_NAMING, Naming
-from .publication import TX_DIR, home_key, publication_for
+# LOOKUP_ATTEMPTS lives below the root (fallback follows retired tips too); importable from here.
+from .publication import LOOKUP_ATTEMPTS, publication_for
 from .storage import Storage, open_storage
 
 log = logging.getLogger("txckpt")
-
-INTENTS_DIR = ".txckpt/intents"
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-#: How many times a lookup follows a tip that was retired and deleted under it (§6 step 4).
-LOOKUP_ATTEMPTS = 16
 
 
 def durable_default() -> bool:
@@ -44,66 +50,13 @@ def durable_default() -> bool:
     return os.environ.get("TXCKPT_DURABLE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def new_txid(step: int, lineage: str) -> str:
-    return f"{step}-{lineage}-{uuid.uuid4().hex[:10]}"
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A committed checkpoint as users see it."""
-
-    step: int
-    lineage: str
-    txid: str
-    path: str | None  # None if its data is missing
-    state: str  # "current", "abandoned", "retired"
-    time: float
-    bytes: int
-    files: int
-    adopted: bool
-    published: bool
-
-
-def _describe(checkpoints: list[Checkpoint], naming: Naming = DEFAULT_NAMING) -> str:
-    return ", ".join(f"{naming.public(c.step)} (lineage {c.lineage}, txid {c.txid})" for c in checkpoints)
-
-
-#: A rollback warning lists at most this many abandoned checkpoints (``txckpt log`` shows all).
-ROLLBACK_LISTED = 10
-
-
-def rollback_warning(url: str, parent: dict[str, Any] | None, lineage: str,
-                     abandoned: list[Checkpoint], *, renames: bool = True,
-                     naming: Naming = DEFAULT_NAMING) -> str:
-    """The warning a fork logs: a short first line, then indented lines, one per abandoned
-    checkpoint (the first ROLLBACK_LISTED; ``txckpt log`` lists every one). No "txckpt:"
-    prefix: the "txckpt" logger's name already says where it comes from."""
-    if parent and "step" in parent:
-        head = f"rolling back to step {parent['step']} of lineage {parent['lineage']}"
-    elif parent:
-        head = f"starting lineage {lineage} from external checkpoint {parent['external']}"
-    else:
-        head = f"starting lineage {lineage} from scratch"
-    lines = [f"{head}: new lineage {lineage} abandons {len(abandoned)} checkpoint(s)",
-             f"  root: {url}",
-             "  abandoned (kept intact and never overwritten, but no longer returned by get_last_checkpoint):"]
-    name = naming.public
-    listed = abandoned[:ROLLBACK_LISTED]
-    width = max(len(name(c.step)) for c in listed) if listed else 0
-    lines += [f"    {name(c.step).ljust(width)}  (lineage {c.lineage}, txid {c.txid})" for c in listed]
-    if len(abandoned) > ROLLBACK_LISTED:
-        lines.append(f"    ... and {len(abandoned) - ROLLBACK_LISTED} more (`txckpt log {url}` shows every one)")
-    # What happens to their paths: only rename backends publish (protocol §7). ``renames``: the
-    # storage renames directories atomically.
-    lines += (["  the new lineage's saves of the same steps get the checkpoint-N names,",
-               "  and the abandoned ones move to .txckpt/tx/<txid>/checkpoint-N"] if renames else
-              ["  nothing is moved on this object store: each stays at the path it was committed at",
-               "  (.txckpt/tx/<txid>/checkpoint-N; an adopted one at its checkpoint-N)"])
-    return "\n".join(lines)
-
-
 class CheckpointRoot:
     """One root (an output_dir or an fsspec URL) and this process's place in it."""
+
+    #: ``root -> (path -> path)``: how ``resume(on_damaged="fallback")`` checks a checkpoint when
+    #: the caller gives no ``verify``: the check a load makes (txckpt.api sets it to
+    #: ``verify_checkpoint``; the verify engine is above this module, so it is handed down).
+    default_verify: ClassVar[Callable[["CheckpointRoot"], Callable[[str], str]] | None] = None
 
     def __init__(
         self,
@@ -230,7 +183,9 @@ class CheckpointRoot:
             fresh = self.state()
             if same_ref(fresh.head_tip, tip):
                 if tip["txid"] in missed:
-                    return self._fallback_lookup(tip)
+                    from .fallback import present_fallback
+
+                    return present_fallback(self, tip)
                 missed.add(tip["txid"])
             state = fresh
         raise LookupRaceError(
@@ -262,7 +217,7 @@ class CheckpointRoot:
 
     def _warn_if_checkpoint_dir(self) -> None:
         name = self.url.rstrip("/").rsplit("/", 1)[-1]
-        if _CHECKPOINT_RE.match(name):  # both of a checkpoint's places are named so (§2)
+        if parse_checkpoint_name(name) is not None:  # both of a checkpoint's places are named so (§2)
             parent = self.url.rstrip("/")[: -len(name) - 1] or "/"
             log.warning(
                 "%s is a checkpoint directory, not a root (an output_dir): "
@@ -270,30 +225,6 @@ class CheckpointRoot:
                 "finds none in a checkpoint. Pass its parent, %s, to find the newest checkpoint; "
                 "pass this path to load_checkpoint to read this one.", self.url, parent,
             )
-
-    def _fallback_lookup(self, missing: dict[str, Any]) -> str | None:
-        """The tip ``missing`` is committed, not retired, and absent from storage: the newest
-        present checkpoint of the view (newer ones first, if the log moved on meanwhile)."""
-        history = self.history()
-        for c in reversed(history.in_view(None)):
-            if c.txid == missing["txid"]:
-                continue
-            key = self.publication.locate(c.ref)
-            if key is None:
-                continue
-            if c.step < missing["step"]:
-                log.warning(
-                    "the newest checkpoint of the current lineage, step %d (txid %s), is "
-                    "missing from %s (deleted or renamed by hand?). Falling back to step %d. "
-                    "Run `txckpt verify` to see what else is missing.",
-                    missing["step"], missing["txid"], self.url, c.step,
-                )
-            return key
-        log.warning(
-            "no checkpoint of the current lineage of %s is present on storage "
-            "(deleted by hand?); starting from scratch. Run `txckpt verify`.", self.url,
-        )
-        return None
 
     def checkpoints(self, lineage: str = "current", *, with_paths: bool = True) -> list[CheckpointInfo]:
         """Committed checkpoints: of the current lineage ("current"), of every lineage ("all"),
@@ -363,7 +294,7 @@ class CheckpointRoot:
             # Continuing the current lineage needs only the state, not the folded history: a
             # restart of a long run must not read every log entry (lookup is O(1), so is this).
             if on_damaged == "fallback":
-                return resume_intact(self, state, verify)
+                return resume_intact(self, state, verify or self._default_verify())
             found = self.get_last_checkpoint()
             if found is not None and verify is not None:
                 found = verify(found)  # before the claim: a damaged tip changes nothing
@@ -385,6 +316,12 @@ class CheckpointRoot:
                 "missing from storage; choose another step (`txckpt ls`)"
             )
         return where
+
+    def _default_verify(self) -> Callable[[str], str]:
+        make = type(self).default_verify
+        if make is None:  # pragma: no cover - txckpt/__init__ imports txckpt.api, which sets it
+            raise InvalidArgumentError('on_damaged="fallback" needs a verify function (import txckpt)')
+        return make(self)
 
     def _claim(self, state: State) -> None:
         """Take over the head lineage for this session (a restart): a job still writing it with an
@@ -442,7 +379,7 @@ class CheckpointRoot:
             fresh = self._history or history
             abandoned = fresh.abandoned_by(
                 fresh.state.after_new_lineage(seq, now, lid, parent, reason, writer=self.session), expected_head)
-            entry = {"action": "fork", "lineage": lid, "parent": parent, "reason": reason, "state": new_state}
+            entry: dict[str, Any] = {"action": "fork", "lineage": lid, "parent": parent, "reason": reason, "state": new_state}
             if damaged:
                 entry["damaged"] = damaged
             return entry
@@ -453,17 +390,19 @@ class CheckpointRoot:
         if damaged:
             from .fallback import describe_damaged
 
+            assert parent is not None  # a fallback forks from the newest intact checkpoint
+
             log.warning(
                 "the newest checkpoint(s) of %s failed verification: %s. Falling back to step "
                 "%d of lineage %s: new lineage %s abandons %d checkpoint(s): %s. Nothing was deleted: "
                 "the damaged ones stay on disk as they are (`txckpt verify` reports them); restore "
                 "them from a backup if you need them.",
                 self.url, describe_damaged(damaged), parent["step"], parent["lineage"], lid,
-                len(abandoned), _describe(abandoned, self.publication.naming),
+                len(abandoned), describe_checkpoints(abandoned, self.publication.naming),
             )
         elif abandoned and announce:
             log.warning("%s", rollback_warning(self.url, parent, lid, abandoned,
-                                               renames=self.storage.atomic_dir_rename, naming=self.publication.naming))
+                                               renames=self.publication.publishes, naming=self.publication.naming))
         try:
             self.reconcile_publication(history)
         except OSError as e:
@@ -547,6 +486,7 @@ class CheckpointRoot:
                 self._claim(state)
             state = self.state()
         lineage = self.writer_lineage
+        assert lineage is not None  # set by new_lineage or _claim just above
         info = state.lineages.get(lineage)
         if state.head != lineage or (info is not None and info.writer not in (None, self.session)):
             # Raises StaleLineageError with the full explanation.
@@ -568,7 +508,7 @@ class CheckpointRoot:
                 "writer": self.session}
 
     def clear_intent(self, txid: str) -> None:
-        self.storage.delete_file(f"{INTENTS_DIR}/{txid}.json")
+        self.storage.delete_file(intent_key(txid))
 
     def commit(self, manifest: Manifest, writer: str | None = None) -> str:
         """Append the commit entry for a staged, durable manifest, publish it and delete its
@@ -625,4 +565,27 @@ class CheckpointRoot:
         return tx.path
 
 
-__all__ = ["CheckpointRoot", "CheckpointInfo", "durable_default", "TX_DIR", "INTENTS_DIR"]
+# ----- the per-process root cache ------------------------------------------------------------------
+_roots: dict[tuple[Any, ...], CheckpointRoot] = {}
+_lock = threading.Lock()
+
+
+def open_root(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> CheckpointRoot:
+    """The process's CheckpointRoot for ``root`` (created on first use)."""
+    key = (os.getpid(), os.fspath(root) if is_url(root) else os.path.abspath(os.fspath(root)),
+           repr(sorted((storage_options or {}).items())))
+    with _lock:
+        r = _roots.get(key)
+        if r is None:
+            r = _roots[key] = CheckpointRoot(root, storage_options)
+        return r
+
+
+def forget_roots() -> None:
+    """Drop what this process remembers about every root (as a fresh process would start)."""
+    with _lock:
+        _roots.clear()
+
+
+__all__ = ["CheckpointRoot", "CheckpointInfo", "durable_default", "open_root", "forget_roots", "TX_DIR",
+           "INTENTS_DIR", "LOOKUP_ATTEMPTS"]

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO, Mapping
+from typing import Any, BinaryIO, Literal, Mapping
 
 from . import errors
 from .checksum import HashingWriter, digest_stream
@@ -27,7 +27,8 @@ from .errors import (
     UnsafePathError,
     storage_error,
 )
-from .gc import reclaim_after_save, write_intent
+from .intents import reclaim_after_save, write_intent
+from .layout import checkpoint_name, intent_key
 from .manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -123,7 +124,7 @@ class Transaction:
                 if base:
                     os.makedirs(base, exist_ok=True)
                 self._temp_root = tempfile.mkdtemp(prefix=f"txckpt-{self.txid}-", dir=base)
-                local = os.path.join(self._temp_root, f"checkpoint-{self.step}")
+                local = os.path.join(self._temp_root, checkpoint_name(self.step))
             os.makedirs(local, exist_ok=True)
             self._local_dir = local
             for name in self._written:
@@ -141,9 +142,7 @@ class Transaction:
         public name (``checkpoint-<step>``, or the root's naming) on local disks, its staging key on
         object stores."""
         self._require_open()
-        storage = self._root.storage
-        return storage.full_path(self._root.publication.public_key(self.step) if storage.atomic_dir_rename
-                                 else self.staging_key)
+        return self._root.storage.full_path(self._root.publication.final_key(self.step, self.staging_key))
 
     def _require_open(self) -> None:
         if not self._entered or self._done or self._plan is None:
@@ -219,9 +218,7 @@ class Transaction:
         """A rank other than the committer must see the intent that rank 0 wrote before it
         broadcast the plan: ranks that do not share the root (node-local disks) would
         otherwise commit a manifest naming files the committer cannot see."""
-        from .root import INTENTS_DIR
-
-        if not self._root.storage.exists(f"{INTENTS_DIR}/{plan['txid']}.json"):
+        if not self._root.storage.exists(intent_key(plan["txid"])):
             raise TransactionAbortedError(
                 f"rank {self.rank} cannot see the transaction record that rank 0 just wrote under "
                 f"{self._root.url}: the ranks do not share the checkpoint root (a node-local disk, or "
@@ -248,7 +245,7 @@ class Transaction:
 
     def save(self, name: str, obj: Any) -> None:
         """Write ``obj`` as file ``name`` by the rules of :func:`txckpt.save_checkpoint`."""
-        f = self.open(name, "wb")
+        f: Any = self.open(name, "wb")  # a _TrackedWriter (kind, abort, sink_error), typed as a BinaryIO
         try:
             kind = write_object(name, obj, f)
             f.kind = kind
@@ -279,18 +276,20 @@ class Transaction:
         if not self._temp_root:  # on a remote root tx.directory is a scratch directory of its own
             self._names.mark(name, self._root.storage.local_path(f"{self.staging_key}/{name}"))
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
+        coord, timer = self._coord, self._timer
+        assert coord is not None and timer is not None  # both set by __enter__
         try:
             report = self._rank_report(exc)
             if "files" in report:
-                self._timer.phase("data" if self.world_size == 1 else f"data (rank {self.rank})",
-                                  sum(f["size"] for f in report["files"].values()))
-            reports = self._coord.gather(report)
+                timer.phase("data" if self.world_size == 1 else f"data (rank {self.rank})",
+                            sum(f["size"] for f in report["files"].values()))
+            reports = coord.gather(report)
             outcome: dict[str, Any] = {}
-            if self._coord.is_committer:
+            if coord.is_committer:
                 outcome = self._commit_or_abort(reports or [report])
-            outcome = self._coord.broadcast(outcome)
-            if "path" in outcome and self._coord.is_committer:
+            outcome = coord.broadcast(outcome)
+            if "path" in outcome and coord.is_committer:
                 # Committed, and every rank has its path: now the session's first save reclaims
                 # what dead writers left (§8 step 12), off the other ranks' way.
                 reclaim_after_save(self._root)
@@ -353,6 +352,7 @@ class Transaction:
             try:
                 path = self._commit(reports)
                 m = self._manifest
+                assert m is not None and self._timer is not None  # _commit set it; __enter__ the timer
                 self._timer.done("saved", m.total_bytes, len(m.files), path)
                 return {"path": path}
             except Exception as e:
@@ -444,6 +444,7 @@ class Transaction:
         )
         storage.create_exclusive(f"{key}/{MANIFEST_NAME}", manifest.encode(), durable=durable)
         self._manifest = manifest
+        assert self._timer is not None  # set by __enter__
         self._timer.phase("manifest")
         with timing(self._timer):  # root.commit ends the commit and publish phases
             return self._root.commit(manifest, plan.get("writer"))  # deletes the intent too
@@ -456,6 +457,8 @@ class Transaction:
         that took this writer for dead): a path that does not hold the checkpoint is never
         returned."""
         plan = self._plan
+        if plan is None:
+            return None
         try:
             state = self._root.state()
         except Exception:
