@@ -35,26 +35,9 @@ import posixpath
 import threading
 from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
+from ..checksum import PIECE, copy_hashing
 from ..errors import UnsafePathError
-
-
-class AbortOnError:
-    """The ``with`` protocol of a writer that :meth:`Storage.open_write` returns.
-
-    Such a writer has ``close()``, which keeps what was written (durably, if asked), and
-    ``abort()``, which discards it. A ``with`` block that raises aborts instead of closing, so a
-    failed write never leaves a complete-looking file behind. List it before ``io.RawIOBase``
-    in a writer's bases: IOBase's own ``__exit__`` would ``close()``.
-    """
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()  # type: ignore[attr-defined]
-        else:
-            self.abort()  # type: ignore[attr-defined]
+from ..fileio import open_regular_file
 
 
 def join(*parts: str) -> str:
@@ -210,7 +193,7 @@ class Storage(abc.ABC):
         Contract: the key is private to the caller (a staging key), so an existing file may be
         replaced. Bytes become visible at ``close()``; with ``durable=True`` they are on stable
         storage when ``close()`` returns. ``abort()`` on the returned object discards a partial
-        upload; the object is an :class:`AbortOnError` context manager.
+        upload; the object is an :class:`~txckpt.checksum.AbortOnError` context manager.
         """
 
     @abc.abstractmethod
@@ -239,25 +222,18 @@ class Storage(abc.ABC):
 
     def upload_file(self, local_file: str, key: str, *, durable: bool) -> tuple[int, str]:
         """Copy a local file to ``key`` once, hashing on the way; returns (size, xxh3-128 hex)."""
-        from ..checksum import HashingWriter
-        from ..fileio import open_regular_file
-
-        writer = HashingWriter(self.open_write(key, durable=durable))
+        writer = self.open_write(key, durable=durable)
         ok = False
         try:
             with open_regular_file(local_file) as src:  # a FIFO there raises, never blocks
-                while True:
-                    block = src.read(16 << 20)
-                    if not block:
-                        break
-                    writer.write(block)
+                size, digest = copy_hashing(src, writer, chunk=16 << 20, piece=PIECE)
             ok = True
         finally:
             if ok:
                 writer.close()
             else:
-                writer.abort()
-        return writer.size, writer.digest
+                writer.abort()  # type: ignore[attr-defined]  # open_write's writers are AbortOnError
+        return size, digest
 
     # ----- reading -----------------------------------------------------------------------------
     @abc.abstractmethod

@@ -27,7 +27,8 @@ import sys
 import zlib
 from typing import Any, BinaryIO, Iterator
 
-from .base import AbortOnError, Storage, WriteBatch
+from ..checksum import AbortOnError
+from .base import Storage, WriteBatch
 
 #: Multipart upload tuning for S3 (see docs/remote.md for the measurements behind them).
 #: Memory held by one writer stays near ``part_size * (max_in_flight + 1)`` (see _S3Writer).
