@@ -134,6 +134,9 @@ class LocalStorage(Storage):
     def local_path(self, key: str) -> str:
         return self._p(key)
 
+    def space_reserve_path(self, key: str) -> str:
+        return self._p(key)  # a local disk fills up: the reserve holds real blocks on it
+
     def key_of(self, path: str) -> str | None:
         path = os.path.abspath(os.path.expanduser(path))
         if path == self.root:

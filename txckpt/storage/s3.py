@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator, Mapping, Sequence
 
 from .base import WriteBatch
 from .fsspec import FsspecStorage
@@ -56,6 +56,8 @@ class S3Storage(FsspecStorage):
     delete_file            1 DeleteObject
     delete_tree            ListObjectsV2 pages + DeleteObjects per 1000 keys
                            + 1 ListMultipartUploads (aborting any left under the prefix)
+    list_incomplete_...    1 ListMultipartUploads per 1000 uploads
+    abort_incomplete_...   1 AbortMultipartUpload per upload
     =====================  ==========================================================
     """
 
@@ -301,7 +303,7 @@ class S3Storage(FsspecStorage):
             self._delete_objects(batch)
         # A writer that crashed mid-upload leaves a multipart upload that S3 keeps (and bills)
         # until aborted; the staging tree is the only place txckpt starts them.
-        self._abort_uploads(prefix)
+        self.abort_incomplete_uploads(self.list_incomplete_uploads(key))
         self._fresh(key, tree=True)
 
     def _delete_objects(self, batch: list[dict]) -> None:
@@ -312,16 +314,26 @@ class S3Storage(FsspecStorage):
             raise OSError(f"S3 refused to delete {len(errors)} object(s), e.g. "
                           f"{first.get('Key')}: {first.get('Code')} {first.get('Message')}")
 
-    def _abort_uploads(self, prefix: str) -> None:
-        kwargs: dict[str, Any] = {"Prefix": prefix}
+    def list_incomplete_uploads(self, under: str = "") -> list[dict[str, Any]]:
+        """ListMultipartUploads pages below ``under`` (fresh: no cache involved)."""
+        base, kwargs = self._dir(""), {"Prefix": self._dir(under)}
+        out: list[dict[str, Any]] = []
         while True:
             page = self._call("list_multipart_uploads", **kwargs)
-            for up in page.get("Uploads", []):
-                try:
-                    self._call("abort_multipart_upload", Key=up["Key"], UploadId=up["UploadId"])
-                except FileNotFoundError:
-                    pass
+            for up in page.get("Uploads", []) or []:
+                obj = up["Key"]
+                out.append({"key": obj[len(base):] if obj.startswith(base) else obj, "object": obj,
+                            "upload_id": up["UploadId"], "initiated": up.get("Initiated")})
             if not page.get("IsTruncated"):
-                return
+                return out
             kwargs["KeyMarker"] = page.get("NextKeyMarker", "")
             kwargs["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
+
+    def abort_incomplete_uploads(self, uploads: Sequence[Mapping[str, Any]]) -> None:
+        """One AbortMultipartUpload per upload, in order."""
+        for up in uploads:
+            obj = up.get("object") or self._obj(str(up["key"]))
+            try:
+                self._call("abort_multipart_upload", Key=obj, UploadId=up["upload_id"])
+            except FileNotFoundError:
+                pass  # completed or aborted meanwhile
