@@ -15,7 +15,8 @@ import txckpt
 from txckpt.errors import StorageError, TransactionAbortedError
 from txckpt.root import CheckpointRoot
 from txckpt.storage import open_storage
-from txckpt.storage import fsspec_store as fst
+from txckpt.storage import s3 as fst
+from txckpt.storage import s3_upload
 
 pytestmark = pytest.mark.s3
 
@@ -279,6 +280,6 @@ def test_every_attempt_of_a_put_sends_the_body_from_its_start(s3, s3_server, mon
         return await real(first_fails, args=args, kwargs=kwargs, retries=retries)
 
     monkeypatch.setattr(core, "_error_wrapper", flaky)
-    sync(s3.fs.loop, fst._put_object, s3.fs, s3.bucket, s3._obj("tx/rewound.bin"), body)
+    sync(s3.fs.loop, s3_upload._put_object, s3.fs, s3.bucket, s3._obj("tx/rewound.bin"), body)
     assert len(calls) == 2
     assert s3.read_bytes("tx/rewound.bin") == data

@@ -18,7 +18,8 @@ import pytest
 
 from txckpt.checksum import digest_bytes
 from txckpt.storage import open_storage
-from txckpt.storage.fsspec_store import FsspecStorage, S3Storage
+from txckpt.storage.fsspec import FsspecStorage
+from txckpt.storage.s3 import S3Storage
 
 OBJECT_STORES = ("memory", "s3", "gcs", "azure")
 

@@ -7,11 +7,9 @@ disk. The algorithm name is recorded in every manifest so that a later format ca
 from __future__ import annotations
 
 import io
-from typing import BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import xxhash
-
-from .storage.base import AbortOnError
 
 ALGORITHM = "xxh3-128"
 _READ_CHUNK = 8 << 20
@@ -27,29 +25,82 @@ def digest_bytes(data: bytes | bytearray | memoryview) -> str:
 
 def digest_stream(stream: BinaryIO, chunk: int = _READ_CHUNK) -> tuple[int, str]:
     """Hash a readable stream to its end; returns (size, hex digest)."""
+    return copy_hashing(stream, None, chunk=chunk)
+
+
+def copy_hashing(src: BinaryIO, sink: Any = None, *, chunk: int | Callable[[], int] = _READ_CHUNK,
+                 piece: int | None = None) -> tuple[int, str]:
+    """The one hash-while-copy loop: read ``src`` to its end, hashing every byte and, with a
+    ``sink``, writing it there; returns (size, xxh3-128 hex digest). The sink is not closed.
+
+    * Without a sink the stream is read with ``readinto`` into one reused buffer of ``chunk``
+      bytes (no allocation per block).
+    * With a sink each block is a fresh ``read(chunk)`` (``chunk`` may be a callable giving the
+      next block's size, e.g. an S3 writer's next part), so a sink that keeps the ``bytes`` it
+      is given (an S3 part) need not copy them. With ``piece`` each block goes to the sink in
+      pieces of that many bytes, each hashed right before it is written: the piece is still in
+      the CPU cache when the sink copies it (one pass over memory instead of two).
+    """
     hasher = new_hasher()
     size = 0
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    readinto = getattr(stream, "readinto", None)
+    if sink is None:
+        n_buf = chunk() if callable(chunk) else chunk
+        buf = bytearray(n_buf)
+        view = memoryview(buf)
+        readinto = getattr(src, "readinto", None)
+        while True:
+            if readinto is not None:
+                n = readinto(buf)
+                if not n:
+                    break
+                hasher.update(view[:n])
+            else:
+                block = src.read(n_buf)
+                if not block:
+                    break
+                n = len(block)
+                hasher.update(block)
+            size += n
+        return size, hasher.hexdigest()
     while True:
-        if readinto is not None:
-            n = readinto(buf)
-            if not n:
-                break
-            hasher.update(view[:n])
-        else:
-            block = stream.read(chunk)
-            if not block:
-                break
-            n = len(block)
+        block = src.read(chunk() if callable(chunk) else chunk)
+        if not block:
+            break
+        if piece is None:
             hasher.update(block)
-        size += n
+            sink.write(block)
+        else:
+            whole = memoryview(block)
+            for start in range(0, len(whole), piece):
+                part = whole[start:start + piece]
+                hasher.update(part)
+                sink.write(part)
+        size += len(block)
     return size, hasher.hexdigest()
 
 
-#: How much HashingWriter hashes before writing it on (see HashingWriter.write).
-_PIECE = 1 << 20
+class AbortOnError:
+    """The ``with`` protocol of a writer that :meth:`txckpt.storage.base.Storage.open_write`
+    returns (it sits here, below storage/, because :class:`HashingWriter` is one too).
+
+    Such a writer has ``close()``, which keeps what was written (durably, if asked), and
+    ``abort()``, which discards it. A ``with`` block that raises aborts instead of closing, so a
+    failed write never leaves a complete-looking file behind. List it before ``io.RawIOBase``
+    in a writer's bases: IOBase's own ``__exit__`` would ``close()``.
+    """
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()  # type: ignore[attr-defined]
+        else:
+            self.abort()  # type: ignore[attr-defined]
+
+
+#: How much HashingWriter (and copy_hashing with ``piece``) hashes before writing it on.
+PIECE = 1 << 20
 
 
 class HashingWriter(AbortOnError, io.RawIOBase):
@@ -82,8 +133,8 @@ class HashingWriter(AbortOnError, io.RawIOBase):
         # Hash and write piece by piece, so each piece goes to the sink while it is still in the
         # CPU cache the hash just pulled it into (one pass over memory instead of two for the
         # large writes serializers make).
-        for start in range(0, n, _PIECE):
-            piece = view[start:start + _PIECE]
+        for start in range(0, n, PIECE):
+            piece = view[start:start + PIECE]
             self._hasher.update(piece)
             try:
                 self._sink.write(piece)

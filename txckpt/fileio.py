@@ -12,10 +12,17 @@
 Only regular files (:func:`open_regular`, the opener every local read shares): a FIFO, socket or
 device raises :class:`~txckpt.errors.SpecialFileError` without blocking; a directory or a missing
 file raises the usual OSError subclasses.
+
+It also holds the low-level local file operations that :mod:`txckpt.storage.local` (and the
+local-only code paths above it) build on: :func:`makedirs_durable`, :func:`fsync_dir`,
+:func:`rename_noreplace` (renameat2), :data:`sync_file_range`, :func:`lies_within`. They sit here,
+below storage/, so that storage.local imports this module and never the reverse.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import mmap
 import os
@@ -40,7 +47,8 @@ HASH_CHUNK = 1 << 20
 #: Below this, a verified read hashes in the reading thread (a thread hand-over costs more).
 _PIPELINE_MIN = 2 * READ_CHUNK
 
-_SYNC_FILE_RANGE_WRITE = 2
+#: ``SYNC_FILE_RANGE_WRITE``: start write-back of the range's dirty pages, do not wait for it.
+SYNC_FILE_RANGE_WRITE = 2
 #: Buffers from this size up are anonymous mappings advised to use transparent huge pages.
 _HUGE_MIN = 4 << 20
 
@@ -230,8 +238,91 @@ def hash_and_fsync(path: str) -> tuple[int, str]:
 
 
 def _start_writeback(fd: int) -> None:
-    from .storage.local import _sync_file_range
-
-    if _sync_file_range is not None:
+    if sync_file_range is not None:
         # Asynchronous: queue write-back of the whole file's dirty pages; the fsync below waits.
-        _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+        sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)
+
+
+# ----- low-level local file operations (what storage.local builds on) ------------------------------
+def makedirs_durable(path: str, durable: bool) -> None:
+    """os.makedirs, and with ``durable`` fsync the parent of every directory it created, so the
+    new entries survive a power cut (POSIX makes an entry durable when its directory is fsynced)."""
+    missing = []
+    cur = path
+    while cur and not os.path.isdir(cur):
+        missing.append(cur)
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            break
+        cur = parent
+    if not missing:
+        return
+    os.makedirs(path, exist_ok=True)
+    if durable:
+        for d in reversed(missing):
+            fsync_dir(os.path.dirname(d))
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _load_sync_file_range():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+#: libc's ``sync_file_range(fd, offset, nbytes, flags)``, or None where there is none.
+sync_file_range = _load_sync_file_range()
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+def _load_renameat2():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _load_renameat2()
+
+
+def rename_noreplace(src: str, dst: str) -> None:
+    """rename(2) that fails with FileExistsError instead of replacing ``dst`` (even an empty dir)."""
+    if _renameat2 is not None:
+        rc = _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE)
+        if rc == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(err, os.strerror(err), dst)
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            raise OSError(err, os.strerror(err), src)
+    # Fallback for filesystems without RENAME_NOREPLACE. A rename onto an empty directory would
+    # succeed silently, so refuse any existing target first; the window is documented.
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, "target exists", dst)
+    os.rename(src, dst)
+
+
+def lies_within(path: str, root: str) -> bool:
+    """Whether ``path`` (which need not exist yet) is ``root`` or below it, comparing real
+    paths: symlinks on the way of either are resolved."""
+    real, root_real = os.path.realpath(path), os.path.realpath(root)
+    return real == root_real or real.startswith(root_real.rstrip(os.sep) + os.sep)

@@ -263,56 +263,12 @@ def _publication(root: Root, history: Any, report: GcReport) -> None:
                 item.error = f"{type(e).__name__}: {e}"
 
 
-def _upload_backend(storage: Any) -> tuple[Any, Any] | None:
-    """(list, abort) for the incomplete multipart uploads under the root, or None.
-
-    A backend method ``list_incomplete_uploads()`` -> [{"key" (root-relative), "upload_id",
-    "initiated" (epoch seconds or datetime)}] with ``abort_incomplete_uploads(uploads)`` is used
-    when the storage has one; otherwise, for an s3fs filesystem, s3fs's client directly."""
-    lister = getattr(storage, "list_incomplete_uploads", None)
-    aborter = getattr(storage, "abort_incomplete_uploads", None)
-    if lister is not None and aborter is not None:
-        return lister, aborter
-    fs = getattr(storage, "fs", None)
-    protocols = getattr(fs, "protocol", ()) if fs is not None else ()
-    protocols = protocols if isinstance(protocols, (tuple, list)) else (protocols,)
-    if not ({"s3", "s3a"} & set(protocols)) or not hasattr(fs, "call_s3"):
-        return None
-    bucket, prefix, _ = fs.split_path(storage.root)
-    prefix = prefix.strip("/")
-    base = f"{prefix}/" if prefix else ""
-
-    def list_uploads() -> list[dict[str, Any]]:
-        out = []
-        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": base}
-        while True:
-            page = fs.call_s3("list_multipart_uploads", **kwargs)
-            for up in page.get("Uploads", []) or []:
-                key = up["Key"][len(base):] if up["Key"].startswith(base) else up["Key"]
-                out.append({"key": key, "object": up["Key"], "upload_id": up["UploadId"],
-                            "initiated": up.get("Initiated")})
-            if not page.get("IsTruncated"):
-                return out
-            kwargs["KeyMarker"] = page.get("NextKeyMarker", "")
-            kwargs["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
-
-    def abort(uploads: list[dict[str, Any]]) -> None:
-        for up in uploads:
-            try:
-                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["object"], UploadId=up["upload_id"])
-            except FileNotFoundError:
-                pass  # completed or aborted meanwhile
-
-    return list_uploads, abort
-
-
 def _uploads(root: Any, report: GcReport, now: float, grace_seconds: float, hostname: str) -> None:
-    backend = _upload_backend(root.storage)
-    if backend is None:
-        return
-    lister, aborter = backend
+    """Incomplete uploads under the root (the storage contract's ``list_incomplete_uploads``:
+    S3 multipart uploads; none on other backends) whose writer is gone: aborted."""
+    storage = root.storage
     try:
-        uploads = list(lister())
+        uploads = list(storage.list_incomplete_uploads())
     except Exception as e:
         report.items.append(GcItem("upload", "", "could not list incomplete uploads", error=f"{type(e).__name__}: {e}"))
         return
@@ -344,7 +300,7 @@ def _uploads(root: Any, report: GcReport, now: float, grace_seconds: float, host
     if chosen and not report.dry_run:
         items = report.items[-len(chosen):]
         try:
-            aborter(chosen)
+            storage.abort_incomplete_uploads(chosen)
             for i in items:
                 i.done = True
         except Exception as e:

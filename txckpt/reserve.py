@@ -35,9 +35,8 @@ FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _path(storage: Any) -> str | None:
-    if not storage.atomic_dir_rename:
-        return None  # object stores (and memory) never run out of space this way
-    return storage.local_path(RESERVE_KEY)
+    # None on object stores (and memory): they never run out of space this way.
+    return storage.space_reserve_path(RESERVE_KEY)
 
 
 def ensure_reserve(storage: Any, *, durable: bool) -> bool:

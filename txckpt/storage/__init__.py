@@ -6,10 +6,13 @@ import os
 from typing import Any, Mapping
 
 from .base import Storage, WriteBatch, check_relative_key, join
-from .fsspec_store import FsspecStorage
+from .fsspec import FsspecStorage
 from .local import LocalStorage
+from .memory import MemoryStorage
+from .s3 import S3Storage
 
-__all__ = ["Storage", "WriteBatch", "LocalStorage", "FsspecStorage", "open_storage", "check_relative_key", "join"]
+__all__ = ["Storage", "WriteBatch", "LocalStorage", "FsspecStorage", "MemoryStorage", "S3Storage", "open_storage",
+           "check_relative_key", "join"]
 
 
 def _is_local(root: str) -> bool:
@@ -29,4 +32,4 @@ def open_storage(root: str | os.PathLike, storage_options: Mapping[str, Any] | N
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     if "file" in protocols or "local" in protocols:
         return LocalStorage(path)
-    return FsspecStorage(root, fs, path)
+    return FsspecStorage(root, fs, path)  # S3Storage / MemoryStorage where one handles ``fs``

@@ -1,13 +1,19 @@
 """The storage seam: how bytes land under one root.
 
 Everything above this module speaks in root-relative keys ("checkpoint-4/model.safetensors",
-".txckpt/log/00000000000000000003.json") and never asks which backend it talks to. A backend
-differs from another in three ways only, and each is a method here:
+".txckpt/log/00000000000000000003.json") and never asks which backend it talks to. Where
+backends differ, the difference is a method or attribute here, each with the one place that
+asks it:
 
-* how a new file becomes durable (``open_write`` + ``sync_dir``),
+* how a new file becomes durable (``open_write`` + ``sync_dir``): the save path,
 * how the commit point is made: ``create_exclusive`` is the one create-if-absent write,
 * whether directories can be renamed atomically (``atomic_dir_rename``), which decides how a
-  committed checkpoint is published (see :mod:`txckpt.publication`).
+  committed checkpoint is published (:mod:`txckpt.publication`),
+* uploads a crashed writer can leave behind (``list_incomplete_uploads`` /
+  ``abort_incomplete_uploads``: S3 multipart uploads; none elsewhere): garbage collection
+  (:mod:`txckpt.gc`) only,
+* whether space can be held back on the root's disk (``space_reserve_path``: local disks;
+  object stores never fill up that way): :mod:`txckpt.reserve` only.
 
 The call sequence of a save, as the transaction issues it (see docs/protocol.md, "Save"):
 
@@ -33,28 +39,11 @@ import concurrent.futures
 import os
 import posixpath
 import threading
-from typing import Any, BinaryIO, Callable, Iterator, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Mapping, Sequence
 
+from ..checksum import PIECE, copy_hashing
 from ..errors import UnsafePathError
-
-
-class AbortOnError:
-    """The ``with`` protocol of a writer that :meth:`Storage.open_write` returns.
-
-    Such a writer has ``close()``, which keeps what was written (durably, if asked), and
-    ``abort()``, which discards it. A ``with`` block that raises aborts instead of closing, so a
-    failed write never leaves a complete-looking file behind. List it before ``io.RawIOBase``
-    in a writer's bases: IOBase's own ``__exit__`` would ``close()``.
-    """
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()  # type: ignore[attr-defined]
-        else:
-            self.abort()  # type: ignore[attr-defined]
+from ..fileio import open_regular_file
 
 
 def join(*parts: str) -> str:
@@ -210,7 +199,7 @@ class Storage(abc.ABC):
         Contract: the key is private to the caller (a staging key), so an existing file may be
         replaced. Bytes become visible at ``close()``; with ``durable=True`` they are on stable
         storage when ``close()`` returns. ``abort()`` on the returned object discards a partial
-        upload; the object is an :class:`AbortOnError` context manager.
+        upload; the object is an :class:`~txckpt.checksum.AbortOnError` context manager.
         """
 
     @abc.abstractmethod
@@ -239,25 +228,18 @@ class Storage(abc.ABC):
 
     def upload_file(self, local_file: str, key: str, *, durable: bool) -> tuple[int, str]:
         """Copy a local file to ``key`` once, hashing on the way; returns (size, xxh3-128 hex)."""
-        from ..checksum import HashingWriter
-        from ..fileio import open_regular_file
-
-        writer = HashingWriter(self.open_write(key, durable=durable))
+        writer = self.open_write(key, durable=durable)
         ok = False
         try:
             with open_regular_file(local_file) as src:  # a FIFO there raises, never blocks
-                while True:
-                    block = src.read(16 << 20)
-                    if not block:
-                        break
-                    writer.write(block)
+                size, digest = copy_hashing(src, writer, chunk=16 << 20, piece=PIECE)
             ok = True
         finally:
             if ok:
                 writer.close()
             else:
-                writer.abort()
-        return writer.size, writer.digest
+                writer.abort()  # type: ignore[attr-defined]  # open_write's writers are AbortOnError
+        return size, digest
 
     # ----- reading -----------------------------------------------------------------------------
     @abc.abstractmethod
@@ -303,6 +285,28 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def delete_tree(self, key: str) -> None:
         """Remove ``key`` and everything below it; no error if it is already gone."""
+
+    # ----- what a crash leaves behind (gc) -------------------------------------------------------
+    def list_incomplete_uploads(self, under: str = "") -> list[dict[str, Any]]:
+        """Uploads below key ``under`` (the whole root by default) that were started and never
+        completed or aborted, fresh: a writer killed mid-upload leaves them, and the store keeps
+        (and bills) them until they are aborted. Each is a dict with ``"key"`` (root-relative),
+        ``"upload_id"``, ``"initiated"`` (epoch seconds or a datetime) and, where known,
+        ``"bytes"``. Backends whose failed writes leave nothing of the kind answer ``[]``.
+
+        Called by :mod:`txckpt.gc`, which decides which of them belong to a dead writer."""
+        return []
+
+    def abort_incomplete_uploads(self, uploads: Sequence[Mapping[str, Any]]) -> None:
+        """Abort ``uploads`` (as :meth:`list_incomplete_uploads` listed them); one that was
+        completed or aborted meanwhile is no error. Nothing to do where there are none."""
+
+    # ----- space held back for retention (reserve) ---------------------------------------------
+    def space_reserve_path(self, key: str) -> str | None:
+        """The local path at which :mod:`txckpt.reserve` keeps a file of allocated blocks for
+        ``key``, so that a retire entry still fits on a full disk; None where the root cannot
+        run out of space that way (object stores, memory). Called by txckpt.reserve only."""
+        return None
 
     # ----- rename backends only ----------------------------------------------------------------
     def rename_noreplace(self, src: str, dst: str) -> None:
