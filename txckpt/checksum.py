@@ -127,7 +127,7 @@ class HashingWriter(AbortOnError, io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, data) -> int:  # type: ignore[override]
+    def write(self, data) -> int:
         view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
         n = len(view)
         # Hash and write piece by piece, so each piece goes to the sink while it is still in the

@@ -143,8 +143,6 @@ def read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool = True)
     Raises :class:`SizeMismatch` if the file is shorter or longer than ``size`` (checked before
     and after reading), FileNotFoundError / IsADirectoryError / NotADirectoryError as open does.
     """
-    import torch
-
     fd = open_regular(path)
     try:
         actual = os.fstat(fd).st_size

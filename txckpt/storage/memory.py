@@ -57,7 +57,7 @@ class _MemoryWriter(AbortOnError, io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, data) -> int:  # type: ignore[override]
+    def write(self, data) -> int:
         if self.closed:
             raise ValueError("write to a closed file")
         return self._buf.write(data)

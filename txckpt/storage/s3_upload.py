@@ -165,7 +165,7 @@ class _S3Writer(AbortOnError, io.RawIOBase):
         return base << min((self._next_part - 1) // 2000, 8)
 
     # ----- writing -------------------------------------------------------------------------------
-    def write(self, data) -> int:  # type: ignore[override]
+    def write(self, data) -> int:
         if self.closed:
             raise ValueError("write to a closed file")
         head = self._head
@@ -346,7 +346,7 @@ class _S3WriteBatch(WriteBatch):
         self._failure: OSError | None = None
 
     def open_write(self, key: str, *, durable: bool) -> BinaryIO:
-        return _S3Writer(self.storage, key, self)  # type: ignore[arg-type, return-value]
+        return _S3Writer(self.storage, key, self)  # type: ignore[return-value]
 
     def upload_file(self, local_file: str, key: str, *, durable: bool) -> tuple[int, str]:
         return self.storage._upload_file(local_file, key, self)  # type: ignore[attr-defined]
