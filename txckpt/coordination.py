@@ -330,6 +330,31 @@ def decide_on_rank0(fn: Callable[[], T], *, phase: str, coordinator: Coordinator
     return outcome["ok"]
 
 
+def raise_if_any_failed(own: BaseException | None, *, phase: str, coordinator: Coordinator) -> None:
+    """Every rank calls it with what it raised in ``phase`` (None: nothing); if any rank failed,
+    every rank raises: a failed rank its own exception, the others the lowest failed rank's
+    error (same class, message and fields: the codec of :mod:`txckpt.errors`). A gather and a
+    broadcast; alone, ``own`` is raised if set."""
+    coord = coordinator
+    if coord.world_size == 1:
+        if own is not None:
+            raise own
+        return
+    report = None if own is None else encode_error(own, rank=coord.rank)
+    previous, coord.phase = coord.phase, phase
+    try:
+        reports = coord.gather(report)
+        verdict = coord.broadcast(next((r for r in reports or [] if r), None))
+    finally:
+        coord.phase = previous
+    if own is not None:
+        raise own
+    if verdict is not None:
+        err = decode_error(verdict)
+        err.add_note(f"(raised on rank {verdict.get('rank')} in txckpt's {phase}; every rank raises it)")
+        raise err
+
+
 __all__ = [
     "Coordinator",
     "SingleProcess",
@@ -337,6 +362,7 @@ __all__ = [
     "current_coordinator",
     "coordination_timeout",
     "decide_on_rank0",
+    "raise_if_any_failed",
     "TIMEOUT_ENV",
     "TransactionAbortedError",
 ]

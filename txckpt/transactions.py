@@ -248,6 +248,13 @@ class Transaction:
         self._names.opened(name)
         return _TrackedWriter(self, name, sink)  # type: ignore[return-value]
 
+    def check_not_rewritten(self) -> None:
+        """Raise InvalidArgumentError if a file written through ``open``/``save`` was written
+        again through ``tx.directory`` since: the check the commit makes, for a caller (the
+        Trainer integration) that wants to refuse before the commit, with its own advice."""
+        self._require_open()
+        self._names.check_not_rewritten(lambda n: self._root.storage.local_path(f"{self.staging_key}/{n}"))
+
     def save(self, name: str, obj: Any) -> None:
         """Write ``obj`` as file ``name`` by the rules of :func:`txckpt.save_checkpoint`."""
         f = self.open(name, "wb")

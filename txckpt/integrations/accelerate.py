@@ -219,7 +219,7 @@ class TransactionalAccelerator(Accelerator):
 
         where = parse(path)
         ctx = None if where is None else RootContext.open(path, self.txckpt_storage_options)
-        if ctx is None:
+        if where is None or ctx is None:
             return path  # plain accelerate output, or a copy: nothing to resume in
         if where.txid is None and not ctx.root.storage.atomic_dir_rename:
             # Object stores have no public names (a checkpoint stays at its own key):
