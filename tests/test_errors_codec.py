@@ -13,7 +13,7 @@ import pytest
 
 import txckpt
 from txckpt import errors
-from txckpt.coordination import Coordinator, SingleProcess, decide_on_rank0
+from txckpt.coordination import Coordinator, SingleProcess, decide_on_rank0, raise_if_any_failed
 
 ERROR_CLASSES = sorted(
     (c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.TxckptError)),
@@ -130,8 +130,9 @@ class _FakeRank(Coordinator):
         self.sent = obj
         return obj if self.rank == 0 else self.delivered
 
-    def gather(self, obj):  # pragma: no cover - not used
-        raise AssertionError
+    def gather(self, obj):
+        self.phases.append(self.phase)
+        return [obj, self.delivered] if self.rank == 0 else None
 
     def barrier(self):  # pragma: no cover - not used
         raise AssertionError
@@ -163,6 +164,24 @@ def test_decide_on_rank0_every_rank_returns_or_raises_rank_0s_outcome():
     assert any("rank 0" in n and "resume" in n for n in copy.value.__notes__)
     with pytest.raises(errors.TransactionAbortedError, match="instead of its resume decision"):
         decide_on_rank0(fail, phase="resume", coordinator=_FakeRank(1, delivered=None))
+
+
+def test_raise_if_any_failed_raises_the_failed_ranks_error_everywhere():
+    raise_if_any_failed(None, phase="fetch", coordinator=SingleProcess())
+    with pytest.raises(KeyError):
+        raise_if_any_failed(KeyError("k"), phase="fetch", coordinator=SingleProcess())
+    quiet = _FakeRank(0, delivered=None)
+    raise_if_any_failed(None, phase="fetch", coordinator=quiet)
+    assert quiet.phases == ["fetch", "fetch"] and quiet.phase is None
+    # Rank 1 failed: rank 0 gathers its report and raises the same error, fields kept.
+    failed = errors.encode_error(errors.IntegrityError("bad copy", path="/c/a.pt"), rank=1)
+    with pytest.raises(errors.IntegrityError) as e:
+        raise_if_any_failed(None, phase="fetch", coordinator=_FakeRank(0, delivered=failed))
+    assert e.value.path == "/c/a.pt" and any("rank 1" in n for n in e.value.__notes__)
+    own = ValueError("mine")
+    with pytest.raises(ValueError) as mine:
+        raise_if_any_failed(own, phase="fetch", coordinator=_FakeRank(0, delivered=failed))
+    assert mine.value is own
 
 
 def test_a_failed_collective_says_its_phase():
