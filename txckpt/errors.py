@@ -79,7 +79,6 @@ class RootNotFoundError(TxckptError, FileNotFoundError):
     which would silently train from scratch. ``root``: the root as given; ``bucket``: the
     missing bucket (None for a local directory)."""
 
-
     root: str | None
     bucket: str | None
 
@@ -96,7 +95,6 @@ class LookupRaceError(TxckptError):
     """A lookup found the newest checkpoint retired and deleted under it again and again: a
     writer rotates (retention with a small keep_last) faster than this reader reads. Nothing is
     damaged; retry, keep more checkpoints, or take a reader lease. ``root``, ``attempts``."""
-
 
     root: str | None
     attempts: int | None
@@ -140,7 +138,6 @@ class IntegrityError(TxckptError):
     ``path``: the file that failed (a checkpoint file, or its manifest), when known. On a restart,
     ``txckpt.resume(root, on_damaged="fallback")`` (Trainer: ``txckpt_on_damaged="fallback"``)
     forks from the newest checkpoint that verifies instead of raising."""
-
 
     path: str | None
 
@@ -197,7 +194,6 @@ class WeightsOnlyError(TxckptError, pickle.UnpicklingError):
     refused (``"argparse.Namespace"``), None if torch did not name one. Nothing is wrong with
     the bytes (they matched their checksum). If you trust the checkpoint, allow the class with
     ``torch.serialization.add_safe_globals([...])`` or load with ``weights_only=False``."""
-
 
     path: str | None
     global_name: str | None
@@ -307,7 +303,6 @@ class RemoteAccessError(TxckptError):
     purpose: code that tolerates a missing key must not take it for one. ``root``: the root;
     ``endpoint``: the endpoint the client used (None: the provider's default)."""
 
-
     root: str | None
     endpoint: str | None
 
@@ -323,7 +318,6 @@ class EndpointUnreachableError(RemoteAccessError):
     that is not running, no network). ``attempts``: how many the client made; ``seconds``: how
     long they took."""
 
-
     attempts: int | None
     seconds: float | None
 
@@ -333,7 +327,6 @@ class NamingConflictError(InvalidArgumentError):
     ``.txckpt/naming``); a writer asked for another one (``checkpoint_N``, accelerate's). Two
     namings in one root would give one step two public names. Use the naming the root has, or
     another root. ``root``, ``recorded`` and ``requested``: the prefixes."""
-
 
     root: str | None
     recorded: str | None
