@@ -78,28 +78,15 @@ def get_last_checkpoint(root: str | os.PathLike, *, storage_options: Mapping[str
     return r.storage.full_path(key)
 
 
-def _on_rank0(fn, collective: bool | None):
+def _on_rank0(fn, collective: bool | None, phase: str = "lineage change"):
     """Run a lineage change once per job: on rank 0, with the result broadcast to every rank.
 
     ``collective=None`` means "if a torch.distributed group is initialised, every rank calls
     this"; ``False`` means only this process calls it (e.g. a caller that already runs it on
     rank 0 alone and broadcasts the answer itself)."""
-    from .coordination import SingleProcess, current_coordinator
-    from .transactions import _describe_error, _rebuild_error
+    from .coordination import SingleProcess, decide_on_rank0
 
-    coord = SingleProcess() if collective is False else current_coordinator()
-    if coord.world_size == 1:
-        return fn()
-    out: dict[str, Any] | None = None
-    if coord.rank == 0:
-        try:
-            out = {"ok": fn()}
-        except Exception as e:  # every rank raises the same error
-            out = {"error": _describe_error(e)}
-    out = coord.broadcast(out)
-    if "error" in out:
-        raise _rebuild_error(out["error"])
-    return out["ok"]
+    return decide_on_rank0(fn, phase=phase, coordinator=SingleProcess() if collective is False else None)
 
 
 def resume(

@@ -40,9 +40,17 @@ import os
 import sys
 import threading
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, TypeVar
 
-from .errors import CoordinationTimeoutError, InvalidArgumentError, TransactionAbortedError
+from .errors import (
+    CoordinationTimeoutError,
+    InvalidArgumentError,
+    TransactionAbortedError,
+    decode_error,
+    encode_error,
+)
+
+T = TypeVar("T")
 
 log = logging.getLogger("txckpt")
 
@@ -76,6 +84,9 @@ class Coordinator(abc.ABC):
 
     rank: int = 0
     world_size: int = 1
+    #: What the ranks are doing (``"resume"``, ``"save plan"``...): a CoordinationTimeoutError's
+    #: ``.phase``. None: the collective's own name.
+    phase: str | None = None
 
     @property
     def is_committer(self) -> bool:
@@ -120,7 +131,7 @@ def _default_group(dist: Any) -> Any:
     return dist.distributed_c10d._get_default_group()
 
 
-def _group_for(dist: Any, timeout_s: float) -> Any:
+def _group_for(dist: Any, timeout_s: float, phase: str | None = None) -> Any:
     """txckpt's gloo group for the current default group, created on first use."""
     global _exit_hook_registered
     world = _default_group(dist)
@@ -146,11 +157,13 @@ def _group_for(dist: Any, timeout_s: float) -> Any:
             group = dist.new_group(backend="cpu:gloo", timeout=td)
         except Exception as e:
             raise CoordinationTimeoutError(
-                f"txckpt: creating its gloo group over {dist.get_world_size()} ranks failed on rank "
+                f"txckpt: {'' if phase is None else phase + ': '}creating its gloo group over "
+                f"{dist.get_world_size()} ranks failed on rank "
                 f"{dist.get_rank()}: {_short(e)}. Every rank must enter the same txckpt transaction "
                 f"(or call the same txckpt function) within {timeout_s:.0f} s of the others; another "
                 "rank died, raised before reaching it, or is slower than the timeout (set "
-                f"{TIMEOUT_ENV} or timeout=). Nothing was committed."
+                f"{TIMEOUT_ENV} or timeout=). Nothing was committed.",
+                phase=phase or "group creation",
             ) from e
         if not _exit_hook_registered:
             atexit.register(_release_group_at_exit)
@@ -196,14 +209,15 @@ def _short(e: BaseException) -> str:
 class TorchDistributed(Coordinator):
     """Object collectives over txckpt's gloo group (CPU), whatever the default backend is."""
 
-    def __init__(self, timeout_s: float | None = None):
+    def __init__(self, timeout_s: float | None = None, phase: str | None = None):
         import torch.distributed as dist
 
         self._dist = dist
         self.timeout_s = coordination_timeout(timeout_s)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.group = _group_for(dist, self.timeout_s)
+        self.phase = phase
+        self.group = _group_for(dist, self.timeout_s, phase)
         self._gathered = False
 
     def _fail(self, what: str, e: BaseException, committed_path: str | None = None) -> CoordinationTimeoutError:
@@ -224,9 +238,11 @@ class TorchDistributed(Coordinator):
         cause = (f"another rank did not arrive within the timeout ({self.timeout_s:.0f} s; set "
                  f"{TIMEOUT_ENV} or timeout=): it is slow, hung, or unreachable"
                  if timed_out else "another rank died or closed its connection")
+        phase = self.phase or what
         return CoordinationTimeoutError(
-            f"txckpt: {what} across {self.world_size} ranks failed on rank {self.rank}: {cause} "
-            f"({_short(e)}). {outcome}"
+            f"txckpt: {what}{'' if phase == what else f' ({phase})'} across {self.world_size} ranks "
+            f"failed on rank {self.rank}: {cause} ({_short(e)}). {outcome}",
+            phase=phase,
         )
 
     def broadcast(self, obj: Any) -> Any:
@@ -254,14 +270,14 @@ class TorchDistributed(Coordinator):
             raise self._fail("barrier", e) from e
 
 
-def current_coordinator(timeout_s: float | None = None) -> Coordinator:
+def current_coordinator(timeout_s: float | None = None, phase: str | None = None) -> Coordinator:
     """TorchDistributed inside an initialised process group of more than one rank, else
     SingleProcess.
 
     torch.distributed is looked at only if torch is already imported (a process group cannot
     exist otherwise), so a process that never imported torch does not import it here. Every
     rank must call this at the same point: the first call in a process group creates txckpt's
-    gloo group, a collective.
+    gloo group, a collective. ``phase``: what a failure to create it is reported as.
     """
     if "torch" not in sys.modules:
         return SingleProcess()
@@ -270,8 +286,73 @@ def current_coordinator(timeout_s: float | None = None) -> Coordinator:
     except ImportError:  # pragma: no cover
         return SingleProcess()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return TorchDistributed(timeout_s)
+        return TorchDistributed(timeout_s, phase)
     return SingleProcess()
+
+
+def decide_on_rank0(fn: Callable[[], T], *, phase: str, coordinator: Coordinator | None = None,
+                    timeout: float | None = None) -> T:
+    """Rank 0 runs ``fn`` and every rank returns its result, or raises its error: rank 0 its own
+    exception, the others the same class with the same message and fields (the codec of
+    :mod:`txckpt.errors`; an error of another library arrives as its nearest builtin class).
+    One broadcast; no other rank runs ``fn``. Every rank must call it at the same point.
+
+    ``phase`` names the decision (``"resume"``, ``"save plan"``): a failed or timed-out
+    broadcast raises CoordinationTimeoutError with that ``.phase``, and the others' copy of
+    rank 0's error carries a note saying where it came from. ``coordinator``: the one to use
+    (default: :func:`current_coordinator` with ``timeout``). Alone (one rank) it is ``fn()``.
+    """
+    coord = coordinator if coordinator is not None else current_coordinator(timeout, phase)
+    if coord.world_size == 1:
+        return fn()
+    own: BaseException | None = None
+    outcome: dict[str, Any] | None = None
+    if coord.rank == 0:
+        try:
+            outcome = {"ok": fn()}
+        except BaseException as e:  # noqa: BLE001 - every rank must learn it, or wait for the timeout
+            own, outcome = e, {"error": encode_error(e, rank=0)}
+    previous, coord.phase = coord.phase, phase
+    try:
+        outcome = coord.broadcast(outcome)
+    finally:
+        coord.phase = previous
+    if own is not None:
+        raise own
+    if not isinstance(outcome, dict) or not ("ok" in outcome or "error" in outcome):
+        # Never expected: a collective mismatch (the ranks called txckpt in different orders).
+        raise TransactionAbortedError(
+            f"txckpt: rank {coord.rank} got {outcome!r} from rank 0 instead of its {phase} decision")
+    if "error" in outcome:
+        err = decode_error(outcome["error"])
+        err.add_note(f"(raised on rank 0, which decides txckpt's {phase}; every rank raises it)")
+        raise err
+    return outcome["ok"]
+
+
+def raise_if_any_failed(own: BaseException | None, *, phase: str, coordinator: Coordinator) -> None:
+    """Every rank calls it with what it raised in ``phase`` (None: nothing); if any rank failed,
+    every rank raises: a failed rank its own exception, the others the lowest failed rank's
+    error (same class, message and fields: the codec of :mod:`txckpt.errors`). A gather and a
+    broadcast; alone, ``own`` is raised if set."""
+    coord = coordinator
+    if coord.world_size == 1:
+        if own is not None:
+            raise own
+        return
+    report = None if own is None else encode_error(own, rank=coord.rank)
+    previous, coord.phase = coord.phase, phase
+    try:
+        reports = coord.gather(report)
+        verdict = coord.broadcast(next((r for r in reports or [] if r), None))
+    finally:
+        coord.phase = previous
+    if own is not None:
+        raise own
+    if verdict is not None:
+        err = decode_error(verdict)
+        err.add_note(f"(raised on rank {verdict.get('rank')} in txckpt's {phase}; every rank raises it)")
+        raise err
 
 
 __all__ = [
@@ -280,6 +361,8 @@ __all__ = [
     "TorchDistributed",
     "current_coordinator",
     "coordination_timeout",
+    "decide_on_rank0",
+    "raise_if_any_failed",
     "TIMEOUT_ENV",
     "TransactionAbortedError",
 ]

@@ -5,11 +5,59 @@ All errors derive from :class:`TxckptError`, so ``except txckpt.errors.TxckptErr
 
 from __future__ import annotations
 
+import builtins
 import pickle
+from typing import Any, ClassVar
 
 
 class TxckptError(Exception):
-    """Base class of every error txckpt raises on purpose."""
+    """Base class of every error txckpt raises on purpose.
+
+    A class's keyword fields are its annotated attributes (its bases' included): the constructor
+    takes each one as a keyword (default None) and stores it, and pickling (errors cross process
+    boundaries: worker pools, spawn) and the cross-rank codec (:func:`encode_error`,
+    :func:`decode_error`) give it back. One mechanism for every class, so a field added to a class
+    is never lost on the way to another process."""
+
+    #: The keyword fields of this class, bases first (filled in by __init_subclass__).
+    fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        own = [n for n in cls.__dict__.get("__annotations__", {}) if not n.startswith("_") and n != "fields"]
+        inherited = [f for base in reversed(cls.__mro__[1:]) for f in getattr(base, "fields", ())]
+        cls.fields = tuple(dict.fromkeys(inherited + own))
+
+    def __init__(self, *args: Any, **fields: Any):
+        unknown = sorted(set(fields) - set(self.fields))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no field {unknown}; its fields: {list(self.fields)}")
+        super().__init__(*args)
+        for name in self.fields:
+            setattr(self, name, fields.get(name))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Not the default (type(self)(*self.args)): the classes' constructors take their fields as
+        # keywords, and some (the OSError ones) put more than the message in args.
+        return _restore, (type(self), _full_args(self), dict(self.__dict__))
+
+
+def _restore(cls: type, args: tuple, state: dict) -> BaseException:
+    """An error of class ``cls`` with ``args`` and attributes ``state``, built without calling
+    the class's own constructor (which may compute a message or take keywords only)."""
+    e = cls.__new__(cls, *args)
+    (OSError if issubclass(cls, OSError) else BaseException).__init__(e, *args)
+    e.__dict__.update(state)
+    return e
+
+
+def _full_args(e: BaseException) -> tuple:
+    """What rebuilds ``e``'s base: its args, and for an OSError its file names too (OSError keeps
+    only errno and strerror in args once a file name is given)."""
+    if isinstance(e, OSError) and e.errno is not None and (e.filename is not None or e.filename2 is not None):
+        extra = (e.filename,) if e.filename2 is None else (e.filename, None, e.filename2)
+        return (e.errno, e.strerror, *extra)
+    return tuple(e.args)
 
 
 class InvalidArgumentError(TxckptError, ValueError):
@@ -31,16 +79,16 @@ class RootNotFoundError(TxckptError, FileNotFoundError):
     which would silently train from scratch. ``root``: the root as given; ``bucket``: the
     missing bucket (None for a local directory)."""
 
+    root: str | None
+    bucket: str | None
+
     def __init__(self, message: str, *, root: str | None = None, bucket: str | None = None):
-        super().__init__(2, message, root)  # errno ENOENT and the name, as FileNotFoundError has
-        self.root = root
-        self.bucket = bucket
+        # errno ENOENT and the name, as FileNotFoundError has
+        super().__init__(2, message, root, root=root, bucket=bucket)
 
     def __str__(self) -> str:
-        return str(self.strerror)
-
-    def __reduce__(self):
-        return _with_fields, (type(self), str(self), {"root": self.root, "bucket": self.bucket})
+        # strerror alone (no "[Errno 2] ...: root"); a copy reworded by the codec has only args.
+        return str(self.strerror) if self.strerror is not None else super().__str__()
 
 
 class LookupRaceError(TxckptError):
@@ -48,13 +96,8 @@ class LookupRaceError(TxckptError):
     writer rotates (retention with a small keep_last) faster than this reader reads. Nothing is
     damaged; retry, keep more checkpoints, or take a reader lease. ``root``, ``attempts``."""
 
-    def __init__(self, message: str, *, root: str | None = None, attempts: int | None = None):
-        super().__init__(message)
-        self.root = root
-        self.attempts = attempts
-
-    def __reduce__(self):
-        return _with_fields, (type(self), str(self), {"root": self.root, "attempts": self.attempts})
+    root: str | None
+    attempts: int | None
 
 
 class LineageNotFoundError(CheckpointNotFoundError):
@@ -62,10 +105,11 @@ class LineageNotFoundError(CheckpointNotFoundError):
 
     ``lineage``: the id asked for; ``known``: the root's lineage ids (``txckpt log`` shows them)."""
 
+    lineage: str | None
+    known: list[str]
+
     def __init__(self, message: str, *, lineage: str | None = None, known: list[str] | tuple[str, ...] = ()):
-        super().__init__(message)
-        self.lineage = lineage
-        self.known = list(known)
+        super().__init__(message, lineage=lineage, known=list(known))
 
 
 class StepConflictError(TxckptError):
@@ -95,17 +139,14 @@ class IntegrityError(TxckptError):
     ``txckpt.resume(root, on_damaged="fallback")`` (Trainer: ``txckpt_on_damaged="fallback"``)
     forks from the newest checkpoint that verifies instead of raising."""
 
-    def __init__(self, message: str = "", *, path: str | None = None):
-        super().__init__(message)
-        self.path = path
-
-    def __reduce__(self):
-        return _with_fields, (type(self), str(self), {"path": self.path})
+    path: str | None
 
 
 class SpecialFileError(IntegrityError):
     """A name txckpt reads as a regular file is a FIFO, socket or device (something replaced the
     file). txckpt never opens it for a blocking read. ``.path``: where; ``.kind``: what it is."""
+
+    kind: str | None
 
     def __init__(self, message: str = "", *, path: str | None = None, kind: str | None = None):
         if not message and path is not None:
@@ -114,9 +155,7 @@ class SpecialFileError(IntegrityError):
                 "txckpt reads (by hand, or another program), and txckpt does not read from it. Remove "
                 "it; a checkpoint that lists it is damaged: resume from another one (`txckpt ls`)"
             )
-        super().__init__(message)
-        self.path = path
-        self.kind = kind
+        super().__init__(message, path=path, kind=kind)
 
 
 class ManifestError(IntegrityError):
@@ -131,15 +170,12 @@ class NoIntactCheckpointError(IntegrityError):
     files from a backup, or start a new lineage (``train(resume_from_checkpoint=None)``,
     ``txckpt.new_lineage``)."""
 
+    root: str | None
+    damaged: list[dict]
+
     def __init__(self, message: str = "", *, path: str | None = None, root: str | None = None,
                  damaged: list[dict] | tuple = ()):
-        super().__init__(message, path=path)
-        self.root = root
-        self.damaged = list(damaged)
-
-    def __reduce__(self):
-        return _with_fields, (type(self), str(self), {"path": self.path, "root": self.root,
-                                                      "damaged": self.damaged})
+        super().__init__(message, path=path, root=root, damaged=list(damaged))
 
 
 class UnsafePathError(ManifestError, InvalidArgumentError):
@@ -151,10 +187,6 @@ class NotACheckpointError(ManifestError, InvalidArgumentError):
     ``checkpoint-N`` directories), not one checkpoint. ``path``: the path given. Load the
     root's newest checkpoint with ``load_checkpoint(get_last_checkpoint(root))``."""
 
-    def __init__(self, message: str, *, path: str | None = None):
-        super().__init__(message)
-        self.path = path
-
 
 class WeightsOnlyError(TxckptError, pickle.UnpicklingError):
     """A torch file of a checkpoint pickles an object that torch's ``weights_only=True`` loader
@@ -163,10 +195,8 @@ class WeightsOnlyError(TxckptError, pickle.UnpicklingError):
     the bytes (they matched their checksum). If you trust the checkpoint, allow the class with
     ``torch.serialization.add_safe_globals([...])`` or load with ``weights_only=False``."""
 
-    def __init__(self, message: str, *, path: str | None = None, global_name: str | None = None):
-        super().__init__(message)
-        self.path = path
-        self.global_name = global_name
+    path: str | None
+    global_name: str | None
 
 
 class AdoptionError(TxckptError):
@@ -175,13 +205,16 @@ class AdoptionError(TxckptError):
     ``root``: the root; ``step``: the step concerned (None if several); ``paths``: the
     directories concerned. Nothing was committed and no committed data was touched."""
 
+    root: str | None
+    step: int | None
+    paths: list[str]
+    path: str | None  # the first of paths
+
     def __init__(self, message: str, *, root: str | None = None, step: int | None = None,
-                 paths: list[str] | tuple[str, ...] = ()):
-        super().__init__(message)
-        self.root = root
-        self.step = step
-        self.paths = list(paths)
-        self.path = self.paths[0] if self.paths else None
+                 paths: list[str] | tuple[str, ...] = (), path: str | None = None):
+        paths = list(paths)
+        super().__init__(message, root=root, step=step, paths=paths,
+                         path=path if path is not None else (paths[0] if paths else None))
 
 
 class AmbiguousCheckpointNameError(AdoptionError):
@@ -206,7 +239,11 @@ class TransactionAbortedError(TxckptError):
 class CoordinationTimeoutError(TransactionAbortedError, TimeoutError):
     """A collective of a transaction failed: another rank died, raised, or was slower than the
     timeout. The message says what is known about the commit (a rank that loses contact after
-    rank 0 passed the commit point cannot know); ``get_last_checkpoint`` tells for sure."""
+    rank 0 passed the commit point cannot know); ``get_last_checkpoint`` tells for sure.
+    ``phase``: what the ranks were doing when it failed (``"save plan"``, ``"resume"``, or the
+    collective of a save: ``"gather"``, ``"broadcast"``)."""
+
+    phase: str | None
 
 
 class StorageError(TxckptError, OSError):
@@ -218,6 +255,9 @@ class TempFileRemovedError(StorageError):
     name: another process deleted it (``txckpt gc --grace 0`` beside a running job, or by hand).
     Nothing was written under the final name. ``.path``: the temp file."""
 
+    path: str | None
+    target: str | None
+
     def __init__(self, message: str = "", *, path: str | None = None, target: str | None = None):
         import errno as _errno
 
@@ -228,9 +268,7 @@ class TempFileRemovedError(StorageError):
                 f"written under {target} and nothing was lost; retry, and run gc with a grace period "
                 "longer than a write takes (the default, 3600 s)"
             )
-        super().__init__(_errno.ENOENT, message)
-        self.path = path
-        self.target = target
+        super().__init__(_errno.ENOENT, message, path=path, target=target)
 
 
 _STORAGE_ADVICE = {
@@ -265,13 +303,8 @@ class RemoteAccessError(TxckptError):
     purpose: code that tolerates a missing key must not take it for one. ``root``: the root;
     ``endpoint``: the endpoint the client used (None: the provider's default)."""
 
-    def __init__(self, message: str, *, root: str | None = None, endpoint: str | None = None):
-        super().__init__(message)
-        self.root = root
-        self.endpoint = endpoint
-
-    def __reduce__(self):
-        return _with_fields, (type(self), str(self), {"root": self.root, "endpoint": self.endpoint})
+    root: str | None
+    endpoint: str | None
 
 
 class CredentialsError(RemoteAccessError):
@@ -285,20 +318,8 @@ class EndpointUnreachableError(RemoteAccessError):
     that is not running, no network). ``attempts``: how many the client made; ``seconds``: how
     long they took."""
 
-    def __init__(self, message: str, *, root: str | None = None, endpoint: str | None = None,
-                 attempts: int | None = None, seconds: float | None = None):
-        super().__init__(message, root=root, endpoint=endpoint)
-        self.attempts = attempts
-        self.seconds = seconds
-
-    def __reduce__(self):
-        return _with_fields, (type(self), str(self), {"root": self.root, "endpoint": self.endpoint,
-                                                      "attempts": self.attempts, "seconds": self.seconds})
-
-
-def _with_fields(cls: type, message: str, fields: dict) -> Exception:
-    """Unpickle an error that carries keyword fields (errors cross process boundaries)."""
-    return cls(message, **fields)
+    attempts: int | None
+    seconds: float | None
 
 
 class NamingConflictError(InvalidArgumentError):
@@ -307,13 +328,80 @@ class NamingConflictError(InvalidArgumentError):
     namings in one root would give one step two public names. Use the naming the root has, or
     another root. ``root``, ``recorded`` and ``requested``: the prefixes."""
 
-    def __init__(self, message: str, *, root: str | None = None, recorded: str | None = None,
-                 requested: str | None = None):
-        super().__init__(message)
-        self.root = root
-        self.recorded = recorded
-        self.requested = requested
+    root: str | None
+    recorded: str | None
+    requested: str | None
 
-    def __reduce__(self):
-        return _with_fields, (type(self), str(self), {"root": self.root, "recorded": self.recorded,
-                                                       "requested": self.requested})
+
+# ----- the cross-rank codec ---------------------------------------------------------------------
+# One rank's error travels to the others as plain data (an object collective pickles it, and a
+# rank must never unpickle arbitrary classes of another's): a txckpt error comes back as the same
+# class with the same message and fields, through the same state pickling uses; any other error
+# as the nearest builtin exception class it derives from (ValueError, OSError, ...), else
+# RuntimeError, with its message.
+
+
+def encode_error(e: BaseException, *, rank: int | None = None) -> dict[str, Any]:
+    """``e`` as plain data for another rank: ``type`` (a class of this module, or a builtin
+    exception), ``message`` (``str(e)``), ``args`` and ``state`` (what rebuilds it exactly;
+    None/{} when only the message travels) and ``rank`` (where it was raised, None if unknown)."""
+    for cls in type(e).__mro__:
+        if getattr(_this_module(), cls.__name__, None) is cls and issubclass(cls, TxckptError):
+            args: tuple | None = _full_args(e)
+            state = {k: v for k, v in vars(e).items() if k != "__notes__"}
+            try:
+                pickle.dumps((args, state))
+            except Exception:  # noqa: BLE001 - a field that cannot travel: the message does
+                args, state = None, {}
+            return {"type": cls.__name__, "message": str(e), "args": args, "state": state, "rank": rank}
+    base = _nearest_builtin(type(e))
+    exact = base is type(e)
+    args = _full_args(e) if exact else None
+    if args is not None:
+        try:
+            pickle.dumps(args)
+        except Exception:  # noqa: BLE001
+            args = None
+    return {"type": base.__name__, "message": str(e), "args": args, "state": {}, "rank": rank}
+
+
+def decode_error(d: dict[str, Any]) -> BaseException:
+    """The error :func:`encode_error` described (a RuntimeError for an unknown type)."""
+    name = str(d.get("type", ""))
+    message = str(d.get("message", ""))
+    args = d.get("args")
+    args = (message,) if args is None else tuple(args)
+    cls = getattr(_this_module(), name, None)
+    if isinstance(cls, type) and issubclass(cls, TxckptError):
+        return _restore(cls, args, dict(d.get("state") or {}))
+    builtin = getattr(builtins, name, None)
+    if isinstance(builtin, type) and issubclass(builtin, Exception):
+        try:
+            return builtin(*args)
+        except Exception:  # noqa: BLE001 - a builtin whose args do not fit: the message does
+            return builtin(message)
+    return RuntimeError(message)
+
+
+def reworded(d: dict[str, Any], message: str) -> dict[str, Any]:
+    """Encoded error ``d`` with another message (same class and fields)."""
+    return dict(d, message=message, args=None)
+
+
+def is_txckpt_error(d: dict[str, Any]) -> bool:
+    """Whether encoded error ``d`` decodes to a :class:`TxckptError`."""
+    cls = getattr(_this_module(), str(d.get("type", "")), None)
+    return isinstance(cls, type) and issubclass(cls, TxckptError)
+
+
+def _nearest_builtin(cls: type) -> type:
+    for c in cls.__mro__:
+        if getattr(builtins, c.__name__, None) is c and issubclass(c, Exception) and c is not Exception:
+            return c
+    return RuntimeError
+
+
+def _this_module() -> Any:
+    import sys
+
+    return sys.modules[__name__]

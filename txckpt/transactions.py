@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, Literal, Mapping
 
 from . import errors
 from .checksum import HashingWriter, digest_stream
-from .coordination import Coordinator, current_coordinator
+from .coordination import Coordinator, current_coordinator, decide_on_rank0
 from .errors import (
     CheckpointNotFoundError,
     InvalidArgumentError,
@@ -156,26 +156,7 @@ class Transaction:
         self._timer = Timer("save", f"step {self.step}")
         if self._coord is None:
             self._coord = current_coordinator(self._timeout)
-        plan: dict[str, Any]
-        if self._coord.is_committer:
-            try:
-                try:
-                    plan = self._root.prepare_save(self.step)
-                    # The intent carries this process's start time from /proc, which is what gc
-                    # checks a local writer's liveness with (not this process's clock).
-                    write_intent(self._root, plan, self._coord.world_size)
-                    self._create_staging(plan)
-                except OSError as os_error:
-                    raise storage_error(os_error, f"start the save of step {self.step}") from os_error
-            except Exception as e:  # every rank must learn why
-                plan = {"error": _describe_error(e)}
-                if self._coord.world_size == 1:
-                    raise
-        else:
-            plan = {}
-        plan = self._coord.broadcast(plan)
-        if "error" in plan:
-            raise _rebuild_error(plan["error"])
+        plan = decide_on_rank0(self._plan_save, phase="save plan", coordinator=self._coord)
         self._plan = plan
         self.txid = plan["txid"]
         self._timer.phase("staging")
@@ -192,12 +173,33 @@ class Transaction:
             # take part in the gather and the outcome broadcast with this error, so that every
             # rank learns it and none waits for the timeout (or meets a mismatched collective).
             self._done = True
-            report = {"rank": self.rank, "error": _describe_error(e)}
+            report = {"rank": self.rank, "error": errors.encode_error(e, rank=self.rank)}
             reports = self._coord.gather(report)
             outcome = self._commit_or_abort(reports or [report]) if self._coord.is_committer else {}
             self._coord.broadcast(outcome)
             raise
         return self
+
+    def _plan_save(self) -> dict[str, Any]:
+        """Rank 0: validate the save, record its intent, create its staging; the plan."""
+        assert self._coord is not None
+        try:
+            try:
+                plan = self._root.prepare_save(self.step)
+                # The intent carries this process's start time from /proc, which is what gc
+                # checks a local writer's liveness with (not this process's clock).
+                write_intent(self._root, plan, self._coord.world_size)
+                self._create_staging(plan)
+                return plan
+            except OSError as os_error:
+                raise storage_error(os_error, f"start the save of step {self.step}") from os_error
+        except errors.TxckptError:
+            raise
+        except Exception as e:
+            if self._coord.world_size == 1:
+                raise
+            # In a group a failed start is a TransactionAbortedError on every rank (rank 0 too).
+            raise TransactionAbortedError(str(e)) from e
 
     def _create_staging(self, plan: dict[str, Any]) -> None:
         """The committer creates the shared staging directory (rename backends) before the plan
@@ -242,6 +244,13 @@ class Transaction:
         self._open_writers.add(name)
         self._names.opened(name)
         return _TrackedWriter(self, name, sink)  # type: ignore[return-value]
+
+    def check_not_rewritten(self) -> None:
+        """Raise InvalidArgumentError if a file written through ``open``/``save`` was written
+        again through ``tx.directory`` since: the check the commit makes, for a caller (the
+        Trainer integration) that wants to refuse before the commit, with its own advice."""
+        self._require_open()
+        self._names.check_not_rewritten(lambda n: self._root.storage.local_path(f"{self.staging_key}/{n}"))
 
     def save(self, name: str, obj: Any) -> None:
         """Write ``obj`` as file ``name`` by the rules of :func:`txckpt.save_checkpoint`."""
@@ -300,7 +309,7 @@ class Transaction:
         if exc is not None:
             return False  # this rank's own exception propagates
         if "error" in outcome:
-            raise _rebuild_error(outcome["error"])
+            raise errors.decode_error(outcome["error"])
         self.path = outcome["path"]
         return False
 
@@ -310,7 +319,7 @@ class Transaction:
         # may land after either.
         if exc is not None:
             self._cancel_writes()
-            return {"rank": self.rank, "error": _describe_error(exc)}
+            return {"rank": self.rank, "error": errors.encode_error(exc, rank=self.rank)}
         try:
             if self._open_writers:
                 raise InvalidArgumentError(f"files still open at commit: {sorted(self._open_writers)}")
@@ -334,7 +343,7 @@ class Transaction:
             return {"rank": self.rank, "files": files}
         except Exception as e:
             self._cancel_writes()
-            return {"rank": self.rank, "error": _describe_error(e)}
+            return {"rank": self.rank, "error": errors.encode_error(e, rank=self.rank)}
 
     def _cancel_writes(self) -> None:
         if self._writes is None:
@@ -367,21 +376,21 @@ class Transaction:
                         self._root.clear_intent(plan["txid"])
                     except OSError:
                         pass  # gc removes the intent of a committed txid
-                    return {"error": _describe_error(lost)}
+                    return {"error": errors.encode_error(lost, rank=self.rank)}
                 if committed is not None:  # the commit point was passed: never delete
                     log.warning("checkpoint %s committed, but finishing it failed: %s",
                                 plan["txid"], e)
                     return {"path": committed}
-                failed = [{"rank": self.rank, "error": _describe_error(e)}]
+                failed = [{"rank": self.rank, "error": errors.encode_error(e, rank=self.rank)}]
                 log.debug("commit of %s failed", plan["txid"], exc_info=True)
         self._abort()
         first = failed[0]
-        err = dict(first["error"])
+        err = first["error"]
         if first["rank"] != self.rank or self.world_size > 1:
-            err["message"] = f"rank {first['rank']}: {err['message']}"
-        if err["type"] not in _PASS_THROUGH:
-            err = {"type": "TransactionAbortedError", "message":
-                   f"checkpoint step {plan['step']} was not committed: {err['message']}"}
+            err = errors.reworded(err, f"rank {first['rank']}: {err['message']}")
+        if not errors.is_txckpt_error(err):
+            err = errors.encode_error(TransactionAbortedError(
+                f"checkpoint step {plan['step']} was not committed: {err['message']}"), rank=self.rank)
         return {"error": err}
 
     def _commit(self, reports: list[dict[str, Any]]) -> str:
@@ -537,19 +546,3 @@ def _walk_local(base: str):
             full = os.path.join(dirpath, n)
             yield os.path.relpath(full, base).replace(os.sep, "/"), os.path.getsize(full)
 
-
-_PASS_THROUGH = {
-    name for name in dir(errors)
-    if isinstance(getattr(errors, name), type) and issubclass(getattr(errors, name), errors.TxckptError)
-}
-
-
-def _describe_error(e: BaseException) -> dict[str, str]:
-    return {"type": type(e).__name__, "message": str(e)}
-
-
-def _rebuild_error(err: dict[str, str]) -> BaseException:
-    cls = getattr(errors, err.get("type", ""), None)
-    if isinstance(cls, type) and issubclass(cls, errors.TxckptError):
-        return cls(err["message"])
-    return TransactionAbortedError(err.get("message", "transaction aborted"))

@@ -35,6 +35,7 @@ from typing import Any, Mapping
 from accelerate import Accelerator
 
 import txckpt
+from txckpt.coordination import decide_on_rank0
 from txckpt.errors import CheckpointNotFoundError, InvalidArgumentError
 from txckpt.naming import Naming, record_naming, split_name
 
@@ -116,7 +117,7 @@ class TransactionalAccelerator(Accelerator):
                 os.makedirs(root, exist_ok=True)  # as stock save_state does
             return record_naming(r.storage, naming, durable=r.durable).prefix
 
-        prefix = txckpt.api._on_rank0(record, None)
+        prefix = decide_on_rank0(record, phase="naming")
         r.publication.naming = Naming(prefix)
         self._txckpt_named[root] = r.publication.naming
 
@@ -135,7 +136,7 @@ class TransactionalAccelerator(Accelerator):
             tip = state.head_tip
             return max(int(self.project_configuration.iteration), 0 if tip is None else tip["step"] + 1)
 
-        return txckpt.api._on_rank0(plan, None)
+        return decide_on_rank0(plan, phase="save step")
 
     # ----- save --------------------------------------------------------------------------------
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
@@ -218,7 +219,7 @@ class TransactionalAccelerator(Accelerator):
 
         where = parse(path)
         ctx = None if where is None else RootContext.open(path, self.txckpt_storage_options)
-        if ctx is None:
+        if where is None or ctx is None:
             return path  # plain accelerate output, or a copy: nothing to resume in
         if where.txid is None and not ctx.root.storage.atomic_dir_rename:
             # Object stores have no public names (a checkpoint stays at its own key):

@@ -30,17 +30,17 @@ How it hooks in (docs/dev/trainer-internals.md has the Trainer call sequences th
   into a local scratch directory that txckpt uploads at commit, and a checkpoint to resume from
   (or the best model to load at the end, or a checkpoint to push to the Hub) is first fetched,
   verified, into a local cache (``txckpt_cache_dir``, default ``<output_dir>/.txckpt-cache``).
+
+The mixin's helpers are modules of their own: ``trainer_resume`` (what a resume resolves to, on
+rank 0), ``trainer_remote`` (a remote root's local cache), ``trainer_patches`` (the global
+patches, each held for one upstream call) and ``trainer_paths`` (names and path tests).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import json
 import logging
 import os
-import re
-import shutil
 import warnings
 from typing import Any
 
@@ -48,16 +48,33 @@ import transformers
 from transformers import Trainer
 
 import txckpt
-from txckpt.coordination import coordination_timeout, current_coordinator
 from txckpt import errors as _errors
+from txckpt.coordination import current_coordinator, decide_on_rank0
 from txckpt.fallback import check_on_damaged
 from txckpt.progress import follow_transformers_verbosity
 
+from .trainer_patches import (
+    HUB_IGNORE_PATTERNS,
+    hub_uploads_skip_txckpt,
+    plain_cpu_map_location,
+    remote_best_checkpoints_kept,
+    torch_save_through,
+)
+from .trainer_paths import (
+    PREFIX_CHECKPOINT_DIR,
+    TRAINER_STATE_NAME,
+    checkpoint_name_step,
+    is_remote,
+    is_url,
+    is_within,
+    same_dir,
+    step_of,
+)
+from .trainer_remote import RemoteCache
+from .trainer_resume import committed_step_path, resolve_on_rank0
+
 log = logging.getLogger("txckpt.transformers")
 
-PREFIX_CHECKPOINT_DIR = "checkpoint"
-TRAINER_STATE_NAME = "trainer_state.json"
-_CHECKPOINT_RE = re.compile(r"^" + PREFIX_CHECKPOINT_DIR + r"-(\d+)$")
 _LOCAL_WORLD_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
 
 
@@ -89,6 +106,10 @@ class TransactionalCheckpointMixin:
     commit. Set it to False in a subclass whose own code rewrites those files afterwards (the
     save is refused otherwise: the commit would record the first version's checksum).
     """
+
+    # Set by Trainer.__init__ (declared for the type checker; the mixin goes before Trainer).
+    args: Any
+    state: Any
 
     txckpt_root: str | None = None
     txckpt_storage_options: dict[str, Any] | None = None
@@ -122,16 +143,14 @@ class TransactionalCheckpointMixin:
         # Set before Trainer.__init__: it may call overridden methods (e.g. _get_output_dir).
         self._txckpt_tx = None
         #: Files of the open transaction written through it by _save_optimizer_and_scheduler.
-        self._txckpt_streamed: dict[str, Any] = {}
+        self._txckpt_streamed: set[str] = set()
         self._txckpt_pending_push: tuple[tuple, dict] | None = None
         #: The newest step this process knows to be committed in its lineage (resumed or saved).
         self._txckpt_last_step: int | None = None
         #: Remote root: the cache's checkpoint copies are dropped after train()'s first commit.
         self._txckpt_prune_after_commit = False
-        #: Remote root: local copies made for Hub pushes, with the push job reading them.
-        self._txckpt_push_copies: list[tuple[str, Any]] = []
-        #: Remote root: the cache copy rank 0 fetched (and so verified) while resuming, by path.
-        self._txckpt_verified: dict[str, str] = {}
+        #: Remote root: the local cache (checkpoint copies, Hub push sources, upload staging).
+        self._txckpt_remote = RemoteCache(self)
         super().__init__(*args, **kwargs)
         self._txckpt_install_jit()
 
@@ -142,20 +161,12 @@ class TransactionalCheckpointMixin:
         ``txckpt_root`` a trial gets the same sub-path under it)."""
         run_dir = super()._get_output_dir(trial)  # type: ignore[misc]
         if self.txckpt_root is None:
-            return run_dir if _is_url(run_dir) else os.path.abspath(run_dir)
+            return run_dir if is_url(run_dir) else os.path.abspath(run_dir)
         root = os.fspath(self.txckpt_root)
-        rel = os.path.relpath(run_dir, self.args.output_dir) if not _is_url(run_dir) else "."  # type: ignore[attr-defined]
+        rel = os.path.relpath(run_dir, self.args.output_dir) if not is_url(run_dir) else "."  # type: ignore[attr-defined]
         if rel != ".":
-            root = root.rstrip("/") + "/" + rel.replace(os.sep, "/") if _is_url(root) else os.path.join(root, rel)
-        return root if _is_url(root) else os.path.abspath(root)
-
-    def _txckpt_cache(self) -> str:
-        """The local cache of a remote root: ``<cache>/<txid>/checkpoint-N`` (fetched to resume
-        or to load the best model), ``<cache>/push/...`` (Hub push sources), ``<cache>/staging``
-        (the transactions' local scratch directories, uploaded at commit)."""
-        if self.txckpt_cache_dir is not None:
-            return os.path.abspath(os.fspath(self.txckpt_cache_dir))
-        return os.path.join(os.path.abspath(self.args.output_dir), CACHE_DIR_NAME)  # type: ignore[attr-defined]
+            root = root.rstrip("/") + "/" + rel.replace(os.sep, "/") if is_url(root) else os.path.join(root, rel)
+        return root if is_url(root) else os.path.abspath(root)
 
     def _get_output_dir(self, trial: Any = None) -> str:
         tx = getattr(self, "_txckpt_tx", None)
@@ -186,11 +197,11 @@ class TransactionalCheckpointMixin:
         ) as tx:
             self._txckpt_tx = tx
             try:
-                if _is_remote(root):
-                    self._txckpt_make_scratch(tx)
+                if is_remote(root):
+                    self._txckpt_remote.make_scratch(tx)
                 # <root>/checkpoint-N on a local disk; the transaction's own key on object stores.
                 expected = tx.final_path
-                self._txckpt_streamed = {}
+                self._txckpt_streamed = set()
                 self._txckpt_resolve_best(root, step)
                 super()._save_checkpoint(model, trial, *args, **kwargs)  # type: ignore[misc]
                 self._txckpt_check_streamed(tx)
@@ -208,7 +219,8 @@ class TransactionalCheckpointMixin:
                 "names %s as best_model_checkpoint", step, committed, expected, expected,
             )
         if self._txckpt_prune_after_commit:
-            self._txckpt_drop_cached_copies()
+            self._txckpt_prune_after_commit = False
+            self._txckpt_remote.drop_cached_copies()
         # The Hub push that upstream asked for during the save, now from the committed directory
         # (on a remote root, from a verified local copy of it: see _push_from_checkpoint).
         pending, self._txckpt_pending_push = self._txckpt_pending_push, None
@@ -228,9 +240,9 @@ class TransactionalCheckpointMixin:
         MP save as upstream does, and their files are hashed at commit."""
         tx = self._txckpt_tx
         if tx is None or not self.txckpt_stream_optimizer or not self._txckpt_plain_optimizer_save() \
-                or not _same_dir(output_dir, tx.directory):
+                or not same_dir(output_dir, tx.directory):
             return super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)  # type: ignore[misc]
-        with _torch_save_through(tx, self._txckpt_streamed):
+        with torch_save_through(tx, self._txckpt_streamed):
             return super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)  # type: ignore[misc]
 
     def _txckpt_plain_optimizer_save(self) -> bool:
@@ -248,39 +260,15 @@ class TransactionalCheckpointMixin:
 
     def _txckpt_check_streamed(self, tx: Any) -> None:
         """A file written through the transaction and then rewritten in staging by other code
-        would be committed with the first version's checksum: refuse (nothing is committed)."""
-        changed = [n for n, sig in self._txckpt_streamed.items()
-                   if sig is not None and _file_signature(os.path.join(tx.directory, n)) != sig]
-        if changed:
+        would be committed with the first version's checksum: refuse (nothing is committed),
+        with the transaction's own check, and say how a Trainer avoids it."""
+        try:
+            tx.check_not_rewritten()
+        except _errors.InvalidArgumentError as e:
             raise _errors.InvalidArgumentError(
-                f"{changed} were rewritten in the checkpoint directory after txckpt wrote them "
-                "(by a subclass?); set txckpt_stream_optimizer = False on the Trainer class so that "
-                "txckpt hashes them at commit instead"
-            )
-
-    def _txckpt_make_scratch(self, tx: Any) -> None:
-        """On a remote root ``tx.directory`` is a local scratch directory (uploaded at commit).
-        txckpt creates it under ``$TXCKPT_STAGING_DIR``, else the system temp dir; unless the
-        user chose, put it in the run's cache, next to output_dir, not in a possibly small /tmp
-        (and where the next run's start removes what a hard kill left)."""
-        if os.environ.get(STAGING_ENV):
-            tx.directory
-            return
-        base = os.path.join(self._txckpt_cache(), STAGING_DIR_NAME)
-        os.makedirs(base, exist_ok=True)
-        with _env_var(STAGING_ENV, base):
-            tx.directory
-
-    def _txckpt_clean_staging(self) -> None:
-        """Remove scratch directories that a hard-killed save left in the cache's staging dir.
-        Runs at train() start on each node's local rank 0, before any rank can save."""
-        base = os.path.join(self._txckpt_cache(), STAGING_DIR_NAME)
-        if os.environ.get(STAGING_ENV) or not os.path.isdir(base):
-            return
-        for name in os.listdir(base):
-            if name.startswith("txckpt-"):
-                log.info("removing the staging leftover %s", os.path.join(base, name))
-                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+                f"{e} (by a subclass?): set txckpt_stream_optimizer = False on the Trainer class so that "
+                "txckpt hashes the optimizer's and scheduler's files at commit instead"
+            ) from e
 
     def _txckpt_metadata(self, trial: Any) -> dict[str, Any]:
         return {
@@ -303,9 +291,9 @@ class TransactionalCheckpointMixin:
         if not best_step or int(best_step) == step or strategy not in ("steps", "epoch", "best"):
             return  # the step being saved: upstream names staging, _txckpt_publish_best fixes it
         current = self.state.best_model_checkpoint
-        if current is not None and _checkpoint_name_step(current) == int(best_step):
+        if current is not None and checkpoint_name_step(current) == int(best_step):
             return  # resolved at an earlier save
-        path = _committed_step_path(root, self.txckpt_storage_options, int(best_step))
+        path = committed_step_path(root, self.txckpt_storage_options, int(best_step))
         if path is not None:
             self.state.best_model_checkpoint = path
 
@@ -314,7 +302,7 @@ class TransactionalCheckpointMixin:
         best step is the one being saved. Point it at the published path, in memory and in this
         checkpoint's trainer_state.json, before the commit."""
         best = self.state.best_model_checkpoint
-        if best is None or not _is_within(best, tx.output_root):
+        if best is None or not is_within(best, tx.output_root):
             return
         self.state.best_model_checkpoint = expected
         state_file = os.path.join(tx.directory, TRAINER_STATE_NAME)
@@ -327,32 +315,32 @@ class TransactionalCheckpointMixin:
             self._txckpt_pending_push = (args, kwargs)
             return
         copy = None
-        if _is_remote(os.fspath(checkpoint_folder)) and self._txckpt_would_push():
+        if is_remote(os.fspath(checkpoint_folder)) and self._txckpt_would_push():
             # Upstream copies files out of the folder and uploads it with local paths: push
             # from a verified local copy of the committed checkpoint.
             try:
-                copy = self._txckpt_push_copy(os.fspath(checkpoint_folder))
+                copy = self._txckpt_remote.push_copy(os.fspath(checkpoint_folder))
             except Exception as e:  # noqa: BLE001 - the checkpoint is committed; a push is optional
                 log.warning("not pushing %s to the Hub: fetching a local copy failed (%s: %s)",
                             checkpoint_folder, type(e).__name__, e)
                 return
             checkpoint_folder = copy
-        with _hub_uploads_skip_txckpt(self._txckpt_hub_ignores()):
+        with hub_uploads_skip_txckpt(self._txckpt_hub_ignores()):
             result = super()._push_from_checkpoint(checkpoint_folder, *args, **kwargs)  # type: ignore[misc]
         if copy is not None:
-            self._txckpt_push_copies.append((copy, getattr(self, "push_in_progress", None)))
+            self._txckpt_remote.push_copies.append((copy, getattr(self, "push_in_progress", None)))
         return result
 
     def push_to_hub(self, *args: Any, **kwargs: Any) -> Any:
-        with _hub_uploads_skip_txckpt(self._txckpt_hub_ignores()):
+        with hub_uploads_skip_txckpt(self._txckpt_hub_ignores()):
             return super().push_to_hub(*args, **kwargs)  # type: ignore[misc]
 
     def _txckpt_hub_ignores(self) -> list[str]:
         """HUB_IGNORE_PATTERNS, plus the cache directory if it is inside output_dir under another name."""
         extra = []
         out = os.path.abspath(self.args.output_dir)  # type: ignore[attr-defined]
-        cache = self._txckpt_cache()
-        if _is_within(cache, out) and os.path.realpath(cache) != os.path.realpath(out):
+        cache = self._txckpt_remote.directory
+        if is_within(cache, out) and os.path.realpath(cache) != os.path.realpath(out):
             rel = os.path.relpath(cache, out).replace(os.sep, "/")
             extra = [rel, rel + "/*"]
         return HUB_IGNORE_PATTERNS + [p for p in extra if p not in HUB_IGNORE_PATTERNS]
@@ -366,107 +354,15 @@ class TransactionalCheckpointMixin:
         job = getattr(self, "push_in_progress", None)
         return bool(self.args.hub_always_push) or job is None or job.is_done()  # type: ignore[attr-defined]
 
-    def _txckpt_push_copy(self, remote: str) -> str:
-        """Rank 0: a verified local copy of committed checkpoint ``remote`` for a Hub push, in
-        ``<cache>/push/<txid>/checkpoint-N`` (the name upstream gives the pushed folder). Copies
-        whose push has finished are removed first."""
-        self._txckpt_drop_push_copies()
-        manifest = txckpt.read_manifest(remote, storage_options=self.txckpt_storage_options)
-        dest = os.path.join(self._txckpt_cache(), PUSH_DIR_NAME, manifest.txid, f"{PREFIX_CHECKPOINT_DIR}-{manifest.step}")
-        return self._txckpt_fetch_here(remote, dest)
-
-    def _txckpt_drop_push_copies(self) -> None:
-        """Remove the push sources whose upload has finished (rank 0)."""
-        keep = []
-        for path, job in self._txckpt_push_copies:
-            if job is None or job.is_done():
-                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-            else:
-                keep.append((path, job))
-        self._txckpt_push_copies = keep
-
-    # ----- remote roots: local copies --------------------------------------------------------
-    def _txckpt_fetch_timeout(self) -> float:
-        """A fetch happens between two collectives: the others wait for the download."""
-        return max(coordination_timeout(self.txckpt_timeout), float(getattr(self.args, "ddp_timeout", 0) or 0))
-
-    def _txckpt_fetch_here(self, remote: str, dest: str) -> str:
-        """This process's verified copy of committed checkpoint ``remote`` at ``dest`` (reused if
-        it already holds the same manifest and verifies)."""
-        so = self.txckpt_storage_options
-        if self._txckpt_verified.pop(remote, None) == dest:
-            return dest  # fetched and verified by this resume's fallback check: not twice
-        try:
-            return txckpt.fetch_checkpoint(remote, dest, storage_options=so)
-        except OSError as e:
-            if isinstance(e, _errors.TxckptError) or not os.path.isfile(os.path.join(dest, txckpt.MANIFEST_NAME)):
-                raise
-            # Another process renamed its copy into dest while this one downloaded: check that one.
-            return txckpt.fetch_checkpoint(remote, dest, storage_options=so)
-
-    def _txckpt_fetch_committed(self, remote: str) -> str:
-        """Every rank: a verified local copy of committed checkpoint ``remote`` in
-        ``<cache>/<txid>/checkpoint-N``. Rank 0 reads the manifest and fetches first; then each
-        other node's local rank 0; then the remaining ranks (which, on one node or a shared
-        cache, find the copy and only verify it). So no two processes ever download into the
-        same directory at once. Any rank's failure is raised on every rank."""
-        coord = current_coordinator(self._txckpt_fetch_timeout())
-        info: dict[str, Any] = {}
-        own: BaseException | None = None
-        if coord.rank == 0:
-            try:
-                m = txckpt.read_manifest(remote, storage_options=self.txckpt_storage_options)
-                info = {"txid": m.txid, "step": m.step}
-            except BaseException as e:  # noqa: BLE001 - every rank must learn it
-                own, info = e, {"error": _describe(e, 0)}
-        info = coord.broadcast(info)
-        if own is not None:
-            raise own
-        if "error" in info:
-            raise _rebuild_error(info["error"])
-        dest = os.path.join(self._txckpt_cache(), info["txid"], f"{PREFIX_CHECKPOINT_DIR}-{info['step']}")
-        if coord.world_size == 1:
-            return self._txckpt_fetch_here(remote, dest)
-        local_rank = int(getattr(self.args, "local_process_index", coord.rank))
-        turns = (coord.rank == 0, coord.rank != 0 and local_rank == 0, coord.rank != 0 and local_rank != 0)
-        for mine in turns:
-            report = None
-            if mine:
-                try:
-                    self._txckpt_fetch_here(remote, dest)
-                except BaseException as e:  # noqa: BLE001
-                    own, report = e, _describe(e, coord.rank)
-            reports = coord.gather(report)
-            verdict = coord.broadcast(next((r for r in reports or [] if r), None))
-            if own is not None:
-                raise own
-            if verdict is not None:
-                raise _rebuild_error(verdict)
-        return dest
-
-    def _txckpt_drop_cached_copies(self) -> None:
-        """After the first commit of a train() on a remote root, nothing reads the cache's
-        checkpoint copies any more (upstream reads the resumed one before the first update step;
-        the commit's collectives mean every rank is past that; an earlier run's best copy is
-        stale): remove them (not staging, not push sources), on each node, then barrier so no
-        rank fetches into the cache (the best model at the end) while another still removes."""
-        self._txckpt_prune_after_commit = False
-        if int(getattr(self.args, "local_process_index", 0)) == 0:
-            cache = self._txckpt_cache()
-            for name in (os.listdir(cache) if os.path.isdir(cache) else []):
-                if name not in (STAGING_DIR_NAME, PUSH_DIR_NAME):
-                    shutil.rmtree(os.path.join(cache, name), ignore_errors=True)
-        current_coordinator(self.txckpt_timeout).barrier()
-
     def _load_best_model(self, *args: Any, **kwargs: Any) -> Any:
         """Remote root: ``best_model_checkpoint`` names the committed remote checkpoint. Upstream
         loads it from local paths: load it from a verified local copy in the cache (every rank
         calls this, after upstream's barrier). The state keeps naming the remote checkpoint."""
         best = self.state.best_model_checkpoint
-        if best is None or not _is_remote(best):
+        if best is None or not is_remote(best):
             return super()._load_best_model(*args, **kwargs)  # type: ignore[misc]
         try:
-            local = self._txckpt_fetch_committed(best)
+            local = self._txckpt_remote.fetch_committed(best)
         except (_errors.CheckpointNotFoundError, _errors.ManifestError) as e:
             log.warning("could not load the best model from %s (%s); keeping the last weights", best, e)
             return None
@@ -480,26 +376,8 @@ class TransactionalCheckpointMixin:
         """transformers 5.x drops a resumed ``best_model_checkpoint`` that is not a local
         directory (with a warning that it "does not exist anymore"). On a remote root it is the
         remote checkpoint: keep it while it is still committed. (4.57 keeps it unchecked.)"""
-        from transformers.trainer_callback import TrainerState
-
-        remote: list[str] = []
-        descriptor = TrainerState.__dict__.get("load_from_json")
-        if not isinstance(descriptor, classmethod):  # a transformers this was not written for
-            return super()._init_training_state(*args, **kwargs)  # type: ignore[misc]
-        real = descriptor.__get__(None, TrainerState)
-
-        def load_from_json(json_path: str) -> Any:
-            state = real(json_path)
-            if state.best_model_checkpoint is not None and _is_remote(state.best_model_checkpoint):
-                remote.append(state.best_model_checkpoint)
-                state.best_model_checkpoint = None
-            return state
-
-        TrainerState.load_from_json = staticmethod(load_from_json)
-        try:
+        with remote_best_checkpoints_kept() as remote:
             result = super()._init_training_state(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            TrainerState.load_from_json = descriptor
         if remote and self.state.best_model_checkpoint is None:
             try:
                 txckpt.read_manifest(remote[-1], storage_options=self.txckpt_storage_options)
@@ -509,7 +387,6 @@ class TransactionalCheckpointMixin:
                             "ignoring it for this run", remote[-1])
         return result
 
-    # ----- retention (upstream rotation is disabled) -------------------------------------------
     def _rotate_checkpoints(self, use_mtime: bool = False, output_dir: str | None = None) -> None:
         """transformers 4.x rotation: disabled (it is mtime-ordered and lineage-blind). txckpt's
         retention runs after each commit instead. (5.x calls a module function that only sees
@@ -559,7 +436,7 @@ class TransactionalCheckpointMixin:
                         "training failed (%s: %s); the newest is kept too", best, type(e).__name__, e)
             return
         if gone:  # (rewind logs what it retired) the lineage's newest is the best now
-            self._txckpt_last_step = _checkpoint_name_step(best)
+            self._txckpt_last_step = checkpoint_name_step(best)
 
     def _txckpt_retention(self, root: str) -> None:
         """Apply ``save_total_limit`` to the current lineage's committed checkpoints, keeping the
@@ -598,7 +475,7 @@ class TransactionalCheckpointMixin:
         device = getattr(self.args, "device", None)
         if checkpoint is None or getattr(device, "type", None) != "cpu" or getattr(device, "index", None) is None:
             return super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)  # type: ignore[misc]
-        with _plain_cpu_map_location():
+        with plain_cpu_map_location():
             return super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)  # type: ignore[misc]
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
@@ -619,111 +496,26 @@ class TransactionalCheckpointMixin:
                 self._txckpt_keep_only_best(trial)
             return result
         finally:
-            self._txckpt_drop_push_copies()  # upstream waited for the last push at the end
+            self._txckpt_remote.drop_push_copies()  # upstream waited for the last push at the end
 
     def _txckpt_resolve_resume(self, resume: str | bool | None, trial: Any) -> str | None:
         """Rank 0 decides (and records any lineage change); every rank gets its answer. A remote
         answer is fetched into the local cache on every rank, and the local copy returned."""
         root = self._txckpt_root(trial)
-        coord = current_coordinator(self.txckpt_timeout)
-        if _is_remote(root) and int(getattr(self.args, "local_process_index", 0)) == 0:
+        coord = current_coordinator(self.txckpt_timeout, "resume")
+        if is_remote(root) and int(getattr(self.args, "local_process_index", 0)) == 0:
             # Before the broadcast: no rank can be saving (into staging) until every rank is past it.
-            self._txckpt_clean_staging()
-        own_error: BaseException | None = None
-        answer: dict[str, Any] | None = None
-        if coord.rank == 0:
-            try:
-                answer = {"path": self._txckpt_resolve_on_rank0(resume, root)}
-            except BaseException as e:  # noqa: BLE001 - every rank must learn it
-                own_error = e
-                answer = {"error": _describe(e, 0)}
-        answer = coord.broadcast(answer)
-        if own_error is not None:
-            raise own_error
-        if "error" in answer:
-            raise _rebuild_error(answer["error"])
-        if "path" not in answer:  # never expected: a collective mismatch would show here
-            raise RuntimeError(f"txckpt: rank {coord.rank} got {answer!r} from rank 0 instead of the resume decision")
-        path = answer["path"]
+            self._txckpt_remote.clean_staging()
+        path = decide_on_rank0(lambda: resolve_on_rank0(self, resume, root), phase="resume", coordinator=coord)
         local = path
         # Remote root: after this run's first commit, the cache's checkpoint copies (this resume's,
         # an earlier run's best) are no longer read by anyone.
-        self._txckpt_prune_after_commit = _is_remote(root)
-        if path is not None and _is_remote(path):
-            local = self._txckpt_fetch_committed(path)
+        self._txckpt_prune_after_commit = is_remote(root)
+        if path is not None and is_remote(path):
+            local = self._txckpt_remote.fetch_committed(path)
             log.info("resuming from %s (local copy %s)", path, local)
-        self._txckpt_last_step = _step_of(local) if path is not None and _is_within(path, root) else None
+        self._txckpt_last_step = step_of(local) if path is not None and local is not None and is_within(path, root) else None
         return local
-
-    def _txckpt_resume_check(self, root: str) -> Any:
-        """How a restart verifies the checkpoint it continues from (upstream loads files without
-        checking them): on a local root, txckpt's verification (one read); on a remote one the
-        fetch into the cache, which verifies, is the check, so the copy checked is the copy
-        loaded. With "raise" a remote root needs no check here: the fetch after it raises."""
-        so = self.txckpt_storage_options
-        if not _is_remote(root):
-            return lambda path: (txckpt.verify_checkpoint(path, storage_options=so), path)[1]
-        if self.txckpt_on_damaged == "raise":
-            return None
-
-        def fetch(path: str) -> str:
-            m = txckpt.read_manifest(path, storage_options=so)
-            dest = os.path.join(self._txckpt_cache(), m.txid, f"{PREFIX_CHECKPOINT_DIR}-{m.step}")
-            self._txckpt_verified = {path: self._txckpt_fetch_here(path, dest)}
-            return path
-
-        return fetch
-
-    def _txckpt_resolve_on_rank0(self, resume: str | bool | None, root: str) -> str | None:
-        # Runs on rank 0 alone, which broadcasts the answer: lineage changes here are not
-        # collectives (collective=False), or the other ranks would be waited for twice.
-        so = self.txckpt_storage_options
-        if resume is True:
-            path = txckpt.open_root(root, so).resume(
-                on_damaged=self.txckpt_on_damaged, verify=self._txckpt_resume_check(root),
-            ) if _exists(root, so) else None
-            if path is None:
-                path = _external_parent_of_empty_head(root, so)
-                if path is not None:
-                    log.warning("the current lineage of %s has no checkpoint yet; it started from "
-                                "the external checkpoint %s, resuming from there", root, path)
-            if path is None:
-                where = self.args.output_dir if self.txckpt_root is None else root
-                raise ValueError(f"No valid checkpoint found in output directory ({where})")
-            return path
-        if resume is None or resume is False:
-            if _exists(root, so) and _has_history(root, so):
-                newest = txckpt.get_last_checkpoint(root, storage_options=so)
-                if newest is not None:
-                    log.warning(
-                        "train(resume_from_checkpoint=None) on %s, which has committed checkpoints "
-                        "(newest: %s). Starting from scratch on a new lineage; the existing checkpoints are "
-                        "kept but no longer resumed by resume_from_checkpoint=True. To continue them, pass "
-                        "resume_from_checkpoint=True.", root, os.path.basename(newest),
-                    )
-                txckpt.new_lineage(root, storage_options=so, collective=False)
-            return None
-        path = os.fspath(resume)
-        if not _is_url(path):
-            path = os.path.abspath(path)
-        named = _named_step(path, root)
-        if _is_within(path, root):
-            if named is not None and _is_remote(root):
-                # Object stores have no checkpoint-N names (a checkpoint stays at its own key):
-                # <root>/checkpoint-K means step K of the current lineage, as on a local disk.
-                try:
-                    return txckpt.resume(root, path=path, storage_options=so, collective=False)
-                except _errors.CheckpointNotFoundError:
-                    return txckpt.resume(root, named, storage_options=so, collective=False)
-            return txckpt.resume(root, path=path, storage_options=so, collective=False)
-        out = os.path.abspath(self.args.output_dir)
-        local_step = _named_step(path, out)
-        if self.txckpt_root is not None and local_step is not None and not os.path.exists(path):
-            # The stock spelling "<output_dir>/checkpoint-K", with the checkpoints elsewhere.
-            log.info("%s does not exist; the root is %s, resuming its step %d", path, root, local_step)
-            return txckpt.resume(root, local_step, storage_options=so, collective=False)
-        txckpt.new_lineage(root, external_parent=path, storage_options=so, collective=False)
-        return path if _is_url(path) else os.fspath(resume)
 
 
 # ----- helpers ----------------------------------------------------------------------------------
@@ -752,228 +544,6 @@ def _check_save_on_each_node(args: Any) -> None:
         "output_dir on storage all nodes share (or an fsspec URL) and set save_on_each_node=False."
     )
 
-
-CACHE_DIR_NAME = ".txckpt-cache"
-STAGING_DIR_NAME = "staging"
-PUSH_DIR_NAME = "push"
-STAGING_ENV = "TXCKPT_STAGING_DIR"
-
-
-def _is_url(path: str) -> bool:
-    return "://" in path or "::" in path
-
-
-def _is_remote(path: str) -> bool:
-    """A root or checkpoint that the Trainer cannot read through local paths (any fsspec URL
-    but file://)."""
-    return _is_url(path) and not (path.startswith("file://") and "::" not in path)
-
-
-def _named_step(path: str, parent: str) -> int | None:
-    """K if ``path`` is ``<parent>/checkpoint-K``."""
-    if _is_url(path) != _is_url(parent):
-        return None
-    head, name = (path.rstrip("/").rsplit("/", 1) + [""])[:2] if _is_url(path) else os.path.split(path)
-    m = _CHECKPOINT_RE.match(name)
-    same = head.rstrip("/") == parent.rstrip("/") if _is_url(path) else os.path.realpath(head) == os.path.realpath(parent)
-    return int(m.group(1)) if m and same else None
-
-
-@contextlib.contextmanager
-def _env_var(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
-def _describe(e: BaseException, rank: int) -> dict[str, Any]:
-    return {"type": type(e).__name__, "message": str(e), "rank": rank}
-
-
-def _file_signature(path: str) -> tuple[int, int, int, int] | None:
-    """What changes when a file is rewritten (in place or replaced); None for a remote root's
-    transaction files, which are not in the local directory."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def _same_dir(a: str, b: str) -> bool:
-    if _is_url(a) or _is_url(b):
-        return a.rstrip("/") == b.rstrip("/")
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
-def _is_within(path: str, root: str) -> bool:
-    if _is_url(path) or _is_url(root):
-        return path.rstrip("/").startswith(root.rstrip("/") + "/")
-    p, r = os.path.realpath(path), os.path.realpath(root)
-    return p == r or p.startswith(r.rstrip(os.sep) + os.sep)
-
-
-def _exists(root: str, storage_options: dict | None) -> bool:
-    return _is_url(root) or storage_options is not None or os.path.isdir(root)
-
-
-def _has_history(root: str, storage_options: dict | None) -> bool:
-    r = txckpt.open_root(root, storage_options)
-    state = r.state()
-    return state.seq >= 0 or bool(r.legacy_checkpoints())
-
-
-def _external_parent_of_empty_head(root: str, storage_options: dict | None) -> str | None:
-    if not _exists(root, storage_options):
-        return None
-    state = txckpt.open_root(root, storage_options).state()
-    info = state.head_info
-    if info is None or info.tip is not None or not info.parent or "external" not in info.parent:
-        return None
-    return str(info.parent["external"])
-
-
-def _checkpoint_name_step(path: str) -> int | None:
-    """K for a path whose last component is ``checkpoint-K`` (published or a home), else None."""
-    m = _CHECKPOINT_RE.match(os.path.basename(path.rstrip("/").rstrip(os.sep)))
-    return int(m.group(1)) if m else None
-
-
-def _committed_step_path(root: str, storage_options: dict | None, step: int) -> str | None:
-    """Where the current lineage's committed checkpoint of ``step`` is; None if it has none
-    (never saved, or retired)."""
-    r = txckpt.open_root(root, storage_options)
-    try:
-        c = r.history().find(step=step)
-    except _errors.CheckpointNotFoundError:
-        return None
-    return r.locate(c.ref)
-
-
-def _step_of(path: str) -> int | None:
-    try:
-        with open(os.path.join(path, TRAINER_STATE_NAME), encoding="utf-8") as f:
-            return int(json.load(f)["global_step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        m = _CHECKPOINT_RE.match(os.path.basename(os.path.normpath(path)))
-        return int(m.group(1)) if m else None
-
-
-#: Upstream uploads the whole output_dir to the Hub, ignoring only "_*" and "checkpoint-*":
-#: without these, txckpt's log and the abandoned lineages' checkpoints under .txckpt/ would go too.
-HUB_IGNORE_PATTERNS = [".txckpt", ".txckpt/*", "*/.txckpt/*", ".txckpt-cache", ".txckpt-cache/*"]
-
-
-@contextlib.contextmanager
-def _hub_uploads_skip_txckpt(ignores: list[str] | None = None):
-    """Add ``ignores`` (default HUB_IGNORE_PATTERNS) to every ``upload_folder`` the Trainer makes in
-    the block: 5.x calls ``hf_api().upload_folder`` (an HfApi instance), 4.x the module-level
-    ``upload_folder`` that ``transformers.trainer`` imported (a bound method of huggingface_hub's
-    default HfApi)."""
-    import huggingface_hub
-    import transformers.trainer as hf_trainer
-
-    def with_ignores(kwargs: dict[str, Any]) -> dict[str, Any]:
-        patterns = kwargs.get("ignore_patterns") or []
-        patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-        kwargs["ignore_patterns"] = patterns + [p for p in (ignores or HUB_IGNORE_PATTERNS) if p not in patterns]
-        return kwargs
-
-    real_method = huggingface_hub.HfApi.upload_folder
-    real_module_fn = getattr(hf_trainer, "upload_folder", None)
-
-    @functools.wraps(real_method)
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return real_method(self, *args, **with_ignores(kwargs))
-
-    huggingface_hub.HfApi.upload_folder = method
-    if real_module_fn is not None:
-        hf_trainer.upload_folder = lambda *args, **kwargs: real_module_fn(*args, **with_ignores(kwargs))
-    try:
-        yield
-    finally:
-        huggingface_hub.HfApi.upload_folder = real_method
-        if real_module_fn is not None:
-            hf_trainer.upload_folder = real_module_fn
-
-
-@contextlib.contextmanager
-def _torch_save_through(tx: Any, streamed: dict[str, Any]):
-    """While the block runs, a ``torch.save(obj, path)`` made by this thread with ``path`` inside
-    ``tx.directory`` (and no other arguments) writes through ``tx.open`` instead, recording the
-    file's signature in ``streamed``. Anything else goes to torch.save unchanged."""
-    import threading
-
-    import torch
-
-    from txckpt.manifest import kind_for_name
-    from txckpt.serialization import _torch_save_config
-
-    real = torch.save
-    me = threading.get_ident()
-    directory = os.path.realpath(tx.directory)
-
-    @functools.wraps(real)
-    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-        name = None
-        if not args and not kwargs and isinstance(f, (str, os.PathLike)) and threading.get_ident() == me:
-            path = os.path.realpath(os.fspath(f))
-            if path.startswith(directory + os.sep):
-                name = os.path.relpath(path, directory).replace(os.sep, "/")
-        if name is None or name in streamed:
-            return real(obj, f, *args, **kwargs)
-        out = tx.open(name, "wb")
-        try:
-            with _torch_save_config():
-                real(obj, out)
-            out.kind = kind_for_name(name)
-            out.close()
-        except BaseException:
-            out.abort()
-            raise
-        streamed[name] = _file_signature(os.path.join(tx.directory, name))
-        return None
-
-    torch.save = save
-    try:
-        yield
-    finally:
-        torch.save = real
-
-
-@contextlib.contextmanager
-def _plain_cpu_map_location():
-    import torch
-
-    real = torch.load
-
-    def load(*args: Any, **kwargs: Any) -> Any:
-        loc = kwargs.get("map_location")
-        if isinstance(loc, (str, torch.device)) and torch.device(loc).type == "cpu":
-            kwargs["map_location"] = "cpu"
-        return real(*args, **kwargs)
-
-    torch.load = load
-    try:
-        yield
-    finally:
-        torch.load = real
-
-
-def _rebuild_error(err: dict[str, Any]) -> BaseException:
-    msg = f"rank {err.get('rank', 0)}: {err.get('message', '')}"
-    cls = getattr(_errors, err.get("type", ""), None)
-    if isinstance(cls, type) and issubclass(cls, _errors.TxckptError):
-        return cls(msg)
-    builtin = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "TypeError": TypeError,
-               "OSError": OSError, "PermissionError": PermissionError}
-    return builtin.get(err.get("type", ""), RuntimeError)(msg)
 
 
 def _apply_retention(root: str, storage_options: dict | None, keep_last: int, best: str | None) -> None:

@@ -1,0 +1,119 @@
+"""What ``Trainer.train(resume_from_checkpoint=...)`` resumes from, decided on rank 0 through
+txckpt (the mixin in txckpt.integrations.transformers broadcasts the answer with
+``coordination.decide_on_rank0``):
+
+* ``True``: the newest checkpoint of the current lineage (verified first; ``txckpt_on_damaged``);
+* a path inside the root: ``txckpt.resume(path=...)`` (an older one forks a lineage and warns);
+* a path outside: ``txckpt.new_lineage(external_parent=path)``;
+* ``None`` on a root with checkpoints: a new root lineage, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+import txckpt
+from txckpt import errors as _errors
+
+from .trainer_paths import is_remote, is_url, is_within, named_step
+
+log = logging.getLogger("txckpt.transformers")
+
+
+def resume_check(trainer: Any, root: str) -> Callable[[str], str] | None:
+    """How a restart verifies the checkpoint it continues from (upstream loads files without
+    checking them): on a local root, txckpt's verification (one read); on a remote one the
+    fetch into the cache, which verifies, is the check, so the copy checked is the copy
+    loaded. With "raise" a remote root needs no check here: the fetch after it raises."""
+    so = trainer.txckpt_storage_options
+    if not is_remote(root):
+        return lambda path: (txckpt.verify_checkpoint(path, storage_options=so), path)[1]
+    if trainer.txckpt_on_damaged == "raise":
+        return None
+    return trainer._txckpt_remote.fetch_for_resume
+
+
+def resolve_on_rank0(trainer: Any, resume: str | bool | None, root: str) -> str | None:
+    """The checkpoint ``trainer`` resumes from (None: from scratch), recording any lineage change.
+    Runs on rank 0 alone, which broadcasts the answer: lineage changes here are not collectives
+    (collective=False), or the other ranks would be waited for twice."""
+    so = trainer.txckpt_storage_options
+    if resume is True:
+        path = txckpt.open_root(root, so).resume(
+            on_damaged=trainer.txckpt_on_damaged, verify=resume_check(trainer, root),
+        ) if _exists(root, so) else None
+        if path is None:
+            path = _external_parent_of_empty_head(root, so)
+            if path is not None:
+                log.warning("the current lineage of %s has no checkpoint yet; it started from "
+                            "the external checkpoint %s, resuming from there", root, path)
+        if path is None:
+            where = trainer.args.output_dir if trainer.txckpt_root is None else root
+            raise ValueError(f"No valid checkpoint found in output directory ({where})")
+        return path
+    if resume is None or resume is False:
+        if _exists(root, so) and _has_history(root, so):
+            newest = txckpt.get_last_checkpoint(root, storage_options=so)
+            if newest is not None:
+                log.warning(
+                    "train(resume_from_checkpoint=None) on %s, which has committed checkpoints "
+                    "(newest: %s). Starting from scratch on a new lineage; the existing checkpoints are "
+                    "kept but no longer resumed by resume_from_checkpoint=True. To continue them, pass "
+                    "resume_from_checkpoint=True.", root, os.path.basename(newest),
+                )
+            txckpt.new_lineage(root, storage_options=so, collective=False)
+        return None
+    path = os.fspath(resume)
+    if not is_url(path):
+        path = os.path.abspath(path)
+    named = named_step(path, root)
+    if is_within(path, root):
+        if named is not None and is_remote(root):
+            # Object stores have no checkpoint-N names (a checkpoint stays at its own key):
+            # <root>/checkpoint-K means step K of the current lineage, as on a local disk.
+            try:
+                return txckpt.resume(root, path=path, storage_options=so, collective=False)
+            except _errors.CheckpointNotFoundError:
+                return txckpt.resume(root, named, storage_options=so, collective=False)
+        return txckpt.resume(root, path=path, storage_options=so, collective=False)
+    out = os.path.abspath(trainer.args.output_dir)
+    local_step = named_step(path, out)
+    if trainer.txckpt_root is not None and local_step is not None and not os.path.exists(path):
+        # The stock spelling "<output_dir>/checkpoint-K", with the checkpoints elsewhere.
+        log.info("%s does not exist; the root is %s, resuming its step %d", path, root, local_step)
+        return txckpt.resume(root, local_step, storage_options=so, collective=False)
+    txckpt.new_lineage(root, external_parent=path, storage_options=so, collective=False)
+    return path if is_url(path) else os.fspath(resume)
+
+
+def committed_step_path(root: str, storage_options: dict | None, step: int) -> str | None:
+    """Where the current lineage's committed checkpoint of ``step`` is; None if it has none
+    (never saved, or retired)."""
+    r = txckpt.open_root(root, storage_options)
+    try:
+        c = r.history().find(step=step)
+    except _errors.CheckpointNotFoundError:
+        return None
+    return r.locate(c.ref)
+
+
+def _exists(root: str, storage_options: dict | None) -> bool:
+    return is_url(root) or storage_options is not None or os.path.isdir(root)
+
+
+def _has_history(root: str, storage_options: dict | None) -> bool:
+    r = txckpt.open_root(root, storage_options)
+    state = r.state()
+    return state.seq >= 0 or bool(r.legacy_checkpoints())
+
+
+def _external_parent_of_empty_head(root: str, storage_options: dict | None) -> str | None:
+    if not _exists(root, storage_options):
+        return None
+    state = txckpt.open_root(root, storage_options).state()
+    info = state.head_info
+    if info is None or info.tip is not None or not info.parent or "external" not in info.parent:
+        return None
+    return str(info.parent["external"])
