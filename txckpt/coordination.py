@@ -325,7 +325,7 @@ def decide_on_rank0(fn: Callable[[], T], *, phase: str, coordinator: Coordinator
             f"txckpt: rank {coord.rank} got {outcome!r} from rank 0 instead of its {phase} decision")
     if "error" in outcome:
         err = decode_error(outcome["error"])
-        err.add_note(f"(raised on rank 0, which decides txckpt's {phase}; every rank raises it)")
+        _add_note(err, f"(raised on rank 0, which decides txckpt's {phase}; every rank raises it)")
         raise err
     return outcome["ok"]
 
@@ -351,7 +351,7 @@ def raise_if_any_failed(own: BaseException | None, *, phase: str, coordinator: C
         raise own
     if verdict is not None:
         err = decode_error(verdict)
-        err.add_note(f"(raised on rank {verdict.get('rank')} in txckpt's {phase}; every rank raises it)")
+        _add_note(err, f"(raised on rank {verdict.get('rank')} in txckpt's {phase}; every rank raises it)")
         raise err
 
 
@@ -366,3 +366,11 @@ __all__ = [
     "TIMEOUT_ENV",
     "TransactionAbortedError",
 ]
+
+
+def _add_note(err: BaseException, note: str) -> None:
+    # BaseException.add_note is Python 3.11+; on 3.10 (which txckpt supports) the error goes
+    # without the note rather than failing with an AttributeError in its place.
+    add = getattr(err, "add_note", None)
+    if add is not None:
+        add(note)

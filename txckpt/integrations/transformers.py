@@ -163,7 +163,7 @@ class TransactionalCheckpointMixin:
         if self.txckpt_root is None:
             return run_dir if is_url(run_dir) else os.path.abspath(run_dir)
         root = os.fspath(self.txckpt_root)
-        rel = os.path.relpath(run_dir, self.args.output_dir) if not is_url(run_dir) else "."  # type: ignore[attr-defined]
+        rel = os.path.relpath(run_dir, self.args.output_dir) if not is_url(run_dir) else "."
         if rel != ".":
             root = root.rstrip("/") + "/" + rel.replace(os.sep, "/") if is_url(root) else os.path.join(root, rel)
         return root if is_url(root) else os.path.abspath(root)
@@ -180,7 +180,7 @@ class TransactionalCheckpointMixin:
     def _save_checkpoint(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
         if self._txckpt_tx is not None:
             # Called again from inside a save (a subclass's override): join the open transaction.
-            return super()._save_checkpoint(model, trial, *args, **kwargs)  # type: ignore[misc]
+            return super()._save_checkpoint(model, trial, *args, **kwargs)
         _check_save_on_each_node(self.args)
         follow_transformers_verbosity()  # the save's records show at transformers' verbosity
         step = int(self.state.global_step)
@@ -243,7 +243,7 @@ class TransactionalCheckpointMixin:
                 or not same_dir(output_dir, tx.directory):
             return super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)  # type: ignore[misc]
         with torch_save_through(tx, self._txckpt_streamed):
-            return super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)  # type: ignore[misc]
+            return super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)
 
     def _txckpt_plain_optimizer_save(self) -> bool:
         """Whether upstream's _save_optimizer_and_scheduler takes its plain branch (the same
@@ -287,7 +287,7 @@ class TransactionalCheckpointMixin:
         lost, and retention would delete it). Resolve the step against the current lineage's
         committed checkpoints, before upstream writes trainer_state.json; none: keep the value."""
         best_step = getattr(self.state, "best_global_step", None)
-        strategy = getattr(self.args.save_strategy, "value", self.args.save_strategy)  # type: ignore[attr-defined]
+        strategy = getattr(self.args.save_strategy, "value", self.args.save_strategy)
         if not best_step or int(best_step) == step or strategy not in ("steps", "epoch", "best"):
             return  # the step being saved: upstream names staging, _txckpt_publish_best fixes it
         current = self.state.best_model_checkpoint
@@ -338,7 +338,7 @@ class TransactionalCheckpointMixin:
     def _txckpt_hub_ignores(self) -> list[str]:
         """HUB_IGNORE_PATTERNS, plus the cache directory if it is inside output_dir under another name."""
         extra = []
-        out = os.path.abspath(self.args.output_dir)  # type: ignore[attr-defined]
+        out = os.path.abspath(self.args.output_dir)
         cache = self._txckpt_remote.directory
         if is_within(cache, out) and os.path.realpath(cache) != os.path.realpath(out):
             rel = os.path.relpath(cache, out).replace(os.sep, "/")
@@ -348,11 +348,11 @@ class TransactionalCheckpointMixin:
     def _txckpt_would_push(self) -> bool:
         """Whether upstream's _push_from_checkpoint will read the folder (its early returns,
         identical in 4.57 and 5.x): only then is a remote checkpoint worth fetching."""
-        strategy = getattr(self.args, "hub_strategy", None)  # type: ignore[attr-defined]
+        strategy = getattr(self.args, "hub_strategy", None)
         if not self.is_world_process_zero() or getattr(strategy, "value", strategy) == "end":  # type: ignore[attr-defined]
             return False
         job = getattr(self, "push_in_progress", None)
-        return bool(self.args.hub_always_push) or job is None or job.is_done()  # type: ignore[attr-defined]
+        return bool(self.args.hub_always_push) or job is None or job.is_done()
 
     def _load_best_model(self, *args: Any, **kwargs: Any) -> Any:
         """Remote root: ``best_model_checkpoint`` names the committed remote checkpoint. Upstream
