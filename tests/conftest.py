@@ -1,12 +1,12 @@
 import logging
-import os
 
 import pytest
 
 import txckpt
 
-# The S3 server fixtures (moto on 127.0.0.1) and the any_root fixture live in tests/s3_server.py.
-pytest_plugins = ["tests.s3_server"] if os.path.exists(os.path.join(os.path.dirname(__file__), "s3_server.py")) else []
+# The backend fixtures (s3_server on moto, s3_root, any_root, ...) live in tests/harness/backends.py;
+# the servers they start in the top-level emulators/ package.
+pytest_plugins = ["tests.harness.backends"]
 
 
 def count_reads(monkeypatch, root: txckpt.CheckpointRoot, under: str = "",

@@ -44,7 +44,7 @@ def published(root: str) -> list[int]:
 
 @pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
 def any_root(request, tmp_path, monkeypatch):
-    """A root URL on each backend; the S3 one (moto, tests/s3_server.py) needs no storage
+    """A root URL on each backend; the S3 one (moto, emulators/s3.py) needs no storage
     options: its endpoint comes from AWS_ENDPOINT_URL_S3, its fake credentials from the env."""
     if request.param == "local":
         return str(tmp_path / "out")

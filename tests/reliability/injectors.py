@@ -324,7 +324,7 @@ def classify_request(request: Any, root_prefix: str = "") -> tuple[str, bool]:
     """('PutObject(if-none-match) root-relative-key', mutating) for one botocore request."""
     import urllib.parse
 
-    from tests.s3_server import classify
+    from emulators.s3 import classify
 
     url = urllib.parse.urlsplit(request.url)
     headers = {k.lower(): v for k, v in dict(request.headers).items()}
