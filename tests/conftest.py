@@ -38,6 +38,18 @@ def _fresh_process_state():
     txckpt.forget_roots()
 
 
+@pytest.fixture(autouse=True)
+def _non_durable(request, monkeypatch):
+    """``pytest.mark.non_durable`` (a module's pytestmark): TXCKPT_DURABLE=0, no fsync, for tests
+    whose subject is not durability (five modules had a copy of this fixture each)."""
+    if request.node.get_closest_marker("non_durable") is not None:
+        monkeypatch.setenv("TXCKPT_DURABLE", "0")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "non_durable: run with TXCKPT_DURABLE=0 (tests/conftest.py)")
+
+
 @pytest.fixture
 def root(tmp_path):
     return str(tmp_path / "out")

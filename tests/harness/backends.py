@@ -13,6 +13,7 @@ Fixtures
 ``s3_requests`` (function) a :class:`~emulators.s3.RequestCounter` started at zero.
 ``any_root``   (function)  ``(url, storage_options)`` parametrized over local, memory and s3 (and
                            gcs / azure when their emulators are installed; see docs/remote.md).
+``url_root``   (function)  a root URL alone over local, memory and s3 (the S3 endpoint in the env).
 """
 
 from __future__ import annotations
@@ -66,6 +67,20 @@ def memory_root() -> Iterator[tuple[str, dict[str, Any]]]:
 @pytest.fixture
 def local_root(tmp_path) -> tuple[str, dict[str, Any]]:
     return str(tmp_path / "root"), {}
+
+
+@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
+def url_root(request, tmp_path, monkeypatch) -> str:
+    """A root URL on each backend; the S3 one (moto) needs no storage options: its endpoint comes
+    from AWS_ENDPOINT_URL_S3, its fake credentials from the env (test_gc and test_retention)."""
+    if request.param == "local":
+        return str(tmp_path / "out")
+    if request.param == "memory":
+        return f"memory://{request.node.name.split('[')[0][:40]}-{uuid.uuid4().hex[:8]}/out"
+    server = request.getfixturevalue("s3_server")
+    url, _ = request.getfixturevalue("s3_root")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint_url)
+    return url
 
 
 @pytest.fixture(scope="session")
