@@ -2,7 +2,7 @@
 ``pipe_file`` of the same bytes, a multipart part size x concurrency sweep, and the number of
 requests of a lookup on roots of 10 and of 10,000 commits.
 
-Everything talks to a real moto server over HTTP (``tests/s3_server.py``: ``S3Server``, whose WSGI
+Everything talks to a real moto server over HTTP (``emulators/s3.py``: ``S3Server``, whose WSGI
 middleware counts every request and uploaded byte on the server side). Nothing is mocked.
 """
 
@@ -38,11 +38,11 @@ _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _server_module():
-    if _HERE not in sys.path:  # tests/ lives next to benchmarks/
+    if _HERE not in sys.path:  # emulators/ lives next to benchmarks/
         sys.path.insert(0, _HERE)
-    from tests import s3_server
+    from emulators import s3
 
-    return s3_server
+    return s3
 
 
 def _sizes() -> list[int]:
@@ -462,7 +462,7 @@ def _save_tables(server, rec: _Recorder) -> tuple[dict[str, Any], dict[str, Any]
     ]
     common = (
         "moto's `ThreadedMotoServer` on 127.0.0.1 in the benchmark's own process "
-        "(`tests/s3_server.py`), plain HTTP, answering with TCP_NODELAY as real S3 endpoints do "
+        "(`emulators/s3.py`), plain HTTP, answering with TCP_NODELAY as real S3 endpoints do "
         "(werkzeug's default Nagle made every small PUT wait ~10 ms, docs/remote.md); every "
         "request and uploaded byte is counted on the server side. State: the synthetic training "
         "state of the save benchmarks "
@@ -710,7 +710,7 @@ def _lookup_table(server) -> dict[str, Any]:
     })
     about = (
         "`txckpt.get_last_checkpoint(url)` on an S3 root, requests counted on the server "
-        "(`RequestCounter` of `tests/s3_server.py`). Before each lookup `txckpt.forget_roots()` and "
+        "(`RequestCounter` of `emulators/s3.py`). Before each lookup `txckpt.forget_roots()` and "
         "new `storage_options` with `skip_instance_cache=True`: every lookup runs on a new s3fs "
         f"client with an empty listing cache, as a restarted process would ({n} lookups per root; "
         "the table shows the largest count; every lookup of a root returned the same path). "

@@ -1,12 +1,12 @@
 import logging
-import os
 
 import pytest
 
 import txckpt
 
-# The S3 server fixtures (moto on 127.0.0.1) and the any_root fixture live in tests/s3_server.py.
-pytest_plugins = ["tests.s3_server"] if os.path.exists(os.path.join(os.path.dirname(__file__), "s3_server.py")) else []
+# The backend fixtures (s3_server on moto, s3_root, any_root, ...) live in tests/harness/backends.py;
+# the servers they start in the top-level emulators/ package.
+pytest_plugins = ["tests.harness.backends"]
 
 
 def count_reads(monkeypatch, root: txckpt.CheckpointRoot, under: str = "",
@@ -36,6 +36,18 @@ def _fresh_process_state():
     txckpt.forget_roots()
     yield
     txckpt.forget_roots()
+
+
+@pytest.fixture(autouse=True)
+def _non_durable(request, monkeypatch):
+    """``pytest.mark.non_durable`` (a module's pytestmark): TXCKPT_DURABLE=0, no fsync, for tests
+    whose subject is not durability (five modules had a copy of this fixture each)."""
+    if request.node.get_closest_marker("non_durable") is not None:
+        monkeypatch.setenv("TXCKPT_DURABLE", "0")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "non_durable: run with TXCKPT_DURABLE=0 (tests/conftest.py)")
 
 
 @pytest.fixture

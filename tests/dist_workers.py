@@ -24,6 +24,9 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tests.harness import tracer as _tracer
+from tests.harness.tracer import Tracer
+
 _CTX: Any = None
 _PRELOAD = ["torch", "torch.distributed", "txckpt", "tests.dist_workers"]
 
@@ -310,147 +313,28 @@ def reads_of_others(rank: int, world: int, *, root: str, step: int) -> Any:
 # Crash injection
 
 
-_WRITE_MODES = set("wax+")
-
-
-class Tracer:
-    """Counts the file operations of this process (open for writing, write, fsync, link, rename,
-    replace, unlink, mkdir, rmdir, renameat2) and SIGKILLs it before or after the op
-    ``kill_at`` = (name, occurrence): ranks race to create shared directories, so the index of an
-    op can differ by one between runs while its name and occurrence do not.
-
-    A run of consecutive writes to one file counts as one operation: they land in a userspace
-    buffer (torch.save issues dozens of tiny ones), so a crash between two of them leaves the same
-    state as a crash before the run; "after" a run means before the next operation."""
-
-    def __init__(self, kill_at: tuple[str, int] | None = None, when: str = "before",
-                 label_file: str | None = None, root: str | None = None):
-        self.root = os.path.abspath(root) if root else None
-        self.kill_at = tuple(kill_at) if kill_at else None  # (op name, occurrence), see occurrences()
-        self._seen: dict[str, int] = {}
-        self.when = when
-        self.label_file = label_file
-        self._real_open = builtins.open
-        self.count = 0
-        self.ops: list[str] = []
-        self._saved: list[tuple[Any, str, Any]] = []
-        self._run_path: str | None = None
-        self._kill_pending = False
-
-    def _die(self, completed: int | None = None) -> None:
-        if self.label_file:  # which op this process dies at (the op order can vary a little)
-            done = self.ops if completed is None else self.ops[:completed]
-            with self._real_open(self.label_file, "w") as f:
-                json.dump({"k": self.kill_at, "when": self.when, "op": self.ops[-1] if self.ops else None,
-                           "done": done}, f)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def op(self, name: str, fn: Callable, *args: Any, write_path: str | None = None, **kwargs: Any) -> Any:
-        if write_path is not None and write_path == self._run_path:
-            return fn(*args, **kwargs)  # the same run of writes
-        if self._kill_pending:
-            self._die()
-        self._run_path = write_path
-        self.count += 1
-        self.ops.append(name)
-        self._seen[name] = self._seen.get(name, 0) + 1
-        mine = self.kill_at == (name, self._seen[name])
-        if mine and self.when == "before":
-            self._die(completed=len(self.ops) - 1)
-        try:
-            return fn(*args, **kwargs)
-        finally:  # an op that fails (mkdir of an existing dir) has still happened
-            if mine and self.when == "after":
-                if write_path is None:
-                    self._die()
-                self._kill_pending = True
-
-    def _patch(self, owner: Any, attr: str) -> None:
-        real = getattr(owner, attr)
-        self._saved.append((owner, attr, real))
-        tracer = self
-
-        def wrapper(*args, **kwargs):
-            return tracer.op(f"{attr}({_short(args, tracer.root)})", real, *args, **kwargs)
-
-        setattr(owner, attr, wrapper)
-
-    def install(self) -> "Tracer":
-        import txckpt.storage.local as local
-
-        for attr in ("fsync", "link", "rename", "replace", "unlink", "mkdir", "rmdir"):
-            self._patch(os, attr)
-        self._patch(local, "rename_noreplace")
-        real_open = builtins.open
-        self._saved.append((builtins, "open", real_open))
-        tracer = self
-
-        def traced_open(file, mode="r", *args, **kwargs):
-            if not (set(mode) & _WRITE_MODES) or not isinstance(file, (str, bytes, os.PathLike)):
-                return real_open(file, mode, *args, **kwargs)
-            f = tracer.op(f"open({_short((file,), tracer.root)}, {mode})", real_open, file, mode, *args, **kwargs)
-            return _TracedFile(f, tracer, os.fsdecode(file))
-
-        builtins.open = traced_open
-        return self
-
-    def uninstall(self) -> None:
-        if self._kill_pending:
-            self._die()
-        for owner, attr, real in reversed(self._saved):
-            setattr(owner, attr, real)
-        self._saved.clear()
-
-
-class _TracedFile:
-    def __init__(self, f: Any, tracer: Tracer, path: str):
-        self._f = f
-        self._tracer = tracer
-        self._path = path
-
-    def write(self, data: Any) -> int:
-        name = f"write({_short((self._path,), self._tracer.root)})"
-        return self._tracer.op(name, self._f.write, data, write_path=self._path)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._f, name)
-
-    def __enter__(self) -> "_TracedFile":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._f.close()
-
-
+#: Txids and random temporary suffixes, replaced in op names so that ops can be named across runs.
 _RANDOM = re.compile(r"[0-9]+-[0-9a-f]{8}-[0-9a-f]{10}|[0-9a-f]{10,}")
 
 
-def _short(args: Any, root: str | None = None) -> str:
-    """Stable names for op arguments: paths relative to the root (else their last components),
-    with txids and random temporary suffixes replaced, so that ops can be named across runs."""
-    out = []
-    for a in args:
-        if isinstance(a, (str, bytes, os.PathLike)):
-            p = os.fsdecode(a)
-            if root and (p == root or p.startswith(root + "/")):
-                p = "<root>" + p[len(root):]
-            else:
-                p = "/".join(p.split("/")[-3:])
-            out.append(_RANDOM.sub("<id>", p))
-        elif isinstance(a, int):
-            out.append("fd")
-    return ", ".join(out)
+#: test_distributed names its crash points through this module (``dw.occurrences``).
+occurrences = _tracer.occurrences
 
 
-def occurrences(ops: list[str]) -> list[tuple[str, int]]:
-    """Each op as (name, how many times that name occurred up to and including it): a crash
-    point that survives small differences in op order between runs."""
-    seen: dict[str, int] = {}
-    out = []
-    for op in ops:
-        seen[op] = seen.get(op, 0) + 1
-        out.append((op, seen[op]))
-    return out
+def _stable(name: str) -> str:
+    return _RANDOM.sub("<id>", name)
+
+
+def tracer(kill_at: tuple[str, int] | None = None, when: str = "before", label_file: str | None = None,
+           root: str | None = None) -> Tracer:
+    """The suite's tracer (tests/harness/tracer.py) as a rank's crash sweep counts: ops named with
+    paths relative to the root and random ids out, a crash point is (name, occurrence) (ranks race
+    to create shared directories, so the index of an op can differ by one between runs while its
+    name and occurrence do not), and a run of consecutive writes to one file is one op (they land
+    in a userspace buffer: torch.save issues dozens of tiny ones; "after" a run means before the
+    next operation). ``label_file`` records the op this process dies at."""
+    return Tracer(kill_at, when, by_occurrence=True, coalesce_writes=True, root=root, write_sizes=False,
+                  rename=_stable, label_file=label_file)
 
 
 def crash_save(rank: int, world: int, *, root: str, step: int, victim: int,
@@ -470,16 +354,16 @@ def crash_save(rank: int, world: int, *, root: str, step: int, victim: int,
             for name, obj in files.items():
                 tx.save(name, obj)
         return tx.path
-    tracer = Tracer(kill_at, when, label_file, root).install()
+    traced = tracer(kill_at, when, label_file, root).install()
     try:
         with txckpt.transaction(root, step, timeout=timeout) as tx:
             for name, obj in files.items():
                 tx.save(name, obj)
     finally:
-        tracer.uninstall()
+        traced.uninstall()
         if ops_file:
             with open(ops_file, "w") as f:
-                json.dump(tracer.ops, f)
+                json.dump(traced.ops, f)
     return tx.path
 
 

@@ -75,9 +75,9 @@ def test_sweep_save_state_after_rollback(tmp_path):
             acc.save_state()
         return _committed(template)
 
-    from tests.crash_harness import _run_child
+    from tests.harness.procs import run_child
 
-    code, out = _run_child(make_template)
+    code, out = run_child(make_template)
     assert code == 0, out
     before = out["ok"]
     assert len(before) == 2

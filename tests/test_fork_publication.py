@@ -13,9 +13,7 @@ from txckpt.gc import collect_garbage
 from txckpt.publication import manifest_txid
 
 
-@pytest.fixture(autouse=True)
-def _fast(monkeypatch):
-    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+pytestmark = pytest.mark.non_durable  # TXCKPT_DURABLE=0 for every test here (tests/conftest.py)
 
 
 def published(root: str) -> dict[int, str | None]:

@@ -21,9 +21,7 @@ from txckpt.layout import INTENTS_DIR, ORPHANS_DIR, READERS_DIR, TX_DIR, home_ke
 from txckpt.retention import RetentionPolicy, acquire_reader_lease, retire
 
 
-@pytest.fixture(autouse=True)
-def _fast(monkeypatch):
-    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+pytestmark = pytest.mark.non_durable  # TXCKPT_DURABLE=0 for every test here (tests/conftest.py)
 
 
 def save(root, steps, tag="a"):
@@ -68,18 +66,10 @@ def kinds(report) -> list[tuple[str, str]]:
     return sorted((i.kind, i.key) for i in report.items)
 
 
-@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
-def any_root(request, tmp_path, monkeypatch):
-    """A root URL on each backend; the S3 one (moto, tests/s3_server.py) needs no storage
-    options: its endpoint comes from AWS_ENDPOINT_URL_S3, its fake credentials from the env."""
-    if request.param == "local":
-        return str(tmp_path / "out")
-    if request.param == "memory":
-        return f"memory://{request.node.name.split('[')[0][:40]}-{uuid.uuid4().hex[:8]}/out"
-    server = request.getfixturevalue("s3_server")
-    url, _ = request.getfixturevalue("s3_root")
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint_url)
-    return url
+@pytest.fixture
+def any_root(url_root):
+    """A root URL on each backend, without storage options (tests/harness/backends.py)."""
+    return url_root
 
 
 def test_crashed_save_is_reclaimed_and_nothing_else(tmp_path):

@@ -16,9 +16,7 @@ from txckpt.layout import home_key
 from txckpt.retention import RetentionPolicy, apply_retention
 
 
-@pytest.fixture(autouse=True)
-def _fast(monkeypatch):
-    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+pytestmark = pytest.mark.non_durable  # TXCKPT_DURABLE=0 for every test here (tests/conftest.py)
 
 
 def files(step: int) -> dict:

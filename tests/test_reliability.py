@@ -22,7 +22,8 @@ import pytest
 
 import txckpt
 from tests import conftest
-from tests.reliability.core import payload, run_child
+from tests.harness.procs import run_child
+from tests.reliability.core import payload
 from tests.reliability.known import KNOWN
 from txckpt.errors import CheckpointNotFoundError, LogCorruptError, StaleLineageError, StorageError, TxckptError
 from txckpt.root import CheckpointRoot

@@ -2,7 +2,7 @@
 remote root"): no credentials, a bucket that does not exist, an endpoint that does not answer.
 Each is a typed txckpt error naming the root, bucket or endpoint and saying what to do; the CLI
 prints it in one line without a traceback (``-v`` adds it) and exits 1. All against the moto
-server of tests/s3_server.py; the unreachable endpoint is a closed port on 127.0.0.1."""
+server of emulators/s3.py; the unreachable endpoint is a closed port on 127.0.0.1."""
 
 from __future__ import annotations
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import uuid
 
 import pytest
 
@@ -19,9 +18,7 @@ from txckpt.retention import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _fast(monkeypatch):
-    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+pytestmark = pytest.mark.non_durable  # TXCKPT_DURABLE=0 for every test here (tests/conftest.py)
 
 
 def save(root, steps, tag="a"):
@@ -42,18 +39,10 @@ def published(root: str) -> list[int]:
     return sorted(int(n.split("-")[1]) for n in os.listdir(root) if n.startswith("checkpoint-"))
 
 
-@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
-def any_root(request, tmp_path, monkeypatch):
-    """A root URL on each backend; the S3 one (moto, tests/s3_server.py) needs no storage
-    options: its endpoint comes from AWS_ENDPOINT_URL_S3, its fake credentials from the env."""
-    if request.param == "local":
-        return str(tmp_path / "out")
-    if request.param == "memory":
-        return f"memory://{request.node.name.split('[')[0][:40]}-{uuid.uuid4().hex[:8]}/out"
-    server = request.getfixturevalue("s3_server")
-    url, _ = request.getfixturevalue("s3_root")
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint_url)
-    return url
+@pytest.fixture
+def any_root(url_root):
+    """A root URL on each backend, without storage options (tests/harness/backends.py)."""
+    return url_root
 
 
 # ----- the pure decision -------------------------------------------------------------------------

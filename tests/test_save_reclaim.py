@@ -110,9 +110,7 @@ def killed_save_is_reclaimed_by_the_next_save(root: str, options: dict | None) -
     assert [i for i in collect_garbage(r, dry_run=True).items if i.kind in ("staging", "intent")] == []
 
 
-@pytest.fixture(autouse=True)
-def _fast(monkeypatch):
-    monkeypatch.setenv("TXCKPT_DURABLE", "0")
+pytestmark = pytest.mark.non_durable  # TXCKPT_DURABLE=0 for every test here (tests/conftest.py)
 
 
 def test_a_restarted_save_reclaims_the_staging_of_a_killed_save(tmp_path):

@@ -1,6 +1,6 @@
 """The Storage contract (txckpt/storage/base.py), method by method, on every backend.
 
-Runs over ``any_root`` (local, memory, s3 via moto; see tests/s3_server.py). Nothing here mocks
+Runs over ``any_root`` (local, memory, s3 via moto; see emulators/s3.py). Nothing here mocks
 s3fs or botocore: the S3 cases talk HTTP to a moto server on 127.0.0.1. Races use barriers, never
 sleeps; cross-process cases use ``multiprocessing`` with the spawn start method.
 """

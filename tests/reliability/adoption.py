@@ -25,7 +25,9 @@ import random
 import shutil
 from typing import Any
 
-from .core import Case, Ctx, Result, child_value, classify, run_child, write_legacy
+from tests.harness.procs import child_value, run_child
+
+from .core import Case, Ctx, Result, classify, write_legacy
 from .invariants import check
 
 PAIRS = (("adopt", "adopt"), ("save", "save"), ("adopt", "save"))

@@ -35,7 +35,9 @@ import sys
 import time
 from typing import Any, Callable
 
-from .core import REPO, Case, Ctx, Result, child_value, classify, payload, run_child
+from tests.harness.procs import child_value, run_child
+
+from .core import REPO, Case, Ctx, Result, classify, payload
 from .invariants import capture_warnings, read_tags
 from .roots import Roots
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from tests.harness.procs import child_value
+
 from .actors import (
     Actor,
     op_gc,
@@ -34,7 +36,7 @@ from .actors import (
     op_retention,
     op_save,
 )
-from .core import Case, Ctx, Result, child_value, classify, tags_of_loaded
+from .core import Case, Ctx, Result, classify, tags_of_loaded
 from .invariants import check, snapshot
 
 

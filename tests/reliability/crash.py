@@ -24,8 +24,11 @@ import random
 import time
 from typing import Any
 
-from .core import Case, Ctx, Result, child_value, classify, run_child
-from .injectors import InjectedCrash, dump_to_file, make_injector
+from tests.harness.procs import child_value, run_child
+from tests.harness.tracer import InjectedCrash
+
+from .core import Case, Ctx, Result, classify
+from .injectors import dump_to_file, make_injector
 from .invariants import check, snapshot
 from .roots import Roots
 from .scenarios import SCENARIOS, Scenario
@@ -112,7 +115,7 @@ def sweep(ctx: Ctx, result: Result, backend: str, scenario: Scenario, *, mode: s
             scenario.run(cu, cs, expect)
         finally:
             inj.uninstall()
-        return inj.ops
+        return inj.records
 
     code, out = run_child(count, timeout=600)
     roots.discard(cu, "count")
@@ -249,7 +252,7 @@ def trainer_sweep(ctx: Ctx, case: Case, result: Result) -> None:
             trainer._save_checkpoint(trainer.model, None)
         finally:
             inj.uninstall()
-        return inj.ops
+        return inj.records
 
     from .injectors import LocalInjector
 
@@ -385,7 +388,7 @@ def sweep_enospc(ctx: Ctx, result: Result, name: str, known: tuple[str, ...]) ->
             scenario.run(cu, cs, expect)
         finally:
             inj.uninstall()
-        return inj.ops
+        return inj.records
 
     ops = child_value(count, f"counting {name}")
     roots.discard(cu, "count")

@@ -1,6 +1,8 @@
 """Fault injection at every storage operation, for the three backends.
 
-One :class:`Injector` counts operations and, at operation ``k``, does what its mode says:
+The counting and the decision are the suite's one tracer (tests/harness/tracer.py); this module
+says where each backend's operations are interposed. One :class:`Injector` counts operations
+and, at operation ``k``, does what its mode says:
 
 * ``kill``   SIGKILL this process immediately before op k, or immediately after it returns
              (``on_crash`` runs first: the memory backend dumps its store there, see below);
@@ -36,20 +38,13 @@ Where the operations are counted:
 
 from __future__ import annotations
 
-import builtins
-import errno
 import os
 import re
-import signal
-import threading
-from typing import Any, Callable
+from typing import Any
 
-_WRITE_MODES = set("wax+")
+from tests.harness.tracer import Tracer
+
 _ID = re.compile(r"[0-9a-f]{8,}")
-
-
-class InjectedCrash(BaseException):
-    """Raised at the injection point in ``raise`` mode."""
 
 
 def stable(name: str) -> str:
@@ -57,189 +52,23 @@ def stable(name: str) -> str:
     return _ID.sub("<id>", name)
 
 
-class Injector:
+class Injector(Tracer):
+    """The suite's tracer (tests/harness/tracer.py) as the campaign counts: op labels stable across
+    runs, every write its own op (``records`` groups the writes of one run), and an op made while
+    another of the same thread runs not counted. ``inj.records`` lists the ops."""
+
     def __init__(self, kill_at: int | None = None, when: str = "before", mode: str | None = "kill",
-                 on_crash: Callable[[], None] | None = None):
-        self.kill_at = kill_at
-        self.when = when
-        self.mode = mode if kill_at is not None else None
-        self.on_crash = on_crash
-        self.count = 0
-        #: [{"name", "mut" (changes storage), "group" (write-run id), "inject" (ENOSPC-able)}]
-        self.ops: list[dict[str, Any]] = []
-        self._saved: list[tuple[Any, str, Any]] = []
-        # Per thread: txckpt fsyncs the staged files from a thread pool (transactions.py), and a
-        # shared depth made one thread's fsync uncounted while another's ran (1 op fewer, 1 in ~15).
-        self._tls = threading.local()
-        self._lock = threading.Lock()
-        self._last_write: str | None = None
-        self._group = 0
-        self.fired = False
-
-    @property
-    def _depth(self) -> int:
-        return getattr(self._tls, "depth", 0)
-
-    @_depth.setter
-    def _depth(self, value: int) -> None:
-        self._tls.depth = value
-
-    # ----- the decision at one operation ---------------------------------------------------------
-    def _record(self, name: str, mut: bool, write_key: str | None, inject: bool) -> int:
-        with self._lock:
-            if write_key is None or write_key != self._last_write:
-                self._group += 1
-            self._last_write = write_key
-            self.count += 1
-            self.ops.append({"name": stable(name), "mut": mut, "group": self._group, "inject": inject})
-            return self.count
-
-    def _crash(self, where: str) -> None:
-        self.fired = True
-        if self.mode == "kill":
-            if self.on_crash is not None:
-                self.on_crash()
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif self.mode == "raise":
-            raise InjectedCrash(f"injected crash {where} op {self.kill_at}")
-
-    def op(self, name: str, fn: Callable, *args: Any, mut: bool = True, write_key: str | None = None,
-           inject: bool = True, **kwargs: Any) -> Any:
-        if self._depth:
-            return fn(*args, **kwargs)
-        k = self._record(name, mut, write_key, inject)
-        mine = k == self.kill_at and self.mode is not None
-        if mine and self.mode == "enospc":
-            self.fired = True
-            raise OSError(errno.ENOSPC, "No space left on device (injected)", name)
-        if mine and self.when == "before":
-            self._crash("before")
-        self._depth += 1
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self._depth -= 1
-            if mine and self.when == "after":
-                self._crash("after")
-
-    async def op_async(self, name: str, fn: Callable, *args: Any, mut: bool = True) -> Any:
-        k = self._record(name, mut, None, False)
-        mine = k == self.kill_at and self.mode is not None
-        if mine and self.when == "before":
-            self._crash("before")
-        try:
-            return await fn(*args)
-        finally:
-            if mine and self.when == "after":
-                self._crash("after")
-
-    def _patch(self, owner: Any, attr: str, wrapper_factory: Callable[[Any], Any]) -> None:
-        real = getattr(owner, attr)
-        self._saved.append((owner, attr, real))
-        setattr(owner, attr, wrapper_factory(real))
-
-    def uninstall(self) -> None:
-        for owner, attr, real in reversed(self._saved):
-            setattr(owner, attr, real)
-        self._saved.clear()
-
-    def __enter__(self) -> "Injector":
-        self.install()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.uninstall()
-
-    def install(self) -> "Injector":  # pragma: no cover - abstract
-        raise NotImplementedError
+                 on_crash: Any = None, **kwargs: Any):
+        super().__init__(kill_at, when, mode=mode, on_crash=on_crash, count_nested=False, rename=stable,
+                         **kwargs)
 
 
 # =================================================================================================
 # local files
 # =================================================================================================
-def _short(args: Any) -> str:
-    out = []
-    for a in args:
-        if isinstance(a, (str, bytes, os.PathLike)):
-            p = os.fsdecode(a)
-            out.append("/".join(p.split("/")[-3:]))
-        elif isinstance(a, int):
-            out.append("fd")
-    return ", ".join(out)
-
-
-class _TracedFile:
-    def __init__(self, f: Any, inj: "LocalInjector", path: str):
-        self._f = f
-        self._inj = inj
-        self._path = path
-
-    def write(self, data: Any) -> int:
-        n = len(data) if isinstance(data, str) else memoryview(data).nbytes
-        return self._inj.op(f"write({_short((self._path,))}, {n})", self._f.write, data, write_key=self._path)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._f, name)
-
-    def __iter__(self):
-        return iter(self._f)
-
-    def __enter__(self) -> "_TracedFile":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._f.close()
-
-
 class LocalInjector(Injector):
-    OS_OPS = ("fsync", "link", "rename", "replace", "unlink", "mkdir", "rmdir")
-    _NO_SPACE_NEEDED = ("unlink", "rmdir")
-
-    def __init__(self, *args: Any, under: str | None = None, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        #: Only paths below ``under`` are counted (None: every path).
-        self.under = os.path.realpath(under) if under else None
-
-    def _mine(self, args: Any) -> bool:
-        if self.under is None:
-            return True
-        for a in args:
-            if isinstance(a, (str, bytes, os.PathLike)):
-                p = os.path.abspath(os.fsdecode(a))
-                return p == self.under or p.startswith(self.under + os.sep) or os.path.realpath(p).startswith(self.under + os.sep)
-        return True  # fd-based (fsync): counted
-
-    def install(self) -> "LocalInjector":
-        import txckpt.storage.local as local
-
-        inj = self
-
-        for attr in self.OS_OPS:
-            def factory(real, attr=attr):
-                def wrapper(*args, **kwargs):
-                    if not inj._mine(args):
-                        return real(*args, **kwargs)
-                    return inj.op(f"{attr}({_short(args)})", real, *args,
-                                  inject=attr not in self._NO_SPACE_NEEDED, **kwargs)
-                return wrapper
-            self._patch(os, attr, factory)
-
-        def rn_factory(real):
-            def wrapper(*args, **kwargs):
-                return inj.op(f"rename_noreplace({_short(args)})", real, *args, **kwargs)
-            return wrapper
-        self._patch(local, "rename_noreplace", rn_factory)
-
-        def open_factory(real_open):
-            def traced_open(file, mode="r", *args, **kwargs):
-                if not (set(mode) & _WRITE_MODES) or not isinstance(file, (str, bytes, os.PathLike)) \
-                        or not inj._mine((file,)):
-                    return real_open(file, mode, *args, **kwargs)
-                f = inj.op(f"open({_short((file,))}, {mode})", real_open, file, mode, *args, **kwargs)
-                return _TracedFile(f, inj, os.fsdecode(file))
-            return traced_open
-        self._patch(builtins, "open", open_factory)
-        return self
+    """The local file operations, as :meth:`Tracer.install` interposes them; ``under``: only paths
+    below it are counted (None: every path)."""
 
 
 # =================================================================================================
@@ -300,7 +129,7 @@ def dump_to_file(url: str, path: str) -> None:
 
 
 class MemoryInjector(Injector):
-    def install(self) -> "MemoryInjector":
+    def install(self) -> "MemoryInjector":  # fsspec's store instead of the local files
         from fsspec.implementations.memory import MemoryFileSystem
 
         from txckpt.storage.fsspec_store import MemoryStorage
@@ -324,7 +153,7 @@ def classify_request(request: Any, root_prefix: str = "") -> tuple[str, bool]:
     """('PutObject(if-none-match) root-relative-key', mutating) for one botocore request."""
     import urllib.parse
 
-    from tests.s3_server import classify
+    from emulators.s3 import classify
 
     url = urllib.parse.urlsplit(request.url)
     headers = {k.lower(): v for k, v in dict(request.headers).items()}

@@ -47,7 +47,9 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
-from .core import Case, Ctx, Result, child_value, classify, payload
+from tests.harness.procs import child_value
+
+from .core import Case, Ctx, Result, classify, payload
 from .invariants import check, snapshot
 
 

@@ -1,6 +1,6 @@
 """The moto S3 server for the campaign, in a process of its own.
 
-The server is tests/s3_server.py's :class:`~tests.s3_server.S3Server` (moto's ThreadedMotoServer on
+The server is emulators/s3.py's :class:`~emulators.s3.S3Server` (moto's ThreadedMotoServer on
 127.0.0.1 behind the middleware that makes conditional writes atomic, as S3 does). It runs in a
 separate process so that the campaign's processes, which fork for every crash point, never fork
 while moto's server threads hold a lock. ``python -m tests.reliability.s3`` is that process: it
@@ -18,7 +18,7 @@ from .core import REPO
 
 
 def fake_env() -> dict[str, str]:
-    from tests.s3_server import FAKE_ENV
+    from emulators.s3 import FAKE_ENV
 
     return dict(FAKE_ENV)
 
@@ -102,7 +102,7 @@ def incomplete_uploads(c: Any, bucket: str, prefix: str) -> list[dict]:
 
 
 def main() -> None:
-    from tests.s3_server import running_s3_server
+    from emulators.s3 import running_s3_server
 
     with running_s3_server() as server:
         print(server.endpoint_url, flush=True)

@@ -27,7 +27,9 @@ import random
 import time
 from typing import Any
 
-from .core import Case, Ctx, Result, classify, payload, run_child
+from tests.harness.procs import run_child
+
+from .core import Case, Ctx, Result, classify, payload
 from .injectors import LocalInjector
 from .invariants import leaks, read_tags
 

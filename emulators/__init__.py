@@ -1,0 +1,20 @@
+"""Local emulators of the remote stores txckpt supports, for tests and benchmarks alike.
+
+``emulators.s3``     moto's S3 server on 127.0.0.1 behind a middleware that counts requests,
+                     injects faults and makes conditional writes atomic (as S3 does);
+``emulators.gcs``    fake-gcs-server;
+``emulators.azure``  Azurite's blob service.
+
+A top-level package rather than part of tests/, so that benchmarks/ uses the same servers without
+importing the test suite. Not part of the txckpt wheel (pyproject finds only txckpt*).
+"""
+
+import importlib.util
+
+
+def missing(*modules: str) -> str | None:
+    """The first of ``modules`` that is not installed, or None."""
+    for name in modules:
+        if importlib.util.find_spec(name) is None:
+            return name
+    return None
