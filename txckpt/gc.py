@@ -47,15 +47,9 @@ from .intents import (
     GcItem,
     GcReport,
     _remove,
-    _staged_step,
-    _tree_bytes,
-    intent_record,
-    pid_alive,
-    process_start,
+    tree_bytes,
     read_intents,
-    reclaim_after_save,
     reclaim_staging,
-    write_intent,
     writer_status,
 )
 from .layout import ORPHANS_DIR, TEMP_DIRS, TX_DIR, is_manifest_temp
@@ -141,7 +135,7 @@ def _delete_retired(root: Root, report: GcReport, history: Any, leased: set[str]
         item = policy_items.get(c.txid)
         if item is None:
             item = GcItem("retired", key, f"step {c.step} of lineage {c.lineage} (txid {c.txid}) is "
-                          "retired; its data was not deleted yet", _tree_bytes(storage, key))
+                          "retired; its data was not deleted yet", tree_bytes(storage, key))
             report.items.append(item)
         if c.txid in leased:
             report.items.remove(item)
@@ -308,7 +302,5 @@ def _uploads(root: Any, report: GcReport, now: float, grace_seconds: float, host
                 i.error = f"{type(e).__name__}: {e}"
 
 
-# The intents names are re-exported (txckpt/cli.py imports _staged_step and _tree_bytes from here).
-__all__ = ["collect_garbage", "reclaim_staging", "reclaim_after_save", "GcReport", "GcItem", "writer_status",
-           "pid_alive", "process_start", "intent_record", "write_intent", "read_intents", "GRACE_SECONDS",
-           "_staged_step", "_tree_bytes"]
+# GcReport/GcItem are intents' (a save's reclaim reports with them too); gc's callers take them here.
+__all__ = ["collect_garbage", "GcReport", "GcItem", "GRACE_SECONDS", "TEMP_DIRS"]

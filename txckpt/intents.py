@@ -225,7 +225,7 @@ def read_intents(storage: Any) -> dict[str, dict[str, Any] | None]:
     return out
 
 
-def _tree_bytes(storage: Any, key: str) -> int:
+def tree_bytes(storage: Any, key: str) -> int:
     try:
         return sum(max(0, size) for _, size in storage.walk_files(key))
     except OSError:
@@ -279,7 +279,7 @@ def reclaim_staging(root: Root, report: GcReport, history: Any, *, now: float, g
             # may be all there is of a committed adopted checkpoint: never deleted (protocol §11).
             report.kept.append(GcItem("staging", f"{TX_DIR}/{txid}", "legacy checkpoint data under an "
                                       "uncommitted adopted txid (never deleted; inspect it, or move it "
-                                      "back and `txckpt adopt` it)", _tree_bytes(storage, f"{TX_DIR}/{txid}")))
+                                      "back and `txckpt adopt` it)", tree_bytes(storage, f"{TX_DIR}/{txid}")))
             continue
         gone, why = _judge(storage, txid, intents, now=now, grace_seconds=grace_seconds, hostname=hostname)
         if gone:
@@ -287,7 +287,7 @@ def reclaim_staging(root: Root, report: GcReport, history: Any, *, now: float, g
         else:
             live.add(txid)
             report.kept.append(GcItem("staging", f"{TX_DIR}/{txid}", why,
-                                      _tree_bytes(storage, f"{TX_DIR}/{txid}") if measure_kept else 0))
+                                      tree_bytes(storage, f"{TX_DIR}/{txid}") if measure_kept else 0))
     # A save may have committed since the history was read (its intent disappears only after its
     # commit entry exists): read the log again before deleting anything.
     history = root.history()
@@ -295,9 +295,9 @@ def reclaim_staging(root: Root, report: GcReport, history: Any, *, now: float, g
         if txid in history.checkpoints:
             continue
         key = f"{TX_DIR}/{txid}"
-        step = _staged_step(storage, key)
+        step = staged_step(storage, key)
         desc = f"uncommitted staging{'' if step is None else f' of step {step}'}: {why}"
-        _remove(report, GcItem("staging", key, desc, _tree_bytes(storage, key)), storage.delete_tree, key)
+        _remove(report, GcItem("staging", key, desc, tree_bytes(storage, key)), storage.delete_tree, key)
     staged = {t for t, _ in candidates}
     for txid in intents:
         if txid in live:
@@ -341,7 +341,7 @@ def reclaim_after_save(root: Root, *, grace_seconds: float = GRACE_SECONDS) -> G
         log.info("reclaimed %s (%d bytes) under %s: %s", item.key, item.bytes, root.url, item.reason)
     return report
 
-def _staged_step(storage: Any, key: str) -> int | None:
+def staged_step(storage: Any, key: str) -> int | None:
     for name in storage.list_dir(key):
         step = parse_checkpoint_name(name)
         if step is not None:

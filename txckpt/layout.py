@@ -136,6 +136,13 @@ def orphan_key(name: str, txid: str | None = None) -> str:
     return f"{ORPHANS_DIR}/{name}.{tag}.{uuid.uuid4().hex[:8]}"
 
 
+def temp_name(file_name: str, *, hidden: bool) -> str:
+    """A fresh temp file name for an atomic write of ``file_name`` in the same directory:
+    ``.x.<12 hex>.tmp`` (hidden: a create-if-absent write, which links it into place) or
+    ``x.<12 hex>.tmp`` (a replace). :func:`temp_target` reads both back."""
+    return f"{'.' if hidden else ''}{file_name}.{uuid.uuid4().hex[:12]}.tmp"
+
+
 def temp_target(file_name: str) -> str | None:
     """The name whose atomic write a temp file ``file_name`` belongs to (``.x.<12 hex>.tmp`` and
     ``x.<12 hex>.tmp`` both give ``x``); None if it is not such a temp file."""
@@ -156,11 +163,18 @@ def is_url(path: str | os.PathLike) -> bool:
     return "://" in p or "::" in p
 
 
+def is_local_path(path: str | os.PathLike) -> bool:
+    """Is ``path`` read through local paths: a plain path, or a ``file://`` URL that is not part
+    of a chain (``simplecache::file://x`` goes through fsspec)."""
+    p = os.fspath(path)
+    return not is_url(p) or (p.startswith("file://") and "::" not in p)
+
+
 __all__ = [
     "META_DIR", "LOG_DIR", "LATEST_HINT", "SNAPSHOT_DIR", "NAMING_KEY", "TX_DIR", "INTENTS_DIR",
     "READERS_DIR", "ORPHANS_DIR", "RESERVE_KEY", "MANIFEST_NAME", "CHECKPOINT_PREFIX", "MAX_STEP",
     "ADOPT_INTENT_PREFIX", "ADOPTED_TXID_PREFIX", "TEMP_DIRS", "parse_step", "parse_checkpoint_name",
     "checkpoint_name", "new_txid", "entry_key", "snapshot_key", "tx_key", "home_key", "txid_of_tx_key",
     "retiring_key", "intent_key", "adopt_intent_id", "adopted_txid", "lease_key", "orphan_key",
-    "temp_target", "is_manifest_temp", "is_url",
+    "temp_name", "temp_target", "is_manifest_temp", "is_url", "is_local_path",
 ]

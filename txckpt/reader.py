@@ -69,7 +69,7 @@ def enclosing_root(path: str | os.PathLike) -> str | None:
     if where is not None:
         return where.root
     p = os.fspath(path)
-    if "://" not in p:
+    if not is_url(p):
         p = os.path.abspath(os.path.expanduser(p))
     parts = p.rstrip("/").rsplit("/", 1)
     return parts[0] if len(parts) == 2 and parts[0] else None

@@ -19,10 +19,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import uuid
 from typing import Any
 
-from .layout import RESERVE_KEY  # every name under a root is layout's
+from .layout import RESERVE_KEY, temp_name  # every name under a root is layout's
 
 log = logging.getLogger("txckpt")
 
@@ -48,7 +47,7 @@ def ensure_reserve(storage: Any, *, durable: bool) -> bool:
     directory = os.path.dirname(path)
     if not os.path.isdir(directory):
         return False  # not a txckpt root (yet)
-    tmp = os.path.join(directory, f".reserve.{uuid.uuid4().hex[:12]}.tmp")
+    tmp = os.path.join(directory, temp_name(os.path.basename(path), hidden=True))
     try:
         # Written through plain file writes, not fallocate: writing zeros allocates real blocks
         # too (no sparse file), and it is the one way of writing files txckpt uses elsewhere (the

@@ -11,6 +11,7 @@ import time
 from typing import Any, Sequence
 
 from ..errors import NotATxckptRootError
+from ..layout import LOG_DIR, META_DIR, is_url
 from ..progress import BarAwareHandler, human
 
 EXIT_OK = 0
@@ -65,10 +66,6 @@ def parse_storage_options(items: Sequence[str] | None) -> dict[str, Any]:
     return out
 
 
-def is_url(path: str) -> bool:
-    return "://" in path or "::" in path
-
-
 def open_root_arg(path: str, options: dict[str, Any], *, must_exist: bool = True):
     """A CheckpointRoot for ROOT, or UsageError if there is nothing there."""
     from ..root import CheckpointRoot
@@ -89,7 +86,7 @@ def open_root_arg(path: str, options: dict[str, Any], *, must_exist: bool = True
 
 def _looks_like_root(root: Any) -> bool:
     s = root.storage
-    return bool(s.list_dir(".txckpt/log")) or bool(root.legacy_checkpoints()) or s.exists(".txckpt")
+    return bool(s.list_dir(LOG_DIR)) or bool(root.legacy_checkpoints()) or s.exists(META_DIR)
 
 
 def configure_logging(verbose: bool) -> None:

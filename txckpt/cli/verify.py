@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 from ..errors import ManifestError, SpecialFileError, TxckptError
+from ..layout import LOG_DIR, META_DIR
 from ..manifest import MANIFEST_NAME, FileEntry, Manifest
 from ..progress import bar as progress_bar, bar_wanted
 from ..reader import names_a_checkpoint
@@ -97,8 +98,8 @@ def run_verify(target: str, options: dict[str, Any], *, workers: int | None = No
     if not is_url(target) and not os.path.isdir(target):
         raise UsageError(f"{target} is not a directory")
     if storage.exists(MANIFEST_NAME) or (
-        names_a_checkpoint(target, options) and not storage.exists(".txckpt")
-        and not storage.list_dir(".txckpt/log")
+        names_a_checkpoint(target, options) and not storage.exists(META_DIR)
+        and not storage.list_dir(LOG_DIR)
     ):
         manifest, t = _plan_checkpoint(storage, "", target.rstrip("/"), None, problems, warnings)
         tasks += t

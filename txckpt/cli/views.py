@@ -10,6 +10,7 @@ from typing import Any
 
 from .. import checksum
 from ..errors import CheckpointNotFoundError, NotACheckpointError
+from ..layout import LOG_DIR
 from ..reader import enclosing_root
 from .common import EXIT_OK, UsageError, human_bytes, human_time, is_url, open_root_arg, print_json, table
 
@@ -45,7 +46,7 @@ def cmd_log(args: argparse.Namespace) -> int:
 # ----- ls ------------------------------------------------------------------------------------------
 def staged_leftovers(root: Any, history: Any) -> list[dict[str, Any]]:
     """Uncommitted staging directories, with whether their writer is still alive."""
-    from ..gc import _staged_step, _tree_bytes, read_intents, writer_status
+    from ..intents import read_intents, staged_step, tree_bytes, writer_status
     from ..publication import TX_DIR
 
     intents = read_intents(root.storage)
@@ -55,7 +56,7 @@ def staged_leftovers(root: Any, history: Any) -> list[dict[str, Any]]:
         if txid in history.checkpoints:
             continue
         key = f"{TX_DIR}/{txid}"
-        step = _staged_step(root.storage, key)
+        step = staged_step(root.storage, key)
         parts = txid.split("-")
         lineage = parts[1] if len(parts) >= 3 else "?"
         intent = intents.get(txid)
@@ -63,7 +64,7 @@ def staged_leftovers(root: Any, history: Any) -> list[dict[str, Any]]:
         t = (intent or {}).get("time") or root.storage.modified_time(key)
         out.append({
             "step": step, "lineage": lineage, "txid": txid, "state": "staged-leftover" if gone else "staging",
-            "bytes": _tree_bytes(root.storage, key), "time": t, "path": root.storage.full_path(key),
+            "bytes": tree_bytes(root.storage, key), "time": t, "path": root.storage.full_path(key),
             "key": key, "adopted": False, "published": False, "writer": why,
         })
     return out
@@ -124,7 +125,7 @@ def _find_root_of(path: str, options: dict[str, Any]) -> Any | None:
         return None
     try:
         candidate = CheckpointRoot(base, options)
-        return candidate if candidate.storage.list_dir(".txckpt/log") else None
+        return candidate if candidate.storage.list_dir(LOG_DIR) else None
     except Exception:  # not a root we can open: show the manifest without a state
         return None
 

@@ -37,6 +37,7 @@ from accelerate import Accelerator
 import txckpt
 from txckpt.coordination import decide_on_rank0
 from txckpt.errors import CheckpointNotFoundError, InvalidArgumentError
+from txckpt.layout import is_url
 from txckpt.naming import Naming, record_naming, split_name
 
 log = logging.getLogger("txckpt")
@@ -45,17 +46,13 @@ log = logging.getLogger("txckpt")
 ACCELERATE_NAMING = Naming("checkpoint_")
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path
-
-
 def _join(root: str, name: str) -> str:
-    return root.rstrip("/") + "/" + name if _is_url(root) else os.path.join(root, name)
+    return root.rstrip("/") + "/" + name if is_url(root) else os.path.join(root, name)
 
 
 def _split(path: str) -> tuple[str, str]:
-    path = path.rstrip("/") if _is_url(path) else os.path.abspath(os.path.expanduser(path))
-    if _is_url(path):
+    path = path.rstrip("/") if is_url(path) else os.path.abspath(os.path.expanduser(path))
+    if is_url(path):
         parent, _, name = path.rpartition("/")
         return parent, name
     return os.path.dirname(path), os.path.basename(path)
@@ -113,7 +110,7 @@ class TransactionalAccelerator(Accelerator):
         r = self._root(root)
 
         def record() -> str:
-            if not _is_url(root):
+            if not is_url(root):
                 os.makedirs(root, exist_ok=True)  # as stock save_state does
             return record_naming(r.storage, naming, durable=r.durable).prefix
 
@@ -154,7 +151,7 @@ class TransactionalAccelerator(Accelerator):
             root, name = _split(os.fspath(output_dir))
             naming, step = split_name(name)
             self._use_naming(root, naming)
-        local_dir = self._scratch() if _is_url(root) else None
+        local_dir = self._scratch() if is_url(root) else None
         with txckpt.transaction(root, step, storage_options=self.txckpt_storage_options,
                                 timeout=self.txckpt_timeout, local_dir=local_dir) as tx:
             self.project_configuration.automatic_checkpoint_naming = False  # write where told
@@ -221,7 +218,7 @@ class TransactionalAccelerator(Accelerator):
         ctx = None if where is None else RootContext.open(path, self.txckpt_storage_options)
         if where is None or ctx is None:
             return path  # plain accelerate output, or a copy: nothing to resume in
-        if where.txid is None and not ctx.root.storage.atomic_dir_rename:
+        if where.txid is None and not ctx.root.publication.publishes:
             # Object stores have no public names (a checkpoint stays at its own key):
             # <root>/checkpoint_K (out/step_K) means step K of the current lineage, as the same
             # path means on a local disk.
@@ -235,7 +232,7 @@ class TransactionalAccelerator(Accelerator):
     def _local_copy(self, where: str) -> str:
         """A verified local directory holding the checkpoint ``where``: itself on a local disk,
         a fetched copy (by txid, in ``txckpt_local_dir``) of a remote one."""
-        if not _is_url(where) or where.startswith("file://"):
+        if not is_url(where) or where.startswith("file://"):
             if os.path.exists(os.path.join(where, txckpt.MANIFEST_NAME)):
                 txckpt.verify_checkpoint(where)
             return where

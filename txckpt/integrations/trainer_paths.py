@@ -10,6 +10,8 @@ import os
 import re
 from typing import Iterator
 
+from ..layout import is_local_path, is_url
+
 #: Upstream's names (transformers.trainer_utils.PREFIX_CHECKPOINT_DIR, trainer.TRAINER_STATE_NAME).
 PREFIX_CHECKPOINT_DIR = "checkpoint"
 TRAINER_STATE_NAME = "trainer_state.json"
@@ -22,14 +24,10 @@ PUSH_DIR_NAME = "push"
 STAGING_ENV = "TXCKPT_STAGING_DIR"
 
 
-def is_url(path: str) -> bool:
-    return "://" in path or "::" in path
-
-
 def is_remote(path: str) -> bool:
     """A root or checkpoint that the Trainer cannot read through local paths (any fsspec URL
     but file://)."""
-    return is_url(path) and not (path.startswith("file://") and "::" not in path)
+    return not is_local_path(path)
 
 
 def named_step(path: str, parent: str) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
+from ..layout import is_local_path
 from .base import Storage, WriteBatch, check_relative_key, join
 from .fsspec import FsspecStorage
 from .local import LocalStorage
@@ -15,14 +16,10 @@ __all__ = ["Storage", "WriteBatch", "LocalStorage", "FsspecStorage", "MemoryStor
            "check_relative_key", "join"]
 
 
-def _is_local(root: str) -> bool:
-    return "://" not in root and "::" not in root or root.startswith("file://") and "::" not in root
-
-
 def open_storage(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Storage:
     """A Storage for ``root``: a local path, ``file://`` URL, or any fsspec URL (chained too)."""
     root = os.fspath(root)
-    if _is_local(root):
+    if is_local_path(root):
         if root.startswith("file://"):
             root = root[len("file://"):]
         return LocalStorage(root)

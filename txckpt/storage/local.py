@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import uuid
 from typing import BinaryIO, Iterator
 
 from ..checksum import AbortOnError
@@ -23,6 +22,7 @@ from ..fileio import (
     rename_noreplace,
     sync_file_range,
 )
+from ..layout import temp_name
 from .base import Storage
 
 __all__ = ["LocalStorage", "fsync_dir", "lies_within", "makedirs_durable", "rename_noreplace"]
@@ -155,7 +155,7 @@ class LocalStorage(Storage):
         path = self._p(key)
         directory = os.path.dirname(path)
         makedirs_durable(directory, durable)
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+        tmp = os.path.join(directory, temp_name(os.path.basename(path), hidden=True))
         # The content is complete and durable under a private name before it gets its public
         # name through link(2), which fails with EEXIST if the name is taken: no reader ever
         # sees a partial file, and of two racers exactly one links.
@@ -183,7 +183,7 @@ class LocalStorage(Storage):
     def replace(self, key: str, data: bytes, *, durable: bool = False) -> None:
         path = self._p(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
+        tmp = os.path.join(os.path.dirname(path), temp_name(os.path.basename(path), hidden=False))
         _write_tmp(tmp, data, durable)
         try:
             os.replace(tmp, path)
