@@ -94,7 +94,7 @@ def test_a_missing_bucket_is_root_not_found_naming_the_bucket(s3_root):
 
 def _count_attempts(storage) -> list[str]:
     """Every HTTP attempt the storage's botocore client makes from now on (retries included)."""
-    from txckpt.storage.fsspec_store import _run
+    from txckpt.storage.s3_upload import _run
 
     _run(storage.fs, storage.fs.set_session())
     sent: list[str] = []

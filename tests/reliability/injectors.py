@@ -132,7 +132,7 @@ class MemoryInjector(Injector):
     def install(self) -> "MemoryInjector":  # fsspec's store instead of the local files
         from fsspec.implementations.memory import MemoryFileSystem
 
-        from txckpt.storage.fsspec_store import MemoryStorage
+        from txckpt.storage.memory import MemoryStorage
 
         inj = self
         for owner, attr in ((MemoryFileSystem, "pipe_file"), (MemoryFileSystem, "_rm"),
