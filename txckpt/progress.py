@@ -101,32 +101,6 @@ def phase(name: str, nbytes: int | None = None) -> None:
         timer.phase(name, nbytes)
 
 
-# ----- a Trainer's logging ---------------------------------------------------------------------------
-class _ToTransformers(logging.Handler):
-    """Hands txckpt's records to transformers' logger, whose handler prints them the way it
-    prints the Trainer's own lines; only while the application configured no root handler (one
-    that would print them too)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if not logging.getLogger().handlers:
-            logging.getLogger("transformers").handle(record)
-
-
-def follow_transformers_verbosity() -> None:
-    """Make txckpt's records show the way transformers' do: at its verbosity
-    (``transformers.logging.set_verbosity_info()``, ``TRANSFORMERS_VERBOSITY``, a Trainer's
-    ``log_level``), through its handler. The Trainer mixin calls this at each save. A level the
-    application set on the ``txckpt`` logger itself is left alone."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.get_logger()  # configures transformers' handler if nothing did yet
-    if log.level in (logging.NOTSET, getattr(log, "_txckpt_level_from_transformers", None)):
-        log.setLevel(hf_logging.get_verbosity())
-        log._txckpt_level_from_transformers = log.level  # type: ignore[attr-defined]
-    if not any(isinstance(h, _ToTransformers) for h in log.handlers):
-        log.addHandler(_ToTransformers())
-
-
 # ----- CLI progress bars ---------------------------------------------------------------------------
 class _NoBar:
     def update(self, n: int = 1) -> None:
@@ -245,5 +219,4 @@ def advance(n: int) -> None:
         _active[-1].update(n)
 
 
-__all__ = ["Timer", "timing", "phase", "bar", "bar_wanted", "advance", "BarAwareHandler", "human", "rate",
-           "follow_transformers_verbosity"]
+__all__ = ["Timer", "timing", "phase", "bar", "bar_wanted", "advance", "BarAwareHandler", "human", "rate"]

@@ -51,7 +51,7 @@ import txckpt
 from txckpt import errors as _errors
 from txckpt.coordination import current_coordinator, decide_on_rank0
 from txckpt.fallback import check_on_damaged
-from txckpt.progress import follow_transformers_verbosity
+from txckpt.integrations.trainer_logging import follow_transformers_verbosity
 
 from .trainer_patches import (
     HUB_IGNORE_PATTERNS,

@@ -1,0 +1,153 @@
+"""docs/architecture.md stays true (issue 15): every txckpt module is on exactly one floor of its
+``floors`` block, every import (module level, inside functions, under TYPE_CHECKING) goes to a
+lower floor or, within one package, to the same floor; there is no import cycle; no module is
+over 600 lines; the core does not import the frameworks the integrations adapt."""
+import ast
+import os
+import re
+
+import pytest
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.join(HERE, "txckpt")
+MAX_LINES = 600
+FRAMEWORKS = ("transformers", "accelerate", "deepspeed")
+
+
+def _modules() -> dict[str, str]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(PKG):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        for f in filenames:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                name = os.path.relpath(path, HERE)[:-3].replace(os.sep, ".")
+                out[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
+    return out
+
+
+def _imports(name: str, path: str, modules: dict[str, str]) -> tuple[set[str], set[str]]:
+    """(txckpt modules ``name`` imports, top-level names of other packages it imports)."""
+    tree = ast.parse(open(path).read(), path)
+    package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
+    inner, outer = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod == "txckpt" or mod.startswith("txckpt."):
+                for alias in node.names:  # `from . import log` names a module
+                    sub = f"{mod}.{alias.name}"
+                    inner.add(sub if sub in modules else mod)
+            else:
+                outer.add(mod.split(".")[0])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "txckpt" or alias.name.startswith("txckpt."):
+                    inner.add(alias.name)
+                else:
+                    outer.add(alias.name.split(".")[0])
+    inner.discard(name)
+    return {m for m in inner if m in modules}, outer
+
+
+def _floors() -> dict[str, int]:
+    text = open(os.path.join(HERE, "docs", "architecture.md")).read()
+    block = re.search(r"```floors\n(.*?)```", text, re.S)
+    assert block, "docs/architecture.md has no ```floors block"
+    floors: dict[str, int] = {}
+    for line in block.group(1).strip().splitlines():
+        m = re.fullmatch(r"floor (\d+): (.+)", line.strip())
+        assert m, f"unreadable floors line: {line!r}"
+        for mod in (x.strip() for x in m.group(2).split(",")):
+            assert mod not in floors, f"{mod} is on two floors"
+            floors[mod] = int(m.group(1))
+    return floors
+
+
+def _package(mod: str) -> str:
+    # txckpt.storage (the package's __init__) belongs to the storage package, like its modules.
+    parts = mod.split(".")
+    return ".".join(parts[:2]) if len(parts) >= 2 else mod
+
+
+def test_every_module_is_on_one_floor():
+    floors, modules = _floors(), _modules()
+    assert sorted(set(modules) - set(floors)) == [], "modules missing from docs/architecture.md"
+    assert sorted(set(floors) - set(modules)) == [], "docs/architecture.md names modules that do not exist"
+
+
+def test_imports_run_down_the_floors():
+    floors, modules = _floors(), _modules()
+    wrong = []
+    for name, path in sorted(modules.items()):
+        for dep in sorted(_imports(name, path, modules)[0]):
+            if name not in floors or dep not in floors:
+                continue  # reported by test_every_module_is_on_one_floor
+            below = floors[dep] < floors[name]
+            sibling = floors[dep] == floors[name] and _package(dep) == _package(name) != "txckpt"
+            if not (below or sibling):
+                wrong.append(f"{name} (floor {floors[name]}) imports {dep} (floor {floors[dep]})")
+    assert wrong == []
+
+
+def test_no_import_cycle():
+    modules = _modules()
+    graph = {n: _imports(n, p, modules)[0] for n, p in modules.items()}
+    # Tarjan's strongly connected components; any component of more than one module is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            # A package and its submodules (txckpt.cli -> txckpt.cli.app -> txckpt.cli.common)
+            # are not a cycle unless a submodule imports the package back.
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert cycles == []
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_module_size(name):
+    path = _modules()[name]
+    with open(path) as f:
+        n = sum(1 for _ in f)
+    assert n <= MAX_LINES, f"{path} has {n} lines (at most {MAX_LINES}: split it by concept)"
+
+
+def test_core_imports_no_framework():
+    modules = _modules()
+    bad = []
+    for name, path in sorted(modules.items()):
+        if name.startswith("txckpt.integrations"):
+            continue
+        outer = _imports(name, path, modules)[1]
+        bad += [f"{name} imports {fw}" for fw in FRAMEWORKS if fw in outer]
+    assert bad == []
