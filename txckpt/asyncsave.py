@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Mapping
 
@@ -40,8 +40,17 @@ class _Saver:
     def __init__(self) -> None:
         self.lock = threading.Lock()  # held from the wait for the previous save to the hand-off
         self.pool = SnapshotPool()
-        self.pending: Future | None = None
-        self.thread: threading.Thread | None = None
+        #: The previous save's run in the worker (done: its buffers are free again).
+        self.running: Future | None = None
+        #: One worker thread, kept between saves: handing a save to a waiting thread costs no
+        #: thread start inside the time async_save blocks. Its exit hook (concurrent.futures')
+        #: finishes queued saves at interpreter exit.
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="txckpt-async-save")
+        self.worker_ident: int | None = None
+
+    def wait(self) -> None:
+        if self.running is not None and threading.get_ident() != self.worker_ident:
+            self.running.result()  # run() never raises: its future carries the error
 
 
 _lock = threading.Lock()
@@ -87,9 +96,7 @@ def async_save(
             saver = _savers[key] = _Saver()
         _register_exit_hook()
     with saver.lock:
-        if saver.thread is not None:
-            saver.thread.join()  # the previous save: its buffers are reused below
-            saver.thread = None
+        saver.wait()  # the previous save: its buffers are reused below
         coordinator = _coordinator()
         snapshot = saver.pool.snapshot(files)
         meta = copy.deepcopy(dict(metadata or {}))  # plain data, small: not pooled
@@ -98,6 +105,7 @@ def async_save(
         so = dict(storage_options) if storage_options is not None else None
 
         def run() -> None:
+            saver.worker_ident = threading.get_ident()
             try:
                 path = open_root(root, so).save(step, snapshot, metadata=meta, coordinator=coordinator)
             except BaseException as e:  # noqa: BLE001 - the future carries it to the caller
@@ -107,11 +115,9 @@ def async_save(
             else:
                 future.set_result(path)
 
-        thread = threading.Thread(target=run, name=f"txckpt-async-save-{step}")
         with _lock:
             _futures.append(future)
-        saver.pending, saver.thread = future, thread
-        thread.start()
+        saver.running = saver.worker.submit(run)
     return future
 
 
@@ -141,9 +147,22 @@ def wait_for_root(root: str | os.PathLike, storage_options: Mapping[str, Any] | 
     if saver is None:
         return
     with saver.lock:
-        thread = saver.thread
-    if thread is not None and thread is not threading.current_thread():
-        thread.join()
+        saver.wait()
+
+
+def release_buffers(root: str | os.PathLike | None = None,
+                    storage_options: Mapping[str, Any] | None = None) -> None:
+    """Free the snapshot buffers of ``root`` (None: of every root) once its pending save has
+    finished (the end of a training run, a benchmark between sizes); the next async_save of
+    that root allocates them again."""
+    with _lock:
+        keys = [k for k in _savers if root is None or k == _key(root, storage_options)]
+        savers = [_savers.pop(k) for k in keys]
+    for saver in savers:
+        with saver.lock:
+            saver.wait()
+            saver.pool.clear()
+        saver.worker.shutdown(wait=True)
 
 
 def pending_saves() -> int:
@@ -227,4 +246,4 @@ def _finish_at_exit() -> None:
             log.error("txckpt: an async save failed and was never waited for: %s: %s", type(e).__name__, e)
 
 
-__all__ = ["async_save", "wait_for_saves", "wait_for_root", "pending_saves"]
+__all__ = ["async_save", "wait_for_saves", "wait_for_root", "release_buffers", "pending_saves"]
