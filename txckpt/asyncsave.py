@@ -116,6 +116,9 @@ def async_save(
                 future.set_result(path)
 
         with _lock:
+            # Saves that succeeded have nothing left to report: only errors wait for
+            # wait_for_saves (a long run that never calls it holds no list of every save).
+            _futures[:] = [f for f in _futures if not f.done() or f.exception() is not None]
             _futures.append(future)
         saver.running = saver.worker.submit(run)
     return future
