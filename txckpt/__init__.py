@@ -18,6 +18,7 @@ from .api import (
     transaction,
     verify_checkpoint,
 )
+from .asyncsave import async_save, wait_for_saves
 from .errors import TxckptError
 from .gc import collect_garbage
 from .retention import RetentionPolicy, apply_retention
@@ -28,6 +29,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "save_checkpoint",
+    "async_save",
+    "wait_for_saves",
     "transaction",
     "load_checkpoint",
     "get_last_checkpoint",

@@ -14,6 +14,7 @@ from .errors import (
     NotACheckpointError,
     UnsafePathError,
 )
+from .asyncsave import wait_for_root
 from .checksum import copy_hashing
 from .fileio import open_regular_file
 from .layout import LOG_DIR, is_url
@@ -43,6 +44,7 @@ def save_checkpoint(
     lineage's newest checkpoint (call :func:`resume` with an older step first to roll back).
     Inside a torch.distributed group every rank calls it with its own files.
     """
+    wait_for_root(root, storage_options)  # an async save of this root commits first
     return open_root(root, storage_options).save(step, files, metadata=metadata, timeout=timeout)
 
 
@@ -58,6 +60,7 @@ def transaction(
     """A context manager for writers that need file handles or a directory; see
     :class:`txckpt.transactions.Transaction`. Commits on a clean exit, aborts on an exception.
     ``local_dir``: where a remote root's local scratch directory (``tx.directory``) goes."""
+    wait_for_root(root, storage_options)  # an async save of this root commits first
     return open_root(root, storage_options).transaction(step, metadata=metadata, timeout=timeout,
                                                         local_dir=local_dir)
 
@@ -70,6 +73,7 @@ def get_last_checkpoint(root: str | os.PathLike, *, storage_options: Mapping[str
     As transformers' does, it raises ``FileNotFoundError`` (:class:`RootNotFoundError`) for a
     root directory that does not exist (or a URL whose bucket does not exist), and returns the
     path in its form: ``os.path.join(root, "checkpoint-N")``, relative when ``root`` is."""
+    wait_for_root(root, storage_options)  # the state an async save of this root is changing
     r = open_root(root, storage_options)
     key = r.last_checkpoint_key()
     if key is None:
@@ -118,6 +122,7 @@ def resume(
     lineage once and every rank gets its answer (pass ``collective=False`` to call it from one
     rank alone).
     """
+    wait_for_root(root, storage_options)  # an async save of this root commits first
     return _on_rank0(lambda: open_root(root, storage_options).resume(step, path=path, on_damaged=on_damaged),
                      collective)
 
@@ -132,6 +137,7 @@ def new_lineage(
     """Start a new root lineage (training from scratch, or from a checkpoint outside the root,
     recorded as ``external_parent``). Returns its id; warns if it abandons checkpoints. Called
     on every rank of a torch.distributed group, like :func:`resume`."""
+    wait_for_root(root, storage_options)  # an async save of this root commits first
     return _on_rank0(
         lambda: open_root(root, storage_options).new_lineage(external_parent=external_parent), collective
     )

@@ -209,7 +209,9 @@ def _short(e: BaseException) -> str:
 class TorchDistributed(Coordinator):
     """Object collectives over txckpt's gloo group (CPU), whatever the default backend is."""
 
-    def __init__(self, timeout_s: float | None = None, phase: str | None = None):
+    def __init__(self, timeout_s: float | None = None, phase: str | None = None, *, group: Any = None):
+        """``group``: a gloo group to run on (an asynchronous save's own, txckpt/asyncsave.py);
+        default: txckpt's group for the current default group, created on first use."""
         import torch.distributed as dist
 
         self._dist = dist
@@ -217,7 +219,7 @@ class TorchDistributed(Coordinator):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.phase = phase
-        self.group = _group_for(dist, self.timeout_s, phase)
+        self.group = _group_for(dist, self.timeout_s, phase) if group is None else group
         self._gathered = False
 
     def _fail(self, what: str, e: BaseException, committed_path: str | None = None) -> CoordinationTimeoutError:
