@@ -474,7 +474,7 @@ class Transaction:
             return None
         info = state.lineages.get(plan["lineage"]) if plan else None
         tip = info.tip if info is not None else None
-        if not tip or tip.get("txid") != plan["txid"]:
+        if tip is None or tip.txid != plan["txid"]:
             # The newest entry holds the head's record only: a later entry (a fork, a newer
             # commit) hides ours from it, and only the folded history tells.
             try:
