@@ -39,6 +39,7 @@ from .manifest import MANIFEST_NAME, Manifest
 # LOOKUP_ATTEMPTS lives below the root (fallback follows retired tips too); importable from here.
 from .publication import LOOKUP_ATTEMPTS, publication_for
 from .refs import ExternalParent, Parent, Ref, parent_to_json, same_ref
+from .saveplan import SavePlan
 from .storage import Storage, open_storage
 
 log = logging.getLogger("txckpt")
@@ -461,7 +462,7 @@ class CheckpointRoot:
         return adopt(self)
 
     # ----- saving ------------------------------------------------------------------------------
-    def prepare_save(self, step: int) -> dict[str, Any]:
+    def prepare_save(self, step: int) -> SavePlan:
         """Validate a save of ``step`` against the newest state; returns the plan the ranks share."""
         from .manifest import check_step
 
@@ -503,8 +504,7 @@ class CheckpointRoot:
         # The commit appends after this state without re-reading the log (§8); only the newest
         # plan is kept, so an aborted save leaves nothing behind.
         self._base_states = {txid: state}
-        return {"txid": txid, "lineage": lineage, "step": step, "parent": parent, "key": home_key(txid, step),
-                "writer": self.session}
+        return SavePlan(txid, lineage, step, parent, home_key(txid, step), self.session)
 
     def clear_intent(self, txid: str) -> None:
         self.storage.delete_file(intent_key(txid))
