@@ -22,6 +22,8 @@ def test_a_parent_is_a_ref_an_external_path_or_none():
     assert parent_from_json({"lineage": "l", "step": 1, "txid": "t"}) == Ref("l", 1, "t")
     with pytest.raises(ValueError):
         parent_from_json({"neither": 1})
+    with pytest.raises(TypeError):  # the callers word these as LogCorruptError / ManifestError
+        parent_from_json("a txid")
 
 
 def test_same_ref_compares_lineage_step_and_txid_only():

@@ -1,7 +1,7 @@
 """Typed references that cross modules: a committed checkpoint (:class:`Ref`) and what a lineage
 or a manifest follows (:data:`Parent`: a Ref, an :class:`ExternalParent`, or None).
 
-Log entries, snapshots, manifests and intents hold their JSON form (protocol §1 "Ref"), written
+Log entries, snapshots and manifests hold their JSON form (protocol §1 "Ref"), written
 by ``to_json`` and read back by ``from_json``/:func:`parent_from_json`: the files on disk are the
 same dicts they always were; only the code passes these frozen objects around.
 """
@@ -38,6 +38,8 @@ class Ref:
     @classmethod
     def from_json(cls, d: Any) -> "Ref":
         """Raises KeyError/TypeError/ValueError on a malformed ref (callers word it)."""
+        if not isinstance(d, dict):
+            raise TypeError(f"a ref is a JSON object, not {d!r}")
         key, digest = d.get("key"), d.get("digest")
         return cls(str(d["lineage"]), int(d["step"]), str(d["txid"]),
                    None if key is None else str(key), None if digest is None else str(digest))
@@ -66,6 +68,8 @@ def parent_from_json(d: Any) -> Parent:
     Raises ValueError (or KeyError/TypeError) on anything else."""
     if not d:
         return None
+    if not isinstance(d, dict):
+        raise TypeError(f"a parent is a JSON object or null, not {d!r}")
     if "txid" in d:
         return Ref.from_json(d)
     if "external" in d:
