@@ -54,7 +54,7 @@ def test_manifest_records_sizes_checksums_lineage(root):
     txckpt.save_checkpoint(root, 2, state(2))
     path = txckpt.save_checkpoint(root, 4, state(4))
     m = txckpt.read_manifest(path)
-    assert m.step == 4 and m.parent["step"] == 2 and m.parent["lineage"] == m.lineage
+    assert m.step == 4 and m.parent.step == 2 and m.parent.lineage == m.lineage
     for name, entry in m.files.items():
         assert os.path.getsize(os.path.join(path, name)) == entry.size
         assert len(entry.checksum) == 32

@@ -131,7 +131,7 @@ def test_save_after_another_process_appended_commits_after_the_newest_entry(any_
     r = fresh(url, opts)
     assert r.state().seq == seq_before + 1
     m = txckpt.read_manifest(r.get_last_checkpoint(), storage_options=opts)
-    assert m.step == 3 and m.parent["step"] == 2
+    assert m.step == 3 and m.parent.step == 2
     assert one.txid in r.history().retired
 
 

@@ -83,7 +83,7 @@ def test_fallback_forks_from_the_newest_checkpoint_that_verifies(any_root, kind,
         assert f"/{failing}" in warnings[0]
     # A fork of the current lineage, recorded with why; the damaged one is in its abandoned set.
     state = read_state(open_storage(root, opts))
-    assert state.head != head_before and state.head_tip["txid"] == txids[4]
+    assert state.head != head_before and state.head_tip.txid == txids[4]
     entry = json.loads(open_storage(root, opts).read_bytes(f".txckpt/log/{state.seq:020d}.json"))
     assert entry["action"] == "fork"
     # The entry does not list what it abandons (txckpt-log/2): the fold derives it, at this fork.
@@ -129,7 +129,7 @@ def test_by_default_loading_the_damaged_newest_raises_naming_the_file_and_the_fa
         txckpt.load_checkpoint(got, storage_options=opts)
     assert e.value.path is not None and e.value.path.endswith(f"/{failing}")
     assert 'on_damaged="fallback"' in str(e.value)
-    assert read_state(open_storage(root, opts)).head_tip["txid"] == txids[6]
+    assert read_state(open_storage(root, opts)).head_tip.txid == txids[6]
 
 
 def test_damage_in_the_two_newest_falls_back_two(any_root, caplog):
@@ -172,7 +172,7 @@ def test_an_intact_newest_is_verified_and_continued_without_a_fork(root):
     got = txckpt.resume(root, on_damaged="fallback")
     assert got == paths[6]
     after = read_state(open_storage(root, None))
-    assert after.head == before.head and after.head_tip["txid"] == txids[6]
+    assert after.head == before.head and after.head_tip.txid == txids[6]
     txckpt.save_checkpoint(root, 8, {"state.json": {}})  # this process holds the lineage
 
 

@@ -11,7 +11,7 @@ import txckpt
 from txckpt import log as commit_log
 from txckpt.errors import LookupRaceError, RootNotFoundError
 from txckpt.gc import collect_garbage
-from txckpt.lineage import ref
+from txckpt.refs import Ref
 from txckpt.layout import home_key
 from txckpt.retention import RetentionPolicy, apply_retention
 
@@ -81,7 +81,7 @@ def test_lookup_finds_a_tip_published_between_its_two_reads(tmp_path, monkeypatc
     writer.save(2, files(2))
     tip = writer.state().head_tip
     # Committed but not yet published: the state between §8 steps 9 and 10.
-    os.rename(os.path.join(root, "checkpoint-2"), os.path.join(root, *home_key(tip["txid"], 2).split("/")))
+    os.rename(os.path.join(root, "checkpoint-2"), os.path.join(root, *home_key(tip.txid, 2).split("/")))
     reader = txckpt.CheckpointRoot(root)
     real = reader.storage.read_bytes
     published = []
@@ -91,7 +91,7 @@ def test_lookup_finds_a_tip_published_between_its_two_reads(tmp_path, monkeypatc
             return real(key)
         except FileNotFoundError:
             if key == "checkpoint-2/txckpt-manifest.json" and not published:
-                published.append(writer.publication.publish(ref(tip["lineage"], 2, tip["txid"])))
+                published.append(writer.publication.publish(Ref(tip.lineage, 2, tip.txid)))
             raise
 
     monkeypatch.setattr(reader.storage, "read_bytes", racing)

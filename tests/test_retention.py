@@ -133,7 +133,7 @@ def test_newest_and_fork_points_are_always_kept_abandoned_kept_by_default(tmp_pa
     # keep_last=1 would keep only b's 4; 2 is a fork point, a's 4 and 6 are abandoned (kept).
     assert RetentionPolicy(keep_last=1).decide(h) == []
     # Explicitly retiring the head tip or a fork point is refused inside the append.
-    tip = h.state.head_tip["txid"]
+    tip = h.state.head_tip.txid
     fork_point = next(iter(h.fork_points()))
     assert retire(r, [tip, fork_point]) == []
     assert not any(e["action"] == "retire" for e in r.history().entries)
@@ -268,7 +268,7 @@ def test_rewind_retires_only_what_the_rollback_leaves(tmp_path):
     r = fresh(root)
     h = r.history()
     assert [e["action"] for e in h.entries[entries:]] == ["fork", "retire"]
-    assert h.state.head_tip["txid"] == ids["b"][4]
+    assert h.state.head_tip.txid == ids["b"][4]
     assert txckpt.get_last_checkpoint(root) == os.path.join(root, "checkpoint-4")
     assert txckpt.read_manifest(txckpt.get_last_checkpoint(root)).txid == ids["b"][4]
     assert set(h.retired) == {ids["b"][5], ids["b"][6]}
@@ -304,7 +304,7 @@ def test_rewind_leaves_a_leased_checkpoint_for_later(tmp_path):
     gone = rewind(r, ids["b"][4])
     assert [c.step for c in gone] == [5]
     h = fresh(root).history()
-    assert ids["b"][6] not in h.retired and h.state.head_tip["txid"] == ids["b"][4]
+    assert ids["b"][6] not in h.retired and h.state.head_tip.txid == ids["b"][4]
     txckpt.verify_checkpoint(fresh(root).locate(h.checkpoints[ids["b"][6]].ref))  # still readable
     release_reader_lease(r, lease)
 
@@ -468,7 +468,7 @@ def test_retention_after_a_save_does_not_revisit_every_checkpoint_ever_retired(t
     real = type(r.publication).candidates
 
     def counted(self, ref):
-        calls.append(ref["txid"])
+        calls.append(ref.txid)
         return real(self, ref)
 
     monkeypatch.setattr(type(r.publication), "candidates", counted)

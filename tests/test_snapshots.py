@@ -174,7 +174,7 @@ def test_a_hole_after_the_snapshot_is_a_damaged_log(root):
     held_end = held.history().state.seq
     writer = fresh(root)
     writer.resume()
-    tip = writer.state().head_tip["step"]
+    tip = writer.state().head_tip.step
     for step in (tip + 1, tip + 2):
         writer.save(step, files("later", step))
     seq = commit_log.list_snapshots(writer.storage)[-1]

@@ -110,7 +110,7 @@ def test_keeping_only_the_best_rolls_back_and_a_restart_resumes_it(tmp_path):
     txckpt.forget_roots()
     h = txckpt.CheckpointRoot(str(out)).history()
     assert [e["action"] for e in h.entries[-2:]] == ["fork", "retire"]
-    assert h.state.head_tip["step"] == 1
+    assert h.state.head_tip.step == 1
     began = []
 
     class Begin(transformers.TrainerCallback):

@@ -17,6 +17,7 @@ from transformers.trainer_utils import get_last_checkpoint as hf_get_last_checkp
 import txckpt  # noqa: E402
 from txckpt.integrations import transformers as integ  # noqa: E402
 from txckpt.integrations.transformers import TransactionalCheckpointMixin, TransactionalTrainer  # noqa: E402
+from txckpt.refs import ExternalParent  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "trainer_scripts"))
 from tiny import Data, TinyConfig, TinyModel, digests, make_args  # noqa: E402
@@ -204,7 +205,7 @@ def test_resume_from_outside_the_root_records_an_external_parent(tmp_path):
     assert sorted(current(out)) == [4, 6]
     txckpt.forget_roots()
     head = txckpt.CheckpointRoot(str(out)).state().head_info
-    assert head.parent == {"external": str(other / "checkpoint-2")}
+    assert head.parent == ExternalParent(str(other / "checkpoint-2"))
     assert txckpt.CheckpointRoot(str(other)).state().seq == before  # the other root is only read
 
 

@@ -30,9 +30,10 @@ from typing import Any
 from . import checksum, progress
 from .errors import AdoptionInProgressError, AmbiguousCheckpointNameError, ManifestError
 from .layout import ADOPT_INTENT_PREFIX, MANIFEST_NAME, adopt_intent_id, adopted_txid, intent_key, is_manifest_temp
-from .lineage import State, ref
+from .lineage import State
 from .manifest import FileEntry, Manifest, kind_for_name
 from .publication import Root
+from .refs import Parent, Ref
 
 log = logging.getLogger("txckpt")
 
@@ -95,12 +96,12 @@ def plan_adoption(dirs: list[_Dir]) -> tuple[str, list[Manifest]]:
                             for d in dirs], separators=(",", ":")).encode()
     lid = checksum.digest_bytes(canonical)[:8]
     manifests = []
-    parent = None
+    parent: Parent = None
     for d in dirs:
         m = Manifest(adopted_txid(d.step, lid), lid, d.step, parent, d.files, d.newest, adopted=True)
         m.encode()  # sets the digest
         manifests.append(m)
-        parent = ref(lid, d.step, m.txid, d.key, m.digest)
+        parent = Ref(lid, d.step, m.txid, d.key, m.digest)
     return lid, manifests
 
 
@@ -214,8 +215,7 @@ def _append_adopt_entry(root: Root, lid: str, dirs: list[_Dir], manifests: list[
         if state.seq >= 0:
             raise _Lost()
         new_state = state.after_new_lineage(seq, now, lid, None, "adopt")
-        last = records[-1]
-        new_state.lineages[lid].tip = ref(lid, last["step"], last["txid"], last["key"], last["digest"])
+        new_state.lineages[lid].tip = Ref(lid, dirs[-1].step, manifests[-1].txid, dirs[-1].key, manifests[-1].digest)
         return {"action": "adopt", "lineage": lid, "checkpoints": records, "state": new_state.to_json()}
 
     root.append_entry(build)

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import IntegrityError, InvalidArgumentError, LookupRaceError, NoIntactCheckpointError
 from .layout import home_key
-from .lineage import same_ref
 from .publication import LOOKUP_ATTEMPTS, Root
+from .refs import Ref, same_ref
 
 if TYPE_CHECKING:
     from .lineage import State
@@ -44,14 +44,14 @@ def check_on_damaged(on_damaged: str) -> None:
         raise InvalidArgumentError(f"on_damaged must be one of {ON_DAMAGED}, not {on_damaged!r}")
 
 
-def _check(root: Root, r: dict[str, Any], verify: Verify) -> str:
+def _check(root: Root, r: Ref, verify: Verify) -> str:
     """``verify`` applied to where committed checkpoint ``r`` is; IntegrityError if it is nowhere."""
     # A second pass sees a publication's rename that the first read straddled (§6 step 4).
     key = root.publication.locate(r) or root.publication.locate(r)
     if key is None:
-        where = root.storage.full_path(home_key(r["txid"], r["step"]))
+        where = root.storage.full_path(home_key(r.txid, r.step))
         raise IntegrityError(
-            f"checkpoint step {r['step']} (txid {r['txid']}) is committed but its manifest is missing "
+            f"checkpoint step {r.step} (txid {r.txid}) is committed but its manifest is missing "
             f"or unreadable at every place it may be ({where}, or its checkpoint-N name)", path=where,
         )
     return verify(root.storage.full_path(key))
@@ -91,11 +91,11 @@ def resume_intact(root: Root, state: "State", verify: Verify) -> str | None:
     )
 
 
-def _fall_back(root: Root, tip: dict[str, Any], first: IntegrityError, verify: Verify) -> str:
+def _fall_back(root: Root, tip: Ref, first: IntegrityError, verify: Verify) -> str:
     history = root.history(snapshot=True)
-    damaged = [_record(tip["step"], tip["txid"], first)]
+    damaged = [_record(tip.step, tip.txid, first)]
     for c in reversed(history.in_view(None)):
-        if c.txid == tip["txid"]:
+        if c.txid == tip.txid:
             continue
         try:
             used = _check(root, c.ref, verify)
@@ -120,22 +120,22 @@ def describe_damaged(damaged: list[dict[str, Any]]) -> str:
     )
 
 
-def present_fallback(root: Root, missing: dict[str, Any]) -> str | None:
+def present_fallback(root: Root, missing: Ref) -> str | None:
     """The tip ``missing`` is committed, not retired, and absent from storage: the newest
     present checkpoint of the view (newer ones first, if the log moved on meanwhile)."""
     history = root.history()
     for c in reversed(history.in_view(None)):
-        if c.txid == missing["txid"]:
+        if c.txid == missing.txid:
             continue
         key = root.publication.locate(c.ref)
         if key is None:
             continue
-        if c.step < missing["step"]:
+        if c.step < missing.step:
             log.warning(
                 "the newest checkpoint of the current lineage, step %d (txid %s), is "
                 "missing from %s (deleted or renamed by hand?). Falling back to step %d. "
                 "Run `txckpt verify` to see what else is missing.",
-                missing["step"], missing["txid"], root.url, c.step,
+                missing.step, missing.txid, root.url, c.step,
             )
         return key
     log.warning(

@@ -246,8 +246,8 @@ def _publication(root: Root, history: Any, report: GcReport) -> None:
             report.items.append(GcItem("unpublish", name, "not in the current lineage: moved back to its home",
                                        done=True))
     for r in root.publication.unpublished([c.ref for c in current if not c.adopted]):
-        pub = root.publication.public_key(r["step"])
-        item = GcItem("publish", pub, f"committed step {r['step']} (txid {r['txid']}) was not "
+        pub = root.publication.public_key(r.step)
+        item = GcItem("publish", pub, f"committed step {r.step} (txid {r.txid}) was not "
                       "published (a crash after its commit, or during a fork): give it its name")
         report.items.append(item)
         if not report.dry_run:

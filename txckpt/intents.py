@@ -23,6 +23,7 @@ from . import progress
 from .errors import SpecialFileError
 from .layout import ADOPTED_TXID_PREFIX, INTENTS_DIR, TX_DIR, intent_key, parse_checkpoint_name
 from .publication import Root
+from .saveplan import SavePlan
 
 log = logging.getLogger("txckpt")
 
@@ -159,12 +160,13 @@ def pid_alive(pid: int, since: float | None = None, *, start: dict[str, Any] | N
     return True
 
 
-def intent_record(plan: dict[str, Any], world_size: int) -> dict[str, Any]:
+def intent_record(save: dict[str, Any], world_size: int) -> dict[str, Any]:
     """The intent a save's committer writes before its staging (docs/protocol.md, "Save" step 2):
     who writes the staging, for gc. ``process_start`` is what gc checks the writer's liveness
     with on this host; ``time`` (the writer's clock) only serves the grace period of writers on
-    other hosts, and the liveness check of intents written before ``process_start`` existed."""
-    record = {"txid": plan["txid"], "step": plan["step"], "lineage": plan["lineage"],
+    other hosts, and the liveness check of intents written before ``process_start`` existed.
+    ``save``: which save it is, as JSON: a :meth:`SavePlan.to_json`, or an adoption's."""
+    record = {"txid": save["txid"], "step": save["step"], "lineage": save["lineage"],
               "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
               "world_size": world_size}
     start = process_start()
@@ -173,8 +175,8 @@ def intent_record(plan: dict[str, Any], world_size: int) -> dict[str, Any]:
     return record
 
 
-def write_intent(root: Root, plan: dict[str, Any], world_size: int) -> None:
-    root.storage.replace(intent_key(plan["txid"]), json.dumps(intent_record(plan, world_size)).encode())
+def write_intent(root: Root, plan: SavePlan, world_size: int) -> None:
+    root.storage.replace(intent_key(plan.txid), json.dumps(intent_record(plan.to_json(), world_size)).encode())
 
 
 def writer_status(intent: dict[str, Any] | None, *, now: float, grace_seconds: float,

@@ -31,6 +31,7 @@ from .errors import (
 )
 from .layout import checkpoint_name
 from .naming import DEFAULT as DEFAULT_NAMING, Naming
+from .refs import Parent, Ref, parent_from_json, parent_to_json, same_ref
 
 
 def new_lineage_id(taken: Iterable[str] = ()) -> str:
@@ -41,60 +42,40 @@ def new_lineage_id(taken: Iterable[str] = ()) -> str:
             return lid
 
 
-def ref(
-    lineage: str, step: int, txid: str, key: str | None = None, digest: str | None = None
-) -> dict[str, Any]:
-    """A reference to one committed checkpoint: the commit's own lineage, its step and txid,
-    (for adopted checkpoints only) the key its data was committed at, and the digest of the
-    manifest the log committed, so a reader of the newest entry can cross-check a tip's manifest
-    without reading the whole log."""
-    r = {"lineage": lineage, "step": int(step), "txid": txid}
-    if key is not None:
-        r["key"] = key
-    if digest is not None:
-        r["digest"] = digest
-    return r
-
-
-def same_ref(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
-    if not a or not b:
-        return not a and not b
-    return (a.get("lineage"), a.get("step"), a.get("txid")) == (b.get("lineage"), b.get("step"), b.get("txid"))
-
-
 @dataclass
 class LineageInfo:
     id: str
-    #: The checkpoint the lineage starts from: a ref(), {"external": path}, or None.
-    parent: dict[str, Any] | None
+    #: The checkpoint the lineage starts from.
+    parent: Parent
     created_seq: int
     created_time: float
     reason: str  # "root", "fork", "external", "adopt"
     #: The newest checkpoint in the lineage's view (after a fork: the fork point), or None.
-    tip: dict[str, Any] | None = None
+    tip: Ref | None = None
     #: The writer session that holds the lineage (the last to create, resume or claim it): only
     #: it may commit, which fences a zombie job off from its restart.
     writer: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "parent": self.parent,
+            "parent": parent_to_json(self.parent),
             "created_seq": self.created_seq,
             "created_time": self.created_time,
             "reason": self.reason,
-            "tip": self.tip,
+            "tip": None if self.tip is None else self.tip.to_json(),
             "writer": self.writer,
         }
 
     @classmethod
     def from_json(cls, lid: str, d: dict[str, Any]) -> "LineageInfo":
-        return cls(lid, d.get("parent"), int(d["created_seq"]), float(d["created_time"]), str(d["reason"]),
-                   d.get("tip"), d.get("writer"))
+        tip = d.get("tip")
+        return cls(lid, parent_from_json(d.get("parent")), int(d["created_seq"]), float(d["created_time"]),
+                   str(d["reason"]), Ref.from_json(tip) if tip else None, d.get("writer"))
 
     @property
-    def parent_ref(self) -> dict[str, Any] | None:
+    def parent_ref(self) -> Ref | None:
         p = self.parent
-        return p if p and "txid" in p else None
+        return p if isinstance(p, Ref) else None
 
 
 def _record(seq: int, rec: Any) -> LineageInfo:
@@ -189,7 +170,7 @@ class State:
         return self.lineages.get(self.head) if self.head else None
 
     @property
-    def head_tip(self) -> dict[str, Any] | None:
+    def head_tip(self) -> Ref | None:
         info = self.head_info
         return info.tip if info else None
 
@@ -210,8 +191,8 @@ class State:
             parent = self.lineages[cur].parent_ref
             if parent is None:
                 break
-            limit = min(limit, parent["step"])
-            cur = parent["lineage"]
+            limit = min(limit, parent.step)
+            cur = parent.lineage
         return chain
 
     def contains(self, lineage: str, ckpt_lineage: str, ckpt_step: int) -> bool:
@@ -220,7 +201,7 @@ class State:
 
     # ----- transitions (each validates, then returns the new state) ----------------------------
     def after_commit(
-        self, seq: int, lineage: str, step: int, txid: str, parent: dict | None, writer: str | None = None,
+        self, seq: int, lineage: str, step: int, txid: str, parent: Parent, writer: str | None = None,
         digest: str | None = None,
     ) -> "State":
         info = self.lineages.get(lineage)
@@ -246,25 +227,25 @@ class State:
                 "committed or lost."
             )
         tip = info.tip
-        if tip is not None and step <= tip["step"]:
+        if tip is not None and step <= tip.step:
             raise StepConflictError(
-                f"step {step} is not newer than step {tip['step']}, the newest committed checkpoint "
+                f"step {step} is not newer than step {tip.step}, the newest committed checkpoint "
                 f"of lineage {lineage}. Saving it would shadow a committed checkpoint. To roll back, "
                 f"call txckpt.resume(root, step=K) with an older K first; otherwise save a newer step."
             )
         if tip is None:
-            moved = bool(parent and "txid" in parent)
+            moved = isinstance(parent, Ref)
         else:
             moved = not same_ref(parent, tip)
         if moved:
             raise ConcurrentWriterError(
                 f"another writer committed to lineage {lineage} while this save of step {step} was "
-                f"in progress (the newest checkpoint was {parent and parent.get('step')}, now "
-                f"{tip and tip['step']}). Two jobs are writing one root; stop one of them."
+                f"in progress (the newest checkpoint was {parent.step if isinstance(parent, Ref) else None}, now "
+                f"{tip and tip.step}). Two jobs are writing one root; stop one of them."
             )
         new = self.copy()
         new.seq = seq
-        new.lineages[lineage].tip = ref(lineage, step, txid, digest=digest)
+        new.lineages[lineage].tip = Ref(lineage, int(step), txid, digest=digest)
         return new
 
     def after_claim(self, seq: int, lineage: str, writer: str) -> "State":
@@ -280,15 +261,15 @@ class State:
         return new
 
     def after_new_lineage(
-        self, seq: int, time: float, lineage: str, parent: dict | None, reason: str, writer: str | None = None
+        self, seq: int, time: float, lineage: str, parent: Parent, reason: str, writer: str | None = None
     ) -> "State":
         if lineage in self.lineages:
             raise LogCorruptError(f"lineage id {lineage} already exists")
         new = self.copy()
         new.seq = seq
         info = LineageInfo(lineage, parent, seq, time, reason, writer=writer)
-        if parent and "txid" in parent:
-            info.tip = dict(parent)
+        if isinstance(parent, Ref):
+            info.tip = parent
         new.lineages[lineage] = info
         new.head = lineage
         return new
@@ -315,8 +296,8 @@ class Checkpoint:
     key: str | None = None  # where the data was committed, when not the default home
 
     @property
-    def ref(self) -> dict[str, Any]:
-        return ref(self.lineage, self.step, self.txid, self.key, self.digest)
+    def ref(self) -> Ref:
+        return Ref(self.lineage, self.step, self.txid, self.key, self.digest)
 
 
 @dataclass
@@ -502,7 +483,7 @@ class History:
 
     def fork_points(self) -> set[str]:
         return {
-            p["txid"] for info in self.state.lineages.values() if (p := info.parent_ref) is not None
+            p.txid for info in self.state.lineages.values() if (p := info.parent_ref) is not None
         }
 
 
@@ -531,16 +512,16 @@ def describe_checkpoints(checkpoints: list[Checkpoint], naming: Naming = DEFAULT
 ROLLBACK_LISTED = 10
 
 
-def rollback_warning(url: str, parent: dict[str, Any] | None, lineage: str,
+def rollback_warning(url: str, parent: Parent, lineage: str,
                      abandoned: list[Checkpoint], *, renames: bool = True,
                      naming: Naming = DEFAULT_NAMING) -> str:
     """The warning a fork logs: a short first line, then indented lines, one per abandoned
     checkpoint (the first ROLLBACK_LISTED; ``txckpt log`` lists every one). No "txckpt:"
     prefix: the "txckpt" logger's name already says where it comes from."""
-    if parent and "step" in parent:
-        head = f"rolling back to step {parent['step']} of lineage {parent['lineage']}"
-    elif parent:
-        head = f"starting lineage {lineage} from external checkpoint {parent['external']}"
+    if isinstance(parent, Ref):
+        head = f"rolling back to step {parent.step} of lineage {parent.lineage}"
+    elif parent is not None:
+        head = f"starting lineage {lineage} from external checkpoint {parent.path}"
     else:
         head = f"starting lineage {lineage} from scratch"
     lines = [f"{head}: new lineage {lineage} abandons {len(abandoned)} checkpoint(s)",

@@ -14,6 +14,7 @@ from typing import Any, Iterable
 from . import checksum
 from .errors import InvalidArgumentError, ManifestError, UnsafePathError
 from .layout import MANIFEST_NAME  # every name under a root is layout's; importable from here as before
+from .refs import Parent, parent_from_json, parent_to_json
 from .storage.base import check_relative_key
 
 FORMAT = "txckpt-manifest/1"
@@ -125,10 +126,10 @@ class Manifest:
     txid: str
     lineage: str
     step: int
-    #: The checkpoint this one follows: the lineage tip when the save began, as
-    #: {"lineage", "step", "txid"}; {"external": path} for a lineage started from outside the
-    #: root; None for the first checkpoint of a root lineage.
-    parent: dict[str, Any] | None
+    #: The checkpoint this one follows: the lineage tip when the save began (a Ref); an
+    #: ExternalParent for a lineage started from outside the root; None for the first
+    #: checkpoint of a root lineage. The file holds its JSON form (refs.parent_to_json).
+    parent: Parent
     files: dict[str, FileEntry]
     created: float
     world_size: int = 1
@@ -142,7 +143,7 @@ class Manifest:
             "txid": self.txid,
             "lineage": self.lineage,
             "step": self.step,
-            "parent": self.parent,
+            "parent": parent_to_json(self.parent),
             "created": self.created,
             "world_size": self.world_size,
             "adopted": self.adopted,
@@ -198,7 +199,7 @@ class Manifest:
                 txid=str(body["txid"]),
                 lineage=str(body["lineage"]),
                 step=int(body["step"]),
-                parent=body.get("parent"),
+                parent=parent_from_json(body.get("parent")),
                 files=files,
                 created=float(body["created"]),
                 world_size=int(body.get("world_size", 1)),

@@ -31,6 +31,7 @@ from .errors import SpecialFileError
 # TX_DIR, ORPHANS_DIR and home_key are layout's; importable from here as before.
 from .layout import MANIFEST_NAME, ORPHANS_DIR, TX_DIR, entry_key, home_key, orphan_key, retiring_key, tx_key
 from .naming import DEFAULT, Naming, read_naming
+from .refs import Parent, Ref
 from .storage.base import Storage
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -73,7 +74,7 @@ class Root(Protocol):
 
     def _claim(self, state: "State") -> None: ...
 
-    def _fork(self, parent: dict[str, Any] | None, history: "History", reason: str, *, announce: bool = True,
+    def _fork(self, parent: Parent, history: "History", reason: str, *, announce: bool = True,
               damaged: list[dict[str, Any]] | None = None) -> str: ...
 
 
@@ -97,7 +98,7 @@ def manifest_txid(storage: Storage, key: str) -> str | None:
 
 #: ``txid -> (ref of that committed checkpoint, whether it is current)``, or None if the log has not
 #: committed it: what a deletion that caught another checkpoint needs to put it back.
-Resolve = Callable[[str | None], "tuple[dict[str, Any], bool] | None"]
+Resolve = Callable[[str | None], "tuple[Ref, bool] | None"]
 
 
 class InPlacePublication:
@@ -138,33 +139,33 @@ class InPlacePublication:
         if self.durable:
             self.storage.sync_dir(key)
 
-    def candidates(self, ref: dict[str, Any]) -> list[str]:
-        keys = [home_key(ref["txid"], ref["step"])]
-        if ref.get("key"):
-            keys.insert(0, ref["key"])
+    def candidates(self, ref: Ref) -> list[str]:
+        keys = [home_key(ref.txid, ref.step)]
+        if ref.key:
+            keys.insert(0, ref.key)
         return keys
 
-    def locate(self, ref: dict[str, Any]) -> str | None:
+    def locate(self, ref: Ref) -> str | None:
         """The key where the committed checkpoint ``ref`` is now, or None if it is gone."""
         for key in self.candidates(ref):
-            if manifest_txid(self.storage, key) == ref["txid"]:
+            if manifest_txid(self.storage, key) == ref.txid:
                 return key
         return None
 
-    def publish(self, ref: dict[str, Any]) -> str | None:
+    def publish(self, ref: Ref) -> str | None:
         return self.locate(ref)
 
     def unpublish(self, keep: set[str], known: set[str]) -> list[str]:
         return []
 
-    def publish_missing(self, refs: list[dict[str, Any]]) -> list[str]:
+    def publish_missing(self, refs: list[Ref]) -> list[str]:
         return []
 
     def misplaced(self, keep: set[str], known: set[str]) -> list[tuple[str, str]]:
         """(public name, txid) of what :meth:`unpublish` would move back (a dry run)."""
         return []
 
-    def unpublished(self, refs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def unpublished(self, refs: list[Ref]) -> list[Ref]:
         """The refs of ``refs`` whose data is present but lacks its public name."""
         return []
 
@@ -172,18 +173,18 @@ class InPlacePublication:
         """Where a save of ``step`` staged at ``staging_key`` will be once committed."""
         return staging_key
 
-    def _out_of_sight(self, ref: dict[str, Any], key: str, resolve: Resolve) -> str | None:
+    def _out_of_sight(self, ref: Ref, key: str, resolve: Resolve) -> str | None:
         """The key to delete committed checkpoint ``ref`` (found at ``key``) from; None: look again.
         Here: where it is (its manifest goes first, so a partly deleted one is never taken for
         committed)."""
         return key
 
-    def remove(self, ref: dict[str, Any], resolve: Resolve) -> list[str]:
+    def remove(self, ref: Ref, resolve: Resolve) -> list[str]:
         """Delete the data of committed (retired) checkpoint ``ref``; returns the keys removed.
         Safe to repeat after a crash (protocol §11). ``resolve``: see :data:`Resolve`."""
         s = self.storage
         removed: list[str] = []
-        txdir = tx_key(ref["txid"])
+        txdir = tx_key(ref.txid)
         for _ in range(16):
             key = self.locate(ref)
             if key is None:
@@ -223,32 +224,32 @@ class RenamePublication(InPlacePublication):
                     out.append((name, occupant))
         return out
 
-    def unpublished(self, refs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def unpublished(self, refs: list[Ref]) -> list[Ref]:
         out = []
         for r in refs:
             key = self.locate(r)
-            if key is not None and key != self.public_key(r["step"]):
+            if key is not None and key != self.public_key(r.step):
                 out.append(r)
         return out
 
-    def _out_of_sight(self, ref: dict[str, Any], key: str, resolve: Resolve) -> str | None:
+    def _out_of_sight(self, ref: Ref, key: str, resolve: Resolve) -> str | None:
         """A published ``checkpoint-N`` (or an adopted checkpoint's own directory) is first
         renamed to ``.txckpt/tx/<txid>/retiring-<rnd>``, so no reader ever sees a half-deleted
         ``checkpoint-N``."""
         s = self.storage
-        txdir = tx_key(ref["txid"])
+        txdir = tx_key(ref.txid)
         if key.startswith(txdir + "/"):
             return key
         # A concurrent publication may put another checkpoint under this name between locate
         # and rename: the rename target is private, and whatever was moved is checked before
         # anything is deleted.
-        aside = retiring_key(ref["txid"])
+        aside = retiring_key(ref.txid)
         try:
             s.rename_noreplace(key, aside)
         except (FileNotFoundError, FileExistsError):
             return None
         moved = manifest_txid(s, aside)
-        if moved != ref["txid"]:
+        if moved != ref.txid:
             self._put_back(aside, key, moved, resolve)
             return None
         if self.durable:
@@ -263,7 +264,7 @@ class RenamePublication(InPlacePublication):
         other = resolve(txid)
         targets = [key]
         if other is not None:
-            targets.append(home_key(other[0]["txid"], other[0]["step"]))
+            targets.append(home_key(other[0].txid, other[0].step))
         targets.append(orphan_key(posixpath.basename(key)))
         for dst in targets:
             try:
@@ -274,24 +275,24 @@ class RenamePublication(InPlacePublication):
             if other is not None and dst != key and other[1]:
                 self.publish(other[0])
             return
-    def candidates(self, ref: dict[str, Any]) -> list[str]:
+    def candidates(self, ref: Ref) -> list[str]:
         keys = super().candidates(ref)
-        pub = self.public_key(ref["step"])
+        pub = self.public_key(ref.step)
         return [pub] + [k for k in keys if k != pub]
 
-    def publish(self, ref: dict[str, Any]) -> str | None:
+    def publish(self, ref: Ref) -> str | None:
         """Give committed checkpoint ``ref`` its public name (``checkpoint-<step>``). Returns its key."""
         s = self.storage
-        pub = self.public_key(ref["step"])
+        pub = self.public_key(ref.step)
         for _ in range(8):
             occupant = manifest_txid(s, pub)
-            if occupant == ref["txid"]:
+            if occupant == ref.txid:
                 return pub
             src = self.locate(ref)
             if src is None:
                 return None
             if s.exists(pub):
-                self._evict(pub, ref["step"], occupant)
+                self._evict(pub, ref.step, occupant)
             try:
                 s.rename_noreplace(src, pub)
             except FileExistsError:
@@ -338,7 +339,7 @@ class RenamePublication(InPlacePublication):
                 moved.append(name)
         return moved
 
-    def publish_missing(self, refs: list[dict[str, Any]]) -> list[str]:
+    def publish_missing(self, refs: list[Ref]) -> list[str]:
         """Publish every committed ref of ``refs`` (the head's view) that does not hold its
         ``checkpoint-N`` name: after a fork that restores checkpoints another fork abandoned.
         One listing of the root and one manifest read per name present; refs whose data is
@@ -346,8 +347,8 @@ class RenamePublication(InPlacePublication):
         names = set(self.storage.list_dir(""))
         given = []
         for r in refs:
-            pub = self.public_key(r["step"])
-            if pub in names and manifest_txid(self.storage, pub) == r["txid"]:
+            pub = self.public_key(r.step)
+            if pub in names and manifest_txid(self.storage, pub) == r.txid:
                 continue
             if self.publish(r) == pub:
                 given.append(pub)

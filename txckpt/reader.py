@@ -20,12 +20,17 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .errors import IntegrityError, ManifestError
 from .layout import TX_DIR, is_url, parse_checkpoint_name, parse_step
 from .manifest import MANIFEST_NAME, Manifest
+from .refs import Ref
 from .verify import FALLBACK_HINT
+
+if TYPE_CHECKING:  # pragma: no cover - the root is opened on use (open_root), above this import
+    from .lineage import State
+    from .root import CheckpointRoot
 
 _HOME_RE = re.compile(r"^(?P<root>.*)/" + re.escape(TX_DIR) + r"/(?P<txid>[^/]+)/(?P<name>[^/]+)$")
 #: ``<root>/<prefix><step>``: checkpoint-N, or a root's own naming (txckpt/naming.py), checked
@@ -97,9 +102,9 @@ def names_a_checkpoint(path: str | os.PathLike, storage_options: Mapping[str, An
 class RootContext:
     """A checkpoint path's root, opened, when that root has a log."""
 
-    def __init__(self, where: RootPath, root: Any, state: Any):
+    def __init__(self, where: RootPath, root: CheckpointRoot, state: State):
         self.where = where
-        self.root = root  # a CheckpointRoot
+        self.root = root
         self.state = state  # its newest State, read when the context was opened
 
     @classmethod
@@ -129,9 +134,9 @@ class RootContext:
         an older one folds the log (cached and extended incrementally per process)."""
         digest = None
         for info in self.state.lineages.values():
-            tip = info.tip or {}
-            if tip.get("txid") == manifest.txid and tip.get("digest"):
-                digest = tip["digest"]
+            tip = info.tip
+            if tip is not None and tip.txid == manifest.txid and tip.digest:
+                digest = tip.digest
                 break
         if digest is None:
             digest = self.root.history().committed_digest(manifest.txid)
@@ -155,7 +160,9 @@ class RootContext:
         txid = txid or self.where.txid
         if not txid:
             return None
-        key = self.root.publication.locate({"txid": txid, "step": self.where.step})
+        # The path does not say the lineage, and where a checkpoint lives does not depend on it
+        # (the publication reads a ref's txid, step and key): the ref names it by txid and step.
+        key = self.root.publication.locate(Ref("", self.where.step, txid))
         if key is None or key == self.where.key:
             return None
         return self.root.storage.full_path(key)

@@ -39,6 +39,7 @@ from .lineage import Checkpoint, History, State
 from .layout import READERS_DIR, TX_DIR, lease_key, parse_checkpoint_name
 from .manifest import MANIFEST_NAME, Manifest
 from .publication import Root, manifest_txid, public_key
+from .refs import Ref
 from .reserve import FULL, ensure_reserve, full_disk_error, release_reserve
 
 log = logging.getLogger("txckpt")
@@ -184,10 +185,10 @@ class RetentionPolicy:
 
 def protected_by_state(state: State) -> set[str]:
     """txids no retire entry may name: every fork point and the newest of the current lineage."""
-    out = {p["txid"] for info in state.lineages.values() if (p := info.parent_ref) is not None}
+    out = {p.txid for info in state.lineages.values() if (p := info.parent_ref) is not None}
     tip = state.head_tip
-    if tip and tip.get("txid"):
-        out.add(tip["txid"])
+    if tip is not None and tip.txid:
+        out.add(tip.txid)
     # Every lineage's tip is the newest checkpoint of that lineage's view; a lineage that has not
     # saved yet has the fork point as its tip (already covered).
     return out
@@ -378,7 +379,7 @@ def delete_checkpoint_data(root: Root, c: Checkpoint) -> list[str]:
     Only call it for a txid the log has retired.
     """
 
-    def resolve(txid: str | None) -> tuple[dict[str, Any], bool] | None:
+    def resolve(txid: str | None) -> tuple[Ref, bool] | None:
         # A rename caught another checkpoint (a race with a publication): is it committed, and current?
         history = root.history()
         other = history.checkpoints.get(txid or "")
@@ -433,7 +434,7 @@ def rewind(root: Root, keep: str, *, now: float | None = None) -> list[Checkpoin
             "nothing was rolled back (see `txckpt ls`)"
         )
     tip = history.state.head_tip
-    if tip is not None and tip.get("txid") == txid:
+    if tip is not None and tip.txid == txid:
         return []
     root._fork(view[txid].ref, history, reason="fork", announce=False)
     fresh = root.history()

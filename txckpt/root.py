@@ -33,13 +33,13 @@ from .lineage import (  # CheckpointInfo: importable from here, as txckpt/__init
     State,
     describe_checkpoints,
     new_lineage_id,
-    ref,
     rollback_warning,
-    same_ref,
 )
 from .manifest import MANIFEST_NAME, Manifest
 # LOOKUP_ATTEMPTS lives below the root (fallback follows retired tips too); importable from here.
 from .publication import LOOKUP_ATTEMPTS, publication_for
+from .refs import ExternalParent, Parent, Ref, parent_to_json, same_ref
+from .saveplan import SavePlan
 from .storage import Storage, open_storage
 
 log = logging.getLogger("txckpt")
@@ -138,7 +138,7 @@ class CheckpointRoot:
     def path_of(self, key: str) -> str:
         return self.storage.full_path(key)
 
-    def locate(self, r: dict[str, Any]) -> str | None:
+    def locate(self, r: Ref) -> str | None:
         key = self.publication.locate(r)
         return None if key is None else self.storage.full_path(key)
 
@@ -182,11 +182,11 @@ class CheckpointRoot:
             # tip; or, with the log unchanged on a second miss, its data was deleted by hand.
             fresh = self.state()
             if same_ref(fresh.head_tip, tip):
-                if tip["txid"] in missed:
+                if tip.txid in missed:
                     from .fallback import present_fallback
 
                     return present_fallback(self, tip)
-                missed.add(tip["txid"])
+                missed.add(tip.txid)
             state = fresh
         raise LookupRaceError(
             f"the newest checkpoint of {self.url} was retired and deleted under this lookup "
@@ -350,10 +350,10 @@ class CheckpointRoot:
         if self.state().seq < 0 and self.legacy_checkpoints():
             self.adopt()
         history = self.history()
-        parent = None if external_parent is None else {"external": os.fspath(external_parent)}
+        parent = None if external_parent is None else ExternalParent(os.fspath(external_parent))
         return self._fork(parent, history, reason="root" if parent is None else "external")
 
-    def _fork(self, parent: dict[str, Any] | None, history: History, reason: str, *, announce: bool = True,
+    def _fork(self, parent: Parent, history: History, reason: str, *, announce: bool = True,
               damaged: list[dict[str, Any]] | None = None) -> str:
         """Append a fork entry (§10). ``announce=False``: the caller retires what the fork
         abandons (retention.rewind) and says so itself, instead of the "kept intact" warning.
@@ -379,7 +379,7 @@ class CheckpointRoot:
             fresh = self._history or history
             abandoned = fresh.abandoned_by(
                 fresh.state.after_new_lineage(seq, now, lid, parent, reason, writer=self.session), expected_head)
-            entry: dict[str, Any] = {"action": "fork", "lineage": lid, "parent": parent, "reason": reason, "state": new_state}
+            entry: dict[str, Any] = {"action": "fork", "lineage": lid, "parent": parent_to_json(parent), "reason": reason, "state": new_state}
             if damaged:
                 entry["damaged"] = damaged
             return entry
@@ -390,14 +390,14 @@ class CheckpointRoot:
         if damaged:
             from .fallback import describe_damaged
 
-            assert parent is not None  # a fallback forks from the newest intact checkpoint
+            assert isinstance(parent, Ref)  # a fallback forks from the newest intact checkpoint
 
             log.warning(
                 "the newest checkpoint(s) of %s failed verification: %s. Falling back to step "
                 "%d of lineage %s: new lineage %s abandons %d checkpoint(s): %s. Nothing was deleted: "
                 "the damaged ones stay on disk as they are (`txckpt verify` reports them); restore "
                 "them from a backup if you need them.",
-                self.url, describe_damaged(damaged), parent["step"], parent["lineage"], lid,
+                self.url, describe_damaged(damaged), parent.step, parent.lineage, lid,
                 len(abandoned), describe_checkpoints(abandoned, self.publication.naming),
             )
         elif abandoned and announce:
@@ -462,7 +462,7 @@ class CheckpointRoot:
         return adopt(self)
 
     # ----- saving ------------------------------------------------------------------------------
-    def prepare_save(self, step: int) -> dict[str, Any]:
+    def prepare_save(self, step: int) -> SavePlan:
         """Validate a save of ``step`` against the newest state; returns the plan the ranks share."""
         from .manifest import check_step
 
@@ -493,9 +493,9 @@ class CheckpointRoot:
             state.after_commit(state.seq + 1, lineage, step, "", None, self.session)
         info = state.lineages[lineage]
         tip = info.tip
-        if tip is not None and step <= tip["step"]:
+        if tip is not None and step <= tip.step:
             raise StepConflictError(
-                f"cannot save step {step}: step {tip['step']} is already committed in the current "
+                f"cannot save step {step}: step {tip.step} is already committed in the current "
                 f"lineage {lineage} of {self.url}. To roll back, call txckpt.resume(root, step=K) "
                 "with the step you restarted from; otherwise save a newer step."
             )
@@ -504,8 +504,7 @@ class CheckpointRoot:
         # The commit appends after this state without re-reading the log (§8); only the newest
         # plan is kept, so an aborted save leaves nothing behind.
         self._base_states = {txid: state}
-        return {"txid": txid, "lineage": lineage, "step": step, "parent": parent, "key": home_key(txid, step),
-                "writer": self.session}
+        return SavePlan(txid, lineage, step, parent, home_key(txid, step), self.session)
 
     def clear_intent(self, txid: str) -> None:
         self.storage.delete_file(intent_key(txid))
@@ -516,7 +515,7 @@ class CheckpointRoot:
         record = {
             "lineage": manifest.lineage, "step": manifest.step, "txid": manifest.txid,
             "digest": manifest.digest, "bytes": manifest.total_bytes, "files": len(manifest.files),
-            "parent": manifest.parent,
+            "parent": parent_to_json(manifest.parent),
         }
 
         def build(state: State, seq: int, now: float) -> dict[str, Any]:
@@ -526,7 +525,7 @@ class CheckpointRoot:
 
         entry = self.append_entry(build, start=self._base_states.pop(manifest.txid, None), update_hint=False)
         progress.phase("commit")
-        committed = ref(manifest.lineage, manifest.step, manifest.txid)
+        committed = Ref(manifest.lineage, manifest.step, manifest.txid)
         # Committed. What is left does not depend on each other (§8 steps 9-11), so on object
         # stores the three requests overlap instead of costing three round trips in a row.
         _, where, cleared = self.storage.run_concurrently([

@@ -39,6 +39,7 @@ from .manifest import (
     kind_for_name,
 )
 from .progress import Timer, timing
+from .saveplan import SavePlan
 from .serialization import write_object
 from .txnames import TxNames
 
@@ -79,7 +80,7 @@ class Transaction:
         self._coord = coordinator
         self.path: str | None = None
         self.txid: str | None = None
-        self._plan: dict[str, Any] | None = None
+        self._plan: SavePlan | None = None
         self._written: dict[str, FileEntry] = {}
         self._open_writers: set[str] = set()
         self._names = TxNames()  # directories of the names, and marks of files tx.directory may rewrite
@@ -103,7 +104,8 @@ class Transaction:
     @property
     def staging_key(self) -> str:
         self._require_open()
-        return self._plan["key"]  # type: ignore[index]
+        assert self._plan is not None  # _require_open checked it
+        return self._plan.key
 
     @property
     def directory(self) -> str:
@@ -158,13 +160,13 @@ class Transaction:
             self._coord = current_coordinator(self._timeout)
         plan = decide_on_rank0(self._plan_save, phase="save plan", coordinator=self._coord)
         self._plan = plan
-        self.txid = plan["txid"]
+        self.txid = plan.txid
         self._timer.phase("staging")
         self._writes = self._root.storage.write_batch()
         try:
-            if plan.get("step") != self.step:
+            if plan.step != self.step:
                 raise TransactionAbortedError(
-                    f"ranks disagree on the step: this rank saves {self.step}, rank 0 saves {plan.get('step')}"
+                    f"ranks disagree on the step: this rank saves {self.step}, rank 0 saves {plan.step}"
                 )
             if not self._coord.is_committer:
                 self._check_shared_root(plan)
@@ -180,7 +182,7 @@ class Transaction:
             raise
         return self
 
-    def _plan_save(self) -> dict[str, Any]:
+    def _plan_save(self) -> SavePlan:
         """Rank 0: validate the save, record its intent, create its staging; the plan."""
         assert self._coord is not None
         try:
@@ -201,11 +203,11 @@ class Transaction:
             # In a group a failed start is a TransactionAbortedError on every rank (rank 0 too).
             raise TransactionAbortedError(str(e)) from e
 
-    def _create_staging(self, plan: dict[str, Any]) -> None:
+    def _create_staging(self, plan: SavePlan) -> None:
         """The committer creates the shared staging directory (rename backends) before the plan
         goes out, so no two ranks race to create it (and no rank's file operations depend on
         which rank got there first). If it cannot, the intent just written goes too."""
-        staging = self._root.storage.local_path(plan["key"])
+        staging = self._root.storage.local_path(plan.key)
         if staging is None:
             return
         from .storage.local import makedirs_durable
@@ -216,11 +218,11 @@ class Transaction:
             self._abort(plan)
             raise
 
-    def _check_shared_root(self, plan: dict[str, Any]) -> None:
+    def _check_shared_root(self, plan: SavePlan) -> None:
         """A rank other than the committer must see the intent that rank 0 wrote before it
         broadcast the plan: ranks that do not share the root (node-local disks) would
         otherwise commit a manifest naming files the committer cannot see."""
-        if not self._root.storage.exists(intent_key(plan["txid"])):
+        if not self._root.storage.exists(intent_key(plan.txid)):
             raise TransactionAbortedError(
                 f"rank {self.rank} cannot see the transaction record that rank 0 just wrote under "
                 f"{self._root.url}: the ranks do not share the checkpoint root (a node-local disk, or "
@@ -366,23 +368,23 @@ class Transaction:
                 return {"path": path}
             except Exception as e:
                 if isinstance(e, OSError):
-                    e = storage_error(e, f"commit checkpoint step {plan['step']}")
+                    e = storage_error(e, f"commit checkpoint step {plan.step}")
                 try:
                     committed = self._committed_path()
                 except CheckpointNotFoundError as lost:
                     # Committed, and its data is gone: nothing is left to delete; say so.
                     log.error("%s", lost)
                     try:
-                        self._root.clear_intent(plan["txid"])
+                        self._root.clear_intent(plan.txid)
                     except OSError:
                         pass  # gc removes the intent of a committed txid
                     return {"error": errors.encode_error(lost, rank=self.rank)}
                 if committed is not None:  # the commit point was passed: never delete
                     log.warning("checkpoint %s committed, but finishing it failed: %s",
-                                plan["txid"], e)
+                                plan.txid, e)
                     return {"path": committed}
                 failed = [{"rank": self.rank, "error": errors.encode_error(e, rank=self.rank)}]
-                log.debug("commit of %s failed", plan["txid"], exc_info=True)
+                log.debug("commit of %s failed", plan.txid, exc_info=True)
         self._abort()
         first = failed[0]
         err = first["error"]
@@ -390,7 +392,7 @@ class Transaction:
             err = errors.reworded(err, f"rank {first['rank']}: {err['message']}")
         if not errors.is_txckpt_error(err):
             err = errors.encode_error(TransactionAbortedError(
-                f"checkpoint step {plan['step']} was not committed: {err['message']}"), rank=self.rank)
+                f"checkpoint step {plan.step} was not committed: {err['message']}"), rank=self.rank)
         return {"error": err}
 
     def _commit(self, reports: list[dict[str, Any]]) -> str:
@@ -409,7 +411,7 @@ class Transaction:
                 files[name] = FileEntry.from_json(name, {**entry, "rank": r["rank"]})
         # Files that code wrote straight into the staging directory (a shared local root):
         # hash them now, and make them durable in the same pass.
-        key = plan["key"]
+        key = plan.key
         subdirs = set()
         unreported = []
         present: dict[str, int] = {}
@@ -448,7 +450,7 @@ class Transaction:
                 if parent:
                     storage.sync_dir(f"{key}/{parent}")
         manifest = Manifest(
-            txid=plan["txid"], lineage=plan["lineage"], step=plan["step"], parent=plan["parent"],
+            txid=plan.txid, lineage=plan.lineage, step=plan.step, parent=plan.parent,
             files=files, created=time.time(), world_size=self.world_size, metadata=self.metadata,
         )
         storage.create_exclusive(f"{key}/{MANIFEST_NAME}", manifest.encode(), durable=durable)
@@ -456,7 +458,7 @@ class Transaction:
         assert self._timer is not None  # set by __enter__
         self._timer.phase("manifest")
         with timing(self._timer):  # root.commit ends the commit and publish phases
-            return self._root.commit(manifest, plan.get("writer"))  # deletes the intent too
+            return self._root.commit(manifest, plan.writer)  # deletes the intent too
 
     def _committed_path(self) -> str | None:
         """Where this transaction's checkpoint is, if its commit entry exists; None if it does not.
@@ -472,13 +474,13 @@ class Transaction:
             state = self._root.state()
         except Exception:
             return None
-        info = state.lineages.get(plan["lineage"]) if plan else None
+        info = state.lineages.get(plan.lineage)
         tip = info.tip if info is not None else None
-        if not tip or tip.get("txid") != plan["txid"]:
+        if tip is None or tip.txid != plan.txid:
             # The newest entry holds the head's record only: a later entry (a fork, a newer
             # commit) hides ours from it, and only the folded history tells.
             try:
-                c = self._root.history().checkpoints.get(plan["txid"]) if plan else None
+                c = self._root.history().checkpoints.get(plan.txid)
             except Exception:
                 return None
             if c is None:
@@ -487,24 +489,24 @@ class Transaction:
         path = self._root.locate(tip)
         if path is None:
             raise CheckpointNotFoundError(
-                f"checkpoint step {plan['step']} (txid {plan['txid']}) was committed, but its data is "
-                f"neither at {self._root.storage.full_path(plan['key'])} nor published: its staging was "
+                f"checkpoint step {plan.step} (txid {plan.txid}) was committed, but its data is "
+                f"neither at {self._root.storage.full_path(plan.key)} nor published: its staging was "
                 "deleted after the commit checked it (by hand, or by a gc that took this writer for dead). "
                 "Lookups skip it with a warning and return the previous checkpoint; save again"
             )
         return path
 
-    def _abort(self, plan: dict[str, Any] | None = None) -> None:
+    def _abort(self, plan: SavePlan | None = None) -> None:
         """Delete the staging and the intent of ``plan`` (default: this transaction's)."""
         plan = plan or self._plan
         if plan is None:
             return
         storage = self._root.storage
         try:
-            storage.delete_tree(plan["key"].rsplit("/", 1)[0])
-            self._root.clear_intent(plan["txid"])
+            storage.delete_tree(plan.key.rsplit("/", 1)[0])
+            self._root.clear_intent(plan.txid)
         except OSError:
-            log.warning("could not remove staging %s; `txckpt gc` will", plan["key"], exc_info=True)
+            log.warning("could not remove staging %s; `txckpt gc` will", plan.key, exc_info=True)
 
 
 class _TrackedWriter(HashingWriter):

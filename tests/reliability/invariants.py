@@ -66,7 +66,7 @@ def snapshot(url: str, so: dict | None) -> dict[str, Any]:
         out[txid] = {"digest": digest, "step": c.step, "lineage": c.lineage, "retired": txid in hist.retired,
                      "current": txid in current, "present": key is not None}
     tip = hist.state.head_tip
-    return {"checkpoints": out, "tip": tip and tip.get("txid"), "seq": hist.state.seq}
+    return {"checkpoints": out, "tip": tip and tip.txid, "seq": hist.state.seq}
 
 
 def read_tags(path: str, so: dict | None, tagger: str = "payload") -> set[str]:
@@ -162,7 +162,7 @@ def check(url: str, so: dict | None, expect: dict[str, Any]) -> list[str]:
                     v.append(f"[lookup] lookup returned retired {m.txid}")
                 elif m.txid not in current:
                     v.append(f"[lookup] lookup returned {m.txid}, which is not in the head's view")
-                elif hist.state.head_tip and m.txid != hist.state.head_tip.get("txid") and not any(
+                elif hist.state.head_tip and m.txid != hist.state.head_tip.txid and not any(
                         "missing" in w for w in warned.messages):
                     v.append(f"[lookup] lookup returned {m.txid}, not the head's tip, without a warning")
 

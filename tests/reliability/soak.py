@@ -66,7 +66,7 @@ def cycle(root: str, c: int, seed: int, kill_at: int | None, when: str, report_f
             r.resume(target.step)
             report(event="forked", step=target.step, head=r.state().head)
     tip = r.state().head_tip
-    step = (tip["step"] if tip else 0) + 1 + (rnd.random() < 0.3)
+    step = (tip.step if tip else 0) + 1 + (rnd.random() < 0.3)
     path = r.save(step, payload(f"S{c}", step))
     m = txckpt.read_manifest(path)
     report(event="saved", step=step, txid=m.txid, lineage=m.lineage, tag=f"S{c}")
@@ -117,8 +117,8 @@ def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool, retained:
             v.append("[lookup] lookup returned None although the head has a tip")
         else:
             m = txckpt.read_manifest(path)
-            if m.txid != hist.state.head_tip["txid"]:
-                v.append(f"[lookup] lookup returned {m.txid}, not the head's tip {hist.state.head_tip['txid']}")
+            if m.txid != hist.state.head_tip.txid:
+                v.append(f"[lookup] lookup returned {m.txid}, not the head's tip {hist.state.head_tip.txid}")
             try:
                 tags = read_tags(path, None)
                 if len(tags) != 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..refs import ExternalParent, Ref
 from .common import human_time, table
 
 #: Step lists longer than this are abbreviated in the legend: the first and last few, and a count.
@@ -31,7 +32,7 @@ def build_graph(root: Any, history: Any, *, max_count: int | None = None,
     for lid, info in state.lineages.items():
         p = info.parent_ref
         if p is not None:
-            forks.setdefault(p["txid"], []).append(lid)
+            forks.setdefault(p.txid, []).append(lid)
     by_lineage: dict[str, list[Any]] = {}
     for c in history.checkpoints.values():
         by_lineage.setdefault(c.lineage, []).append(c)
@@ -45,7 +46,7 @@ def build_graph(root: Any, history: Any, *, max_count: int | None = None,
     def lineage_parent(lid: str) -> str | None:
         info = state.lineages.get(lid)
         p = info.parent_ref if info else None
-        return p["txid"] if p and p["txid"] in history.checkpoints else None
+        return p.txid if p is not None and p.txid in history.checkpoints else None
 
     def parent_of(c: Any) -> str | None:
         """The nearest shown ancestor: the previous checkpoint of its own lineage, else the fork
@@ -94,7 +95,7 @@ def build_graph(root: Any, history: Any, *, max_count: int | None = None,
         if txid in index:
             index[txid]["labels"].append("fork point of " + ", ".join(sorted(children)))
     nodes = virtual + nodes
-    lines = draw(nodes, head_first="HEAD" if virtual else (state.head_tip or {}).get("txid"))
+    lines = draw(nodes, head_first="HEAD" if virtual else None if state.head_tip is None else state.head_tip.txid)
     drawn_lineages = {n["lineage"] for n in nodes}
     lineages = []
     for lid, info in sorted(state.lineages.items(), key=lambda kv: kv[1].created_seq):
@@ -105,9 +106,9 @@ def build_graph(root: Any, history: Any, *, max_count: int | None = None,
             "head": lid == head,
             "reason": info.reason,
             "created": info.created_time,
-            "parent_lineage": p.get("lineage") if p else None,
-            "fork_step": p.get("step") if p else None,
-            "external_parent": p.get("external") if p else None,
+            "parent_lineage": p.lineage if isinstance(p, Ref) else None,
+            "fork_step": p.step if isinstance(p, Ref) else None,
+            "external_parent": p.path if isinstance(p, ExternalParent) else None,
             "description": lineage_desc(state, lid),
             "steps": [c.step for c in own],
             "abandoned_steps": [c.step for c in own if c.txid not in current and c.txid not in retired],
@@ -124,10 +125,10 @@ def lineage_desc(state: Any, lid: str) -> str:
     if info is None:
         return lid
     p = info.parent
-    if p and "txid" in p:
-        return f"forked from {p['lineage']} at step {p['step']}"
-    if p and "external" in p:
-        return f"started from external {p['external']}"
+    if isinstance(p, Ref):
+        return f"forked from {p.lineage} at step {p.step}"
+    if isinstance(p, ExternalParent):
+        return f"started from external {p.path}"
     return {"adopt": "adopted legacy checkpoints", "root": "root lineage"}.get(info.reason, info.reason)
 
 

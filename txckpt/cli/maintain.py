@@ -81,7 +81,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     head_before = before.state.head
     current_before = {c.txid: c for c in before.in_view(None)}
     tip = before.state.head_tip
-    if args.step is None or (tip is not None and tip["step"] == args.step):
+    if args.step is None or (tip is not None and tip.step == args.step):
         # Nothing to roll back: only say where a restart continues. root.resume() would also
         # claim the lineage for this command's session, fencing off the job that is writing
         # it (StaleLineageError at its next save); the operator's command is no writer.

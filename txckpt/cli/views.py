@@ -12,6 +12,7 @@ from .. import checksum
 from ..errors import CheckpointNotFoundError, NotACheckpointError
 from ..layout import LOG_DIR
 from ..reader import enclosing_root
+from ..refs import ExternalParent, Ref, parent_to_json
 from .common import EXIT_OK, UsageError, human_bytes, human_time, is_url, open_root_arg, print_json, table
 
 
@@ -155,7 +156,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         manifest = read_manifest(path, storage_options=args.storage_options)
     except NotACheckpointError:
         tip = open_root_arg(path, args.storage_options).state().head_tip
-        example = f"e.g. --step {tip['step']}, the newest; " if tip else ""
+        example = f"e.g. --step {tip.step}, the newest; " if tip else ""
         raise UsageError(
             f"{path} is a root, not a checkpoint: add --step N for a step of its current lineage "
             f"({example}`txckpt ls ROOT` lists them) or --txid T for any lineage, or give a checkpoint "
@@ -170,11 +171,11 @@ def cmd_show(args: argparse.Namespace) -> int:
             status = "NOT committed in this root (a staging leftover, or copied from elsewhere)"
         else:  # the root's own state rules: current, abandoned or retired
             status = r.describe([c], with_paths=False, history=h)[0].state
-            if status == "current" and (h.state.head_tip or {}).get("txid") == c.txid:
+            if status == "current" and h.state.head_tip is not None and h.state.head_tip.txid == c.txid:
                 status += " (HEAD tip)"
     info = {
         "path": path, "txid": manifest.txid, "lineage": manifest.lineage, "step": manifest.step,
-        "parent": manifest.parent, "created": manifest.created, "world_size": manifest.world_size,
+        "parent": parent_to_json(manifest.parent), "created": manifest.created, "world_size": manifest.world_size,
         "adopted": manifest.adopted, "checksum_algorithm": checksum.ALGORITHM, "digest": manifest.digest,
         "bytes": manifest.total_bytes, "metadata": manifest.metadata, "state": status,
         "files": {n: manifest.files[n].to_json() for n in sorted(manifest.files)},
@@ -183,10 +184,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         print_json(info)
         return EXIT_OK
     parent = manifest.parent
-    if parent and "txid" in parent:
-        parent_s = f"step {parent['step']} of lineage {parent['lineage']} (txid {parent['txid']})"
-    elif parent and "external" in parent:
-        parent_s = f"external {parent['external']}"
+    if isinstance(parent, Ref):
+        parent_s = f"step {parent.step} of lineage {parent.lineage} (txid {parent.txid})"
+    elif isinstance(parent, ExternalParent):
+        parent_s = f"external {parent.path}"
     else:
         parent_s = "none (first checkpoint of a root lineage)"
     print(f"checkpoint  {path}")

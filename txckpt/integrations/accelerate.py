@@ -131,7 +131,7 @@ class TransactionalAccelerator(Accelerator):
                 r.adopt()  # a stock accelerate project: its checkpoint_<i> become a lineage
                 state = r.state()
             tip = state.head_tip
-            return max(int(self.project_configuration.iteration), 0 if tip is None else tip["step"] + 1)
+            return max(int(self.project_configuration.iteration), 0 if tip is None else tip.step + 1)
 
         return decide_on_rank0(plan, phase="save step")
 

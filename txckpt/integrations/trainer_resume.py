@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import txckpt
 from txckpt import errors as _errors
+from txckpt.refs import ExternalParent
 
 from .trainer_paths import is_remote, is_url, is_within, named_step
 
@@ -114,6 +115,6 @@ def _external_parent_of_empty_head(root: str, storage_options: dict | None) -> s
         return None
     state = txckpt.open_root(root, storage_options).state()
     info = state.head_info
-    if info is None or info.tip is not None or not info.parent or "external" not in info.parent:
+    if info is None or info.tip is not None or not isinstance(info.parent, ExternalParent):
         return None
-    return str(info.parent["external"])
+    return info.parent.path
