@@ -25,6 +25,7 @@ from .reader import RootContext
 from .root import CheckpointRoot, forget_roots, open_root
 from .serialization import read_object
 from .storage import LocalStorage, open_storage
+from .storage.base import Storage
 from .verify import FALLBACK_HINT, verify_checkpoint_files
 
 def save_checkpoint(
@@ -143,7 +144,7 @@ def new_lineage(
     )
 
 
-def _read_own_manifest(storage: Any, path: str | os.PathLike) -> tuple[Manifest, bytes]:
+def _read_own_manifest(storage: Storage, path: str | os.PathLike) -> tuple[Manifest, bytes]:
     """The manifest in ``storage`` (opened at the checkpoint ``path``), its own digest checked,
     and its bytes as stored (what a copy writes)."""
     try:
@@ -165,7 +166,7 @@ def _read_own_manifest(storage: Any, path: str | os.PathLike) -> tuple[Manifest,
     return Manifest.decode(data, f"{os.fspath(path)}/{MANIFEST_NAME}"), data
 
 
-def _is_a_root(storage: Any) -> bool:
+def _is_a_root(storage: Storage) -> bool:
     """A txckpt root (it has a log) or a legacy output_dir (it has checkpoint-N directories)."""
     if storage.list_dir(LOG_DIR):
         return True
@@ -205,7 +206,7 @@ def _following_moves(path: str | os.PathLike, storage_options: Mapping[str, Any]
             ctx = RootContext.open(path, storage_options)
 
 
-def _checked_manifest(path: str, ctx: RootContext | None, storage: Any, seen: dict[str, Any]) -> Manifest:
+def _checked_manifest(path: str, ctx: RootContext | None, storage: Storage, seen: dict[str, Any]) -> Manifest:
     """The manifest at ``path`` (read from ``storage``), checked against the log when ``ctx``."""
     manifest, seen["manifest_bytes"] = _read_own_manifest(storage, path)
     seen["txid"] = manifest.txid
@@ -224,7 +225,7 @@ def _read_checkpoint(
 ) -> tuple[Manifest, dict[str, bytes]]:
     """Read (and verify) a checkpoint's manifest and files, following it if it moves."""
 
-    def attempt(path: str, ctx: RootContext | None, storage: Any, seen: dict[str, Any]):
+    def attempt(path: str, ctx: RootContext | None, storage: Storage, seen: dict[str, Any]):
         manifest = _checked_manifest(path, ctx, storage, seen)
         if timer is not None:
             timer.label = f"step {manifest.step}"

@@ -54,6 +54,7 @@ from .intents import (
 )
 from .layout import ORPHANS_DIR, TEMP_DIRS, TX_DIR, is_manifest_temp
 from .publication import Root
+from .storage.base import Storage
 from .retention import (
     RetentionPolicy,
     apply_retention,
@@ -203,7 +204,7 @@ def _temp_files(root: Root) -> list[str]:
     return keys
 
 
-def _snapshots(storage: Any, report: GcReport, known_usable: int = -1) -> None:
+def _snapshots(storage: Storage, report: GcReport, known_usable: int = -1) -> None:
     """``known_usable``: the seq of a snapshot this process's fold just read or wrote (it needs
     no second read); -1 if none."""
     newest_usable = None
@@ -221,7 +222,7 @@ def _snapshots(storage: Any, report: GcReport, known_usable: int = -1) -> None:
         _remove(report, GcItem("snapshot", key, why), storage.delete_file, key)
 
 
-def _file_size(storage: Any, key: str) -> int:
+def _file_size(storage: Storage, key: str) -> int:
     local = storage.local_path(key)
     if local is not None:
         try:
@@ -257,7 +258,7 @@ def _publication(root: Root, history: Any, report: GcReport) -> None:
                 item.error = f"{type(e).__name__}: {e}"
 
 
-def _uploads(root: Any, report: GcReport, now: float, grace_seconds: float, hostname: str) -> None:
+def _uploads(root: Root, report: GcReport, now: float, grace_seconds: float, hostname: str) -> None:
     """Incomplete uploads under the root (the storage contract's ``list_incomplete_uploads``:
     S3 multipart uploads; none on other backends) whose writer is gone: aborted."""
     storage = root.storage
@@ -273,7 +274,7 @@ def _uploads(root: Any, report: GcReport, now: float, grace_seconds: float, host
     chosen = []
     for u in uploads:
         key = str(u.get("key", ""))
-        initiated = u.get("initiated")
+        initiated: Any = u.get("initiated")  # a datetime (S3), a number, or absent
         if hasattr(initiated, "timestamp"):
             initiated = initiated.timestamp()
         try:

@@ -23,6 +23,7 @@ from . import progress
 from .errors import SpecialFileError
 from .layout import ADOPTED_TXID_PREFIX, INTENTS_DIR, TX_DIR, intent_key, parse_checkpoint_name
 from .publication import Root
+from .storage.base import Storage
 from .saveplan import SavePlan
 
 log = logging.getLogger("txckpt")
@@ -210,7 +211,7 @@ def writer_status(intent: dict[str, Any] | None, *, now: float, grace_seconds: f
     return False, f"writer {host}:{pid} on another host, intent {age:.0f}s old (< grace {grace_seconds:.0f}s)"
 
 
-def read_intents(storage: Any) -> dict[str, dict[str, Any] | None]:
+def read_intents(storage: Storage) -> dict[str, dict[str, Any] | None]:
     """txid -> intent record (None if unreadable) for every ``.txckpt/intents/<txid>.json``."""
     out: dict[str, dict[str, Any] | None] = {}
     for name in storage.list_dir(INTENTS_DIR):
@@ -227,7 +228,7 @@ def read_intents(storage: Any) -> dict[str, dict[str, Any] | None]:
     return out
 
 
-def tree_bytes(storage: Any, key: str) -> int:
+def tree_bytes(storage: Storage, key: str) -> int:
     try:
         return sum(max(0, size) for _, size in storage.walk_files(key))
     except OSError:
@@ -247,7 +248,7 @@ def _remove(report: GcReport, item: GcItem, fn, *args) -> None:
         log.warning("gc: could not remove %s: %s", item.key, item.error)
 
 
-def _judge(storage: Any, txid: str, intents: dict[str, Any], *, now: float, grace_seconds: float,
+def _judge(storage: Storage, txid: str, intents: dict[str, Any], *, now: float, grace_seconds: float,
            hostname: str) -> tuple[bool, str]:
     """(gone, why) for the writer of ``txid``: :func:`writer_status` of its intent; an
     unreadable intent counts as gone once older than the grace period."""
@@ -343,7 +344,7 @@ def reclaim_after_save(root: Root, *, grace_seconds: float = GRACE_SECONDS) -> G
         log.info("reclaimed %s (%d bytes) under %s: %s", item.key, item.bytes, root.url, item.reason)
     return report
 
-def staged_step(storage: Any, key: str) -> int | None:
+def staged_step(storage: Storage, key: str) -> int | None:
     for name in storage.list_dir(key):
         step = parse_checkpoint_name(name)
         if step is not None:

@@ -36,6 +36,7 @@ from typing import Any, Iterable, Union
 
 from .errors import CheckpointNotFoundError, InvalidArgumentError, SpecialFileError, StorageError
 from .lineage import Checkpoint, History, State
+from .storage.base import Storage
 from .layout import READERS_DIR, TX_DIR, lease_key, parse_checkpoint_name
 from .manifest import MANIFEST_NAME, Manifest
 from .publication import Root, manifest_txid, public_key
@@ -259,7 +260,7 @@ def lease_clock_skew() -> float:
         return 300.0
 
 
-def read_leases(storage: Any, now: float | None = None) -> tuple[set[str], list[str]]:
+def read_leases(storage: Storage, now: float | None = None) -> tuple[set[str], list[str]]:
     """(txids under a live lease, keys of expired or unreadable leases).
 
     ``now``: the deleter's clock. A lease is live until ``expires`` plus

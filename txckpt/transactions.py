@@ -42,6 +42,7 @@ from .progress import Timer, timing
 from .saveplan import SavePlan
 from .serialization import write_object
 from .txnames import TxNames
+from .storage.base import Storage
 
 log = logging.getLogger("txckpt")
 
@@ -530,7 +531,7 @@ class _TrackedWriter(HashingWriter):
         self._tx._names.rebuild(list(self._tx._written) + sorted(self._tx._open_writers))
 
 
-def _hash_and_sync(storage: Any, key: str, name: str, durable: bool) -> FileEntry:
+def _hash_and_sync(storage: Storage, key: str, name: str, durable: bool) -> FileEntry:
     local = storage.local_path(key)
     if local is not None:
         from .fileio import hash_file
