@@ -129,7 +129,7 @@ def test_buffers_are_reused_no_growth_over_100_saves(root, monkeypatch):
         with torch.no_grad():
             model.weight.fill_(float(step))
         f = txckpt.async_save(root, step, files)
-        pool = asyncsave._savers[asyncsave._key(root, None)].pool
+        pool = asyncsave._savers[asyncsave.root_key(root, None)].pool
         seen.append((pool.buffer_count, pool.buffer_bytes,
                      frozenset(b.data_ptr() for b in pool._buffers.values())))
     f.result()
@@ -353,7 +353,7 @@ def test_cuda_tensors_are_snapshotted_into_pinned_buffers(root):
     files = {"m.safetensors": {"w": w}, "o.pt": {"state": {0: {"m": w * 2}}}}
     future = txckpt.async_save(root, 1, files)
     w.fill_(0.0)  # after the snapshot: not in the checkpoint
-    pool = asyncsave._savers[asyncsave._key(root, None)].pool
+    pool = asyncsave._savers[asyncsave.root_key(root, None)].pool
     assert all(b.is_pinned() for b in pool._buffers.values())
     out = txckpt.load_checkpoint(future.result())
     assert torch.equal(out["m.safetensors"]["w"], expected)

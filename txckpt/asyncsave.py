@@ -27,8 +27,7 @@ from typing import Any, Mapping
 
 from .coordination import Coordinator, SingleProcess, TorchDistributed, coordination_timeout
 from .errors import CoordinationTimeoutError, InvalidArgumentError
-from .layout import is_url
-from .root import open_root
+from .root import open_root, root_key
 from .snapshot import SnapshotPool
 
 log = logging.getLogger("txckpt")
@@ -61,13 +60,6 @@ _group: dict[str, Any] = {}  # {"world": default group, "group": the async saves
 _exit_hook: list[bool] = []
 
 
-def _key(root: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> tuple[Any, ...]:
-    # As root.open_root keys its cache (less the pid: a forked child starts with no saver).
-    given = os.fspath(root)
-    return (os.getpid(), given if is_url(given) else os.path.abspath(given),
-            repr(sorted((storage_options or {}).items())))
-
-
 def async_save(
     root: str | os.PathLike,
     step: int,
@@ -89,7 +81,7 @@ def async_save(
     """
     if not isinstance(files, Mapping) or not files:
         raise InvalidArgumentError("files must be a non-empty dict of file name -> object")
-    key = _key(root, storage_options)
+    key = root_key(root, storage_options)
     with _lock:
         saver = _savers.get(key)
         if saver is None:
@@ -146,7 +138,7 @@ def wait_for_root(root: str | os.PathLike, storage_options: Mapping[str, Any] | 
     and wait_for_saves have it). Called by the synchronous API before it reads or changes the
     root's state, which the background save is changing."""
     with _lock:
-        saver = _savers.get(_key(root, storage_options))
+        saver = _savers.get(root_key(root, storage_options))
     if saver is None:
         return
     with saver.lock:
@@ -159,7 +151,7 @@ def release_buffers(root: str | os.PathLike | None = None,
     finished (the end of a training run, a benchmark between sizes); the next async_save of
     that root allocates them again."""
     with _lock:
-        keys = [k for k in _savers if root is None or k == _key(root, storage_options)]
+        keys = [k for k in _savers if root is None or k == root_key(root, storage_options)]
         savers = [_savers.pop(k) for k in keys]
     for saver in savers:
         with saver.lock:

@@ -569,10 +569,16 @@ _roots: dict[tuple[Any, ...], CheckpointRoot] = {}
 _lock = threading.Lock()
 
 
+def root_key(root: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> tuple[Any, ...]:
+    """What names one root in this process: the pid (a forked child starts afresh), the absolute
+    path or the URL, and the storage options. The root cache and the async savers key by it."""
+    return (os.getpid(), os.fspath(root) if is_url(root) else os.path.abspath(os.fspath(root)),
+            repr(sorted((storage_options or {}).items())))
+
+
 def open_root(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> CheckpointRoot:
     """The process's CheckpointRoot for ``root`` (created on first use)."""
-    key = (os.getpid(), os.fspath(root) if is_url(root) else os.path.abspath(os.fspath(root)),
-           repr(sorted((storage_options or {}).items())))
+    key = root_key(root, storage_options)
     with _lock:
         r = _roots.get(key)
         if r is None:
