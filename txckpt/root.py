@@ -41,6 +41,7 @@ from .publication import LOOKUP_ATTEMPTS, publication_for
 from .refs import ExternalParent, Parent, Ref, parent_to_json, same_ref
 from .saveplan import SavePlan
 from .storage import Storage, open_storage
+from .storage.errors import missing_bucket_error
 
 log = logging.getLogger("txckpt")
 
@@ -209,11 +210,7 @@ class CheckpointRoot:
                 "to look up. Check the path (a typo in output_dir?); for a new run, create it or skip "
                 "the lookup (a save creates the root)", root=self.url,
             )
-        raise RootNotFoundError(
-            f"the bucket {missing} of {self.url} does not exist (or is not visible with these "
-            "credentials and endpoint). Check the URL and storage_options; for a new run, create the "
-            "bucket first", root=self.url, bucket=missing,
-        )
+        raise missing_bucket_error(self.storage, missing)
 
     def _warn_if_checkpoint_dir(self) -> None:
         name = self.url.rstrip("/").rsplit("/", 1)[-1]
