@@ -12,6 +12,10 @@ One story in four real runs (tests/trainer_scripts/deepspeed_zero3.py), each ran
    has: run A's checkpoint-8 is untouched, checkpoint-6 is the latest;
 4. the restart (``resume_from_checkpoint=True``) continues run B from 6 and commits its own 8.
 
+Between 2 and 3, docs/distributed.md's consolidation recipe runs on the committed checkpoint-8
+(tests/trainer_scripts/zero_consolidate.py): from_pretrained refuses it, DeepSpeed's
+get_fp32_state_dict_from_zero_checkpoint rebuilds the weights, and the checkpoint is unchanged.
+
 Every committed manifest records each ``zero_pp_rank_{r}_*`` file (and ``rng_state_{r}.pth``)
 as rank r's: each rank hashed its own shards; rank 0 did not read them back.
 The DeepSpeed import is checked in a subprocess; without it the test skips with the reason.
@@ -79,6 +83,21 @@ def assert_sharded_and_attributed(path, step):
     txckpt.verify_checkpoint(path)
 
 
+def consolidate(ckpt, dest):
+    """docs/distributed.md's recipe: from_pretrained refuses the sharded checkpoint; DeepSpeed's
+    get_fp32_state_dict_from_zero_checkpoint rebuilds the weights from the committed shards."""
+    p = subprocess.run([sys.executable, str(HERE / "zero_consolidate.py"), str(ckpt), str(dest)],
+                       capture_output=True, text=True, timeout=300, cwd=str(HERE),
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-6000:]
+    found = json.loads(p.stdout.strip().splitlines()[-1])
+    assert found["refused"] and "model.safetensors" in found["refused"]
+    assert found["keys"] == ["fc.bias", "fc.weight"] and found["round_trip"]
+    before = set(txckpt.read_manifest(ckpt).files)
+    on_disk = {os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs}
+    assert on_disk == before | {txckpt.MANIFEST_NAME}
+
+
 def file_digests(path):
     return {n: e.checksum for n, e in txckpt.read_manifest(path).files.items()}
 
@@ -108,6 +127,7 @@ def test_zero3_save_kill_resume_rollback_retention(tmp_path):
     for step in (6, 8):
         assert_sharded_and_attributed(a[step].path, step)
     a8 = file_digests(a[8].path)
+    consolidate(a[8].path, tmp_path / "consolidated")
 
     # 3. Roll back to checkpoint-6 with other data; rank 1 dies while re-saving step 8.
     p = torchrun(out, 8, str(out / "checkpoint-6"), seed=1, kill=8, expect_ok=False)
