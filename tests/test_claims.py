@@ -91,7 +91,8 @@ def test_claims_on_a_remote_root(memory_root):
     with txckpt.transaction(url, 1, storage_options=opts) as tx:
         with open(os.path.join(tx.directory, "zero_pp_rank_0_mp_rank_00_model_states.pt"), "wb") as f:
             f.write(b"x" * 100)
-        tx.claim_files(["*zero_pp_rank_0_mp_rank_*", "zero_pp_rank_0_mp_rank_00_model_states.pt"])
+        tx.save("own.json", {"a": 1})  # a tx.save file may be claimed too (it is this rank's already)
+        tx.claim_files(["*zero_pp_rank_0_mp_rank_*", "zero_pp_rank_0_mp_rank_00_model_states.pt", "own.json"])
     manifest = txckpt.read_manifest(tx.path, storage_options=opts)
     assert manifest.files["zero_pp_rank_0_mp_rank_00_model_states.pt"].size == 100
     with pytest.raises(txckpt.errors.InvalidArgumentError, match="never.bin"):

@@ -345,7 +345,7 @@ class Transaction:
                 # Remote root: upload what other code wrote into the local scratch directory
                 # (this rank's own: every file there is hashed and recorded as this rank's).
                 local = list(_walk_local(self._local_dir))
-                claimed_names([name for name, _ in local], self._claims, set())  # a claimed name must exist
+                claimed_names([n for n, _ in local] + list(files), self._claims, set())  # claimed names exist
                 for name, size in local:
                     if name in files:
                         raise InvalidArgumentError(f"{name!r} written both through tx.open and tx.directory")
