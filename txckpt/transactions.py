@@ -15,10 +15,11 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO, Literal, Mapping
+from typing import Any, BinaryIO, Iterable, Literal, Mapping
 
 from . import errors
 from .checksum import HashingWriter, digest_stream
+from .claims import check_claims, claimed_names, hash_claimed
 from .coordination import Coordinator, current_coordinator, decide_on_rank0
 from .errors import (
     CheckpointNotFoundError,
@@ -58,7 +59,9 @@ class Transaction:
         print(tx.path)  # the committed checkpoint
 
     Files written through ``open``/``save`` are hashed while they are written. Files that other
-    code writes into ``tx.directory`` are hashed (and, with durability on, fsynced) at commit.
+    code writes into ``tx.directory`` are hashed (and, with durability on, fsynced) at commit, by
+    rank 0; or by the rank that wrote them, before its report, if it claims them
+    (:meth:`claim_files`).
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class Transaction:
         self._done = False
         self._timer: Timer | None = None  # phases logged at DEBUG, the summary at INFO (rank 0)
         self._manifest: Manifest | None = None
+        self._claims: list[str] = []  # names and globs of tx.directory files this rank hashes itself
 
     # ----- properties --------------------------------------------------------------------------
     @property
@@ -255,6 +259,15 @@ class Transaction:
         self._require_open()
         self._names.check_not_rewritten(lambda n: self._root.storage.local_path(f"{self.staging_key}/{n}"))
 
+    def claim_files(self, names_or_globs: str | Iterable[str]) -> None:
+        """Claim files this rank's code writes straight into :attr:`directory` (DeepSpeed's
+        ``zero_pp_rank_{r}_*``, DCP's ``__{r}_*.distcp``), by name or glob (:mod:`txckpt.claims`),
+        before or after writing them: this rank hashes (and fsyncs) them at its end of the
+        transaction and they are recorded with its rank; rank 0 does not read them back. A file
+        two ranks claim is refused like a name two ranks write."""
+        self._require_open()
+        self._claims.extend(check_claims(names_or_globs))
+
     def save(self, name: str, obj: Any) -> None:
         """Write ``obj`` as file ``name`` by the rules of :func:`txckpt.save_checkpoint`."""
         f: Any = self.open(name, "wb")  # a _TrackedWriter (kind, abort, sink_error), typed as a BinaryIO
@@ -329,8 +342,11 @@ class Transaction:
             self._names.check_not_rewritten(lambda n: self._root.storage.local_path(f"{self.staging_key}/{n}"))
             files = {name: e.to_json() for name, e in self._written.items()}
             if self._temp_root and self._local_dir is not None:
-                # Remote root: upload what other code wrote into the local scratch directory.
-                for name, size in _walk_local(self._local_dir):
+                # Remote root: upload what other code wrote into the local scratch directory
+                # (this rank's own: every file there is hashed and recorded as this rank's).
+                local = list(_walk_local(self._local_dir))
+                claimed_names([n for n, _ in local] + list(files), self._claims, set())  # claimed names exist
+                for name, size in local:
                     if name in files:
                         raise InvalidArgumentError(f"{name!r} written both through tx.open and tx.directory")
                     check_file_name(name)
@@ -339,6 +355,9 @@ class Transaction:
                         durable=self._root.durable,
                     )
                     files[name] = FileEntry(size, digest, kind_for_name(name), self.rank).to_json()
+            elif self._claims:  # shared staging: this rank hashes what it claims; rank 0 only stats it
+                files.update(hash_claimed(self._root.storage, self.staging_key, self._claims, set(files),
+                                          self._root.durable, self.rank))
             try:
                 self._writes.wait()
             except OSError as e:
@@ -410,8 +429,8 @@ class Transaction:
                         "give each rank's files distinct names (e.g. with the rank in the name)"
                     )
                 files[name] = FileEntry.from_json(name, {**entry, "rank": r["rank"]})
-        # Files that code wrote straight into the staging directory (a shared local root):
-        # hash them now, and make them durable in the same pass.
+        # Files that code wrote straight into the staging directory (a shared local root) and no
+        # rank claimed (claimed ones are in a report): hash them now, durable in the same pass.
         key = plan.key
         subdirs = set()
         unreported = []

@@ -70,6 +70,7 @@ from .trainer_paths import (
     same_dir,
     step_of,
 )
+from .trainer_ranks import claim_rank_files
 from .trainer_remote import RemoteCache
 from .trainer_resume import committed_step_path, resolve_on_rank0
 
@@ -197,6 +198,7 @@ class TransactionalCheckpointMixin:
         ) as tx:
             self._txckpt_tx = tx
             try:
+                claim_rank_files(self, tx)  # each rank hashes its own rng_state_r / ZeRO / .distcp files
                 if is_remote(root):
                     self._txckpt_remote.make_scratch(tx)
                 # <root>/checkpoint-N on a local disk; the transaction's own key on object stores.
