@@ -20,6 +20,29 @@ _CRC = (
 )
 
 ANALYSIS: dict[str, str] = {
+    "save-device": (
+        "Where the time goes (census and profile above; measured 2026-12-01 on this 2-core "
+        "machine shared with other jobs, load average 6-10): at 1 GiB the save is bounded by its "
+        "writes into the page cache (`write` of `_io.FileIO` ~70% of the wall, xxh3 ~14%, the "
+        "fsyncs ~2%), while the O_DIRECT limit moves the same bytes with no CPU copy in "
+        "0.6-0.7 s. `sync_file_range(WRITE)`, which `_DurableFile` calls every 4 MiB, submits "
+        "the I/O in the caller and blocks while the device queue is full (pure 1 GiB writes from "
+        "memory, interleaved: 1.1-3.5 s with it, 1.0-2.0 s without, fsync included), so starting "
+        "write-back is not free on this disk.\n\n"
+        "Tried, interleaved A/B in one process (5-7 rounds): (1) each data file's fsync deferred "
+        "to the batch's `wait()`, so one file's tail is written while the next is serialised "
+        "(`txckpt/storage/local.py`, `_LocalWriteBatch`; kept: 256 MiB, 0.85 of the save "
+        "before); (2) a write-behind window that waits for, and drops from the cache, what is "
+        "more than 16 or 64 MiB behind (pure writes of 1 GiB 1.9-4.6 s -> 0.9-1.3 s, but whole "
+        "saves 1.06 s -> 1.29 / 1.28 s: not kept); (3) an O_DIRECT data path from a file's 64th "
+        "MiB on, two 8 MiB aligned buffers, a thread writing one while the serialiser fills "
+        "the other (0.80 of the buffered save in one run, 1.16-1.19 at 256 MiB and 1 GiB in the "
+        "next: not kept). On a loaded machine the CPU-bound side of every comparison pays for "
+        "the load and the O_DIRECT limit hardly does.\n\n"
+        "What would close it: rerun (2) and (3) on a quiet machine (they are a few dozen lines "
+        "each, described above), and hash on a thread of its own, so that the copy into the "
+        "page cache (or into the aligned buffer) is the only CPU work in the writer's path."
+    ),
     "save-fsync": (
         "What a durable save does on top of the raw side's copy into the page cache: the xxh3 "
         "pass over every byte (`HashingWriter.write` in `txckpt/checksum.py` hashes a whole "

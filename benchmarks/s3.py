@@ -33,6 +33,7 @@ LOOKUP_GOAL = 4
 TX = "txckpt.save_checkpoint"
 PIPE = "s3fs pipe_file"
 PIPE_MP = "s3fs pipe_file, txckpt's part size and concurrency"
+LIMIT = "parallel UploadParts, the sweep's best (the limit)"
 
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -230,6 +231,16 @@ class _SaveBench:
 
         return h.Method(name, run, setup, self._cleanup, settle=False)
 
+    def limit_method(self, name: str, blobs: dict[str, bytes], part: int, in_flight: int) -> h.Method:
+        from . import s3limit
+
+        c = s3limit.client(self.server, in_flight)
+
+        def run(ctx):
+            self._measure(name, lambda: s3limit.upload_parts(c, BUCKET, ctx["prefix"], blobs, part, in_flight), ctx)
+
+        return h.Method(name, run, lambda: {"prefix": f"limit-{uuid.uuid4().hex[:10]}"}, self._cleanup, settle=False)
+
     def _cleanup(self, ctx: dict[str, Any]) -> None:
         import txckpt
 
@@ -375,6 +386,7 @@ def _save_tables(server, rec: _Recorder) -> tuple[dict[str, Any], dict[str, Any]
     cpu_lines: list[str] = []
     profiles: list[str] = []
     findings: list[str] = []
+    limit_sweeps: list[str] = []
     sizes = _sizes()
     for i, size in enumerate(sizes):
         reps = _reps(size)
@@ -384,8 +396,16 @@ def _save_tables(server, rec: _Recorder) -> tuple[dict[str, Any], dict[str, Any]
         blobs, mfiles = _reference_files(files)
         names = set(mfiles)
         nbytes = sum(len(b) for b in blobs.values())
+        from . import s3limit
+
+        h.log(f"s3: {h.fmt_size(size)}, sweeping the parallel-UploadPart limit")
+        sweep_reps = 1 if h.settings().quick else 2
+        (best_part, best_n), sweep_medians = s3limit.sweep(server, BUCKET, blobs, sweep_reps, _delete_prefix)
+        limit_sweeps.append(f"{h.fmt_size(size)}: " + "; ".join(
+            f"{k.split(', ', 1)[1]} {_mibs(nbytes, v)}" for k, v in sorted(sweep_medians.items(), key=lambda kv: kv[1])))
         methods = [bench.txckpt_method(TX, files), bench.pipe_method(PIPE, blobs),
-                   bench.pipe_method(PIPE_MP, blobs, part, in_flight)]
+                   bench.pipe_method(PIPE_MP, blobs, part, in_flight),
+                   bench.limit_method(LIMIT, blobs, best_part * h.MiB, best_n)]
         # Both sides' clients are warm before their timed call (txckpt's: from the untimed
         # new_lineage; pipe_file's: above); full mode still discards one whole round first.
         times = h.interleave(methods, reps, warmup=1 if i == 0 and not h.settings().quick else 0)
@@ -395,6 +415,8 @@ def _save_tables(server, rec: _Recorder) -> tuple[dict[str, Any], dict[str, Any]
             (PIPE, round(1 / THROUGHPUT_GOAL, 4), "txckpt.save_checkpoint ÷ s3fs pipe_file (time)"),
             (PIPE_MP, None, f"txckpt.save_checkpoint ÷ pipe_file in {part // h.MiB} MiB parts × "
                             f"{in_flight} (time, report)"),
+            (LIMIT, None, f"txckpt.save_checkpoint ÷ parallel UploadParts, {best_part} MiB parts × {best_n} "
+                          "(the limit; time, report)"),
         ):
             row = h.compare(label, size, times, TX, other, goal)
             row.update({
@@ -403,6 +425,10 @@ def _save_tables(server, rec: _Recorder) -> tuple[dict[str, Any], dict[str, Any]
                 "note": f"requests per save: txckpt {sum(recs[TX][0]['ops'].values())}, "
                         f"the other {sum(recs[other][0]['ops'].values())} ({_fmt_ops(recs[other][0]['ops'])})",
             })
+            if other == LIMIT:
+                row["note"] = ("the same bytes as multipart uploads, all parts of both files through one "
+                               "pool of boto3 threads, at the fastest setting of the sweep below the "
+                               "table (nothing serialised or hashed); " + row["note"])
             if other == PIPE_MP:
                 row["note"] = (f"the same part size and concurrency on both sides (s3fs still sends a file "
                                f"below two parts, {2 * part // h.MiB} MiB, as one `PutObject`): what is "
@@ -431,6 +457,11 @@ def _save_tables(server, rec: _Recorder) -> tuple[dict[str, Any], dict[str, Any]
                 profiles.append(_timeline(f"the median `{name}` round at {h.fmt_size(size)}", mid, names))
         del weights, optim, files, blobs
     notes = [
+        "The limit (`benchmarks/s3limit.py`): before each size's rounds, every setting of 8, 16 or 64 "
+        "MiB parts × 4, 8 or 16 in flight uploads the very bytes txckpt writes as parallel "
+        "`UploadPart`s with boto3 (one pool for the parts of both files, a connection pool as large "
+        "as the concurrency), interleaved; the fastest setting then runs in every timed round. "
+        "Sweep medians: " + " — ".join(limit_sweeps),
         "Where the time goes (medians over the timed rounds, milliseconds of CPU per MiB of data files; "
         "the process runs both the client and moto, so \"CPU\" is both; the moto columns are CPU "
         "time inside moto's app, split into data requests (`PutObject`/`UploadPart` of the data "

@@ -1,4 +1,5 @@
-"""save_checkpoint against the physical limit, torch DCP and the stock writers, per size."""
+"""save_checkpoint against the device's write limit (benchmarks/devlimit.py), one sequential write +
+fsync, torch DCP and the stock writers, per size."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import os
 import warnings
 from typing import Any
 
+from . import devlimit as dl
 from . import harness as h
 from . import profiling
-from .state import files_of, fsync_tree, make_state, state_bytes, tensors_of, write_raw
+from .state import files_of, fsync_tree, make_state, tensors_of, write_raw
 
 TITLE = "Save"
 
@@ -18,6 +20,16 @@ DCP = "torch DCP FileSystemWriter"
 TX_ND = "txckpt, fsync off"
 STOCK_ND = "safetensors + torch.save"
 STOCK = "safetensors + torch.save + fsync"
+DIRECT = "device limit: O_DIRECT"
+BEHIND = "device limit: buffered, write-back behind"
+LIMIT = "device limit"
+#: Calibration rounds of every write-limit variant (the fastest of each kind is then timed
+#: side by side with txckpt).
+_CAL_REPS = 3
+#: The device-limit goal (issue 20: save <= 1.10 x the limit at 256 MiB - 4 GiB) starts here; below,
+#: a save's fixed costs (its ten fsyncs of small files and directories, ~20-30 ms here) are a
+#: large part of the time and the table reports the ratio only.
+_GOAL_FROM = 256 * h.MiB
 
 
 def _checkpoint_bytes(path: str) -> int:
@@ -27,6 +39,11 @@ def _checkpoint_bytes(path: str) -> int:
             if n != "txckpt-manifest.json":
                 total += os.path.getsize(os.path.join(dirpath, n))
     return total
+
+
+def _limit_method(name: str, fn) -> h.Method:
+    return h.Method(name, lambda ctx: fn(os.path.join(ctx[0], "limit.bin")), lambda: (h.fresh_dir("limit"), None),
+                    lambda ctx: h.remove(ctx[0]))
 
 
 def methods(weights: dict[str, Any], optim: dict[str, Any], nbytes: int) -> list[h.Method]:
@@ -87,7 +104,9 @@ def run(quick: bool) -> dict[str, Any]:
     from txckpt import CheckpointRoot
 
     s = h.settings()
-    rows: dict[str, list[dict[str, Any]]] = {"fsync": [], "dcp": [], "nofsync": [], "stock": []}
+    rows: dict[str, list[dict[str, Any]]] = {"device": [], "fsync": [], "dcp": [], "nofsync": [], "stock": [],
+                                             "kinds": []}
+    device_notes: list[str] = []
     series: dict[str, list[list[float]]] = {}
     profiles: list[str] = []
     for i, size in enumerate(s.sizes):
@@ -98,27 +117,45 @@ def run(quick: bool) -> dict[str, Any]:
         root = CheckpointRoot(probe, durable=False)
         nbytes = _checkpoint_bytes(root.save(1, files_of(weights, optim)))
         h.remove(probe)
-        ms = methods(weights, optim, nbytes)
+        buf = dl.aligned_copy(tensors_of(weights, optim), nbytes)
+        variants = dl.write_variants(buf, nbytes, s.scratch)
+        h.log(f"save: {h.fmt_size(size)}, calibrating {len(variants)} device-limit writers")
+        cal, _ = dl.calibrate([_limit_method(k, fn) for k, fn in variants.items()], 1 if s.tiny else _CAL_REPS)
+        best = {kind: dl.best_of(cal, prefix) for kind, prefix in ((DIRECT, "O_DIRECT"), (BEHIND, "buffered"))}
+        ms = methods(weights, optim, nbytes) + [
+            _limit_method(kind, variants[name]) for kind, name in best.items() if name is not None]
         times = h.interleave(ms, s.reps[size], warmup=1 if i == 0 else 0)
+        limits = [times[k] for k in (DIRECT, BEHIND) if k in times]
+        times[LIMIT] = dl.elementwise_min(*limits)
+        device_notes.append(f"{h.fmt_size(size)}: calibration ({_CAL_REPS} rounds, medians) " +
+                            dl.sweep_note(cal, nbytes) + "; timed: " +
+                            ", ".join(f"{k} = {v}" for k, v in best.items() if v))
         for name, ts in times.items():
             series.setdefault(name, []).append([size, h.median(ts)])
         label = size
         note = f"{nbytes / size:.3f}x state bytes on disk" if i == 0 else ""
-        rows["fsync"].append(h.compare("txckpt ÷ one sequential write + fsync", label, times, TX, RAW, 1.10, note))
+        rows["device"].append(h.compare("txckpt ÷ the device's write limit (the faster of the two, per round)",
+                                        label, times, TX, LIMIT, 1.10 if size >= _GOAL_FROM else None, note))
+        for kind in (DIRECT, BEHIND):
+            if kind in times:
+                rows["kinds"].append(h.compare(f"txckpt ÷ {kind.split(': ', 1)[1]} ({best[kind]}) (report)",
+                                               label, times, TX, kind, None))
+        rows["fsync"].append(h.compare("txckpt ÷ one sequential write + fsync", label, times, TX, RAW, None, note))
         rows["dcp"].append(h.compare("txckpt ÷ torch.distributed.checkpoint.save", label, times, TX, DCP, 1.0))
         rows["nofsync"].append(h.compare("txckpt (durable=False) ÷ save_file + torch.save", label, times, TX_ND, STOCK_ND, 1.05))
         rows["stock"].append(h.compare("txckpt ÷ save_file + torch.save + fsync", label, times, TX, STOCK, None))
-        missed = [r for k, r in ((k, v[-1]) for k, v in rows.items()) if r["goal"] is not None and r["ratio"] > r["goal"]]
+        missed = [r for k, r in ((k, v[-1]) for k, v in rows.items() if v) if r["goal"] is not None and r["ratio"] > r["goal"]]
         if not s.tiny and (size == s.sizes[0] or (missed and size == s.sizes[-1])):
             profiles.append(profiling.fsync_census(
                 f"one txckpt save (fsync on) of {h.fmt_size(size)}",
-                lambda ctx: ctx[1].save(1, files_of(weights, optim)), *_profile_root(True),
+                lambda ctx, files=files_of(weights, optim): ctx[1].save(1, files), *_profile_root(True),
                 root_of=lambda ctx: ctx[0]))
         if missed and size == s.sizes[-1] and not s.tiny:
             profiles.append(profiling.profile_call(
                 f"one txckpt save (fsync on) of {h.fmt_size(size)}",
-                lambda ctx: ctx[1].save(1, files_of(weights, optim)), *_profile_root(True)))
-        del weights, optim, ms
+                lambda ctx, files=files_of(weights, optim): ctx[1].save(1, files), *_profile_root(True)))
+        del weights, optim, ms, variants
+        buf.close()
     about_common = (
         "State: float32 tensors, 1/3 model weights (`model.safetensors`), 2/3 AdamW state "
         "(`exp_avg`, `exp_avg_sq`; `optimizer.pt` via torch.save). Every save goes to a fresh "
@@ -127,10 +164,26 @@ def run(quick: bool) -> dict[str, Any]:
         "(what `txckpt.save_checkpoint` calls) on a root whose lineage exists (created untimed)."
     )
     tables = [
-        {"id": "save-fsync", "title": "Save, fsync on: txckpt vs the physical limit", "rows": rows["fsync"],
-         "about": about_common + " The physical limit writes the same number of bytes as txckpt's data "
-                  "files in one sequential `os.write` stream to one new file, then one `fsync`.",
-         "series": series, "profiles": profiles},
+        {"id": "save-device", "title": "Save, fsync on: txckpt vs the device's limit",
+         "rows": rows["device"] + rows["kinds"],
+         "about": about_common + " The device's limit (`benchmarks/devlimit.py`) writes the same number "
+                  "of bytes as txckpt's data files, from one page-aligned copy of them, to one new file "
+                  "and fsyncs it, two ways: O_DIRECT writes of 1, 4, 16 or 64 MiB; and buffered "
+                  "writes of 4, 16 or 64 MiB chunks with each chunk's write-back started at once "
+                  "(`sync_file_range`) and the previous chunk waited for and dropped from the cache, "
+                  "or a thread fdatasyncing behind the writer. A calibration pass before each size "
+                  f"times every variant {_CAL_REPS} times, interleaved; the fastest O_DIRECT and the "
+                  "fastest buffered variant then run side by side with txckpt in every round, and the "
+                  "headline ratio divides txckpt's time by the faster of the two in the same round. "
+                  "The report rows divide by each of the two on its own.",
+         "notes": device_notes, "series": series, "profiles": profiles},
+        {"id": "save-fsync", "title": "Save, fsync on: txckpt vs one sequential write + fsync (report)",
+         "rows": rows["fsync"],
+         "about": "The same rounds: one sequential `os.write` stream of the same number of bytes to one "
+                  "new file, then one `fsync` (what this table called the physical limit before the "
+                  "device's limit above replaced it: the kernel starts its write-back late, so the "
+                  "fsync waits for nearly all of it, and txckpt, which starts write-back every few MiB, "
+                  "beats it)."},
         {"id": "save-dcp", "title": "Save, fsync on: txckpt vs torch DCP", "rows": rows["dcp"],
          "about": "`torch.distributed.checkpoint.save({'model': weights, 'optim': optimizer_state}, "
                   "storage_writer=FileSystemWriter(dir))`, single process without a process group, "

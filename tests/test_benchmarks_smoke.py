@@ -27,9 +27,12 @@ def test_tiny_run_writes_report_and_plot(tmp_path):
     assert "![save time against size](benchmarks.png)" in md
     assert "## Machine" in md and "## Summary" in md
     # Every case module shows up, as a table or as pending/skipped; none crashed the run.
-    for title in ("Save, fsync on: txckpt vs the physical limit", "Save, fsync on: txckpt vs torch DCP",
+    for title in ("Save, fsync on: txckpt vs the device's limit",
+                  "Save, fsync on: txckpt vs one sequential write + fsync", "Save, fsync on: txckpt vs torch DCP",
                   "Save, durability off", "Load with verification", "Memory", "get_last_checkpoint",
+                  "Load, cold cache: txckpt vs the device's read limit",
                   "S3: bytes uploaded per save", "S3: save throughput against pipe_file",
+                  "÷ parallel UploadParts",
                   "S3: get_last_checkpoint requests", "Async save: time the training loop is blocked",
                   "Async save on S3: blocked time against the synchronous save"):
         assert title in md, title

@@ -23,7 +23,7 @@ from ..fileio import (
     sync_file_range,
 )
 from ..layout import temp_name
-from .base import Storage
+from .base import Storage, WriteBatch
 
 __all__ = ["LocalStorage", "fsync_dir", "lies_within", "makedirs_durable", "rename_noreplace"]
 
@@ -39,10 +39,14 @@ _DIRECT_WRITE = 64 << 10
 #: mostly on its way to the disk when close() fsyncs it (64 MiB saves, fsync on, 25 rounds:
 #: ÷ raw write + fsync 1.53 with 32 MiB, 1.37 with 4 MiB); each call is one cheap syscall.
 _WRITE_BEHIND = 4 << 20
+#: Closed files of one :class:`_LocalWriteBatch` whose fsync is still to come: beyond this many,
+#: a close() fsyncs the oldest (long written back by then), so open descriptors stay bounded.
+_PENDING_FSYNCS = 16
 
 
 class _DurableFile(AbortOnError):
-    """A file whose close() fsyncs (when durable) before returning.
+    """A file whose close() fsyncs (when durable) before returning, or, for a file of a
+    :class:`_LocalWriteBatch`, whose fsync the batch's wait() makes (:meth:`finish`).
 
     Writes smaller than ``_DIRECT_WRITE`` are gathered in a buffer of up to ``_WRITE_BUFFER``
     bytes; larger ones (tensor data) go to the file as they are, without a copy into a buffer
@@ -50,9 +54,10 @@ class _DurableFile(AbortOnError):
     asynchronous), so the disk writes while the serialiser runs and the final fsync waits only
     for the tail."""
 
-    def __init__(self, path: str, durable: bool):
+    def __init__(self, path: str, durable: bool, batch: "_LocalWriteBatch | None" = None):
         self._path = path
         self._durable = durable
+        self._batch = batch
         self._f = open(path, "wb", buffering=0)
         self._buf = bytearray()
         self.closed = False
@@ -98,6 +103,21 @@ class _DurableFile(AbortOnError):
     def close(self) -> None:
         if self.closed:
             return
+        if self._durable and self._batch is not None:
+            # In a batch the fsync waits for the batch's wait(): the disk writes this file's
+            # tail while the caller serialises the next file, instead of the caller blocking
+            # here (at 256 MiB the first of two files' fsync blocked 17 ms of a 145 ms save).
+            try:
+                self._drain()
+                if sync_file_range is not None:
+                    sync_file_range(self._f.fileno(), self._flushed_to, 0, SYNC_FILE_RANGE_WRITE)
+            except BaseException:
+                self._f.close()
+                self.closed = True
+                raise
+            self.closed = True
+            self._batch.defer(self)
+            return
         try:
             self._drain()
             if self._durable:
@@ -105,6 +125,24 @@ class _DurableFile(AbortOnError):
         finally:
             self._f.close()
             self.closed = True
+
+    def finish(self) -> None:
+        """The deferred part of a batch file's close(): fsync, then close. An OSError names the
+        file, whose partial content is removed (a failed file leaves nothing at its key)."""
+        try:
+            os.fsync(self._f.fileno())
+        except OSError as e:
+            self._f.close()
+            try:
+                os.unlink(self._path)
+            except FileNotFoundError:
+                pass
+            raise OSError(e.errno, e.strerror, self._path) from e
+        self._f.close()
+
+    def discard(self) -> None:
+        """Close a deferred file without its fsync (the batch was cancelled)."""
+        self._f.close()
 
     def abort(self) -> None:
         if not self.closed:
@@ -115,6 +153,46 @@ class _DurableFile(AbortOnError):
         except FileNotFoundError:
             pass
 
+
+class _LocalWriteBatch(WriteBatch):
+    """A transaction's staging files whose fsyncs wait for :meth:`wait` (the WriteBatch contract
+    allows a file to complete after its close()): each file's write-back is started when it is
+    closed and the disk writes it while the next file is serialised; wait() then fsyncs them
+    all, in order, before the caller checks the staging or writes the manifest."""
+
+    def __init__(self, storage: "LocalStorage"):
+        super().__init__(storage)
+        self._local = storage
+        self._pending: list[_DurableFile] = []
+
+    def open_write(self, key: str, *, durable: bool) -> BinaryIO:
+        # Through the storage's own open_write (a subclass may override it); only txckpt's own
+        # file type defers its fsync, anything else completes at its close().
+        f = self._local.open_write(key, durable=durable)
+        if isinstance(f, _DurableFile):
+            f._batch = self
+        return f
+
+    def defer(self, f: _DurableFile) -> None:
+        self._pending.append(f)
+        if len(self._pending) > _PENDING_FSYNCS:
+            self._pending.pop(0).finish()
+
+    def wait(self) -> None:
+        first: OSError | None = None
+        pending, self._pending = self._pending, []
+        for f in pending:  # every file finishes (or fails) before the first failure is raised
+            try:
+                f.finish()
+            except OSError as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def cancel(self) -> None:
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.discard()
 
 
 class LocalStorage(Storage):
@@ -150,6 +228,9 @@ class LocalStorage(Storage):
         path = self._p(key)
         makedirs_durable(os.path.dirname(path), durable)
         return _DurableFile(path, durable)  # type: ignore[return-value]
+
+    def write_batch(self) -> WriteBatch:
+        return _LocalWriteBatch(self)
 
     def create_exclusive(self, key: str, data: bytes, *, durable: bool) -> None:
         path = self._p(key)

@@ -1,0 +1,139 @@
+"""LocalStorage's WriteBatch: a staged file's fsync moves from its close() to the batch's wait()
+(the disk writes one file's tail while the next is serialised), and nothing a save relies on
+comes before it: the manifest and the log entry are written only after every data file is
+fsynced."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+import txckpt
+from txckpt.storage import local
+from txckpt.storage.local import LocalStorage
+
+
+@pytest.fixture
+def fsyncs(monkeypatch):
+    """Every os.fsync of this process, as the path its fd names (fsync on a directory too)."""
+    calls: list[str] = []
+    real = os.fsync
+
+    def fsync(fd):
+        calls.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return calls
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_close_defers_the_fsync_to_wait(tmp_path, fsyncs):
+    st = LocalStorage(str(tmp_path))
+    batch = st.write_batch()
+    paths = []
+    for name in ("a.bin", "b.bin"):
+        with batch.open_write(f"tx/{name}", durable=True) as f:
+            f.write(b"x" * (5 << 20))  # past the write-behind step: write-back started on the way
+        paths.append(str(tmp_path / "tx" / name))
+        assert (tmp_path / "tx" / name).stat().st_size == 5 << 20  # the bytes are there at close
+    assert not [p for p in fsyncs if p in paths]
+    batch.wait()
+    assert [p for p in fsyncs if p in paths] == paths  # each once, in order
+    batch.wait()  # nothing left to do
+    assert [p for p in fsyncs if p in paths] == paths
+
+
+def test_not_durable_files_complete_at_close(tmp_path, fsyncs):
+    st = LocalStorage(str(tmp_path))
+    batch = st.write_batch()
+    before = _open_fds()
+    with batch.open_write("tx/a.bin", durable=False) as f:
+        f.write(b"abc")
+    assert _open_fds() == before  # closed, nothing pending
+    batch.wait()
+    assert fsyncs == []
+
+
+def test_a_failed_fsync_names_the_file_removes_it_and_the_others_still_finish(tmp_path, monkeypatch):
+    st = LocalStorage(str(tmp_path))
+    batch = st.write_batch()
+    for name in ("a.bin", "bad.bin", "c.bin"):
+        with batch.open_write(f"tx/{name}", durable=True) as f:
+            f.write(name.encode())
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.endswith("bad.bin"):
+            raise OSError(errno.EIO, "Input/output error")
+        synced.append(path)
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    before = len(_open_fds())
+    with pytest.raises(OSError) as info:
+        batch.wait()
+    assert info.value.errno == errno.EIO and info.value.filename.endswith("bad.bin")
+    assert not (tmp_path / "tx" / "bad.bin").exists()  # a failed file leaves nothing at its key
+    assert [os.path.basename(p) for p in synced] == ["a.bin", "c.bin"]
+    assert len(_open_fds()) == before - 3  # every pending descriptor is closed
+
+
+def test_cancel_closes_without_fsync(tmp_path, fsyncs):
+    st = LocalStorage(str(tmp_path))
+    batch = st.write_batch()
+    before = _open_fds()
+    with batch.open_write("tx/a.bin", durable=True) as f:
+        f.write(b"abc")
+    assert len(_open_fds()) == len(before) + 1  # held open until its fsync
+    batch.cancel()
+    assert _open_fds() == before
+    assert not [p for p in fsyncs if p.endswith("a.bin")]
+
+
+def test_pending_fsyncs_are_bounded(tmp_path, fsyncs, monkeypatch):
+    monkeypatch.setattr(local, "_PENDING_FSYNCS", 2)
+    st = LocalStorage(str(tmp_path))
+    batch = st.write_batch()
+    before = _open_fds()
+    for i in range(5):
+        with batch.open_write(f"tx/{i}.bin", durable=True) as f:
+            f.write(b"x")
+        assert len(_open_fds()) - len(before) == min(i + 1, 2)
+    # Beyond two pending files each close() fsynced the oldest.
+    assert [os.path.basename(p) for p in fsyncs if p.endswith(".bin")] == ["0.bin", "1.bin", "2.bin"]
+    batch.wait()
+    assert [os.path.basename(p) for p in fsyncs if p.endswith(".bin")] == [f"{i}.bin" for i in range(5)]
+    assert _open_fds() == before
+
+
+def test_a_save_fsyncs_every_data_file_before_its_manifest_and_log_entry(tmp_path, monkeypatch):
+    events: list[tuple[str, str]] = []
+    real_fsync, real_link = os.fsync, os.link
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def link(src, dst, *a, **k):
+        events.append(("link", os.fsdecode(dst)))
+        return real_link(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "link", link)
+    root = txckpt.CheckpointRoot(str(tmp_path / "root"), durable=True)
+    path = root.save(1, {"model.safetensors": {"w": torch.ones(3 << 20)},  # 12 MiB: write-behind runs
+                         "optimizer.pt": {"s": torch.zeros(8)}})
+    data = [i for i, (op, p) in enumerate(events) if op == "fsync" and p.endswith((".safetensors", ".pt"))]
+    manifest = next(i for i, (op, p) in enumerate(events) if op == "link" and p.endswith(txckpt.MANIFEST_NAME))
+    entry = max(i for i, (op, p) in enumerate(events) if op == "link" and "/.txckpt/log/" in p)  # the commit
+    assert len(data) == 2 and max(data) < manifest < entry
+    assert txckpt.load_checkpoint(path)["model.safetensors"]["w"].shape == (3 << 20,)
