@@ -154,6 +154,14 @@ def wait_for_saves() -> None:
             raise e
 
 
+def mark_reported(future: Future) -> None:
+    """``future``'s outcome was reported by its caller (the Trainer raised its error): take it
+    off what wait_for_saves and the exit hook report, so no error is raised or logged twice."""
+    with _lock:
+        if future in _futures:
+            _futures.remove(future)
+
+
 def wait_for_root(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> None:
     """Wait for the save in flight of ``root`` (if any), without raising its error (its future
     and wait_for_saves have it). Called by the synchronous API before it reads or changes the
@@ -262,4 +270,4 @@ def _finish_at_exit() -> None:
             log.error("txckpt: an async save failed and was never waited for: %s: %s", type(e).__name__, e)
 
 
-__all__ = ["async_save", "submit", "wait_for_saves", "wait_for_root", "release_buffers", "pending_saves"]
+__all__ = ["async_save", "submit", "mark_reported", "wait_for_saves", "wait_for_root", "release_buffers", "pending_saves"]

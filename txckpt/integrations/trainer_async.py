@@ -240,6 +240,7 @@ class AsyncSaves:
             return
         t = self._t
         e = job.future.exception()  # waits
+        asyncsave.mark_reported(job.future)  # raised or logged here: not again by wait_for_saves
         if e is not None:
             if t.state.best_model_checkpoint is not None and is_within(t.state.best_model_checkpoint, job.capture_root):
                 t.state.best_model_checkpoint = job.best_before
