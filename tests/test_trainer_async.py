@@ -2,8 +2,8 @@
 
 * The seed report's torn and abandoned scenarios (tests/test_trainer_rollback.py) with async
   saves, a real SIGKILL: torn dies inside the background save, right after model.safetensors.
-* An async checkpoint holds the same files with the same bytes as a synchronous one of the same
-  run (the state keeps changing after each snapshot: nothing of it may reach the checkpoint),
+* An async checkpoint (copy-first or lazy) holds the same files with the same bytes as a
+  synchronous one of the same run (the state keeps changing after each snapshot: nothing of it may reach the checkpoint),
   the best checkpoint is named the same, on_save sees each committed checkpoint, in step order,
   and train() returns with every save committed and followed up (retention).
 * A background failure (ENOSPC) is raised by train() at the next save, the sync path's error.
@@ -102,13 +102,17 @@ def test_same_checkpoints_as_sync_and_train_returns_committed(tmp_path):
     # The same run twice in the same output_dir (training_args.bin records it), moved aside.
     out = tmp_path / "out"
     runs = {}
-    for mode in ("sync", "async"):
-        trainer, seen = train(out, mode == "async")
+    for mode in ("sync", "async", "lazy"):
+        trainer, seen = train(out, {"sync": False, "async": True, "lazy": "lazy"}[mode])
         assert txckpt.asyncsave.pending_saves() == 0
         runs[mode] = (manifests(out), seen.saves, trainer.state.best_model_checkpoint,
                       json.loads((Path(trainer.state.best_model_checkpoint) / "trainer_state.json").read_text()))
+        # Lazy: the optimizer step after each save but the last (the end of training) waited
+        # for the background's copy of the parameters and optimizer state.
+        assert len(trainer._txckpt_async.copy_waits) == (3 if mode == "lazy" else 0)
         txckpt.forget_roots()
         out.rename(tmp_path / mode)
+    assert runs["lazy"][0] == runs["async"][0]
     (sync, sync_seen, sync_best, sync_state), (asyn, async_seen, async_best, async_state) = runs["sync"], runs["async"]
     # Retention (save_total_limit=2, the best kept) ran after every commit: the same survivors.
     assert sorted(asyn) == sorted(sync) and 8 in asyn

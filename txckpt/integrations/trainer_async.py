@@ -35,11 +35,13 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator
 
 from txckpt import asyncsave, errors as _errors
 from txckpt.root import open_root
+from txckpt.snapshot import SnapshotPool
 
 from .trainer_paths import STAGING_DIR_NAME, STAGING_ENV, TRAINER_STATE_NAME, is_remote, is_within
 
@@ -166,6 +168,16 @@ class _Job:
         self.on_save: list[Any] = []  # the deferred on_save event (args), at most one
 
 
+LAZY = "lazy"
+
+
+def check_mode(value: Any) -> bool | str:
+    """``txckpt_async_save``: False (sync), True (copy-first) or "lazy"."""
+    if value is True or value is False or value == LAZY:
+        return value
+    raise ValueError(f"txckpt_async_save takes True, False or {LAZY!r}, not {value!r}")
+
+
 class AsyncSaves:
     """The async saves of one Trainer (``trainer``: the mixin instance)."""
 
@@ -174,6 +186,13 @@ class AsyncSaves:
         self._job: _Job | None = None
         self._scratch: str | None = None
         self._defer_on_save = False
+        #: Lazy mode: set once the background has copied the live parameters and optimizer state
+        #: (the optimizer's step pre-hook waits for it); the eager part's buffers; the hook's optimizer.
+        self._copied: threading.Event | None = None
+        self._eager = SnapshotPool()
+        self._hooked: Any = None
+        #: Lazy mode: seconds each optimizer step waited for the background copy (benchmarks read it).
+        self.copy_waits: list[float] = []
 
     # ----- the save, in the training thread --------------------------------------------------
     def save(self, upstream: Callable[..., Any], model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
@@ -210,13 +229,27 @@ class AsyncSaves:
         if is_remote(root) and not os.environ.get(STAGING_ENV):
             local_dir = os.path.join(t._txckpt_remote.directory, STAGING_DIR_NAME)
 
+        objs = {name: w[1] for name, w in capture.writes.items()}
+        copied = None
+        if t.txckpt_async_save == LAZY:
+            # Everything but the parameters and the optimizer state is copied now (buffers, RNG
+            # states, arguments: forward may change them); those two change only in the next
+            # optimizer step, whose pre-hook waits until the background has copied them.
+            objs = self._eager.snapshot(objs, live=self._live_storages())
+            copied = self._copied = threading.Event()
+
         def prepare(pool: Any) -> Callable[[Any], tuple[str, str]]:
-            snap = pool.snapshot({name: w[1] for name, w in capture.writes.items()})
+            snap = pool.snapshot(objs) if copied is None else None
             plan = [(name, how, kw, writer) for name, (how, _, kw, writer) in capture.writes.items()]
             return functools.partial(_write_and_commit, root, so, step, meta, plan, snap, small,
-                                     state, capture_root, local_dir)
+                                     state, capture_root, local_dir, (pool, objs, copied))
 
-        future = asyncsave.submit(root, so, prepare)
+        try:
+            future = asyncsave.submit(root, so, prepare)
+        except BaseException:
+            if copied is not None:  # nothing will copy: the next step must not wait for it
+                copied.set()
+            raise
         self._job = _Job(step, root, future, capture_root, push, state, best_before)
         self._defer_on_save = True  # upstream calls on_save right after this returns
 
@@ -229,6 +262,26 @@ class AsyncSaves:
         control.should_save = False
         self._job.on_save.append((args, kwargs))
         return control
+
+    def _live_storages(self) -> frozenset[int]:
+        """Lazy mode: the storages of the parameters and the optimizer's state (CPU ones; a
+        device tensor is copied to the host at once anyway), with the step pre-hook installed."""
+        t = self._t
+        inner = getattr(t.optimizer, "optimizer", t.optimizer)  # accelerate wraps torch's
+        if inner is not self._hooked:
+            inner.register_step_pre_hook(self._wait_for_copy)
+            self._hooked = inner
+        tensors = list(t.model.parameters())
+        tensors += [v for st in inner.state.values() for v in st.values() if hasattr(v, "untyped_storage")]
+        return frozenset(x.untyped_storage().data_ptr() for x in tensors if x.device.type == "cpu")
+
+    def _wait_for_copy(self, *_: Any) -> None:
+        copied = self._copied
+        if copied is not None:
+            t0 = time.perf_counter()
+            copied.wait()
+            self.copy_waits.append(time.perf_counter() - t0)
+            self._copied = None
 
     # ----- after the commit, in the training thread --------------------------------------------
     def settle(self, raise_error: bool = True) -> None:
@@ -283,11 +336,20 @@ class AsyncSaves:
         handler.on_save = functools.partial(self.on_save, real)
 
 
-def _write_and_commit(root: str, so: Any, step: int, meta: Any, plan: list, snap: dict, small: dict,
-                      state: Any, capture_root: str, local_dir: str | None, coordinator: Any) -> tuple[str, str]:
-    """The background job: replay the recorded writes from the snapshot in one transaction."""
+def _write_and_commit(root: str, so: Any, step: int, meta: Any, plan: list, snap: dict | None, small: dict,
+                      state: Any, capture_root: str, local_dir: str | None, lazy: tuple, coordinator: Any,
+                      ) -> tuple[str, str]:
+    """The background job: replay the recorded writes from the snapshot in one transaction. Lazy
+    mode (``snap`` None): take the snapshot first, here, and let the optimizer step go on."""
     from txckpt.manifest import kind_for_name
     from txckpt.serialization import _torch_save_config
+
+    if snap is None:
+        pool, objs, copied = lazy
+        try:
+            snap = pool.snapshot(objs)
+        finally:
+            copied.set()  # a failed copy is the future's error; the step must not hang on it
 
     with open_root(root, so).transaction(step, metadata=meta, coordinator=coordinator,
                                          local_dir=local_dir) as tx:
@@ -325,4 +387,4 @@ def _write_and_commit(root: str, so: Any, step: int, meta: Any, plan: list, snap
     return tx.path, expected
 
 
-__all__ = ["AsyncSaves"]
+__all__ = ["AsyncSaves", "check_mode", "LAZY"]

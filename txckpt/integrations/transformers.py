@@ -53,7 +53,7 @@ from txckpt.coordination import current_coordinator, decide_on_rank0
 from txckpt.fallback import check_on_damaged
 from txckpt.integrations.trainer_logging import follow_transformers_verbosity
 
-from .trainer_async import AsyncSaves
+from .trainer_async import AsyncSaves, check_mode
 from .trainer_patches import (
     HUB_IGNORE_PATTERNS,
     hub_uploads_skip_txckpt,
@@ -102,7 +102,8 @@ class TransactionalCheckpointMixin:
       ``"fallback"`` forks from the newest checkpoint that verifies (``txckpt.resume``).
 
     * ``txckpt_async_save``: ``True`` saves in the background; the training loop is blocked
-      for a copy of the state only (docs/async.md, "Trainer": ordering, errors).
+      for a copy of the state only; ``"lazy"``: the next optimizer step waits for the copy
+      instead (docs/async.md, "Trainer": ordering, errors).
 
     Class attribute only: ``txckpt_stream_optimizer`` (default True): the ``torch.save`` calls of
     upstream's ``_save_optimizer_and_scheduler`` (``optimizer.pt``, ``scheduler.pt``) write
@@ -121,7 +122,7 @@ class TransactionalCheckpointMixin:
     txckpt_timeout: float | None = None
     txckpt_on_damaged: str = "raise"
     txckpt_stream_optimizer: bool = True
-    txckpt_async_save: bool = False
+    txckpt_async_save: bool | str = False
 
     def __init_subclass__(cls, **kwargs: Any):
         # Runs at class definition, even when Trainer comes first (whose __init__ would then
@@ -133,7 +134,7 @@ class TransactionalCheckpointMixin:
                  txckpt_storage_options: dict[str, Any] | None = None,
                  txckpt_cache_dir: str | os.PathLike | None = None,
                  txckpt_timeout: float | None = None, txckpt_on_damaged: str | None = None,
-                 txckpt_async_save: bool | None = None, **kwargs: Any):
+                 txckpt_async_save: bool | str | None = None, **kwargs: Any):
         _check_mro(type(self))
         if txckpt_on_damaged is not None:
             check_on_damaged(txckpt_on_damaged)
@@ -147,7 +148,7 @@ class TransactionalCheckpointMixin:
         if txckpt_timeout is not None:
             self.txckpt_timeout = txckpt_timeout
         if txckpt_async_save is not None:
-            self.txckpt_async_save = bool(txckpt_async_save)
+            self.txckpt_async_save = check_mode(txckpt_async_save)
         # Set before Trainer.__init__: it may call overridden methods (e.g. _get_output_dir).
         self._txckpt_tx = None
         #: Files of the open transaction written through it by _save_optimizer_and_scheduler.
