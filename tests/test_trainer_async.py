@@ -156,3 +156,32 @@ def test_background_enospc_is_raised_by_train_at_the_next_save(tmp_path, monkeyp
     assert [c.step for c in txckpt.CheckpointRoot(out).checkpoints(lineage="all")] == [2]
     assert txckpt.asyncsave.pending_saves() == 0
     txckpt.wait_for_saves()  # train() reported the error: it is not raised a second time
+
+
+@pytest.mark.s3
+def test_async_saves_on_s3_commit_and_resume(tmp_path, s3_root):
+    """A remote root: the background uploads and commits; retention and the local cache follow
+    each commit; resume_from_checkpoint=True continues from the newest one."""
+    url, opts = s3_root
+    out = tmp_path / "out"
+
+    def run(max_steps, resume=None):
+        torch.manual_seed(0)
+        trainer = TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(out), max_steps, save_total_limit=2),
+                                       train_dataset=Data(0), txckpt_root=url, txckpt_storage_options=opts,
+                                       txckpt_async_save=True)
+        trainer.train(resume_from_checkpoint=resume)
+        txckpt.forget_roots()
+        return trainer, {c.step: c for c in txckpt.CheckpointRoot(url, opts).checkpoints()}
+
+    _, cps = run(4)
+    assert sorted(cps) == [2, 4]
+    trainer, cps = run(8, resume=True)
+    assert sorted(cps) == [6, 8]  # save_total_limit=2 after every commit
+    for c in cps.values():
+        assert c.path.startswith(url + "/.txckpt/tx/")
+        assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} \
+            <= set(txckpt.verify_checkpoint(c.path, storage_options=opts).files)
+    # Nothing of txckpt's left in the local output_dir (scratch uploads and cached copies gone).
+    assert not (out / ".txckpt").exists()
+    assert [p for p in out.rglob("*") if p.is_file()] == []
