@@ -185,3 +185,18 @@ def test_async_saves_on_s3_commit_and_resume(tmp_path, s3_root):
     # Nothing of txckpt's left in the local output_dir (scratch uploads and cached copies gone).
     assert not (out / ".txckpt").exists()
     assert [p for p in out.rglob("*") if p.is_file()] == []
+
+
+def test_lazy_snapshot_keeps_the_live_storages_and_copies_the_rest():
+    """The eager half of a lazy snapshot: parameters' and optimizer state's storages stay live
+    (the background copies them), everything else is copied at once."""
+    from txckpt.snapshot import SnapshotPool
+
+    weight, buffer = torch.ones(4), torch.zeros(2)
+    view = weight[1:]
+    snap = SnapshotPool().snapshot({"model.safetensors": {"w": view, "b": buffer}},
+                                   live=frozenset({weight.untyped_storage().data_ptr()}))["model.safetensors"]
+    assert snap["w"] is view
+    assert snap["b"].untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+    buffer.add_(1)
+    assert torch.equal(snap["b"], torch.zeros(2))
