@@ -129,7 +129,7 @@ def _overhead(s: h.Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         asyncsave.release_buffers(ctx["out"])
         h.remove(ctx["out"])
 
-    reps = 1 if s.tiny else 2
+    reps = 1 if s.tiny else 2 if s.quick else 3
     probe = setup(SYNC)()
     try:
         probe["trainer"].train()
@@ -159,7 +159,8 @@ def _overhead(s: h.Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     ]
     series = {f"{m} overhead per save": [[size, h.median(times[m])]] for m in (SYNC, ASYNC, LAZY)}
     return rows, {"label": label, "size": size, "every": every, "steps": steps, "series": series,
-                  "step_time": h.median(windows[NONE]) / (steps - 2 * every)}
+                  "step_time": h.median(windows[NONE]) / (steps - 2 * every),
+                  "windows": ", ".join(f"{m}: {' / '.join(f'{w:.1f}' for w in windows[m])} s" for m in windows)}
 
 
 # ----- memory over 100 async saves (a subprocess) ----------------------------------------------
@@ -238,6 +239,7 @@ def run(quick: bool) -> dict[str, Any]:
                   "saves, divided by the saves in it: the time the loop is blocked plus the slowdown of "
                   "the steps the background save runs beside. The last row: 100 `txckpt.async_save` "
                   "calls of the synthetic state in a subprocess (VmHWM, RSS)."),
+        "notes": [f"Windows per round: {info['windows']}."],
         "series": info["series"],
     }
 
