@@ -200,3 +200,36 @@ def test_lazy_snapshot_keeps_the_live_storages_and_copies_the_rest():
     assert snap["b"].untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
     buffer.add_(1)
     assert torch.equal(snap["b"], torch.zeros(2))
+
+
+@pytest.mark.parametrize("save_steps", [100, 3])
+def test_jit_checkpoint_is_committed_before_training_goes_on(tmp_path, save_steps):
+    """transformers 5.x JIT checkpoint (a preemption's): committed before the next step runs; one
+    requested right after a regular async save of the same step is skipped, not a conflict."""
+    from tests.test_trainer_mixin import TF5, RequestJIT
+
+    if not TF5:
+        pytest.skip("JIT checkpointing is transformers 5.x only")
+    out = tmp_path / "out"
+
+    class CommittedAt4(TrainerCallback):
+        """At the end of step 4 (the JIT save ran at its begin): nothing in flight, checkpoint-3 committed."""
+
+        seen = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 4:
+                self.seen = (txckpt.asyncsave.pending_saves(), txckpt.verify_checkpoint(out / "checkpoint-3").step)
+
+    torch.manual_seed(0)
+    req, check = RequestJIT(3), CommittedAt4()
+    t = TransactionalTrainer(model=TinyModel(TinyConfig()),
+                             args=make_args(str(out), 8, enable_jit_checkpoint=True, save_steps=save_steps),
+                             train_dataset=Data(0), callbacks=[req, check], txckpt_async_save=True)
+    req.trainer = t
+    t.train()
+    assert t.state.global_step == 4
+    assert check.seen == (0, 3)
+    txckpt.forget_roots()
+    assert [c.step for c in txckpt.CheckpointRoot(out).checkpoints()] == [3]
+    assert not list(out.rglob("checkpoint-is-incomplete.txt"))

@@ -480,6 +480,7 @@ class TransactionalCheckpointMixin:
         manager.is_checkpoint_requested = False
         log.info("JIT checkpoint at step %d", self.state.global_step)
         self._save_checkpoint(self.model, trial=None)  # type: ignore[attr-defined]
+        self._txckpt_async.settle()  # async: a JIT checkpoint precedes a preemption; commit it now
 
     # ----- resume ------------------------------------------------------------------------------
     def _load_optimizer_and_scheduler(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
