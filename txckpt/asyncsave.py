@@ -23,7 +23,7 @@ import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .coordination import Coordinator, SingleProcess, TorchDistributed, coordination_timeout
 from .errors import CoordinationTimeoutError, InvalidArgumentError
@@ -81,6 +81,29 @@ def async_save(
     """
     if not isinstance(files, Mapping) or not files:
         raise InvalidArgumentError("files must be a non-empty dict of file name -> object")
+    so = dict(storage_options) if storage_options is not None else None
+
+    def prepare(pool: SnapshotPool) -> Callable[[Coordinator], str]:
+        snapshot = pool.snapshot(files)
+        meta = copy.deepcopy(dict(metadata or {}))  # plain data, small: not pooled
+        return lambda coordinator: open_root(root, so).save(step, snapshot, metadata=meta,
+                                                            coordinator=coordinator)
+
+    return submit(root, storage_options, prepare)
+
+
+def submit(
+    root: str | os.PathLike,
+    storage_options: Mapping[str, Any] | None,
+    prepare: "Callable[[SnapshotPool], Callable[[Coordinator], Any]]",
+) -> Future:
+    """The machinery of :func:`async_save` for a caller that snapshots its own state (the
+    Trainer integration, whose files are written by upstream code): wait for the root's save in
+    flight, then, in the caller's thread, ``prepare(pool)`` snapshots into the root's reused
+    buffers and returns the background job; ``job(coordinator)`` then runs on the root's worker
+    thread with the coordinator of the async saves' own group (a Transaction takes it), and its
+    result or error is the future's. Every guarantee of async_save (one in flight per root, step
+    order, wait_for_saves, finished at exit) holds for it. An error of ``prepare`` is raised here."""
     key = root_key(root, storage_options)
     with _lock:
         saver = _savers.get(key)
@@ -90,22 +113,20 @@ def async_save(
     with saver.lock:
         saver.wait()  # the previous save: its buffers are reused below
         coordinator = _coordinator()
-        snapshot = saver.pool.snapshot(files)
-        meta = copy.deepcopy(dict(metadata or {}))  # plain data, small: not pooled
+        job = prepare(saver.pool)
         future: Future = Future()
         future.set_running_or_notify_cancel()  # it runs from now on: cancel() is refused
-        so = dict(storage_options) if storage_options is not None else None
 
         def run() -> None:
             saver.worker_ident = threading.get_ident()
             try:
-                path = open_root(root, so).save(step, snapshot, metadata=meta, coordinator=coordinator)
+                result = job(coordinator)
             except BaseException as e:  # noqa: BLE001 - the future carries it to the caller
                 if isinstance(e, CoordinationTimeoutError):
                     _discard_group(coordinator)
                 future.set_exception(e)
             else:
-                future.set_result(path)
+                future.set_result(result)
 
         with _lock:
             # Saves that succeeded have nothing left to report: only errors wait for
@@ -131,6 +152,14 @@ def wait_for_saves() -> None:
         e = f.exception()
         if e is not None:
             raise e
+
+
+def mark_reported(future: Future) -> None:
+    """``future``'s outcome was reported by its caller (the Trainer raised its error): take it
+    off what wait_for_saves and the exit hook report, so no error is raised or logged twice."""
+    with _lock:
+        if future in _futures:
+            _futures.remove(future)
 
 
 def wait_for_root(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> None:
@@ -241,4 +270,4 @@ def _finish_at_exit() -> None:
             log.error("txckpt: an async save failed and was never waited for: %s: %s", type(e).__name__, e)
 
 
-__all__ = ["async_save", "wait_for_saves", "wait_for_root", "release_buffers", "pending_saves"]
+__all__ = ["async_save", "submit", "mark_reported", "wait_for_saves", "wait_for_root", "release_buffers", "pending_saves"]

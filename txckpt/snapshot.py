@@ -49,10 +49,13 @@ class SnapshotPool:
         """Free every buffer (the next snapshot allocates again)."""
         self._buffers.clear()
 
-    def snapshot(self, files: Mapping[str, Any]) -> dict[str, Any]:
+    def snapshot(self, files: Mapping[str, Any], live: frozenset[int] = frozenset()) -> dict[str, Any]:
         """A copy of ``files`` that shares no mutable object with it. Raises InvalidArgumentError
-        for an object it cannot copy (the save would not see what the caller passed)."""
-        run = _Run(self)
+        for an object it cannot copy (the save would not see what the caller passed).
+
+        ``live``: data pointers of CPU storages whose tensors are kept as they are, not copied
+        (the Trainer's lazy snapshot copies those later, before the optimizer changes them)."""
+        run = _Run(self, live)
         try:
             out = {name: run.copy(obj, name, "") for name, obj in files.items()}
             run.finish()
@@ -78,8 +81,9 @@ class SnapshotPool:
 class _Run:
     """One snapshot: the copies made so far (memo), the buffers taken, the streams to wait on."""
 
-    def __init__(self, pool: SnapshotPool):
+    def __init__(self, pool: SnapshotPool, live: frozenset[int] = frozenset()):
         self.pool = pool
+        self.live = live
         self.free = dict(pool._buffers)  # not yet claimed by this snapshot
         self.used: dict[Key, Any] = {}
         self.memo: dict[int, Any] = {}  # id(object) -> its copy (one object met twice: one copy)
@@ -137,6 +141,8 @@ class _Run:
             # Subclasses (DTensor...), sparse and quantized tensors: a fresh copy of their own.
             return t.detach().clone().cpu() if t.device.type not in ("cpu", "meta") else t.detach().clone()
         src = t.untyped_storage()
+        if self.live and t.device.type == "cpu" and src.data_ptr() in self.live:
+            return t  # kept live: copied later by the caller's own rule
         nbytes = src.nbytes()
         where = (t.device, src.data_ptr(), nbytes)
         host = self.storages.get(where)

@@ -4,7 +4,8 @@
 
 RESUME is "none" or "true". With KILL_STEP, rank 1 SIGKILLs itself in the middle of the save of
 that step: after writing its rng_state_1.pth into staging, before the transaction commits.
-TXCKPT_TEST_ROOT / TXCKPT_TEST_STORAGE_OPTIONS: a remote txckpt root (see tiny.root_kwargs).
+TXCKPT_TEST_ROOT / TXCKPT_TEST_STORAGE_OPTIONS: a remote txckpt root; TXCKPT_TEST_ASYNC=1: async
+saves, and rank 1 dies in the background save instead (see tiny.root_kwargs).
 """
 import os
 import signal
@@ -29,7 +30,24 @@ if __name__ == "__main__":
                 print(f"rank 1: killing myself while saving step {kill_step} into {output_dir}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        Trainer._save_rng_state = _save_rng_state
+        if os.environ.get("TXCKPT_TEST_ASYNC") == "1":
+            # Async: rank 1 dies in the background save, right after it wrote rng_state_1.pth
+            # there (the background replays torch.save with the function it found at the save).
+            import threading
+
+            real_save = torch.save
+
+            def background_save(obj, f, *args, **kwargs):
+                real_save(obj, f, *args, **kwargs)
+                if isinstance(f, str) and os.path.basename(f) == "rng_state_1.pth" \
+                        and threading.current_thread() is not threading.main_thread() \
+                        and os.path.basename(os.path.dirname(f)) == f"checkpoint-{kill_step}":
+                    print(f"rank 1: killing myself while saving step {kill_step} in the background", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            torch.save = background_save
+        else:
+            Trainer._save_rng_state = _save_rng_state
     torch.manual_seed(0)
     stock = bool(os.environ.get("TXCKPT_TEST_STOCK_TRAINER"))
     cls = Trainer if stock else TransactionalTrainer

@@ -9,7 +9,8 @@ txckpt's TransactionalTrainer. One process per command, so that a crash is a rea
                                                   (exit: os._exit(137); kill: SIGKILL)
   rollback.py restart OUT                         run B's command with resume_from_checkpoint=True
 
-With TXCKPT_TEST_ROOT (and TXCKPT_TEST_STORAGE_OPTIONS, JSON) set, the txckpt root is that URL
+With TXCKPT_TEST_ASYNC=1 the Trainer saves asynchronously, and torn dies in the background save
+right after it wrote model.safetensors. With TXCKPT_TEST_ROOT (and TXCKPT_TEST_STORAGE_OPTIONS, JSON) set, the txckpt root is that URL
 and OUT stays the local output_dir; run B still passes OUT/checkpoint-2, the stock spelling.
 """
 import os
@@ -54,6 +55,22 @@ if __name__ == "__main__":
                 return real_step(self, *args, **kwargs)
 
             Trainer.training_step = training_step
+        elif os.environ.get("TXCKPT_TEST_ASYNC") == "1":
+            # An async save writes in the background: die there, right after model.safetensors
+            # (the sync path's crash point), with the optimizer and the rest still unwritten.
+            import threading
+
+            import transformers.modeling_utils as mu
+
+            real_write = mu.safe_save_file
+
+            def safe_save_file(*args, **kwargs):
+                real_write(*args, **kwargs)
+                if threading.current_thread() is not threading.main_thread():
+                    print("dying in the background save", flush=True)
+                    die(how)
+
+            mu.safe_save_file = safe_save_file
         else:
             Trainer._save_optimizer_and_scheduler = lambda self, output_dir: die(how)
         train(out, data_seed=1, max_steps=max_steps, resume=os.path.join(out, "checkpoint-2"))

@@ -71,11 +71,13 @@ def digests(ckpt, files=FILES):
 
 
 def root_kwargs():
-    """The txckpt root the test asked for: ``TXCKPT_TEST_ROOT`` (a URL; output_dir stays local)
+    """The Trainer keywords the test asked for: the txckpt root ``TXCKPT_TEST_ROOT`` (a URL; output_dir stays local)
     with ``TXCKPT_TEST_STORAGE_OPTIONS`` (JSON), as constructor keywords of the Trainer; none
     (the root is output_dir) when unset."""
+    # TXCKPT_TEST_ASYNC=1: the same run with txckpt_async_save=True (tests/test_trainer_async.py).
+    kw = {"txckpt_async_save": True} if os.environ.get("TXCKPT_TEST_ASYNC") == "1" else {}
     root = os.environ.get("TXCKPT_TEST_ROOT")
     if not root:
-        return {}
-    return {"txckpt_root": root,
+        return kw
+    return {**kw, "txckpt_root": root,
             "txckpt_storage_options": json.loads(os.environ.get("TXCKPT_TEST_STORAGE_OPTIONS") or "{}")}

@@ -53,6 +53,7 @@ from txckpt.coordination import current_coordinator, decide_on_rank0
 from txckpt.fallback import check_on_damaged
 from txckpt.integrations.trainer_logging import follow_transformers_verbosity
 
+from .trainer_async import AsyncSaves, check_mode
 from .trainer_patches import (
     HUB_IGNORE_PATTERNS,
     hub_uploads_skip_txckpt,
@@ -101,6 +102,10 @@ class TransactionalCheckpointMixin:
       fetched into the cache): ``"raise"`` (default) IntegrityError naming the file;
       ``"fallback"`` forks from the newest checkpoint that verifies (``txckpt.resume``).
 
+    * ``txckpt_async_save``: ``True`` saves in the background; the training loop is blocked
+      for a copy of the state only; ``"lazy"``: the next optimizer step waits for the copy
+      instead (docs/async.md, "Trainer": ordering, errors).
+
     Class attribute only: ``txckpt_stream_optimizer`` (default True): the ``torch.save`` calls of
     upstream's ``_save_optimizer_and_scheduler`` (``optimizer.pt``, ``scheduler.pt``) write
     through the transaction, hashed while written, instead of being read back and hashed at
@@ -118,6 +123,7 @@ class TransactionalCheckpointMixin:
     txckpt_timeout: float | None = None
     txckpt_on_damaged: str = "raise"
     txckpt_stream_optimizer: bool = True
+    txckpt_async_save: bool | str = False
 
     def __init_subclass__(cls, **kwargs: Any):
         # Runs at class definition, even when Trainer comes first (whose __init__ would then
@@ -128,7 +134,8 @@ class TransactionalCheckpointMixin:
     def __init__(self, *args: Any, txckpt_root: str | os.PathLike | None = None,
                  txckpt_storage_options: dict[str, Any] | None = None,
                  txckpt_cache_dir: str | os.PathLike | None = None,
-                 txckpt_timeout: float | None = None, txckpt_on_damaged: str | None = None, **kwargs: Any):
+                 txckpt_timeout: float | None = None, txckpt_on_damaged: str | None = None,
+                 txckpt_async_save: bool | str | None = None, **kwargs: Any):
         _check_mro(type(self))
         if txckpt_on_damaged is not None:
             check_on_damaged(txckpt_on_damaged)
@@ -141,6 +148,8 @@ class TransactionalCheckpointMixin:
             self.txckpt_cache_dir = os.fspath(txckpt_cache_dir)
         if txckpt_timeout is not None:
             self.txckpt_timeout = txckpt_timeout
+        if txckpt_async_save is not None:
+            self.txckpt_async_save = check_mode(txckpt_async_save)
         # Set before Trainer.__init__: it may call overridden methods (e.g. _get_output_dir).
         self._txckpt_tx = None
         #: Files of the open transaction written through it by _save_optimizer_and_scheduler.
@@ -152,8 +161,11 @@ class TransactionalCheckpointMixin:
         self._txckpt_prune_after_commit = False
         #: Remote root: the local cache (checkpoint copies, Hub push sources, upload staging).
         self._txckpt_remote = RemoteCache(self)
+        #: txckpt_async_save: the save in flight and what follows its commit (trainer_async).
+        self._txckpt_async = AsyncSaves(self)
         super().__init__(*args, **kwargs)
         self._txckpt_install_jit()
+        self._txckpt_async.install()
 
     # ----- where things go ---------------------------------------------------------------------
     def _txckpt_root(self, trial: Any = None) -> str:
@@ -184,6 +196,8 @@ class TransactionalCheckpointMixin:
             return super()._save_checkpoint(model, trial, *args, **kwargs)
         _check_save_on_each_node(self.args)
         follow_transformers_verbosity()  # the save's records show at transformers' verbosity
+        if self.txckpt_async_save:
+            return self._txckpt_async.save(super()._save_checkpoint, model, trial, *args, **kwargs)  # type: ignore[misc]
         step = int(self.state.global_step)
         if self._txckpt_last_step is not None and step == self._txckpt_last_step:
             # E.g. a JIT checkpoint requested right after a regular save or a resume: the committed
@@ -407,6 +421,7 @@ class TransactionalCheckpointMixin:
         ``sort_checkpoints``, which a subclass cannot redirect, with ``rmtree`` (other lineages'
         checkpoints and internal names included). Do the same through txckpt first
         (:meth:`_txckpt_keep_only_best`), then hide the limit from upstream's cleanup."""
+        self._txckpt_async.finish()  # the best model loaded below and the cleanup need the last commit
         limit = self.args.save_total_limit
         hide = limit == 1 and self.state.best_model_checkpoint is not None
         if hide:
@@ -467,6 +482,7 @@ class TransactionalCheckpointMixin:
         manager.is_checkpoint_requested = False
         log.info("JIT checkpoint at step %d", self.state.global_step)
         self._save_checkpoint(self.model, trial=None)  # type: ignore[attr-defined]
+        self._txckpt_async.settle()  # async: a JIT checkpoint precedes a preemption; commit it now
 
     # ----- resume ------------------------------------------------------------------------------
     def _load_optimizer_and_scheduler(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
@@ -491,6 +507,7 @@ class TransactionalCheckpointMixin:
             result = super().train(  # type: ignore[misc]
                 resume_from_checkpoint=resolved, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
             )
+            self._txckpt_async.finish()  # transformers 4.x (no _finalize_training): the last commit
             if not hasattr(Trainer, "_finalize_training") and self.args.save_total_limit == 1 \
                     and self.state.best_model_checkpoint is not None:
                 # transformers 4.x: its inline end-of-training cleanup got no checkpoints from
@@ -498,6 +515,7 @@ class TransactionalCheckpointMixin:
                 self._txckpt_keep_only_best(trial)
             return result
         finally:
+            self._txckpt_async.finish(raise_error=False)  # train() raised: its error, not a save's
             self._txckpt_remote.drop_push_copies()  # upstream waited for the last push at the end
 
     def _txckpt_resolve_resume(self, resume: str | bool | None, trial: Any) -> str | None:
