@@ -233,3 +233,23 @@ def test_jit_checkpoint_is_committed_before_training_goes_on(tmp_path, save_step
     txckpt.forget_roots()
     assert [c.step for c in txckpt.CheckpointRoot(out).checkpoints()] == [3]
     assert not list(out.rglob("checkpoint-is-incomplete.txt"))
+
+
+@pytest.mark.parametrize("engine", ["is_deepspeed_enabled", "is_fsdp_enabled"])
+def test_async_mode_refuses_engines_that_write_their_own_shards(engine):
+    """DeepSpeed's and FSDP's sharded saves are written by the engine itself, which the recorded
+    writes do not capture: the mixin refuses the combination when it is set up, naming the way
+    that works, instead of committing a checkpoint without the shards."""
+    from types import SimpleNamespace
+
+    from txckpt.errors import InvalidArgumentError
+    from txckpt.integrations.trainer_async import AsyncSaves
+
+    handler = SimpleNamespace(on_save=lambda *a, **k: None)
+    trainer = SimpleNamespace(txckpt_async_save=True, callback_handler=handler, **{engine: True})
+    with pytest.raises(InvalidArgumentError, match="txckpt_async_save is not supported") as e:
+        AsyncSaves(trainer).install()
+    assert "TransactionalWriter" in str(e.value)
+    ok = SimpleNamespace(txckpt_async_save=True, callback_handler=handler, **{engine: False})
+    AsyncSaves(ok).install()  # without the engine the hook goes in
+    assert handler.on_save.func.__name__ == "on_save"

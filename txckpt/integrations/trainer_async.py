@@ -331,6 +331,17 @@ class AsyncSaves:
 
     def install(self) -> None:
         """Route the callback handler's on_save through :meth:`on_save` (per instance)."""
+        if self._t.txckpt_async_save:
+            engine = ("DeepSpeed" if getattr(self._t, "is_deepspeed_enabled", False)
+                      else "FSDP" if getattr(self._t, "is_fsdp_enabled", False) else None)
+            if engine is not None:
+                # Their saves write sharded state through their own collectives and writers,
+                # which the recorded-write snapshot does not capture: refuse, not half-save.
+                raise _errors.InvalidArgumentError(
+                    f"txckpt_async_save is not supported with {engine} yet: its sharded save is "
+                    "written by the engine itself. Use txckpt_async_save=False (the save is still "
+                    "transactional), or save through torch.distributed.checkpoint with "
+                    "txckpt.integrations.dcp.TransactionalWriter and dcp.async_save (docs/distributed.md)")
         handler = self._t.callback_handler
         real = handler.on_save
         handler.on_save = functools.partial(self.on_save, real)
