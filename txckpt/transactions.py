@@ -316,6 +316,30 @@ class Transaction:
         self.path = outcome["path"]
         return False
 
+    # ----- ranks that another library gathers (txckpt.integrations.dcp) -----------------------
+    def begin_external(self, world_size: int) -> SavePlan:
+        """``__enter__`` for the committer of ``world_size`` ranks gathered by another library
+        (DCP's collectives): validation, intent and staging, no collective of txckpt's. Then
+        :meth:`commit_reports` with every rank's report; a failure here leaves nothing."""
+        self._entered, self._timer = True, Timer("save", f"step {self.step}")
+        self._coord = _Gathered(world_size)
+        self._plan = self._plan_save()
+        self.txid = self._plan.txid
+        return self._plan
+
+    def commit_reports(self, reports: list[dict[str, Any]]) -> str:
+        """Commit from every rank's report (``{"rank", "files"}``, or ``{"rank", "error"}``:
+        then abort) and return the path, or raise the error for every rank."""
+        self._require_open()
+        self._done = True
+        outcome = self._commit_or_abort(reports)
+        if "error" in outcome:
+            raise errors.decode_error(outcome["error"])
+        path: str = outcome["path"]
+        self.path = path
+        reclaim_after_save(self._root)  # as __exit__: after the commit, never raises
+        return path
+
     def _rank_report(self, exc: BaseException | None) -> dict[str, Any]:
         # Every upload of this rank has finished (or failed) before the report leaves: rank 0
         # checks the staged files, or deletes the staging, right after the gather, and no upload
@@ -508,6 +532,22 @@ class Transaction:
             self._root.clear_intent(plan.txid)
         except OSError:
             log.warning("could not remove staging %s; `txckpt gc` will", plan.key, exc_info=True)
+
+
+class _Gathered(Coordinator):
+    """The committer of ranks that another library gathers: the group's size, no collectives."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def broadcast(self, obj: Any) -> Any:  # pragma: no cover - never called: DCP gathers
+        raise InvalidArgumentError("no txckpt collective in a save another library coordinates")
+
+    def gather(self, obj: Any) -> list[Any] | None:  # pragma: no cover
+        return self.broadcast(obj)
+
+    def barrier(self) -> None:  # pragma: no cover
+        self.broadcast(None)
 
 
 class _TrackedWriter(HashingWriter):
