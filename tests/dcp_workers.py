@@ -93,16 +93,21 @@ def save(rank: int, world: int, *, root: str, step: int, seed: int | None = None
          optim: bool = True, **kw: Any) -> Any:
     """One dcp.save through TransactionalWriter of an FSDP2 model (+ Adam); rank 0 writes the
     full state to ``ref_file`` (outside the root) to compare loads with."""
-    import warnings
+    import logging
 
     import txckpt
     from txckpt.integrations.dcp import TransactionalWriter
 
     if resume_step is not None:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append  # type: ignore[method-assign]  # collect, print nothing
+        logging.getLogger("txckpt").addHandler(handler)
+        try:
             txckpt.resume(root, step=resume_step, storage_options=storage_options)
-        kw["warned"] = [str(w.message)[:200] for w in caught]
+        finally:
+            logging.getLogger("txckpt").removeHandler(handler)
+        kw["warned"] = [r.getMessage()[:200] for r in records if r.levelno >= logging.WARNING]
     m, opt = trained(step if seed is None else seed, world, rank)
     if not optim:
         opt = None
@@ -139,14 +144,23 @@ def load(rank: int, world: int, *, path: str, ref_file: str, seed: int = 99, ver
 
     from txckpt.integrations.dcp import TransactionalReader
 
+    from txckpt.errors import TxckptError
+
     m = sharded(seed, world) if world > 1 else model(seed)
     opt = torch.optim.Adam(m.parameters(), lr=0.01) if optim else None
     sd = state(m, opt)
+
+    def described(exc: BaseException) -> list:
+        return [type(exc).__name__, str(exc)[:400], getattr(exc, "path", None)]
+
     try:
-        dcp.load(sd, storage_reader=TransactionalReader(path, storage_options=storage_options, verify=verify))
-    except CheckpointException as e:
-        return {"errors": {r: [type(exc).__name__, str(exc)[:400], getattr(exc, "path", None)]
-                           for r, (exc, _tb) in e.failures.items()}}
+        reader = TransactionalReader(path, storage_options=storage_options, verify=verify)
+    except TxckptError as e:  # raised by the reader itself, before any collective of DCP's
+        return {"errors": {"opening": described(e)}}
+    try:
+        dcp.load(sd, storage_reader=reader)
+    except CheckpointException as e:  # raised inside DCP's read: every rank gets every failure
+        return {"errors": {r: described(exc) for r, (exc, _tb) in e.failures.items()}}
     if opt is not None:
         set_state_dict(m, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     else:
