@@ -334,7 +334,7 @@ class TransactionalReader(StorageReader):
 
     # No ``**kwargs``: DCP then never asks for a per-rank ``__<rank>.metadata`` (a save through
     # TransactionalWriter always has one global .metadata).
-    def read_metadata(self, *args: Any) -> Metadata:  # type: ignore[override]  # see above
+    def read_metadata(self, *args: Any) -> Metadata:
         metadata = self._open()[3]
         meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         meta.load_id = self._load_id
