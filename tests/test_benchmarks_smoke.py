@@ -31,7 +31,8 @@ def test_tiny_run_writes_report_and_plot(tmp_path):
                   "Save, durability off", "Load with verification", "Memory", "get_last_checkpoint",
                   "S3: bytes uploaded per save", "S3: save throughput against pipe_file",
                   "S3: get_last_checkpoint requests", "Async save: time the training loop is blocked",
-                  "Async save on S3: blocked time against the synchronous save"):
+                  "Async save on S3: blocked time against the synchronous save",
+                  "DCP: TransactionalWriter / TransactionalReader vs plain torch DCP, 2 ranks"):
         assert title in md, title
     assert "**failed**" not in md, md[md.find("**failed**") - 400:][:2000]
     # The write benchmarks cleaned up after themselves.
