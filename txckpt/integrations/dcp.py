@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import mmap
 import os
 import pickle
 import queue
@@ -52,7 +53,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import errors
+from .. import errors, fileio
 from ..api import _checked_manifest, _following_moves
 from ..asyncsave import wait_for_root
 from ..checksum import HashingWriter, digest_bytes, new_hasher
@@ -60,7 +61,7 @@ from ..errors import IntegrityError, InvalidArgumentError, ManifestError, Transa
 from ..layout import intent_key
 from ..manifest import FileEntry, Manifest, kind_for_name
 from ..root import open_root
-from ..verify import FALLBACK_HINT, verify_checkpoint_files
+from ..verify import FALLBACK_HINT, _wrong_checksum, verify_checkpoint_files
 
 #: DCP's metadata file (the name FileSystemReader reads).
 METADATA_NAME = ".metadata"
@@ -370,9 +371,17 @@ class TransactionalReader(StorageReader):
 
     def _whole(self, path: str, storage: Any, manifest: Manifest, name: str,
                infos: list[_StorageInfo]) -> list[memoryview]:
-        data = verify_checkpoint_files(storage, manifest, path, names=[name], keep_bytes=True)[name]
-        raw: Any = data.numpy() if isinstance(data, torch.Tensor) else data  # a uint8 buffer or bytes
-        view = memoryview(raw).cast("B")
+        entry = manifest.files[name]
+        local = storage.local_path(name)
+        view: memoryview | None = None
+        if local is not None and entry.size > 0 and not storage.is_symlink_escape(name):
+            view = _mapped(local, entry.size)  # None: missing or resized, which the check below names
+        if view is None:
+            data = verify_checkpoint_files(storage, manifest, path, names=[name], keep_bytes=True)[name]
+            raw: Any = data.numpy() if isinstance(data, torch.Tensor) else data  # a uint8 buffer or bytes
+            view = memoryview(raw).cast("B")
+        elif digest_bytes(view) != entry.checksum:
+            raise _wrong_checksum(path, name)
         return [view[i.offset:i.offset + i.length] for i in infos]
 
     def _ranges(self, path: str, storage: Any, manifest: Manifest, ranges: dict[str, Any], name: str,
@@ -410,10 +419,56 @@ class TransactionalReader(StorageReader):
         return False  # chosen explicitly: DCP's FileSystemReader stays the default for plain paths
 
 
+def _mapped(local: str, size: int) -> memoryview | None:
+    """A local shard mapped into memory when it has the manifest's size (None otherwise: the
+    caller's full check then names what is wrong). It is hashed in place and loaded from the
+    same mapping: one pass over the page cache to hash, one copy into the tensors, as many as
+    DCP's own reader makes, instead of a read into a private buffer first. A committed shard
+    is never rewritten; the bytes hashed are the bytes loaded."""
+    try:
+        with fileio.open_regular_file(local) as f:  # a FIFO or device is refused, unread
+            if os.fstat(f.fileno()).st_size != size:
+                return None
+            return memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable reader over a buffer that copies nothing until asked: torch.load reads each
+    record with ``readinto`` straight into its tensor's storage (io.BytesIO would first copy the
+    whole item)."""
+
+    def __init__(self, view: memoryview):
+        super().__init__()
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        piece = self._view[self._pos:self._pos + len(memoryview(b).cast("B"))]
+        n = len(piece)
+        memoryview(b).cast("B")[:n] = piece
+        self._pos += n
+        return n
+
+
 def _load_item(req: ReadItem, blob: Any, planner: LoadPlanner) -> None:
     """One item into its target, as FileSystemReader loads it (no stream transforms: the writer
     applies none)."""
-    stream = io.BytesIO(blob)
+    stream: Any = _ViewReader(memoryview(blob).cast("B")) if isinstance(blob, memoryview) else io.BytesIO(blob)
     if req.type == LoadItemType.BYTE_IO:
         planner.load_bytes(req, stream)
         return
