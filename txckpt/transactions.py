@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, Literal, Mapping
 
 from . import errors
 from .checksum import HashingWriter, digest_stream
-from .coordination import Coordinator, current_coordinator, decide_on_rank0
+from .coordination import Coordinator, GatheredElsewhere, current_coordinator, decide_on_rank0
 from .errors import (
     CheckpointNotFoundError,
     InvalidArgumentError,
@@ -322,7 +322,7 @@ class Transaction:
         (DCP's collectives): validation, intent and staging, no collective of txckpt's. Then
         :meth:`commit_reports` with every rank's report; a failure here leaves nothing."""
         self._entered, self._timer = True, Timer("save", f"step {self.step}")
-        self._coord = _Gathered(world_size)
+        self._coord = GatheredElsewhere(world_size)
         self._plan = self._plan_save()
         self.txid = self._plan.txid
         return self._plan
@@ -532,22 +532,6 @@ class Transaction:
             self._root.clear_intent(plan.txid)
         except OSError:
             log.warning("could not remove staging %s; `txckpt gc` will", plan.key, exc_info=True)
-
-
-class _Gathered(Coordinator):
-    """The committer of ranks that another library gathers: the group's size, no collectives."""
-
-    def __init__(self, world_size: int):
-        self.world_size = world_size
-
-    def broadcast(self, obj: Any) -> Any:  # pragma: no cover - never called: DCP gathers
-        raise InvalidArgumentError("no txckpt collective in a save another library coordinates")
-
-    def gather(self, obj: Any) -> list[Any] | None:  # pragma: no cover
-        return self.broadcast(obj)
-
-    def barrier(self) -> None:  # pragma: no cover
-        self.broadcast(None)
 
 
 class _TrackedWriter(HashingWriter):
