@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, Literal, Mapping
 
 from . import errors
 from .checksum import HashingWriter, digest_stream
-from .coordination import Coordinator, GatheredElsewhere, current_coordinator, decide_on_rank0
+from .coordination import Coordinator, current_coordinator, decide_on_rank0
 from .errors import (
     CheckpointNotFoundError,
     InvalidArgumentError,
@@ -321,6 +321,8 @@ class Transaction:
         """``__enter__`` for the committer of ``world_size`` ranks gathered by another library
         (DCP's collectives): validation, intent and staging, no collective of txckpt's. Then
         :meth:`commit_reports` with every rank's report; a failure here leaves nothing."""
+        from .coordination import GatheredElsewhere  # only saves another library coordinates need it
+
         self._entered, self._timer = True, Timer("save", f"step {self.step}")
         self._coord = GatheredElsewhere(world_size)
         self._plan = self._plan_save()
