@@ -119,6 +119,24 @@ class SingleProcess(Coordinator):
         return None
 
 
+class GatheredElsewhere(Coordinator):
+    """The committer of ranks that another library gathers (torch.distributed.checkpoint's own
+    collectives, :meth:`txckpt.transactions.Transaction.begin_external`): it knows the group's
+    size, which the manifest records, and makes no collective of its own."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def broadcast(self, obj: Any) -> Any:  # pragma: no cover - never called: the other library gathers
+        raise InvalidArgumentError("no txckpt collective in a save that another library coordinates")
+
+    def gather(self, obj: Any) -> list[Any] | None:  # pragma: no cover
+        return self.broadcast(obj)
+
+    def barrier(self) -> None:  # pragma: no cover
+        self.broadcast(None)
+
+
 # The gloo group txckpt uses, and the default group it was made for. Guarded by _lock.
 _lock = threading.Lock()
 _cached: dict[str, Any] = {}

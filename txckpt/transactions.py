@@ -329,6 +329,32 @@ class Transaction:
         self.path = outcome["path"]
         return False
 
+    # ----- ranks that another library gathers (txckpt.integrations.dcp) -----------------------
+    def begin_external(self, world_size: int) -> SavePlan:
+        """``__enter__`` for the committer of ``world_size`` ranks gathered by another library
+        (DCP's collectives): validation, intent and staging, no collective of txckpt's. Then
+        :meth:`commit_reports` with every rank's report; a failure here leaves nothing."""
+        from .coordination import GatheredElsewhere  # only saves another library coordinates need it
+
+        self._entered, self._timer = True, Timer("save", f"step {self.step}")
+        self._coord = GatheredElsewhere(world_size)
+        self._plan = self._plan_save()
+        self.txid = self._plan.txid
+        return self._plan
+
+    def commit_reports(self, reports: list[dict[str, Any]]) -> str:
+        """Commit from every rank's report (``{"rank", "files"}``, or ``{"rank", "error"}``:
+        then abort) and return the path, or raise the error for every rank."""
+        self._require_open()
+        self._done = True
+        outcome = self._commit_or_abort(reports)
+        if "error" in outcome:
+            raise errors.decode_error(outcome["error"])
+        path: str = outcome["path"]
+        self.path = path
+        reclaim_after_save(self._root)  # as __exit__: after the commit, never raises
+        return path
+
     def _rank_report(self, exc: BaseException | None) -> dict[str, Any]:
         # Every upload of this rank has finished (or failed) before the report leaves: rank 0
         # checks the staged files, or deletes the staging, right after the gather, and no upload

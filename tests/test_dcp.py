@@ -1,0 +1,210 @@
+"""txckpt under torch.distributed.checkpoint: FSDP2 (``fully_shard``) state saved by dcp.save
+through TransactionalWriter and loaded by dcp.load through TransactionalReader, on real gloo
+ranks (tests/dist_workers.py's launcher; nothing of torch.distributed is mocked)."""
+
+from __future__ import annotations
+
+
+import os
+
+import pytest
+
+import txckpt
+from tests import dcp_workers as cw
+from tests import dist_workers as dw
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+
+def _ok(run: dw.Run) -> list:
+    for r in run.results:
+        assert r.exitcode == 0 and r.error_type is None, run.describe() + "\n" + (r.trace or "")
+    return [r.ok for r in run.results]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One FSDP2 model + Adam saved through DCP on 2 ranks (step 5), and its full state."""
+    tmp = tmp_path_factory.mktemp("dcp")
+    root, ref = str(tmp / "root"), str(tmp / "ref.pt")
+    out = _ok(dw.launch(2, cw.save, str(tmp / "save"), root=root, step=5, ref_file=ref))
+    return {"root": root, "ref": ref, "out": out, "tmp": tmp}
+
+
+def test_save_commits_one_checkpoint_with_each_shard_attributed_to_its_rank(saved):
+    out = saved["out"]
+    path = out[0]["path"]
+    assert path and txckpt.get_last_checkpoint(saved["root"]) == path
+    assert [o["returned"] for o in out] == [path, path]  # dcp.save's Metadata names it on every rank
+    m = txckpt.read_manifest(path)
+    assert m.step == 5 and m.world_size == 2 and m.metadata == {"by": "dcp"}
+    assert {n: e.rank for n, e in m.files.items()} == {
+        "__0_0.distcp": 0, "__1_0.distcp": 1, ".metadata": 0, "txckpt-dcp-ranges.json": 0}
+    txckpt.verify_checkpoint(path)
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_load_reshards_to_equal_tensors(saved, world):
+    path = saved["out"][0]["path"]
+    got = _ok(dw.launch(world, cw.load, str(saved["tmp"] / f"load{world}"), path=path, ref_file=saved["ref"]))
+    for g in got:
+        assert g["tensors"] > 8 and g["different"] == [], g
+
+
+def test_plain_dcp_reader_still_reads_a_committed_checkpoint(saved):
+    """The files are DCP's own format: FileSystemReader loads them too (unverified)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    m = cw.model(0)
+    sd = {"model": m.state_dict()}
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(saved["out"][0]["path"]), no_dist=True)
+    ref = torch.load(saved["ref"], weights_only=True)
+    assert all(torch.equal(sd["model"][k], ref[f"model/{k}"]) for k in sd["model"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: every damage is a typed error naming the file, on every rank, before bytes are used
+
+
+def _damaged(saved, tag: str, damage) -> str:
+    """A copy of the saved root whose checkpoint ``damage(path)`` changed; its path."""
+    import shutil
+
+    root = str(saved["tmp"] / f"bad-{tag}")
+    shutil.copytree(saved["root"], root, symlinks=True)
+    path = os.path.join(root, "checkpoint-5")
+    damage(path)
+    return path
+
+
+def _flip(name: str, where: float = 0.5):
+    def damage(path: str) -> None:
+        f = os.path.join(path, name)
+        with open(f, "r+b") as fh:
+            at = int(os.path.getsize(f) * where)
+            fh.seek(at)
+            b = fh.read(1)
+            fh.seek(at)
+            fh.write(bytes([b[0] ^ 0x40]))
+    return damage
+
+
+def _truncate(name: str):
+    def damage(path: str) -> None:
+        f = os.path.join(path, name)
+        os.truncate(f, os.path.getsize(f) - 7)
+    return damage
+
+
+def _remove(name: str):
+    return lambda path: os.remove(os.path.join(path, name))
+
+
+def _load_errors(saved, path: str, tag: str, world: int = 2, verify: str = "full") -> dict:
+    got = _ok(dw.launch(world, cw.load, str(saved["tmp"] / f"load-{tag}"), path=path, ref_file=saved["ref"],
+                        verify=verify))
+    for g in got:
+        assert "errors" in g, f"{tag}: loaded without an error: {g}"
+    assert all(g == got[0] for g in got), got  # every rank sees the same failures
+    return got[0]["errors"]
+
+
+@pytest.mark.parametrize("case", [
+    ("flip0", _flip("__0_0.distcp"), "__0_0.distcp", "IntegrityError"),
+    ("flip1", _flip("__1_0.distcp", 0.9), "__1_0.distcp", "IntegrityError"),
+    ("truncated", _truncate("__1_0.distcp"), "__1_0.distcp", "IntegrityError"),
+    ("missing", _remove("__0_0.distcp"), "__0_0.distcp", "IntegrityError"),
+], ids=lambda c: c[0])
+def test_damaged_shard_is_an_integrity_error_on_every_rank(saved, case):
+    tag, damage, name, kind = case
+    path = _damaged(saved, tag, damage)
+    errs = _load_errors(saved, path, tag)
+    assert errs, errs
+    for _rank, (etype, message, epath) in errs.items():
+        assert etype == kind and name in message and epath == f"{path}/{name}", errs
+
+
+def test_metadata_from_another_checkpoint_is_refused(saved):
+    other = _ok(dw.launch(2, cw.save, str(saved["tmp"] / "save-other"), root=str(saved["tmp"] / "other"),
+                          step=5, seed=77))[0]["path"]
+
+    def swap(path: str) -> None:
+        import shutil
+
+        shutil.copyfile(os.path.join(other, ".metadata"), os.path.join(path, ".metadata"))
+
+    path = _damaged(saved, "metadata", swap)
+    errs = _load_errors(saved, path, "metadata", world=1)
+    assert {e[0] for e in errs.values()} == {"IntegrityError"} and all(".metadata" in e[1] for e in errs.values())
+
+
+@pytest.mark.parametrize("verify", ["full", "ranges"])
+def test_ranged_reads_check_what_they_read(saved, verify):
+    """verify="ranges" reads only the ranges DCP asks for and checks each against the digest the
+    writer recorded for it: a loaded range that changed is refused; "full" refuses it too."""
+    path = _damaged(saved, f"ranges-{verify}", _flip("__1_0.distcp", 0.9))
+    errs = _load_errors(saved, path, f"ranges-{verify}", world=1, verify=verify)
+    assert [e[0] for e in errs.values()] == ["IntegrityError"] and "__1_0.distcp" in list(errs.values())[0][1]
+    if verify == "ranges":  # "full" reshards intact checkpoints in test_load_reshards_to_equal_tensors
+        intact = _ok(dw.launch(4, cw.load, str(saved["tmp"] / "load-ranges-ok"),
+                               path=saved["out"][0]["path"], ref_file=saved["ref"], verify=verify))
+        assert all(g["different"] == [] for g in intact), intact
+
+
+# ---------------------------------------------------------------------------------------------
+# txckpt's semantics through the writer
+
+
+def test_step_conflict_and_rollback_fork_through_the_writer(saved):
+    import shutil
+
+    root = str(saved["tmp"] / "lineage")
+    shutil.copytree(saved["root"], root, symlinks=True)
+    txckpt.forget_roots()
+    # Step 5 is committed: saving it again is refused on every rank, and nothing is left staged.
+    errs = _ok(dw.launch(2, cw.expect_error, str(saved["tmp"] / "conflict"), root=root, step=5))
+    for e in errs:
+        assert e and {v[0] for v in e.values()} == {"StepConflictError"}, errs
+    intents = os.path.join(root, ".txckpt", "intents")
+    assert not os.path.isdir(intents) or os.listdir(intents) == []
+    seven = _ok(dw.launch(2, cw.save, str(saved["tmp"] / "seven"), root=root, step=7))[0]["path"]
+    m7 = txckpt.read_manifest(seven)
+    # Roll back to 5 and save 6: a new lineage, one warning naming what it abandons.
+    out = _ok(dw.launch(2, cw.save, str(saved["tmp"] / "fork"), root=root, step=6, resume_step=5))
+    six = out[0]["path"]
+    assert txckpt.get_last_checkpoint(root) == six
+    m6 = txckpt.read_manifest(six)
+    assert m6.lineage != m7.lineage and m6.parent.step == 5
+    assert any("abandon" in w for w in out[0]["warned"]), out[0]["warned"]
+    # The abandoned lineage's checkpoint is kept intact (moved to its home: the name is 6's lineage's).
+    kept = [c for c in txckpt.CheckpointRoot(root).checkpoints("all") if c.txid == m7.txid]
+    assert len(kept) == 1 and kept[0].path != seven
+    txckpt.verify_checkpoint(kept[0].path)
+
+
+def test_async_save_commits(saved):
+    root = str(saved["tmp"] / "async")
+    ref = str(saved["tmp"] / "ref-async.pt")
+    out = _ok(dw.launch(2, cw.save, str(saved["tmp"] / "async-save"), root=root, step=3, ref_file=ref, mode="async"))
+    path = out[0]["path"]
+    assert path and txckpt.get_last_checkpoint(root) == path and out[1]["returned"] == path
+    got = _ok(dw.launch(1, cw.load, str(saved["tmp"] / "async-load"), path=path, ref_file=ref))
+    assert got[0]["different"] == []
+
+
+@pytest.mark.s3
+def test_s3_root_round_trip(saved, s3_root):
+    url, opts = s3_root
+    ref = str(saved["tmp"] / "ref-s3.pt")
+    out = _ok(dw.launch(2, cw.save, str(saved["tmp"] / "s3-save"), root=url, step=4, ref_file=ref,
+                        storage_options=opts))
+    path = out[0]["path"]
+    assert path.startswith("s3://") and "/.txckpt/tx/" in path  # an object store's home: no rename
+    assert txckpt.get_last_checkpoint(url, storage_options=opts) == path
+    m = txckpt.read_manifest(path, storage_options=opts)
+    assert {n: e.rank for n, e in m.files.items() if n.endswith(".distcp")} == {"__0_0.distcp": 0, "__1_0.distcp": 1}
+    for verify, world in (("full", 1), ("ranges", 2)):
+        got = _ok(dw.launch(world, cw.load, str(saved["tmp"] / f"s3-load-{verify}"), path=path, ref_file=ref,
+                            storage_options=opts, verify=verify))
+        assert all(g["different"] == [] for g in got), got
