@@ -226,10 +226,16 @@ def start_read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool =
         if actual != size:
             raise SizeMismatch(actual)
         _advise_sequential(fd)
-        buf = new_buffer(size)
-        view = memoryview(buf.numpy()) if size else memoryview(b"")
         hasher = new_hasher() if hash else None
-        worker = _HashWorker(hasher) if hasher is not None and pipeline and size >= _PIPELINE_MIN else None
+        pipelined = hasher is not None and pipeline and size >= _PIPELINE_MIN
+        # No huge pages under a hash thread: on a KVM guest (virtio-balloon free page reporting)
+        # a fresh huge-page buffer that a second thread reads right behind the reader's faults
+        # cost 2-3x the CPU of the whole load and seconds of host (steal) time per GiB, the
+        # multi-second outliers of verified loads; with small pages the same load costs the
+        # read plus the hash (docs/benchmarks.md, "Load with verification").
+        buf = new_buffer(size, huge=not pipelined)
+        view = memoryview(buf.numpy()) if size else memoryview(b"")
+        worker = _HashWorker(hasher) if pipelined else None
         step = HOT_CHUNK if hasher is not None and worker is None else READ_CHUNK
         try:
             off = 0
@@ -255,17 +261,17 @@ def start_read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool =
         os.close(fd)
 
 
-def new_buffer(size: int) -> Any:
+def new_buffer(size: int, *, huge: bool = True) -> Any:
     """An uninitialised ``torch.uint8`` tensor of ``size`` bytes. Large ones are private
     anonymous mappings advised to use transparent huge pages (where the kernel allows it on
     request, the common default): the first write into a fresh buffer faults its memory in, and
     one 2 MiB fault instead of 512 small ones makes a read into it about twice as fast. The
-    mapping is released when the last tensor viewing it is freed."""
+    mapping is released when the last tensor viewing it is freed. ``huge=False``: plain pages."""
     import torch
 
     advise = getattr(mmap, "MADV_HUGEPAGE", None)
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    if size >= _HUGE_MIN and advise is not None and flags:
+    if huge and size >= _HUGE_MIN and advise is not None and flags:
         try:
             m = mmap.mmap(-1, size, flags=flags)
             try:
