@@ -51,7 +51,8 @@ _PIPELINE_MIN = 2 * READ_CHUNK
 
 #: ``SYNC_FILE_RANGE_WRITE``: start write-back of the range's dirty pages, do not wait for it.
 SYNC_FILE_RANGE_WRITE = 2
-#: Buffers from this size up are anonymous mappings advised to use transparent huge pages.
+#: With huge pages on (:func:`new_buffer`), buffers from this size up are anonymous mappings
+#: advised to use transparent huge pages.
 _HUGE_MIN = 4 << 20
 
 
@@ -228,12 +229,7 @@ def start_read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool =
         _advise_sequential(fd)
         hasher = new_hasher() if hash else None
         pipelined = hasher is not None and pipeline and size >= _PIPELINE_MIN
-        # No huge pages under a hash thread: on a KVM guest (virtio-balloon free page reporting)
-        # a fresh huge-page buffer that a second thread reads right behind the reader's faults
-        # cost 2-3x the CPU of the whole load and seconds of host (steal) time per GiB, the
-        # multi-second outliers of verified loads; with small pages the same load costs the
-        # read plus the hash (docs/benchmarks.md, "Load with verification").
-        buf = new_buffer(size, huge=not pipelined)
+        buf = new_buffer(size)
         view = memoryview(buf.numpy()) if size else memoryview(b"")
         worker = _HashWorker(hasher) if pipelined else None
         step = HOT_CHUNK if hasher is not None and worker is None else READ_CHUNK
@@ -261,16 +257,24 @@ def start_read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool =
         os.close(fd)
 
 
-def new_buffer(size: int, *, huge: bool = True) -> Any:
-    """An uninitialised ``torch.uint8`` tensor of ``size`` bytes. Large ones are private
-    anonymous mappings advised to use transparent huge pages (where the kernel allows it on
-    request, the common default): the first write into a fresh buffer faults its memory in, and
-    one 2 MiB fault instead of 512 small ones makes a read into it about twice as fast. The
-    mapping is released when the last tensor viewing it is freed. ``huge=False``: plain pages."""
+def new_buffer(size: int, *, huge: bool | None = None) -> Any:
+    """An uninitialised ``torch.uint8`` tensor of ``size`` bytes, on small pages unless ``huge``
+    (default: ``TXCKPT_LOAD_HUGE_PAGES=1``): then large ones are private anonymous mappings
+    advised to use transparent huge pages, released when the last tensor viewing them is freed.
+
+    Huge pages are off by default: on a KVM guest (virtio-balloon free page reporting) faulting
+    in a fresh huge-page buffer took 3-20 s for 2.5 GiB against 2.4-3.7 s on small pages, with
+    seconds of host (steal) time, and direct compaction stalls by the hundred per load; read
+    with a hash thread right behind the reader, 2-3x the CPU of the whole load. Those were the
+    multi-second outliers of loads, verified or not (docs/benchmarks.md, "Load with
+    verification"). Where huge pages are reliable, one 2 MiB fault instead of 512 small ones
+    cuts a read's fault cost: opt in."""
     import torch
 
     advise = getattr(mmap, "MADV_HUGEPAGE", None)
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    if huge is None:
+        huge = os.environ.get("TXCKPT_LOAD_HUGE_PAGES", "0") == "1"
     if huge and size >= _HUGE_MIN and advise is not None and flags:
         try:
             m = mmap.mmap(-1, size, flags=flags)
