@@ -26,7 +26,7 @@ from .root import CheckpointRoot, forget_roots, open_root
 from .serialization import read_object
 from .storage import LocalStorage, open_storage
 from .storage.base import Storage
-from .verify import FALLBACK_HINT, verify_checkpoint_files
+from .verify import FALLBACK_HINT, load_checkpoint_files, verify_checkpoint_files
 
 def save_checkpoint(
     root: str | os.PathLike,
@@ -222,8 +222,11 @@ def _read_checkpoint(
     keep_bytes: bool,
     verify: bool,
     timer: Timer | None = None,
-) -> tuple[Manifest, dict[str, bytes]]:
-    """Read (and verify) a checkpoint's manifest and files, following it if it moves."""
+    read: Callable[[Storage, Manifest, str, list[str]], Any] | None = None,
+) -> tuple[Manifest, Any]:
+    """Read (and verify) a checkpoint's manifest and files, following it if it moves.
+    ``read(storage, manifest, path, names)``: what reads the files (default:
+    :func:`verify_checkpoint_files`)."""
 
     def attempt(path: str, ctx: RootContext | None, storage: Storage, seen: dict[str, Any]):
         manifest = _checked_manifest(path, ctx, storage, seen)
@@ -234,6 +237,8 @@ def _read_checkpoint(
         unknown = [n for n in wanted if n not in manifest.files]
         if unknown:
             raise InvalidArgumentError(f"{path} has no file(s) {unknown}; it holds {sorted(manifest.files)}")
+        if read is not None:
+            return manifest, read(storage, manifest, path, wanted)
         blobs = verify_checkpoint_files(storage, manifest, path, names=wanted,
                                         keep_bytes=keep_bytes, verify=verify)
         return manifest, blobs
@@ -276,18 +281,54 @@ def load_checkpoint(
     the log's commit entry). torch files load with ``weights_only=True`` unless told otherwise."""
     names = None if files is None else list(files)
     timer = Timer("load", os.fspath(path))
-    manifest, blobs = _read_checkpoint(path, storage_options, names, keep_bytes=True, verify=verify, timer=timer)
+    base = os.fspath(path).rstrip("/")
+
+    def decode(manifest: Manifest, name: str, content: Any) -> Any:
+        return read_object(name, manifest.files[name].kind, content, map_location=map_location,
+                           weights_only=weights_only, where=f"{base}/{name}")
+
+    def early(kind: str) -> bool:
+        # Decoders that are safe on bytes nobody checked yet: they start while the hash ends,
+        # and nothing they produce is returned unless it matched. An unrestricted pickle
+        # (weights_only=False) runs code: it is decoded only once its file is checked.
+        return kind == "safetensors" or (kind == "torch" and weights_only)
+
+    def decode_early(manifest: Manifest, name: str, content: Any) -> Any:
+        try:
+            return decode(manifest, name, content)
+        except Exception as e:
+            # Raised only once the file's hash matched (a damaged file is reported as damaged),
+            # and after the read, as before: a file that does not decode is not a checkpoint
+            # that moved while it was read (_following_moves looks for those).
+            return _DecodeFailed(e)
+
+    def read(storage: Storage, manifest: Manifest, checkpoint: str, wanted: list[str]) -> Any:
+        return load_checkpoint_files(storage, manifest, checkpoint, names=wanted, verify=verify, early=early,
+                                     decode=lambda n, content: decode_early(manifest, n, content))
+
+    manifest, loaded = _read_checkpoint(path, storage_options, names, keep_bytes=True, verify=verify, timer=timer,
+                                        read=read)
     wanted = sorted(manifest.files) if names is None else names
     nbytes = sum(manifest.files[n].size for n in wanted)
+    # "data": reading, checking and, for the files decoded on the way, decoding; "decode": the
+    # files decoded only once checked.
     timer.phase("data", nbytes)
-    out = {
-        n: read_object(n, manifest.files[n].kind, blobs[n], map_location=map_location, weights_only=weights_only,
-                       where=f"{os.fspath(path).rstrip('/')}/{n}")
-        for n in wanted
-    }
+    out = {}
+    for n in wanted:
+        decoded, value = loaded[n]
+        if isinstance(value, _DecodeFailed):
+            raise value.error
+        out[n] = value if decoded else decode(manifest, n, value)
     timer.phase("decode")
     timer.done("loaded", nbytes, len(wanted), os.fspath(path))
     return out
+
+
+class _DecodeFailed:
+    """What decoding a checked file raised, carried out of the read to be raised after it."""
+
+    def __init__(self, error: Exception):
+        self.error = error
 
 
 def fetch_checkpoint(

@@ -4,6 +4,9 @@
   ``torch.uint8`` tensor, so that decoded tensors can be views of it) with ``readinto``; with
   ``hash=True`` a second thread hashes each chunk behind the reader (xxhash releases the GIL), so
   a verified read costs the same reads plus a hash that runs on another core when one is free.
+  :func:`start_read_into_buffer` returns as soon as the last byte is in the buffer, with the
+  hash of the last chunks possibly still running, so that a safe decoder can start meanwhile
+  (txckpt.verify checks the digest before anything decoded is returned).
 * :func:`hash_file` hashes a file through one small reused buffer (the chunk is still in the CPU
   cache when it is hashed) and, optionally, fsyncs it: a commit's pass over the files that other
   code wrote into a staging directory. It starts the file's write-back first, so the disk
@@ -27,7 +30,6 @@ import errno
 import mmap
 import os
 import stat
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .checksum import new_hasher
@@ -49,7 +51,8 @@ _PIPELINE_MIN = 2 * READ_CHUNK
 
 #: ``SYNC_FILE_RANGE_WRITE``: start write-back of the range's dirty pages, do not wait for it.
 SYNC_FILE_RANGE_WRITE = 2
-#: Buffers from this size up are anonymous mappings advised to use transparent huge pages.
+#: With huge pages on (:func:`new_buffer`), buffers from this size up are anonymous mappings
+#: advised to use transparent huge pages.
 _HUGE_MIN = 4 << 20
 
 
@@ -133,12 +136,87 @@ def _readinto(fd: int, view: memoryview) -> int:
 
 def read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool = True) -> tuple[Any, str | None]:
     """Read the file at ``path``, which must hold exactly ``size`` bytes, into a new uint8
-    tensor; returns ``(buffer, xxh3-128 hex digest or None)``.
+    tensor; returns ``(buffer, xxh3-128 hex digest or None)``: :func:`start_read_into_buffer`,
+    then waiting for its hash."""
+    pending = start_read_into_buffer(path, size, hash=hash, pipeline=pipeline)
+    return pending.buffer, pending.digest()
 
-    With ``pipeline`` (and a file of at least two chunks) the hash runs in a second thread,
-    behind the reader: free when a core is idle, but about twice the CPU of hashing in the
-    reading thread (the hashing core fetches every line from memory or another core's cache).
-    Without it the reader hashes each (smaller) chunk right after reading it, from its cache.
+
+class BufferRead:
+    """A file read whole into ``buffer`` whose hash may still be running behind the reader.
+
+    ``digest()`` waits for the hash (the tail still being hashed when the read ended) and
+    returns it (None when the read did not hash). Until it has returned a matching digest, the
+    buffer holds bytes nobody checked: a caller may decode them only with a decoder that is safe
+    on any input (safetensors, torch's ``weights_only`` unpickler), and must not hand out what it
+    decoded before the check (txckpt.verify)."""
+
+    def __init__(self, buffer: Any, hasher: Any, worker: "_HashWorker | None"):
+        self.buffer = buffer
+        self._hasher = hasher
+        self._worker = worker
+        self._digest: str | None = None
+
+    def digest(self) -> str | None:
+        if self._hasher is None:
+            return None
+        if self._digest is None:
+            if self._worker is not None:
+                self._worker.finish()
+                self._worker = None
+            self._digest = self._hasher.hexdigest()
+        return self._digest
+
+
+class _HashWorker:
+    """One thread that hashes, in order, the chunks the reader hands it as each one lands
+    (xxhash releases the GIL while it hashes, so it runs beside the reader on another core).
+    A daemon thread: a load abandoned half-way (an exception in the reader, a
+    KeyboardInterrupt) leaves nothing for interpreter exit to wait for."""
+
+    def __init__(self, hasher: Any):
+        import queue
+        import threading
+
+        self._hasher = hasher
+        self._chunks: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="txckpt-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            chunk = self._chunks.get()
+            if chunk is None:
+                return
+            if self._error is None:
+                try:
+                    self._hasher.update(chunk)
+                except BaseException as e:  # handed to the reader at finish()
+                    self._error = e
+
+    def put(self, chunk: memoryview) -> None:
+        self._chunks.put(chunk)
+
+    def finish(self, *, check: bool = True) -> None:
+        """Wait until every chunk handed over is hashed (the reader has stopped handing);
+        ``check``: raise what the hash raised (off when the reader is already raising)."""
+        self._chunks.put(None)
+        self._thread.join()
+        if check and self._error is not None:
+            raise self._error
+
+
+def start_read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool = True) -> BufferRead:
+    """Read the file at ``path``, which must hold exactly ``size`` bytes, into a new uint8
+    tensor; returns when the last byte is in the buffer, possibly before its hash is done
+    (:class:`BufferRead`).
+
+    With ``pipeline`` (and a file of at least two chunks) the hash runs in a thread of its own,
+    each chunk handed to it as it lands: free when a core is idle, but about twice the CPU of
+    hashing in the reading thread (the hashing core fetches every line from memory or another
+    core's cache). Without it the reader hashes each (smaller) chunk right after reading it,
+    from its cache, and the digest is ready when this returns.
 
     Raises :class:`SizeMismatch` if the file is shorter or longer than ``size`` (checked before
     and after reading), FileNotFoundError / IsADirectoryError / NotADirectoryError as open does.
@@ -149,12 +227,12 @@ def read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool = True)
         if actual != size:
             raise SizeMismatch(actual)
         _advise_sequential(fd)
+        hasher = new_hasher() if hash else None
+        pipelined = hasher is not None and pipeline and size >= _PIPELINE_MIN
         buf = new_buffer(size)
         view = memoryview(buf.numpy()) if size else memoryview(b"")
-        hasher = new_hasher() if hash else None
-        pool = ThreadPoolExecutor(max_workers=1) if hasher is not None and pipeline and size >= _PIPELINE_MIN else None
-        pending = None
-        step = HOT_CHUNK if hasher is not None and pool is None else READ_CHUNK
+        worker = _HashWorker(hasher) if pipelined else None
+        step = HOT_CHUNK if hasher is not None and worker is None else READ_CHUNK
         try:
             off = 0
             while off < size:
@@ -163,36 +241,41 @@ def read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool = True)
                     raise SizeMismatch(off)  # truncated while being read
                 if hasher is not None:
                     chunk = view[off:off + n]
-                    if pool is None:
+                    if worker is None:
                         hasher.update(chunk)
                     else:
-                        # Updates stay in order: one worker, FIFO. The reader goes on with the
-                        # next chunk while this one is hashed.
-                        pending = pool.submit(hasher.update, chunk)
+                        worker.put(chunk)  # the reader goes on with the next chunk meanwhile
                 off += n
             if os.read(fd, 1):
                 raise SizeMismatch(max(os.fstat(fd).st_size, size + 1))  # grew while being read
-            if pending is not None:
-                pending.result()
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True)
-        return buf, (hasher.hexdigest() if hasher is not None else None)
+        except BaseException:
+            if worker is not None:
+                worker.finish(check=False)  # stop the thread before the buffer it reads goes away
+            raise
+        return BufferRead(buf, hasher, worker)
     finally:
         os.close(fd)
 
 
-def new_buffer(size: int) -> Any:
-    """An uninitialised ``torch.uint8`` tensor of ``size`` bytes. Large ones are private
-    anonymous mappings advised to use transparent huge pages (where the kernel allows it on
-    request, the common default): the first write into a fresh buffer faults its memory in, and
-    one 2 MiB fault instead of 512 small ones makes a read into it about twice as fast. The
-    mapping is released when the last tensor viewing it is freed."""
+def new_buffer(size: int, *, huge: bool | None = None) -> Any:
+    """An uninitialised ``torch.uint8`` tensor of ``size`` bytes, on small pages unless ``huge``
+    (default: ``TXCKPT_LOAD_HUGE_PAGES=1``): then large ones are private anonymous mappings
+    advised to use transparent huge pages, released when the last tensor viewing them is freed.
+
+    Huge pages are off by default: on a KVM guest (virtio-balloon free page reporting) faulting
+    in a fresh huge-page buffer took 3-20 s for 2.5 GiB against 2.4-3.7 s on small pages, with
+    seconds of host (steal) time, and direct compaction stalls by the hundred per load; read
+    with a hash thread right behind the reader, 2-3x the CPU of the whole load. Those were the
+    multi-second outliers of loads, verified or not (docs/benchmarks.md, "Load with
+    verification"). Where huge pages are reliable, one 2 MiB fault instead of 512 small ones
+    cuts a read's fault cost: opt in."""
     import torch
 
     advise = getattr(mmap, "MADV_HUGEPAGE", None)
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    if size >= _HUGE_MIN and advise is not None and flags:
+    if huge is None:
+        huge = os.environ.get("TXCKPT_LOAD_HUGE_PAGES", "0") == "1"
+    if huge and size >= _HUGE_MIN and advise is not None and flags:
         try:
             m = mmap.mmap(-1, size, flags=flags)
             try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from . import checksum, fileio
 from .errors import CheckpointNotFoundError, IntegrityError, UnsafePathError
@@ -69,6 +69,28 @@ class FileProblem(Exception):
         self.digest = digest
 
 
+class Deferred:
+    """A file's content whose check may still be running: ``content`` (a ``torch.uint8``
+    buffer or ``bytes``) can be read now; ``check()`` waits for the hash and raises
+    :class:`FileProblem` unless it matches the manifest. Until check() has returned, the bytes
+    are unchecked: decode them only with a decoder that is safe on any input, and hand nothing
+    decoded out before it returned (:func:`load_checkpoint_files`)."""
+
+    def __init__(self, content: Any, check: Callable[[], None]):
+        self.content = content
+        self._check = check
+        self._checked = False
+
+    def check(self) -> None:
+        if not self._checked:
+            self._check()
+            self._checked = True
+
+
+def _no_check() -> None:
+    pass
+
+
 def check_file(storage: Storage, key: str, entry: FileEntry, *, keep: bool = False, verify: bool = True,
                pipeline: bool = True, stream: bool = False) -> tuple[int, Any]:
     """The one check of a stored file against its manifest entry: ``(size, content)``, where
@@ -77,23 +99,22 @@ def check_file(storage: Storage, key: str, entry: FileEntry, *, keep: bool = Fal
     SpecialFileError (never opened for a blocking read); other read errors propagate as OSError.
     ``stream`` (a backend without local paths, ``keep`` off): hash while reading instead of
     holding the whole file (``txckpt verify`` reads every checkpoint of a root)."""
+    if keep:
+        got = read_file(storage, key, entry, verify=verify, pipeline=pipeline, overlap=False)
+        got.check()
+        return entry.size, got.content
     if storage.is_symlink_escape(key):
         raise FileProblem("symlink")
     local = storage.local_path(key)
     try:
-        if local is not None and keep and entry.kind in _BUFFER_KINDS:
-            data, digest = fileio.read_into_buffer(local, entry.size, hash=verify, pipeline=pipeline)
-            if verify and digest != entry.checksum:
-                raise FileProblem("checksum", size=entry.size, digest=digest)
-            return entry.size, data
-        if local is not None and not keep:
+        if local is not None:
             if not verify:
                 size = _stat_size(local)
                 if size != entry.size:
                     raise FileProblem("size", size=size)
                 return size, None
             size, digest = fileio.hash_file(local)
-        elif stream and not keep:
+        elif stream:
             with storage.open_read(key) as f:
                 size, digest = checksum.digest_stream(f)
         else:
@@ -105,7 +126,7 @@ def check_file(storage: Storage, key: str, entry: FileEntry, *, keep: bool = Fal
                 digest = checksum.digest_bytes(data)
                 if digest != entry.checksum:
                     raise FileProblem("checksum", size=size, digest=digest)
-            return size, (data if keep else None)
+            return size, None
     except fileio.SizeMismatch as e:
         raise FileProblem("size", size=e.actual) from None
     except IsADirectoryError:
@@ -119,24 +140,115 @@ def check_file(storage: Storage, key: str, entry: FileEntry, *, keep: bool = Fal
     return size, None
 
 
+#: From this size up a file's hash is worth a thread of its own while the file is decoded
+#: (below it, starting the thread costs about what the overlap saves).
+_OVERLAP_MIN = 16 << 20
+
+
+def read_file(storage: Storage, key: str, entry: FileEntry, *, verify: bool = True, pipeline: bool = True,
+              overlap: bool = True) -> Deferred:
+    """Read one stored file whole, once, and start its check: a :class:`Deferred` whose
+    ``check()`` raises :class:`FileProblem` (sizes are checked before this returns).
+
+    A safetensors or torch file on a local disk is read into the buffer its tensors will be
+    views of, hashed chunk by chunk as it lands (:func:`txckpt.fileio.start_read_into_buffer`);
+    what the reader has not hashed yet when the last byte lands is hashed behind it, meanwhile
+    the caller can decode. Any other file is read as ``bytes``; with ``overlap`` (a core to
+    spare, a large file) its hash runs in a thread of its own while the caller decodes."""
+    if storage.is_symlink_escape(key):
+        raise FileProblem("symlink")
+    local = storage.local_path(key)
+    try:
+        if local is not None and entry.kind in _BUFFER_KINDS:
+            pending = fileio.start_read_into_buffer(local, entry.size, hash=verify, pipeline=pipeline)
+
+            def check_buffer() -> None:
+                digest = pending.digest()
+                if verify and digest != entry.checksum:
+                    raise FileProblem("checksum", size=entry.size, digest=digest)
+
+            return Deferred(pending.buffer, check_buffer)
+        data = storage.read_bytes(key)
+    except fileio.SizeMismatch as e:
+        raise FileProblem("size", size=e.actual) from None
+    except IsADirectoryError:
+        raise FileProblem("directory") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileProblem("missing") from None
+    size = len(data)
+    if size != entry.size:
+        raise FileProblem("size", size=size)
+    if not verify:
+        return Deferred(data, _no_check)
+    if overlap and size >= _OVERLAP_MIN and _cpus() > 1:
+        hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="txckpt-hash")
+        digest_of = hashing.submit(checksum.digest_bytes, data)
+        hashing.shutdown(wait=False)  # the thread ends with its one task
+
+        def check_bytes() -> None:
+            digest = digest_of.result()
+            if digest != entry.checksum:
+                raise FileProblem("checksum", size=size, digest=digest)
+
+        return Deferred(data, check_bytes)
+    digest = checksum.digest_bytes(data)
+    if digest != entry.checksum:
+        raise FileProblem("checksum", size=size, digest=digest)
+    return Deferred(data, _no_check)
+
+
+def _problem_error(p: FileProblem, where: str, name: str, entry: FileEntry) -> Exception:
+    if p.kind == "symlink":
+        return UnsafePathError(f"{where}/{name} is a symlink that leaves the root; refusing to read it")
+    if p.kind == "directory":
+        return IntegrityError(
+            f"{where}/{name} is a directory where the manifest lists a file: the checkpoint is damaged; "
+            "resume from another checkpoint (`txckpt ls`)"
+        )
+    if p.kind == "missing":
+        return _missing(where, name)
+    if p.kind == "size":
+        return _wrong_size(where, name, p.size, entry.size)
+    return _wrong_checksum(where, name)
+
+
 def _read_one(storage: Storage, manifest: Manifest, where: str, name: str, keep: bool, verify: bool,
               pipeline: bool = True):
     entry = manifest.files[name]
     try:
         return name, check_file(storage, name, entry, keep=keep, verify=verify, pipeline=pipeline)[1]
     except FileProblem as p:
-        if p.kind == "symlink":
-            raise UnsafePathError(f"{where}/{name} is a symlink that leaves the root; refusing to read it") from None
-        if p.kind == "directory":
-            raise IntegrityError(
-                f"{where}/{name} is a directory where the manifest lists a file: the checkpoint is damaged; "
-                "resume from another checkpoint (`txckpt ls`)"
-            ) from None
-        if p.kind == "missing":
-            raise _missing(where, name) from None
-        if p.kind == "size":
-            raise _wrong_size(where, name, p.size, entry.size) from None
-        raise _wrong_checksum(where, name) from None
+        raise _problem_error(p, where, name, entry) from None
+
+
+def _load_one(storage: Storage, manifest: Manifest, where: str, name: str, verify: bool, pipeline: bool,
+              decode: Callable[[str, Any], Any], early: Callable[[str], bool]) -> tuple[str, bool, Any]:
+    """``(name, decoded?, value)``: read ``name`` once and check it; a file ``early`` allows
+    is decoded while its hash finishes, and what it decoded is dropped unless the hash matches."""
+    entry = manifest.files[name]
+    got: Deferred | None = None
+    value: Any = None
+    try:
+        got = read_file(storage, name, entry, verify=verify, pipeline=pipeline)
+        if not early(entry.kind):
+            got.check()
+            return name, False, got.content
+        try:
+            value = decode(name, got.content)
+        except Exception:
+            # A damaged file is reported as damaged, not as whatever its damage made the
+            # decoder say (a flipped byte in a pickle reads as a forbidden global).
+            got.check()
+            raise
+        got.check()
+        return name, True, value
+    except FileProblem as p:
+        error = _problem_error(p, where, name, entry)
+    # Raised outside the handler, with these locals gone: the error's traceback and context would
+    # otherwise keep the damaged buffer and what was decoded from it for as long as the caller
+    # keeps the error.
+    got = value = None
+    raise error
 
 
 def _cpus() -> int:
@@ -154,24 +266,13 @@ def _stat_size(path: str) -> int:
     return fileio.regular_size(path)
 
 
-def verify_checkpoint_files(
-    storage: Storage,
-    manifest: Manifest,
-    where: str,
-    *,
-    names: Iterable[str] | None = None,
-    keep_bytes: bool = False,
-    verify: bool = True,
-    workers: int = 2,
-) -> dict[str, Any]:
-    """Read and check each named file (default: all). With ``keep_bytes`` returns each file's
-    content for :func:`txckpt.serialization.read_object`: ``bytes``, or for safetensors and torch
-    files on a local disk a ``torch.uint8`` tensor holding the file."""
+def _plan(manifest: Manifest, where: str, names: Iterable[str] | None, workers: int
+          ) -> tuple[list[str], bool, set[str]]:
+    """(names, read them one after the other?, the names whose hash gets a thread of its own)."""
     names = sorted(manifest.files) if names is None else list(names)
     for n in names:
         if n not in manifest.files:
             raise CheckpointNotFoundError(f"{where} has no file {n!r}")
-    out: dict[str, Any] = {}
     # Hashing in a thread of its own costs about twice the CPU of hashing in the reader, and is
     # free only on a core that is otherwise idle. With as many readers as cores, the largest
     # file is the one still being read when the others are done: its hash gets that thread
@@ -185,6 +286,24 @@ def verify_checkpoint_files(
     spare = _cpus() - readers
     by_size = sorted(names, key=lambda n: -manifest.files[n].size)
     pipelined = set(by_size[:spare + 1]) if _cpus() > 1 else set()
+    return names, sequential, pipelined
+
+
+def verify_checkpoint_files(
+    storage: Storage,
+    manifest: Manifest,
+    where: str,
+    *,
+    names: Iterable[str] | None = None,
+    keep_bytes: bool = False,
+    verify: bool = True,
+    workers: int = 2,
+) -> dict[str, Any]:
+    """Read and check each named file (default: all). With ``keep_bytes`` returns each file's
+    content for :func:`txckpt.serialization.read_object`: ``bytes``, or for safetensors and torch
+    files on a local disk a ``torch.uint8`` tensor holding the file."""
+    names, sequential, pipelined = _plan(manifest, where, names, workers)
+    out: dict[str, Any] = {}
 
     def one(n: str):
         return _read_one(storage, manifest, where, n, keep_bytes, verify, pipeline=n in pipelined)
@@ -198,3 +317,64 @@ def verify_checkpoint_files(
         if keep_bytes:
             out[name] = data
     return out
+
+
+def load_checkpoint_files(
+    storage: Storage,
+    manifest: Manifest,
+    where: str,
+    *,
+    names: Iterable[str] | None = None,
+    decode: Callable[[str, Any], Any],
+    early: Callable[[str], bool],
+    verify: bool = True,
+    workers: int = 2,
+) -> dict[str, tuple[bool, Any]]:
+    """Read each named file (default: all) once and check it, decoding on the way: returns
+    ``name -> (decoded?, value)``, ``value`` being ``decode(name, content)`` for a file whose
+    kind ``early`` allows, else the checked content (as :func:`verify_checkpoint_files` gives).
+
+    ``early(kind)`` says a decoder is safe on any bytes (safetensors; torch files with
+    ``weights_only``): such a file is decoded while the last of its hash is still running, in
+    its reader's thread while the other files are still being read. Nothing is returned before
+    every hash matched: the first file that does not match raises IntegrityError naming it, and
+    whatever was decoded is dropped. A file whose decoder is not safe on unchecked bytes (an
+    unrestricted pickle) is only handed back once checked, never decoded here."""
+    names, sequential, pipelined = _plan(manifest, where, names, workers)
+
+    def one(n: str) -> tuple[str, bool, Any]:
+        return _load_one(storage, manifest, where, n, verify, n in pipelined, decode, early)
+
+    results: dict[str, tuple[bool, Any]] = {}
+    errors: dict[str, BaseException] = {}
+    if sequential:
+        for n in names:
+            try:
+                results[n] = one(n)[1:]
+            except Exception as e:
+                errors[n] = e
+                break
+    else:
+        # Largest first: the file read longest starts first, and the others fill in beside it.
+        order = sorted(names, key=lambda n: -manifest.files[n].size)
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = {n: pool.submit(one, n) for n in order}
+        _collect(futures, results, errors)
+        futures.clear()
+    if errors:
+        # The first failing file in name order (what a sequential read would have hit first).
+        # Nothing decoded outlives the failed load: no frame of the error's traceback holds it.
+        error = errors[min(errors)]
+        results.clear()
+        errors.clear()
+        raise error
+    return results
+
+
+def _collect(futures: dict[str, Any], results: dict[str, tuple[bool, Any]], errors: dict[str, BaseException]) -> None:
+    for n, f in futures.items():
+        e = f.exception()
+        if e is None:
+            results[n] = f.result()[1:]
+        else:
+            errors[n] = e
