@@ -43,6 +43,7 @@ from txckpt import asyncsave, errors as _errors
 from txckpt.root import open_root
 from txckpt.snapshot import SnapshotPool
 
+from .trainer_ranks import rank_patterns
 from .trainer_paths import STAGING_DIR_NAME, STAGING_ENV, TRAINER_STATE_NAME, is_remote, is_within
 
 log = logging.getLogger("txckpt.transformers")
@@ -242,7 +243,8 @@ class AsyncSaves:
             snap = pool.snapshot(objs) if copied is None else None
             plan = [(name, how, kw, writer) for name, (how, _, kw, writer) in capture.writes.items()]
             return functools.partial(_write_and_commit, root, so, step, meta, plan, snap, small,
-                                     state, capture_root, local_dir, (pool, objs, copied))
+                                     state, capture_root, local_dir, (pool, objs, copied),
+                                     functools.partial(rank_patterns, t))
 
         try:
             future = asyncsave.submit(root, so, prepare)
@@ -348,10 +350,13 @@ class AsyncSaves:
 
 
 def _write_and_commit(root: str, so: Any, step: int, meta: Any, plan: list, snap: dict | None, small: dict,
-                      state: Any, capture_root: str, local_dir: str | None, lazy: tuple, coordinator: Any,
+                      state: Any, capture_root: str, local_dir: str | None, lazy: tuple,
+                      claims: Callable[[int], list[str]], coordinator: Any,
                       ) -> tuple[str, str]:
     """The background job: replay the recorded writes from the snapshot in one transaction. Lazy
-    mode (``snap`` None): take the snapshot first, here, and let the optimizer step go on."""
+    mode (``snap`` None): take the snapshot first, here, and let the optimizer step go on.
+    ``claims(rank)``: the globs of the files this rank writes itself (trainer_ranks), claimed as
+    the synchronous save claims them, so that the manifest says which rank wrote each."""
     from txckpt.manifest import kind_for_name
     from txckpt.serialization import _torch_save_config
 
@@ -394,6 +399,8 @@ def _write_and_commit(root: str, so: Any, step: int, meta: Any, plan: list, snap
             path = os.path.join(directory, name)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             writer(obj, path, **kw)
+        if tx.world_size > 1:
+            tx.claim_files(claims(tx.rank))
     assert tx.path is not None
     return tx.path, expected
 
