@@ -243,11 +243,14 @@ class CheckpointRoot:
         need a few describe only those, not every checkpoint ever committed). ``history``: the
         one ``chosen`` came from, if the caller holds it (saves re-reading the log's tail)."""
         history = history or self.history()
-        current = {c.txid for c in history.in_view(None, include_retired=True)}
+        # In the head's view or not, by the view's limits: not a pass over the whole view.
+        head = history.state.head
+        limits = dict(history.state.view(head)) if head is not None else {}
         out = []
         for c in chosen:
             key = self.publication.locate(c.ref) if with_paths else None
-            state = "retired" if c.txid in history.retired else ("current" if c.txid in current else "abandoned")
+            current = c.step <= limits.get(c.lineage, -1)
+            state = "retired" if c.txid in history.retired else ("current" if current else "abandoned")
             out.append(CheckpointInfo(
                 c.step, c.lineage, c.txid, None if key is None else self.storage.full_path(key), state,
                 c.time, c.bytes, c.files, c.adopted,
