@@ -318,21 +318,43 @@ class History:
     snapshot_seq: int = -1
     #: lineage -> txid -> checkpoint, every one and the non-retired ones: a view's checkpoints
     #: without a pass over every checkpoint ever committed (retention asks after every save).
+    #: Built on first use (a fresh ``txckpt ls`` reads a snapshot and never needs them), then
+    #: kept up to date by every entry folded.
     _by_lineage: dict[str, dict[str, Checkpoint]] = field(default_factory=dict, repr=False, compare=False)
     _live: dict[str, dict[str, Checkpoint]] = field(default_factory=dict, repr=False, compare=False)
     #: The retired checkpoints by the first component of each key outside tx/ they may have
     #: (the published name ``checkpoint-<step>``, an adopted key): which ones a listing of the
     #: root's top level can show a trace of, without a pass over every one ever retired.
     _retired_names: dict[str, dict[str, Checkpoint]] = field(default_factory=dict, repr=False, compare=False)
+    _indexed: bool = field(default=False, repr=False, compare=False)
+
+    def _index(self) -> None:
+        if self._indexed:
+            return
+        self._indexed = True
+        self._by_lineage, self._live, self._retired_names = {}, {}, {}
+        for c in self.checkpoints.values():
+            self._index_add(c)
+        for txid in self.retired:
+            self._index_retire(txid)
 
     def _add(self, c: Checkpoint) -> None:
         self.checkpoints[c.txid] = c
+        if self._indexed:
+            self._index_add(c)
+
+    def _index_add(self, c: Checkpoint) -> None:
         self._by_lineage.setdefault(c.lineage, {})[c.txid] = c
         if c.txid not in self.retired:
             self._live.setdefault(c.lineage, {})[c.txid] = c
 
     def _retire(self, txid: str, seq: int) -> None:
-        self.retired.setdefault(txid, seq)
+        if txid not in self.retired:
+            self.retired[txid] = seq
+            if self._indexed:
+                self._index_retire(txid)
+
+    def _index_retire(self, txid: str) -> None:
         c = self.checkpoints.get(txid)
         if c is not None:
             self._live.get(c.lineage, {}).pop(txid, None)
@@ -342,6 +364,7 @@ class History:
     def retired_named(self, names: Iterable[str]) -> list[Checkpoint]:
         """The retired checkpoints that may have a key outside tx/ starting with one of ``names``
         (the published name of their step, or their adopted key)."""
+        self._index()
         return [c for n in names for c in self._retired_names.get(n, {}).values()]
 
     def apply(self, entry: dict[str, Any]) -> None:
@@ -380,8 +403,27 @@ class History:
         of ``new``'s head: what a fork from the folded state to ``new`` abandons."""
         if old_head is None or new.head is None:
             return []
-        new_view = _limits(new.view(new.head))
-        return [c for c in self.in_view(old_head) if c.step > new_view.get(c.lineage, -1)]
+        return self._view_minus(self.state.view(old_head), _limits(new.view(new.head)))
+
+    def restored_by(self, new: State, old_head: str | None) -> list[Checkpoint]:
+        """The checkpoints of ``new``'s head's view (retired ones aside) outside ``old_head``'s
+        view: what a fork to ``new`` brings back into the current lineage (protocol §7)."""
+        if new.head is None:
+            return []
+        old = _limits(self.state.view(old_head)) if old_head is not None and old_head in self.state.lineages else {}
+        return self._view_minus(new.view(new.head), old)
+
+    def _view_minus(self, view: list[tuple[str, float]], other: dict[str, float]) -> list[Checkpoint]:
+        """The live checkpoints of ``view`` outside the view whose limits are ``other``. Only the
+        lineages whose limit differs are read, so a rollback of the head costs its own lineage's
+        checkpoints, not the whole view's."""
+        self._index()
+        out = []
+        for lid, limit in view:
+            low = other.get(lid, -1)
+            if limit > low:
+                out += [c for c in self._live.get(lid, {}).values() if low < c.step <= limit]
+        return sorted(out, key=lambda c: (c.step, c.seq))
 
     def folds_like(self, other: "History") -> bool:
         """Whether both folds say the same of the root (entries aside): what a fold from a
@@ -439,6 +481,7 @@ class History:
         lineage = lineage or self.state.head
         if lineage is None:
             return []
+        self._index()
         index = self._by_lineage if include_retired else self._live
         out = [
             c for lid, limit in _limits(self.state.view(lineage)).items()
@@ -448,6 +491,7 @@ class History:
 
     def abandoned(self, include_retired: bool = False) -> list[Checkpoint]:
         limits = _limits(self.state.view(self.state.head)) if self.state.head else {}
+        self._index()
         index = self._by_lineage if include_retired else self._live
         return sorted(
             (c for lid, cs in index.items() for c in cs.values() if c.step > limits.get(lid, -1)),
