@@ -539,7 +539,19 @@ class CheckpointRoot:
             raise where
         if where is None:  # pragma: no cover - the data was just written
             raise CheckpointNotFoundError(f"committed checkpoint {manifest.txid} vanished during publication")
+        if entry["seq"] % commit_log.SNAPSHOT_EVERY == 0:
+            self._snapshot_after_commit()
         return self.storage.full_path(where)
+
+    def _snapshot_after_commit(self) -> None:
+        """Every SNAPSHOT_EVERY-th entry the committer leaves a snapshot (§4a): a run that only
+        saves would leave none, and every fresh `txckpt ls` would fold its whole log."""
+        from .errors import LogCorruptError
+
+        try:  # best effort: the save is committed
+            self.history(snapshot=True)
+        except (OSError, LogCorruptError) as e:
+            log.warning("checkpoint committed, but the history snapshot after it was not written (%s)", e)
 
     def transaction(self, step: int, **kwargs: Any):
         from .transactions import Transaction
