@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Iterable, NamedTuple
 
 from .errors import (
@@ -333,9 +334,13 @@ class History:
         if self._indexed:
             return
         self._indexed = True
-        self._by_lineage, self._live, self._retired_names = {}, {}, {}
-        for c in self.checkpoints.values():
-            self._index_add(c)
+        by: dict[str, dict[str, Checkpoint]] = {}
+        for c in self.checkpoints.values():  # (the tightest loop: 10,000 of them in a fresh fold)
+            d = by.get(c.lineage)
+            if d is None:
+                d = by[c.lineage] = {}
+            d[c.txid] = c
+        self._by_lineage, self._live, self._retired_names = by, {lid: dict(d) for lid, d in by.items()}, {}
         for txid in self.retired:
             self._index_retire(txid)
 
@@ -456,15 +461,17 @@ class History:
             cols = [found[f] for f in Checkpoint._fields]
             if any(not isinstance(col, list) or len(col) != len(cols[0]) for col in cols):
                 raise ValueError("its checkpoint columns are not lists of one length")
-            rows = list(map(Checkpoint._make, zip(*cols)))
+            # tuple.__new__ straight from the columns: no Python frame per checkpoint.
+            rows: list[Checkpoint] = list(map(partial(tuple.__new__, Checkpoint), zip(*cols)))
+            txids, seqs = cols[2], cols[4]
         else:  # /1, /2: one object per checkpoint
             rows = [Checkpoint(str(c["lineage"]), int(c["step"]), str(c["txid"]), str(c["digest"]), int(c["seq"]),
                                float(c["time"]), int(c["bytes"]), int(c["files"]), bool(c["adopted"]),
                                None if c["key"] is None else str(c["key"])) for c in found]
-        seqs = [c.seq for c in rows]
+            txids, seqs = [c.txid for c in rows], [c.seq for c in rows]
         if seqs and not (0 <= min(seqs) and max(seqs) <= state.seq):
             raise ValueError(f"a checkpoint's seq is outside the snapshot's 0..{state.seq}")
-        h.checkpoints = {c.txid: c for c in rows}
+        h.checkpoints = dict(zip(txids, rows))
         retired, abandoned = body["retired"], body["abandoned_at"]
         if not (isinstance(retired, dict) and isinstance(abandoned, dict)):
             raise TypeError("retired and abandoned_at must be JSON objects")
