@@ -56,16 +56,17 @@ def fresh(path: str) -> txckpt.CheckpointRoot:
 def test_saves_alone_leave_a_snapshot_every_snapshot_every_entries(tmp_path):
     root = str(tmp_path / "r")
     r = txckpt.CheckpointRoot(root)
-    for step in range(1, 2 * EVERY + 5):
+    for step in range(1, 3 * EVERY + 5):
         r.save(step, {"a.json": {"s": step}})
     # No retention, no rollback: before, such a run left no snapshot at all, and every fresh
-    # reader folded its whole log. The committer of every EVERY-th entry leaves one.
+    # reader folded its whole log. The committer of every EVERY-th entry leaves one, and removes
+    # all but the newest two (no gc runs here to do it).
     snaps = commit_log.list_snapshots(r.storage)
-    assert snaps == [EVERY, 2 * EVERY]
+    assert snaps == [2 * EVERY, 3 * EVERY]
     with open(os.path.join(root, commit_log.snapshot_key(snaps[-1])), "rb") as f:
         assert json.loads(f.readline())["format"] == "txckpt-snapshot/3"
     quick = commit_log.read_history(fresh(root).storage)
-    assert quick.base_seq == 2 * EVERY and len(quick.entries) == 4
+    assert quick.base_seq == 3 * EVERY and len(quick.entries) == 4
     assert quick.folds_like(commit_log.read_history(r.storage, snapshots=False))
 
 

@@ -412,4 +412,13 @@ def write_snapshot_if_due(storage: Storage, history: History, *, durable: bool) 
     except OSError as e:
         _log.debug("could not write a history snapshot at entry %d: %s", seq, e)
         return False
+    # Keep the newest two: a root that no gc runs on (a run that only saves, with a snapshot every
+    # SNAPSHOT_EVERY commits) would otherwise hold one per 100 entries, each as large as the
+    # history (~70 MB at 10,000 commits). The older of the two serves a reader that finds the
+    # newest damaged; one whose snapshot goes under it falls back (§4a), as when gc removes it.
+    for old in list_snapshots(storage)[:-2]:
+        try:
+            storage.delete_file(snapshot_key(old))
+        except OSError:
+            break
     return True
