@@ -282,9 +282,8 @@ def _limits(view: list[tuple[str, float]]) -> dict[str, float]:
 
 
 class Checkpoint(NamedTuple):
-    """One committed checkpoint, as the log records it. A named tuple rather than a dataclass: a
-    fresh process builds one per checkpoint in the snapshot it reads, and a tuple is built in a
-    tenth of a frozen dataclass's time (10,000 of them: 3 ms, not 30)."""
+    """One committed checkpoint, as the log records it. A named tuple: a fresh fold builds one per
+    checkpoint of its snapshot, ten times faster than a frozen dataclass."""
 
     lineage: str
     step: int
@@ -336,10 +335,7 @@ class History:
         self._indexed = True
         by: dict[str, dict[str, Checkpoint]] = {}
         for c in self.checkpoints.values():  # (the tightest loop: 10,000 of them in a fresh fold)
-            d = by.get(c.lineage)
-            if d is None:
-                d = by[c.lineage] = {}
-            d[c.txid] = c
+            by.setdefault(c.lineage, {})[c.txid] = c
         self._by_lineage, self._live, self._retired_names = by, {lid: dict(d) for lid, d in by.items()}, {}
         for txid in self.retired:
             self._index_retire(txid)
@@ -502,6 +498,10 @@ class History:
             for c in index.get(lid, {}).values() if c.step <= limit
         ]
         return sorted(out, key=lambda c: (c.step, c.seq))
+
+    def live(self) -> list[Checkpoint]:  # every one not retired, from the index
+        self._index()
+        return [c for cs in self._live.values() for c in cs.values()]
 
     def abandoned(self, include_retired: bool = False) -> list[Checkpoint]:
         limits = _limits(self.state.view(self.state.head)) if self.state.head else {}
