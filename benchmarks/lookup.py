@@ -191,7 +191,8 @@ def run(quick: bool) -> dict[str, Any]:
                         f"what its action changed and the head lineage's record ({largest / 1024:.1f} KiB the largest,"
                         f" {os.path.getsize(os.path.join(log_dir, entries[-1])) / 1024:.1f} KiB the newest), and the "
                         "fold starts from the newest history snapshot (protocol §4a)")
-    snaps = sorted(os.listdir(os.path.join(root, ".txckpt", "snapshots")))
+    snap_dir = os.path.join(root, ".txckpt", "snapshots")
+    snaps = sorted(os.listdir(snap_dir)) if os.path.isdir(snap_dir) else []  # (none under 100 entries)
     if snaps:
         rows[1]["note"] += (f"; the newest snapshot (txckpt-snapshot/3, one column per field) is "
                             f"{os.path.getsize(os.path.join(root, '.txckpt', 'snapshots', snaps[-1])) / h.MiB:.2f} MiB")
