@@ -33,7 +33,8 @@ def _build(path: str, commits: int, lineages: int) -> dict:
     import txckpt.log as commit_log
 
     stamp_path = path + ".json"
-    want = {"commits": commits, "lineages": lineages, "log": commit_log.FORMAT}
+    want = {"commits": commits, "lineages": lineages, "log": commit_log.FORMAT,
+            "snapshot": getattr(commit_log, "SNAPSHOT_FORMAT", None)}
     if os.path.exists(stamp_path):
         with open(stamp_path) as f:
             stamp = json.load(f)
@@ -127,7 +128,7 @@ def main() -> int:
     os.makedirs(args.scratch, exist_ok=True)
     import txckpt.log as commit_log
 
-    tag = commit_log.FORMAT.replace("/", "-")
+    tag = f"{commit_log.FORMAT}-{getattr(commit_log, 'SNAPSHOT_FORMAT', '')}".replace("/", "-")
     roots = {"10,000 commits / 50 lineages": (10_000, 50), "50 commits / 1 lineage": (50, 1)}
     rows = {}
     for label, (commits, lineages) in roots.items():

@@ -70,3 +70,20 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("txckpt summary")
         for line in SUMMARY_LINES:
             terminalreporter.write_line(line)
+
+
+def forge_snapshot(data: bytes, edit) -> bytes:
+    """A ``txckpt-snapshot/3`` file's bytes after ``edit(header, body)`` changed them, with both
+    digests made to match again: a snapshot that verifies on its own, to test the checks after."""
+    import json
+
+    from txckpt import log as commit_log
+    from txckpt.checksum import digest_bytes
+
+    line, _, rest = data.partition(b"\n")
+    head, body = json.loads(line), json.loads(rest)
+    assert head.pop("digest") and head["format"] == "txckpt-snapshot/3"
+    edit(head, body)
+    rest = (json.dumps(body, separators=(",", ":")) + "\n").encode()
+    head["body_digest"] = digest_bytes(rest)
+    return (json.dumps({**head, "digest": commit_log._digest(head)}) + "\n").encode() + rest

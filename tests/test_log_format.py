@@ -15,6 +15,8 @@ from txckpt import log as commit_log
 from txckpt.cli import main as cli_main
 from txckpt.errors import LogCorruptError
 
+from tests.conftest import forge_snapshot
+
 V1_ROOT = os.path.join(os.path.dirname(__file__), "data", "log_v1_root")
 
 
@@ -125,13 +127,14 @@ def test_snapshot_must_agree_with_its_entry(tmp_path, caplog, monkeypatch):
     r.history(snapshot=True)
     (seq,) = commit_log.list_snapshots(r.storage)
     path = os.path.join(root, commit_log.snapshot_key(seq))
-    with open(path) as f:
-        snap = json.load(f)
-    snap.pop("digest")
-    snap["state"]["lineages"][snap["state"]["head"]]["writer"] = "someone-else"
-    snap["digest"] = commit_log._digest(snap)
-    with open(path, "w") as f:
-        json.dump(snap, f)
+    with open(path, "rb") as f:
+        data = f.read()
+
+    def edit(head, body):
+        body["state"]["lineages"][body["state"]["head"]]["writer"] = "someone-else"
+
+    with open(path, "wb") as f:
+        f.write(forge_snapshot(data, edit))
     caplog.set_level(logging.WARNING, logger="txckpt")
     quick = commit_log.read_history(r.storage)
     assert quick.base_seq == -1 and "is not the one log entry" in caplog.text

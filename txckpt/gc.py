@@ -243,7 +243,9 @@ def _publication(root: Root, history: Any, report: GcReport) -> None:
             report.items.append(GcItem("unpublish", name, f"{name} holds {occupant}, which is not "
                                        "in the current lineage: back to its home"))
     else:
-        for name in root.reconcile_publication(history, publish=False):
+        # Every name in the root, not only those a fork moved (§7): after a crash between a
+        # fork's entry and its renames, this is what completes them.
+        for name in root.publication.unpublish(current_ids, set(history.checkpoints)):
             report.items.append(GcItem("unpublish", name, "not in the current lineage: moved back to its home",
                                        done=True))
     for r in root.publication.unpublished([c.ref for c in current if not c.adopted]):

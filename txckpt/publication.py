@@ -70,8 +70,6 @@ class Root(Protocol):
     def describe(self, chosen: "Iterable[Checkpoint]", *, with_paths: bool = True,
                  history: "History | None" = None) -> list[Any]: ...
 
-    def reconcile_publication(self, history: "History | None" = None, *, publish: bool = True) -> list[str]: ...
-
     def _claim(self, state: "State") -> None: ...
 
     def _fork(self, parent: Parent, history: "History", reason: str, *, announce: bool = True,
@@ -159,6 +157,11 @@ class InPlacePublication:
         return []
 
     def publish_missing(self, refs: list[Ref]) -> list[str]:
+        return []
+
+    def unpublish_refs(self, refs: list[Ref]) -> list[str]:
+        """Move each of ``refs`` that holds its public name back to its home (after a fork:
+        the checkpoints it abandoned). Returns the names moved."""
         return []
 
     def misplaced(self, keep: set[str], known: set[str]) -> list[tuple[str, str]]:
@@ -339,11 +342,22 @@ class RenamePublication(InPlacePublication):
                 moved.append(name)
         return moved
 
+    def unpublish_refs(self, refs: list[Ref]) -> list[str]:
+        moved = []
+        for r in refs:
+            name = self.public_key(r.step)
+            if manifest_txid(self.storage, name) == r.txid:
+                self._evict(name, r.step, r.txid)
+                moved.append(name)
+        return moved
+
     def publish_missing(self, refs: list[Ref]) -> list[str]:
         """Publish every committed ref of ``refs`` (the head's view) that does not hold its
         ``checkpoint-N`` name: after a fork that restores checkpoints another fork abandoned.
         One listing of the root and one manifest read per name present; refs whose data is
         missing are skipped. Returns the names given."""
+        if not refs:
+            return []  # (a rollback restores nothing: no listing of a root of thousands of names)
         names = set(self.storage.list_dir(""))
         given = []
         for r in refs:

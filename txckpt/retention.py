@@ -148,10 +148,9 @@ class RetentionPolicy:
             for c in abandoned:
                 if now - since.get(c.txid, c.time) < ttl:
                     keep.add(c.txid)
-        out = [
-            c for c in history.checkpoints.values()
-            if c.txid not in keep and c.txid not in history.retired
-        ]
+        # The live ones, not every checkpoint ever committed: retention runs after every save,
+        # and a pass over the retired ones made a 1,000-cycle soak's cycles grow with it.
+        out = [c for c in history.live() if c.txid not in keep]
         return sorted(out, key=lambda c: (c.step, c.seq))
 
     @staticmethod

@@ -240,11 +240,14 @@ class CheckpointRoot:
         need a few describe only those, not every checkpoint ever committed). ``history``: the
         one ``chosen`` came from, if the caller holds it (saves re-reading the log's tail)."""
         history = history or self.history()
-        current = {c.txid for c in history.in_view(None, include_retired=True)}
+        # In the head's view or not, by the view's limits: not a pass over the whole view.
+        head = history.state.head
+        limits = dict(history.state.view(head)) if head is not None else {}
         out = []
         for c in chosen:
             key = self.publication.locate(c.ref) if with_paths else None
-            state = "retired" if c.txid in history.retired else ("current" if c.txid in current else "abandoned")
+            current = c.step <= limits.get(c.lineage, -1)
+            state = "retired" if c.txid in history.retired else ("current" if current else "abandoned")
             out.append(CheckpointInfo(
                 c.step, c.lineage, c.txid, None if key is None else self.storage.full_path(key), state,
                 c.time, c.bytes, c.files, c.adopted,
@@ -359,9 +362,10 @@ class CheckpointRoot:
         expected_head = history.state.head
         lid = new_lineage_id(history.state.lineages)
         abandoned: list[Checkpoint] = []
+        restored: list[Checkpoint] = []
 
         def build(state: State, seq: int, now: float) -> dict[str, Any]:
-            nonlocal abandoned
+            nonlocal abandoned, restored
             if state.seq != history.state.seq:
                 fresh = self.history()
                 if fresh.state.head != expected_head:
@@ -374,8 +378,9 @@ class CheckpointRoot:
             # The entry does not list what it abandons (the fold derives it, §4): the views are
             # the folded history's, whose lineages are complete (the newest entry's are not).
             fresh = self._history or history
-            abandoned = fresh.abandoned_by(
-                fresh.state.after_new_lineage(seq, now, lid, parent, reason, writer=self.session), expected_head)
+            after = fresh.state.after_new_lineage(seq, now, lid, parent, reason, writer=self.session)
+            abandoned = fresh.abandoned_by(after, expected_head)
+            restored = fresh.restored_by(after, expected_head)
             entry: dict[str, Any] = {"action": "fork", "lineage": lid, "parent": parent_to_json(parent), "reason": reason, "state": new_state}
             if damaged:
                 entry["damaged"] = damaged
@@ -401,29 +406,16 @@ class CheckpointRoot:
             log.warning("%s", rollback_warning(self.url, parent, lid, abandoned,
                                                renames=self.publication.publishes, naming=self.publication.naming))
         try:
-            self.reconcile_publication(history)
+            # Only the names the fork changes move (§7), not every name in the root (a manifest
+            # read each); `txckpt gc` reconciles them all (a crash before these renames).
+            self.publication.unpublish_refs([c.ref for c in abandoned])
+            self.publication.publish_missing([c.ref for c in restored if not c.adopted])
         except OSError as e:
             # The fork is committed; publication is derived state that `txckpt gc` completes
             # (a save publishes only its own checkpoint). Lookups follow the log, not the names.
             log.warning("the rollback is recorded, but moving the checkpoint-N names to the "
                         "new lineage's checkpoints failed (%s); `txckpt gc` completes it", e)
         return lid
-
-    def reconcile_publication(self, history: History | None = None, *, publish: bool = True) -> list[str]:
-        """Make the checkpoint-N names match the current lineage (rename backends only, §7):
-        names held by committed checkpoints outside the head's view go back to their homes, then
-        the view's checkpoints that lack their name get it (a fork that restores what an earlier
-        fork abandoned). Returns the names moved out. ``publish=False``: the first half only
-        (gc publishes, and reports, each one itself)."""
-        history = history or self.history()
-        view = history.in_view(None, include_retired=True)
-        moved = self.publication.unpublish({c.txid for c in view}, set(history.checkpoints))
-        if publish:
-            # Adopted checkpoints keep the name they were found at (it may be zero-padded), as in
-            # gc: only checkpoints that txckpt saved get checkpoint-<step>.
-            self.publication.publish_missing([c.ref for c in view if c.txid not in history.retired
-                                              and not c.adopted])
-        return moved
 
     def _checkpoint_at_path(self, path: str | os.PathLike, history: History) -> Checkpoint:
         key = self.storage.key_of(os.fspath(path))
@@ -544,7 +536,19 @@ class CheckpointRoot:
             raise where
         if where is None:  # pragma: no cover - the data was just written
             raise CheckpointNotFoundError(f"committed checkpoint {manifest.txid} vanished during publication")
+        if entry["seq"] % commit_log.SNAPSHOT_EVERY == 0:
+            self._snapshot_after_commit()
         return self.storage.full_path(where)
+
+    def _snapshot_after_commit(self) -> None:
+        """Every SNAPSHOT_EVERY-th entry the committer leaves a snapshot (§4a): a run that only
+        saves would leave none, and every fresh `txckpt ls` would fold its whole log."""
+        from .errors import LogCorruptError
+
+        try:  # best effort: the save is committed
+            self.history(snapshot=True)
+        except (OSError, LogCorruptError) as e:
+            log.warning("checkpoint committed, but the history snapshot after it was not written (%s)", e)
 
     def transaction(self, step: int, **kwargs: Any):
         from .transactions import Transaction

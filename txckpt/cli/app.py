@@ -15,7 +15,7 @@ from .common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, UsageError, configure_log
 from .export import cmd_export
 from .maintain import cmd_adopt, cmd_gc, cmd_resume
 from .verify import cmd_verify
-from .views import cmd_log, cmd_ls, cmd_show
+from .views import LS_DEFAULT_COUNT, cmd_log, cmd_ls, cmd_show
 
 
 # ----- the parser ----------------------------------------------------------------------------------
@@ -52,12 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_log)
 
     sp = sub.add_parser("ls", parents=[common], help="table of committed checkpoints and leftover staging",
-                        description="List every committed checkpoint of every lineage in a table (step, "
-                                    "lineage, size, time, state, path), plus staging directories of saves that "
-                                    "never committed.")
+                        description="List committed checkpoints in a table (step, lineage, size, time, state, "
+                                    "path), plus staging directories of saves that never committed: the "
+                                    f"{LS_DEFAULT_COUNT} most recently committed whose data exists, of every "
+                                    "lineage, by default; --all lists every one, retired ones included.")
     sp.add_argument("root", metavar="ROOT")
     sp.add_argument("--lineage", default=None,
-                    help='only the view of this lineage ("current" for the head); default: everything')
+                    help='only the view of this lineage ("current" for the head); default: every lineage')
+    sp.add_argument("-n", "--max-count", type=int, default=LS_DEFAULT_COUNT, metavar="N",
+                    help=f"show the N most recently committed checkpoints (default {LS_DEFAULT_COUNT}; "
+                         "0: no limit)")
+    sp.add_argument("--all", action="store_true",
+                    help="every checkpoint, also those the retention policy retired (their data is deleted)")
     sp.set_defaults(func=cmd_ls)
 
     sp = sub.add_parser("show", parents=[common], help="a checkpoint's manifest, readable",

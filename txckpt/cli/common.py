@@ -11,7 +11,7 @@ import time
 from typing import Any, Sequence
 
 from ..errors import NotATxckptRootError
-from ..layout import LOG_DIR, META_DIR, is_url
+from ..layout import LOG_DIR, META_DIR, entry_key, is_url
 from ..progress import BarAwareHandler, human
 
 EXIT_OK = 0
@@ -86,7 +86,10 @@ def open_root_arg(path: str, options: dict[str, Any], *, must_exist: bool = True
 
 def _looks_like_root(root: Any) -> bool:
     s = root.storage
-    return bool(s.list_dir(LOG_DIR)) or bool(root.legacy_checkpoints()) or s.exists(META_DIR)
+    # Entry 0 first: listing a log of 10,000 entries to see that it is not empty cost every
+    # command 9 ms on such a root; the listing still catches a log that lost entry 0.
+    return s.exists(entry_key(0)) or bool(s.list_dir(LOG_DIR)) or bool(root.legacy_checkpoints()) \
+        or s.exists(META_DIR)
 
 
 def configure_logging(verbose: bool) -> None:

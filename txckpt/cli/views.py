@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -71,10 +72,37 @@ def staged_leftovers(root: Any, history: Any) -> list[dict[str, Any]]:
     return out
 
 
+#: How many checkpoints ``txckpt ls`` lists without ``--all`` or ``-n``: a screenful, so that the
+#: command costs the same on a root of 10,000 commits as on one of 50 (a listing that grows with
+#: the history would be the one reader whose cost does).
+LS_DEFAULT_COUNT = 20
+
+
+def _ls_choose(root: Any, history: Any, args: argparse.Namespace) -> tuple[list[Any], int]:
+    """The log checkpoints ``ls`` lists, and how many it leaves out. Without ``--all`` retired
+    ones (data deleted) are left out, and only the ``-n`` most recently committed are kept:
+    picked from the newest end of the history, never by a pass over every checkpoint."""
+    limit = None if args.all or args.max_count <= 0 else args.max_count
+    if args.lineage is not None:
+        view = history.in_view(None if args.lineage == "current" else args.lineage)
+        return (view, 0) if limit is None or len(view) <= limit else (view[-limit:], len(view) - limit)
+    if args.all:
+        return sorted(history.checkpoints.values(), key=lambda c: (c.step, c.seq)), 0
+    chosen: list[Any] = []
+    for c in reversed(history.checkpoints.values()):  # log order: the newest commits last
+        if limit is not None and len(chosen) == limit:
+            break
+        if c.txid not in history.retired:
+            chosen.append(c)
+    live = len(history.checkpoints) - len(history.retired)
+    return chosen, live - len(chosen)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     root = open_root_arg(args.root, args.storage_options)
     history = root.history()
     rows_json: list[dict[str, Any]] = []
+    omitted = 0
     if history.state.seq < 0:
         for step, key in root.legacy_dirs():
             rows_json.append({"step": step, "lineage": "-", "txid": None, "state": "legacy",
@@ -82,10 +110,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                               "time": root.storage.modified_time(key), "path": root.storage.full_path(key),
                               "key": key, "adopted": False, "published": True})
     else:
-        lineage = "all" if args.lineage is None else args.lineage
-        for info in root.checkpoints(lineage):
-            if args.lineage is not None and info.state == "retired":
-                continue
+        chosen, omitted = _ls_choose(root, history, args)
+        for info in root.describe(chosen, history=history):
             rows_json.append({
                 "step": info.step, "lineage": info.lineage, "txid": info.txid, "state": info.state,
                 "bytes": info.bytes, "time": info.time, "path": info.path,
@@ -96,9 +122,23 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.lineage is None:
         rows_json.extend(staged_leftovers(root, history))
     rows_json.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["time"] or 0))
+    if omitted or (not args.all and history.retired and args.lineage is None):
+        # On stderr, so that the table (or the JSON) on stdout stays what a tool reads.
+        left = f"{omitted:,} older checkpoint(s) not listed (`-n N` lists the N newest)" if omitted else ""
+        retired = f"{len(history.retired):,} retired (data deleted)" if history.retired and args.lineage is None else ""
+        note = f"txckpt ls: {'; '.join(x for x in (left, retired) if x)}; `--all` lists every one"
+    else:
+        note = None
     if args.json:
         print_json(rows_json)
-        return EXIT_OK
+    else:
+        _print_ls_table(rows_json)
+    if note:
+        print(note, file=sys.stderr)
+    return EXIT_OK
+
+
+def _print_ls_table(rows_json: list[dict[str, Any]]) -> None:
     rows = []
     for r in rows_json:
         state = r["state"]
@@ -111,9 +151,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                      human_time(r["time"]), state, where])
     if not rows:
         print("no checkpoints")
-        return EXIT_OK
-    print(table(rows, ["STEP", "LINEAGE", "SIZE", "TIME", "STATE", "PATH"]))
-    return EXIT_OK
+    else:
+        print(table(rows, ["STEP", "LINEAGE", "SIZE", "TIME", "STATE", "PATH"]))
 
 
 # ----- show ----------------------------------------------------------------------------------------
