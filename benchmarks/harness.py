@@ -84,6 +84,15 @@ def settings() -> Settings:
     return _settings
 
 
+def proc_status(field: str) -> int:
+    """A byte count of this process from /proc/self/status (``VmRSS``, ``VmHWM``: kB there)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
 def free_bytes(path: str) -> int:
     probe = path
     while not os.path.exists(probe):

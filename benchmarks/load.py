@@ -118,14 +118,6 @@ def trace_load(path: str) -> str:
     return "\n".join(lines)
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def memory_child(path: str, verify: bool) -> dict[str, Any]:
     """Peak RSS of one load in a fresh process: baseline after the imports, the peak reset
     (``/proc/self/clear_refs`` = 5), the load, VmHWM while its result is still held."""
@@ -135,7 +127,7 @@ def memory_child(path: str, verify: bool) -> dict[str, Any]:
     from txckpt.manifest import MANIFEST_NAME, Manifest
 
     nbytes = Manifest.decode(open(os.path.join(path, MANIFEST_NAME), "rb").read()).total_bytes
-    base = _status("VmRSS")
+    base = h.proc_status("VmRSS")
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -143,7 +135,7 @@ def memory_child(path: str, verify: bool) -> dict[str, Any]:
     except OSError:
         reset = False
     out = txckpt.load_checkpoint(path, verify=verify)
-    peak = _status("VmHWM")
+    peak = h.proc_status("VmHWM")
     del out
     return {"base": base, "peak": peak, "bytes": nbytes, "peak_reset": reset}
 

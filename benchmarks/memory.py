@@ -21,14 +21,6 @@ TITLE = "Memory"
 METHODS = ["txckpt", "stock", "dcp"]
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def child(size: int, method: str, directory: str) -> dict[str, Any]:
     import warnings
 
@@ -42,17 +34,17 @@ def child(size: int, method: str, directory: str) -> dict[str, Any]:
 
     root = CheckpointRoot(os.path.join(directory, "tx"), durable=True)
     root.new_lineage()
-    base = _status("VmRSS")
+    base = h.proc_status("VmRSS")
     weights, optim = make_state(size)
     nbytes = state_bytes(weights, optim)
-    with_state = _status("VmRSS")
+    with_state = h.proc_status("VmRSS")
     reset = True
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
         reset = False
-    before_peak = _status("VmHWM")
+    before_peak = h.proc_status("VmHWM")
     if method == "txckpt":
         root.save(1, files_of(weights, optim))
     elif method == "stock":
@@ -65,7 +57,7 @@ def child(size: int, method: str, directory: str) -> dict[str, Any]:
             dcp.save({"model": weights, "optim": optim}, storage_writer=dcp.FileSystemWriter(os.path.join(directory, "dcp")))
     else:
         raise ValueError(method)
-    peak = _status("VmHWM")
+    peak = h.proc_status("VmHWM")
     return {"base": base, "with_state": with_state, "peak": peak, "state": nbytes, "peak_reset": reset,
             "peak_before_save": before_peak}
 

@@ -165,14 +165,6 @@ def _overhead(s: h.Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 # ----- memory over 100 async saves (a subprocess) ----------------------------------------------
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def child(size: int, saves: int, directory: str) -> dict[str, Any]:
     import torch
 
@@ -184,7 +176,7 @@ def child(size: int, saves: int, directory: str) -> dict[str, Any]:
     weights, optim = make_state(size)
     files = files_of(weights, optim)
     nbytes = state_bytes(weights, optim)
-    with_state = _status("VmRSS")
+    with_state = h.proc_status("VmRSS")
     rss: dict[int, int] = {}
     first = next(iter(weights.values()))
     for i in range(1, saves + 1):
@@ -194,9 +186,9 @@ def child(size: int, saves: int, directory: str) -> dict[str, Any]:
         if i % 10 == 0:
             txckpt.wait_for_saves()
             apply_retention(txckpt.open_root(directory), RetentionPolicy(keep_last=2))
-            rss[i] = _status("VmRSS")
+            rss[i] = h.proc_status("VmRSS")
     txckpt.wait_for_saves()
-    return {"state": nbytes, "with_state": with_state, "peak": _status("VmHWM"), "rss": rss}
+    return {"state": nbytes, "with_state": with_state, "peak": h.proc_status("VmHWM"), "rss": rss}
 
 
 def _memory(s: h.Settings) -> list[dict[str, Any]]:

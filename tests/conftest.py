@@ -51,6 +51,18 @@ def pytest_configure(config):
 
 
 @pytest.fixture
+def closed_endpoint() -> str:
+    """An http URL on loopback where nothing listens (bound, then closed): an unreachable
+    endpoint for the remote-error tests."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
 def root(tmp_path):
     return str(tmp_path / "out")
 

@@ -7,7 +7,6 @@ server of emulators/s3.py; the unreachable endpoint is a closed port on 127.0.0.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,15 +32,6 @@ def _botocores_default_retries(monkeypatch):
     """botocore's own default (5 attempts, legacy mode), whatever the environment says."""
     for name in ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE"):
         monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def closed_endpoint() -> str:
-    """An http URL on loopback where nothing listens (bound, then closed)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ where those are not installed); the unreachable endpoint is a closed port on 127
 
 from __future__ import annotations
 
-import socket
 import uuid
 
 import pytest
@@ -16,14 +15,6 @@ import txckpt
 from txckpt.errors import CredentialsError, EndpointUnreachableError, RootNotFoundError, TxckptError
 from txckpt.storage import open_storage
 from txckpt.storage.errors import translate
-
-
-@pytest.fixture
-def closed_endpoint() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 def _calls(url, so):

@@ -9,9 +9,10 @@ reused buffer. Other backends read each file whole.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from . import checksum, fileio
 from .errors import CheckpointNotFoundError, IntegrityError, UnsafePathError
@@ -51,6 +52,19 @@ def _wrong_checksum(where: str, name: str) -> IntegrityError:
         f"commit; the checkpoint is damaged; {FALLBACK_HINT}",
         path=f"{where}/{name}",
     )
+
+
+@contextlib.contextmanager
+def _as_file_problems() -> Iterator[None]:
+    """What reading a stored file can raise, as the :class:`FileProblem` it means."""
+    try:
+        yield
+    except fileio.SizeMismatch as e:
+        raise FileProblem("size", size=e.actual) from None
+    except IsADirectoryError:
+        raise FileProblem("directory") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileProblem("missing") from None
 
 
 class FileProblem(Exception):
@@ -106,7 +120,7 @@ def check_file(storage: Storage, key: str, entry: FileEntry, *, keep: bool = Fal
     if storage.is_symlink_escape(key):
         raise FileProblem("symlink")
     local = storage.local_path(key)
-    try:
+    with _as_file_problems():
         if local is not None:
             if not verify:
                 size = _stat_size(local)
@@ -127,12 +141,6 @@ def check_file(storage: Storage, key: str, entry: FileEntry, *, keep: bool = Fal
                 if digest != entry.checksum:
                     raise FileProblem("checksum", size=size, digest=digest)
             return size, None
-    except fileio.SizeMismatch as e:
-        raise FileProblem("size", size=e.actual) from None
-    except IsADirectoryError:
-        raise FileProblem("directory") from None
-    except (FileNotFoundError, NotADirectoryError):
-        raise FileProblem("missing") from None
     if size != entry.size:
         raise FileProblem("size", size=size, digest=digest)
     if digest != entry.checksum:
@@ -158,7 +166,7 @@ def read_file(storage: Storage, key: str, entry: FileEntry, *, verify: bool = Tr
     if storage.is_symlink_escape(key):
         raise FileProblem("symlink")
     local = storage.local_path(key)
-    try:
+    with _as_file_problems():
         if local is not None and entry.kind in _BUFFER_KINDS:
             pending = fileio.start_read_into_buffer(local, entry.size, hash=verify, pipeline=pipeline)
 
@@ -169,12 +177,6 @@ def read_file(storage: Storage, key: str, entry: FileEntry, *, verify: bool = Tr
 
             return Deferred(pending.buffer, check_buffer)
         data = storage.read_bytes(key)
-    except fileio.SizeMismatch as e:
-        raise FileProblem("size", size=e.actual) from None
-    except IsADirectoryError:
-        raise FileProblem("directory") from None
-    except (FileNotFoundError, NotADirectoryError):
-        raise FileProblem("missing") from None
     size = len(data)
     if size != entry.size:
         raise FileProblem("size", size=size)
