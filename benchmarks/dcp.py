@@ -24,7 +24,6 @@ import os
 import shutil
 import statistics
 import time
-import uuid
 from typing import Any
 
 TITLE = "DCP: TransactionalWriter / TransactionalReader vs plain torch DCP, 2 ranks"
@@ -130,32 +129,9 @@ def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int
 
 
 def measure(size: int, rounds: int, warmup: int = 1, deadline: float = 1800.0) -> dict[str, Any]:
-    import multiprocessing
+    from .ranks import launch_ranks
 
-    from .ranks import _free_port
-
-    ctx = multiprocessing.get_context("spawn")
-    base = os.path.join(_scratch(), "run", f"dcp-{uuid.uuid4().hex[:8]}")
-    os.makedirs(base)
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, base, size, rounds, warmup, queue), daemon=True)
-             for r in range(WORLD)]
-    try:
-        for p in procs:
-            p.start()
-        result = queue.get(timeout=deadline)
-        for p in procs:
-            p.join(60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-        shutil.rmtree(base, ignore_errors=True)
-    if "error" in result:
-        raise RuntimeError(f"a rank failed: {result['error']}")
-    return result
+    return launch_ranks(_worker, "dcp", WORLD, size, rounds, warmup, deadline)
 
 
 def _row(times: dict[str, list[float]], tx: str, other: str, size: int, goal: float, note: str) -> dict[str, Any]:

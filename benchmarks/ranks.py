@@ -164,16 +164,20 @@ def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int
             pass
 
 
-def measure(size: int, rounds: int, warmup: int = 1, deadline: float = 1800.0) -> dict[str, Any]:
+def launch_ranks(worker: Any, tag: str, world: int, size: int, rounds: int, warmup: int,
+                 deadline: float) -> dict[str, Any]:
+    """Run ``worker(rank, port, base, size, rounds, warmup, queue)`` in ``world`` spawned
+    processes (a gloo group on a free loopback port, a scratch directory ``base`` they share) and
+    return what rank 0 puts on the queue; a rank's error is raised here."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    base = os.path.join(_scratch(), "run", f"ranks-{uuid.uuid4().hex[:8]}")
+    base = os.path.join(_scratch(), "run", f"{tag}-{uuid.uuid4().hex[:8]}")
     os.makedirs(base)
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, base, size, rounds, warmup, queue), daemon=True)
-             for r in range(WORLD)]
+    procs = [ctx.Process(target=worker, args=(r, port, base, size, rounds, warmup, queue), daemon=True)
+             for r in range(world)]
     try:
         for p in procs:
             p.start()
@@ -189,6 +193,10 @@ def measure(size: int, rounds: int, warmup: int = 1, deadline: float = 1800.0) -
     if "error" in result:
         raise RuntimeError(f"a rank failed: {result['error']}")
     return result
+
+
+def measure(size: int, rounds: int, warmup: int = 1, deadline: float = 1800.0) -> dict[str, Any]:
+    return launch_ranks(_worker, "ranks", WORLD, size, rounds, warmup, deadline)
 
 
 def run(quick: bool) -> dict[str, Any]:
