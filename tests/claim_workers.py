@@ -3,9 +3,10 @@ writes files straight into ``tx.directory``, as DeepSpeed or DCP do, and claims 
 
 from __future__ import annotations
 
-import builtins
 import os
 from typing import Any
+
+from tests.dist_workers import spying_reads
 
 
 def _write(path: str, data: bytes) -> None:
@@ -23,21 +24,7 @@ def claim_own_files(rank: int, world: int, *, root: str, step: int, claims: str 
     Returns the committed path and the staging files this rank opened for reading."""
     import txckpt
 
-    opened: list[str] = []
-    real_open, real_os_open = builtins.open, os.open
-
-    def spy_open(file, mode="r", *a, **kw):
-        if isinstance(file, (str, bytes, os.PathLike)) and "r" in mode:
-            opened.append(os.fsdecode(file))
-        return real_open(file, mode, *a, **kw)
-
-    def spy_os_open(path, flags, *a, **kw):
-        if not flags & (os.O_WRONLY | os.O_RDWR):
-            opened.append(os.fsdecode(path))
-        return real_os_open(path, flags, *a, **kw)
-
-    builtins.open, os.open = spy_open, spy_os_open
-    try:
+    with spying_reads() as opened:
         with txckpt.transaction(root, step) as tx:
             shard = f"global_step{step}/zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
             _write(os.path.join(tx.directory, shard), bytes([rank]) * (4096 + rank))
@@ -55,8 +42,6 @@ def claim_own_files(rank: int, world: int, *, root: str, step: int, claims: str 
                 tx.claim_files("never-written.bin")
         path = tx.path
         files = set(txckpt.read_manifest(path).files)
-    finally:
-        builtins.open, os.open = real_open, real_os_open
     # Staging paths are <root>/.txckpt/tx/<txid>/checkpoint-<step>/<name>: keep <name>.
     marker = f"/checkpoint-{step}/"
     # Directories opened to fsync them and the manifest rank 0 writes (and links) are no data.

@@ -14,6 +14,7 @@ return value, or the type and message of what it raised, and how long it took) i
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 import multiprocessing
 import os
@@ -22,7 +23,7 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from tests.harness import tracer as _tracer
 from tests.harness.tracer import Tracer
@@ -281,10 +282,9 @@ def enter_mismatch(rank: int, world: int, *, root: str, step: int) -> Any:
     return txckpt.save_checkpoint(root, step + (rank == 1), payload(rank, step))
 
 
-def reads_of_others(rank: int, world: int, *, root: str, step: int) -> Any:
-    """Which staging files of other ranks this rank opened for reading during a save."""
-    import txckpt
-
+@contextlib.contextmanager
+def spying_reads() -> Iterator[list[str]]:
+    """Every path this process opens for reading (``open`` and ``os.open``) while inside."""
     opened: list[str] = []
     real_open = builtins.open
     real_os_open = os.open
@@ -299,11 +299,19 @@ def reads_of_others(rank: int, world: int, *, root: str, step: int) -> Any:
             opened.append(os.fsdecode(path))
         return real_os_open(path, flags, *a, **kw)
 
-    builtins.open, os.open = spy_open, spy_os_open
+    builtins.open, os.open = spy_open, spy_os_open  # type: ignore[assignment]
     try:
-        path = txckpt.save_checkpoint(root, step, payload(rank, step))
+        yield opened
     finally:
         builtins.open, os.open = real_open, real_os_open
+
+
+def reads_of_others(rank: int, world: int, *, root: str, step: int) -> Any:
+    """Which staging files of other ranks this rank opened for reading during a save."""
+    import txckpt
+
+    with spying_reads() as opened:
+        path = txckpt.save_checkpoint(root, step, payload(rank, step))
     others = [p for p in opened if "/.txckpt/tx/" in p and f"rank{rank}." not in os.path.basename(p)
               and os.path.basename(p).startswith("rank")]
     return {"path": path, "others": others}
