@@ -43,6 +43,7 @@ from txckpt import asyncsave, errors as _errors
 from txckpt.root import open_root
 from txckpt.snapshot import SnapshotPool
 
+from .trainer_patches import torch_save_into
 from .trainer_ranks import rank_patterns
 from .trainer_paths import STAGING_DIR_NAME, STAGING_ENV, TRAINER_STATE_NAME, is_remote, is_within
 
@@ -357,9 +358,6 @@ def _write_and_commit(root: str, so: Any, step: int, meta: Any, plan: list, snap
     mode (``snap`` None): take the snapshot first, here, and let the optimizer step go on.
     ``claims(rank)``: the globs of the files this rank writes itself (trainer_ranks), claimed as
     the synchronous save claims them, so that the manifest says which rank wrote each."""
-    from txckpt.manifest import kind_for_name
-    from txckpt.serialization import _torch_save_config
-
     if snap is None:
         pool, objs, copied = lazy
         try:
@@ -386,15 +384,7 @@ def _write_and_commit(root: str, so: Any, step: int, meta: Any, plan: list, snap
         for name, how, kw, writer in plan:
             obj = snap[name]
             if how == STREAM:  # as trainer_patches.torch_save_through writes it
-                out: Any = tx.open(name, "wb")
-                try:
-                    with _torch_save_config():
-                        writer(obj, out)
-                    out.kind = kind_for_name(name)
-                    out.close()
-                except BaseException:
-                    out.abort()
-                    raise
+                torch_save_into(tx, name, obj, writer)
                 continue
             path = os.path.join(directory, name)
             os.makedirs(os.path.dirname(path), exist_ok=True)

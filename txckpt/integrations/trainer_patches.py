@@ -10,7 +10,7 @@ import contextlib
 import functools
 import os
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .trainer_paths import is_remote
 
@@ -52,6 +52,24 @@ def hub_uploads_skip_txckpt(ignores: list[str] | None = None) -> Iterator[None]:
             setattr(hf_trainer, "upload_folder", real_module_fn)
 
 
+def torch_save_into(tx: Any, name: str, obj: Any, save: Callable[[Any, Any], Any]) -> None:
+    """Write ``obj`` as ``name`` of ``tx`` through ``tx.open`` with ``save`` (torch.save itself:
+    the real one, not a patched one), with txckpt's torch.save settings; a failed write leaves
+    nothing in the transaction."""
+    from txckpt.manifest import kind_for_name
+    from txckpt.serialization import _torch_save_config
+
+    out = tx.open(name, "wb")
+    try:
+        with _torch_save_config():
+            save(obj, out)
+        out.kind = kind_for_name(name)
+        out.close()
+    except BaseException:
+        out.abort()
+        raise
+
+
 @contextlib.contextmanager
 def torch_save_through(tx: Any, streamed: set[str]) -> Iterator[None]:
     """While the block runs, a ``torch.save(obj, path)`` made by this thread with ``path`` inside
@@ -59,9 +77,6 @@ def torch_save_through(tx: Any, streamed: set[str]) -> Iterator[None]:
     file's name to ``streamed``; a second save of a name in ``streamed``, and anything else, goes
     to torch.save unchanged (``tx.check_not_rewritten`` then refuses the commit)."""
     import torch
-
-    from txckpt.manifest import kind_for_name
-    from txckpt.serialization import _torch_save_config
 
     real = torch.save
     me = threading.get_ident()
@@ -76,15 +91,7 @@ def torch_save_through(tx: Any, streamed: set[str]) -> Iterator[None]:
                 name = os.path.relpath(path, directory).replace(os.sep, "/")
         if name is None or name in streamed:
             return real(obj, f, *args, **kwargs)
-        out = tx.open(name, "wb")
-        try:
-            with _torch_save_config():
-                real(obj, out)
-            out.kind = kind_for_name(name)
-            out.close()
-        except BaseException:
-            out.abort()
-            raise
+        torch_save_into(tx, name, obj, real)
         streamed.add(name)
         return None
 
