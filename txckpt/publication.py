@@ -345,10 +345,14 @@ class RenamePublication(InPlacePublication):
     def unpublish_refs(self, refs: list[Ref]) -> list[str]:
         moved = []
         for r in refs:
-            name = self.public_key(r.step)
-            if manifest_txid(self.storage, name) == r.txid:
-                self._evict(name, r.step, r.txid)
-                moved.append(name)
+            names = [self.public_key(r.step)]
+            if r.key and r.key not in names and self.naming.step_of(r.key) == r.step:
+                # An adopted checkpoint holds the name it was found at (zero-padded, say).
+                names.append(r.key)
+            for name in names:
+                if manifest_txid(self.storage, name) == r.txid:
+                    self._evict(name, r.step, r.txid)
+                    moved.append(name)
         return moved
 
     def publish_missing(self, refs: list[Ref]) -> list[str]:
