@@ -22,6 +22,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+import transformers  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 import txckpt  # noqa: E402
@@ -83,7 +84,8 @@ def train(out, async_save, **overrides):
 
 def manifests(out):
     """Per committed step: every file's size and digest, but trainer_state.json's content with
-    its timings left out (an evaluation's runtime differs from one run to the next)."""
+    its timings left out (an evaluation's runtime differs from one run to the next), and
+    training_args.bin's arguments (on transformers 4.x without the clock-named logging_dir)."""
     txckpt.forget_roots()
     result = {}
     for c in txckpt.CheckpointRoot(out).checkpoints():
@@ -95,7 +97,18 @@ def manifests(out):
             for k in [k for k in entry if k.endswith(("_runtime", "_per_second"))]:
                 del entry[k]
         result[c.step]["trainer_state.json"] = state
+        if "training_args.bin" in files:
+            # The arguments themselves, but logging_dir: transformers 4.x derives its default from
+            # the clock (runs/<date-time>_<host>), so the pickle differs between any two runs.
+            saved = torch.load(Path(c.path) / "training_args.bin", weights_only=False).to_dict()
+            if _CLOCKED_LOGGING_DIR:
+                saved.pop("logging_dir", None)
+            result[c.step]["training_args.bin"] = saved
     return result
+
+
+#: transformers 4.x: TrainingArguments.logging_dir defaults to a directory named by the clock.
+_CLOCKED_LOGGING_DIR = int(transformers.__version__.split(".")[0]) < 5
 
 
 def test_same_checkpoints_as_sync_and_train_returns_committed(tmp_path):
