@@ -14,10 +14,10 @@ nothing (a rank that wrote no such file); a plain name must exist when the rank'
 from __future__ import annotations
 
 import fnmatch
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
+from .checksum import digest_stream
 from .errors import InvalidArgumentError, UnsafePathError
 from .fileio import hash_file
 from .manifest import FileEntry, check_file_name, kind_for_name
@@ -75,9 +75,22 @@ def hash_claimed(storage: Storage, key: str, claims: list[str], skip: set[str], 
         if storage.is_symlink_escape(f"{key}/{name}"):
             raise UnsafePathError(f"{name!r} in the checkpoint is a symlink that leaves the root")
 
-    def one(name: str) -> dict:
-        size, digest = hash_file(os.path.join(base, *name.split("/")), fsync=durable)
-        return FileEntry(size, digest, kind_for_name(name), rank).to_json()
+    return {name: e.to_json() for name, e in hash_staged(storage, key, names, durable, rank).items()}
+
+
+def hash_staged(storage: Storage, key: str, names: list[str], durable: bool, rank: int = 0) -> dict[str, FileEntry]:
+    """Hash (and with ``durable`` fsync) files ``names`` of the staging directory ``key``, which
+    other code wrote there: their manifest entries, recorded with ``rank``. The claiming rank's
+    pass and the committer's pass over unclaimed files (transactions) are this one."""
+
+    def one(name: str) -> FileEntry:
+        local = storage.local_path(f"{key}/{name}")
+        if local is not None:
+            size, digest = hash_file(local, fsync=durable)  # a FIFO here raises, never blocks
+        else:
+            with storage.open_read(f"{key}/{name}") as f:
+                size, digest = digest_stream(f)
+        return FileEntry(size, digest, kind_for_name(name), rank)
 
     # Reading one file while another one's fsync waits for the disk: both release the GIL.
     with ThreadPoolExecutor(max_workers=min(4, max(1, len(names)))) as pool:

@@ -14,12 +14,11 @@ import os
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, Iterable, Literal, Mapping
 
 from . import errors
-from .checksum import HashingWriter, digest_stream
-from .claims import check_claims, claimed_names, hash_claimed
+from .checksum import HashingWriter
+from .claims import check_claims, claimed_names, hash_claimed, hash_staged
 from .coordination import Coordinator, current_coordinator, decide_on_rank0
 from .errors import (
     CheckpointNotFoundError,
@@ -43,7 +42,6 @@ from .progress import Timer, timing
 from .saveplan import SavePlan
 from .serialization import write_object
 from .txnames import TxNames
-from .storage.base import Storage
 
 log = logging.getLogger("txckpt")
 
@@ -473,11 +471,7 @@ class Transaction:
             if storage.is_symlink_escape(f"{key}/{name}"):
                 raise UnsafePathError(f"{name!r} in the checkpoint is a symlink that leaves the root")
             unreported.append(name)
-        # Reading one file while another one's fsync waits for the disk: both release the GIL.
-        with ThreadPoolExecutor(max_workers=min(4, max(1, len(unreported)))) as pool:
-            for name, entry in zip(unreported, pool.map(
-                    lambda n: _hash_and_sync(storage, f"{key}/{n}", n, durable), unreported)):
-                files[name] = entry
+        files.update(hash_staged(storage, key, unreported, durable))  # recorded as rank 0's
         if not files:
             raise InvalidArgumentError("the transaction wrote no files; nothing to commit")
         check_name_tree(files)  # ranks (or an object store) may hold both 'a' and 'a/b'
@@ -574,18 +568,6 @@ class _TrackedWriter(HashingWriter):
         super().abort()
         self._tx._open_writers.discard(self._name)
         self._tx._names.rebuild(list(self._tx._written) + sorted(self._tx._open_writers))
-
-
-def _hash_and_sync(storage: Storage, key: str, name: str, durable: bool) -> FileEntry:
-    local = storage.local_path(key)
-    if local is not None:
-        from .fileio import hash_file
-
-        size, digest = hash_file(local, fsync=durable)  # a FIFO here raises, never blocks
-    else:
-        with storage.open_read(key) as f:
-            size, digest = digest_stream(f)
-    return FileEntry(size, digest, kind_for_name(name))
 
 
 def _walk_local(base: str):
