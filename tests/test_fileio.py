@@ -219,13 +219,13 @@ def test_trainer_optimizer_is_streamed_not_rehashed(tmp_path, monkeypatch):
     from txckpt.integrations.transformers import TransactionalTrainer
 
     rehashed = []
-    real = transactions._hash_and_sync
+    real = transactions.hash_staged
 
-    def spy(storage, key, name, durable):
-        rehashed.append(name)
-        return real(storage, key, name, durable)
+    def spy(storage, key, names, durable, rank=0):  # the committer's pass over unclaimed files
+        rehashed.extend(names)
+        return real(storage, key, names, durable, rank)
 
-    monkeypatch.setattr(transactions, "_hash_and_sync", spy)
+    monkeypatch.setattr(transactions, "hash_staged", spy)
     torch.manual_seed(0)
     out = str(tmp_path / "out")
     TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(out, 2),
