@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -14,6 +13,7 @@ import textwrap
 import pytest
 
 import txckpt
+from tests.harness.fs import tree
 from txckpt import cli
 
 TXCKPT = os.path.join(os.path.dirname(sys.executable), "txckpt")
@@ -27,18 +27,6 @@ def run(*args: str, check: int | None = 0) -> subprocess.CompletedProcess:
     if check is not None:
         assert p.returncode == check, f"txckpt {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}"
     return p
-
-
-def tree(root: str) -> dict[str, str]:
-    """Every file and directory under root -> content hash ("dir" for directories)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel = os.path.relpath(dirpath, root)
-        out[rel] = "dir"
-        for n in filenames:
-            with open(os.path.join(dirpath, n), "rb") as f:
-                out[os.path.join(rel, n)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 def save_steps(root: str, steps, tag: str = "a") -> None:

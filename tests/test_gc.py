@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -15,6 +14,7 @@ import uuid
 import pytest
 
 import txckpt
+from tests.harness.fs import tree
 from txckpt.gc import collect_garbage
 from txckpt.intents import pid_alive, process_start, writer_status
 from txckpt.layout import INTENTS_DIR, ORPHANS_DIR, READERS_DIR, TX_DIR, home_key
@@ -32,17 +32,6 @@ def save(root, steps, tag="a"):
 def fresh(root) -> txckpt.CheckpointRoot:
     txckpt.forget_roots()
     return txckpt.CheckpointRoot(root)
-
-
-def tree(root: str) -> dict[str, str]:
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel = os.path.relpath(dirpath, root)
-        out[rel] = "dir"
-        for n in filenames:
-            with open(os.path.join(dirpath, n), "rb") as f:
-                out[os.path.join(rel, n)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 def dead_pid() -> int:

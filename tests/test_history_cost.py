@@ -20,6 +20,7 @@ from txckpt.cli import main as cli_main
 from txckpt.cli.views import LS_DEFAULT_COUNT
 from txckpt.manifest import MANIFEST_NAME
 
+from benchmarks.lookup import build_root
 from tests.conftest import count_reads
 
 EVERY = 40
@@ -33,19 +34,10 @@ def _quiet(monkeypatch, caplog):
     caplog.set_level(logging.ERROR, logger="txckpt")  # every rollback warns
 
 
-def long_root(path: str, lineages: int = 3, per: int = 100) -> int:
-    """Saves only (no retention), ``lineages`` lineages, each forked half a lineage back from the
-    last: the shape of benchmarks/lookup.py's root. Returns the tip's step."""
-    r = txckpt.CheckpointRoot(path)
-    step = 0
-    for lin in range(lineages):
-        if lin:
-            step -= per // 2
-            r.resume(step=step)
-        for _ in range(per):
-            step += 1
-            r.save(step, {"trainer_state.json": {"global_step": step}})
-    return step
+def long_root(path: str) -> int:
+    """300 saves over 3 lineages, each forked half a lineage back from the last: benchmarks/
+    lookup.py's root, built by its builder. Returns the tip's step."""
+    return build_root(path, commits=300, lineages=3)["tip"]
 
 
 def fresh(path: str) -> txckpt.CheckpointRoot:

@@ -8,6 +8,7 @@
                             (tests/reliability/injectors.py) all count through it;
 ``tests.harness.procs``     :func:`~tests.harness.procs.run_child`, the one fork runner: fork, run,
                             bring back the JSON result or the error and how the child ended;
+``tests.harness.fs``        :func:`~tests.harness.fs.tree`, a directory tree as content hashes;
 ``tests.harness.backends``  the pytest plugin of roots on every backend and the emulators they run
                             on (loaded by tests/conftest.py; the servers live in ``emulators/``).
 

@@ -1,0 +1,20 @@
+"""A directory tree as data, for tests that must show a command changed nothing it should not."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+
+def tree(root: str) -> dict[str, str]:
+    """Every file and directory under ``root`` (relative path) -> its content's sha256, or
+    ``"dir"`` for a directory: equal before and after only when nothing was added, removed or
+    rewritten."""
+    out = {}
+    for dirpath, _dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        out[rel] = "dir"
+        for n in filenames:
+            with open(os.path.join(dirpath, n), "rb") as f:
+                out[os.path.join(rel, n)] = hashlib.sha256(f.read()).hexdigest()
+    return out
