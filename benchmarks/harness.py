@@ -231,7 +231,9 @@ def _failed(title: str, e: BaseException) -> dict[str, Any]:
 
 # ----- the machine -----------------------------------------------------------------------------
 
-def machine() -> dict[str, str]:
+def host() -> dict[str, str]:
+    """CPU, RAM, kernel and Python of this machine: the head of every report's machine table
+    (this one's and the reliability campaign's scorecard)."""
     info: dict[str, str] = {}
     cpu = ""
     try:
@@ -249,10 +251,14 @@ def machine() -> dict[str, str]:
         info["RAM"] = f"{kb / (1 << 20):.1f} GiB"
     except (OSError, ValueError, IndexError):
         pass
-    scratch = settings().scratch
-    info["Disk"] = _disk(scratch)
     info["Kernel"] = f"{platform.system()} {platform.release()}"
     info["Python"] = platform.python_version()
+    return info
+
+
+def machine() -> dict[str, str]:
+    info = host()
+    info["Disk"] = _disk(settings().scratch)
     from importlib import metadata
 
     for dist in ("torch", "transformers", "safetensors", "xxhash", "matplotlib"):

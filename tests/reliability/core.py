@@ -301,27 +301,9 @@ def write_legacy(storage: Any, key: str, tag: str, step: int) -> dict[str, bytes
 # Machine description for the report
 # ---------------------------------------------------------------------------------------------
 def machine() -> dict[str, str]:
-    import platform
+    from benchmarks.harness import host
 
-    info: dict[str, str] = {}
-    cpu = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info["CPU"] = f"{cpu}, {os.cpu_count()} logical cores"
-    try:
-        with open("/proc/meminfo") as f:
-            kb = int(f.readline().split()[1])
-        info["RAM"] = f"{kb / 2**20:.1f} GiB"
-    except (OSError, ValueError, IndexError):
-        pass
-    info["Kernel"] = f"{platform.system()} {platform.release()}"
-    info["Python"] = platform.python_version()
+    info = host()
     for mod in ("torch", "transformers", "s3fs", "aiobotocore", "moto", "fsspec"):
         try:
             m = __import__(mod)
