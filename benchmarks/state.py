@@ -108,6 +108,8 @@ def _write_all(fd: int, view: memoryview) -> int:
 def fsync_tree(path: str) -> None:
     """fsync every file under ``path``, then every directory bottom-up, then ``path``'s parent:
     what a stock writer would have to do to be as durable as a txckpt commit."""
+    from txckpt.fileio import fsync_dir
+
     dirs = []
     for dirpath, _dirnames, filenames in os.walk(path):
         dirs.append(dirpath)
@@ -118,16 +120,8 @@ def fsync_tree(path: str) -> None:
             finally:
                 os.close(fd)
     for d in reversed(dirs):
-        _fsync_dir(d)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def _fsync_dir(d: str) -> None:
-    fd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_dir(d)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def evict(path: str) -> None:
