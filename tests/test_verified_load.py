@@ -100,10 +100,11 @@ def _damage(path, opts, name, how):
     fs.pipe_file(f"{base}/{name}", bytes(data))
 
 
-def test_intact_checkpoint_loads_the_same_through_the_overlapped_path(where, decodes):
+@pytest.mark.parametrize("mmap", [False, True], ids=["read", "mmap"])
+def test_intact_checkpoint_loads_the_same_through_the_overlapped_path(where, decodes, mmap):
     url, opts = where
     path, weights, optim = _save(url, opts)
-    out = txckpt.load_checkpoint(path, storage_options=opts)
+    out = txckpt.load_checkpoint(path, storage_options=opts, mmap=mmap)  # S3: read either way
     assert out[WEIGHTS].keys() == weights.keys()
     assert all(torch.equal(out[WEIGHTS][k], weights[k]) for k in weights)
     assert all(torch.equal(out[OPTIM]["state"][i]["exp_avg"], optim["state"][i]["exp_avg"]) for i in range(4))
@@ -116,12 +117,12 @@ def test_intact_checkpoint_loads_the_same_through_the_overlapped_path(where, dec
 DAMAGE = [(name, how) for name in (WEIGHTS, OPTIM) for how in ("start", "middle", "end", "truncated")]
 
 
-def _refused(path, opts, decodes, name, how):
+def _refused(path, opts, decodes, name, how, mmap=False):
     events, decoded = decodes
     events.clear()
     decoded.clear()
     with pytest.raises(IntegrityError) as e:
-        txckpt.load_checkpoint(path, storage_options=opts)
+        txckpt.load_checkpoint(path, storage_options=opts, mmap=mmap)
     err = e.value
     assert err.path == f"{path}/{name}" and name in str(err)
     assert ("truncated" if how == "truncated" else "checksum") in str(err)
@@ -134,11 +135,48 @@ def _refused(path, opts, decodes, name, how):
     assert decoded and all(ref() is None for ref in decoded), "a decoded tensor outlived the refused load"
 
 
+@pytest.mark.parametrize("mmap", [False, True], ids=["read", "mmap"])
 @pytest.mark.parametrize("name,how", DAMAGE)
-def test_damaged_local_file_is_refused_naming_it_and_nothing_decoded_survives(tmp_path, decodes, name, how):
+def test_damaged_local_file_is_refused_naming_it_and_nothing_decoded_survives(tmp_path, decodes, name, how, mmap):
     path, _, _ = _save(str(tmp_path / "out"), {})
     _damage(path, {}, name, how)
-    _refused(path, {}, decodes, name, how)
+    _refused(path, {}, decodes, name, how, mmap)
+
+
+def _mapped_files() -> dict[str, list[tuple[int, int]]]:
+    """path -> address ranges of this process's file mappings (/proc/self/maps)."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith("/"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.setdefault(parts[5].strip(), []).append((lo, hi))
+    return out
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["hash-inline", "hash-thread"])
+def test_mmap_load_maps_each_file_copy_on_write(tmp_path, monkeypatch, pipeline):
+    """mmap=True: every tensor is a view of its own file's mapping (no copy), and a write into a
+    tensor changes the process's page, never the committed file."""
+    if not pipeline:
+        monkeypatch.setattr(fileio, "_PIPELINE_MIN", 1 << 40)
+    path, weights, optim = _save(str(tmp_path / "out"), {})
+    out = txckpt.load_checkpoint(path, mmap=True)
+    maps = _mapped_files()
+
+    def inside(t: torch.Tensor, name: str) -> bool:
+        return any(lo <= t.data_ptr() < hi for lo, hi in maps.get(f"{path}/{name}", []))
+
+    assert all(inside(t, WEIGHTS) for t in out[WEIGHTS].values())
+    assert all(inside(s["exp_avg"], OPTIM) for s in out[OPTIM]["state"].values())
+    assert all(torch.equal(out[WEIGHTS][k], weights[k]) for k in weights)
+    out[WEIGHTS]["w0"].add_(1.0)
+    out[OPTIM]["state"][0]["exp_avg"].zero_()
+    txckpt.verify_checkpoint(path)  # the files still hold what was committed
+    again = txckpt.load_checkpoint(path, mmap=True)
+    assert torch.equal(again[WEIGHTS]["w0"], weights["w0"]) and not torch.equal(out[WEIGHTS]["w0"], weights["w0"])
+    assert torch.equal(again[OPTIM]["state"][0]["exp_avg"], optim["state"][0]["exp_avg"])
 
 
 def test_damaged_s3_file_is_refused_naming_it_and_nothing_decoded_survives(s3_root, decodes):

@@ -275,10 +275,18 @@ def load_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
     weights_only: bool = True,
     verify: bool = True,
+    mmap: bool = False,
 ) -> dict[str, Any]:
     """Load a committed checkpoint's files (all, or the names in ``files``) after verifying
     each one's size and checksum against the manifest (and, inside a root, the manifest against
-    the log's commit entry). torch files load with ``weights_only=True`` unless told otherwise."""
+    the log's commit entry). torch files load with ``weights_only=True`` unless told otherwise.
+
+    ``mmap=True``: on a local disk, safetensors and torch files are mapped (copy-on-write), not
+    read into memory: their tensors are views of the page cache's pages, hashed in place before
+    anything is returned. No copy, and RAM only for the pages a tensor write touches; but the
+    kernel may later read a hashed page from the disk again, and a file shortened under the
+    mapping (txckpt never does: committed files are only unlinked) fails the process with SIGBUS
+    (docs/troubleshooting.md, "Loading with mmap"). Elsewhere (object stores) files are read."""
     names = None if files is None else list(files)
     timer = Timer("load", os.fspath(path))
     base = os.fspath(path).rstrip("/")
@@ -304,7 +312,7 @@ def load_checkpoint(
 
     def read(storage: Storage, manifest: Manifest, checkpoint: str, wanted: list[str]) -> Any:
         return load_checkpoint_files(storage, manifest, checkpoint, names=wanted, verify=verify, early=early,
-                                     decode=lambda n, content: decode_early(manifest, n, content))
+                                     decode=lambda n, content: decode_early(manifest, n, content), mmap=mmap)
 
     manifest, loaded = _read_checkpoint(path, storage_options, names, keep_bytes=True, verify=verify, timer=timer,
                                         read=read)

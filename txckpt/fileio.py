@@ -257,6 +257,55 @@ def start_read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool =
         os.close(fd)
 
 
+def start_map_file(path: str, size: int, *, hash: bool, pipeline: bool = True) -> BufferRead:
+    """Map the file at ``path``, which must hold exactly ``size`` bytes, copy-on-write into a
+    ``torch.uint8`` tensor, and start hashing its pages; returns at once (:class:`BufferRead`).
+
+    Nothing is copied: the tensor's bytes are the page cache's pages of the file (a write to a
+    tensor decoded from it copies that page into the process, never into the file), read from
+    the disk when first touched, by the hash here. What this trades against
+    :func:`start_read_into_buffer`, and why it is not the default (docs/troubleshooting.md,
+    "Loading with mmap"): the kernel may drop a clean page that was hashed and read it from the
+    disk again later, and a file shortened under the mapping (never by txckpt: committed files are
+    only ever unlinked) makes the process fail with SIGBUS when the missing page is touched.
+
+    With ``pipeline`` (and a file of at least two chunks) the hash runs in a thread of its own and
+    this returns before it ends; without, the digest is ready when this returns. Raises
+    :class:`SizeMismatch` if the file does not hold ``size`` bytes when opened."""
+    import torch
+
+    fd = open_regular(path)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise SizeMismatch(actual)
+        _advise_sequential(fd)
+        m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+    finally:
+        os.close(fd)  # the mapping holds the file
+    hasher = new_hasher() if hash else None
+    if m is None:
+        return BufferRead(torch.empty(0, dtype=torch.uint8), hasher, None)
+    advise = getattr(mmap, "MADV_SEQUENTIAL", None)
+    if advise is not None:
+        try:
+            m.madvise(advise)  # read-ahead as the hash walks it; pages behind it may go first
+        except OSError:
+            pass
+    buf = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive
+    worker = None
+    if hasher is not None:
+        view = memoryview(m)
+        if pipeline and size >= _PIPELINE_MIN:
+            worker = _HashWorker(hasher)
+            for off in range(0, size, READ_CHUNK):
+                worker.put(view[off:off + READ_CHUNK])  # the caller decodes meanwhile
+        else:
+            for off in range(0, size, READ_CHUNK):
+                hasher.update(view[off:off + READ_CHUNK])
+    return BufferRead(buf, hasher, worker)
+
+
 def new_buffer(size: int, *, huge: bool | None = None) -> Any:
     """An uninitialised ``torch.uint8`` tensor of ``size`` bytes, on small pages unless ``huge``
     (default: ``TXCKPT_LOAD_HUGE_PAGES=1``): then large ones are private anonymous mappings

@@ -154,7 +154,7 @@ _OVERLAP_MIN = 16 << 20
 
 
 def read_file(storage: Storage, key: str, entry: FileEntry, *, verify: bool = True, pipeline: bool = True,
-              overlap: bool = True) -> Deferred:
+              overlap: bool = True, mmap: bool = False) -> Deferred:
     """Read one stored file whole, once, and start its check: a :class:`Deferred` whose
     ``check()`` raises :class:`FileProblem` (sizes are checked before this returns).
 
@@ -162,13 +162,17 @@ def read_file(storage: Storage, key: str, entry: FileEntry, *, verify: bool = Tr
     views of, hashed chunk by chunk as it lands (:func:`txckpt.fileio.start_read_into_buffer`);
     what the reader has not hashed yet when the last byte lands is hashed behind it, meanwhile
     the caller can decode. Any other file is read as ``bytes``; with ``overlap`` (a core to
-    spare, a large file) its hash runs in a thread of its own while the caller decodes."""
+    spare, a large file) its hash runs in a thread of its own while the caller decodes.
+
+    With ``mmap``, such a local file is mapped instead of read (:func:`txckpt.fileio.start_map_file`):
+    the buffer is the page cache's pages, hashed in place."""
     if storage.is_symlink_escape(key):
         raise FileProblem("symlink")
     local = storage.local_path(key)
     with _as_file_problems():
         if local is not None and entry.kind in _BUFFER_KINDS:
-            pending = fileio.start_read_into_buffer(local, entry.size, hash=verify, pipeline=pipeline)
+            start = fileio.start_map_file if mmap else fileio.start_read_into_buffer
+            pending = start(local, entry.size, hash=verify, pipeline=pipeline)
 
             def check_buffer() -> None:
                 digest = pending.digest()
@@ -224,14 +228,14 @@ def _read_one(storage: Storage, manifest: Manifest, where: str, name: str, keep:
 
 
 def _load_one(storage: Storage, manifest: Manifest, where: str, name: str, verify: bool, pipeline: bool,
-              decode: Callable[[str, Any], Any], early: Callable[[str], bool]) -> tuple[str, bool, Any]:
+              decode: Callable[[str, Any], Any], early: Callable[[str], bool], mmap: bool) -> tuple[str, bool, Any]:
     """``(name, decoded?, value)``: read ``name`` once and check it; a file ``early`` allows
     is decoded while its hash finishes, and what it decoded is dropped unless the hash matches."""
     entry = manifest.files[name]
     got: Deferred | None = None
     value: Any = None
     try:
-        got = read_file(storage, name, entry, verify=verify, pipeline=pipeline)
+        got = read_file(storage, name, entry, verify=verify, pipeline=pipeline, mmap=mmap)
         if not early(entry.kind):
             got.check()
             return name, False, got.content
@@ -331,6 +335,7 @@ def load_checkpoint_files(
     early: Callable[[str], bool],
     verify: bool = True,
     workers: int = 2,
+    mmap: bool = False,
 ) -> dict[str, tuple[bool, Any]]:
     """Read each named file (default: all) once and check it, decoding on the way: returns
     ``name -> (decoded?, value)``, ``value`` being ``decode(name, content)`` for a file whose
@@ -341,11 +346,12 @@ def load_checkpoint_files(
     its reader's thread while the other files are still being read. Nothing is returned before
     every hash matched: the first file that does not match raises IntegrityError naming it, and
     whatever was decoded is dropped. A file whose decoder is not safe on unchecked bytes (an
-    unrestricted pickle) is only handed back once checked, never decoded here."""
+    unrestricted pickle) is only handed back once checked, never decoded here. ``mmap``: local
+    safetensors and torch files are mapped, not read (:func:`read_file`)."""
     names, sequential, pipelined = _plan(manifest, where, names, workers)
 
     def one(n: str) -> tuple[str, bool, Any]:
-        return _load_one(storage, manifest, where, n, verify, n in pipelined, decode, early)
+        return _load_one(storage, manifest, where, n, verify, n in pipelined, decode, early, mmap)
 
     results: dict[str, tuple[bool, Any]] = {}
     errors: dict[str, BaseException] = {}
