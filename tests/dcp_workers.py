@@ -119,6 +119,13 @@ def save(rank: int, world: int, *, root: str, step: int, seed: int | None = None
     writer = TransactionalWriter(root, step, storage_options=storage_options, metadata={"by": "dcp"})
     if mode == "async":
         md = dcp.async_save(sd, storage_writer=writer).result()
+    elif mode == "async-process":
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        md = dcp.async_save(sd, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+        return {"path": md.storage_meta.checkpoint_id if md is not None and md.storage_meta else None,
+                "returned": md.storage_meta.checkpoint_id if md is not None and md.storage_meta else None,
+                "warned": kw.get("warned")}
     else:
         md = dcp.save(sd, storage_writer=writer)
     return {"path": writer.path, "returned": md.storage_meta.checkpoint_id, "warned": kw.get("warned")}

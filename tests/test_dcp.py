@@ -193,6 +193,34 @@ def test_async_save_commits(saved):
     assert got[0]["different"] == []
 
 
+def test_process_based_async_save_commits_each_save_in_order(saved):
+    """dcp.async_save(async_checkpointer_type=PROCESS): the writer is pickled into DCP's background
+    process (one per rank, spawned once, serving both saves) and plans, writes and commits there
+    over that process's own gloo group. Ranks come from torchrun: the test's forkserver ranks are
+    daemonic and may not start processes."""
+    import json
+
+    from tests.harness.procs import torchrun
+
+    root, refs = str(saved["tmp"] / "async-process"), saved["tmp"] / "async-process-refs"
+    refs.mkdir()
+    script = os.path.join(os.path.dirname(__file__), "dcp_scripts", "async_process.py")
+    p = torchrun(script, root, "3,4", refs, timeout=600)
+    results = [json.loads(line.split(" ", 2)[2]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    assert sorted((r["step"], r["path"]) for r in results) == sorted(
+        (s, os.path.join(root, f"checkpoint-{s}")) for s in (3, 4) for _rank in range(2)), p.stdout
+    txckpt.forget_roots()
+    assert [c.step for c in txckpt.CheckpointRoot(root).checkpoints()] == [3, 4]
+    for step in (3, 4):
+        path = os.path.join(root, f"checkpoint-{step}")
+        m = txckpt.verify_checkpoint(path)
+        assert {n: e.rank for n, e in m.files.items() if n.endswith(".distcp")} == {"__0_0.distcp": 0,
+                                                                                 "__1_0.distcp": 1}
+        got = _ok(dw.launch(1, cw.load, str(saved["tmp"] / f"async-process-load-{step}"), path=path,
+                            ref_file=str(refs / f"ref-{step}.pt")))
+        assert got[0]["different"] == []
+
+
 @pytest.mark.s3
 def test_s3_root_round_trip(saved, s3_root):
     url, opts = s3_root

@@ -7,8 +7,6 @@ lists both ranks' rng_state files.
 """
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,19 +14,14 @@ import pytest
 pytest.importorskip("transformers")
 
 import txckpt  # noqa: E402
+from tests.harness.procs import torchrun as run_torchrun  # noqa: E402
 
 HERE = Path(__file__).parent / "trainer_scripts"
 pytestmark = [pytest.mark.trainer, pytest.mark.distributed]
 
 
 def torchrun(*args, expect_ok=True):
-    env = dict(os.environ, TXCKPT_COORDINATION_TIMEOUT="60", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "ddp.py"), *map(str, args)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(HERE))
-    if (p.returncode == 0) != expect_ok:
-        raise AssertionError(f"{args}: rc {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-6000:]}")
-    return p
+    return run_torchrun(str(HERE / "ddp.py"), *args, expect_ok=expect_ok)
 
 
 def manifest_files(path):

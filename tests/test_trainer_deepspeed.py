@@ -31,6 +31,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import txckpt  # noqa: E402
+from tests.harness.procs import torchrun as run_torchrun  # noqa: E402
 
 HERE = Path(__file__).parent / "trainer_scripts"
 pytestmark = [pytest.mark.trainer, pytest.mark.distributed, pytest.mark.timeout(900)]
@@ -45,13 +46,8 @@ def deepspeed_importable():
 
 
 def torchrun(out, max_steps, resume, seed=0, kill="-", limit="-", expect_ok=True):
-    env = dict(os.environ, TXCKPT_COORDINATION_TIMEOUT="60", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "deepspeed_zero3.py"), *map(str, (out, max_steps, resume, seed, kill, limit))]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=str(HERE))
-    if (p.returncode == 0) != expect_ok:
-        raise AssertionError(f"{cmd[5:]}: rc {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-6000:]}")
-    return p
+    return run_torchrun(str(HERE / "deepspeed_zero3.py"), out, max_steps, resume, seed, kill, limit,
+                        timeout=600, expect_ok=expect_ok)
 
 
 def current(out):

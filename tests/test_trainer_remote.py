@@ -20,6 +20,8 @@ import txckpt  # noqa: E402
 from txckpt.integrations.transformers import TransactionalTrainer  # noqa: E402
 from txckpt.storage import open_storage  # noqa: E402
 
+from tests.harness.procs import torchrun as run_torchrun  # noqa: E402
+
 HERE = Path(__file__).parent / "trainer_scripts"
 sys.path.insert(0, str(HERE))
 from tiny import FILES, Data, TinyConfig, TinyModel, make_args  # noqa: E402
@@ -331,12 +333,7 @@ def test_two_ranks_on_s3_rank_killed_mid_save_then_resume(tmp_path, s3_root):
     env = script_env(s3_root)
 
     def torchrun(*args, ok=True):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(HERE / "ddp.py"), *map(str, args)]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(HERE))
-        if (p.returncode == 0) != ok:
-            raise AssertionError(f"{args}: rc {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-6000:]}")
-        return p
+        return run_torchrun(str(HERE / "ddp.py"), *args, env=env, expect_ok=ok)
 
     p = torchrun(out, 4, "none", 4, ok=False)
     assert "rank 1: killing myself while saving step 4" in p.stdout

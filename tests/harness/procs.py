@@ -8,7 +8,9 @@ here sleeps to wait: the result comes through a pipe and the child is reaped wit
 ``waitpid``; an optional ``timeout`` makes the child SIGALRM itself.
 
 Used by the crash sweeps (tests/crash_harness.py) and the reliability campaign
-(tests/reliability/); the real multi-rank runs use the forkserver of tests/harness/ranks.py.
+(tests/reliability/); real multi-rank runs start from the forkserver of tests/dist_workers.py,
+or, where a rank starts processes of its own (DeepSpeed, DCP's process-based async save), from
+:func:`torchrun`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import traceback
 from typing import Any, Callable
 
@@ -75,3 +79,22 @@ def child_value(fn: Callable[[], Any], what: str, timeout: float | None = 300) -
         raise RuntimeError(f"{what} failed in a child (exit {code}): {out and out.get('error')}\n"
                            f"{out and out.get('trace')}")
     return out["ok"]
+
+
+def torchrun(script: str, *args: Any, nproc: int = 2, env: dict[str, str] | None = None, timeout: float = 300,
+             expect_ok: bool = True) -> "subprocess.CompletedProcess[str]":
+    """``python -m torch.distributed.run --standalone --nproc_per_node N script args...`` in the
+    script's directory: real ranks that are nobody's daemonic children (DCP's process-based async
+    save and DeepSpeed start processes of their own). Collectives time out after 60 s and each
+    rank uses one thread unless ``env`` says otherwise. Raises AssertionError with both streams
+    when the exit status is not what ``expect_ok`` says."""
+    run_env = dict(os.environ, TXCKPT_COORDINATION_TIMEOUT="60", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    run_env.update(env or {})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           script, *map(str, args)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env,
+                       cwd=os.path.dirname(os.path.abspath(script)))
+    if (p.returncode == 0) != expect_ok:
+        raise AssertionError(f"{os.path.basename(script)} {list(map(str, args))}: rc {p.returncode}\n"
+                             f"--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-6000:]}")
+    return p
