@@ -137,3 +137,73 @@ def test_a_save_fsyncs_every_data_file_before_its_manifest_and_log_entry(tmp_pat
     entry = max(i for i, (op, p) in enumerate(events) if op == "link" and "/.txckpt/log/" in p)  # the commit
     assert len(data) == 2 and max(data) < manifest < entry
     assert txckpt.load_checkpoint(path)["model.safetensors"]["w"].shape == (3 << 20,)
+
+
+def test_past_its_page_cache_budget_a_save_drops_what_is_on_the_disk(tmp_path, monkeypatch):
+    """Once a batch has put _CACHE_BUDGET bytes into the page cache, each durable file waits for
+    the write-back of what lies _DROP_LAG behind its writer and drops it (DONTNEED): only ranges
+    already written, never the part still being written, until the save is back under its budget.
+    Under the budget nothing is dropped. The bytes are the same either way."""
+    monkeypatch.setattr(local, "_WRITE_BEHIND", 64 << 10)
+    monkeypatch.setattr(local, "_DROP_LAG", 128 << 10)
+    monkeypatch.setattr(local, "_CACHE_BUDGET", 1 << 20)
+    drops: list[tuple[str, int, int, int]] = []  # (path, offset, length, bytes written so far)
+    real = os.posix_fadvise
+
+    def fadvise(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_DONTNEED:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            drops.append((path, offset, length, os.fstat(fd).st_size))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(local, "_fadvise", fadvise)
+    st = LocalStorage(str(tmp_path))
+    chunk = bytes(range(256)) * 256  # 64 KiB
+    batch = st.write_batch()
+    with batch.open_write("tx/small.bin", durable=True) as f:
+        for _ in range(8):  # 512 KiB: under the budget
+            f.write(chunk)
+    assert drops == []
+    with batch.open_write("tx/big.bin", durable=True) as f:
+        for _ in range(48):  # 3 MiB: the batch passes its 1 MiB budget on the way
+            f.write(chunk)
+    big = str(tmp_path / "tx" / "big.bin")
+    behind = [d for d in drops if d[0] == big]
+    assert behind, drops
+    for _path, offset, length, written in behind:
+        assert offset + length <= written - local._DROP_LAG  # at least the lag behind the writer
+    ranges = sorted((o, o + n) for _p, o, n, _w in behind)
+    assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # no gaps
+    n_behind = len(drops)
+    batch.wait()
+    # What stays cached is what the budget allows: the small file and big.bin's last lag.
+    assert drops[n_behind:] == []
+    assert batch.cached == (8 + 48) * len(chunk) - ranges[-1][1] <= local._CACHE_BUDGET
+    assert (tmp_path / "tx" / "small.bin").read_bytes() == chunk * 8
+    assert (tmp_path / "tx" / "big.bin").read_bytes() == chunk * 48
+
+
+def test_files_too_small_to_drop_behind_leave_the_cache_after_their_fsync(tmp_path, monkeypatch):
+    """Files shorter than two lags never drop behind their writer; over the budget, each one's
+    pages go once it is fsynced, oldest first, until the save is back under its budget."""
+    monkeypatch.setattr(local, "_CACHE_BUDGET", 256 << 10)
+    drops: list[tuple[str, int, int]] = []
+    real = os.posix_fadvise
+
+    def fadvise(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_DONTNEED:
+            drops.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, length))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(local, "_fadvise", fadvise)
+    batch = LocalStorage(str(tmp_path)).write_batch()
+    for i in range(6):
+        with batch.open_write(f"tx/{i}.bin", durable=True) as f:
+            f.write(bytes([i]) * (96 << 10))
+    assert drops == []
+    batch.wait()
+    # 576 KiB cached, over the budget before each of the first four drops (576, 480, 384, 288);
+    # then 192 KiB <= 256 KiB, and the last two files stay.
+    assert drops == [("0.bin", 0, 0), ("1.bin", 0, 0), ("2.bin", 0, 0), ("3.bin", 0, 0)]
+    assert batch.cached == 2 * (96 << 10)
+    assert all((tmp_path / "tx" / f"{i}.bin").read_bytes() == bytes([i]) * (96 << 10) for i in range(6))

@@ -39,6 +39,20 @@ _DIRECT_WRITE = 64 << 10
 #: mostly on its way to the disk when close() fsyncs it (64 MiB saves, fsync on, 25 rounds:
 #: ÷ raw write + fsync 1.53 with 32 MiB, 1.37 with 4 MiB); each call is one cheap syscall.
 _WRITE_BEHIND = 4 << 20
+#: Bytes one save (a :class:`_LocalWriteBatch`, or a file outside one) may leave in the page cache.
+#: Past it, a durable file waits for the write-back of what lies ``_DROP_LAG`` behind its writer
+#: and drops those pages (``POSIX_FADV_DONTNEED``), so the save's page-cache footprint stops
+#: growing and the kernel recycles the same pages instead of finding new ones. Measured here
+#: (a 2-core KVM guest, interleaved A/B, durable save of safetensors + torch.save state): 4 GiB
+#: 10.0-14.6 s without it, 3.2-3.3 s with it (the device limit, O_DIRECT: 3.4-3.8 s). It is not
+#: lower because dropping costs where the cache would have absorbed the write at memory speed:
+#: with a 1 GiB budget, 1 GiB saves took 0.67 -> 0.82 s and 2 GiB saves 1.42 -> 2.01 s.
+_CACHE_BUDGET = 2 << 30
+#: How far behind the writer the pages it drops lie: the disk always has this much queued.
+_DROP_LAG = 64 << 20
+#: sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER): the range is on the disk when it returns.
+_SFR_WAIT_WRITE_WAIT = 1 | 2 | 4
+_fadvise = getattr(os, "posix_fadvise", None)
 #: Closed files of one :class:`_LocalWriteBatch` whose fsync is still to come: beyond this many,
 #: a close() fsyncs the oldest (long written back by then), so open descriptors stay bounded.
 _PENDING_FSYNCS = 16
@@ -52,7 +66,8 @@ class _DurableFile(AbortOnError):
     bytes; larger ones (tensor data) go to the file as they are, without a copy into a buffer
     first. With durability on it also starts write-back every 4 MiB (sync_file_range,
     asynchronous), so the disk writes while the serialiser runs and the final fsync waits only
-    for the tail."""
+    for the tail; and once its save has put ``_CACHE_BUDGET`` bytes into the page cache, it drops
+    what is on the disk already (:meth:`_drop_behind`)."""
 
     def __init__(self, path: str, durable: bool, batch: "_LocalWriteBatch | None" = None):
         self._path = path
@@ -63,10 +78,13 @@ class _DurableFile(AbortOnError):
         self.closed = False
         self._written = 0
         self._flushed_to = 0
+        self._dropped_to = 0
+        self.cached = 0  # bytes of this file's own save in the page cache, when not in a batch
 
     def write(self, data) -> int:
         view = data if isinstance(data, (bytes, bytearray)) else memoryview(data).cast("B")
         n = len(view)
+        self._save().cached += n
         if n < _DIRECT_WRITE:
             self._buf += view
             if len(self._buf) >= _WRITE_BUFFER:
@@ -81,7 +99,37 @@ class _DurableFile(AbortOnError):
             sync_file_range(self._f.fileno(), self._flushed_to, self._written - self._flushed_to,
                             SYNC_FILE_RANGE_WRITE)
             self._flushed_to = self._written
+            self._drop_behind()
         return n
+
+    def _save(self) -> "_DurableFile | _LocalWriteBatch":
+        """What counts this save's bytes in the page cache: its batch, or the file itself."""
+        return self._batch if self._batch is not None else self
+
+    def _drop_behind(self) -> None:
+        """Past the save's page-cache budget: wait until the range more than ``_DROP_LAG``
+        behind the writer is on the disk, and drop it from the cache (its bytes were hashed
+        as they were written; nothing reads them back)."""
+        save = self._save()
+        end = self._flushed_to - _DROP_LAG
+        if save.cached <= _CACHE_BUDGET or end - self._dropped_to < _DROP_LAG or _fadvise is None:
+            return
+        fd = self._f.fileno()
+        sync_file_range(fd, self._dropped_to, end - self._dropped_to, _SFR_WAIT_WRITE_WAIT)
+        _fadvise(fd, self._dropped_to, end - self._dropped_to, os.POSIX_FADV_DONTNEED)
+        save.cached -= end - self._dropped_to
+        self._dropped_to = end
+
+    def _drop_durable(self) -> None:
+        """After the fsync: over the budget, the rest of the file leaves the cache too."""
+        save = self._save()
+        if save.cached > _CACHE_BUDGET and _fadvise is not None:
+            try:
+                _fadvise(self._f.fileno(), self._dropped_to, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                return  # only ever a hint
+            save.cached -= self._written - self._dropped_to
+            self._dropped_to = self._written
 
     def _drain(self) -> None:
         if self._buf:
@@ -122,6 +170,7 @@ class _DurableFile(AbortOnError):
             self._drain()
             if self._durable:
                 os.fsync(self._f.fileno())
+                self._drop_durable()
         finally:
             self._f.close()
             self.closed = True
@@ -138,6 +187,7 @@ class _DurableFile(AbortOnError):
             except FileNotFoundError:
                 pass
             raise OSError(e.errno, e.strerror, self._path) from e
+        self._drop_durable()
         self._f.close()
 
     def discard(self) -> None:
@@ -164,6 +214,7 @@ class _LocalWriteBatch(WriteBatch):
         super().__init__(storage)
         self._local = storage
         self._pending: list[_DurableFile] = []
+        self.cached = 0  # bytes its files put in the page cache and did not drop (_CACHE_BUDGET)
 
     def open_write(self, key: str, *, durable: bool) -> BinaryIO:
         # Through the storage's own open_write (a subclass may override it); only txckpt's own
