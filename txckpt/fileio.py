@@ -207,6 +207,21 @@ class _HashWorker:
             raise self._error
 
 
+def _open_sized(path: str, size: int) -> int:
+    """:func:`open_regular` for a sequential read of a file that must hold ``size`` bytes:
+    :class:`SizeMismatch` (the descriptor closed) when it does not."""
+    fd = open_regular(path)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise SizeMismatch(actual)
+        _advise_sequential(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def start_read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool = True) -> BufferRead:
     """Read the file at ``path``, which must hold exactly ``size`` bytes, into a new uint8
     tensor; returns when the last byte is in the buffer, possibly before its hash is done
@@ -221,12 +236,8 @@ def start_read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool =
     Raises :class:`SizeMismatch` if the file is shorter or longer than ``size`` (checked before
     and after reading), FileNotFoundError / IsADirectoryError / NotADirectoryError as open does.
     """
-    fd = open_regular(path)
+    fd = _open_sized(path, size)
     try:
-        actual = os.fstat(fd).st_size
-        if actual != size:
-            raise SizeMismatch(actual)
-        _advise_sequential(fd)
         hasher = new_hasher() if hash else None
         pipelined = hasher is not None and pipeline and size >= _PIPELINE_MIN
         buf = new_buffer(size)
@@ -274,12 +285,8 @@ def start_map_file(path: str, size: int, *, hash: bool, pipeline: bool = True) -
     :class:`SizeMismatch` if the file does not hold ``size`` bytes when opened."""
     import torch
 
-    fd = open_regular(path)
+    fd = _open_sized(path, size)
     try:
-        actual = os.fstat(fd).st_size
-        if actual != size:
-            raise SizeMismatch(actual)
-        _advise_sequential(fd)
         m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
     finally:
         os.close(fd)  # the mapping holds the file
