@@ -244,3 +244,23 @@ def test_the_hash_of_a_buffer_read_runs_behind_the_reader_and_is_checked_after(t
     assert pending.digest() == checksum.digest_bytes(data)
     assert pending.digest() == checksum.digest_bytes(data)  # asking again waits for nothing
     assert fileio.start_read_into_buffer(str(p), len(data), hash=False).digest() is None
+
+
+def test_mmap_load_reads_where_the_filesystem_cannot_map(tmp_path, monkeypatch):
+    """A filesystem that refuses mmap (ENODEV, as some FUSE mounts do): mmap=True reads instead,
+    and the load is the same; damage is still refused."""
+    import errno
+
+    real = fileio.mmap.mmap
+
+    def refuse(*a, **k):
+        raise OSError(errno.ENODEV, "No such device")
+
+    path, weights, _optim = _save(str(tmp_path / "out"), {})
+    monkeypatch.setattr(fileio.mmap, "mmap", refuse)
+    out = txckpt.load_checkpoint(path, mmap=True)
+    assert all(torch.equal(out[WEIGHTS][k], weights[k]) for k in weights)
+    _damage(path, {}, OPTIM, "middle")
+    with pytest.raises(IntegrityError, match=OPTIM):
+        txckpt.load_checkpoint(path, mmap=True)
+    monkeypatch.setattr(fileio.mmap, "mmap", real)

@@ -282,14 +282,24 @@ def start_map_file(path: str, size: int, *, hash: bool, pipeline: bool = True) -
 
     With ``pipeline`` (and a file of at least two chunks) the hash runs in a thread of its own and
     this returns before it ends; without, the digest is ready when this returns. Raises
-    :class:`SizeMismatch` if the file does not hold ``size`` bytes when opened."""
+    :class:`SizeMismatch` if the file does not hold ``size`` bytes when opened. Where the file
+    cannot be mapped (the filesystem refuses), it is read: :func:`start_read_into_buffer`."""
     import torch
 
     fd = _open_sized(path, size)
+    unmappable = False
+    m: mmap.mmap | None = None
     try:
-        m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+        if size:
+            m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        # A filesystem that cannot map files (some FUSE and network mounts: ENODEV, EINVAL):
+        # read it as mmap=False would, rather than fail a load that can be done.
+        unmappable = True
     finally:
         os.close(fd)  # the mapping holds the file
+    if unmappable:
+        return start_read_into_buffer(path, size, hash=hash, pipeline=pipeline)
     hasher = new_hasher() if hash else None
     if m is None:
         return BufferRead(torch.empty(0, dtype=torch.uint8), hasher, None)
