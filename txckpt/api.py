@@ -286,7 +286,7 @@ def load_checkpoint(
     anything is returned. No copy, and RAM only for the pages a tensor write touches; but the
     kernel may later read a hashed page from the disk again, and a file shortened under the
     mapping (txckpt never does: committed files are only unlinked) fails the process with SIGBUS
-    (docs/troubleshooting.md, "Loading with mmap"). Elsewhere (object stores) files are read."""
+    (docs/troubleshooting.md, "Loading with `mmap=True`"). Elsewhere (object stores) files are read."""
     names = None if files is None else list(files)
     timer = Timer("load", os.fspath(path))
     base = os.fspath(path).rstrip("/")

@@ -276,7 +276,7 @@ def start_map_file(path: str, size: int, *, hash: bool, pipeline: bool = True) -
     tensor decoded from it copies that page into the process, never into the file), read from
     the disk when first touched, by the hash here. What this trades against
     :func:`start_read_into_buffer`, and why it is not the default (docs/troubleshooting.md,
-    "Loading with mmap"): the kernel may drop a clean page that was hashed and read it from the
+    "Loading with `mmap=True`"): the kernel may drop a clean page that was hashed and read it from the
     disk again later, and a file shortened under the mapping (never by txckpt: committed files are
     only ever unlinked) makes the process fail with SIGBUS when the missing page is touched.
 
@@ -312,14 +312,12 @@ def start_map_file(path: str, size: int, *, hash: bool, pipeline: bool = True) -
     buf = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive
     worker = None
     if hasher is not None:
-        view = memoryview(m)
         if pipeline and size >= _PIPELINE_MIN:
-            worker = _HashWorker(hasher)
-            for off in range(0, size, READ_CHUNK):
-                worker.put(view[off:off + READ_CHUNK])  # the caller decodes meanwhile
-        else:
-            for off in range(0, size, READ_CHUNK):
-                hasher.update(view[off:off + READ_CHUNK])
+            worker = _HashWorker(hasher)  # the caller decodes while it hashes
+        feed = hasher.update if worker is None else worker.put
+        view = memoryview(m)
+        for off in range(0, size, READ_CHUNK):
+            feed(view[off:off + READ_CHUNK])
     return BufferRead(buf, hasher, worker)
 
 
