@@ -43,17 +43,30 @@ def _vmstat() -> dict[str, int]:
     return out
 
 
+def _steal_ticks() -> int:
+    """Clock ticks (USER_HZ) the hypervisor ran something else while this guest's vCPUs had
+    work (``steal`` in /proc/stat); 0 where there is no such counter."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) if len(fields) > 8 else 0
+    except (OSError, ValueError):
+        return 0
+
+
 def _counted(fn, into: dict[str, list[dict[str, int]]], name: str):
-    """``fn`` that records the kernel counters' change over each call under ``name``."""
+    """``fn`` that records the kernel counters' change over each call under ``name``, with its
+    CPU time and the hypervisor's steal ticks."""
     def run(ctx):
-        before, cpu = _vmstat(), time.process_time()
+        before, cpu, steal = _vmstat(), time.process_time(), _steal_ticks()
         try:
             return fn(ctx)
         finally:
             cpu = time.process_time() - cpu
+            steal = _steal_ticks() - steal
             after = _vmstat()
             into.setdefault(name, []).append({**{k: after[k] - before.get(k, 0) for k in after},
-                                              "cpu_us": int(cpu * 1e6)})
+                                              "cpu_us": int(cpu * 1e6), "steal": steal})
     return run
 
 
@@ -62,6 +75,11 @@ def _stalls(rounds: list[dict[str, int]], warmup: int) -> str:
     per = [r.get("compact_stall", 0) + r.get("allocstall_normal", 0) + r.get("allocstall_movable", 0)
            for r in rounds[warmup:]]
     return "/".join(str(x) for x in per)
+
+
+def _steal(rounds: list[dict[str, int]], warmup: int) -> str:
+    """Steal ticks per timed round: a round whose fresh pages the host had to find shows here."""
+    return "/".join(str(r.get("steal", 0)) for r in rounds[warmup:])
 
 
 def _cpu(rounds: list[dict[str, int]], warmup: int) -> float:
@@ -192,8 +210,9 @@ def run(quick: bool) -> dict[str, Any]:
         # save); per round the fastest of them.
         readers, read_buf = dl.read_variants(path)
         colds += [h.Method(name, lambda _ctx, fn=fn: fn(), cold, settle=False) for name, fn in readers.items()]
-        # Loads are cheap next to saves: twice the rounds (the warm/cold pairs are noisy).
-        reps = 2 if s.tiny else (2 * s.reps[size] - 1 if size <= h.GiB else s.reps[size])
+        # Loads are cheap next to saves: twice the rounds (the warm/cold pairs are noisy; at
+        # 4 GiB one round in a few draws pages the host must find, on either side).
+        reps = 2 if s.tiny else 2 * s.reps[size] - 1
         times = h.interleave(warm, reps, warmup=1)
         times.update(h.interleave(colds, reps, warmup=0))
         times[READ_LIMIT] = dl.elementwise_min(*(times[name] for name in readers))
@@ -212,7 +231,8 @@ def run(quick: bool) -> dict[str, Any]:
             ca, cb = _cpu(counters[a], w), _cpu(counters[b], w)
             return (f"CPU (all threads, median): {a} {ca:.3f} s, {b} {cb:.3f} s, ratio {ca / cb:.2f}; "
                     f"memory-compaction/reclaim stalls per round: {a} {_stalls(counters[a], w)}, "
-                    f"{b} {_stalls(counters[b], w)}")
+                    f"{b} {_stalls(counters[b], w)}; hypervisor steal ticks per round: "
+                    f"{a} {_steal(counters[a], w)}, {b} {_steal(counters[b], w)}")
 
         warm_rows.append(h.compare("load_checkpoint(verify=True) ÷ (verify=False), warm cache", size, times,
                                    V_WARM, N_WARM, 1.05, note=note(V_WARM, N_WARM)))
@@ -248,7 +268,10 @@ def run(quick: bool) -> dict[str, Any]:
              "file's pages are dropped (`posix_fadvise(DONTNEED)`, untimed) before each load. The note "
              "gives, per timed round, the kernel's memory-compaction and direct-reclaim stalls during each "
              "side (`/proc/vmstat`): a fresh buffer on transparent huge pages that finds no free huge page "
-             "compacts memory synchronously, the cause of the multi-second outliers.")
+             "compacts memory synchronously (the multi-second outliers of an earlier run); and the "
+             "hypervisor's steal ticks (`/proc/stat`): on this KVM guest a fresh page the host has "
+             "taken back (free page reporting) is found again by the host, and a load that draws many "
+             "such pages is slower whichever side of the comparison it is.")
     return {"tables": [
         {"id": "load-warm", "title": "Load with verification, warm cache", "rows": warm_rows, "about": about,
          "profiles": profiles},

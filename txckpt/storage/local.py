@@ -42,14 +42,22 @@ _WRITE_BEHIND = 4 << 20
 #: Bytes one save (a :class:`_LocalWriteBatch`, or a file outside one) may leave in the page cache.
 #: Past it, a durable file waits for the write-back of what lies ``_DROP_LAG`` behind its writer
 #: and drops those pages (``POSIX_FADV_DONTNEED``), so the save's page-cache footprint stops
-#: growing and the kernel recycles the same pages instead of finding new ones. Measured here
-#: (a 2-core KVM guest, interleaved A/B, durable save of safetensors + torch.save state): 4 GiB
-#: 10.0-14.6 s without it, 3.2-3.3 s with it (the device limit, O_DIRECT: 3.4-3.8 s). It is not
-#: lower because dropping costs where the cache would have absorbed the write at memory speed:
-#: with a 1 GiB budget, 1 GiB saves took 0.67 -> 0.82 s and 2 GiB saves 1.42 -> 2.01 s.
-_CACHE_BUDGET = 2 << 30
-#: How far behind the writer the pages it drops lie: the disk always has this much queued.
-_DROP_LAG = 64 << 20
+#: growing and the kernel recycles the same pages instead of finding new ones.
+#:
+#: Why so low: a page the cache has never held is the dear part of a buffered write wherever
+#: memory is lent (a KVM guest whose balloon reports free pages to the host: each new page is
+#: a fault the host serves). Measured here (2-core guest, durable saves of safetensors +
+#: torch.save state, 1.2 GiB, five saves kept in a row): 7.2 / 8.3 / 7.0 / 2.4 / 2.4 s (6-7 s
+#: of CPU, mostly page faults) without dropping, 0.8-0.9 s with it, O_DIRECT 0.7-0.8 s; 4 GiB
+#: 6.9 s vs 2.6 s. Where new pages are cheap (memory just freed) dropping costs nothing
+#: measurable: 64 MiB 0.047 vs 0.048 s, 256 MiB 0.166 vs 0.157 s, 1 GiB 0.77 vs 0.72 s (A/B,
+#: interleaved). An earlier 2 GiB budget was tuned on rounds that each deleted the previous
+#: save, the cheap case only. So all but ``_CACHE_BUDGET`` bytes of a large checkpoint leave the
+#: cache once durable: a load right after a save reads most of it from the disk.
+_CACHE_BUDGET = 128 << 20
+#: How far behind the writer the pages it drops lie: the disk always has this much queued
+#: (1 GiB A/B: 64 MiB 0.75 s, 128 MiB 0.75 s, 32 MiB 0.80 s).
+_DROP_LAG = 128 << 20
 #: sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER): the range is on the disk when it returns.
 _SFR_WAIT_WRITE_WAIT = 1 | 2 | 4
 _fadvise = getattr(os, "posix_fadvise", None)
