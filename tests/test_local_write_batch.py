@@ -30,6 +30,22 @@ def fsyncs(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def dontneed(monkeypatch):
+    """Every page-cache drop (POSIX_FADV_DONTNEED) the local writer makes, as (path, offset,
+    length, the file's size then); the drop itself still happens."""
+    calls: list[tuple[str, int, int, int]] = []
+    real = os.posix_fadvise
+
+    def fadvise(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_DONTNEED:
+            calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, os.fstat(fd).st_size))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(local, "_fadvise", fadvise)
+    return calls
+
+
 def _open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
@@ -139,7 +155,7 @@ def test_a_save_fsyncs_every_data_file_before_its_manifest_and_log_entry(tmp_pat
     assert txckpt.load_checkpoint(path)["model.safetensors"]["w"].shape == (3 << 20,)
 
 
-def test_past_its_page_cache_budget_a_save_drops_what_is_on_the_disk(tmp_path, monkeypatch):
+def test_past_its_page_cache_budget_a_save_drops_what_is_on_the_disk(tmp_path, monkeypatch, dontneed):
     """Once a batch has put _CACHE_BUDGET bytes into the page cache, each durable file waits for
     the write-back of what lies _DROP_LAG behind its writer and drops it (DONTNEED): only ranges
     already written, never the part still being written, until the save is back under its budget.
@@ -147,16 +163,7 @@ def test_past_its_page_cache_budget_a_save_drops_what_is_on_the_disk(tmp_path, m
     monkeypatch.setattr(local, "_WRITE_BEHIND", 64 << 10)
     monkeypatch.setattr(local, "_DROP_LAG", 128 << 10)
     monkeypatch.setattr(local, "_CACHE_BUDGET", 1 << 20)
-    drops: list[tuple[str, int, int, int]] = []  # (path, offset, length, bytes written so far)
-    real = os.posix_fadvise
-
-    def fadvise(fd, offset, length, advice):
-        if advice == os.POSIX_FADV_DONTNEED:
-            path = os.readlink(f"/proc/self/fd/{fd}")
-            drops.append((path, offset, length, os.fstat(fd).st_size))
-        return real(fd, offset, length, advice)
-
-    monkeypatch.setattr(local, "_fadvise", fadvise)
+    drops = dontneed  # (path, offset, length, bytes written so far)
     st = LocalStorage(str(tmp_path))
     chunk = bytes(range(256)) * 256  # 64 KiB
     batch = st.write_batch()
@@ -183,25 +190,17 @@ def test_past_its_page_cache_budget_a_save_drops_what_is_on_the_disk(tmp_path, m
     assert (tmp_path / "tx" / "big.bin").read_bytes() == chunk * 48
 
 
-def test_files_too_small_to_drop_behind_leave_the_cache_after_their_fsync(tmp_path, monkeypatch):
+def test_files_too_small_to_drop_behind_leave_the_cache_after_their_fsync(tmp_path, monkeypatch, dontneed):
     """Files shorter than two lags never drop behind their writer; over the budget, each one's
     pages go once it is fsynced, oldest first, until the save is back under its budget."""
     monkeypatch.setattr(local, "_CACHE_BUDGET", 256 << 10)
-    drops: list[tuple[str, int, int]] = []
-    real = os.posix_fadvise
-
-    def fadvise(fd, offset, length, advice):
-        if advice == os.POSIX_FADV_DONTNEED:
-            drops.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, length))
-        return real(fd, offset, length, advice)
-
-    monkeypatch.setattr(local, "_fadvise", fadvise)
     batch = LocalStorage(str(tmp_path)).write_batch()
     for i in range(6):
         with batch.open_write(f"tx/{i}.bin", durable=True) as f:
             f.write(bytes([i]) * (96 << 10))
-    assert drops == []
+    assert dontneed == []
     batch.wait()
+    drops = [(os.path.basename(path), offset, length) for path, offset, length, _size in dontneed]
     # 576 KiB cached, over the budget before each of the first four drops (576, 480, 384, 288);
     # then 192 KiB <= 256 KiB, and the last two files stay.
     assert drops == [("0.bin", 0, 0), ("1.bin", 0, 0), ("2.bin", 0, 0), ("3.bin", 0, 0)]
@@ -209,28 +208,23 @@ def test_files_too_small_to_drop_behind_leave_the_cache_after_their_fsync(tmp_pa
     assert all((tmp_path / "tx" / f"{i}.bin").read_bytes() == bytes([i]) * (96 << 10) for i in range(6))
 
 
-def test_a_large_durable_save_leaves_at_most_its_budget_in_the_page_cache(tmp_path, monkeypatch):
+def test_a_large_durable_save_leaves_at_most_its_budget_in_the_page_cache(tmp_path, dontneed):
     """With the shipped limits (no monkeypatching): a durable file of budget + 2 lags drops what
     lies a lag behind its writer as it writes, and leaves at most ``_CACHE_BUDGET`` bytes of
-    itself cached once fsynced, so a save's page-cache footprint does not grow with its size. (A budget of 2 GiB, as
-    before, leaves all of it cached: on a ballooned VM five such saves in a row took 5-10x
-    longer, docs/troubleshooting.md.)"""
+    itself cached once fsynced, so a save's page-cache footprint does not grow with its size.
+    (A budget of 2 GiB, as before, leaves all of it cached: on a ballooned VM five such saves in
+    a row took 5-10x longer, docs/troubleshooting.md.)"""
     assert local._CACHE_BUDGET <= 256 << 20 and local._DROP_LAG <= local._CACHE_BUDGET
-    dropped = [0]
-    real = os.posix_fadvise
 
-    def fadvise(fd, offset, length, advice):
-        if advice == os.POSIX_FADV_DONTNEED:
-            dropped[0] += (length or os.fstat(fd).st_size - offset)
-        return real(fd, offset, length, advice)
+    def dropped() -> int:  # a length of 0 drops the rest of the file
+        return sum(length or file_size - offset for _path, offset, length, file_size in dontneed)
 
-    monkeypatch.setattr(local, "_fadvise", fadvise)
     size = local._CACHE_BUDGET + 2 * local._DROP_LAG
     chunk = bytes(range(256)) * (4 << 12)  # 1 MiB
     with LocalStorage(str(tmp_path)).open_write("tx/big.bin", durable=True) as f:
         for _ in range(size // len(chunk)):
             f.write(chunk)
-        during = dropped[0]
+        during = dropped()
     assert during >= size - local._CACHE_BUDGET - local._DROP_LAG  # behind the writer, as it wrote
-    assert size - dropped[0] <= local._CACHE_BUDGET
+    assert size - dropped() <= local._CACHE_BUDGET
     assert os.path.getsize(tmp_path / "tx" / "big.bin") == size

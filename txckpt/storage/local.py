@@ -49,11 +49,12 @@ _WRITE_BEHIND = 4 << 20
 #: a fault the host serves). Measured here (2-core guest, durable saves of safetensors +
 #: torch.save state, 1.2 GiB, five saves kept in a row): 7.2 / 8.3 / 7.0 / 2.4 / 2.4 s (6-7 s
 #: of CPU, mostly page faults) without dropping, 1.0-1.4 s with this budget and lag (0.8-0.9 s
-#: dropping from the first byte), O_DIRECT 0.7-0.8 s; 4 GiB 6.9 s vs 2.6 s. Where new pages are cheap (memory just freed) dropping costs nothing
-#: measurable: 64 MiB 0.047 vs 0.048 s, 256 MiB 0.166 vs 0.157 s, 1 GiB 0.77 vs 0.72 s (A/B,
-#: interleaved). An earlier 2 GiB budget was tuned on rounds that each deleted the previous
-#: save, the cheap case only. So all but ``_CACHE_BUDGET`` bytes of a large checkpoint leave the
-#: cache once durable: a load right after a save reads most of it from the disk.
+#: dropping from the first byte), O_DIRECT 0.7-0.8 s; 4 GiB 6.9 s vs 2.6 s. Where new pages are
+#: cheap (memory just freed) dropping costs nothing measurable: 64 MiB 0.047 vs 0.048 s,
+#: 256 MiB 0.166 vs 0.157 s, 1 GiB 0.77 vs 0.72 s (A/B, interleaved). An earlier 2 GiB budget
+#: was tuned on rounds that each deleted the previous save, the cheap case only. So all but
+#: ``_CACHE_BUDGET`` bytes of a large checkpoint leave the cache once durable: a load right
+#: after a save reads most of it from the disk.
 _CACHE_BUDGET = 128 << 20
 #: How far behind the writer the pages it drops lie: the disk always has this much queued
 #: (1 GiB A/B: 64 MiB 0.75 s, 128 MiB 0.75 s, 32 MiB 0.80 s).
