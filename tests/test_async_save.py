@@ -247,6 +247,122 @@ def test_s3_root_commits_and_a_missing_bucket_is_the_typed_error(s3_root):
     assert e.value is future.exception() and e.value.bucket == "s3://no-such-bucket-txckpt"
 
 
+# ----- lazy snapshots: async_save(..., optimizer=) -------------------------------------------
+
+@pytest.fixture
+def held_copy(monkeypatch):
+    """The lazy snapshot's background half (SnapshotPool.snapshot with ``only``) first waits
+    for ``go``; ``order`` records when it finished."""
+    go = threading.Event()
+    order: list[str] = []
+    real = SnapshotPool.snapshot
+
+    def snapshot(self, files, live=frozenset(), only=None):
+        if only is not None:
+            go.wait()
+            out = real(self, files, live, only)
+            order.append("copied")
+            return out
+        return real(self, files, live, only)
+
+    monkeypatch.setattr(SnapshotPool, "snapshot", snapshot)
+    yield go, order
+    go.set()
+
+
+def test_lazy_the_next_step_waits_for_the_copy_and_the_checkpoint_is_the_state_at_the_call(root, held_copy,
+                                                                                            monkeypatch):
+    go, order = held_copy
+    model, opt, files = state(3.0)
+    files["extra.pt"] = {"buffer": torch.full((4,), 1.0)}  # not the optimizer's: copied at the call
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    exp_avg = opt.state_dict()["state"][0]["exp_avg"].clone()
+    # The step's gate (registered by the first lazy save) signals when the step reaches it;
+    # only then may the background copy: the step is certainly waiting for it.
+    real_gate = asyncsave._StepGate._before_step
+
+    def before_step(self, *a):
+        go.set()
+        return real_gate(self, *a)
+
+    monkeypatch.setattr(asyncsave._StepGate, "_before_step", before_step)
+    future = txckpt.async_save(root, 3, files, optimizer=opt)
+    files["extra.pt"]["buffer"].fill_(-1.0)
+    opt.register_step_pre_hook(lambda *a: order.append("step"))  # runs after txckpt's gate
+    model(torch.randn(2, 8)).sum().backward()  # forward and backward run beside the copy
+    opt.step()
+    assert order == ["copied", "step"]
+    assert not torch.equal(model.weight, expected["weight"])  # the step did change them
+    out = txckpt.load_checkpoint(future.result())
+    for k, v in expected.items():
+        assert torch.equal(out["model.safetensors"][k], v)
+    assert torch.equal(out["optimizer.pt"]["state"][0]["exp_avg"], exp_avg)
+    assert torch.equal(out["extra.pt"]["buffer"], torch.full((4,), 1.0))
+    # The buffers: the optimizer's tensors in the root's pool, the rest in its first-half pool.
+    saver = asyncsave._savers[asyncsave.root_key(root, None)]
+    live = sum(t.untyped_storage().nbytes() for t in model.parameters())
+    live += sum(t.untyped_storage().nbytes() for st in opt.state.values() for t in st.values())
+    assert saver.pool.buffer_bytes == live
+    assert saver.eager.buffer_bytes == 16
+    opt.step()  # no save pending: the gate lets it through
+
+
+def test_lazy_an_in_place_change_before_the_copy_fails_the_save_and_frees_the_step(root, held_copy):
+    from txckpt.errors import InvalidArgumentError
+
+    go, order = held_copy
+    model, opt, files = state(1.0)
+    txckpt.save_checkpoint(root, 1, files)
+    future = txckpt.async_save(root, 2, files, optimizer=opt)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # outside optimizer.step(), before the background copied it
+    go.set()
+    with pytest.raises(InvalidArgumentError, match="changed in place"):
+        future.result()
+    opt.step()  # released: no hang
+    assert txckpt.get_last_checkpoint(root) == os.path.join(root, "checkpoint-1")
+    assert order == ["copied"]
+    with pytest.raises(InvalidArgumentError):
+        txckpt.wait_for_saves()
+
+
+def test_lazy_a_failed_copy_is_the_futures_error_and_the_step_is_not_held(root, monkeypatch):
+    from txckpt.errors import InvalidArgumentError
+
+    real = SnapshotPool.snapshot
+
+    def snapshot(self, files, live=frozenset(), only=None):
+        if only is not None:
+            raise InvalidArgumentError("the copy failed")
+        return real(self, files, live, only)
+
+    monkeypatch.setattr(SnapshotPool, "snapshot", snapshot)
+    model, opt, files = state(1.0)
+    future = txckpt.async_save(root, 1, files, optimizer=opt)
+    opt.step()
+    with pytest.raises(InvalidArgumentError, match="the copy failed"):
+        future.result()
+    assert not os.path.exists(root)  # failed before the save began: nothing written
+    with pytest.raises(InvalidArgumentError):
+        txckpt.wait_for_saves()
+
+
+def test_lazy_takes_a_wrapped_optimizer_and_refuses_anything_else(root):
+    from txckpt.errors import InvalidArgumentError
+
+    class Wrapper(torch.optim.Optimizer):  # as accelerate's: an Optimizer subclass holding the real one
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+    model, opt, files = state(2.0)
+    assert asyncsave.torch_optimizer(Wrapper(opt)) is opt
+    with pytest.raises(InvalidArgumentError, match="optimizer="):
+        txckpt.async_save(root, 2, files, optimizer=model)
+    assert asyncsave.pending_saves() == 0
+    path = txckpt.async_save(root, 2, files, optimizer=[Wrapper(opt)]).result()
+    assert torch.equal(txckpt.load_checkpoint(path)["model.safetensors"]["weight"], model.weight.detach())
+
+
 def test_invalid_arguments_raise_at_the_call(root):
     from txckpt.errors import InvalidArgumentError
 

@@ -7,6 +7,12 @@ buffers (txckpt/snapshot.py) and the one save in flight: a second ``async_save``
 root waits for the previous save to finish before it snapshots into the same buffers, so saves
 commit in the order they were requested, and the state is never held more than once.
 
+Lazy snapshots (``async_save(..., optimizer=)``, the Trainer's ``txckpt_async_save="lazy"``):
+parameters and optimizer state change only in the optimizer's step, so the call copies
+everything else and the background copies those (``LazySnapshot``) before it writes; the
+optimizer's next step waits, in a step pre-hook, until that copy is done. The loop is blocked
+for the small part and for whatever of the copy its forward and backward did not hide.
+
 Multi-rank: the background save's collectives run on a gloo group of the asynchronous saves'
 own, created once per default group by the first ``async_save`` (in the caller's thread, where
 every rank calls it at the same point: ``new_group`` is a collective on the default group). The
@@ -16,14 +22,17 @@ use, so a training job's own collectives may run while a save is in the backgrou
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import os
 import sys
 import threading
+import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .coordination import Coordinator, SingleProcess, TorchDistributed, coordination_timeout
 from .errors import CoordinationTimeoutError, InvalidArgumentError
@@ -39,6 +48,9 @@ class _Saver:
     def __init__(self) -> None:
         self.lock = threading.Lock()  # held from the wait for the previous save to the hand-off
         self.pool = SnapshotPool()
+        #: A lazy snapshot's first half (what is copied in the caller's thread); ``pool`` then
+        #: holds the second (the optimizers' tensors, copied in the background).
+        self.eager = SnapshotPool()
         #: The previous save's run in the worker (done: its buffers are free again).
         self.running: Future | None = None
         #: One worker thread, kept between saves: handing a save to a waiting thread costs no
@@ -60,6 +72,115 @@ _group: dict[str, Any] = {}  # {"world": default group, "group": the async saves
 _exit_hook: list[bool] = []
 
 
+class _StepGate:
+    """The step pre-hook of one optimizer: each step first waits for the background copies of
+    the lazy snapshots that hold the optimizer's tensors. ``waits``: the seconds the latest
+    steps that had a copy to wait for waited (what a lazy save blocked the loop for after its
+    call returned; the benchmarks read it)."""
+
+    def __init__(self, optimizer: Any):
+        self._lock = threading.Lock()
+        self._pending: list[threading.Event] = []
+        self.waits: "collections.deque[float]" = collections.deque(maxlen=1024)
+        optimizer.register_step_pre_hook(self._before_step)
+
+    def hold(self, copied: threading.Event) -> None:
+        with self._lock:
+            self._pending.append(copied)
+
+    def _before_step(self, *_: Any) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if pending:
+            t0 = time.perf_counter()
+            for copied in pending:
+                copied.wait()
+            self.waits.append(time.perf_counter() - t0)
+
+
+_gates: "weakref.WeakKeyDictionary[Any, _StepGate]" = weakref.WeakKeyDictionary()
+
+
+def step_gate(optimizer: Any) -> _StepGate:
+    """``optimizer``'s gate (its step pre-hook registered on first use)."""
+    with _lock:
+        gate = _gates.get(optimizer)
+        if gate is None:
+            gate = _gates[optimizer] = _StepGate(optimizer)
+        return gate
+
+
+def torch_optimizer(optimizer: Any) -> Any:
+    """The ``torch.optim.Optimizer`` that steps: ``optimizer`` itself, or the one a wrapper
+    (accelerate's AcceleratedOptimizer, DeepSpeed's) holds as ``.optimizer``."""
+    import torch
+
+    inner = optimizer
+    for _ in range(4):  # unwrap first: accelerate's wrapper is itself an Optimizer subclass
+        held = getattr(inner, "optimizer", None)
+        if held is None or held is inner:
+            break
+        inner = held
+    if isinstance(inner, torch.optim.Optimizer):
+        return inner
+    raise InvalidArgumentError(
+        f"optimizer= takes the torch.optim.Optimizer whose step() changes the saved parameters "
+        f"(or a wrapper holding it as .optimizer), not {type(optimizer).__name__}")
+
+
+class LazySnapshot:
+    """A snapshot in two halves, for state whose parameters and optimizer state change only in
+    the optimizers' ``step()``.
+
+    Made in the caller's thread (``__init__``): every tensor of ``files`` but those on the
+    optimizers' parameters and state (and ``params``) is copied into ``eager``, as a copy-first
+    snapshot would; those are kept live, with their version counters, and each optimizer's
+    step pre-hook (:func:`step_gate`) will wait for :attr:`copied`. The background then calls
+    :meth:`take` once, before it writes: it copies the live tensors, checks that none was
+    changed in place since the call (the counters; a change made through ``.data`` bypasses
+    them, so this catches most misuse, not all), and sets :attr:`copied`, which lets the step
+    go on. :meth:`release` sets it where the background will never run (its hand-off failed).
+
+    CUDA tensors are always in the first half: they are copied to pinned host buffers before
+    the call returns (txckpt/snapshot.py)."""
+
+    def __init__(self, eager: SnapshotPool, files: Mapping[str, Any], optimizers: Sequence[Any],
+                 params: Iterable[Any] = ()):
+        inners = [torch_optimizer(o) for o in optimizers]
+        tensors = [p for o in inners for g in o.param_groups for p in g["params"]]
+        tensors += [v for o in inners for st in o.state.values() for v in st.values()
+                    if hasattr(v, "untyped_storage")]
+        tensors += list(params)
+        cpu = {id(t): t for t in tensors if t.device.type == "cpu"}
+        self._versions = [(t, t._version) for t in cpu.values()]
+        self.live = frozenset(t.untyped_storage().data_ptr() for t in cpu.values())
+        self.files = eager.snapshot(files, live=self.live)
+        self.copied = threading.Event()
+        for o in inners:
+            step_gate(o).hold(self.copied)
+
+    def take(self, pool: SnapshotPool) -> dict[str, Any]:
+        """The whole snapshot: the live tensors copied into ``pool`` (background thread)."""
+        try:
+            snapshot = pool.snapshot(self.files, only=self.live)
+            changed = [t for t, v in self._versions if t._version != v]
+            if changed:
+                t = changed[0]
+                raise InvalidArgumentError(
+                    f"nothing was saved: {len(changed)} of the optimizer's parameter and state tensors "
+                    f"(the first: {tuple(t.shape)} {t.dtype}) were changed in place after async_save(..., "
+                    "optimizer=) returned and before the background copied them. With optimizer=, only "
+                    "optimizer.step() may change them until then (it waits for the copy); a loop that "
+                    "changes them elsewhere (an EMA, clipping weights) saves without optimizer=, "
+                    "which copies everything before it returns")
+            return snapshot
+        finally:
+            self.copied.set()  # a failed copy is the future's error: the step must not hang on it
+
+    def release(self) -> None:
+        self.copied.set()
+
+
 def async_save(
     root: str | os.PathLike,
     step: int,
@@ -67,6 +188,7 @@ def async_save(
     *,
     storage_options: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
+    optimizer: Any = None,
 ) -> "Future[str]":
     """Save ``files`` as checkpoint ``step`` in the background; see :func:`txckpt.save_checkpoint`
     for ``files`` and what is saved.
@@ -78,32 +200,62 @@ def async_save(
     first (one save in flight per root and process; the time this call blocks includes that
     wait). Invalid arguments and a state that cannot be snapshotted raise here, before anything
     is saved. Inside a torch.distributed group every rank calls it, like ``save_checkpoint``.
+
+    ``optimizer`` (one ``torch.optim.Optimizer`` or a list): a lazy snapshot. The optimizers'
+    parameters and state (on the CPU) are not copied before this returns but by the background,
+    before it writes, and each optimizer's next ``step()`` waits until they are: the caller may
+    run its forward and backward meanwhile, and must not change those tensors other than
+    through ``step()`` before it (an in-place change the background sees fails the save with
+    InvalidArgumentError; docs/async.md, "Lazy snapshots"). Everything else is copied before
+    this returns, as without it.
     """
     if not isinstance(files, Mapping) or not files:
         raise InvalidArgumentError("files must be a non-empty dict of file name -> object")
     so = dict(storage_options) if storage_options is not None else None
+    optimizers: list[Any] = [] if optimizer is None else \
+        list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for o in optimizers:
+        torch_optimizer(o)  # a wrong argument raises before anything is saved
 
-    def prepare(pool: SnapshotPool) -> Callable[[Coordinator], str]:
-        snapshot = pool.snapshot(files)
+    def prepare(pool: SnapshotPool, eager: SnapshotPool) -> Job:
         meta = copy.deepcopy(dict(metadata or {}))  # plain data, small: not pooled
-        return lambda coordinator: open_root(root, so).save(step, snapshot, metadata=meta,
-                                                            coordinator=coordinator)
+        if not optimizers:
+            snapshot = pool.snapshot(files)
+            return Job(lambda coordinator: open_root(root, so).save(step, snapshot, metadata=meta,
+                                                                    coordinator=coordinator))
+        lazy = LazySnapshot(eager, files, optimizers)
+
+        def run(coordinator: Coordinator) -> str:
+            snapshot = lazy.take(pool)  # first: the optimizers' next step waits for it
+            return open_root(root, so).save(step, snapshot, metadata=meta, coordinator=coordinator)
+
+        return Job(run, lazy)
 
     return submit(root, storage_options, prepare)
+
+
+class Job:
+    """What :func:`submit`'s ``prepare`` returns: ``run(coordinator)``, the background work, and
+    the lazy snapshot it completes (None: copied before the call returned), released if the
+    hand-off to the worker fails."""
+
+    def __init__(self, run: Callable[[Coordinator], Any], lazy: LazySnapshot | None = None):
+        self.run, self.lazy = run, lazy
 
 
 def submit(
     root: str | os.PathLike,
     storage_options: Mapping[str, Any] | None,
-    prepare: "Callable[[SnapshotPool], Callable[[Coordinator], Any]]",
+    prepare: "Callable[[SnapshotPool, SnapshotPool], Job]",
 ) -> Future:
     """The machinery of :func:`async_save` for a caller that snapshots its own state (the
     Trainer integration, whose files are written by upstream code): wait for the root's save in
-    flight, then, in the caller's thread, ``prepare(pool)`` snapshots into the root's reused
-    buffers and returns the background job; ``job(coordinator)`` then runs on the root's worker
-    thread with the coordinator of the async saves' own group (a Transaction takes it), and its
-    result or error is the future's. Every guarantee of async_save (one in flight per root, step
-    order, wait_for_saves, finished at exit) holds for it. An error of ``prepare`` is raised here."""
+    flight, then, in the caller's thread, ``prepare(pool, eager)`` snapshots into the root's
+    reused buffers (``eager``: a lazy snapshot's first half) and returns the :class:`Job`;
+    ``job.run(coordinator)`` then runs on the root's worker thread with the coordinator of the
+    async saves' own group (a Transaction takes it), and its result or error is the future's.
+    Every guarantee of async_save (one in flight per root, step order, wait_for_saves, finished
+    at exit) holds for it. An error of ``prepare`` is raised here."""
     key = root_key(root, storage_options)
     with _lock:
         saver = _savers.get(key)
@@ -113,27 +265,36 @@ def submit(
     with saver.lock:
         saver.wait()  # the previous save: its buffers are reused below
         coordinator = _coordinator()
-        job = prepare(saver.pool)
+        job = prepare(saver.pool, saver.eager)
         future: Future = Future()
         future.set_running_or_notify_cancel()  # it runs from now on: cancel() is refused
 
         def run() -> None:
             saver.worker_ident = threading.get_ident()
             try:
-                result = job(coordinator)
+                result = job.run(coordinator)
             except BaseException as e:  # noqa: BLE001 - the future carries it to the caller
                 if isinstance(e, CoordinationTimeoutError):
                     _discard_group(coordinator)
                 future.set_exception(e)
             else:
                 future.set_result(result)
+            finally:
+                if job.lazy is not None:  # a job that failed before its copy: never hang the step
+                    job.lazy.release()
 
         with _lock:
             # Saves that succeeded have nothing left to report: only errors wait for
             # wait_for_saves (a long run that never calls it holds no list of every save).
             _futures[:] = [f for f in _futures if not f.done() or f.exception() is not None]
             _futures.append(future)
-        saver.running = saver.worker.submit(run)
+        try:
+            saver.running = saver.worker.submit(run)
+        except BaseException as e:  # the interpreter is shutting down: nothing will run it
+            if job.lazy is not None:  # nor copy: the next step must not wait for it
+                job.lazy.release()
+            future.set_exception(e)  # wait_for_saves must not wait for it either
+            raise
     return future
 
 
@@ -186,6 +347,7 @@ def release_buffers(root: str | os.PathLike | None = None,
         with saver.lock:
             saver.wait()
             saver.pool.clear()
+            saver.eager.clear()
         saver.worker.shutdown(wait=True)
 
 
@@ -270,4 +432,4 @@ def _finish_at_exit() -> None:
             log.error("txckpt: an async save failed and was never waited for: %s: %s", type(e).__name__, e)
 
 
-__all__ = ["async_save", "submit", "mark_reported", "wait_for_saves", "wait_for_root", "release_buffers", "pending_saves"]
+__all__ = ["async_save", "submit", "Job", "LazySnapshot", "step_gate", "torch_optimizer", "mark_reported", "wait_for_saves", "wait_for_root", "release_buffers", "pending_saves"]

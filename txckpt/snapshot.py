@@ -49,13 +49,16 @@ class SnapshotPool:
         """Free every buffer (the next snapshot allocates again)."""
         self._buffers.clear()
 
-    def snapshot(self, files: Mapping[str, Any], live: frozenset[int] = frozenset()) -> dict[str, Any]:
+    def snapshot(self, files: Mapping[str, Any], live: frozenset[int] = frozenset(),
+                 only: frozenset[int] | None = None) -> dict[str, Any]:
         """A copy of ``files`` that shares no mutable object with it. Raises InvalidArgumentError
         for an object it cannot copy (the save would not see what the caller passed).
 
-        ``live``: data pointers of CPU storages whose tensors are kept as they are, not copied
-        (the Trainer's lazy snapshot copies those later, before the optimizer changes them)."""
-        run = _Run(self, live)
+        The two halves of a lazy snapshot (txckpt/asyncsave.py, ``LazySnapshot``): ``live``,
+        data pointers of CPU storages whose tensors are kept as they are, not copied (copied
+        later, before the optimizer changes them); ``only``, copy just the tensors on those
+        storages and keep every other tensor as it is (it is the first half's private copy)."""
+        run = _Run(self, live, only)
         try:
             out = {name: run.copy(obj, name, "") for name, obj in files.items()}
             run.finish()
@@ -81,9 +84,11 @@ class SnapshotPool:
 class _Run:
     """One snapshot: the copies made so far (memo), the buffers taken, the streams to wait on."""
 
-    def __init__(self, pool: SnapshotPool, live: frozenset[int] = frozenset()):
+    def __init__(self, pool: SnapshotPool, live: frozenset[int] = frozenset(),
+                 only: frozenset[int] | None = None):
         self.pool = pool
         self.live = live
+        self.only = only
         self.free = dict(pool._buffers)  # not yet claimed by this snapshot
         self.used: dict[Key, Any] = {}
         self.memo: dict[int, Any] = {}  # id(object) -> its copy (one object met twice: one copy)
@@ -136,6 +141,8 @@ class _Run:
     def _tensor(self, t: Any, name: str, path: str) -> Any:
         import torch
 
+        if self.only is not None and (t.device.type != "cpu" or t.untyped_storage().data_ptr() not in self.only):
+            return t  # copied by the first half already
         plain = type(t) in (torch.Tensor, torch.nn.Parameter)
         if not plain or t.layout != torch.strided or t.device.type == "meta" or t.is_quantized:
             # Subclasses (DTensor...), sparse and quantized tensors: a fresh copy of their own.

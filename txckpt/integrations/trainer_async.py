@@ -35,13 +35,11 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator
 
 from txckpt import asyncsave, errors as _errors
 from txckpt.root import open_root
-from txckpt.snapshot import SnapshotPool
 
 from .trainer_patches import torch_save_into
 from .trainer_ranks import rank_patterns
@@ -188,13 +186,6 @@ class AsyncSaves:
         self._job: _Job | None = None
         self._scratch: str | None = None
         self._defer_on_save = False
-        #: Lazy mode: set once the background has copied the live parameters and optimizer state
-        #: (the optimizer's step pre-hook waits for it); the eager part's buffers; the hook's optimizer.
-        self._copied: threading.Event | None = None
-        self._eager = SnapshotPool()
-        self._hooked: Any = None
-        #: Lazy mode: seconds each optimizer step waited for the background copy (benchmarks read it).
-        self.copy_waits: list[float] = []
 
     # ----- the save, in the training thread --------------------------------------------------
     def save(self, upstream: Callable[..., Any], model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
@@ -232,27 +223,23 @@ class AsyncSaves:
             local_dir = os.path.join(t._txckpt_remote.directory, STAGING_DIR_NAME)
 
         objs = {name: w[1] for name, w in capture.writes.items()}
-        copied = None
-        if t.txckpt_async_save == LAZY:
-            # Everything but the parameters and the optimizer state is copied now (buffers, RNG
-            # states, arguments: forward may change them); those two change only in the next
-            # optimizer step, whose pre-hook waits until the background has copied them.
-            objs = self._eager.snapshot(objs, live=self._live_storages())
-            copied = self._copied = threading.Event()
+        lazy_mode = t.txckpt_async_save == LAZY
 
-        def prepare(pool: Any) -> Callable[[Any], tuple[str, str]]:
-            snap = pool.snapshot(objs) if copied is None else None
+        def prepare(pool: Any, eager: Any) -> asyncsave.Job:
+            lazy = snap = None
+            if lazy_mode:
+                # Everything but the parameters and the optimizer state is copied now (buffers,
+                # RNG states, arguments: forward may change them); those two change only in the
+                # next optimizer step, whose pre-hook waits until the background has copied them.
+                lazy = asyncsave.LazySnapshot(eager, objs, [self._optimizer()], params=t.model.parameters())
+            else:
+                snap = pool.snapshot(objs)
             plan = [(name, how, kw, writer) for name, (how, _, kw, writer) in capture.writes.items()]
-            return functools.partial(_write_and_commit, root, so, step, meta, plan, snap, small,
-                                     state, capture_root, local_dir, (pool, objs, copied),
-                                     functools.partial(rank_patterns, t))
+            return asyncsave.Job(functools.partial(
+                _write_and_commit, root, so, step, meta, plan, snap, small, state, capture_root, local_dir,
+                (pool, lazy), functools.partial(rank_patterns, t)), lazy)
 
-        try:
-            future = asyncsave.submit(root, so, prepare)
-        except BaseException:
-            if copied is not None:  # nothing will copy: the next step must not wait for it
-                copied.set()
-            raise
+        future = asyncsave.submit(root, so, prepare)
         self._job = _Job(step, root, future, capture_root, push, state, best_before)
         self._defer_on_save = True  # upstream calls on_save right after this returns
 
@@ -266,25 +253,18 @@ class AsyncSaves:
         self._job.on_save.append((args, kwargs))
         return control
 
-    def _live_storages(self) -> frozenset[int]:
-        """Lazy mode: the storages of the parameters and the optimizer's state (CPU ones; a
-        device tensor is copied to the host at once anyway), with the step pre-hook installed."""
-        t = self._t
-        inner = getattr(t.optimizer, "optimizer", t.optimizer)  # accelerate wraps torch's
-        if inner is not self._hooked:
-            inner.register_step_pre_hook(self._wait_for_copy)
-            self._hooked = inner
-        tensors = list(t.model.parameters())
-        tensors += [v for st in inner.state.values() for v in st.values() if hasattr(v, "untyped_storage")]
-        return frozenset(x.untyped_storage().data_ptr() for x in tensors if x.device.type == "cpu")
+    def _optimizer(self) -> Any:
+        """The torch optimizer that steps (accelerate wraps it), whose step pre-hook waits for a
+        lazy snapshot's copy."""
+        return asyncsave.torch_optimizer(self._t.optimizer)
 
-    def _wait_for_copy(self, *_: Any) -> None:
-        copied = self._copied
-        if copied is not None:
-            t0 = time.perf_counter()
-            copied.wait()
-            self.copy_waits.append(time.perf_counter() - t0)
-            self._copied = None
+    @property
+    def copy_waits(self) -> list[float]:
+        """Lazy mode: the seconds each optimizer step that followed a save waited for the
+        background copy (the latest 1024; the benchmarks read it)."""
+        if self._t.txckpt_async_save != LAZY or self._t.optimizer is None:
+            return []
+        return list(asyncsave.step_gate(self._optimizer()).waits)
 
     # ----- after the commit, in the training thread --------------------------------------------
     def settle(self, raise_error: bool = True) -> None:
@@ -355,15 +335,13 @@ def _write_and_commit(root: str, so: Any, step: int, meta: Any, plan: list, snap
                       claims: Callable[[int], list[str]], coordinator: Any,
                       ) -> tuple[str, str]:
     """The background job: replay the recorded writes from the snapshot in one transaction. Lazy
-    mode (``snap`` None): take the snapshot first, here, and let the optimizer step go on.
+    mode (``snap`` None): complete the snapshot first (``lazy``: the pool and the
+    LazySnapshot), here, which lets the optimizer step go on.
     ``claims(rank)``: the globs of the files this rank writes itself (trainer_ranks), claimed as
     the synchronous save claims them, so that the manifest says which rank wrote each."""
     if snap is None:
-        pool, objs, copied = lazy
-        try:
-            snap = pool.snapshot(objs)
-        finally:
-            copied.set()  # a failed copy is the future's error; the step must not hang on it
+        pool, pending = lazy
+        snap = pending.take(pool)
 
     with open_root(root, so).transaction(step, metadata=meta, coordinator=coordinator,
                                          local_dir=local_dir) as tx:
