@@ -2,7 +2,8 @@
 synchronous save, and the memory of many async saves.
 
 Overhead per save. Four ``Trainer.train()`` runs of the same length, interleaved: no saves,
-synchronous saves, async saves (copy-first), async saves (lazy), every ``K`` steps. Each run's *window* goes from the end of step
+synchronous saves, async saves (``True``: the lazy snapshot, as this model's AdamW allows),
+async saves (``"copy"``: copy-first), every ``K`` steps. Each run's *window* goes from the end of step
 2K (the first save, which allocates the snapshot buffers, is before it) to the moment the save
 of the last step has waited for the one before it; it holds the saves of steps 2K .. S-K and
 every step after them. ``(window of the method - window without saves) / saves in the window``
@@ -28,8 +29,8 @@ from . import harness as h
 
 TITLE = "Trainer async save"
 
-NONE, SYNC, ASYNC, LAZY = ("no saves", "Trainer + mixin, sync save", "Trainer + mixin, txckpt_async_save=True",
-                           'Trainer + mixin, txckpt_async_save="lazy"')
+NONE, SYNC, ASYNC, COPY = ("no saves", "Trainer + mixin, sync save", "Trainer + mixin, txckpt_async_save=True",
+                           'Trainer + mixin, txckpt_async_save="copy"')
 
 
 def _config(s: h.Settings):
@@ -99,14 +100,14 @@ def _overhead(s: h.Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
                                      per_device_train_batch_size=1, dataloader_num_workers=0)
             clock = Clock()
             t = Timed(model=model, args=args, train_dataset=Tokens(), callbacks=[clock],
-                      txckpt_async_save={ASYNC: True, LAZY: "lazy"}.get(mode, False))
+                      txckpt_async_save={ASYNC: True, COPY: "copy"}.get(mode, False))
             t.saves = {}
             return {"out": out, "trainer": t, "clock": clock}
         return inner
 
-    windows: dict[str, list[float]] = {NONE: [], SYNC: [], ASYNC: [], LAZY: []}
-    blocked: dict[str, list[float]] = {SYNC: [], ASYNC: [], LAZY: []}
-    waits: dict[str, list[float]] = {ASYNC: [], LAZY: []}
+    windows: dict[str, list[float]] = {NONE: [], SYNC: [], ASYNC: [], COPY: []}
+    blocked: dict[str, list[float]] = {SYNC: [], ASYNC: [], COPY: []}
+    waits: dict[str, list[float]] = {ASYNC: [], COPY: []}
     copy_waits: list[float] = []
 
     def run(mode: str):
@@ -121,7 +122,7 @@ def _overhead(s: h.Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
                 blocked[mode] += [c - b for _a, b, c in mid]
                 if mode in waits:
                     waits[mode].extend(b - a for a, b, _c in mid)
-                if mode == LAZY:
+                if mode == ASYNC:
                     copy_waits.extend(t._txckpt_async.copy_waits[1:])  # after the window's saves (2K .. S-K)
         return inner
 
@@ -140,24 +141,25 @@ def _overhead(s: h.Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     h.log(f"trainer_async: {n_params / 1e6:.1f}M parameters, {h.fmt_size(size)} checkpoint, save every "
           f"{every} of {steps} steps, {reps} rounds")
     try:
-        h.interleave([h.Method(m, run(m), setup(m), cleanup) for m in (NONE, SYNC, ASYNC, LAZY)], reps, warmup=0)
+        h.interleave([h.Method(m, run(m), setup(m), cleanup) for m in (NONE, SYNC, ASYNC, COPY)], reps, warmup=0)
     finally:
         torch.set_num_threads(threads)
     saves = steps // every - 2  # 2K .. S-K
-    per_save = {m: [(w - b) / saves for w, b in zip(windows[m], windows[NONE])] for m in (SYNC, ASYNC, LAZY)}
+    per_save = {m: [(w - b) / saves for w, b in zip(windows[m], windows[NONE])] for m in (SYNC, ASYNC, COPY)}
     label = f"{n_params / 1e6:.{0 if n_params >= 1e7 else 1}f}M params, {h.fmt_size(size)}"
     times = {m: [max(x, 0.0) for x in v] for m, v in per_save.items()}
     rows = [
-        h.compare("training-time overhead per save: async (copy-first) ÷ sync", label, times, ASYNC, SYNC, 0.3,
+        h.compare("training-time overhead per save: async (True: lazy) ÷ sync", label, times, ASYNC, SYNC, 0.3,
                   f"{saves} saves per window; a negative overhead (noise) counts as 0"),
-        h.compare('training-time overhead per save: async "lazy" ÷ sync', label, times, LAZY, SYNC, 0.3),
-        h.compare("time _save_checkpoint blocks: async (copy-first) ÷ sync", label, blocked, ASYNC, SYNC, None,
-                  f"not counted: its wait for the previous save, median {h.median(waits[ASYNC]):.3f} s"),
-        h.compare('time _save_checkpoint blocks: async "lazy" ÷ sync', label, blocked, LAZY, SYNC, None,
+        h.compare('training-time overhead per save: async ("copy": copy-first) ÷ sync', label, times, COPY, SYNC,
+                  None),
+        h.compare("time _save_checkpoint blocks: async (True: lazy) ÷ sync", label, blocked, ASYNC, SYNC, None,
                   f"plus the next optimizer step's wait for the copy, median {h.median(copy_waits):.3f} s; "
-                  f"not counted: its wait for the previous save, median {h.median(waits[LAZY]):.3f} s"),
+                  f"not counted: its wait for the previous save, median {h.median(waits[ASYNC]):.3f} s"),
+        h.compare('time _save_checkpoint blocks: async ("copy": copy-first) ÷ sync', label, blocked, COPY, SYNC,
+                  None, f"not counted: its wait for the previous save, median {h.median(waits[COPY]):.3f} s"),
     ]
-    series = {f"{m} overhead per save": [[size, h.median(times[m])]] for m in (SYNC, ASYNC, LAZY)}
+    series = {f"{m} overhead per save": [[size, h.median(times[m])]] for m in (SYNC, ASYNC, COPY)}
     return rows, {"label": label, "size": size, "every": every, "steps": steps, "series": series,
                   "step_time": h.median(windows[NONE]) / (steps - 2 * every),
                   "windows": ", ".join(f"{m}: {' / '.join(f'{w:.1f}' for w in windows[m])} s" for m in windows)}
@@ -226,7 +228,10 @@ def run(quick: bool) -> dict[str, Any]:
         "about": (f"GPT-2 from a config (random init), {info['label']}, AdamW, batch 1, one torch thread "
                   f"(step ≈ {info['step_time']:.2f} s). `Trainer.train()` for {info['steps']} steps, a save every "
                   f"{info['every']}, four runs interleaved per round: no saves, synchronous saves, async "
-                  "saves (copy-first), async saves (lazy). The overhead of a save is the run's window (from the end of step "
+                  "saves with `txckpt_async_save=True` (the lazy snapshot: the parameters and AdamW "
+                  "state copied by the background, the next optimizer step waiting for it), async "
+                  'saves with `"copy"` (copy-first). '
+                  "The overhead of a save is the run's window (from the end of step "
                   f"{2 * info['every']} to the settling of the last save) minus the same window without "
                   "saves, divided by the saves in it: the time the loop is blocked plus the slowdown of "
                   "the steps the background save runs beside. The last row: 100 `txckpt.async_save` "

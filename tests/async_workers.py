@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 
-def async_saves_beside_training(rank: int, world: int, *, root: str, steps: list[int]) -> Any:
+def async_saves_beside_training(rank: int, world: int, *, root: str, steps: list[int], lazy: bool = False) -> Any:
     """Each rank async-saves its own files; while each save runs in the background, the job
     runs its own collectives on the default group (an all_reduce and a barrier); at the end it
-    waits for the saves. Returns the committed paths and the all_reduce results."""
+    waits for the saves. Returns the committed paths and the all_reduce results. ``lazy``: the
+    tensor is an SGD optimizer's parameter, saved with ``optimizer=``, and the training step
+    after the save is that optimizer's step (which waits for the background copy)."""
     import torch
     import torch.distributed as dist
 
@@ -17,9 +19,17 @@ def async_saves_beside_training(rank: int, world: int, *, root: str, steps: list
     futures, sums = [], []
     for step in steps:
         w = torch.full((256,), float(rank + step))
-        futures.append(txckpt.async_save(root, step, {f"rank{rank}.safetensors": {"w": w},
-                                                      f"rank{rank}.pt": {"step": step, "rank": rank}}))
-        w.fill_(-1.0)  # the training step after the snapshot: never in the checkpoint
+        files = {f"rank{rank}.safetensors": {"w": w}, f"rank{rank}.pt": {"step": step, "rank": rank}}
+        if lazy:
+            p = torch.nn.Parameter(w)
+            opt = torch.optim.SGD([p], lr=1.0)
+            futures.append(txckpt.async_save(root, step, files, optimizer=opt))
+            p.grad = p.detach() + 1.0
+            opt.step()  # p becomes -1, after the background copied it: never in the checkpoint
+            assert float(w[0]) == -1.0
+        else:
+            futures.append(txckpt.async_save(root, step, files))
+            w.fill_(-1.0)  # the training step after the snapshot: never in the checkpoint
         for _ in range(20):  # the job's own collectives, interleaved with the background save
             t = torch.ones(4) * (rank + 1)
             dist.all_reduce(t)

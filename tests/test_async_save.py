@@ -436,10 +436,11 @@ def test_a_failed_save_nobody_waited_for_is_logged_at_exit(tmp_path):
     assert "StepConflictError" in done.stderr and "never waited for" in done.stderr
 
 
-def test_two_ranks_on_gloo_beside_the_jobs_own_collectives(tmp_path):
+@pytest.mark.parametrize("lazy", [False, True], ids=["copy-first", "lazy"])
+def test_two_ranks_on_gloo_beside_the_jobs_own_collectives(tmp_path, lazy):
     root = str(tmp_path / "out")
     run = dist_workers.launch(2, async_workers.async_saves_beside_training, str(tmp_path / "res"),
-                              root=root, steps=[1, 2, 3])
+                              root=root, steps=[1, 2, 3], lazy=lazy)
     assert all(r.exitcode == 0 and r.ok for r in run.results), run.describe()
     paths = [r.ok["paths"] for r in run.results]
     assert paths[0] == paths[1] == [os.path.join(root, f"checkpoint-{s}") for s in (1, 2, 3)]

@@ -115,17 +115,17 @@ def test_same_checkpoints_as_sync_and_train_returns_committed(tmp_path):
     # The same run twice in the same output_dir (training_args.bin records it), moved aside.
     out = tmp_path / "out"
     runs = {}
-    for mode in ("sync", "async", "lazy"):
-        trainer, seen = train(out, {"sync": False, "async": True, "lazy": "lazy"}[mode])
+    for mode in ("sync", "async", "copy"):
+        trainer, seen = train(out, {"sync": False, "async": True, "copy": "copy"}[mode])
         assert txckpt.asyncsave.pending_saves() == 0
         runs[mode] = (manifests(out), seen.saves, trainer.state.best_model_checkpoint,
                       json.loads((Path(trainer.state.best_model_checkpoint) / "trainer_state.json").read_text()))
-        # Lazy: the optimizer step after each save but the last (the end of training) waited
-        # for the background's copy of the parameters and optimizer state.
-        assert len(trainer._txckpt_async.copy_waits) == (3 if mode == "lazy" else 0)
+        # True is lazy here (an AdamW): the optimizer step after each save but the last (the end
+        # of training) waited for the background's copy of the parameters and optimizer state.
+        assert len(trainer._txckpt_async.copy_waits) == (3 if mode == "async" else 0)
         txckpt.forget_roots()
         out.rename(tmp_path / mode)
-    assert runs["lazy"][0] == runs["async"][0]
+    assert runs["copy"][0] == runs["async"][0]  # copy-first and lazy: the same bytes
     (sync, sync_seen, sync_best, sync_state), (asyn, async_seen, async_best, async_state) = runs["sync"], runs["async"]
     # Retention (save_total_limit=2, the best kept) ran after every commit: the same survivors.
     assert sorted(asyn) == sorted(sync) and 8 in asyn
@@ -198,6 +198,30 @@ def test_async_saves_on_s3_commit_and_resume(tmp_path, s3_root):
     # Nothing of txckpt's left in the local output_dir (scratch uploads and cached copies gone).
     assert not (out / ".txckpt").exists()
     assert [p for p in out.rglob("*") if p.is_file()] == []
+
+
+@pytest.mark.parametrize("optim, mode", [("adamw_torch", "lazy"), ("adafactor", "lazy"),
+                                         ("galore_adamw_layerwise", "copy"), ("adalomo", "copy"),
+                                         ("lomo", "copy")])
+def test_true_is_lazy_unless_the_optimizer_changes_parameters_in_backward(optim, mode):
+    from types import SimpleNamespace
+
+    from transformers.training_args import OptimizerNames
+
+    from txckpt.integrations import trainer_async
+
+    t = SimpleNamespace(args=SimpleNamespace(optim=OptimizerNames(optim)), optimizer=torch.optim.SGD(
+        [torch.nn.Parameter(torch.ones(1))], lr=0.1), txckpt_async_save=True)
+    assert trainer_async.snapshot_mode(t) == mode
+    t.txckpt_async_save = "lazy"  # asked for: as asked
+    assert trainer_async.snapshot_mode(t) == "lazy"
+
+    class LayerWiseDummyOptimizer(torch.optim.SGD):  # transformers' placeholder's name
+        pass
+
+    t.txckpt_async_save = True
+    t.args.optim, t.optimizer = "adamw_torch", LayerWiseDummyOptimizer([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    assert trainer_async.snapshot_mode(t) == "copy"
 
 
 def test_lazy_snapshot_keeps_the_live_storages_and_copies_the_rest():

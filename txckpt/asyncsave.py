@@ -145,7 +145,9 @@ class LazySnapshot:
     the call returns (txckpt/snapshot.py)."""
 
     def __init__(self, eager: SnapshotPool, files: Mapping[str, Any], optimizers: Sequence[Any],
-                 params: Iterable[Any] = ()):
+                 params: Iterable[Any] = (), remedy: str = "saves without optimizer=, which copies "
+                                                           "everything before it returns"):
+        self._remedy = remedy
         inners = [torch_optimizer(o) for o in optimizers]
         tensors = [p for o in inners for g in o.param_groups for p in g["params"]]
         tensors += [v for o in inners for st in o.state.values() for v in st.values()
@@ -171,8 +173,7 @@ class LazySnapshot:
                     f"(the first: {tuple(t.shape)} {t.dtype}) were changed in place after async_save(..., "
                     "optimizer=) returned and before the background copied them. With optimizer=, only "
                     "optimizer.step() may change them until then (it waits for the copy); a loop that "
-                    "changes them elsewhere (an EMA, clipping weights) saves without optimizer=, "
-                    "which copies everything before it returns")
+                    f"changes them elsewhere (an EMA, clipping weights) {self._remedy}")
             return snapshot
         finally:
             self.copied.set()  # a failed copy is the future's error: the step must not hang on it

@@ -1,5 +1,8 @@
 """Asynchronous saves of the Trainer integration (``TransactionalTrainer(..., txckpt_async_save=True)``).
 
+True takes the lazy snapshot (below) unless the optimizer changes parameters outside its step
+(:func:`snapshot_mode`); ``"lazy"`` and ``"copy"`` (copy-first) choose one.
+
 Upstream's ``_save_checkpoint`` writes the checkpoint through files (``save_pretrained``'s
 safetensors shards, ``torch.save`` of the optimizer, scheduler, RNG state and arguments, JSON
 files). A save is split in two:
@@ -168,14 +171,42 @@ class _Job:
         self.on_save: list[Any] = []  # the deferred on_save event (args), at most one
 
 
-LAZY = "lazy"
+LAZY, COPY = "lazy", "copy"
 
 
 def check_mode(value: Any) -> bool | str:
-    """``txckpt_async_save``: False (sync), True (copy-first) or "lazy"."""
-    if value is True or value is False or value == LAZY:
+    """``txckpt_async_save``: False (sync), True (lazy where the optimizer allows it, else
+    copy-first: :func:`snapshot_mode`), "lazy" or "copy"."""
+    if value is True or value is False or value in (LAZY, COPY):
         return value
-    raise ValueError(f"txckpt_async_save takes True, False or {LAZY!r}, not {value!r}")
+    raise ValueError(f"txckpt_async_save takes True, False, {LAZY!r} or {COPY!r}, not {value!r}")
+
+
+def steps_in_backward(trainer: Any) -> str | None:
+    """Why the parameters of this Trainer change outside ``optimizer.step()`` (None: they do
+    not): its layer-wise optimizers (``optim="*_layerwise"``: a dummy optimizer, each parameter
+    stepped by a hook during backward) and LOMO/AdaLomo (updated in backward, through ``.data``,
+    which no version counter sees). A lazy snapshot would copy half-updated parameters there."""
+    optim = str(getattr(getattr(trainer.args, "optim", None), "value", getattr(trainer.args, "optim", "")))
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    if type(inner).__name__ == "LayerWiseDummyOptimizer" or "layerwise" in optim:
+        return f"optim={optim!r} steps each parameter during backward"
+    if "lomo" in optim:
+        return f"optim={optim!r} updates the parameters during backward"
+    return None
+
+
+def snapshot_mode(trainer: Any) -> str:
+    """LAZY or COPY for this save: ``"lazy"``/``"copy"`` as asked; True: lazy unless the
+    optimizer changes parameters outside its step (:func:`steps_in_backward`), then copy-first."""
+    asked = trainer.txckpt_async_save
+    if asked in (LAZY, COPY):
+        return asked
+    why = steps_in_backward(trainer)
+    if why is not None:
+        log.info("txckpt_async_save=True copies the state before _save_checkpoint returns (copy-first): %s", why)
+        return COPY
+    return LAZY
 
 
 class AsyncSaves:
@@ -223,7 +254,7 @@ class AsyncSaves:
             local_dir = os.path.join(t._txckpt_remote.directory, STAGING_DIR_NAME)
 
         objs = {name: w[1] for name, w in capture.writes.items()}
-        lazy_mode = t.txckpt_async_save == LAZY
+        lazy_mode = snapshot_mode(t) == LAZY
 
         def prepare(pool: Any, eager: Any) -> asyncsave.Job:
             lazy = snap = None
@@ -231,7 +262,8 @@ class AsyncSaves:
                 # Everything but the parameters and the optimizer state is copied now (buffers,
                 # RNG states, arguments: forward may change them); those two change only in the
                 # next optimizer step, whose pre-hook waits until the background has copied them.
-                lazy = asyncsave.LazySnapshot(eager, objs, [self._optimizer()], params=t.model.parameters())
+                lazy = asyncsave.LazySnapshot(eager, objs, [self._optimizer()], params=t.model.parameters(),
+                                              remedy='saves with txckpt_async_save="copy" (copy-first)')
             else:
                 snap = pool.snapshot(objs)
             plan = [(name, how, kw, writer) for name, (how, _, kw, writer) in capture.writes.items()]
@@ -262,7 +294,7 @@ class AsyncSaves:
     def copy_waits(self) -> list[float]:
         """Lazy mode: the seconds each optimizer step that followed a save waited for the
         background copy (the latest 1024; the benchmarks read it)."""
-        if self._t.txckpt_async_save != LAZY or self._t.optimizer is None:
+        if not self._t.txckpt_async_save or self._t.optimizer is None or snapshot_mode(self._t) != LAZY:
             return []
         return list(asyncsave.step_gate(self._optimizer()).waits)
 
@@ -373,4 +405,4 @@ def _write_and_commit(root: str, so: Any, step: int, meta: Any, plan: list, snap
     return tx.path, expected
 
 
-__all__ = ["AsyncSaves", "check_mode", "LAZY"]
+__all__ = ["AsyncSaves", "check_mode", "snapshot_mode", "steps_in_backward", "LAZY", "COPY"]

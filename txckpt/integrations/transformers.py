@@ -102,9 +102,12 @@ class TransactionalCheckpointMixin:
       fetched into the cache): ``"raise"`` (default) IntegrityError naming the file;
       ``"fallback"`` forks from the newest checkpoint that verifies (``txckpt.resume``).
 
-    * ``txckpt_async_save``: ``True`` saves in the background; the training loop is blocked
-      for a copy of the state only; ``"lazy"``: the next optimizer step waits for the copy
-      instead (docs/async.md, "Trainer": ordering, errors).
+    * ``txckpt_async_save``: ``True`` saves in the background, from a lazy snapshot (the
+      parameters and optimizer state copied by the background while the next forward and
+      backward run; the next optimizer step waits for that copy) unless the optimizer changes
+      parameters outside its step (layer-wise and LOMO optimizers), then from a copy made before
+      ``_save_checkpoint`` returns (copy-first). ``"lazy"`` or ``"copy"`` chooses one
+      (docs/async.md, "Trainer": ordering, errors).
 
     Class attribute only: ``txckpt_stream_optimizer`` (default True): the ``torch.save`` calls of
     upstream's ``_save_optimizer_and_scheduler`` (``optimizer.pt``, ``scheduler.pt``) write
