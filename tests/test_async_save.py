@@ -371,12 +371,28 @@ def test_invalid_arguments_raise_at_the_call(root):
     assert asyncsave.pending_saves() == 0
 
 
+class _TagWriter(torch.optim.Optimizer):
+    """An "optimizer" whose step overwrites its parameters' tags: the training step after a lazy
+    save, which must wait for the background copy."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.fill_(ord("Z"))
+
+
 @pytest.mark.slow
-def test_sigkill_during_the_background_save_leaves_the_old_or_the_new_checkpoint(tmp_path):
+@pytest.mark.parametrize("lazy", [False, True], ids=["copy-first", "lazy"])
+def test_sigkill_during_the_background_save_leaves_the_old_or_the_new_checkpoint(tmp_path, lazy):
     """The crash sweep of the async path: SIGKILL before and after every file operation of the
-    background save (the first "before" is between the snapshot and the first write), with the
-    caller mutating its state after the snapshot; a fresh process then finds checkpoint 2 or 4,
-    never a mix, and resumes and saves past it."""
+    background save (the first "before" is between the snapshot and the first write; lazily,
+    after the background's copy too), with the caller mutating its state after the snapshot (or
+    after its optimizer's step waited for the copy); a fresh process then finds checkpoint 2 or
+    4, never a mix, and resumes and saves past it."""
     template = str(tmp_path / "template")
     txckpt.save_checkpoint(template, 2, tagged_files("A-2", 2))
     txckpt.forget_roots()
@@ -384,12 +400,17 @@ def test_sigkill_during_the_background_save_leaves_the_old_or_the_new_checkpoint
 
     def scenario(root):
         files = tagged_files("A-4", 4)
-        future = txckpt.async_save(root, 4, files)
-        files["model.safetensors"]["tag"].fill_(ord("Z"))  # never reaches the checkpoint
+        if lazy:
+            opt = _TagWriter([torch.nn.Parameter(files["model.safetensors"]["tag"], requires_grad=False)])
+            future = txckpt.async_save(root, 4, files, optimizer=opt)
+            opt.step()  # waits for the copy; its change never reaches the checkpoint
+        else:
+            future = txckpt.async_save(root, 4, files)
+            files["model.safetensors"]["tag"].fill_(ord("Z"))  # never reaches the checkpoint
         files["optimizer.pt"]["tag"] = "ZZZ"
         return future.result()
 
-    result = sweep("async save", template, str(tmp_path / "work"), scenario,
+    result = sweep("async save" + (" (lazy)" if lazy else ""), template, str(tmp_path / "work"), scenario,
                    make_checker({"A-2", "A-4"}, before, "R"))
     assert len(result.ops) >= 20
     report(result)
