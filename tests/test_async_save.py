@@ -347,6 +347,27 @@ def test_lazy_a_failed_copy_is_the_futures_error_and_the_step_is_not_held(root, 
         txckpt.wait_for_saves()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_lazy_a_forked_child_does_not_wait_for_the_parents_copy(root, held_copy):
+    """The parent's lazy save is still copying (held) when it forks: in the child, where no
+    background will ever copy it, the optimizer's step goes through at once."""
+    go, _ = held_copy
+    model, opt, files = state(1.0)
+    future = txckpt.async_save(root, 1, files, optimizer=opt)
+    pid = os.fork()
+    if pid == 0:  # the child: a hang here is killed by the alarm (exit status: SIGALRM)
+        import signal
+
+        signal.alarm(60)
+        opt.step()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    go.set()
+    opt.step()
+    assert future.result() == os.path.join(root, "checkpoint-1")
+
+
 def test_lazy_takes_a_wrapped_optimizer_and_refuses_anything_else(root):
     from txckpt.errors import InvalidArgumentError
 

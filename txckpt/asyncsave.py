@@ -88,6 +88,12 @@ class _StepGate:
         with self._lock:
             self._pending.append(copied)
 
+    def forget(self) -> None:
+        """Drop what the next step would wait for (a forked child: nobody will set it). A
+        fresh lock too: the parent's may have been held by one of its threads at the fork."""
+        self._lock = threading.Lock()
+        self._pending = []
+
     def _before_step(self, *_: Any) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
@@ -395,10 +401,13 @@ def _discard_group(coordinator: Coordinator) -> None:
 
 
 def _forget_after_fork() -> None:
-    # A forked child has none of its parent's threads: its saves are its own.
+    # A forked child has none of its parent's threads: its saves are its own, and no background
+    # will copy the parent's lazy snapshots there, so its optimizers' steps must not wait for them.
     _savers.clear()
     _futures.clear()
     _group.clear()
+    for gate in list(_gates.values()):
+        gate.forget()
 
 
 if hasattr(os, "register_at_fork"):
