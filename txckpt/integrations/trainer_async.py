@@ -204,7 +204,9 @@ def snapshot_mode(trainer: Any) -> str:
         return asked
     why = steps_in_backward(trainer)
     if why is not None:
-        log.info("txckpt_async_save=True copies the state before _save_checkpoint returns (copy-first): %s", why)
+        if not getattr(trainer, "_txckpt_told_copy_first", False):  # once per Trainer
+            trainer._txckpt_told_copy_first = True
+            log.info("txckpt_async_save=True copies the state before _save_checkpoint returns (copy-first): %s", why)
         return COPY
     return LAZY
 
