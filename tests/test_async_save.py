@@ -375,8 +375,13 @@ def test_lazy_takes_a_wrapped_optimizer_and_refuses_anything_else(root):
         def __init__(self, optimizer):
             self.optimizer = optimizer
 
+    class Named(torch.optim.SGD):  # an optimizer whose .optimizer is not one: itself
+        optimizer = "sgd"
+
     model, opt, files = state(2.0)
     assert asyncsave.torch_optimizer(Wrapper(opt)) is opt
+    named = Named(model.parameters(), lr=0.1)
+    assert asyncsave.torch_optimizer(named) is named
     with pytest.raises(InvalidArgumentError, match="optimizer="):
         txckpt.async_save(root, 2, files, optimizer=model)
     assert asyncsave.pending_saves() == 0

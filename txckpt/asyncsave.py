@@ -7,7 +7,7 @@ buffers (txckpt/snapshot.py) and the one save in flight: a second ``async_save``
 root waits for the previous save to finish before it snapshots into the same buffers, so saves
 commit in the order they were requested, and the state is never held more than once.
 
-Lazy snapshots (``async_save(..., optimizer=)``, the Trainer's ``txckpt_async_save="lazy"``):
+Lazy snapshots (``async_save(..., optimizer=)``, the Trainer's ``txckpt_async_save=True``):
 parameters and optimizer state change only in the optimizer's step, so the call copies
 everything else and the background copies those (``LazySnapshot``) before it writes; the
 optimizer's next step waits, in a step pre-hook, until that copy is done. The loop is blocked
@@ -124,7 +124,7 @@ def torch_optimizer(optimizer: Any) -> Any:
     inner = optimizer
     for _ in range(4):  # unwrap first: accelerate's wrapper is itself an Optimizer subclass
         held = getattr(inner, "optimizer", None)
-        if held is None or held is inner:
+        if held is None or held is inner or not hasattr(held, "param_groups"):
             break
         inner = held
     if isinstance(inner, torch.optim.Optimizer):
@@ -300,7 +300,8 @@ def submit(
         except BaseException as e:  # the interpreter is shutting down: nothing will run it
             if job.lazy is not None:  # nor copy: the next step must not wait for it
                 job.lazy.release()
-            future.set_exception(e)  # wait_for_saves must not wait for it either
+            future.set_exception(e)  # raised here: not again by wait_for_saves, never waited for
+            mark_reported(future)
             raise
     return future
 
