@@ -161,6 +161,11 @@ def read_history(storage: Storage, since: History | None = None, *, snapshots: b
     Without ``since``, the fold starts from the newest usable snapshot (§4a) unless
     ``snapshots`` is false; its ``entries`` then hold only the entries after that snapshot.
     """
+    # The hint is read before the entries: it is written only after its entry exists, so every
+    # entry it names then is in the log the fold reads. Read after the fold, a commit landing
+    # between the fold's last read and the hint's would look like lost entries (it did, to
+    # readers polling an S3 root while a writer committed).
+    hint = _hint(storage)
     if since is None and snapshots:
         since = read_newest_snapshot(storage)
     history = since if since is not None else History()
@@ -190,7 +195,6 @@ def read_history(storage: Storage, since: History | None = None, *, snapshots: b
             break
         history.apply(entry)
         expected += 1
-    hint = _hint(storage)
     if hint > max(history.state.seq, 0):
         # The hint is written only after its entry exists: entries were lost. Acting on the
         # shorter history (gc, retention) could take committed checkpoints for leftovers.
