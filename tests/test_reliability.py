@@ -363,6 +363,40 @@ def test_lookup_is_not_none_when_rotation_deletes_the_tip_it_read(root, monkeypa
     assert path is not None and txckpt.read_manifest(path).step == 5
 
 
+# Regression test of KI-fold-hint-race (concurrency/s3/readers-polling on a loaded machine).
+def test_a_commit_landing_while_the_history_is_folded_is_not_taken_for_lost_entries(root, monkeypatch):
+    """Another process commits between the fold's last probe (the entry after the end: absent)
+    and the end of the fold: its entry and hint are newer than what the fold read, which is not
+    a damaged log (it was reported as one, to readers polling an S3 root during commits)."""
+    import subprocess
+    import sys
+
+    from txckpt import log as commit_log
+
+    for step in (1, 2, 3):
+        txckpt.save_checkpoint(root, step, {"a.bin": b"%d" % step})
+    txckpt.forget_roots()
+    storage = CheckpointRoot(root).storage
+    end = commit_log.read_history(storage, snapshots=False).state.seq
+    real = commit_log.read_entry
+    landed = []
+
+    def read_entry(st, seq):
+        got = real(st, seq)
+        if got is None and seq == end + 1 and not landed:  # the probe past the end: now commit
+            landed.append(subprocess.run(
+                [sys.executable, "-c", "import sys, txckpt; txckpt.save_checkpoint(sys.argv[1], 4, {'a.bin': b'4'})",
+                 root], env=dict(os.environ, PYTHONPATH=os.getcwd()), capture_output=True, text=True, timeout=120))
+        return got
+
+    monkeypatch.setattr(commit_log, "read_entry", read_entry)
+    history = commit_log.read_history(storage, snapshots=False)
+    assert landed and landed[0].returncode == 0, landed and landed[0].stderr
+    assert history.state.seq == end  # the fold as it read it; the next one sees the commit
+    monkeypatch.setattr(commit_log, "read_entry", real)
+    assert commit_log.read_history(storage, snapshots=False).state.seq > end  # its claim and commit
+
+
 def test_every_known_issue_has_a_reproducer():
     from tests.reliability.known import FIXED
 

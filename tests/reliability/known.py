@@ -93,4 +93,9 @@ FIXED: list[FixedIssue] = [
                "the writer saved and rotated (keep_last) between the reader's read of the log and its read of the "
                "tip, which retention had deleted (protocol §6 step 4)", "98c760d",
                "test_lookup_is_not_none_when_rotation_deletes_the_tip_it_read"),
+    FixedIssue("KI-fold-hint-race", "A fold of the history (a reader polling lookup + load on S3) raised "
+               "LogCorruptError ('latest names log entry N+1, but the log ends at N') when a writer committed "
+               "between the fold's last probe and its read of the latest hint: the hint is now read first "
+               "(protocol §4a)", "e463833",
+               "test_a_commit_landing_while_the_history_is_folded_is_not_taken_for_lost_entries"),
 ]
