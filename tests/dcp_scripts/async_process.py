@@ -24,7 +24,9 @@ def main() -> None:
     for step in steps:
         out = cw.save(rank, world, root=root, step=step, ref_file=os.path.join(ref_dir, f"ref-{step}.pt"),
                       mode="async-process")
-        print("RESULT", rank, json.dumps({"step": step, **out}), flush=True)
+        # One write(2) per line: both ranks share torchrun's stdout, and print's separate writes
+        # of its parts interleaved there ("RESULTRESULT 0 ...").
+        os.write(1, f"RESULT {rank} {json.dumps({'step': step, **out})}\n".encode())
     dist.destroy_process_group()
 
 
