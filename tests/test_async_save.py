@@ -307,6 +307,25 @@ def test_lazy_the_next_step_waits_for_the_copy_and_the_checkpoint_is_the_state_a
     opt.step()  # no save pending: the gate lets it through
 
 
+class _CountsCopies:
+    """A non-tensor object that counts how often it is deep-copied."""
+    copies = 0
+
+    def __deepcopy__(self, memo):
+        type(self).copies += 1
+        return _CountsCopies()
+
+
+def test_lazy_copies_what_is_not_a_tensor_once(root):
+    # The background half walks the first half's private copy: copying its objects again
+    # would only lengthen the optimizer step's wait.
+    model, opt, files = state(1.0)
+    files["extra.pt"] = {"obj": _CountsCopies(), "buffer": torch.ones(2)}
+    _CountsCopies.copies = 0
+    txckpt.async_save(root, 1, files, optimizer=opt).result()
+    assert _CountsCopies.copies == 1
+
+
 def test_lazy_an_in_place_change_before_the_copy_fails_the_save_and_frees_the_step(root, held_copy):
     from txckpt.errors import InvalidArgumentError
 

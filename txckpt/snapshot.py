@@ -110,6 +110,11 @@ class _Run:
     def _copy(self, obj: Any, name: str, path: str) -> Any:
         if _is_tensor(obj):
             return self._tensor(obj, name, path)
+        if self.only is not None and not isinstance(obj, (dict, list, tuple)):
+            # The second half of a lazy snapshot walks the first half's private copy: what is
+            # not a tensor was copied there, and copying it again would only lengthen the wait
+            # of the optimizer step held for this half.
+            return obj
         if isinstance(obj, (bytearray, memoryview)):
             return bytes(obj)
         if isinstance(obj, dict):
@@ -118,7 +123,7 @@ class _Run:
             # A subclass (a state_dict's OrderedDict and its _metadata): same class, same
             # attributes, then every value replaced by its copy (the keys keep their order).
             out = copy.copy(obj)
-            if getattr(out, "__dict__", None):
+            if getattr(out, "__dict__", None) and self.only is None:
                 out.__dict__.update(copy.deepcopy(obj.__dict__))
             for k, v in obj.items():
                 out[k] = self.copy(v, name, f"{path}/{k}")
