@@ -167,6 +167,9 @@ def interleave(methods: list[Method], reps: int, warmup: int = 1) -> dict[str, l
                 dt = time.perf_counter() - t0
                 if m.self_timed:
                     dt = float(got)
+                # Dropped before the next method runs: a load's result (GiBs of tensors) held
+                # through the next timed call would make that call draw fresh pages beside it.
+                got = None
             finally:
                 m.cleanup(ctx)
             if r >= warmup:
