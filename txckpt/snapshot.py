@@ -57,7 +57,7 @@ class SnapshotPool:
         The two halves of a lazy snapshot (txckpt/asyncsave.py, ``LazySnapshot``): ``live``,
         data pointers of CPU storages whose tensors are kept as they are, not copied (copied
         later, before the optimizer changes them); ``only``, copy just the tensors on those
-        storages and keep every other tensor as it is (it is the first half's private copy)."""
+        storages and keep everything else as it is (it is the first half's private copy)."""
         run = _Run(self, live, only)
         try:
             out = {name: run.copy(obj, name, "") for name, obj in files.items()}
