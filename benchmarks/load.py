@@ -229,10 +229,12 @@ def run(quick: bool) -> dict[str, Any]:
                                         size, times, name, READ_LIMIT, None))
         read_buf.close()
 
+        cold_names = {m.name for m in colds}
+
         def note(a: str, b: str) -> str:
             # CPU time is what the hash adds whether or not a core was free for it: on a busy
             # machine the wall-clock ratio approaches the CPU ratio, on a quiet one it hides.
-            w = 0 if a in (V_COLD, M_COLD, N_COLD_AA) else 1
+            w = 0 if a in cold_names else 1  # the cold rounds have no warm-up round
             ca, cb = _cpu(counters[a], w), _cpu(counters[b], w)
             return (f"CPU (all threads, median): {a} {ca:.3f} s, {b} {cb:.3f} s, ratio {ca / cb:.2f}; "
                     f"memory-compaction/reclaim stalls per round: {a} {_stalls(counters[a], w)}, "
