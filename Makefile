@@ -8,7 +8,11 @@ BASE := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: venv demo test test-fast typecheck bench bench-quick reliability clean
+VENV4 := .venv-tf4
+PY4 := $(VENV4)/bin/python
+STAMP4 := $(VENV4)/.installed
+
+.PHONY: venv demo test test-fast campaign typecheck bench bench-quick reliability clean
 
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +31,28 @@ venv: $(STAMP)
 demo: $(BASE)
 	$(PY) -m txckpt.demo
 
+# The three tiers (tests/harness/tiers.py says which marker puts a test where):
+#   test-fast  in-process only, no child process or server: the inner loop (< 2 min here)
+#   test       everything but the long campaigns: what every change runs (< 15 min here)
+#   campaign   reliability campaign, crash sweeps, DeepSpeed, GCS/Azure rows, and the Trainer
+#              tests again on transformers 4.57 in a venv of their own (< 30 min here)
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -rs --tier fast $(PYTEST_ARGS)
+
 test: $(STAMP)
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=25 --tier test $(PYTEST_ARGS)
+
+$(STAMP4): pyproject.toml
+	$(PYTHON) -m venv $(VENV4)
+	$(PY4) -m pip install -q --upgrade pip
+	$(PY4) -m pip install -q $(TORCH)
+	$(PY4) -m pip install -q -e '.[test]' 'transformers==4.57.*' $(TORCH)
+	touch $(STAMP4)
+
+campaign: $(STAMP) $(STAMP4)
+	$(PY) -m pytest -q -rs --durations=25 --tier campaign $(PYTEST_ARGS)
+	$(PY4) -c "import transformers; print('transformers', transformers.__version__)"
+	$(PY4) -m pytest -q -rs -m trainer $(PYTEST_ARGS)
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
@@ -43,4 +67,4 @@ reliability: $(STAMP)
 	$(PY) -m tests.reliability
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV4) build *.egg-info

@@ -5,8 +5,9 @@ import pytest
 import txckpt
 
 # The backend fixtures (s3_server on moto, s3_root, any_root, ...) live in tests/harness/backends.py;
-# the servers they start in the top-level emulators/ package.
-pytest_plugins = ["tests.harness.backends"]
+# the servers they start in the top-level emulators/ package. The tiers (`pytest --tier fast|test|
+# campaign`) and the markers that choose them are tests/harness/tiers.py.
+pytest_plugins = ["tests.harness.backends", "tests.harness.tiers"]
 
 
 def count_reads(monkeypatch, root: txckpt.CheckpointRoot, under: str = "",

@@ -34,7 +34,7 @@ import txckpt  # noqa: E402
 from tests.harness.procs import torchrun as run_torchrun  # noqa: E402
 
 HERE = Path(__file__).parent / "trainer_scripts"
-pytestmark = [pytest.mark.trainer, pytest.mark.distributed, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.trainer, pytest.mark.distributed, pytest.mark.campaign, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module", autouse=True)
