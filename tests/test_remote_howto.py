@@ -83,6 +83,9 @@ def test_the_s3_how_to_runs_as_written(s3_server, tmp_path):
     out = run_howto("s3", s3_server.endpoint_url, tmp_path)
     assert out.count("s3://my-bucket/run-1/.txckpt/tx/") >= 2 and "checkpoint-100" in out, out
     assert "ok: the store refused the second create" in out, out
+    # The first-run idiom: nothing to resume on a prefix never written, then its checkpoint.
+    assert "first run: resume from None\n" in out, out
+    assert "restart: resume from s3://my-bucket/run-2/.txckpt/tx/" in out and "/checkpoint-100\n" in out, out
 
 
 @pytest.mark.gcs

@@ -12,6 +12,7 @@ from .errors import (
     InvalidArgumentError,
     ManifestError,
     NotACheckpointError,
+    RootNotFoundError,
     UnsafePathError,
 )
 from .asyncsave import wait_for_root
@@ -66,17 +67,27 @@ def transaction(
                                                         local_dir=local_dir)
 
 
-def get_last_checkpoint(root: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> str | None:
+def get_last_checkpoint(root: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,
+                        missing_ok: bool = False) -> str | None:
     """Drop-in for ``transformers.trainer_utils.get_last_checkpoint``: the newest committed
     checkpoint of the current lineage, or None. Never a staging leftover, never an abandoned
     lineage's checkpoint.
 
     As transformers' does, it raises ``FileNotFoundError`` (:class:`RootNotFoundError`) for a
     root directory that does not exist (or a URL whose bucket does not exist), and returns the
-    path in its form: ``os.path.join(root, "checkpoint-N")``, relative when ``root`` is."""
+    path in its form: ``os.path.join(root, "checkpoint-N")``, relative when ``root`` is.
+
+    ``missing_ok=True`` (a script's first run and its restarts alike): None also for a root
+    directory that does not exist yet, which the first save creates, as ``txckpt.resume(root)``
+    answers there. A missing bucket (container) still raises: no save can create one."""
     wait_for_root(root, storage_options)  # the state an async save of this root is changing
     r = open_root(root, storage_options)
-    key = r.last_checkpoint_key()
+    try:
+        key = r.last_checkpoint_key()
+    except RootNotFoundError as e:
+        if missing_ok and e.bucket is None:
+            return None
+        raise
     if key is None:
         return None
     given = os.fspath(root)

@@ -91,6 +91,19 @@ class RootNotFoundError(TxckptError, FileNotFoundError):
         return str(self.strerror) if self.strerror is not None else super().__str__()
 
 
+class MissingDependencyError(TxckptError, ImportError):
+    """A root URL needs a package that is not installed (or does not import): s3fs for
+    ``s3://``, gcsfs for ``gs://``, adlfs for ``az://``. ``root``: the root as given;
+    ``protocol``: the URL scheme that needs it; ``package``: what to install; ``extra``: the
+    txckpt extra that brings it (``pip install 'txckpt[s3]'``), None where txckpt has none (the
+    message then passes on what fsspec says is needed)."""
+
+    root: str | None
+    protocol: str | None
+    package: str | None
+    extra: str | None
+
+
 class LookupRaceError(TxckptError):
     """A lookup found the newest checkpoint retired and deleted under it again and again: a
     writer rotates (retention with a small keep_last) faster than this reader reads. Nothing is

@@ -10,8 +10,9 @@ import traceback
 from typing import Sequence
 
 from .. import __version__
-from ..errors import InvalidArgumentError, NotATxckptRootError, TxckptError
-from .common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, UsageError, configure_logging, parse_storage_options
+from ..errors import InvalidArgumentError, MissingDependencyError, NotATxckptRootError, TxckptError
+from .common import (EXIT_MISSING_DEPENDENCY, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, UsageError, configure_logging,
+                     parse_storage_options)
 from .export import cmd_export
 from .maintain import cmd_adopt, cmd_gc, cmd_resume
 from .verify import cmd_verify
@@ -31,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="txckpt",
         description="Inspect and maintain txckpt checkpoint roots.",
         epilog="Exit codes: 0 ok; 1 a problem was found (damage, missing data, a failed operation); "
-               "2 usage error. See docs/cli.md.",
+               "2 usage error; 3 the backend of a ROOT URL is not installed (s3fs, gcsfs, adlfs). "
+               "See docs/cli.md.",
     )
     p.add_argument("--version", action="version", version=f"txckpt {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -181,6 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"txckpt {args.command}: usage error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except MissingDependencyError as e:  # one line saying what to install; the traceback only with -v
+        if args.verbose:
+            traceback.print_exc()
+        print(f"txckpt {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_MISSING_DEPENDENCY
     except (InvalidArgumentError, NotATxckptRootError) as e:
         print(f"txckpt {args.command}: usage error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -10,13 +10,14 @@ import sys
 import time
 from typing import Any, Sequence
 
-from ..errors import NotATxckptRootError
+from ..errors import MissingDependencyError, NotATxckptRootError
 from ..layout import LOG_DIR, META_DIR, entry_key, is_url
 from ..progress import BarAwareHandler, human
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
 EXIT_USAGE = 2
+EXIT_MISSING_DEPENDENCY = 3  # a ROOT URL whose backend (s3fs, gcsfs, adlfs) is not installed
 
 
 class UsageError(Exception):
@@ -74,6 +75,8 @@ def open_root_arg(path: str, options: dict[str, Any], *, must_exist: bool = True
         raise UsageError(f"ROOT {path} is not a directory")
     try:
         root = CheckpointRoot(path, options)
+    except MissingDependencyError:
+        raise  # not a usage error: the command line is right, an install is missing (exit 3)
     except (ValueError, ImportError, TypeError) as e:
         raise UsageError(f"cannot open {path}: {e}") from None
     if must_exist and not _looks_like_root(root):
