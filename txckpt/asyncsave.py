@@ -18,6 +18,11 @@ own, created once per default group by the first ``async_save`` (in the caller's
 every rank calls it at the same point: ``new_group`` is a collective on the default group). The
 background thread then never touches the default group nor the group synchronous txckpt calls
 use, so a training job's own collectives may run while a save is in the background.
+
+Errors and exit: an error is reported once: retrieved through its future (``SaveFuture``), raised
+by ``wait_for_saves`` or by the Trainer, or else logged by the exit hook, which then makes the exit
+status 120 (``_ExitStatus``). Once that hook has begun, ``async_save`` saves in its caller's thread
+(``_run_at_shutdown``): nothing handed to a worker then would be waited for or reported.
 """
 
 from __future__ import annotations
@@ -331,7 +336,8 @@ def submit(
                 except RuntimeError:  # concurrent.futures' exit hook ran: an atexit handler
                     inline = True
             if inline:
-                saver.running = here = Future()  # what other callers of this root wait for
+                here: Future = Future()  # what other callers of this root wait for
+                saver.running = here
     if inline:
         _run_at_shutdown(here, run, future)
     return future
