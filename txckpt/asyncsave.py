@@ -18,11 +18,17 @@ own, created once per default group by the first ``async_save`` (in the caller's
 every rank calls it at the same point: ``new_group`` is a collective on the default group). The
 background thread then never touches the default group nor the group synchronous txckpt calls
 use, so a training job's own collectives may run while a save is in the background.
+
+Errors and exit: an error is reported once: retrieved through its future (``SaveFuture``), raised
+by ``wait_for_saves`` or by the Trainer, or else logged by the exit hook, which then makes the exit
+status 120 (``_ExitStatus``). Once that hook has begun, ``async_save`` saves in its caller's thread
+(``_run_at_shutdown``): nothing handed to a worker then would be waited for or reported.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import copy
 import logging
 import os
@@ -64,12 +70,34 @@ class _Saver:
             self.running.result()  # run() never raises: its future carries the error
 
 
+class SaveFuture(Future):
+    """An async save's future. Its error is *retrieved* once ``result()`` has raised it or
+    ``exception()`` has returned it (a call that timed out retrieved nothing), as
+    concurrent.futures and asyncio count it: a retrieved error is handled, so neither
+    wait_for_saves nor the exit hook reports it again."""
+
+    def result(self, timeout: float | None = None) -> Any:
+        Future.exception(self, timeout)  # waits; TimeoutError here: nothing was retrieved
+        mark_reported(self)
+        return Future.result(self)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        e = Future.exception(self, timeout)
+        mark_reported(self)
+        return e
+
+
 _lock = threading.Lock()
 _savers: dict[tuple[Any, ...], _Saver] = {}
 #: Every async save's future, in request order, until wait_for_saves has reported it.
 _futures: list[Future] = []
 _group: dict[str, Any] = {}  # {"world": default group, "group": the async saves' gloo group}
 _exit_hook: list[bool] = []
+#: Set once the interpreter is shutting down for txckpt (its exit hook has begun, or threading
+#: refused to register it): from then on async_save saves in the caller's thread.
+_shutting_down = threading.Event()
+#: The exit status at interpreter exit when a failed save's error was never retrieved.
+UNRETRIEVED_EXIT_STATUS = 120
 
 
 class _StepGate:
@@ -273,10 +301,13 @@ def submit(
         saver.wait()  # the previous save: its buffers are reused below
         coordinator = _coordinator()
         job = prepare(saver.pool, saver.eager)
-        future: Future = Future()
+        future = SaveFuture()
         future.set_running_or_notify_cancel()  # it runs from now on: cancel() is refused
+        claimed = threading.Lock()  # run once, by the worker or by the caller, never by both
 
         def run() -> None:
+            if not claimed.acquire(blocking=False):
+                return
             saver.worker_ident = threading.get_ident()
             try:
                 result = job.run(coordinator)
@@ -287,45 +318,69 @@ def submit(
             else:
                 future.set_result(result)
             finally:
+                saver.worker_ident = None
                 if job.lazy is not None:  # a job that failed before its copy: never hang the step
                     job.lazy.release()
 
         with _lock:
             # Saves that succeeded have nothing left to report: only errors wait for
             # wait_for_saves (a long run that never calls it holds no list of every save).
-            _futures[:] = [f for f in _futures if not f.done() or f.exception() is not None]
+            _futures[:] = [f for f in _futures if not f.done() or Future.exception(f) is not None]
             _futures.append(future)
-        try:
-            saver.running = saver.worker.submit(run)
-        except BaseException as e:  # the interpreter is shutting down: nothing will run it
-            if job.lazy is not None:  # nor copy: the next step must not wait for it
-                job.lazy.release()
-            future.set_exception(e)  # raised here: not again by wait_for_saves, never waited for
-            mark_reported(future)
-            raise
+            # Under _lock: the exit hook either sees this future (and waits for it) or has
+            # begun, and then nobody would wait for the worker or report its error.
+            inline = _shutting_down.is_set()
+            if not inline:
+                try:
+                    saver.running = saver.worker.submit(run)
+                except RuntimeError:  # concurrent.futures' exit hook ran: an atexit handler
+                    inline = True
+            if inline:
+                here: Future = Future()  # what other callers of this root wait for
+                saver.running = here
+    if inline:
+        _run_at_shutdown(here, run, future)
     return future
+
+
+def _run_at_shutdown(running: Future, run: Callable[[], None], future: SaveFuture) -> None:
+    """At interpreter shutdown nothing may be left to a background thread (the interpreter
+    joins no thread started now, and no exit hook is left to report an error): the save runs
+    in the caller's thread, committed before async_save returns, and its error raises here, as
+    save_checkpoint's does."""
+    running.set_running_or_notify_cancel()
+    try:
+        run()
+    finally:
+        running.set_result(None)
+    e = Future.exception(future)
+    if e is not None:
+        mark_reported(future)  # raised here: not again by wait_for_saves nor the exit hook
+        raise e
 
 
 def wait_for_saves() -> None:
     """Block until every pending async save of this process has finished; raise the first error
-    of the saves that finished since the last call (each error is raised once: every other one
-    stays on its future)."""
+    not yet reported among the saves that finished since the last call (each error is reported
+    once: raised here, or retrieved through its future's ``result()`` or ``exception()``; any
+    further one stays on its future)."""
     with _lock:
         futures = list(_futures)
-    for f in futures:
-        f.exception()  # waits
+    concurrent.futures.wait(futures)  # retrieves nothing
     with _lock:
-        for f in futures:
+        unreported = [f for f in futures if f in _futures]
+        for f in unreported:
             _futures.remove(f)
-    for f in futures:
-        e = f.exception()
+    for f in unreported:
+        e = Future.exception(f)
         if e is not None:
             raise e
 
 
 def mark_reported(future: Future) -> None:
-    """``future``'s outcome was reported by its caller (the Trainer raised its error): take it
-    off what wait_for_saves and the exit hook report, so no error is raised or logged twice."""
+    """``future``'s outcome was reported by its caller (the Trainer raised its error; its
+    ``result()`` or ``exception()`` was called): take it off what wait_for_saves and the exit
+    hook report, so no error is raised or logged twice."""
     with _lock:
         if future in _futures:
             _futures.remove(future)
@@ -418,29 +473,77 @@ if hasattr(os, "register_at_fork"):
 def _register_exit_hook() -> None:
     """Finish pending saves at normal interpreter exit. threading's exit hooks run before the
     interpreter joins its threads and before atexit handlers (torch.distributed's among them),
-    so a multi-rank save's group is still there; plain atexit where that hook is missing."""
+    so a multi-rank save's group is still there; plain atexit where that hook is missing.
+    Refused because threading's exit hooks are already running: the interpreter is shutting
+    down, and every save from now on runs in its caller's thread."""
     if _exit_hook:
         return
     _exit_hook.append(True)
     register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is None:
-            raise AttributeError
-        register(_finish_at_exit)
-    except Exception:  # noqa: BLE001 - a Python without it, or already shutting down
-        import atexit
+    if register is not None:
+        try:
+            register(_finish_at_exit)
+            return
+        except RuntimeError:  # "can't register atexit after shutdown"
+            _shutting_down.set()
+            return
+    import atexit
 
-        atexit.register(_finish_at_exit)
+    atexit.register(_finish_at_exit)
 
 
 def _finish_at_exit() -> None:
     with _lock:
+        _shutting_down.set()  # a save requested from now on runs in its caller's thread
         futures = list(_futures)
-        _futures.clear()
-    for f in futures:
-        e = f.exception()  # waits for it
-        if e is not None:
-            log.error("txckpt: an async save failed and was never waited for: %s: %s", type(e).__name__, e)
+    concurrent.futures.wait(futures)
+    with _lock:
+        failed = [f for f in futures if f in _futures and Future.exception(f) is not None]
+        for f in futures:
+            if f in _futures:
+                _futures.remove(f)
+    for f in failed:
+        e = Future.exception(f)
+        log.error("txckpt: an async save failed and was never waited for (its error was not retrieved by "
+                  "future.result(), future.exception() or txckpt.wait_for_saves()): %s: %s", type(e).__name__, e)
+    if failed:
+        _fail_exit_status(len(failed))
 
 
-__all__ = ["async_save", "submit", "Job", "LazySnapshot", "step_gate", "torch_optimizer", "mark_reported", "wait_for_saves", "wait_for_root", "release_buffers", "pending_saves"]
+class _ExitStatus:
+    """sys.stdout (or sys.stderr) as it was, but the interpreter's final flush of it fails once,
+    which makes the process exit with status 120 (CPython: "if flushing buffered data failed").
+    Everything else of the shutdown still runs: atexit handlers, the join of the threads, the
+    flush of every stream; only the status changes, and the reason is printed where it is set."""
+
+    def __init__(self, stream: Any, failed: int):
+        self._stream, self._failed, self._raised = stream, failed, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def flush(self) -> None:
+        self._stream.flush()
+        if sys.is_finalizing() and not self._raised:  # not an atexit handler's flush: the final one
+            self._raised = True
+            raise SystemExit(
+                f"txckpt sets the exit status to {UNRETRIEVED_EXIT_STATUS}: {self._failed} async save(s) failed and "
+                "their errors were never retrieved (logged above). Call future.result() or txckpt.wait_for_saves() "
+                "before exiting to handle them (docs/async.md, 'At exit').")
+
+    def __repr__(self) -> str:
+        return f"txckpt's exit status for unretrieved async save errors (around {self._stream!r})"
+
+
+def _fail_exit_status(failed: int) -> None:
+    for name in ("stdout", "stderr"):  # the interpreter's final flush covers both
+        stream = getattr(sys, name, None)
+        if isinstance(stream, _ExitStatus):
+            return
+        if stream is not None and not getattr(stream, "closed", True):
+            setattr(sys, name, _ExitStatus(stream, failed))
+            return
+    log.error("txckpt: no open sys.stdout or sys.stderr: the exit status cannot say that a save failed")
+
+
+__all__ = ["async_save", "submit", "Job", "SaveFuture", "LazySnapshot", "step_gate", "torch_optimizer", "mark_reported", "wait_for_saves", "wait_for_root", "release_buffers", "pending_saves"]

@@ -361,8 +361,9 @@ def cases() -> list[Case]:
                     "coordinated save on gloo ranks, one rank SIGKILLed at a file op (tests/test_distributed.py: 4 ranks "
                     "at chosen points; full mode adds 2 ranks at every op)", "local", ranks_sweep, cost=60.0))
     from .adoption import crash_cases
+    from .atexit_save import crash_cases as atexit_cases
 
-    return out + crash_cases()
+    return out + crash_cases() + atexit_cases()
 
 
 # =================================================================================================

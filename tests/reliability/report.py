@@ -29,7 +29,9 @@ CAMPAIGNS = [
      "C code, so its points bracket those writes. The ranks row runs tests/test_distributed.py's own crash "
      "tests (gloo ranks as real processes, one SIGKILLed at a file operation, the survivors must raise and a fresh "
      "process checks the root): quick mode its 4-rank chosen points, full mode also its 2-rank sweep of every "
-     "operation of both ranks. Phases (staging, commit = manifest + log entry, publish, finish) are counted for "
+     "operation of both ranks. The async-atexit row runs real interpreters whose atexit handler makes the job's "
+     "final async_save (a save of main still pending at exit), SIGKILLed before or after each of that save's "
+     "file operations (quick mode: 6 sampled); unkilled, it must exit 0 with the save committed. Phases (staging, commit = manifest + log entry, publish, finish) are counted for "
      "the operations that save."),
     ("powerloss", "2. Simulated power loss",
      "ALICE/CrashMonkey style. A save (a first save, a fork + save) runs once on a real root while a recorder logs "
