@@ -333,3 +333,91 @@ def test_s3_root_round_trip(saved, s3_root):
         got = _ok(dw.launch(world, cw.load, str(saved["tmp"] / f"s3-load-{verify}"), path=path, ref_file=ref,
                             storage_options=opts, verify=verify))
         assert all(g["different"] == [] for g in got), got
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's unpublished DCP names: one compat module, and a clear error the day one disappears
+
+
+def test_every_unpublished_torch_name_the_dcp_integration_uses_resolves_on_this_torch():
+    import importlib
+
+    from txckpt.integrations import dcp_compat
+
+    assert dcp_compat.missing_names() == []
+    for module, name in dcp_compat.PRIVATE_NAMES:  # the names the module binds are the listed ones
+        assert getattr(dcp_compat, name) is getattr(importlib.import_module(module), name), name
+
+
+def _unpublished_torch_imports(path: str) -> list[str]:
+    """``from torch.distributed... import X`` in ``path`` where the module is private (a part
+    with a leading underscore) or X is (a leading underscore, or absent from the module's
+    ``__all__``)."""
+    import ast
+    import importlib
+
+    out = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names
+                    if a.name.startswith("torch.distributed") and any(p.startswith("_") for p in a.name.split("."))]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+            module = str(node.module)
+            public = getattr(importlib.import_module(module), "__all__", None)
+            for a in node.names:
+                if (any(p.startswith("_") for p in module.split(".")) or a.name.startswith("_")
+                        or (public is not None and a.name not in public)):
+                    out.append(f"{module}.{a.name} (line {node.lineno})")
+    return out
+
+
+def test_torch_unpublished_dcp_names_are_imported_only_by_the_compat_module():
+    import txckpt as pkg
+    from txckpt.integrations import dcp_compat
+
+    base = os.path.dirname(pkg.__file__)
+    found = {}
+    for d, _dirs, files in os.walk(base):
+        for f in files:
+            path = os.path.join(d, f)
+            if f.endswith(".py") and path != dcp_compat.__file__:
+                hits = _unpublished_torch_imports(path)
+                if hits:
+                    found[os.path.relpath(path, base)] = hits
+    assert found == {}, f"import these through txckpt/integrations/dcp_compat.py (PRIVATE_NAMES): {found}"
+    listed = {f"{m}.{n}" for m, n in dcp_compat.PRIVATE_NAMES}
+    assert {h.split(" ")[0] for h in _unpublished_torch_imports(dcp_compat.__file__)} == listed
+
+
+@pytest.mark.parametrize("gone", ["torch.distributed.checkpoint.filesystem._write_files_from_queue",
+                                  "torch.distributed._shard._utils.narrow_tensor_by_index",
+                                  "torch.distributed.checkpoint.filesystem._split_by_size_and_type(bins, items)"])
+def test_a_torch_without_one_of_those_names_fails_the_import_naming_its_version_and_the_name(monkeypatch, gone):
+    """A torch release that renamed or dropped a name, or changed a function's parameters
+    (simulated: the attribute removed, its whole module unimportable, another function put in
+    its place) fails ``import txckpt.integrations.dcp`` at once, with torch's
+    version and the missing name, instead of an AttributeError in the middle of a save."""
+    import importlib
+    import sys
+
+    import torch
+
+    from txckpt.integrations import dcp as _dcp, dcp_compat  # imported the normal way: restored after
+
+    assert _dcp.narrow_tensor_by_index is dcp_compat.narrow_tensor_by_index
+
+    others = {f"{m}.{n}" for m, n in dcp_compat.PRIVATE_NAMES} - {gone.split("(")[0]}
+    module, name = gone.split("(")[0].rsplit(".", 1)
+    if module == "torch.distributed._shard._utils":
+        monkeypatch.setitem(sys.modules, module, None)  # "import of ... halted; None in sys.modules"
+    elif "(" in gone:  # still there, with other parameters
+        monkeypatch.setattr(importlib.import_module(module), name, lambda items, bins, sizes: [])
+    else:
+        monkeypatch.delattr(importlib.import_module(module), name)
+    for m in ("txckpt.integrations.dcp", "txckpt.integrations.dcp_compat"):
+        monkeypatch.delitem(sys.modules, m)
+    with pytest.raises(ImportError) as got:
+        importlib.import_module("txckpt.integrations.dcp")
+    message = str(got.value)
+    assert f"torch {torch.__version__}" in message and gone in message, message
+    assert not any(o in message for o in others), message  # only what is missing is named

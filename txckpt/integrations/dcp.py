@@ -41,16 +41,7 @@ import uuid
 from typing import Any, Iterator, Mapping, cast
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.filesystem import (  # DCP's own file format, item by item
-    CURRENT_DCP_VERSION,
-    DEFAULT_SUFFIX,
-    SerializationFormat,
-    _split_by_size_and_type,
-    _StorageInfo,
-    _StorageWriterTransforms,
-    _write_files_from_queue,
-)
+from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -65,6 +56,15 @@ from ..layout import intent_key
 from ..manifest import FileEntry, Manifest, kind_for_name
 from ..root import open_root
 from ..verify import FALLBACK_HINT, _wrong_checksum, verify_checkpoint_files
+from .dcp_compat import (  # torch's unpublished DCP names (DCP's own file format, item by item)
+    CURRENT_DCP_VERSION,
+    DEFAULT_SUFFIX,
+    _split_by_size_and_type,
+    _StorageInfo,
+    _StorageWriterTransforms,
+    _write_files_from_queue,
+    narrow_tensor_by_index,
+)
 
 #: DCP's metadata file (the name FileSystemReader reads).
 METADATA_NAME = ".metadata"
