@@ -82,10 +82,11 @@ try:
     )
 except ImportError as e:
     raise incompatible_torch(missing_names() or [str(e)]) from e
-if missing_names():  # present, but called with parameters it no longer takes
-    raise incompatible_torch(missing_names())
+_resigned = missing_names()  # present, but some take other parameters than the integration passes
+if _resigned:
+    raise incompatible_torch(_resigned)
 
 
-__all__ = ["PRIVATE_NAMES", "PARAMETERS", "missing_names", "incompatible_torch", "narrow_tensor_by_index", "CURRENT_DCP_VERSION",
-           "DEFAULT_SUFFIX", "_split_by_size_and_type", "_StorageInfo", "_StorageWriterTransforms",
-           "_write_files_from_queue"]
+__all__ = ["PRIVATE_NAMES", "PARAMETERS", "missing_names", "incompatible_torch", "narrow_tensor_by_index",
+           "CURRENT_DCP_VERSION", "DEFAULT_SUFFIX", "_split_by_size_and_type", "_StorageInfo",
+           "_StorageWriterTransforms", "_write_files_from_queue"]
