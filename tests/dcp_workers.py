@@ -90,9 +90,10 @@ def compare(got: dict[str, Any], ref_file: str) -> dict[str, Any]:
 
 def save(rank: int, world: int, *, root: str, step: int, seed: int | None = None, ref_file: str | None = None,
          mode: str = "sync", storage_options: dict | None = None, resume_step: int | None = None,
-         optim: bool = True, **kw: Any) -> Any:
+         optim: bool = True, planner: str | None = None, **kw: Any) -> Any:
     """One dcp.save through TransactionalWriter of an FSDP2 model (+ Adam); rank 0 writes the
-    full state to ``ref_file`` (outside the root) to compare loads with."""
+    full state to ``ref_file`` (outside the root) to compare loads with. ``planner``:
+    ``"drops-storage-data"`` for a planner that does not pass the local plans' storage_data on."""
     import logging
 
     import txckpt
@@ -117,6 +118,8 @@ def save(rank: int, world: int, *, root: str, step: int, seed: int | None = None
         if rank == 0:
             torch.save(f, ref_file)
     writer = TransactionalWriter(root, step, storage_options=storage_options, metadata={"by": "dcp"})
+    if planner == "drops-storage-data":
+        kw["planner"] = _DropsStorageData()
     if mode == "async":
         md = dcp.async_save(sd, storage_writer=writer).result()
     elif mode == "async-process":
@@ -127,8 +130,19 @@ def save(rank: int, world: int, *, root: str, step: int, seed: int | None = None
                 "returned": md.storage_meta.checkpoint_id if md is not None and md.storage_meta else None,
                 "warned": kw.get("warned")}
     else:
-        md = dcp.save(sd, storage_writer=writer)
+        md = dcp.save(sd, storage_writer=writer, planner=kw.get("planner"))
     return {"path": writer.path, "returned": md.storage_meta.checkpoint_id, "warned": kw.get("warned")}
+
+
+class _DropsStorageData(dcp.DefaultSavePlanner):
+    """A planner whose global plan drops what the storage writer put in the local plans (DCP's
+    contract does not say a planner keeps it)."""
+
+    def create_global_plan(self, all_plans):  # type: ignore[no-untyped-def]
+        import dataclasses
+
+        plans, metadata = super().create_global_plan(all_plans)
+        return [dataclasses.replace(p, storage_data=None) for p in plans], metadata
 
 
 def expect_error(rank: int, world: int, **kw: Any) -> Any:
@@ -140,6 +154,21 @@ def expect_error(rank: int, world: int, **kw: Any) -> Any:
     except CheckpointException as e:
         return {rank_: [type(exc).__name__, str(exc)[:300]] for rank_, (exc, _tb) in e.failures.items()}
     return None
+
+
+def expect_error_per_rank(rank: int, world: int, *, roots: list[str], steps: list[int],
+                          new_lineages: tuple[int, ...] = (), **kw: Any) -> Any:
+    """:func:`expect_error` with this rank's own root and step (``roots[rank]``, ``steps[rank]``):
+    ranks that disagree on what they save. ``new_lineages``: ranks that first, one after the
+    other in that order, start a new lineage on their own (``collective=False``): the last one's
+    is the root's, each earlier rank holds a stale one."""
+    import txckpt
+
+    for r in new_lineages:
+        if rank == r:
+            txckpt.new_lineage(roots[rank], collective=False)
+        dist.barrier()
+    return expect_error(rank, world, root=roots[rank], step=steps[rank], **kw)
 
 
 def load(rank: int, world: int, *, path: str, ref_file: str, seed: int = 99, verify: str = "full",

@@ -183,6 +183,103 @@ def test_step_conflict_and_rollback_fork_through_the_writer(saved):
     txckpt.verify_checkpoint(kept[0].path)
 
 
+def _staged(root: str) -> tuple[list[str], list[str]]:
+    """The intents and the transaction homes (``.txckpt/tx/<txid>``) under ``root``."""
+    def ls(d: str) -> list[str]:
+        d = os.path.join(root, ".txckpt", d)
+        return sorted(os.listdir(d)) if os.path.isdir(d) else []
+    return ls("intents"), ls("tx")
+
+
+@pytest.mark.parametrize("what", ["step", "step-planner-drops-storage-data", "root", "lineage"])
+def test_dcp_ranks_that_disagree_on_the_step_root_or_lineage_commit_nothing(saved, what):
+    """``TransactionalWriter(root, 6 if rank == 0 else 7)`` (also through a planner that does not
+    pass the local plans' storage_data on), another root on rank 1, or rank 1 holding a lineage
+    that rank 0's later fork superseded: as with save_checkpoint, every rank raises the same
+    typed error, nothing is committed or left staged in either root, and the next save on which
+    the ranks agree commits."""
+    import shutil
+
+    root, other = str(saved["tmp"] / f"disagree-{what}"), str(saved["tmp"] / f"disagree-{what}-other")
+    shutil.copytree(saved["root"], root, symlinks=True)
+    txckpt.forget_roots()
+    kw: dict = {"roots": [root, other] if what == "root" else [root, root],
+                "steps": [6, 7] if what.startswith("step") else [6, 6]}
+    if what == "step-planner-drops-storage-data":
+        kw["planner"] = "drops-storage-data"
+    if what == "lineage":  # rank 1 starts a lineage, then rank 0 does: the head is rank 0's
+        kw["new_lineages"] = (1, 0)
+    errs = _ok(dw.launch(2, cw.expect_error_per_rank, str(saved["tmp"] / f"disagree-{what}-run"), seed=6, **kw))
+    assert errs[0] is not None and errs[1] is not None, f"both ranks returned: {errs}"
+    assert errs[0] == errs[1], errs  # the same failures, on every rank
+    (etype, message), = {tuple(v) for v in errs[0].values()}
+    assert etype == "TransactionAbortedError", errs
+    assert f"ranks disagree on the {what.split('-')[0]}" in message and "rank 1" in message, message
+    if what.startswith("step"):
+        assert "step 7" in message and "step 6" in message, message
+    if what == "root":
+        assert other in message and root in message, message
+    txckpt.forget_roots()
+    last = txckpt.get_last_checkpoint(root)  # a new lineage holds nothing yet
+    assert (last is None) if what == "lineage" else txckpt.read_manifest(last).step == 5, last
+    ever = txckpt.CheckpointRoot(root).checkpoints("all")
+    assert [c.step for c in ever] == [5], ever  # nothing committed; step 5 kept (abandoned, for a lineage)
+    intents, homes = _staged(root)
+    assert intents == [] and set(homes) <= {c.txid for c in ever}, (intents, homes)
+    if what != "lineage":
+        assert sorted(n for n in os.listdir(root) if n.startswith("checkpoint-")) == ["checkpoint-5"]
+    if os.path.isdir(other):
+        assert not [n for n in os.listdir(other) if n.startswith("checkpoint-")]
+        assert _staged(other) == ([], [])
+    out = _ok(dw.launch(2, cw.save, str(saved["tmp"] / f"disagree-{what}-after"), root=root, step=6))
+    assert [o["returned"] for o in out] == [os.path.join(root, "checkpoint-6")] * 2
+    m = txckpt.verify_checkpoint(out[0]["path"])
+    assert m.step == 6 and {n: e.rank for n, e in m.files.items() if n.endswith(".distcp")} == {
+        "__0_0.distcp": 0, "__1_0.distcp": 1}
+
+
+def test_a_planner_replaying_a_cached_plan_is_refused_before_anything_is_staged(tmp_path):
+    """DCP's plan caching hands every rank its cached plan of the previous save, which names that
+    save's staging: it was written into (a stray shard left in a committed checkpoint's home) and
+    the commit failed as "files vanished". It is refused up front, naming the cause."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from txckpt.errors import InvalidArgumentError
+    from txckpt.integrations.dcp import TransactionalWriter
+
+    class Cached(DefaultSavePlanner):  # its own key in DCP's class-level plan cache
+        pass
+
+    class Replays(DefaultSavePlanner):
+        """Caches on its own: every save gets the first save's finished plan, said usable."""
+        kept: list = []
+
+        def finish_plan(self, new_plan):  # type: ignore[no-untyped-def]
+            self.kept.append(new_plan)
+            return super().finish_plan(self.kept[0])
+
+    root = str(tmp_path / "root")
+    first = TransactionalWriter(root, 1)
+    dcp.save({"w": torch.ones(4)}, storage_writer=first, planner=Cached(enable_plan_caching=True), no_dist=True)
+    dcp.save({"w": torch.ones(4)}, storage_writer=TransactionalWriter(str(tmp_path / "other"), 1),
+             planner=Replays(), no_dist=True)  # the plan Replays keeps
+    for planner, says in ((Cached(enable_plan_caching=True), "plan caching"), (Replays(), "an earlier save")):
+        with pytest.raises(CheckpointException) as got:
+            dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=TransactionalWriter(root, 2), planner=planner,
+                     no_dist=True)
+        (err, _tb), = got.value.failures.values()
+        assert isinstance(err, InvalidArgumentError) and says in str(err), err
+        stray = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, ".txckpt", "tx")) for f in fs]
+        assert _staged(root)[0] == [] and stray == [], stray
+    second = TransactionalWriter(root, 2)
+    dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=second, no_dist=True)
+    assert [c.step for c in txckpt.CheckpointRoot(root).checkpoints()] == [1, 2] and first.path != second.path
+    txckpt.verify_checkpoint(second.path)
+
+
 def test_async_save_commits(saved):
     root = str(saved["tmp"] / "async")
     ref = str(saved["tmp"] / "ref-async.pt")
@@ -236,3 +333,91 @@ def test_s3_root_round_trip(saved, s3_root):
         got = _ok(dw.launch(world, cw.load, str(saved["tmp"] / f"s3-load-{verify}"), path=path, ref_file=ref,
                             storage_options=opts, verify=verify))
         assert all(g["different"] == [] for g in got), got
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's unpublished DCP names: one compat module, and a clear error the day one disappears
+
+
+def test_every_unpublished_torch_name_the_dcp_integration_uses_resolves_on_this_torch():
+    import importlib
+
+    from txckpt.integrations import dcp_compat
+
+    assert dcp_compat.missing_names() == []
+    for module, name in dcp_compat.PRIVATE_NAMES:  # the names the module binds are the listed ones
+        assert getattr(dcp_compat, name) is getattr(importlib.import_module(module), name), name
+
+
+def _unpublished_torch_imports(path: str) -> list[str]:
+    """``from torch.distributed... import X`` in ``path`` where the module is private (a part
+    with a leading underscore) or X is (a leading underscore, or absent from the module's
+    ``__all__``)."""
+    import ast
+    import importlib
+
+    out = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names
+                    if a.name.startswith("torch.distributed") and any(p.startswith("_") for p in a.name.split("."))]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+            module = str(node.module)
+            public = getattr(importlib.import_module(module), "__all__", None)
+            for a in node.names:
+                if (any(p.startswith("_") for p in module.split(".")) or a.name.startswith("_")
+                        or (public is not None and a.name not in public)):
+                    out.append(f"{module}.{a.name} (line {node.lineno})")
+    return out
+
+
+def test_torch_unpublished_dcp_names_are_imported_only_by_the_compat_module():
+    import txckpt as pkg
+    from txckpt.integrations import dcp_compat
+
+    base = os.path.dirname(pkg.__file__)
+    found = {}
+    for d, _dirs, files in os.walk(base):
+        for f in files:
+            path = os.path.join(d, f)
+            if f.endswith(".py") and path != dcp_compat.__file__:
+                hits = _unpublished_torch_imports(path)
+                if hits:
+                    found[os.path.relpath(path, base)] = hits
+    assert found == {}, f"import these through txckpt/integrations/dcp_compat.py (PRIVATE_NAMES): {found}"
+    listed = {f"{m}.{n}" for m, n in dcp_compat.PRIVATE_NAMES}
+    assert {h.split(" ")[0] for h in _unpublished_torch_imports(dcp_compat.__file__)} == listed
+
+
+@pytest.mark.parametrize("gone", ["torch.distributed.checkpoint.filesystem._write_files_from_queue",
+                                  "torch.distributed._shard._utils.narrow_tensor_by_index",
+                                  "torch.distributed.checkpoint.filesystem._split_by_size_and_type(bins, items)"])
+def test_a_torch_without_one_of_those_names_fails_the_import_naming_its_version_and_the_name(monkeypatch, gone):
+    """A torch release that renamed or dropped a name, or changed a function's parameters
+    (simulated: the attribute removed, its whole module unimportable, another function put in
+    its place) fails ``import txckpt.integrations.dcp`` at once, with torch's
+    version and the missing name, instead of an AttributeError in the middle of a save."""
+    import importlib
+    import sys
+
+    import torch
+
+    from txckpt.integrations import dcp as _dcp, dcp_compat  # imported the normal way: restored after
+
+    assert _dcp.narrow_tensor_by_index is dcp_compat.narrow_tensor_by_index
+
+    others = {f"{m}.{n}" for m, n in dcp_compat.PRIVATE_NAMES} - {gone.split("(")[0]}
+    module, name = gone.split("(")[0].rsplit(".", 1)
+    if module == "torch.distributed._shard._utils":
+        monkeypatch.setitem(sys.modules, module, None)  # "import of ... halted; None in sys.modules"
+    elif "(" in gone:  # still there, with other parameters
+        monkeypatch.setattr(importlib.import_module(module), name, lambda items, bins, sizes: [])
+    else:
+        monkeypatch.delattr(importlib.import_module(module), name)
+    for m in ("txckpt.integrations.dcp", "txckpt.integrations.dcp_compat"):
+        monkeypatch.delitem(sys.modules, m)
+    with pytest.raises(ImportError) as got:
+        importlib.import_module("txckpt.integrations.dcp")
+    message = str(got.value)
+    assert f"torch {torch.__version__}" in message and gone in message, message
+    assert not any(o in message for o in others), message  # only what is missing is named

@@ -11,6 +11,7 @@ one per campaign:
 * :mod:`.powerloss`   2. simulated power loss (ALICE/CrashMonkey style crash states)
 * :mod:`.concurrency` 3. two writers, polling readers, rotation vs leased readers
 * :mod:`.badinput`    4. damaged files, hostile manifests, clocks, ENOSPC, read-only roots
+  (and :mod:`.ranks`: 2 gloo ranks whose DCP saves disagree on the step, root or lineage)
 * :mod:`.soak`        5. save/rotate cycles with random SIGKILLs and restarts
 
 Violations that come from a known defect of the core are matched to a

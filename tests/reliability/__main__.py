@@ -19,9 +19,10 @@ from .core import REPO, Case, Ctx, Result, machine, run_cases, scratch_base, war
 
 
 def all_cases() -> list[Case]:
-    from . import badinput, concurrency, crash, powerloss, soak
+    from . import badinput, concurrency, crash, powerloss, ranks, soak
 
-    return crash.cases() + powerloss.cases() + concurrency.cases() + badinput.cases() + soak.cases()
+    return (crash.cases() + powerloss.cases() + concurrency.cases() + badinput.cases() + ranks.cases()
+            + soak.cases())
 
 
 def run(quick: bool, only: list[str] | None = None, workers: int = 2, seed: int = 0,

@@ -6,13 +6,16 @@ coordinator, scatters them back, lets every rank write, gathers the write result
 ``finish`` on the coordinator. The writer rides on exactly those collectives and adds none of its
 own, so it works on whatever group DCP uses and inside ``dcp.async_save``'s background thread:
 
-* ``prepare_global_plan`` (coordinator) plans the txckpt save as any save is planned (step
-  conflict, lineage, fencing, intent, staging: :meth:`Transaction.begin_external`) and hands the
-  staging key to every rank in its SavePlan's ``storage_data``, as FileSystemWriter hands out
-  file prefixes;
-* ``write_data`` (each rank) writes that rank's shards into the staging through txckpt's storage
-  layer (an object store: once, to the final key), hashing each byte as it is written, and
-  returns, next to DCP's WriteResults, a report of its files (name, size, digest, rank);
+* ``prepare_local_plan`` (each rank) puts the step its writer was given in its plan;
+* ``prepare_global_plan`` (coordinator) refuses ranks that ask for another step, plans the txckpt
+  save as any save is planned (step conflict, lineage, fencing, intent, staging:
+  :meth:`Transaction.begin_external`) and hands the staging key, step and lineage to every rank
+  in its SavePlan's ``storage_data``, as FileSystemWriter hands out file prefixes;
+* ``write_data`` (each rank) checks that plan against its own (step, root, lineage: a
+  disagreement is reported, nothing written), then writes that rank's shards into the staging
+  through txckpt's storage layer (an object store: once, to the final key), hashing each byte as
+  it is written, and returns, next to DCP's WriteResults, a report of its files (name, size,
+  digest, rank);
 * ``finish`` (coordinator) writes DCP's ``.metadata`` and commits ONE checkpoint from the reports:
   no rank reads another rank's bytes. A rank that fails or dies before ``finish`` means nothing
   is committed (a failure the coordinator learns of aborts the staging; a dead rank's staging
@@ -38,16 +41,7 @@ import uuid
 from typing import Any, Iterator, Mapping, cast
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.filesystem import (  # DCP's own file format, item by item
-    CURRENT_DCP_VERSION,
-    DEFAULT_SUFFIX,
-    SerializationFormat,
-    _split_by_size_and_type,
-    _StorageInfo,
-    _StorageWriterTransforms,
-    _write_files_from_queue,
-)
+from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -62,6 +56,15 @@ from ..layout import intent_key
 from ..manifest import FileEntry, Manifest, kind_for_name
 from ..root import open_root
 from ..verify import FALLBACK_HINT, _wrong_checksum, verify_checkpoint_files
+from .dcp_compat import (  # torch's unpublished DCP names (DCP's own file format, item by item)
+    CURRENT_DCP_VERSION,
+    DEFAULT_SUFFIX,
+    _split_by_size_and_type,
+    _StorageInfo,
+    _StorageWriterTransforms,
+    _write_files_from_queue,
+    narrow_tensor_by_index,
+)
 
 #: DCP's metadata file (the name FileSystemReader reads).
 METADATA_NAME = ".metadata"
@@ -73,13 +76,35 @@ VERIFY_MODES = ("full", "ranges")
 
 
 @dataclasses.dataclass(frozen=True)
+class _Asked:
+    """What one rank's writer was asked to save, in its local SavePlan's ``storage_data``: the
+    coordinator compares every rank's before it plans anything."""
+
+    rank: int
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
 class _Assignment:
-    """What the coordinator hands each rank in its SavePlan: where to write, under what names."""
+    """What the coordinator hands each rank in its SavePlan: where to write, under what names,
+    and the save it planned (each rank checks it against its own before writing a byte, as a
+    Transaction's ranks check rank 0's plan)."""
 
     key: str
     txid: str
     prefix: str
     durable: bool
+    step: int
+    lineage: str
+    root: str  # the coordinator's root, as it was given
+    coordinator: int
+
+
+def _disagreement(what: str, rank: int, mine: Any, coordinator: int, planned: Any) -> TransactionAbortedError:
+    return TransactionAbortedError(
+        f"ranks disagree on the {what}: rank {rank} saves {what} {mine}, the coordinator (rank {coordinator}) "
+        f"saves {what} {planned}. Every rank must pass the same root and step to TransactionalWriter; "
+        "nothing was committed")
 
 
 class _RangeHashingWriter(HashingWriter):
@@ -160,15 +185,27 @@ class TransactionalWriter(StorageWriter):
         self._rank = int(kwargs.get("rank") or 0)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        return dataclasses.replace(plan, storage_data=_Asked(self._rank, self.step))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if any(not p.usable for p in plans):
+            # A planner with plan caching (DefaultSavePlanner(enable_plan_caching=True)) then
+            # gives every rank its cached plan of an earlier save, which names that save's staging.
+            raise InvalidArgumentError(
+                "the planner replays a cached plan (plan caching, e.g. DefaultSavePlanner(enable_plan_caching=True)): "
+                "it would hand every rank an earlier save's staging; TransactionalWriter plans each save "
+                "afresh, so use a planner without plan caching. Nothing was saved")
+        for p in plans:  # before any staging exists: a plan that dropped storage_data is checked in write_data
+            asked = p.storage_data
+            if isinstance(asked, _Asked) and asked.step != self.step:
+                raise _disagreement("step", asked.rank, asked.step, self._rank, self.step)
         wait_for_root(self.root, self.storage_options or None)  # a txckpt async save commits first
         root = self._open()
         tx = root.transaction(self.step, metadata=self.metadata)
         plan = tx.begin_external(len(plans))
         self._tx = tx
-        return [dataclasses.replace(p, storage_data=_Assignment(plan.key, plan.txid, f"__{i}_", root.durable))
+        return [dataclasses.replace(p, storage_data=_Assignment(plan.key, plan.txid, f"__{i}_", root.durable,
+                                                                plan.step, plan.lineage, self.root, self._rank))
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -188,12 +225,9 @@ class TransactionalWriter(StorageWriter):
         a = plan.storage_data
         if not isinstance(a, _Assignment):
             raise InvalidArgumentError("this SavePlan was not planned by TransactionalWriter.prepare_global_plan")
-        storage = self._open().storage
-        if not self._coordinator and not storage.exists(intent_key(a.txid)):
-            raise TransactionAbortedError(
-                f"rank {self._rank} cannot see the transaction record that the coordinator wrote under "
-                f"{self.root}: the ranks do not share the checkpoint root; every rank must pass the same "
-                "root on storage that all ranks see (see docs/distributed.md)")
+        root = self._open()
+        self._check_assignment(a, root)
+        storage = root.storage
         files: dict[str, Any] = {}
         ranges: dict[str, Any] = {}
         batch = storage.write_batch()
@@ -227,6 +261,27 @@ class TransactionalWriter(StorageWriter):
         while not done.empty():
             results += done.get_nowait()
         return results, {"rank": self._rank, "files": files, "ranges": ranges}
+
+    def _check_assignment(self, a: _Assignment, root: Any) -> None:
+        """This rank saves what the coordinator planned: the same step, the same root (it sees
+        the intent the coordinator wrote there, whatever either calls the root), and the lineage
+        this process writes, if it holds one. Raised before this rank writes anything."""
+        if self._coordinator:
+            if self._tx is None or a.txid != self._tx.txid:
+                raise InvalidArgumentError(
+                    f"the plan names transaction {a.txid}, not this save's: the planner returned a plan of "
+                    "an earlier save; use a planner without plan caching. Nothing was committed")
+            return
+        if a.step != self.step:
+            raise _disagreement("step", self._rank, self.step, a.coordinator, a.step)
+        if not root.storage.exists(intent_key(a.txid)):
+            raise TransactionAbortedError(
+                f"ranks disagree on the root: rank {self._rank} saves into {self.root!r} and cannot see there the "
+                f"transaction record that the coordinator (rank {a.coordinator}) wrote under {a.root!r}: the "
+                "ranks do not share the checkpoint root. Every rank must pass the same root, on storage that "
+                "all ranks see (see docs/distributed.md); nothing was committed")
+        if root.writer_lineage is not None and root.writer_lineage != a.lineage:
+            raise _disagreement("lineage", self._rank, root.writer_lineage, a.coordinator, a.lineage)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         tx = self._tx
