@@ -20,6 +20,9 @@ for _module in ("accelerate", "txckpt.integrations.accelerate", "tests.accelerat
     if _module not in dw._PRELOAD:
         dw._PRELOAD.append(_module)
 
+# Every job runs in real processes (tests/dist_workers.py), one rank or two.
+pytestmark = pytest.mark.process
+
 STOCK_FAILS = pytest.mark.xfail(strict=True, reason="stock accelerate has this failure (the issue)")
 VARIANTS = [
     pytest.param(("stock", "local"), marks=STOCK_FAILS, id="stock-local"),

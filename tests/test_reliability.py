@@ -149,6 +149,7 @@ def test_adopt_on_an_object_store(memory_root):
 
 
 # Regression test of KI-dirsync, fixed in the core (was a strict xfail).
+@pytest.mark.process  # the save is recorded in a child (tests/reliability/powerloss.py)
 def test_power_cut_after_commit_keeps_the_checkpoint(tmp_path):
     """Record a save; cut the power right after log/ is fsynced following the commit entry's link
     (the commit is durable: protocol.md section 8), losing every directory entry POSIX lets go."""

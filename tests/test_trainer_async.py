@@ -43,10 +43,12 @@ def async_env(monkeypatch):
     monkeypatch.setenv("TXCKPT_TEST_ASYNC", "1")  # the scripts' Trainer gets txckpt_async_save=True
 
 
+@pytest.mark.process  # the rollback scripts run real Trainer processes
 def test_torn(tmp_path, async_env):
     rollback.test_torn(tmp_path, "kill")
 
 
+@pytest.mark.process
 def test_abandoned(tmp_path, async_env):
     rollback.test_abandoned(tmp_path, "kill")
 

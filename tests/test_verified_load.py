@@ -30,7 +30,7 @@ def overlapped(monkeypatch):
     monkeypatch.setattr(verify, "_cpus", lambda: 2)
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
 def where(request, tmp_path):
     if request.param == "local":
         return str(tmp_path / "out"), {}
@@ -193,7 +193,7 @@ def test_damaged_s3_file_is_refused_naming_it_and_nothing_decoded_survives(s3_ro
     assert txckpt.load_checkpoint(path, storage_options=opts).keys() == {WEIGHTS, OPTIM}
 
 
-@pytest.mark.parametrize("where_", ["local", "s3"])
+@pytest.mark.parametrize("where_", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_a_pickle_that_may_run_code_is_decoded_only_once_checked(request, tmp_path, decodes, where_):
     url, opts = (str(tmp_path / "out"), {}) if where_ == "local" else request.getfixturevalue("s3_root")
     path, _, optim = _save(url, opts)
