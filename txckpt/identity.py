@@ -35,6 +35,8 @@ T = TypeVar("T")
 _lock = threading.Lock()
 #: (st_dev, st_ino) of a directory -> its canonical path (the first path it was met at).
 _dirs: dict[tuple[int, int], str] = {}
+#: A local spelling -> (the directory it reached, that directory's canonical path).
+_spelled: dict[str, tuple[tuple[int, int], str]] = {}
 #: (URL, options) -> (its local directory, or None; its storage's identity): a URL always names
 #: the same objects, and opening its storage again on each call would cost a client.
 _urls: dict[tuple[str, str], tuple[str | None, str]] = {}
@@ -69,7 +71,26 @@ def root_key(root: str | os.PathLike, storage_options: Mapping[str, Any] | None)
         directory, url = known
     if directory is None:
         return (os.getpid(), url, options)
-    return (os.getpid(), "dir:" + _canonical(os.path.realpath(directory)), options)
+    return (os.getpid(), "dir:" + _directory(directory), options)
+
+
+def _directory(path: str) -> str:
+    """The canonical path of the directory ``path`` names now. One stat when this spelling was
+    met before and still reaches the same directory (a lookup calls this twice: resolving
+    symlinks component by component each time cost more than the lookup's own two reads)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return _canonical(os.path.realpath(path))
+    ino = (st.st_dev, st.st_ino)
+    with _lock:
+        seen = _spelled.get(path)
+    if seen is not None and seen[0] == ino:
+        return seen[1]
+    out = _canonical(os.path.realpath(path))
+    with _lock:
+        _spelled[path] = (ino, out)
+    return out
 
 
 def _canonical(real: str) -> str:
