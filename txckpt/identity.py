@@ -59,6 +59,7 @@ def root_key(root: str | os.PathLike, storage_options: Mapping[str, Any] | None)
     options = repr(sorted((storage_options or {}).items()))
     given = os.fspath(root)
     directory: str | None = spelling(given)
+    url = given
     if not is_local_path(given):
         with _lock:
             known = _urls.get((given, options))
