@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import uuid
 from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 from . import log as commit_log
@@ -24,7 +23,9 @@ from .errors import (
     RootNotFoundError,
     StepConflictError,
 )
-from .layout import INTENTS_DIR, TX_DIR, home_key, intent_key, is_url, new_txid, parse_checkpoint_name
+# root_key: identity.py's (which spellings name one root); importable from here, as asyncsave does.
+from .identity import SessionState, Shared, root_key, spelling
+from .layout import INTENTS_DIR, TX_DIR, home_key, intent_key, new_txid, parse_checkpoint_name
 # The fork warnings are lineage.py's (what a fork abandons).
 from .lineage import (  # CheckpointInfo: importable from here, as txckpt/__init__ does
     Checkpoint,
@@ -66,23 +67,22 @@ class CheckpointRoot:
         *,
         durable: bool | None = None,
         storage: Storage | None = None,
+        shared: SessionState | None = None,
     ):
         self.storage = storage if storage is not None else open_storage(root, storage_options)
         self.storage_options = dict(storage_options or {})
         self.durable = durable_default() if durable is None else bool(durable)
         self.publication = publication_for(self.storage, self.durable)
-        #: The lineage this process writes; None until resume/new_lineage/first save.
-        self.writer_lineage: str | None = None
-        #: This writer session's token: it holds a lineage once it created, resumed or claimed it.
-        self.session = uuid.uuid4().hex[:16]
-        self._history: History | None = None
-        #: The state each pending save of this process was planned against, by txid.
-        self._base_states: dict[str, State] = {}
-        #: The newest state this process has read or appended; a save of the lineage this
-        #: session holds plans against it without reading the log (protocol §8 step 1).
-        self._known_state: State | None = None
-        #: Whether this session's first commit reclaimed dead writers' staging (gc.reclaim_after_save).
-        self.staging_reclaimed = False
+        #: The session and states this process holds for the root, shared by its spellings'
+        #: objects (open_root; identity.py documents the fields below).
+        self.shared = shared if shared is not None else SessionState()
+
+    writer_lineage = Shared[str | None]()
+    session = Shared[str]()
+    _history = Shared[History | None]()
+    _base_states = Shared[dict[str, State]]()
+    _known_state = Shared[State | None]()
+    staging_reclaimed = Shared[bool]()
 
     @property
     def url(self) -> str:
@@ -566,24 +566,21 @@ class CheckpointRoot:
 
 
 # ----- the per-process root cache ------------------------------------------------------------------
-_roots: dict[tuple[Any, ...], CheckpointRoot] = {}
+#: root_key -> spelling -> its CheckpointRoot (identity.py: every spelling of a root, one session).
+_roots: dict[tuple[Any, ...], dict[str, CheckpointRoot]] = {}
 _lock = threading.Lock()
 
 
-def root_key(root: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> tuple[Any, ...]:
-    """What names one root in this process: the pid (a forked child starts afresh), the absolute
-    path or the URL, and the storage options. The root cache and the async savers key by it."""
-    return (os.getpid(), os.fspath(root) if is_url(root) else os.path.abspath(os.fspath(root)),
-            repr(sorted((storage_options or {}).items())))
-
-
 def open_root(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> CheckpointRoot:
-    """The process's CheckpointRoot for ``root`` (created on first use)."""
-    key = root_key(root, storage_options)
+    """The process's CheckpointRoot for ``root`` (created on first use). Every spelling of one
+    root (:func:`root_key`) shares one SessionState; each has its own object, its paths in it."""
+    key, spelled = root_key(root, storage_options), spelling(root)
     with _lock:
-        r = _roots.get(key)
+        peers = _roots.setdefault(key, {})
+        r = peers.get(spelled)
         if r is None:
-            r = _roots[key] = CheckpointRoot(root, storage_options)
+            first = next(iter(peers.values()), None)
+            r = peers[spelled] = CheckpointRoot(root, storage_options, shared=None if first is None else first.shared)
         return r
 
 
@@ -593,5 +590,5 @@ def forget_roots() -> None:
         _roots.clear()
 
 
-__all__ = ["CheckpointRoot", "CheckpointInfo", "durable_default", "open_root", "forget_roots", "TX_DIR",
+__all__ = ["CheckpointRoot", "CheckpointInfo", "durable_default", "open_root", "forget_roots", "root_key", "TX_DIR",
            "INTENTS_DIR", "LOOKUP_ATTEMPTS"]

@@ -539,5 +539,6 @@ def cases() -> list[Case]:
                  gc_beside_live_writer, cost=5 if s3 else 2, needs_s3=s3),
         ]
     from .adoption import concurrency_cases
+    from .spellings import concurrency_cases as spelling_cases
 
-    return out + concurrency_cases()
+    return out + concurrency_cases() + spelling_cases()

@@ -187,6 +187,11 @@ class Storage(abc.ABC):
             return path[len(root) + 1:]
         return None
 
+    def identity(self) -> str:
+        """What this root addresses, however it was spelled: two storages of one identity (and
+        the same options) read and write the same objects (txckpt/identity.py keys by it)."""
+        return self.full_path("").rstrip("/")
+
     def local_path(self, key: str) -> str | None:
         """A local filesystem path for ``key`` if this backend is a local disk, else None."""
         return None

@@ -77,6 +77,10 @@ class S3Storage(FsspecStorage):
         self.multipart_threshold = max(S3_MULTIPART_THRESHOLD or self.part_size * self.max_in_flight,
                                        self.part_size)
 
+    def identity(self) -> str:
+        # Every object is under bucket/prefix, the prefix stripped of slashes (``s3://b//a`` is ``s3://b/a``).
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
     # ----- helpers -----------------------------------------------------------------------------
     def _obj(self, key: str) -> str:
         if not key:
