@@ -32,7 +32,7 @@ demo: $(BASE)
 	$(PY) -m txckpt.demo
 
 # The three tiers (tests/harness/tiers.py says which marker puts a test where):
-#   test-fast  in-process only, no child process or server: the inner loop (< 2 min here)
+#   test-fast  in-process only, no child process, server or real Trainer: the inner loop (< 2 min)
 #   test       everything but the long campaigns: what every change runs (< 15 min here)
 #   campaign   reliability campaign, crash sweeps, DeepSpeed, GCS/Azure rows, and the Trainer
 #              tests again on transformers 4.57 in a venv of their own (< 30 min here)

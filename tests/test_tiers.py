@@ -45,6 +45,10 @@ _MODULE = textwrap.dedent('''
     @pytest.mark.slow
     def test_sweep():
         pass
+
+    @pytest.mark.trainer
+    def test_trainer():
+        pass
 ''')
 
 
@@ -80,7 +84,7 @@ def test_a_test_gets_the_markers_its_code_and_fixtures_imply(pytester):
 
 @pytest.mark.parametrize("tier,expected", [
     ("fast", {"test_pure"}),
-    ("test", {"test_pure", "test_indirect", "test_fixture", "test_server", "test_dist"}),
+    ("test", {"test_pure", "test_indirect", "test_fixture", "test_server", "test_dist", "test_trainer"}),
     ("campaign", {"test_sweep"}),
 ])
 def test_each_tier_selects_by_cost(pytester, tier, expected):
