@@ -173,7 +173,7 @@ def _is_a_root(storage: Storage) -> bool:
     from .naming import DEFAULT, read_naming
 
     naming = read_naming(storage) or DEFAULT  # a root names its checkpoints its own way (§2)
-    return any(naming.step_of(name) is not None for name in storage.list_dir(""))
+    return any(naming.step_of(name) is not None for name in storage.list_subdirs(""))
 
 
 def read_manifest(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:

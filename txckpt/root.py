@@ -127,7 +127,7 @@ class CheckpointRoot:
     def legacy_checkpoints(self) -> list[int]:
         """Steps of plain checkpoint-N directories (a root written without txckpt)."""
         step_of = self.publication.naming.step_of
-        return sorted({n for n in map(step_of, self.storage.list_dir("")) if n is not None})
+        return sorted({n for n in map(step_of, self.storage.list_subdirs("")) if n is not None})
 
     def legacy_dirs(self) -> list[tuple[int, str]]:
         """(step, name) of the checkpoint-N directories as they are named (``checkpoint-00500``);

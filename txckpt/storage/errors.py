@@ -35,7 +35,7 @@ from ..errors import CredentialsError, EndpointUnreachableError, RootNotFoundErr
 #: The Storage methods that talk to the backend; map_errors wraps these.
 OPERATIONS = (
     "open_write", "create_exclusive", "replace", "upload_file", "read_bytes", "open_read",
-    "exists", "list_dir", "walk_files", "modified_time", "delete_file", "delete_tree",
+    "exists", "list_dir", "list_subdirs", "walk_files", "modified_time", "delete_file", "delete_tree",
     "rename_noreplace", "missing_root",
 )
 

@@ -52,7 +52,7 @@ class S3Storage(FsspecStorage):
     read_bytes             1 GetObject
     open_read              1 HeadObject + ranged GetObjects
     exists                 1 HeadObject for a file; + 1 ListObjectsV2 otherwise
-    list_dir / walk_files  1 ListObjectsV2 per 1000 entries
+    list_dir / walk_files  1 ListObjectsV2 per 1000 entries (list_subdirs: the same)
     delete_file            1 DeleteObject
     delete_tree            ListObjectsV2 pages + DeleteObjects per 1000 keys
                            + 1 ListMultipartUploads (aborting any left under the prefix)
@@ -252,18 +252,25 @@ class S3Storage(FsspecStorage):
         return bool(page.get("KeyCount") or page.get("Contents") or page.get("CommonPrefixes"))
 
     def list_dir(self, key: str) -> list[str]:
+        return sorted({name for name, _is_dir in self._children(key)})
+
+    def list_subdirs(self, key: str) -> list[str]:
+        return sorted(name for name, is_dir in self._children(key) if is_dir)
+
+    def _children(self, key: str) -> set[tuple[str, bool]]:
+        # A common prefix is a "directory" (objects under it); an object is a file.
         prefix = self._dir(key)
-        names: set[str] = set()
+        out: set[tuple[str, bool]] = set()
         for page in self._list(prefix, "/"):
             for cp in page.get("CommonPrefixes", []):
                 name = cp["Prefix"][len(prefix):].rstrip("/")
                 if name:
-                    names.add(name)
+                    out.add((name, True))
             for obj in page.get("Contents", []):
                 name = obj["Key"][len(prefix):]
                 if name and "/" not in name:
-                    names.add(name)
-        return sorted(names)
+                    out.add((name, False))
+        return out
 
     def walk_files(self, key: str) -> Iterator[tuple[str, int]]:
         prefix = self._dir(key)
