@@ -197,9 +197,14 @@ def _following_moves(path: str | os.PathLike, storage_options: Mapping[str, Any]
         seen: dict[str, Any] = {}
         try:
             return attempt(path, ctx, open_storage(path, storage_options), seen)
-        except (IntegrityError, ManifestError, CheckpointNotFoundError):
+        except (IntegrityError, ManifestError, CheckpointNotFoundError) as e:
             moved = ctx.moved_to(seen.get("txid")) if ctx is not None else None
             if moved is None or moved in tried:
+                if ctx is not None and "txid" not in seen and isinstance(e, CheckpointNotFoundError):
+                    # Nothing there: if retention retired what was, say so (not "no checkpoint").
+                    from .retention import retired_error_at
+
+                    raise retired_error_at(ctx.root, ctx.root.history(), ctx.where.key, path) or e
                 raise
             tried.add(moved)
             path = moved
