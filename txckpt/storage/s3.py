@@ -251,14 +251,10 @@ class S3Storage(FsspecStorage):
         page = self._call("list_objects_v2", Prefix=self._dir(key), MaxKeys=1)
         return bool(page.get("KeyCount") or page.get("Contents") or page.get("CommonPrefixes"))
 
-    def list_dir(self, key: str) -> list[str]:
-        return sorted({name for name, _is_dir in self._children(key)})
-
-    def list_subdirs(self, key: str) -> list[str]:
-        return sorted(name for name, is_dir in self._children(key) if is_dir)
-
-    def _children(self, key: str) -> set[tuple[str, bool]]:
-        # A common prefix is a "directory" (objects under it); an object is a file.
+    def _children(self, key: str) -> list[tuple[str, bool]]:
+        # list_dir and list_subdirs (FsspecStorage's) read this: one ListObjectsV2 per 1000 names,
+        # never s3fs's listing cache. A common prefix is a "directory" (objects under it); an
+        # object is a file.
         prefix = self._dir(key)
         out: set[tuple[str, bool]] = set()
         for page in self._list(prefix, "/"):
@@ -270,7 +266,7 @@ class S3Storage(FsspecStorage):
                 name = obj["Key"][len(prefix):]
                 if name and "/" not in name:
                     out.add((name, False))
-        return out
+        return list(out)
 
     def walk_files(self, key: str) -> Iterator[tuple[str, int]]:
         prefix = self._dir(key)
