@@ -9,6 +9,7 @@ import os
 from typing import Any, BinaryIO, Iterator, Mapping, Sequence
 
 from .base import WriteBatch
+from .errors import log_retries
 from .fsspec import FsspecStorage
 from .s3_upload import _run, _S3Writer, _S3WriteBatch
 
@@ -76,6 +77,7 @@ class S3Storage(FsspecStorage):
         self.max_in_flight = max(1, min(S3_MAX_IN_FLIGHT, getattr(fs, "max_concurrency", 10)))
         self.multipart_threshold = max(S3_MULTIPART_THRESHOLD or self.part_size * self.max_in_flight,
                                        self.part_size)
+        log_retries(fs)  # what botocore retries is logged while it retries (storage/errors.py)
 
     # ----- helpers -----------------------------------------------------------------------------
     def _obj(self, key: str) -> str:
