@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -34,3 +35,34 @@ def test_a_root_that_is_not_empty_is_refused_before_writing(tmp_path):
     out = demo(tmp_path, "out")
     assert out.returncode == 2 and "not an empty directory" in out.stderr
     assert os.listdir(tmp_path / "out") == ["notes.txt"]
+
+
+def _readme_block(command: str) -> list[str]:
+    """The lines README's Operators sample shows under ``$ COMMAND`` (up to the next ``$`` or fence)."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read().splitlines()
+    start = readme.index(f"$ {command}") + 1
+    block = []
+    for line in readme[start:]:
+        if line.startswith("$ ") or line.startswith("```"):
+            break
+        block.append(line)
+    while block and not block[-1]:
+        block.pop()
+    return block
+
+
+def test_the_demo_names_its_root_once_and_leaves_what_readmes_gc_sample_shows(tmp_path):
+    """With the default root (an absolute temp path) the first line names it once; and `txckpt gc
+    --dry-run` on what the demo left prints what README's sample says."""
+    out = demo(tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    first = out.stdout.splitlines()[0]
+    root = first.split(" a rollback in ", 1)[1]
+    assert os.path.isabs(root) and os.path.isdir(root) and first.count(root) == 1, first
+    try:
+        gc = subprocess.run([sys.executable, "-m", "txckpt", "gc", "--dry-run", root], capture_output=True,
+                            text=True, timeout=120)
+    finally:
+        shutil.rmtree(os.path.dirname(root))  # the demo's own temporary directory
+    assert gc.returncode == 0, gc.stderr
+    assert gc.stdout.rstrip("\n").splitlines() == _readme_block("txckpt gc --dry-run out")

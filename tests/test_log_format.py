@@ -152,3 +152,82 @@ def test_entry_of_a_newer_format_is_refused_with_what_to_do(tmp_path):
         json.dump(body, f)
     with pytest.raises(LogCorruptError, match="upgrade txckpt"):
         txckpt.get_last_checkpoint(root)
+
+
+def _replace_by_a_directory(storage, key: str) -> None:
+    """What a directory where a file was looks like on each backend: on an object store the
+    object is gone and another object lies under its name as a prefix (``key/x``)."""
+    local = storage.local_path(key)
+    if local is not None:
+        os.unlink(local)
+        os.makedirs(os.path.join(local, "x"))
+    else:
+        storage.delete_file(key)
+        storage.replace(f"{key}/x", b"junk")
+
+
+def test_a_log_entry_replaced_by_a_directory_is_log_corruption_on_every_backend(any_root):
+    """Every other kind of damage to the newest entry (garbage, a FIFO, a newer format) is a
+    LogCorruptError from lookup and resume; a directory where the entry was is one too, never a
+    bare IsADirectoryError, and the message says what is there."""
+    from txckpt.storage import open_storage
+
+    url, so = any_root
+    for step in (1, 2):
+        txckpt.save_checkpoint(url, step, {"a.json": {"step": step}}, storage_options=so)
+    storage = open_storage(url, so)
+    newest = commit_log.read_state(storage).seq
+    _replace_by_a_directory(storage, commit_log.entry_key(newest))
+    for call in (lambda: txckpt.get_last_checkpoint(url, storage_options=so),
+                 lambda: txckpt.resume(url, storage_options=so)):
+        txckpt.forget_roots()
+        with pytest.raises(LogCorruptError) as e:
+            call()
+        assert f"log entry {newest}" in str(e.value) and "a directory, not a file" in str(e.value)
+        assert "Restore .txckpt/log from a backup" in str(e.value)
+
+
+def test_a_latest_hint_replaced_by_a_directory_reads_as_a_missing_hint(any_root):
+    """The hint only saves reads (a FIFO there reads as a missing hint, tests/test_bad_input.py);
+    a directory there too: lookup probes the log and answers the newest checkpoint."""
+    from txckpt.storage import open_storage
+
+    url, so = any_root
+    for step in (1, 2):
+        txckpt.save_checkpoint(url, step, {"a.json": {"step": step}}, storage_options=so)
+    _replace_by_a_directory(open_storage(url, so), commit_log.LATEST_HINT)
+    txckpt.forget_roots()
+    path = txckpt.get_last_checkpoint(url, storage_options=so)
+    assert txckpt.read_manifest(path, storage_options=so).step == 2
+    txckpt.forget_roots()
+    assert txckpt.read_manifest(txckpt.resume(url, storage_options=so), storage_options=so).step == 2
+
+
+def test_a_snapshot_replaced_by_a_directory_is_ignored_like_any_damaged_snapshot(tmp_path, caplog, monkeypatch):
+    """A snapshot only saves reads: a directory where it was is warned about and the log is
+    folded instead, as for a garbled or FIFO snapshot, never a bare IsADirectoryError."""
+    root = str(tmp_path / "r")
+    r = txckpt.CheckpointRoot(root, durable=False)
+    for s in range(1, 4):
+        r.save(s, {"a.json": {"s": s}})
+    monkeypatch.setattr(commit_log, "SNAPSHOT_EVERY", 1)
+    r.history(snapshot=True)
+    (seq,) = commit_log.list_snapshots(r.storage)
+    _replace_by_a_directory(r.storage, commit_log.snapshot_key(seq))
+    caplog.set_level(logging.WARNING, logger="txckpt")
+    quick = commit_log.read_history(r.storage)
+    assert quick.base_seq == -1 and "it is a directory, not a regular file" in caplog.text
+    assert quick.folds_like(commit_log.read_history(r.storage, snapshots=False))
+
+
+def test_a_log_directory_replaced_by_a_file_is_log_corruption(tmp_path):
+    root = str(tmp_path / "r")
+    for step in (1, 2):
+        txckpt.save_checkpoint(root, step, {"a.json": {}})
+    shutil.rmtree(os.path.join(root, commit_log.LOG_DIR))
+    with open(os.path.join(root, commit_log.LOG_DIR), "w") as f:
+        f.write("not a log")
+    for call in (lambda: txckpt.get_last_checkpoint(root), lambda: txckpt.resume(root)):
+        txckpt.forget_roots()
+        with pytest.raises(LogCorruptError, match="is a file, not a directory"):
+            call()

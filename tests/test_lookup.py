@@ -211,3 +211,28 @@ def test_a_missing_bucket_or_container_raises_root_not_found_on_gcs_and_azure(ki
     txckpt.save_checkpoint(url, 1, files(1), storage_options=so)
     txckpt.forget_roots()
     assert step_of(txckpt.get_last_checkpoint(url, storage_options=so), so) == 1
+
+
+# ----- a root without a log: only directories are checkpoints (protocol §9) ---------------------
+def test_a_legacy_lookup_skips_a_file_named_like_a_checkpoint(any_root, root_kind, txlog):
+    """transformers' get_last_checkpoint lists only directories: a regular file named
+    ``checkpoint-50`` beside ``checkpoint-10/`` is not a checkpoint. On an object store a
+    directory is a prefix with objects under it; a plain object named ``checkpoint-50`` is a file."""
+    from txckpt.storage import open_storage
+
+    url, so = any_root
+    s = open_storage(url, so)
+    s.replace("checkpoint-10/model.bin", b"weights")
+    s.replace("checkpoint-50", b"not a checkpoint")
+    path = txckpt.get_last_checkpoint(url, storage_options=so)
+    assert path == s.full_path("checkpoint-10")
+    assert "checkpoint-50" not in txlog.text
+    if root_kind == "local":
+        from transformers.trainer_utils import get_last_checkpoint as hf_last
+
+        assert hf_last(url) == path
+    # The first save adopts the same directories: the file is not recorded as a checkpoint.
+    txckpt.forget_roots()
+    root = txckpt.CheckpointRoot(url, so)
+    root.adopt()
+    assert [c.step for c in root.history().in_view(root.state().head)] == [10]

@@ -241,3 +241,51 @@ def test_following_transformers_verbosity_leaves_a_level_the_application_set_alo
         hf_logging.set_verbosity(before_verbosity)
         logger.setLevel(before_level)
         logger.handlers[:] = before_handlers
+
+
+_RESUME = r"""
+import sys
+sys.path.insert(0, {scripts!r})
+import torch
+from tiny import Data, TinyConfig, TinyModel, make_args
+from txckpt.integrations.transformers import TransactionalTrainer
+torch.manual_seed(0)
+out, steps, resume, level = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+resume = {{"none": None, "true": True}}.get(resume, resume)
+args = make_args(out, steps, **({{"log_level": level}} if level != "default" else {{}}))
+TransactionalTrainer(model=TinyModel(TinyConfig()), args=args, train_dataset=Data(0)).train(resume_from_checkpoint=resume)
+"""
+
+
+@pytest.mark.trainer
+def test_txckpt_lines_in_trainer_output_carry_level_and_origin_and_a_resume_shows_by_default(tmp_path):
+    """In a Trainer script that configures no logging: the rollback warning is labelled with its
+    level and txckpt as its origin (as transformers labels its own lines), and a plain resume
+    prints one INFO line at the default verbosity (the Trainer's ``log_level`` "passive"),
+    which an explicit quieter ``log_level`` hides."""
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+
+    scripts = os.path.join(os.path.dirname(__file__), "trainer_scripts")
+    out = tmp_path / "out"
+
+    def run(steps, resume, level="default"):
+        p = subprocess.run([sys.executable, "-c", _RESUME.format(scripts=scripts), str(out), str(steps), resume, level],
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p.stderr.splitlines()
+
+    run(4, "none")
+    # An older checkpoint: a fork, whose warning shows at any verbosity up to WARNING.
+    lines = run(2, str(out / "checkpoint-2"), level="warning")
+    rollback = [line for line in lines if "rolling back to step 2" in line]
+    assert len(rollback) == 1 and rollback[0].startswith("[txckpt] WARNING: "), lines
+    assert not [line for line in lines if "resuming" in line], lines  # log_level="warning": INFO hidden
+    # A plain restart: one line, at the default verbosity, saying what it continues from.
+    txckpt.forget_roots()
+    newest = txckpt.get_last_checkpoint(str(out))
+    m = txckpt.read_manifest(newest)
+    lines = run(m.step, "true")
+    resumed = [line for line in lines if "resuming" in line]
+    assert resumed == [f"[txckpt] INFO: resuming from step {m.step} of lineage {m.lineage}: {newest}"], lines

@@ -156,3 +156,22 @@ def test_the_cli_prints_one_line_and_exits_1(case, s3_root, closed_endpoint):
     verbose, _ = _cli(args + ["-v"], drop)
     assert verbose.returncode == 1 and "Traceback" in verbose.stderr
     assert verbose.stderr.rstrip().splitlines()[-1].startswith(f"txckpt log: {expect[0]}: ")
+
+
+def test_retries_against_an_unreachable_endpoint_are_logged_as_they_happen(closed_endpoint, monkeypatch, caplog):
+    """A wrong endpoint used to be silent for the 7-10 s of botocore's retries: each retried
+    attempt is logged, naming the endpoint, the request and the attempt; the first at INFO, the
+    second at WARNING (shown at Python's default level); the last one raises the typed error."""
+    import logging
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "4")
+    caplog.set_level(logging.INFO, logger="txckpt")
+    storage = open_storage("s3://bucket/run", _options(closed_endpoint, **_creds()))
+    with pytest.raises(EndpointUnreachableError):
+        storage.read_bytes(".txckpt/latest")
+    retried = [r for r in caplog.records if "retrying" in r.getMessage()]
+    assert [r.levelname for r in retried] == ["INFO", "WARNING", "INFO"], caplog.text
+    for n, r in enumerate(retried, 1):
+        text = r.getMessage()
+        assert closed_endpoint in text and "GetObject" in text and f"attempt {n} of 4 failed" in text
+        assert "EndpointConnectionError" in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -481,3 +482,43 @@ def test_retention_after_a_save_does_not_revisit_every_checkpoint_ever_retired(t
     # A view's checkpoints come from the lineage's live ones, not from every checkpoint ever.
     assert [c.step for c in h.in_view(None)] == [30, 31]
     assert len(h.in_view(None, include_retired=True)) == 31
+
+
+@pytest.mark.parametrize("how", ["resume", "load_checkpoint", "read_manifest"])
+def test_a_retired_checkpoint_given_by_path_says_it_was_retired_and_how_to_list_it(any_root, how, capsys):
+    """A path that named a committed checkpoint which retention then retired (and deleted) was
+    not "never committed": the error says it was committed, then retired by the retention policy
+    (in which log entry), and that `txckpt ls ROOT --all` lists it."""
+    from txckpt.errors import CheckpointNotFoundError, CheckpointRetiredError
+    from txckpt.storage import open_storage
+
+    url, so = any_root, None
+    root = txckpt.CheckpointRoot(url, so)
+    paths = []
+    for s in (1, 2, 3, 4):
+        root.save(s, {"w.bin": b"w" * s})
+        paths.append(root.get_last_checkpoint())  # the path a user was given (a home on object stores)
+        apply_retention(root, RetentionPolicy(keep_last=2))
+    path = paths[0]
+    assert not open_storage(path, so).exists(""), "retention deletes the retired checkpoint's data"
+    txckpt.forget_roots()
+    call = {"resume": lambda: txckpt.resume(url, path=path, storage_options=so),
+            "load_checkpoint": lambda: txckpt.load_checkpoint(path, storage_options=so),
+            "read_manifest": lambda: txckpt.read_manifest(path, storage_options=so)}[how]
+    with pytest.raises(CheckpointRetiredError) as e:
+        call()
+    assert isinstance(e.value, CheckpointNotFoundError) and isinstance(e.value, FileNotFoundError)
+    history = txckpt.CheckpointRoot(url, so).history()
+    (retired,) = [c for c in history.checkpoints.values() if c.step == 1]
+    assert (e.value.path, e.value.step, e.value.txid) == (path, 1, retired.txid)
+    assert e.value.retired_seq == history.retired[retired.txid]
+    text = str(e.value)
+    assert "retired by the retention policy" in text and f"log entry {e.value.retired_seq}" in text
+    assert f"`txckpt ls {root.url} --all`" in text and "not a committed checkpoint" not in text
+    # The command the message names lists it, and says it was retired.
+    from txckpt.cli import main as cli_main
+
+    capsys.readouterr()
+    assert cli_main(["ls", root.url, "--all", "--json"]) == 0
+    listed = [c for c in json.loads(capsys.readouterr().out) if c["txid"] == retired.txid]
+    assert [c["state"] for c in listed] == ["retired"]

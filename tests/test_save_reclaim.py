@@ -200,3 +200,19 @@ def test_a_failing_reclaim_does_not_fail_the_save(tmp_path, monkeypatch, txlog):
     assert path == os.path.join(root, "checkpoint-1") and txckpt.get_last_checkpoint(root) == path
     assert "reclaiming the staging of dead writers" in txlog.text and "txckpt gc" in txlog.text
 
+
+
+def test_reclaiming_a_killed_saves_staging_is_a_warning_that_names_it(tmp_path, txlog):
+    """A reclaim means an earlier process died in the middle of a save: shown at the default
+    verbosity (WARNING), naming the staging, its step and bytes, and that nothing committed went."""
+    root = str(tmp_path / "out")
+    txckpt.CheckpointRoot(root).save(1, {"w.bin": b"1"})
+    r = fresh(root)
+    dead = fake_intent_staging(r, 2, host="another-host", age=10 ** 6)
+    r.save(2, {"w.bin": b"2"})  # this session's first save reclaims it
+    assert dead not in txids_staged(fresh(root))
+    (record,) = [rec for rec in txlog.records if dead in rec.getMessage()]
+    text = record.getMessage()
+    assert record.levelname == "WARNING" and record.name.startswith("txckpt")
+    assert f"{TX_DIR}/{dead}" in text and "step 2" in text and f"{len(b'partial')} bytes" in text
+    assert "never committed" in text and "nothing committed was lost" in text

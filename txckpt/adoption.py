@@ -46,7 +46,7 @@ def legacy_dirs(root: Root) -> list[tuple[int, str]]:
     Two names for one step: :class:`AmbiguousCheckpointNameError` naming both."""
     by_step: dict[int, list[str]] = {}
     step_of = root.publication.naming.step_of  # checkpoint-N, or the root's naming (txckpt/naming.py)
-    for name in root.storage.list_dir(""):
+    for name in root.storage.list_subdirs(""):  # a file named checkpoint-N is none (transformers)
         step = step_of(name)
         if step is not None:
             by_step.setdefault(step, []).append(name)

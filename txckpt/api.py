@@ -184,7 +184,7 @@ def _is_a_root(storage: Storage) -> bool:
     from .naming import DEFAULT, read_naming
 
     naming = read_naming(storage) or DEFAULT  # a root names its checkpoints its own way (§2)
-    return any(naming.step_of(name) is not None for name in storage.list_dir(""))
+    return any(naming.step_of(name) is not None for name in storage.list_subdirs(""))
 
 
 def read_manifest(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:
@@ -208,9 +208,14 @@ def _following_moves(path: str | os.PathLike, storage_options: Mapping[str, Any]
         seen: dict[str, Any] = {}
         try:
             return attempt(path, ctx, open_storage(path, storage_options), seen)
-        except (IntegrityError, ManifestError, CheckpointNotFoundError):
+        except (IntegrityError, ManifestError, CheckpointNotFoundError) as e:
             moved = ctx.moved_to(seen.get("txid")) if ctx is not None else None
             if moved is None or moved in tried:
+                if ctx is not None and "txid" not in seen and isinstance(e, CheckpointNotFoundError):
+                    # Nothing there: if retention retired what was, say so (not "no checkpoint").
+                    from .retention import retired_error_at
+
+                    raise retired_error_at(ctx.root, ctx.root.history(), ctx.where.key, path) or e
                 raise
             tried.add(moved)
             path = moved

@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"txckpt demo: {root} exists and is not an empty directory; the demo tells its story on "
               "a fresh root: pass a new directory (or remove this one)", file=sys.stderr)
         return 2
-    print(f"txckpt demo: a rollback in {root} ({os.path.abspath(root)})\n")
+    where = root if os.path.isabs(root) else f"{root} ({os.path.abspath(root)})"  # each path once
+    print(f"txckpt demo: a rollback in {where}\n")
 
     print("1. Run A saves steps 2, 4 and 6.")
     for step in (2, 4, 6):

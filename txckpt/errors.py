@@ -72,6 +72,20 @@ class CheckpointNotFoundError(TxckptError, FileNotFoundError):
     """A checkpoint, or a file of one, that a caller or the log names does not exist."""
 
 
+class CheckpointRetiredError(CheckpointNotFoundError):
+    """The checkpoint a path names was committed, then retired by the retention policy (its data
+    is deleted, or being deleted): it cannot be loaded or resumed from. ``txckpt ls ROOT --all``
+    lists it. ``path``: as given; ``root``; ``step``, ``lineage``, ``txid``: the checkpoint's;
+    ``retired_seq``: the log entry that retired it."""
+
+    path: str | None
+    root: str | None
+    step: int | None
+    lineage: str | None
+    txid: str | None
+    retired_seq: int | None
+
+
 class RootNotFoundError(TxckptError, FileNotFoundError):
     """The root passed to a lookup does not exist: a local directory that is missing, or an
     fsspec URL whose bucket does not exist (a typo in ``output_dir``, usually). Like

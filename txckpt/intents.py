@@ -341,7 +341,10 @@ def reclaim_after_save(root: Root, *, grace_seconds: float = GRACE_SECONDS) -> G
                     "failed (%s: %s); `txckpt gc` reclaims it", root.url, type(e).__name__, e)
         return report
     for item in report.of("staging"):
-        log.info("reclaimed %s (%d bytes) under %s: %s", item.key, item.bytes, root.url, item.reason)
+        # WARNING: it means a process died in the middle of a save (a crash the user may not know
+        # of, a preempted job); once per crash, never per save.
+        log.warning("reclaimed %s (%d bytes) under %s, the %s. That save never committed; nothing "
+                    "committed was lost", item.key, item.bytes, root.url, item.reason)
     return report
 
 def staged_step(storage: Storage, key: str) -> int | None:

@@ -86,24 +86,63 @@ def _digest(entry: dict[str, Any]) -> str:
     return digest_bytes(json.dumps(entry, sort_keys=True, separators=(",", ":")).encode())
 
 
-def read_entry(storage: Storage, seq: int) -> dict[str, Any] | None:
+def _read_file(storage: Storage, key: str) -> bytes | None:
+    """The bytes of the log file at ``key`` (an entry, a snapshot), None if absent; what stands
+    there instead of a file raises :class:`_NotAFile` saying what it is. The one place a log read
+    meets the storage: a local directory is ``IsADirectoryError``, a FIFO ``SpecialFileError``;
+    on an object store a "directory" is a prefix, and the key reads as absent (see
+    :func:`_absent`)."""
     try:
-        data = storage.read_bytes(entry_key(seq))
+        return storage.read_bytes(key)
     except FileNotFoundError:
         return None
-    except SpecialFileError as e:
+    except NotADirectoryError:  # .txckpt/log (or .txckpt) is a file
         raise LogCorruptError(
-            f"log entry {entry_key(seq)} is a {e.kind}, not a file: the log was damaged outside txckpt. "
-            "Restore .txckpt/log from a backup; txckpt will not guess what it said"
+            f"{storage.full_path(key)} cannot be read: {storage.full_path(key.rsplit('/', 1)[0])} (or a "
+            "directory above it) is a file, not a directory; the log was damaged outside txckpt. "
+            "Restore .txckpt from a backup; txckpt will not guess what the log said"
         ) from None
-    return _decode(data, seq)
+    except IsADirectoryError:
+        raise _NotAFile("directory") from None
+    except SpecialFileError as e:
+        raise _NotAFile(e.kind or "special file") from None
+
+
+class _NotAFile(Exception):
+    def __init__(self, kind: str):
+        super().__init__(kind)
+        self.kind = kind
+
+
+def _absent(storage: Storage, seq: int) -> str:
+    """How to word entry ``seq``'s absence where the log says it exists: on an object store a
+    prefix of that name (objects under ``<entry>/``) is what a directory there looks like. One
+    listing, on this error path only."""
+    name = entry_key(seq).rsplit("/", 1)[1]
+    return "a directory, not a file" if name in storage.list_subdirs(LOG_DIR) else "missing"
+
+
+def _not_a_file(storage: Storage, seq: int, kind: str) -> LogCorruptError:
+    return LogCorruptError(
+        f"log entry {seq} ({storage.full_path(entry_key(seq))}) is a {kind}, not a file: the log was "
+        "damaged outside txckpt. Restore .txckpt/log from a backup; txckpt will not guess what it said"
+    )
+
+
+def read_entry(storage: Storage, seq: int) -> dict[str, Any] | None:
+    try:
+        data = _read_file(storage, entry_key(seq))
+    except _NotAFile as e:
+        raise _not_a_file(storage, seq, e.kind) from None
+    return None if data is None else _decode(data, seq)
 
 
 def _hint(storage: Storage) -> int:
     try:
         return max(0, int(storage.read_bytes(LATEST_HINT).decode().strip() or 0))
-    except (FileNotFoundError, ValueError, UnicodeDecodeError, SpecialFileError):
-        return 0
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError, UnicodeDecodeError,
+            SpecialFileError):
+        return 0  # only a hint: a FIFO or a directory there reads as a missing one
 
 
 def read_latest(storage: Storage) -> dict[str, Any] | None:
@@ -116,6 +155,8 @@ def read_latest(storage: Storage) -> dict[str, Any] | None:
         # The hint is written only after its entry exists, and entries are never deleted: a
         # hint naming a missing entry means the log lost its newest entries (deleted by hand, or
         # a power cut with durability off). Going on would silently roll the root back.
+        if _absent(storage, seq) != "missing":
+            raise _not_a_file(storage, seq, "directory")
         seqs = list_seqs(storage)
         raise LogCorruptError(
             f"{storage.full_path(LATEST_HINT)} names log entry {seq}, which is missing (the newest "
@@ -186,7 +227,8 @@ def read_history(storage: Storage, since: History | None = None, *, snapshots: b
             )
         entry = read_entry(storage, s)
         if entry is None:
-            raise LogCorruptError(f"log entry {s} was listed but cannot be read")
+            raise LogCorruptError(f"log entry {s} was listed but cannot be read: it is {_absent(storage, s)}. "
+                                  "Restore .txckpt/log from a backup")
         history.apply(entry)
         expected += 1
     while True:
@@ -336,17 +378,19 @@ def read_snapshot(storage: Storage, seq: int) -> History | None:
     key = snapshot_key(seq)
     snap: dict[str, Any] | None = None
     try:
-        snap, problem = _parse_snapshot(storage.read_bytes(key), seq)
-    except FileNotFoundError:
-        return None  # removed by gc meanwhile: the caller tries an older one
-    except SpecialFileError as e:
+        data = _read_file(storage, key)
+        if data is None:
+            return None  # removed by gc meanwhile: the caller tries an older one
+        snap, problem = _parse_snapshot(data, seq)
+    except _NotAFile as e:
         problem = f"it is a {e.kind}, not a regular file"
     if snap is not None:
         entry = read_entry(storage, seq)
         if entry is None:
             raise LogCorruptError(
-                f"{storage.full_path(key)} is a snapshot of log entry {seq}, which is missing: the "
-                "log lost entries. Restore .txckpt/log from a backup; nothing was changed"
+                f"{storage.full_path(key)} is a snapshot of log entry {seq}, which is "
+                f"{_absent(storage, seq)}: the log lost entries. Restore .txckpt/log from a backup; "
+                "nothing was changed"
             )
         if snap.get("entry_digest") != _digest(entry):
             problem = f"it was made from another log entry {seq} (another root, or a restored log)"

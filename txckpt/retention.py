@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
-from .errors import CheckpointNotFoundError, InvalidArgumentError, SpecialFileError, StorageError
+from .errors import CheckpointNotFoundError, CheckpointRetiredError, InvalidArgumentError, SpecialFileError, StorageError
 from .lineage import Checkpoint, History, State
 from .storage.base import Storage
 from .layout import READERS_DIR, TX_DIR, lease_key, parse_checkpoint_name
@@ -526,3 +526,37 @@ __all__ = [
     "protected_by_state",
     "READERS_DIR",
 ]
+
+
+# ----- a path that names a retired checkpoint ----------------------------------------------------
+def retired_error(root: Root, history: History, c: Checkpoint, path: str) -> CheckpointRetiredError:
+    """What a read of ``path``, where retired checkpoint ``c`` was, raises: it was committed,
+    then retired (not "never committed"), and where it is still listed."""
+    seq = history.retired[c.txid]
+    return CheckpointRetiredError(
+        f"{path} was committed (step {c.step}, lineage {c.lineage}, txid {c.txid}), then retired by the "
+        f"retention policy (log entry {seq}), which deletes its data: it cannot be loaded. `txckpt ls "
+        f"{root.url} --all` lists it with the other retired checkpoints; resume from one that still has "
+        f"its data (`txckpt ls {root.url}`), or keep more (RetentionPolicy, docs/retention.md)",
+        path=path, root=root.url, step=c.step, lineage=c.lineage, txid=c.txid, retired_seq=seq,
+    )
+
+
+def retired_error_at(root: Root, history: History, key: str, path: str) -> CheckpointRetiredError | None:
+    """:func:`retired_error` for the retired checkpoint whose data was at ``key`` (its home, its
+    published name, its adopted key; the most recently retired of several), or None if none was.
+    Asked only once a read found nothing at ``key``: one pass over the retired checkpoints."""
+    key = key.rstrip("/")
+    found = [c for txid in history.retired if (c := history.checkpoints.get(txid)) is not None
+             and key in root.publication.candidates(c.ref)]
+    if not found:
+        return None
+    return retired_error(root, history, max(found, key=lambda c: history.retired[c.txid]), path)
+
+
+def missing_checkpoint_error(root: Root, history: History, key: str, path: str) -> CheckpointNotFoundError:
+    """What a resume from ``path`` (key ``key`` of ``root``), which has no manifest, raises."""
+    return retired_error_at(root, history, key, path) or CheckpointNotFoundError(
+        f"{path} has no txckpt manifest: it is not a committed checkpoint of {root.url} (list them "
+        "with `txckpt ls`)"
+    )

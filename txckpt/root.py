@@ -14,7 +14,7 @@ import threading
 from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 from . import log as commit_log
-from . import progress
+from . import progress, retention
 from .errors import (
     CheckpointNotFoundError,
     ConcurrentWriterError,
@@ -127,7 +127,7 @@ class CheckpointRoot:
     def legacy_checkpoints(self) -> list[int]:
         """Steps of plain checkpoint-N directories (a root written without txckpt)."""
         step_of = self.publication.naming.step_of
-        return sorted({n for n in map(step_of, self.storage.list_dir("")) if n is not None})
+        return sorted({n for n in map(step_of, self.storage.list_subdirs("")) if n is not None})
 
     def legacy_dirs(self) -> list[tuple[int, str]]:
         """(step, name) of the checkpoint-N directories as they are named (``checkpoint-00500``);
@@ -426,11 +426,8 @@ class CheckpointRoot:
             )
         try:
             manifest = Manifest.decode(self.storage.read_bytes(f"{key}/{MANIFEST_NAME}"), f"{path}/{MANIFEST_NAME}")
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(
-                f"{os.fspath(path)} has no txckpt manifest: it is not a committed checkpoint of "
-                f"{self.url} (list them with `txckpt ls`)"
-            ) from None
+        except FileNotFoundError:  # never committed, or retired (retention words it)
+            raise retention.missing_checkpoint_error(self, history, key, os.fspath(path)) from None
         # The same decision as a load's (reader.RootContext.check_committed): the digest the
         # log committed for this txid. Here the history is folded already, for the fork.
         if history.committed_digest(manifest.txid) != manifest.digest:
@@ -438,8 +435,8 @@ class CheckpointRoot:
                 f"{os.fspath(path)} is not a committed checkpoint of {self.url} (staging leftover, "
                 "or copied from another root); choose one from `txckpt ls`"
             )
-        if manifest.txid in history.retired:
-            raise CheckpointNotFoundError(f"{os.fspath(path)} was retired by the retention policy")
+        if manifest.txid in history.retired:  # its data not deleted yet
+            raise retention.retired_error(self, history, history.checkpoints[manifest.txid], os.fspath(path))
         return history.checkpoints[manifest.txid]
 
     # ----- adoption of a legacy root -----------------------------------------------------------

@@ -51,7 +51,7 @@ import txckpt
 from txckpt import errors as _errors
 from txckpt.coordination import current_coordinator, decide_on_rank0
 from txckpt.fallback import check_on_damaged
-from txckpt.integrations.trainer_logging import follow_transformers_verbosity
+from txckpt.integrations.trainer_logging import follow_transformers_verbosity, log_resume
 
 from .trainer_async import AsyncSaves, check_mode
 from .trainer_patches import (
@@ -198,7 +198,7 @@ class TransactionalCheckpointMixin:
             # Called again from inside a save (a subclass's override): join the open transaction.
             return super()._save_checkpoint(model, trial, *args, **kwargs)
         _check_save_on_each_node(self.args)
-        follow_transformers_verbosity()  # the save's records show at transformers' verbosity
+        follow_transformers_verbosity(self.args)  # the save's records show at transformers' verbosity
         if self.txckpt_async_save:
             return self._txckpt_async.save(super()._save_checkpoint, model, trial, *args, **kwargs)  # type: ignore[misc]
         step = int(self.state.global_step)
@@ -525,6 +525,7 @@ class TransactionalCheckpointMixin:
         """Rank 0 decides (and records any lineage change); every rank gets its answer. A remote
         answer is fetched into the local cache on every rank, and the local copy returned."""
         root = self._txckpt_root(trial)
+        follow_transformers_verbosity(self.args)  # a rollback's warning, the resume's line: labelled
         coord = current_coordinator(self.txckpt_timeout, "resume")
         if is_remote(root) and int(getattr(self.args, "local_process_index", 0)) == 0:
             # Before the broadcast: no rank can be saving (into staging) until every rank is past it.
@@ -536,7 +537,7 @@ class TransactionalCheckpointMixin:
         self._txckpt_prune_after_commit = is_remote(root)
         if path is not None and is_remote(path):
             local = self._txckpt_remote.fetch_committed(path)
-            log.info("resuming from %s (local copy %s)", path, local)
+        log_resume(self, path, local)
         self._txckpt_last_step = step_of(local) if path is not None and local is not None and is_within(path, root) else None
         return local
 

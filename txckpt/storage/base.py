@@ -28,7 +28,7 @@ The call sequence of a save, as the transaction issues it (see docs/protocol.md,
 5. After the commit point, independent follow-ups through ``run_concurrently``: the ``latest``
    hint, publication (rename backends: ``rename_noreplace`` of directories), the intent's delete.
 
-Reads that decide correctness (``read_bytes``, ``exists``, ``list_dir``) must see every write
+Reads that decide correctness (``read_bytes``, ``exists``, ``list_dir``, ``list_subdirs``) must see every write
 another process completed before the call: backends that cache listings bypass their caches.
 """
 
@@ -262,6 +262,12 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def list_dir(self, key: str) -> list[str]:
         """Names (not keys) of the direct children of directory ``key``, fresh; [] if absent."""
+
+    @abc.abstractmethod
+    def list_subdirs(self, key: str) -> list[str]:
+        """Names of the direct children of ``key`` that are directories, fresh; [] if absent.
+        On an object store a directory is a prefix with objects under it: a plain object is a
+        file there, whatever its name. Costs what ``list_dir`` costs (the same listing)."""
 
     @abc.abstractmethod
     def walk_files(self, key: str) -> Iterator[tuple[str, int]]:

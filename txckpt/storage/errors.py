@@ -26,6 +26,7 @@ module and class name, so a local root imports none of these clients.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
@@ -35,7 +36,7 @@ from ..errors import CredentialsError, EndpointUnreachableError, RootNotFoundErr
 #: The Storage methods that talk to the backend; map_errors wraps these.
 OPERATIONS = (
     "open_write", "create_exclusive", "replace", "upload_file", "read_bytes", "open_read",
-    "exists", "list_dir", "walk_files", "modified_time", "delete_file", "delete_tree",
+    "exists", "list_dir", "list_subdirs", "walk_files", "modified_time", "delete_file", "delete_tree",
     "rename_noreplace", "missing_root",
 )
 
@@ -262,9 +263,60 @@ def _attempts(storage: Any) -> int | None:
     client = getattr(getattr(storage, "fs", None), "_s3", None)
     if client is None and _scheme(storage) != "s3":
         return None
+    return _client_attempts(client)
+
+
+def _client_attempts(client: Any) -> int:
     retries = getattr(getattr(getattr(client, "meta", None), "config", None), "retries", None) or {}
     if retries.get("total_max_attempts") is not None:
         return int(retries["total_max_attempts"])
     if retries.get("max_attempts") is not None:
         return int(retries["max_attempts"]) + 1
     return 5 if retries.get("mode", "legacy") == "legacy" else 3
+
+
+# ----- what is being retried, while it is (S3) ---------------------------------------------------
+_log = logging.getLogger("txckpt")
+_RETRY_HOOK = "txckpt-log-retries"
+
+
+def log_retries(fs: Any) -> None:
+    """Log each request botocore retries for s3fs filesystem ``fs`` (a wrong endpoint is
+    otherwise silent for the 7-10 s of its backoff before :class:`EndpointUnreachableError`).
+    Registered on the filesystem's session, whose event handlers every client it creates later
+    copies, and on its client if it has one already; once (by id) however many roots share it."""
+    try:
+        session = getattr(fs, "session", None)
+        if session is None:
+            import aiobotocore.session
+
+            fs.session = session = aiobotocore.session.AioSession(**getattr(fs, "kwargs", {}))
+            fs._session_is_owned = True  # s3fs's own flag: it may recreate it on a refresh
+        emitters = [session] + [c.meta.events for c in [getattr(fs, "_s3", None)] if c is not None]
+        for emitter in emitters:
+            emitter.register("needs-retry.s3", functools.partial(_note_retry, fs), unique_id=_RETRY_HOOK)
+    except Exception as e:  # pragma: no cover - another s3fs/aiobotocore layout: log nothing
+        _log.debug("not logging S3 retries: %s: %s", type(e).__name__, e)
+
+
+def _note_retry(fs: Any, attempts: int = 0, caught_exception: BaseException | None = None,
+                response: Any = None, endpoint: Any = None, operation: Any = None, **_: Any) -> None:
+    """botocore's ``needs-retry`` event, after every attempt: log a failed one that it retries.
+    Attempt 1 at INFO; attempt 2 at WARNING, so that Python's default level shows one line
+    within the first second of a wrong endpoint; later ones at INFO. The last attempt is not
+    retried: the typed error says it. Returns None: the retry decision stays botocore's."""
+    if caught_exception is not None:
+        why = _first_line(caught_exception)
+    else:
+        meta = response[1].get("ResponseMetadata", {}) if isinstance(response, tuple) and len(response) > 1 else {}
+        status = meta.get("HTTPStatusCode") if isinstance(meta, dict) else None
+        if not isinstance(status, int) or (status < 500 and status != 429):
+            return None  # an answer: success, or an error botocore does not retry
+        why = f"HTTP {status}"
+    total = _client_attempts(getattr(fs, "_s3", None))
+    if attempts >= total:
+        return None
+    _log.log(logging.WARNING if attempts == 2 else logging.INFO,
+             "S3 %s to %s: attempt %d of %d failed (%s); retrying", getattr(operation, "name", "request"),
+             _base_url(getattr(endpoint, "host", None)) or "the default endpoint", attempts, total, why)
+    return None

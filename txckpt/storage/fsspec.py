@@ -136,18 +136,27 @@ class FsspecStorage(Storage):
         return self.fs.exists(self._p(key))
 
     def list_dir(self, key: str) -> list[str]:
+        return sorted({name for name, _is_dir in self._children(key)})
+
+    def list_subdirs(self, key: str) -> list[str]:
+        return sorted(name for name, is_dir in self._children(key) if is_dir)
+
+    def _children(self, key: str) -> list[tuple[str, bool]]:
+        """(name, is a directory) of each direct child of ``key``: one fresh ``ls``."""
         self._fresh(key, tree=True)
         try:
-            entries = self.fs.ls(self._p(key), detail=False)
+            entries = self.fs.ls(self._p(key), detail=True)
         except (FileNotFoundError, NotADirectoryError):
             return []
         base = self._p(key).rstrip("/") + "/"
-        names = []
+        out = []
         for e in entries:
-            e = self.fs._strip_protocol(e).rstrip("/")
-            if e.startswith(base):
-                names.append(e[len(base):])
-        return sorted(n for n in names if n and "/" not in n)
+            path = self.fs._strip_protocol(e["name"]).rstrip("/")
+            if path.startswith(base):
+                name = path[len(base):]
+                if name and "/" not in name:
+                    out.append((name, e.get("type") == "directory"))
+        return out
 
     def walk_files(self, key: str) -> Iterator[tuple[str, int]]:
         self._fresh(key, tree=True)

@@ -359,6 +359,14 @@ class LocalStorage(Storage):
         except (FileNotFoundError, NotADirectoryError):
             return []
 
+    def list_subdirs(self, key: str) -> list[str]:
+        # is_dir() follows symlinks, as os.path.isdir in transformers' get_last_checkpoint does.
+        try:
+            with os.scandir(self._p(key)) as entries:
+                return sorted(e.name for e in entries if e.is_dir())
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
     def walk_files(self, key: str) -> Iterator[tuple[str, int]]:
         base = self._p(key)
         for dirpath, dirnames, filenames in os.walk(base, followlinks=False):

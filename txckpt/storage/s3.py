@@ -9,6 +9,7 @@ import os
 from typing import Any, BinaryIO, Iterator, Mapping, Sequence
 
 from .base import WriteBatch
+from .errors import log_retries
 from .fsspec import FsspecStorage
 from .s3_upload import _run, _S3Writer, _S3WriteBatch
 
@@ -52,7 +53,7 @@ class S3Storage(FsspecStorage):
     read_bytes             1 GetObject
     open_read              1 HeadObject + ranged GetObjects
     exists                 1 HeadObject for a file; + 1 ListObjectsV2 otherwise
-    list_dir / walk_files  1 ListObjectsV2 per 1000 entries
+    list_dir / walk_files  1 ListObjectsV2 per 1000 entries (list_subdirs: the same)
     delete_file            1 DeleteObject
     delete_tree            ListObjectsV2 pages + DeleteObjects per 1000 keys
                            + 1 ListMultipartUploads (aborting any left under the prefix)
@@ -76,6 +77,7 @@ class S3Storage(FsspecStorage):
         self.max_in_flight = max(1, min(S3_MAX_IN_FLIGHT, getattr(fs, "max_concurrency", 10)))
         self.multipart_threshold = max(S3_MULTIPART_THRESHOLD or self.part_size * self.max_in_flight,
                                        self.part_size)
+        log_retries(fs)  # what botocore retries is logged while it retries (storage/errors.py)
 
     def identity(self) -> str:
         # Every object is under bucket/prefix, the prefix stripped of slashes (``s3://b//a`` is ``s3://b/a``).
@@ -255,19 +257,22 @@ class S3Storage(FsspecStorage):
         page = self._call("list_objects_v2", Prefix=self._dir(key), MaxKeys=1)
         return bool(page.get("KeyCount") or page.get("Contents") or page.get("CommonPrefixes"))
 
-    def list_dir(self, key: str) -> list[str]:
+    def _children(self, key: str) -> list[tuple[str, bool]]:
+        # list_dir and list_subdirs (FsspecStorage's) read this: one ListObjectsV2 per 1000 names,
+        # never s3fs's listing cache. A common prefix is a "directory" (objects under it); an
+        # object is a file.
         prefix = self._dir(key)
-        names: set[str] = set()
+        out: set[tuple[str, bool]] = set()
         for page in self._list(prefix, "/"):
             for cp in page.get("CommonPrefixes", []):
                 name = cp["Prefix"][len(prefix):].rstrip("/")
                 if name:
-                    names.add(name)
+                    out.add((name, True))
             for obj in page.get("Contents", []):
                 name = obj["Key"][len(prefix):]
                 if name and "/" not in name:
-                    names.add(name)
-        return sorted(names)
+                    out.add((name, False))
+        return list(out)
 
     def walk_files(self, key: str) -> Iterator[tuple[str, int]]:
         prefix = self._dir(key)
