@@ -67,6 +67,7 @@ def job(rank: int, world: int, *, kind: str, project: str | None, ops: list, pid
     * ``["load", path_or_None]``: ``load_state``; observes ``{"model", "lr", "custom"}`` tags, or
       the error as ``{"error": type, "message": ...}``.
     * ``["iteration", n]``: ``project_configuration.iteration = n``.
+    * ``["chdir", dir]``: change the working directory of every rank.
     * ``["crash"]``: SIGKILL every rank now.
     * ``crash_file``: SIGKILL every rank while the save writes the file of that name (just before).
     """
@@ -91,6 +92,9 @@ def job(rank: int, world: int, *, kind: str, project: str | None, ops: list, pid
             out.append(None)
         elif what == "iteration":
             acc.project_configuration.iteration = int(op[1])
+            out.append(None)
+        elif what == "chdir":  # relative save_state/load_state paths, as a script run from there
+            os.chdir(op[1])
             out.append(None)
         elif what == "crash":
             acc.wait_for_everyone()

@@ -6,6 +6,7 @@ real processes (gloo). Every "run" is a fresh job; crashes SIGKILL every rank of
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -52,7 +53,8 @@ class Runs:
         d = self.tmp_path / f"job{self.n}"
         pid_dir = d / "pids"
         os.makedirs(pid_dir)
-        run = dw.launch(self.world, job, str(d / "results"), deadline=120.0, kind=self.kind,
+        kind = kw.pop("kind", self.kind)
+        run = dw.launch(self.world, job, str(d / "results"), deadline=120.0, kind=kind,
                         project=kw.pop("project", self.path("proj")), ops=ops, pid_dir=str(pid_dir),
                         storage_options=self.options, local_dir=str(d / "scratch"), **kw)
         if crash:
@@ -60,7 +62,7 @@ class Runs:
             return []
         assert all(r.exitcode == 0 and r.error is None for r in run.results), run.describe()
         outs = [r.ok for r in run.results]
-        assert all(o == outs[0] for o in outs[1:]) or self.kind == "stock", outs
+        assert all(o == outs[0] for o in outs[1:]) or kind == "stock", outs
         return outs[0]
 
 
@@ -73,6 +75,12 @@ def world(request):
 def runs(request, tmp_path, world):
     kind, where = request.param
     return Runs(tmp_path, kind, where, world, request)
+
+
+@pytest.fixture
+def local_runs(request, tmp_path, world):
+    """TransactionalAccelerator jobs on a local disk (for behaviour stock has too)."""
+    return Runs(tmp_path, "txckpt", "local", world, request)
 
 
 def _loaded(obs, tag: float) -> None:
@@ -143,10 +151,98 @@ def test_explicit_dir_resave_after_rollback_and_crash_never_mixes(runs):
     ops = []
     for i in range(1, 5):
         ops += [["train", 10 + i], ["save", runs.path(f"out/step_{i}")]]
-    out = runs(ops, auto=False)
+    project = runs.path("out")  # out is the user's root: its step_N are one lineage's checkpoints
+    out = runs(ops, auto=False, project=project)
     assert all(isinstance(p, str) for p in out[1::2]), out
     runs([["load", runs.path("out/step_3")], ["train", 54], ["save", runs.path("out/step_4")]],
-         auto=False, crash=True, crash_file="optimizer.bin")
-    after = runs([["load", runs.path("out/step_4")], ["load", runs.path("out/step_3")]], auto=False)
+         auto=False, project=project, crash=True, crash_file="optimizer.bin")
+    after = runs([["load", runs.path("out/step_4")], ["load", runs.path("out/step_3")]], auto=False,
+                 project=project)
     assert isinstance(after[0], dict) and after[0].get("error") == "CheckpointNotFoundError", after[0]
     _loaded(after[1], 13)
+
+
+def test_load_state_without_a_path_resumes_the_newest_checkpoint_of_project_dir(runs):
+    """Automatic naming off, save_state(f"{project_dir}/step_{n}"): a restart's load_state()
+    loads the newest committed checkpoint of project_dir's current lineage (stock raises "No
+    input_dir provided and automatic checkpoint naming is disabled")."""
+    project = runs.path("out")
+    ops = []
+    for i in range(1, 4):
+        ops += [["train", 10 + i], ["save", runs.path(f"out/step_{i}")]]
+    runs(ops, auto=False, project=project)
+    restart = runs([["load", None]], auto=False, project=project)
+    _loaded(restart[0], 13)
+    # After a rollback to step_1, the restart follows the new lineage, not the highest name.
+    runs([["load", runs.path("out/step_1")], ["train", 21], ["save", runs.path("out/step_2")]],
+         auto=False, project=project)
+    again = runs([["load", None]], auto=False, project=project)
+    _loaded(again[0], 21)
+
+
+def _txckpt_entries(base: str) -> list[str]:
+    """Every name txckpt owns under ``base``: ``.txckpt`` and private ``.<name>.txckpt-<hex>``."""
+    return sorted(os.path.relpath(os.path.join(d, n), base) for d, dirs, files in os.walk(base)
+                  for n in dirs + files if n == ".txckpt" or ".txckpt-" in n)
+
+
+def test_save_state_into_directories_of_their_own_never_makes_a_root_outside_project_dir(local_runs):
+    """accelerate's idioms: save_state("initial") (relative), a tempfile.mkdtemp() directory
+    whose name ends in digits, nested directories, a re-save into the same directory. Each loads
+    back what was saved into it (by TransactionalAccelerator and by stock Accelerator), and no
+    directory other than project_dir ever receives .txckpt (or any txckpt file but the
+    checkpoint's own txckpt-manifest.json)."""
+    runs = local_runs
+    base = runs.base
+    cwd, tmp = os.path.join(base, "cwd"), os.path.join(base, "tmp")
+    os.makedirs(cwd)
+    os.makedirs(tmp)
+    digits = tempfile.mkdtemp(dir=tmp, suffix="12")  # like tempfile.mkdtemp(): the dir exists, empty
+    nested = os.path.join(base, "a", "b", "state")
+    saves = [["chdir", cwd], ["train", 11], ["save", "initial"], ["train", 12], ["save", digits],
+             ["train", 13], ["save", nested], ["train", 14], ["save", "initial"]]
+    out = runs(saves, auto=False, project=None)
+    assert out[2] == out[8] == os.path.join(cwd, "initial") and out[4] == digits and out[6] == nested, out
+    for kind in ("txckpt", "stock"):
+        loads = runs([["chdir", cwd], ["load", "initial"], ["load", digits], ["load", nested]],
+                     auto=False, project=None, kind=kind)
+        _loaded(loads[1], 14)
+        _loaded(loads[2], 12)
+        _loaded(loads[3], 13)
+    assert _txckpt_entries(base) == [], _txckpt_entries(base)
+    assert sorted(os.listdir(tmp)) == [os.path.basename(digits)]
+    # With a project_dir, only it becomes a root: its step_N are checkpoints of one lineage;
+    # a step-named directory elsewhere and a name without a step inside it are directories of their own.
+    project = os.path.join(base, "proj")
+    elsewhere = tempfile.mkdtemp(dir=tmp, prefix="step_", suffix="7")
+    out = runs([["train", 21], ["save", os.path.join(project, "step_1")], ["train", 22],
+                ["save", os.path.join(project, "final")], ["train", 23], ["save", elsewhere],
+                ["train", 24], ["save", os.path.join(base, "other", "step_5")]], auto=False, project=project)
+    assert all(isinstance(p, str) for p in out[1::2]), out
+    assert _txckpt_entries(base) == ["proj/.txckpt"], _txckpt_entries(base)
+    loads = runs([["load", None], ["load", os.path.join(project, "final")], ["load", elsewhere]],
+                 auto=False, project=project)
+    _loaded(loads[0], 21)
+    _loaded(loads[1], 22)
+    _loaded(loads[2], 23)
+
+
+def test_crash_mid_save_of_a_directory_of_its_own_leaves_its_previous_content_whole(local_runs):
+    """SIGKILL while save_state("state") writes optimizer.bin over a committed "state": the
+    directory still holds the previous save, whole (stock: the new model beside the old
+    optimizer); a first save killed the same way leaves no directory at all. The next save
+    deletes what the killed one left."""
+    runs = local_runs
+    state, fresh = runs.path("state"), runs.path("fresh")
+    runs([["train", 11], ["save", state]], auto=False, project=None)
+    runs([["train", 22], ["save", state]], auto=False, project=None, crash=True, crash_file="optimizer.bin")
+    runs([["train", 33], ["save", fresh]], auto=False, project=None, crash=True, crash_file="optimizer.bin")
+    assert not os.path.exists(fresh)
+    for kind in ("txckpt", "stock"):
+        after = runs([["load", state]], auto=False, project=None, kind=kind)
+        _loaded(after[0], 11)
+    out = runs([["train", 44], ["save", state], ["save", fresh], ["load", state], ["load", fresh]],
+               auto=False, project=None)
+    _loaded(out[3], 44)
+    _loaded(out[4], 44)
+    assert sorted(os.listdir(runs.base)) == ["fresh", "state"], os.listdir(runs.base)

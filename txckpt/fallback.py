@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import IntegrityError, InvalidArgumentError, LookupRaceError, NoIntactCheckpointError
 from .layout import home_key
+from .naming import DEFAULT as DEFAULT_NAMING, Naming
 from .publication import LOOKUP_ATTEMPTS, Root
 from .refs import Ref, same_ref
 
@@ -52,7 +53,7 @@ def _check(root: Root, r: Ref, verify: Verify) -> str:
         where = root.storage.full_path(home_key(r.txid, r.step))
         raise IntegrityError(
             f"checkpoint step {r.step} (txid {r.txid}) is committed but its manifest is missing "
-            f"or unreadable at every place it may be ({where}, or its checkpoint-N name)", path=where,
+            f"or unreadable at every place it may be ({where}, or {root.publication.naming.public(r.step)})", path=where,
         )
     return verify(root.storage.full_path(key))
 
@@ -114,9 +115,11 @@ def _fall_back(root: Root, tip: Ref, first: IntegrityError, verify: Verify) -> s
     )
 
 
-def describe_damaged(damaged: list[dict[str, Any]]) -> str:
+def describe_damaged(damaged: list[dict[str, Any]], naming: Naming = DEFAULT_NAMING) -> str:
+    """One clause per damaged checkpoint, named by the root's ``naming`` (``checkpoint_4`` on an
+    Accelerate root)."""
     return "; ".join(
-        f"checkpoint-{d['step']} (txid {d['txid']}): {d['path'] or '?'} failed ({d['error']})" for d in damaged
+        f"{naming.public(d['step'])} (txid {d['txid']}): {d['path'] or '?'} failed ({d['error']})" for d in damaged
     )
 
 

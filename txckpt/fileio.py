@@ -466,6 +466,23 @@ def rename_noreplace(src: str, dst: str) -> None:
     os.rename(src, dst)
 
 
+_RENAME_EXCHANGE = 2
+
+
+def rename_exchange(a: str, b: str) -> bool:
+    """Swap two existing paths in one atomic step (renameat2 ``RENAME_EXCHANGE``; directories may
+    be non-empty). False, with nothing changed, where the kernel or filesystem has no exchange
+    (NFS, older kernels): the caller falls back to two renames."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
 def lies_within(path: str, root: str) -> bool:
     """Whether ``path`` (which need not exist yet) is ``root`` or below it, comparing real
     paths: symlinks on the way of either are resolved."""

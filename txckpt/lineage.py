@@ -593,7 +593,7 @@ def rollback_warning(url: str, parent: Parent, lineage: str,
         lines.append(f"    ... and {len(abandoned) - ROLLBACK_LISTED} more (`txckpt log {url}` shows every one)")
     # What happens to their paths: only rename backends publish (protocol §7). ``renames``: the
     # storage renames directories atomically.
-    lines += (["  the new lineage's saves of the same steps get the checkpoint-N names,",
+    lines += ([f"  the new lineage's saves of the same steps get the {naming.public('N')} names,",
                "  and the abandoned ones move to .txckpt/tx/<txid>/checkpoint-N"] if renames else
               ["  nothing is moved on this object store: each stays at the path it was committed at",
                "  (.txckpt/tx/<txid>/checkpoint-N; an adopted one at its checkpoint-N)"])

@@ -16,7 +16,7 @@ index of an op can differ by one between runs while its name and occurrence do n
 
 :meth:`Tracer.install` interposes the Python-level file operations txckpt and its callers make:
 ``open`` for writing and every ``write`` on such a file, ``os.fsync/link/rename/replace/unlink/
-mkdir/rmdir`` and ``txckpt.storage.local.rename_noreplace`` (renameat2). Writes done inside C or
+mkdir/rmdir``, ``txckpt.storage.local.rename_noreplace`` (renameat2) and ``txckpt.fileio.rename_exchange``. Writes done inside C or
 Rust code (``torch.save`` to a *path*, safetensors' ``save_file``) are not interposed: a crash point
 before and after the neighbouring operations brackets them. Subclasses interpose other layers
 (tests/reliability/injectors.py: fsspec's memory store, S3 requests) and call :meth:`op`.
@@ -213,6 +213,7 @@ class Tracer:
 
     def install(self) -> "Tracer":
         """Interpose the local file operations (see the module docstring)."""
+        import txckpt.fileio as fileio
         import txckpt.storage.local as local
 
         tracer = self
@@ -231,6 +232,12 @@ class Tracer:
                 return tracer.op(tracer.name("rename_noreplace", args), real, *args, **kwargs)
             return wrapper
         self._patch(local, "rename_noreplace", rn_factory)
+
+        def rx_factory(real: Any) -> Any:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                return tracer.op(tracer.name("rename_exchange", args), real, *args, **kwargs)
+            return wrapper
+        self._patch(fileio, "rename_exchange", rx_factory)  # called as fileio.rename_exchange
 
         def open_factory(real_open: Any) -> Any:
             def traced_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:

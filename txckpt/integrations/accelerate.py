@@ -12,10 +12,15 @@ docs/accelerate.md.
   ``checkpoint_<i>``; txckpt step i is accelerate's iteration i, taken from the lineage (the
   next step after the current lineage's newest), so a save after a rollback never collides with,
   nor deletes, anything. ``total_limit`` is txckpt's lineage-aware retention, after the commit.
-* ``save_state(output_dir)``: the root is ``output_dir``'s parent and the checkpoint is
-  published at ``output_dir``'s own name, ``<prefix><step>`` (``out/step_4``: step 4, naming
-  ``step_``).
-* ``load_state()``: the newest committed checkpoint of the current lineage (a restart);
+* ``save_state(output_dir)``, automatic naming off: a checkpoint of a root when ``output_dir``
+  is ``<root>/<prefix><step>`` and the root is ``project_dir`` or already a txckpt root of that
+  naming (``project_dir/step_4``: step 4, naming ``step_``), published at that name. Any other
+  directory (``initial``, a tempfile name, ``out/state``) is a directory of its own
+  (txckpt/integrations/accelerate_dirs.py): its content is replaced atomically, it holds only
+  the checkpoint and its manifest, and no directory becomes a root. The step is accelerate's
+  iteration (one past the checkpoint last loaded or saved).
+* ``load_state()``: the newest committed checkpoint of the current lineage (a restart) of
+  ``project_dir/checkpoints`` (automatic naming) or ``project_dir`` (explicit directories);
   ``load_state(path)`` of an older checkpoint forks a new lineage (one warning names every
   checkpoint it abandons; none is deleted or overwritten).
 * ``project_dir`` (or ``output_dir``) may be an fsspec URL: accelerate writes into a local
@@ -37,8 +42,8 @@ from accelerate import Accelerator
 import txckpt
 from txckpt.coordination import decide_on_rank0
 from txckpt.errors import CheckpointNotFoundError, InvalidArgumentError
-from txckpt.layout import is_url
-from txckpt.naming import Naming, record_naming, split_name
+from txckpt.layout import entry_key, is_url
+from txckpt.naming import DEFAULT as DEFAULT_NAMING, Naming, record_naming, split_name
 
 log = logging.getLogger("txckpt")
 
@@ -56,6 +61,12 @@ def _split(path: str) -> tuple[str, str]:
         parent, _, name = path.rpartition("/")
         return parent, name
     return os.path.dirname(path), os.path.basename(path)
+
+
+def _same_dir(a: str, b: str) -> bool:
+    if is_url(a) or is_url(b):
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 
 class TransactionalAccelerator(Accelerator):
@@ -135,6 +146,44 @@ class TransactionalAccelerator(Accelerator):
 
         return decide_on_rank0(plan, phase="save step")
 
+    def _placement(self, output_dir: str) -> tuple[str, Naming, int] | None:
+        """(root, naming, step) if ``output_dir`` is ``<root>/<prefix><step>`` of ``project_dir``
+        or of a directory that is a txckpt root already (with that naming); None: a directory
+        of its own (module doc). No directory the user did not name becomes a root."""
+        from txckpt.reader import names_a_checkpoint
+        from txckpt.storage import open_storage
+
+        root, name = _split(output_dir)
+        try:
+            naming, step = split_name(name)
+        except InvalidArgumentError:
+            return None
+        if self.project_dir is not None and _same_dir(root, os.fspath(self.project_dir)):
+            return root, naming, step
+        if names_a_checkpoint(_join(root, name), self.txckpt_storage_options):
+            if open_storage(root, self.txckpt_storage_options).exists(entry_key(0)):
+                return root, naming, step
+        return None
+
+    def _save_dir(self, d: str, safe_serialization: bool, kwargs: dict[str, Any]) -> str:
+        """save_state(d) into a local directory of its own (txckpt/integrations/accelerate_dirs.py)."""
+        from txckpt.integrations.accelerate_dirs import dir_step, save_dir
+        from txckpt.root import durable_default
+
+        base = int(self.project_configuration.iteration)
+
+        def plan() -> int:
+            held = dir_step(os.path.abspath(os.path.expanduser(d)))
+            return max(base, 0 if held is None else held + 1)
+
+        step = decide_on_rank0(plan, phase="save step", timeout=self.txckpt_timeout)
+        stock_save = super().save_state
+        path = save_dir(d, step, lambda directory: stock_save(directory, safe_serialization=safe_serialization,
+                                                              **kwargs),
+                        main=self.is_main_process, timeout=self.txckpt_timeout, durable=durable_default())
+        self.project_configuration.iteration = step + 1
+        return path
+
     # ----- save --------------------------------------------------------------------------------
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> str:
@@ -148,9 +197,16 @@ class TransactionalAccelerator(Accelerator):
             if output_dir is None:
                 raise InvalidArgumentError(
                     "save_state needs output_dir unless ProjectConfiguration(automatic_checkpoint_naming=True)")
-            root, name = _split(os.fspath(output_dir))
-            naming, step = split_name(name)
-            self._use_naming(root, naming)
+            placed = self._placement(os.fspath(output_dir))
+            if placed is None and not is_url(os.fspath(output_dir)):
+                return self._save_dir(os.fspath(output_dir), safe_serialization, save_model_func_kwargs)
+            if placed is None:  # a URL of its own: it is the root (object stores have no swap)
+                root, naming = os.fspath(output_dir).rstrip("/"), DEFAULT_NAMING
+                self._use_naming(root, naming)
+                step = self._next_step(root)
+            else:
+                root, naming, step = placed
+                self._use_naming(root, naming)
         local_dir = self._scratch() if is_url(root) else None
         with txckpt.transaction(root, step, storage_options=self.txckpt_storage_options,
                                 timeout=self.txckpt_timeout, local_dir=local_dir) as tx:
@@ -187,10 +243,16 @@ class TransactionalAccelerator(Accelerator):
         that committed checkpoint; an older one forks a new lineage (a rollback). Returns the
         path loaded."""
         if input_dir is None:
-            if not self.project_configuration.automatic_checkpoint_naming:
-                raise InvalidArgumentError("No input_dir provided and automatic checkpoint naming is disabled.")
-            root = self.txckpt_root()
-            self._use_naming(root, ACCELERATE_NAMING)
+            if self.project_configuration.automatic_checkpoint_naming:
+                root = self.txckpt_root()
+                self._use_naming(root, ACCELERATE_NAMING)
+            elif self.project_dir is not None:
+                root = os.fspath(self.project_dir)  # save_state(f"{project_dir}/step_{n}")'s root
+            else:
+                raise InvalidArgumentError(
+                    "No input_dir provided and automatic checkpoint naming is disabled: pass the directory "
+                    "save_state wrote, or set ProjectConfiguration(project_dir=...) to resume its newest "
+                    "checkpoint")
             where = txckpt.resume(root, on_damaged=self.on_damaged, storage_options=self.txckpt_storage_options)
             if where is None:
                 raise CheckpointNotFoundError(
@@ -199,14 +261,16 @@ class TransactionalAccelerator(Accelerator):
         else:
             where = self._resume_at(os.fspath(input_dir))
         local = self._local_copy(where)
-        manifest = txckpt.read_manifest(local)
+        # A directory that stock accelerate wrote has no manifest: loaded as it is, as stock does.
+        manifest = txckpt.read_manifest(local) if os.path.exists(os.path.join(local, txckpt.MANIFEST_NAME)) else None
         super().load_state(local, load_kwargs=load_kwargs, **load_model_func_kwargs)
         # accelerate reads the files by path, outside txckpt's reader (which follows a checkpoint
         # that moved, protocol §6a). No process returns before every one has read them: else the
         # main process's next rollback could unpublish this checkpoint (rename it to its home)
         # while another process still reads it by its public name (seen as a FileNotFoundError).
         self.wait_for_everyone()
-        self.project_configuration.iteration = manifest.step + 1
+        if manifest is not None:
+            self.project_configuration.iteration = manifest.step + 1
         return where
 
     def _resume_at(self, path: str) -> str:
@@ -214,6 +278,14 @@ class TransactionalAccelerator(Accelerator):
         current lineage's newest. A directory outside any txckpt root is loaded as it is."""
         from txckpt.reader import RootContext, parse
 
+        from txckpt.storage import open_storage
+
+        if is_url(path) and open_storage(path, self.txckpt_storage_options).exists(entry_key(0)):
+            # A URL saved as a directory of its own is a root: its newest checkpoint.
+            resumed_dir = txckpt.resume(path, storage_options=self.txckpt_storage_options)
+            if resumed_dir is None:
+                raise CheckpointNotFoundError(f"{path} holds no committed checkpoint of its current lineage")
+            return resumed_dir
         where = parse(path)
         ctx = None if where is None else RootContext.open(path, self.txckpt_storage_options)
         if where is None or ctx is None:
