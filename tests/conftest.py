@@ -52,6 +52,17 @@ def pytest_configure(config):
 
 
 @pytest.fixture
+def no_save_left_behind():
+    """Every async save a test requested is finished, and its error reported, before the next
+    test starts (the async tests take it in an autouse fixture of their module)."""
+    yield
+    try:
+        txckpt.wait_for_saves()
+    except Exception:
+        pass
+
+
+@pytest.fixture
 def closed_endpoint() -> str:
     """An http URL on loopback where nothing listens (bound, then closed): an unreachable
     endpoint for the remote-error tests."""

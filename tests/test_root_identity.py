@@ -56,12 +56,8 @@ def held_save(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def _no_save_left_behind():
+def _no_save_left_behind(no_save_left_behind):  # tests/conftest.py
     yield
-    try:
-        txckpt.wait_for_saves()
-    except Exception:
-        pass
 
 
 def files(step: int) -> dict:
