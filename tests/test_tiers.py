@@ -4,6 +4,8 @@ it hide there."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -126,3 +128,12 @@ def test_the_fast_tier_fails_a_test_that_starts_a_process_it_was_not_marked_for(
     assert "PASSED test_hidden.py::test_in_process" in text
     assert "FAILED test_hidden.py::test_hidden_child" in text
     assert "mark it `process`" in text and "mark it `server`" in text
+
+
+def test_a_fast_tier_run_in_process_leaves_the_run_around_it_free_to_start_processes(pytester):
+    # --tier fast once set an environment variable the guard read: a pytest run in-process
+    # (the test above) then refused every later test's children in the outer run.
+    pytester.makeconftest('pytest_plugins = ["tests.harness.tiers"]\n')
+    pytester.makepyfile(test_inner="def test_nothing():\n    pass\n")
+    pytester.runpytest_inprocess("--tier", "fast", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    assert subprocess.run([sys.executable, "-c", "pass"]).returncode == 0

@@ -21,7 +21,7 @@ imply, so nobody has to repeat them:
 - ``campaign``: a long campaign: every ``slow`` test (crash sweeps, soaks, the reliability
   campaign), the DeepSpeed tests, and the ``gcs`` and ``azure`` rows.
 
-Nothing is trusted blindly: under TXCKPT_TEST_TIER=fast every fork, exec, spawn and listening
+Nothing is trusted blindly: under ``--tier fast`` every fork, exec, spawn and listening
 socket a test makes fails it with a message naming the marker it lacks, so a test that starts a
 process cannot hide in the fast tier.
 """
@@ -115,9 +115,6 @@ def pytest_configure(config) -> None:
     if tier:
         given = config.option.markexpr
         config.option.markexpr = f"({TIERS[tier]}) and ({given})" if given else TIERS[tier]
-        # The guard below reads it; child processes a test starts would inherit it, but the
-        # fast tier starts none.
-        os.environ["TXCKPT_TEST_TIER"] = tier
     config.addinivalue_line("markers", "campaign: a long campaign, run by `make campaign` only (tests/harness/tiers.py)")
     config.addinivalue_line("markers", "process: starts a child process: not in `make test-fast`")
     config.addinivalue_line("markers", "server: uses a server (moto, fake-gcs-server, Azurite): not in `make test-fast`")
@@ -150,13 +147,15 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(autouse=True)
 def _fast_tier_guard(request, monkeypatch):
-    """Under TXCKPT_TEST_TIER=fast, refuse forks, execs, spawns and listening sockets; fail the
+    """Under ``--tier fast`` (this session's option, not an environment variable: a pytest run
+    in-process, as tests/test_tiers.py makes, must not leave its tier to the run around it),
+    refuse forks, execs, spawns and listening sockets; fail the
     test (also when the refusal happened on a thread that swallowed it).
 
     TXCKPT_TIER_AUDIT=<file> instead lets them happen and appends a line per test that made one
     to the file: how a new module's tests are found that need a marker."""
     audit = os.environ.get("TXCKPT_TIER_AUDIT")
-    if os.environ.get("TXCKPT_TEST_TIER") != "fast" and not audit:
+    if request.config.getoption("--tier") != "fast" and not audit:
         yield
         return
     refused: list[str] = []
