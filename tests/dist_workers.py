@@ -17,9 +17,11 @@ import builtins
 import contextlib
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import re
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -30,6 +32,29 @@ from tests.harness.tracer import Tracer
 
 _CTX: Any = None
 _PRELOAD = ["torch", "torch.distributed", "txckpt", "tests.dist_workers"]
+
+
+def _forget_the_parents_forkserver() -> None:
+    """Runs in the child of every ``os.fork`` of a process that imported this module.
+
+    The child inherits the parent's forkserver record (its pid, address and alive pipe), but that
+    forkserver is not the child's child: multiprocessing's next start calls ``waitpid`` on its pid
+    and fails with ECHILD (CI: a reliability case forked from pytest, after an earlier test had
+    started the forkserver, could not start its ranks). The child forgets the record and starts a
+    forkserver of its own on first use; the parent's keeps running (the parent holds its pipe).
+    """
+    server = multiprocessing.forkserver._forkserver  # the module's one ForkServer
+    server._lock = threading.Lock()  # another thread may have held it at the fork
+    if server._forkserver_pid is None:
+        return
+    with contextlib.suppress(OSError, TypeError):
+        os.close(server._forkserver_alive_fd)
+    server._forkserver_address = None
+    server._forkserver_alive_fd = None
+    server._forkserver_pid = None
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_forkserver)
 
 
 def context():

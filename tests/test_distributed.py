@@ -68,6 +68,24 @@ def test_save_checkpoint_every_rank(tmp_path, world):
     assert _staging_leftovers(root) == []
 
 
+def test_a_process_forked_after_the_forkserver_started_launches_ranks_of_its_own(tmp_path):
+    """CI failed once with ECHILD: a reliability case, forked from pytest after an earlier test
+    had started the forkserver, inherited the forkserver's pid and could not start its ranks."""
+    from tests.harness.procs import run_child
+
+    first = dw.launch(2, dw.save_files, str(tmp_path / "res0"), root=str(tmp_path / "a"), step=1)
+    _assert_all_ok(first)  # this process's forkserver now runs
+
+    def in_a_forked_child():
+        run = dw.launch(2, dw.save_files, str(tmp_path / "res1"), root=str(tmp_path / "b"), step=2)
+        return [(r.exitcode, r.error_type, r.error) for r in run.results]
+
+    code, out = run_child(in_a_forked_child, timeout=120)
+    assert code == 0, out
+    assert out["ok"] == [[0, None, None], [0, None, None]]
+    assert txckpt.get_last_checkpoint(str(tmp_path / "b")) == str(tmp_path / "b" / "checkpoint-2")
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_transaction_open_save_directory(tmp_path, world):
     root = str(tmp_path / "out")

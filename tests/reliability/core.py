@@ -3,8 +3,9 @@
 Every case runs in a process of its own, forked from the campaign's parent (which has imported
 torch, txckpt and, when needed, transformers), and forks further children for crash points and
 fresh-process checks. Results travel back as JSON through pipes. Nothing here sleeps to wait for
-anything: children are reaped with blocking ``waitpid``, and the only clock is a watchdog that
-SIGKILLs (by pid) a case that outlives its budget.
+anything: children are reaped with blocking ``waitpid`` (the scheduler waits on its own cases' pidfds),
+and the only clock is the campaign's budget, past which the scheduler SIGKILLs (by pid) the
+cases still running.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import tempfile
@@ -148,6 +150,7 @@ def run_cases(cases: list[Case], base_ctx: Ctx, *, workers: int = 2, budget: flo
     order = sorted(cases, key=lambda c: -(c.cost if base_ctx.quick else (c.cost_full or 4 * c.cost)))
     pending = list(order)
     running: dict[int, tuple[Case, str, float]] = {}
+    pidfds: dict[int, int] = {}  # pidfd -> pid of a running case
     results: dict[str, Result] = {}
     deadline = None if budget is None else time.monotonic() + budget
 
@@ -170,22 +173,18 @@ def run_cases(cases: list[Case], base_ctx: Ctx, *, workers: int = 2, budget: flo
                 code = 1
             os._exit(code)
         running[pid] = (case, out, time.monotonic())
+        pidfds[os.pidfd_open(pid)] = pid
 
-    def on_alarm(signum, frame):
-        raise TimeoutError
-
-    # The watchdog uses SIGALRM only with a budget (pytest-timeout may own SIGALRM otherwise).
-    old = signal.signal(signal.SIGALRM, on_alarm) if deadline is not None else None
     try:
         while pending or running:
             while pending and len(running) < workers:
                 start(pending.pop(0))
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                signal.setitimer(signal.ITIMER_REAL, max(left, 0.01))
-            try:
-                pid, status = os.wait()
-            except TimeoutError:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            # Wait on the pidfds of this scheduler's own cases, never on "any child" (os.wait):
+            # that would reap what else this process started (the multiprocessing forkserver
+            # of tests/dist_workers.py, an emulator), whose owner then fails with ECHILD.
+            ready, _, _ = select.select(list(pidfds), [], [], left)
+            if not ready:  # the campaign's budget ran out
                 for pid, (case, out, t0) in list(running.items()):
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
@@ -201,26 +200,25 @@ def run_cases(cases: list[Case], base_ctx: Ctx, *, workers: int = 2, budget: flo
                     results[case.id] = r
                 pending.clear()
                 break
-            finally:
-                if deadline is not None:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-            if pid not in running:
-                continue  # a grandchild reparented to us? (not expected)
-            case, out, t0 = running.pop(pid)
-            try:
-                with open(out) as f:
-                    res = Result.from_json(json.load(f))
-            except (OSError, ValueError):
-                res = Result(case.id, case.campaign, case.title, case.backend)
-                res.error = f"the case's process died (status {status}) without a result"
-                res.seconds = time.monotonic() - t0
-            results[case.id] = res
-            flag = ("ERROR" if res.error else
-                    f"{len(res.violations)} violations" + (f", {len(res.known_violations)} known" if res.known_violations else ""))
-            progress(f"  {case.id}: {res.points} {res.unit}, {flag} ({res.seconds:.0f} s)")
+            for fd in ready:
+                pid = pidfds.pop(fd)
+                os.close(fd)
+                _, status = os.waitpid(pid, 0)
+                case, out, t0 = running.pop(pid)
+                try:
+                    with open(out) as f:
+                        res = Result.from_json(json.load(f))
+                except (OSError, ValueError):
+                    res = Result(case.id, case.campaign, case.title, case.backend)
+                    res.error = f"the case's process died (status {status}) without a result"
+                    res.seconds = time.monotonic() - t0
+                results[case.id] = res
+                flag = ("ERROR" if res.error else
+                        f"{len(res.violations)} violations" + (f", {len(res.known_violations)} known" if res.known_violations else ""))
+                progress(f"  {case.id}: {res.points} {res.unit}, {flag} ({res.seconds:.0f} s)")
     finally:
-        if deadline is not None:
-            signal.signal(signal.SIGALRM, old)
+        for fd in pidfds:
+            os.close(fd)
     return [results[c.id] for c in cases if c.id in results]
 
 
