@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import weakref
 from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
@@ -284,7 +285,11 @@ def log_retries(fs: Any) -> None:
     """Log each request botocore retries for s3fs filesystem ``fs`` (a wrong endpoint is
     otherwise silent for the 7-10 s of its backoff before :class:`EndpointUnreachableError`).
     Registered on the filesystem's session, whose event handlers every client it creates later
-    copies, and on its client if it has one already; once (by id) however many roots share it."""
+    copies, and on its client if it has one already; once (by id) however many roots share it.
+
+    The hook holds ``fs`` weakly: s3fs's ``weakref.finalize`` holds the client, the client its
+    hooks, so a strong reference here kept every filesystem (and its botocore session and service
+    models, ~40 000 objects each) alive for good; ``skip_instance_cache`` opens one per root."""
     try:
         session = getattr(fs, "session", None)
         if session is None:
@@ -294,17 +299,20 @@ def log_retries(fs: Any) -> None:
             fs._session_is_owned = True  # s3fs's own flag: it may recreate it on a refresh
         emitters = [session] + [c.meta.events for c in [getattr(fs, "_s3", None)] if c is not None]
         for emitter in emitters:
-            emitter.register("needs-retry.s3", functools.partial(_note_retry, fs), unique_id=_RETRY_HOOK)
+            emitter.register("needs-retry.s3", functools.partial(_note_retry, weakref.ref(fs)), unique_id=_RETRY_HOOK)
     except Exception as e:  # pragma: no cover - another s3fs/aiobotocore layout: log nothing
         _log.debug("not logging S3 retries: %s: %s", type(e).__name__, e)
 
 
-def _note_retry(fs: Any, attempts: int = 0, caught_exception: BaseException | None = None,
+def _note_retry(fs_ref: weakref.ref[Any], attempts: int = 0, caught_exception: BaseException | None = None,
                 response: Any = None, endpoint: Any = None, operation: Any = None, **_: Any) -> None:
     """botocore's ``needs-retry`` event, after every attempt: log a failed one that it retries.
     Attempt 1 at INFO; attempt 2 at WARNING, so that Python's default level shows one line
     within the first second of a wrong endpoint; later ones at INFO. The last attempt is not
     retried: the typed error says it. Returns None: the retry decision stays botocore's."""
+    fs = fs_ref()
+    if fs is None:  # the filesystem is gone; its client is being closed
+        return None
     if caught_exception is not None:
         why = _first_line(caught_exception)
     else:
