@@ -3,6 +3,10 @@
 Every checkpoint is written into a staging directory and committed through a manifest and one
 create-if-absent log entry; a rollback forks a new lineage instead of overwriting another run's
 checkpoints. See docs/protocol.md for the on-disk protocol.
+
+The public API is what docs/api.md lists: the names below (``__all__``), :mod:`txckpt.errors`,
+and the integrations ``txckpt.integrations.transformers``, ``.accelerate`` and ``.dcp``. Every
+other module is internal, even where it can be imported; tests/test_public_api.py checks both.
 """
 
 from .api import (
@@ -18,35 +22,54 @@ from .api import (
     transaction,
     verify_checkpoint,
 )
-from .asyncsave import async_save, wait_for_saves
+from .asyncsave import async_save, release_buffers, wait_for_saves
+from .coordination import SingleProcess
 from .errors import TxckptError
 from .gc import collect_garbage
-from .retention import RetentionPolicy, apply_retention
+from .retention import (
+    RetentionPolicy,
+    acquire_reader_lease,
+    apply_retention,
+    plan_retention,
+    release_reader_lease,
+    rewind,
+)
 from .manifest import MANIFEST_NAME, Manifest
 from .root import CheckpointInfo, CheckpointRoot
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # save and load
     "save_checkpoint",
-    "async_save",
-    "wait_for_saves",
     "transaction",
     "load_checkpoint",
     "get_last_checkpoint",
-    "resume",
-    "new_lineage",
+    "read_manifest",
     "verify_checkpoint",
     "fetch_checkpoint",
-    "read_manifest",
-    "open_root",
-    "forget_roots",
-    "CheckpointRoot",
-    "CheckpointInfo",
     "Manifest",
     "MANIFEST_NAME",
-    "TxckptError",
+    # roots and lineage
+    "resume",
+    "new_lineage",
+    "CheckpointRoot",
+    "CheckpointInfo",
+    "open_root",
+    "forget_roots",
+    "SingleProcess",
+    # asynchronous saves
+    "async_save",
+    "wait_for_saves",
+    "release_buffers",
+    # retention and garbage collection
     "RetentionPolicy",
     "apply_retention",
+    "plan_retention",
+    "rewind",
+    "acquire_reader_lease",
+    "release_reader_lease",
     "collect_garbage",
+    # errors (the rest: txckpt.errors)
+    "TxckptError",
 ]

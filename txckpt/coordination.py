@@ -106,6 +106,11 @@ class Coordinator(abc.ABC):
 
 
 class SingleProcess(Coordinator):
+    """The coordinator of a process that saves alone: rank 0 of a world of 1, no collectives.
+    The default without a process group; inside one, ``open_root(root).transaction(step,
+    coordinator=SingleProcess())`` saves from one rank only, outside the job's checkpoint
+    (docs/distributed.md, "Rules for callers")."""
+
     rank = 0
     world_size = 1
 

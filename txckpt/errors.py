@@ -432,3 +432,26 @@ def _this_module() -> Any:
     import sys
 
     return sys.modules[__name__]
+
+
+#: The public errors (docs/api.md, "Errors"): every class above. The codec (encode_error,
+#: decode_error, reworded, is_txckpt_error) and storage_error are internal.
+__all__ = [
+    "TxckptError",
+    "InvalidArgumentError", "NamingConflictError",
+    "NotATxckptRootError",
+    "CheckpointNotFoundError", "CheckpointRetiredError", "LineageNotFoundError",
+    "RootNotFoundError",
+    "MissingDependencyError",
+    "LookupRaceError",
+    "StepConflictError",
+    "ConcurrentWriterError", "StaleLineageError",
+    "IntegrityError", "SpecialFileError", "ManifestError", "NoIntactCheckpointError",
+    "UnsafePathError", "NotACheckpointError",
+    "WeightsOnlyError",
+    "AdoptionError", "AmbiguousCheckpointNameError", "AdoptionInProgressError",
+    "LogCorruptError",
+    "TransactionAbortedError", "CoordinationTimeoutError",
+    "StorageError", "TempFileRemovedError",
+    "RemoteAccessError", "CredentialsError", "EndpointUnreachableError",
+]

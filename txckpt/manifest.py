@@ -123,6 +123,11 @@ def name_conflict(file_name: str, nested: str) -> InvalidArgumentError:
 
 @dataclass
 class Manifest:
+    """One checkpoint's manifest (``txckpt-manifest.json``, protocol §3), as
+    :func:`txckpt.read_manifest` and :func:`txckpt.verify_checkpoint` return it: ``txid``,
+    ``lineage``, ``step``, ``parent``, ``files`` (name -> size, checksum, rank), ``created``,
+    ``world_size``, the caller's ``metadata``, ``adopted`` and the manifest's own ``digest``."""
+
     txid: str
     lineage: str
     step: int

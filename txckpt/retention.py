@@ -244,6 +244,8 @@ def _drop_lease(root: Root, key: str) -> None:
 
 
 def release_reader_lease(root: Root, key: str) -> None:
+    """Give back the lease ``key`` that :func:`acquire_reader_lease` returned (deletes its file);
+    retention and gc may then delete the checkpoint. Call it when the read is done."""
     root.storage.delete_file(key)
 
 

@@ -313,4 +313,4 @@ class TransactionalAccelerator(Accelerator):
         return txckpt.fetch_checkpoint(where, dest, storage_options=self.txckpt_storage_options)
 
 
-__all__ = ["TransactionalAccelerator", "ACCELERATE_NAMING"]
+__all__ = ["TransactionalAccelerator"]  # public (docs/api.md); ACCELERATE_NAMING is internal

@@ -542,4 +542,5 @@ def _load_item(req: ReadItem, blob: Any, planner: LoadPlanner) -> None:
     planner.commit_tensor(req, target)
 
 
-__all__ = ["TransactionalWriter", "TransactionalReader", "METADATA_NAME", "RANGES_NAME", "VERIFY_MODES"]
+# Public (docs/api.md). METADATA_NAME, RANGES_NAME and VERIFY_MODES stay importable, but are internal.
+__all__ = ["TransactionalWriter", "TransactionalReader"]
