@@ -25,7 +25,6 @@ below storage/, so that storage.local imports this module and never the reverse.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
@@ -416,9 +415,15 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _libc() -> ctypes.CDLL:
+    """The C library already linked into this process (dlopen(NULL)). Not
+    ``ctypes.util.find_library("c")``: that runs ``ldconfig -p`` in a child process, at import."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _load_sync_file_range():
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = _libc()
         fn = libc.sync_file_range
     except (OSError, AttributeError):
         return None
@@ -436,7 +441,7 @@ _AT_FDCWD = -100
 
 def _load_renameat2():
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = _libc()
         fn = libc.renameat2
     except (OSError, AttributeError):
         return None
