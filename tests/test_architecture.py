@@ -151,3 +151,103 @@ def test_core_imports_no_framework():
         outer = _imports(name, path, modules)[1]
         bad += [f"{name} imports {fw}" for fw in FRAMEWORKS if fw in outer]
     assert bad == []
+
+
+# ----- one parse of checkpoint names (issue 28) ---------------------------------------------------
+#: The modules that form and parse checkpoint names (``<prefix><step>``, ``checkpoint-N``); every
+#: other module asks them (Naming.public / step_of / name_of, split_public, layout.checkpoint_name,
+#: parse_checkpoint_name, integrations/trainer_paths.TRAINER_NAMING).
+NAME_MODULES = ("txckpt.naming", "txckpt.layout")
+_PREFIX_TEXT = re.compile(r"checkpoint[-_]$")
+#: A name formed from a prefix and a value: ``checkpoint-{}``, ``{PREFIX}-{}``, ``{PREFIX}{}``.
+_FORMED = re.compile(r"(checkpoint[-_]|\{PREFIX\}[-_]?)\{\}")
+_RE_FUNCS = {"compile", "match", "fullmatch", "search", "findall", "finditer", "sub", "subn", "split"}
+
+
+def _render(node: ast.AST) -> str:
+    """A string expression as text: constants as they are, a name of a prefix constant
+    (PREFIX_CHECKPOINT_DIR, CHECKPOINT_PREFIX) as ``{PREFIX}``, any other value as ``{}``."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(_render(v) for v in node.values)
+    if isinstance(node, ast.FormattedValue):
+        return _render(node.value) if "PREFIX" in _render(node.value) else "{}"
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _render(node.left) + _render(node.right)
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        ident = node.id if isinstance(node, ast.Name) else node.attr
+        return "{PREFIX}" if "PREFIX" in ident and "CHECKPOINT" in ident else "{}"
+    return "{}"
+
+
+def _name_violations(source: str, path: str = "<src>") -> list[str]:
+    """Where ``source`` forms or parses a checkpoint name itself: an f-string, concatenation,
+    ``%``/``.format`` template or literal of ``checkpoint-N``/``checkpoint_N``, a bare prefix
+    literal outside ``Naming(...)``, or a regex over digits (a step number)."""
+    tree = ast.parse(source, path)
+    docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    naming_args = {id(a) for n in ast.walk(tree) if isinstance(n, ast.Call)
+                   and isinstance(n.func, ast.Name) and n.func.id == "Naming" for a in n.args}
+    inner = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
+    inner |= {id(c) for n in ast.walk(tree) if isinstance(n, ast.BinOp) for c in (n.left, n.right)}
+    out = []
+    for node in ast.walk(tree):
+        where = f"{path}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, (ast.JoinedStr, ast.BinOp)) and id(node) not in inner:
+            text = _render(node)
+            if _FORMED.search(text):
+                out.append(f"{where}: forms a checkpoint name ({text!r})")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            s = node.value
+            if re.search(r"checkpoint[-_](%|\{)", s) or re.fullmatch(r"checkpoint[-_]\d+", s):
+                out.append(f"{where}: a checkpoint name template or literal ({s!r})")
+            elif _PREFIX_TEXT.search(s) and s in ("checkpoint-", "checkpoint_") and id(node) not in naming_args \
+                    and id(node) not in inner:
+                out.append(f"{where}: a checkpoint name prefix outside Naming(...) ({s!r})")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _RE_FUNCS \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "re" and node.args:
+            pattern = _render(node.args[0])
+            if "\\d" in pattern or "[0-9]" in pattern:
+                out.append(f"{where}: a regex over a number ({pattern!r})")
+    return out
+
+
+def test_the_name_checker_sees_each_way_of_forming_or_parsing_a_name():
+    """The checker below is not vacuous: each way the code used to form or parse names is caught."""
+    bad = {
+        'CHECKPOINT_RE = re.compile(r"^" + PREFIX_CHECKPOINT_DIR + r"-(\\d+)$")': "regex",
+        '_PUBLIC_RE = re.compile(r"^(?P<root>.*)/(?P<name>[^/.][^/]*?)(?P<step>\\d+)$")': "regex",
+        'd = os.path.join(base, f"checkpoint-{step}")': "forms",
+        'd = f"{PREFIX_CHECKPOINT_DIR}-{m.step}"': "forms",
+        'd = f"checkpoint_{i}"': "forms",
+        'd = "checkpoint-" + str(step)': "forms",
+        'log.info("checkpoint-%d is already committed", step)': "template",
+        'print(" -> ".join(f\'"checkpoint-{s} (legacy)"\' for s in legacy))': "forms",
+        'p = os.path.join(root, "checkpoint-2")': "literal",
+        'ok = name.startswith("checkpoint_")': "prefix",
+    }
+    for src, kind in bad.items():
+        found = _name_violations(src)
+        assert len(found) == 1 and kind in found[0], (src, found)
+    fine = [
+        'ACCELERATE_NAMING = Naming("checkpoint_")',
+        'TRAINER_NAMING = Naming(PREFIX_CHECKPOINT_DIR + "-")',
+        'name = naming.public(step)',
+        '"""a docstring about checkpoint-{step} and checkpoint-N"""',
+        'log.info("%s is committed; not saving checkpoint-N again", name)',
+        'r = re.compile(re.escape(prefix) + r"[0-9a-f]{12}$")',
+    ]
+    for src in fine:
+        assert _name_violations(src) == [], src
+
+
+def test_checkpoint_names_are_formed_and_parsed_only_by_naming_and_layout():
+    """layout.py calls parse_checkpoint_name "the one parse": no other module of txckpt/ (core or
+    integration) forms ``checkpoint-N``/``<prefix>N`` or parses a step out of a name itself, so a
+    root's own naming (an Accelerate root's ``checkpoint_N``) is never misnamed ``checkpoint-N``."""
+    found = []
+    for name, path in sorted(_modules().items()):
+        if name not in NAME_MODULES:
+            found += _name_violations(open(path).read(), os.path.relpath(path, HERE))
+    assert found == []

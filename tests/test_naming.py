@@ -128,3 +128,50 @@ def test_layout_parses_checkpoint_names_one_way():
         assert is_url(url), url
     for local in ("/tmp/x", "out/checkpoint-3", "a:b"):
         assert not is_url(local), local
+
+
+def test_split_public_is_the_parse_of_a_name_of_unknown_prefix():
+    """naming.split_public: what reader.parse (a path's shape) and split_name (accelerate's
+    save_state(output_dir)) parse, with layout.parse_step's steps (issue 28: one parse)."""
+    from txckpt.naming import split_public
+
+    assert split_public("step_4") == ("step_", 4)
+    assert split_public("checkpoint-00500") == ("checkpoint-", 500)
+    assert split_public("checkpoint_" + "0" * 30 + "7") == ("checkpoint_", 7)
+    for bad in ("final", "4", "checkpoint-", f"checkpoint-{2**63}", "step_" + "9" * 5000):
+        assert split_public(bad) is None, bad
+    with pytest.raises(InvalidArgumentError, match="step number"):
+        split_name(f"step_{2**63}")  # no step can be 2**63 (it was parsed into an int before)
+
+
+def test_path_shapes_follow_the_one_parse():
+    from txckpt.reader import parse
+
+    assert parse("/r/checkpoint_4") == parse("/r/checkpoint_4/")
+    where = parse("/r/checkpoint-0012")
+    assert (where.root, where.key, where.step, where.txid) == ("/r", "checkpoint-0012", 12, None)
+    assert parse("/r/.hidden4") is None and parse("/checkpoint-4") is None
+    assert parse(f"/r/checkpoint-{2**63}") is None and parse("/r/final") is None
+
+
+def test_trainer_names_are_parsed_by_the_core():
+    """integrations/trainer_paths keeps upstream's PREFIX_CHECKPOINT_DIR but parses through the
+    core's naming: a number no step can be is no step (it was an int of 5000 digits)."""
+    from txckpt.integrations import trainer_paths as tp
+
+    assert tp.TRAINER_NAMING.public(7) == "checkpoint-7" == f"{tp.PREFIX_CHECKPOINT_DIR}-7"
+    assert tp.checkpoint_name_step("/out/checkpoint-00500/") == 500
+    assert tp.named_step("/out/checkpoint-3", "/out") == 3 and tp.named_step("/out/checkpoint_3", "/out") is None
+    huge = "checkpoint-" + "9" * 5000
+    assert tp.checkpoint_name_step(f"/out/{huge}") is None and tp.named_step(f"/out/{huge}", "/out") is None
+    assert tp.step_of(f"/nonexistent/{huge}") is None and tp.step_of("/nonexistent/checkpoint-9") == 9
+
+
+def test_trainer_messages_name_a_step_by_the_roots_naming(root):
+    from txckpt.integrations.trainer_paths import public_name
+
+    assert public_name(root, None, 5) == "checkpoint-5"
+    other = os.path.join(root, "named")
+    _named_root(other, "step_")
+    txckpt.forget_roots()
+    assert public_name(other, None, 5) == "step_5"

@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     last = found(txckpt.get_last_checkpoint(root), "a last checkpoint after the crash")
     print(f"   get_last_checkpoint -> {last} (step {txckpt.read_manifest(last).step}, the fork point "
           f"written by run {run_of(last)}; run B continues from it, not from run A's step 6)")
-    assert last == os.path.join(root, "checkpoint-2"), "the restart must continue run B from step 2"
+    assert last == os.path.join(root, txckpt.open_root(root).publication.naming.public(2)), \
+        "the restart must continue run B from step 2"
     txckpt.resume(root)
 
     print("\n5. Run B saves steps 4 and 6.")

@@ -20,7 +20,7 @@ verifying: to the newest checkpoint of the view that is present (:func:`present_
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from .errors import IntegrityError, InvalidArgumentError, LookupRaceError, NoIntactCheckpointError
 from .layout import home_key
@@ -53,7 +53,8 @@ def _check(root: Root, r: Ref, verify: Verify) -> str:
         where = root.storage.full_path(home_key(r.txid, r.step))
         raise IntegrityError(
             f"checkpoint step {r.step} (txid {r.txid}) is committed but its manifest is missing "
-            f"or unreadable at every place it may be ({where}, or {root.publication.naming.public(r.step)})", path=where,
+            f"or unreadable at every place it may be ({where}, or {root.publication.naming.name_of(r.step, r.key)})",
+            path=where,
         )
     return verify(root.storage.full_path(key))
 
@@ -115,11 +116,15 @@ def _fall_back(root: Root, tip: Ref, first: IntegrityError, verify: Verify) -> s
     )
 
 
-def describe_damaged(damaged: list[dict[str, Any]], naming: Naming = DEFAULT_NAMING) -> str:
+def describe_damaged(damaged: list[dict[str, Any]], naming: Naming = DEFAULT_NAMING,
+                     keys: Mapping[str, str | None] | None = None) -> str:
     """One clause per damaged checkpoint, named by the root's ``naming`` (``checkpoint_4`` on an
-    Accelerate root)."""
+    Accelerate root; ``keys``, txid -> the key it was committed at: an adopted
+    ``checkpoint-00500`` keeps its name)."""
+    keys = keys or {}
     return "; ".join(
-        f"{naming.public(d['step'])} (txid {d['txid']}): {d['path'] or '?'} failed ({d['error']})" for d in damaged
+        f"{naming.name_of(d['step'], keys.get(d['txid']))} (txid {d['txid']}): {d['path'] or '?'} failed ({d['error']})"
+        for d in damaged
     )
 
 

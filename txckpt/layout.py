@@ -8,7 +8,8 @@ imports nothing of txckpt, so every module may use it.
 Two things are *not* here: a root's configurable public name (``<prefix><step>``; the prefix is
 the root's, recorded in ``.txckpt/naming``) is :mod:`txckpt.naming`'s, which parses it with
 :func:`parse_step` as this module parses ``checkpoint-N``; and where a committed checkpoint is
-*now* (its home, its public name, an adopted key) is :mod:`txckpt.publication`'s.
+*now* (its home, its public name, an adopted key) is :mod:`txckpt.publication`'s. No module but
+these two forms or parses a checkpoint name (tests/test_architecture.py checks it).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Collection, Iterable, NamedTuple
 
 from .errors import (
     CheckpointNotFoundError,
@@ -30,7 +30,6 @@ from .errors import (
     StaleLineageError,
     StepConflictError,
 )
-from .layout import checkpoint_name
 from .naming import DEFAULT as DEFAULT_NAMING, Naming
 from .refs import Parent, Ref, parent_from_json, parent_to_json, same_ref
 
@@ -323,10 +322,9 @@ class History:
     #: kept up to date by every entry folded.
     _by_lineage: dict[str, dict[str, Checkpoint]] = field(default_factory=dict, repr=False, compare=False)
     _live: dict[str, dict[str, Checkpoint]] = field(default_factory=dict, repr=False, compare=False)
-    #: The retired checkpoints by the first component of each key outside tx/ they may have
-    #: (the published name ``checkpoint-<step>``, an adopted key): which ones a listing of the
-    #: root's top level can show a trace of, without a pass over every one ever retired.
-    _retired_names: dict[str, dict[str, Checkpoint]] = field(default_factory=dict, repr=False, compare=False)
+    #: Retired checkpoints by their step (its public name is in the root's naming) and adopted key's first
+    #: component: which ones a listing of the root's top level can show, without a pass over all retired.
+    _retired_names: dict[int | str, dict[str, Checkpoint]] = field(default_factory=dict, repr=False, compare=False)
     _indexed: bool = field(default=False, repr=False, compare=False)
 
     def _index(self) -> None:
@@ -360,14 +358,16 @@ class History:
         c = self.checkpoints.get(txid)
         if c is not None:
             self._live.get(c.lineage, {}).pop(txid, None)
-            for name in {checkpoint_name(c.step), (c.key or "").split("/", 1)[0]} - {""}:
+            names: set[int | str] = {c.step, (c.key or "").split("/", 1)[0]}
+            for name in names - {""}:
                 self._retired_names.setdefault(name, {})[txid] = c
 
-    def retired_named(self, names: Iterable[str]) -> list[Checkpoint]:
+    def retired_named(self, names: Collection[str], naming: Naming = DEFAULT_NAMING) -> list[Checkpoint]:
         """The retired checkpoints that may have a key outside tx/ starting with one of ``names``
-        (the published name of their step, or their adopted key)."""
+        (the published name of their step in the root's ``naming``, or their adopted key)."""
         self._index()
-        return [c for n in names for c in self._retired_names.get(n, {}).values()]
+        steps = {n: s for n in names if (s := naming.step_of(n)) is not None and naming.public(s) == n}
+        return [c for n in names for k in {n, steps.get(n, n)} for c in self._retired_names.get(k, {}).values()]
 
     def apply(self, entry: dict[str, Any]) -> None:
         seq = int(entry["seq"])
@@ -563,7 +563,7 @@ class CheckpointInfo:
 
 # ----- what a fork abandons, as the warning says it ------------------------------------------------
 def describe_checkpoints(checkpoints: list[Checkpoint], naming: Naming = DEFAULT_NAMING) -> str:
-    return ", ".join(f"{naming.public(c.step)} (lineage {c.lineage}, txid {c.txid})" for c in checkpoints)
+    return ", ".join(f"{naming.name_of(c.step, c.key)} (lineage {c.lineage}, txid {c.txid})" for c in checkpoints)
 
 
 #: A rollback warning lists at most this many abandoned checkpoints (``txckpt log`` shows all).
@@ -585,10 +585,10 @@ def rollback_warning(url: str, parent: Parent, lineage: str,
     lines = [f"{head}: new lineage {lineage} abandons {len(abandoned)} checkpoint(s)",
              f"  root: {url}",
              "  abandoned (kept intact and never overwritten, but no longer returned by get_last_checkpoint):"]
-    name = naming.public
     listed = abandoned[:ROLLBACK_LISTED]
-    width = max(len(name(c.step)) for c in listed) if listed else 0
-    lines += [f"    {name(c.step).ljust(width)}  (lineage {c.lineage}, txid {c.txid})" for c in listed]
+    names = [naming.name_of(c.step, c.key) for c in listed]  # an adopted checkpoint-00500 keeps its name
+    width = max(map(len, names)) if names else 0
+    lines += [f"    {name.ljust(width)}  (lineage {c.lineage}, txid {c.txid})" for name, c in zip(names, listed)]
     if len(abandoned) > ROLLBACK_LISTED:
         lines.append(f"    ... and {len(abandoned) - ROLLBACK_LISTED} more (`txckpt log {url}` shows every one)")
     # What happens to their paths: only rename backends publish (protocol §7). ``renames``: the

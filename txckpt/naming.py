@@ -7,6 +7,15 @@ root without the file uses ``checkpoint-``. The naming decides the public names 
 checkpoints (§7), which directories of a root without a log are legacy checkpoints (§9), and
 which paths have the shape of a published checkpoint (§6a). Homes keep ``checkpoint-N``
 (``.txckpt/tx/<txid>/checkpoint-N``): they are txckpt's own.
+
+With :mod:`txckpt.layout` this module is the one place that forms and parses checkpoint names:
+:meth:`Naming.public` forms ``<prefix><step>``, :meth:`Naming.step_of` parses it in a known
+naming (with layout's :func:`~txckpt.layout.parse_checkpoint_name`), :func:`split_public` parses a
+name whose prefix is not known yet (a path's shape, accelerate's ``save_state(output_dir)``), and
+:meth:`Naming.name_of` names a committed checkpoint as the root has it (an adopted
+``checkpoint-00500`` keeps its zero padding). The integrations use these too (a Trainer's
+``checkpoint-N``: ``integrations/trainer_paths.TRAINER_NAMING``); tests/test_architecture.py
+fails on a checkpoint name formed or parsed anywhere else.
 """
 
 from __future__ import annotations
@@ -16,12 +25,14 @@ import re
 from dataclasses import dataclass
 
 from .errors import InvalidArgumentError, NamingConflictError
-from .layout import CHECKPOINT_PREFIX, NAMING_KEY, entry_key, parse_checkpoint_name
+from .layout import CHECKPOINT_PREFIX, NAMING_KEY, TX_DIR, entry_key, parse_checkpoint_name, parse_step
 
 NAMING_FORMAT = "txckpt-naming/1"
 #: The fixed name is layout's (homes always use it); the prefix a root chooses is this module's.
 DEFAULT_PREFIX = CHECKPOINT_PREFIX
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_+=,@-][A-Za-z0-9_.+=,@-]*$")
+#: ``<prefix><digits>`` for a prefix not known yet: the prefix is all but the trailing digits.
+_PUBLIC_RE = re.compile(r"^(?P<prefix>.*?)(?P<digits>[0-9]+)$", re.S)
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,14 @@ class Naming:
         number no step can be: layout.parse_step)."""
         return parse_checkpoint_name(name, self.prefix)
 
+    def name_of(self, step: int, key: str | None = None) -> str:
+        """The name committed checkpoint ``step`` has in a root of this naming: the directory
+        it was adopted at (``key``, a top-level ``<prefix>N``: ``checkpoint-00500`` stays
+        that), else :meth:`public`."""
+        if key and not key.startswith(TX_DIR + "/") and "/" not in key and self.step_of(key) == step:
+            return key
+        return self.public(step)
+
     def encode(self) -> bytes:
         return json.dumps({"format": NAMING_FORMAT, "prefix": self.prefix}, sort_keys=True).encode()
 
@@ -54,14 +73,27 @@ def check_prefix(prefix: str) -> None:
 DEFAULT = Naming()
 
 
+def split_public(name: str) -> tuple[str, int] | None:
+    """(prefix, step) of a name ``<prefix><digits>`` whose prefix is not known (``step_4``:
+    ``step_``, 4; ``checkpoint-00500``: ``checkpoint-``, 500), the step parsed as layout's
+    :func:`~txckpt.layout.parse_step` parses every step; None for a name without a non-empty
+    prefix or without a step (also a number no step can be). Whether the prefix is usable
+    (:func:`check_prefix`), or the root's naming (:meth:`Naming.step_of`), is the caller's question."""
+    m = _PUBLIC_RE.match(name)
+    if not m or not m.group("prefix"):
+        return None
+    step = parse_step(m.group("digits"))
+    return None if step is None else (m.group("prefix"), step)
+
+
 def split_name(name: str) -> tuple[Naming, int]:
     """The naming and step of a directory name ``<prefix><digits>`` (``step_4``: ``step_``, 4)."""
-    m = re.match(r"^(.*?)(\d+)$", name)
-    if not m or not m.group(1):
+    split = split_public(name)
+    if split is None:
         raise InvalidArgumentError(
             f"{name!r} does not end with a step number after a prefix (like checkpoint_4 or step_4): "
-            "a txckpt checkpoint's name is <prefix><step>")
-    return Naming(m.group(1)), int(m.group(2))
+            "a txckpt checkpoint's name is <prefix><step>, the step below 2**63")
+    return Naming(split[0]), split[1]
 
 
 def read_naming(storage) -> Naming | None:

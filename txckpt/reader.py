@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from .errors import IntegrityError, ManifestError
-from .layout import TX_DIR, is_url, parse_checkpoint_name, parse_step
+from .layout import TX_DIR, is_url, parse_checkpoint_name
 from .manifest import MANIFEST_NAME, Manifest
+from .naming import split_public
 from .refs import Ref
 from .verify import FALLBACK_HINT
 
@@ -33,9 +34,6 @@ if TYPE_CHECKING:  # pragma: no cover - the root is opened on use (open_root), a
     from .root import CheckpointRoot
 
 _HOME_RE = re.compile(r"^(?P<root>.*)/" + re.escape(TX_DIR) + r"/(?P<txid>[^/]+)/(?P<name>[^/]+)$")
-#: ``<root>/<prefix><step>``: checkpoint-N, or a root's own naming (txckpt/naming.py), checked
-#: against the root's naming once the root is open.
-_PUBLIC_RE = re.compile(r"^(?P<root>.*)/(?P<name>[^/.][^/]*?)(?P<step>\d+)$")
 
 
 @dataclass(frozen=True)
@@ -59,10 +57,12 @@ def parse(path: str | os.PathLike) -> RootPath | None:
     step = parse_checkpoint_name(m.group("name")) if m else None
     if m and m.group("root") and step is not None:
         return RootPath(m.group("root"), f"{TX_DIR}/{m.group('txid')}/{m.group('name')}", step, m.group("txid"))
-    m = _PUBLIC_RE.match(p)
-    step = parse_step(m.group("step")) if m else None
-    if m and m.group("root") and step is not None:
-        return RootPath(m.group("root"), f"{m.group('name')}{m.group('step')}", step, None)
+    # ``<root>/<prefix><step>``: checkpoint-N, or a root's own naming (txckpt/naming.py), checked
+    # against the root's naming once the root is open. No prefix starts with '.' (check_prefix).
+    head, _, name = p.rpartition("/")
+    split = split_public(name) if not name.startswith(".") else None
+    if head and split is not None:
+        return RootPath(head, name, split[1], None)
     return None
 
 

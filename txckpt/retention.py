@@ -39,7 +39,8 @@ from .lineage import Checkpoint, History, State
 from .storage.base import Storage
 from .layout import READERS_DIR, TX_DIR, lease_key, parse_checkpoint_name
 from .manifest import MANIFEST_NAME, Manifest
-from .publication import Root, manifest_txid, public_key
+from .naming import DEFAULT as DEFAULT_NAMING, Naming
+from .publication import Root, manifest_txid
 from .refs import Ref
 from .reserve import FULL, ensure_reserve, full_disk_error, release_reserve
 
@@ -110,18 +111,21 @@ class RetentionPolicy:
         now: float | None = None,
         protected: Iterable[str] = (),
         metrics: dict[str, float] | None = None,
+        naming: Naming = DEFAULT_NAMING,
     ) -> list[Checkpoint]:
         """The committed, not yet retired checkpoints this policy lets go, oldest first.
 
         ``protected``: txids kept regardless (reader leases, resolved ``keep_best`` paths).
         ``metrics``: txid -> value of ``best_metric`` (read from manifests by apply_retention).
         ``now``: the clock for the abandoned TTL (default: time.time()).
+        ``naming``: the root's, by which a ``keep_best`` name gives a step (``checkpoint_5`` on
+        an Accelerate root).
         """
         now = time.time() if now is None else now
         keep = set(protected) | self.always_kept(history)
         current = history.in_view(None)
         current_ids = {c.txid for c in current}
-        best = self._resolve_best(history, current)
+        best = self._resolve_best(history, current, naming)
         keep |= best
         rules = self.keep_last is not None or self.keep_every is not None or self.best_metric is not None
         if not rules:
@@ -158,7 +162,7 @@ class RetentionPolicy:
         """Fork points and the head tip: never retired, whatever the policy."""
         return protected_by_state(history.state)
 
-    def _resolve_best(self, history: History, current: list[Checkpoint]) -> set[str]:
+    def _resolve_best(self, history: History, current: list[Checkpoint], naming: Naming = DEFAULT_NAMING) -> set[str]:
         """keep_best entries -> txids, conservatively (an ambiguous name keeps every candidate)."""
         out: set[str] = set()
         for item in self.keep_best:
@@ -174,7 +178,9 @@ class RetentionPolicy:
                         hit = True
             if hit:
                 continue
-            step = parse_checkpoint_name(parts[-1]) if parts else None
+            # The root's public name, or a home's (and a Trainer's) checkpoint-N.
+            step = (naming.step_of(parts[-1]) if naming.step_of(parts[-1]) is not None
+                    else parse_checkpoint_name(parts[-1])) if parts else None
             if step is not None:
                 out |= {c.txid for c in current if c.step == step}
                 # A name that is no longer the current lineage's (stale path): keep every owner.
@@ -327,7 +333,7 @@ def plan_retention(root: Root, policy: RetentionPolicy, history: History | None 
     leased, _ = read_leases(root.storage, now)
     protected = leased | _resolve_paths(root, policy.keep_best)
     metrics = _read_metrics(root, history, policy.best_metric) if policy.best_metric else None
-    return policy.decide(history, now=now, protected=protected, metrics=metrics)
+    return policy.decide(history, now=now, protected=protected, metrics=metrics, naming=root.publication.naming)
 
 
 def retire(root: Root, txids: Iterable[str], *, policy: RetentionPolicy | None = None,
@@ -470,7 +476,8 @@ def retired_present(root: Root, history: History | None = None) -> list[Checkpoi
     homes = set(s.list_dir(TX_DIR))
     top_names = set(s.list_dir(""))
     retired = {t: history.checkpoints[t] for t in homes if t in history.retired and t in history.checkpoints}
-    retired.update((c.txid, c) for c in history.retired_named(top_names))
+    naming = root.publication.naming
+    retired.update((c.txid, c) for c in history.retired_named(top_names, naming))
 
     def elsewhere(c: Checkpoint) -> bool:
         # Anywhere outside tx/ it can be (a published ``checkpoint-N``, an adopted checkpoint's
@@ -482,7 +489,7 @@ def retired_present(root: Root, history: History | None = None) -> list[Checkpoi
         # What ``elsewhere`` asks, cheaply: the keys outside tx/ that a publication's candidates
         # hold are the published name and the adopted key. This runs over every checkpoint ever
         # retired after every save, so it must not build refs or candidate lists for each.
-        return public_key(c.step) in top_names or (c.key is not None and c.key.split("/", 1)[0] in top_names)
+        return naming.public(c.step) in top_names or (c.key is not None and c.key.split("/", 1)[0] in top_names)
 
     # A txid the listing of tx/ shows is present already; any other needs its data located.
     return sorted((c for c in retired.values() if c.txid in homes or (

@@ -399,7 +399,10 @@ class CheckpointRoot:
                 "%d of lineage %s: new lineage %s abandons %d checkpoint(s): %s. Nothing was deleted: "
                 "the damaged ones stay on disk as they are (`txckpt verify` reports them); restore "
                 "them from a backup if you need them.",
-                self.url, describe_damaged(damaged, self.publication.naming), parent.step, parent.lineage, lid,
+                self.url, describe_damaged(damaged, self.publication.naming,
+                                           {d["txid"]: c.key for d in damaged
+                                            if (c := history.checkpoints.get(d["txid"])) is not None}),
+                parent.step, parent.lineage, lid,
                 len(abandoned), describe_checkpoints(abandoned, self.publication.naming),
             )
         elif abandoned and announce:

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from .. import checksum
-from ..errors import CheckpointNotFoundError, NotACheckpointError
+from ..errors import AmbiguousCheckpointNameError, CheckpointNotFoundError, NotACheckpointError
 from ..layout import LOG_DIR
 from ..reader import enclosing_root
 from ..refs import ExternalParent, Ref, parent_to_json
@@ -27,12 +27,18 @@ def cmd_log(args: argparse.Namespace) -> int:
     history = root.history()
     if history.state.seq < 0:
         legacy = root.legacy_checkpoints()
+        naming = root.publication.naming
         if args.json:
             print_json({"head": None, "lineages": [], "nodes": [], "legacy_steps": legacy})
         elif args.format == "dot":
-            print("digraph txckpt {\n  " + " -> ".join(f'"checkpoint-{s} (legacy)"' for s in legacy) + "\n}")
+            try:  # as named on disk (checkpoint_4, checkpoint-00500), where one name holds each step
+                names = dict(root.legacy_dirs())
+            except AmbiguousCheckpointNameError:
+                names = {}
+            print("digraph txckpt {\n  " + " -> ".join(f'"{names.get(s) or naming.public(s)} (legacy)"'
+                                                       for s in legacy) + "\n}")
         else:
-            print(f"{root.url} has no txckpt log; legacy checkpoint-N steps: {legacy or 'none'}. "
+            print(f"{root.url} has no txckpt log; legacy {naming.public('N')} steps: {legacy or 'none'}. "
                   "Run `txckpt adopt ROOT` to record them as a lineage.")
         return EXIT_OK
     graph = build_graph(root, history, max_count=args.max_count or None, include_retired=args.all)

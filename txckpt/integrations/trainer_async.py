@@ -46,7 +46,8 @@ from txckpt.root import open_root
 
 from .trainer_patches import torch_save_into
 from .trainer_ranks import rank_patterns
-from .trainer_paths import STAGING_DIR_NAME, STAGING_ENV, TRAINER_STATE_NAME, is_remote, is_within
+from .trainer_paths import (STAGING_DIR_NAME, STAGING_ENV, TRAINER_NAMING, TRAINER_STATE_NAME, is_remote, is_within,
+                           public_name)
 
 log = logging.getLogger("txckpt.transformers")
 
@@ -76,7 +77,7 @@ class _Capture:
 
     def __init__(self, base: str, step: int):
         self.output_root = base
-        self.directory = os.path.join(base, f"checkpoint-{step}")
+        self.directory = os.path.join(base, TRAINER_NAMING.public(step))  # where upstream writes
         os.makedirs(self.directory, exist_ok=True)
         #: name -> (how, object, writer keywords, the real writer), in the order upstream wrote them.
         self.writes: dict[str, tuple[str, Any, dict[str, Any], Callable[..., Any]]] = {}
@@ -227,7 +228,8 @@ class AsyncSaves:
         self.settle()  # the previous save: committed (its follow-up done) or its error raised
         step = int(t.state.global_step)
         if t._txckpt_last_step is not None and step == t._txckpt_last_step:
-            log.info("checkpoint-%d is already committed in this lineage; not saving it again", step)
+            log.info("%s is already committed in this lineage; not saving it again",
+                     public_name(t._txckpt_root(trial), t.txckpt_storage_options, step))
             return
         root = t._txckpt_root(trial)
         so = t.txckpt_storage_options
@@ -316,7 +318,8 @@ class AsyncSaves:
                 t.state.best_model_checkpoint = job.best_before
             if raise_error:
                 raise e
-            log.error("the async save of checkpoint-%d failed: %s: %s", job.step, type(e).__name__, e)
+            log.error("the async save of %s failed: %s: %s", public_name(job.root, t.txckpt_storage_options, job.step),
+                      type(e).__name__, e)
             return
         committed, expected = job.future.result()
         t._txckpt_last_step = job.step
@@ -324,8 +327,9 @@ class AsyncSaves:
             if state.best_model_checkpoint is not None and is_within(state.best_model_checkpoint, job.capture_root):
                 state.best_model_checkpoint = committed
         if committed != expected:
-            log.warning("checkpoint-%d was committed at %s, not at %s; trainer_state.json inside it "
-                        "names %s as best_model_checkpoint", job.step, committed, expected, expected)
+            log.warning("%s was committed at %s, not at %s; trainer_state.json inside it "
+                        "names %s as best_model_checkpoint",
+                        public_name(job.root, t.txckpt_storage_options, job.step), committed, expected, expected)
         if t._txckpt_prune_after_commit:
             t._txckpt_prune_after_commit = False
             t._txckpt_remote.drop_cached_copies()

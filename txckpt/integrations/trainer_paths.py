@@ -1,27 +1,44 @@
 """Names and path tests of the Trainer integration (txckpt.integrations.transformers): where
 upstream's checkpoint directories are, and whether a path is remote, inside a root, or names a
-step. No transformers import: the modules of the integration share these."""
+step. No transformers import: the modules of the integration share these. Upstream's
+``checkpoint-N`` is formed and parsed by the core's naming (:data:`TRAINER_NAMING`, txckpt/naming.py),
+never by a regex of its own."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import re
-from typing import Iterator
+from typing import Any, Iterator, Mapping
 
 from ..layout import is_local_path, is_url
+from ..naming import Naming
 
 #: Upstream's names (transformers.trainer_utils.PREFIX_CHECKPOINT_DIR, trainer.TRAINER_STATE_NAME).
 PREFIX_CHECKPOINT_DIR = "checkpoint"
 TRAINER_STATE_NAME = "trainer_state.json"
-CHECKPOINT_RE = re.compile(r"^" + PREFIX_CHECKPOINT_DIR + r"-(\d+)$")
+#: Upstream's checkpoint directories, ``f"{PREFIX_CHECKPOINT_DIR}-{global_step}"``: the core's
+#: default naming. Its step_of parses them as upstream's ``^checkpoint-(\d+)$`` does (zero padding
+#: too), in ASCII digits below 2**63 (layout.parse_step: a larger number is none, not a huge int).
+TRAINER_NAMING = Naming(PREFIX_CHECKPOINT_DIR + "-")
 
 #: A remote root's local cache, under output_dir, and its parts (trainer_remote.RemoteCache).
 CACHE_DIR_NAME = ".txckpt-cache"
 STAGING_DIR_NAME = "staging"
 PUSH_DIR_NAME = "push"
 STAGING_ENV = "TXCKPT_STAGING_DIR"
+
+
+def public_name(root: str, storage_options: Mapping[str, Any] | None, step: int) -> str:
+    """Step ``step``'s public name in ``root``, as messages name it: the root's naming
+    (``checkpoint-N`` unless the root records another, txckpt/naming.py). A message never fails
+    for it: a root whose naming cannot be read now (an error being reported) is named upstream's way."""
+    from ..root import open_root
+
+    try:
+        return open_root(root, storage_options).publication.naming.public(step)
+    except Exception:  # noqa: BLE001 - only a name in a message
+        return TRAINER_NAMING.public(step)
 
 
 def is_remote(path: str) -> bool:
@@ -35,9 +52,9 @@ def named_step(path: str, parent: str) -> int | None:
     if is_url(path) != is_url(parent):
         return None
     head, name = (path.rstrip("/").rsplit("/", 1) + [""])[:2] if is_url(path) else os.path.split(path)
-    m = CHECKPOINT_RE.match(name)
+    step = TRAINER_NAMING.step_of(name)
     same = head.rstrip("/") == parent.rstrip("/") if is_url(path) else os.path.realpath(head) == os.path.realpath(parent)
-    return int(m.group(1)) if m and same else None
+    return step if same else None
 
 
 def same_dir(a: str, b: str) -> bool:
@@ -55,8 +72,7 @@ def is_within(path: str, root: str) -> bool:
 
 def checkpoint_name_step(path: str) -> int | None:
     """K for a path whose last component is ``checkpoint-K`` (published or a home), else None."""
-    m = CHECKPOINT_RE.match(os.path.basename(path.rstrip("/").rstrip(os.sep)))
-    return int(m.group(1)) if m else None
+    return TRAINER_NAMING.step_of(os.path.basename(path.rstrip("/").rstrip(os.sep)))
 
 
 def step_of(path: str) -> int | None:
@@ -65,8 +81,7 @@ def step_of(path: str) -> int | None:
         with open(os.path.join(path, TRAINER_STATE_NAME), encoding="utf-8") as f:
             return int(json.load(f)["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
-        m = CHECKPOINT_RE.match(os.path.basename(os.path.normpath(path)))
-        return int(m.group(1)) if m else None
+        return TRAINER_NAMING.step_of(os.path.basename(os.path.normpath(path)))
 
 
 @contextlib.contextmanager

@@ -23,10 +23,10 @@ from txckpt.coordination import coordination_timeout, current_coordinator, decid
 
 from .trainer_paths import (
     CACHE_DIR_NAME,
-    PREFIX_CHECKPOINT_DIR,
     PUSH_DIR_NAME,
     STAGING_DIR_NAME,
     STAGING_ENV,
+    TRAINER_NAMING,
     env_var,
 )
 
@@ -87,7 +87,7 @@ class RemoteCache:
         whose push has finished are removed first."""
         self.drop_push_copies()
         manifest = txckpt.read_manifest(remote, storage_options=self._storage_options)
-        dest = os.path.join(self.directory, PUSH_DIR_NAME, manifest.txid, f"{PREFIX_CHECKPOINT_DIR}-{manifest.step}")
+        dest = os.path.join(self.directory, PUSH_DIR_NAME, manifest.txid, TRAINER_NAMING.public(manifest.step))
         return self.fetch_here(remote, dest)
 
     def drop_push_copies(self) -> None:
@@ -124,7 +124,7 @@ class RemoteCache:
         """Rank 0, while resuming with a fallback: fetch (and so verify) ``path`` into the cache,
         remembered so that the fetch of every rank that follows does not fetch it twice."""
         m = txckpt.read_manifest(path, storage_options=self._storage_options)
-        dest = os.path.join(self.directory, m.txid, f"{PREFIX_CHECKPOINT_DIR}-{m.step}")
+        dest = os.path.join(self.directory, m.txid, TRAINER_NAMING.public(m.step))
         self.verified = {path: self.fetch_here(path, dest)}
         return path
 
@@ -141,7 +141,7 @@ class RemoteCache:
             return {"txid": m.txid, "step": m.step}
 
         info = decide_on_rank0(read, phase="fetch", coordinator=coord)
-        dest = os.path.join(self.directory, info["txid"], f"{PREFIX_CHECKPOINT_DIR}-{info['step']}")
+        dest = os.path.join(self.directory, info["txid"], TRAINER_NAMING.public(info["step"]))
         if coord.world_size == 1:
             return self.fetch_here(remote, dest)
         local_rank = int(getattr(self._trainer.args, "local_process_index", coord.rank))

@@ -65,6 +65,7 @@ from .trainer_paths import (
     PREFIX_CHECKPOINT_DIR,
     TRAINER_STATE_NAME,
     checkpoint_name_step,
+    public_name,
     is_remote,
     is_url,
     is_within,
@@ -205,7 +206,8 @@ class TransactionalCheckpointMixin:
         if self._txckpt_last_step is not None and step == self._txckpt_last_step:
             # E.g. a JIT checkpoint requested right after a regular save or a resume: the committed
             # checkpoint-N already holds this step; saving it again would be a StepConflictError.
-            log.info("checkpoint-%d is already committed in this lineage; not saving it again", step)
+            log.info("%s is already committed in this lineage; not saving it again",
+                     public_name(self._txckpt_root(trial), self.txckpt_storage_options, step))
             return
         root = self._txckpt_root(trial)
         self._txckpt_pending_push = None
@@ -234,8 +236,9 @@ class TransactionalCheckpointMixin:
             if self.state.best_model_checkpoint == expected:
                 self.state.best_model_checkpoint = committed
             log.warning(
-                "checkpoint-%d was committed at %s, not at %s; trainer_state.json inside it "
-                "names %s as best_model_checkpoint", step, committed, expected, expected,
+                "%s was committed at %s, not at %s; trainer_state.json inside it "
+                "names %s as best_model_checkpoint", public_name(root, self.txckpt_storage_options, step),
+                committed, expected, expected,
             )
         if self._txckpt_prune_after_commit:
             self._txckpt_prune_after_commit = False
@@ -577,9 +580,11 @@ def _apply_retention(root: str, storage_options: dict | None, keep_last: int, be
     from txckpt.retention import RetentionPolicy, apply_retention
 
     policy = RetentionPolicy.from_save_total_limit(keep_last, best)
-    gone = apply_retention(txckpt.open_root(root, storage_options), policy)
+    r = txckpt.open_root(root, storage_options)
+    gone = apply_retention(r, policy)
     for c in gone:
-        log.info("retention (save_total_limit=%d) deleted checkpoint-%d (txid %s)", keep_last, c.step, c.txid)
+        log.info("retention (save_total_limit=%d) deleted %s (txid %s)", keep_last,
+                 r.publication.naming.name_of(c.step, c.key), c.txid)
 
 
 class TransactionalTrainer(TransactionalCheckpointMixin, Trainer):
