@@ -39,8 +39,12 @@ demo: $(BASE)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -rs --tier fast $(PYTEST_ARGS)
 
+# `make test` runs on TEST_JOBS pytest-xdist workers (each test whole in one worker; `TEST_JOBS=0`
+# runs in one process). Its time is mostly child processes importing torch and transformers, one
+# core each: two workers use both cores of these machines.
+TEST_JOBS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -rs --durations=25 --tier test $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=25 --tier test -n $(TEST_JOBS) $(PYTEST_ARGS)
 
 $(STAMP4): pyproject.toml
 	$(PYTHON) -m venv $(VENV4)

@@ -87,12 +87,31 @@ def txlog(caplog):
 
 #: Lines that tests want in the run's log whatever the capture mode (crash-point counts, ...).
 SUMMARY_LINES: list[str] = []
+#: The lines the terminal summary prints: this process's, and under ``make test``'s parallel
+#: workers (pytest-xdist) those each worker's reports carried back (``txckpt-summary`` properties).
+_REPORTED: list[str] = []
+_SUMMARY_KEY = "txckpt-summary"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Lines a test appended travel in its report, so a worker's lines reach the controller."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "teardown":
+        while SUMMARY_LINES:
+            report.user_properties.append((_SUMMARY_KEY, SUMMARY_LINES.pop(0)))
+
+
+def pytest_runtest_logreport(report):
+    _REPORTED.extend(value for key, value in report.user_properties if key == _SUMMARY_KEY)
 
 
 def pytest_terminal_summary(terminalreporter):
-    if SUMMARY_LINES:
+    lines = _REPORTED + SUMMARY_LINES  # SUMMARY_LINES: appended outside any test (a module fixture's teardown)
+    if lines:
         terminalreporter.section("txckpt summary")
-        for line in SUMMARY_LINES:
+        for line in lines:
             terminalreporter.write_line(line)
 
 

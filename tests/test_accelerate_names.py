@@ -14,6 +14,8 @@ import txckpt
 from txckpt.naming import Naming, record_naming
 from txckpt.root import open_root
 
+from .harness.fs import flip_byte
+
 
 def _accelerate_root(path: str, steps: int) -> list[str]:
     """A root named as accelerate's (checkpoint_<i>) with checkpoints 0..steps-1."""
@@ -60,20 +62,12 @@ def test_fallback_warning_on_an_accelerate_root_names_checkpoints_by_its_naming(
     assert _default_names(warning) == [], warning
 
 
-def _flip_last_byte(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def test_fallback_warning_names_checkpoint_4_not_checkpoint_dash_4(tmp_path, caplog):
     """Issue 28 (a): the damaged newest checkpoint of an Accelerate root, checkpoint_4, is named
     so in the fallback warning; checkpoint-4 appears only inside home paths."""
     root = str(tmp_path / "checkpoints")
     paths = _accelerate_root(root, 5)
-    _flip_last_byte(os.path.join(paths[-1], "w.safetensors"))
+    flip_byte(os.path.join(paths[-1], "w.safetensors"))
     txckpt.forget_roots()
     with caplog.at_level(logging.WARNING, logger="txckpt"):
         assert os.path.basename(txckpt.resume(root, on_damaged="fallback")) == "checkpoint_3"
@@ -98,7 +92,7 @@ def test_warnings_name_adopted_zero_padded_checkpoints_as_they_are_named(tmp_pat
     fallback and rollback warnings, not ``checkpoint-3`` (a name that is not on disk)."""
     root = str(tmp_path / "run")
     _zero_padded_legacy_root(root, 3)
-    _flip_last_byte(os.path.join(root, "checkpoint-00003", "w.bin"))
+    flip_byte(os.path.join(root, "checkpoint-00003", "w.bin"))
     txckpt.forget_roots()
     with caplog.at_level(logging.WARNING, logger="txckpt"):
         assert os.path.basename(txckpt.resume(root, on_damaged="fallback")) == "checkpoint-00002"

@@ -18,6 +18,8 @@ import txckpt.api  # noqa: E402
 from txckpt.errors import IntegrityError, InvalidArgumentError  # noqa: E402
 from txckpt.integrations.transformers import TransactionalTrainer  # noqa: E402
 
+from .harness.fs import flip_byte  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).parent / "trainer_scripts"))
 from tiny import Data, TinyConfig, TinyModel, make_args  # noqa: E402
 
@@ -49,21 +51,13 @@ def checkpoints(root, opts=None, lineage="current"):
             for c in txckpt.CheckpointRoot(root, opts).checkpoints(lineage)}
 
 
-def flip_byte(path):
-    with open(path, "r+b") as f:
-        f.seek(-5, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-5, os.SEEK_END)
-        f.write(bytes([b[0] ^ 0x01]))
-
-
 def test_a_restart_falls_back_past_a_damaged_newest_checkpoint(tmp_path, caplog):
     out = tmp_path / "out"
     train(out, 6)
     before = checkpoints(str(out))
     assert sorted(before) == [2, 4, 6]
     victim = out / "checkpoint-6" / WEIGHTS
-    flip_byte(victim)
+    flip_byte(victim, from_end=5, mask=0x01)
     damaged_bytes = victim.read_bytes()
 
     # The default: the restart refuses, naming the file and the way out.
