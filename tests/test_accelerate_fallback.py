@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("accelerate")
 
+from .harness.fs import flip_byte  # noqa: E402
+
 _SCRIPT = textwrap.dedent(r"""
     import json, logging, os, sys
     import torch
@@ -62,11 +64,7 @@ def test_load_state_falls_back_past_a_damaged_newest_checkpoint(tmp_path):
     saved = _run(project, "raise", "save")["paths"]
     newest = saved[-1]
     weights = next(os.path.join(newest, n) for n in sorted(os.listdir(newest)) if n.startswith("model"))
-    with open(weights, "r+b") as f:  # bit rot in the newest checkpoint's weights
-        f.seek(os.path.getsize(weights) - 3)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(weights, from_end=3)  # bit rot in the newest checkpoint's weights
     damaged_bytes = open(weights, "rb").read()
 
     default = _run(project, "raise", "load")

@@ -48,11 +48,7 @@ def test_fallback_warning_on_an_accelerate_root_names_checkpoints_by_its_naming(
     root = str(tmp_path / "checkpoints")
     paths = _accelerate_root(root, 3)
     weights = os.path.join(paths[-1], "w.safetensors")
-    with open(weights, "r+b") as f:  # bit rot in the newest checkpoint
-        f.seek(-1, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(weights)  # bit rot in the newest checkpoint
     txckpt.forget_roots()
     with caplog.at_level(logging.WARNING, logger="txckpt"):
         resumed = txckpt.resume(root, on_damaged="fallback")
