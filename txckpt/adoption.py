@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from . import checksum, progress
 from .errors import AdoptionInProgressError, AmbiguousCheckpointNameError, ManifestError
+from .intents import intent_record, read_intents, writer_status
 from .layout import ADOPT_INTENT_PREFIX, MANIFEST_NAME, adopt_intent_id, adopted_txid, intent_key, is_manifest_temp
 from .lineage import State
 from .manifest import FileEntry, Manifest, kind_for_name
@@ -111,10 +113,6 @@ class _Lost(Exception):
 
 def _other_live_adopters(root: Root, lid: str) -> list[str]:
     """Live adopters of other bytes (another lineage id), from their intents."""
-    import time
-
-    from .intents import read_intents, writer_status
-
     out = []
     for name, intent in read_intents(root.storage).items():
         if not name.startswith(INTENT_PREFIX) or name[len(INTENT_PREFIX):].split(".", 1)[0] == lid:
@@ -128,8 +126,6 @@ def _other_live_adopters(root: Root, lid: str) -> list[str]:
 def adopt(root: Root) -> str | None:
     """Adopt the legacy root; returns the new lineage id, or None if there was nothing to adopt or
     another process adopted it first (the caller then continues against the winner's state)."""
-    from .intents import intent_record
-
     if root.state().seq >= 0:
         return None
     found = legacy_dirs(root)

@@ -27,6 +27,7 @@ status 120 (``_ExitStatus``). Once that hook has begun, ``async_save`` saves in 
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import copy
@@ -40,6 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from . import deps
 from .coordination import Coordinator, SingleProcess, TorchDistributed, coordination_timeout
 from .errors import CoordinationTimeoutError, InvalidArgumentError
 from .root import open_root, root_key
@@ -147,15 +149,13 @@ def step_gate(optimizer: Any) -> _StepGate:
 def torch_optimizer(optimizer: Any) -> Any:
     """The ``torch.optim.Optimizer`` that steps: ``optimizer`` itself, or the one a wrapper
     (accelerate's AcceleratedOptimizer, DeepSpeed's) holds as ``.optimizer``."""
-    import torch
-
     inner = optimizer
     for _ in range(4):  # unwrap first: accelerate's wrapper is itself an Optimizer subclass
         held = getattr(inner, "optimizer", None)
         if held is None or held is inner or not hasattr(held, "param_groups"):
             break
         inner = held
-    if isinstance(inner, torch.optim.Optimizer):
+    if isinstance(inner, deps.torch.optim.Optimizer):
         return inner
     raise InvalidArgumentError(
         f"optimizer= takes the torch.optim.Optimizer whose step() changes the saved parameters "
@@ -426,8 +426,7 @@ def _coordinator() -> Coordinator:
     on first use)."""
     if "torch" not in sys.modules:
         return SingleProcess()
-    import torch.distributed as dist
-
+    dist = deps.torch_distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return SingleProcess()
     timeout_s = coordination_timeout()
@@ -487,8 +486,6 @@ def _register_exit_hook() -> None:
         except RuntimeError:  # "can't register atexit after shutdown"
             _shutting_down.set()
             return
-    import atexit
-
     atexit.register(_finish_at_exit)
 
 

@@ -42,6 +42,7 @@ import threading
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
+from . import deps
 from .errors import (
     CoordinationTimeoutError,
     InvalidArgumentError,
@@ -206,8 +207,7 @@ def _release_group_at_exit() -> None:
     if group is None:
         return
     try:
-        import torch.distributed as dist
-
+        dist = deps.torch_distributed
         if dist.is_initialized():
             dist.destroy_process_group(group)
     except Exception:  # noqa: BLE001 - exiting anyway; the reference is dropped above
@@ -235,8 +235,7 @@ class TorchDistributed(Coordinator):
     def __init__(self, timeout_s: float | None = None, phase: str | None = None, *, group: Any = None):
         """``group``: a gloo group to run on (an asynchronous save's own, txckpt/asyncsave.py);
         default: txckpt's group for the current default group, created on first use."""
-        import torch.distributed as dist
-
+        dist = deps.torch_distributed
         self._dist = dist
         self.timeout_s = coordination_timeout(timeout_s)
         self.rank = dist.get_rank()
@@ -307,7 +306,7 @@ def current_coordinator(timeout_s: float | None = None, phase: str | None = None
     if "torch" not in sys.modules:
         return SingleProcess()
     try:
-        import torch.distributed as dist
+        dist = deps.torch_distributed
     except ImportError:  # pragma: no cover
         return SingleProcess()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -24,6 +24,7 @@ import tempfile
 import torch
 
 import txckpt
+from txckpt.cli import main as cli
 
 
 def state(step: int, run: str) -> dict:
@@ -133,8 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n   get_last_checkpoint -> {last} (run {run_of(last)})")
     print("\nNothing was mixed, nothing was overwritten, and the rollback was announced.")
     print(f"\n7. The demo wrote to {os.path.abspath(root)}. Its lineage graph, `txckpt log {root}`:\n")
-    from .cli import main as cli
-
     return cli(["log", root])
 
 

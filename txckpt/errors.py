@@ -6,7 +6,9 @@ All errors derive from :class:`TxckptError`, so ``except txckpt.errors.TxckptErr
 from __future__ import annotations
 
 import builtins
+import errno as _errno
 import pickle
+import sys
 from typing import Any, ClassVar
 
 
@@ -286,8 +288,6 @@ class TempFileRemovedError(StorageError):
     target: str | None
 
     def __init__(self, message: str = "", *, path: str | None = None, target: str | None = None):
-        import errno as _errno
-
         if not message:
             message = (
                 f"the temp file {path} vanished before txckpt could link it to {target}: another process "
@@ -313,8 +313,6 @@ _STORAGE_ADVICE = {
 
 def storage_error(e: OSError, what: str) -> OSError:
     """A StorageError saying what to do, for the OSErrors a user can act on; else ``e``."""
-    import errno as _errno
-
     name = _errno.errorcode.get(e.errno or 0, "")
     advice = _STORAGE_ADVICE.get(name)
     if advice is None or isinstance(e, StorageError):
@@ -429,8 +427,6 @@ def _nearest_builtin(cls: type) -> type:
 
 
 def _this_module() -> Any:
-    import sys
-
     return sys.modules[__name__]
 
 

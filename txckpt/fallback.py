@@ -27,6 +27,7 @@ from .layout import home_key
 from .naming import DEFAULT as DEFAULT_NAMING, Naming
 from .publication import LOOKUP_ATTEMPTS, Root
 from .refs import Ref, same_ref
+from .verify import FALLBACK_HINT
 
 if TYPE_CHECKING:
     from .lineage import State
@@ -60,8 +61,6 @@ def _check(root: Root, r: Ref, verify: Verify) -> str:
 
 
 def _record(step: int, txid: str, e: IntegrityError) -> dict[str, Any]:
-    from .verify import FALLBACK_HINT
-
     why = str(e).replace(f"; {FALLBACK_HINT}", "")  # advice for a human, not what happened
     return {"step": step, "txid": txid, "path": e.path, "error": f"{type(e).__name__}: {why}"[:_ERROR_CHARS]}
 

@@ -28,9 +28,12 @@ import ctypes
 import errno
 import mmap
 import os
+import queue
 import stat
+import threading
 from typing import Any
 
+from . import deps
 from .checksum import new_hasher
 from .errors import SpecialFileError
 
@@ -174,9 +177,6 @@ class _HashWorker:
     KeyboardInterrupt) leaves nothing for interpreter exit to wait for."""
 
     def __init__(self, hasher: Any):
-        import queue
-        import threading
-
         self._hasher = hasher
         self._chunks: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._error: BaseException | None = None
@@ -283,8 +283,7 @@ def start_map_file(path: str, size: int, *, hash: bool, pipeline: bool = True) -
     this returns before it ends; without, the digest is ready when this returns. Raises
     :class:`SizeMismatch` if the file does not hold ``size`` bytes when opened. Where the file
     cannot be mapped (the filesystem refuses), it is read: :func:`start_read_into_buffer`."""
-    import torch
-
+    torch = deps.torch
     fd = _open_sized(path, size)
     unmappable = False
     m: mmap.mmap | None = None
@@ -332,8 +331,7 @@ def new_buffer(size: int, *, huge: bool | None = None) -> Any:
     multi-second outliers of loads, verified or not (docs/benchmarks.md, "Load with
     verification"). Where huge pages are reliable, one 2 MiB fault instead of 512 small ones
     cuts a read's fault cost: opt in."""
-    import torch
-
+    torch = deps.torch
     advise = getattr(mmap, "MADV_HUGEPAGE", None)
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     if huge is None:

@@ -40,6 +40,7 @@ from typing import Any
 
 from . import log as commit_log
 from . import progress
+from .errors import StorageError
 # Intents, writer liveness and the staging reclaim are the save path's (txckpt/intents.py); gc
 # uses them and keeps the names importable from here.
 from .intents import (
@@ -60,6 +61,7 @@ from .retention import (
     apply_retention,
     delete_checkpoint_data,
     read_leases,
+    retire,
     retired_present,
 )
 from .reserve import ensure_reserve
@@ -157,8 +159,6 @@ def _delete_retired(root: Root, report: GcReport, history: Any, leased: set[str]
 def _apply_policy(root: Root, report: GcReport, policy: RetentionPolicy, now: float) -> None:
     """(f): retire what the policy lets go (one entry; on a full disk in the reserve's space), then
     delete it. A failed retire is reported on the policy's items."""
-    from .errors import StorageError
-    from .retention import retire
     history = root.history()
     going = apply_retention(root, policy, dry_run=True, now=now)
     policy_items: dict[str, GcItem] = {}

@@ -26,6 +26,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Generic, Mapping, TypeVar
 
 from .layout import is_local_path
+from .storage import open_storage
 
 if TYPE_CHECKING:  # pragma: no cover
     from .lineage import History, State
@@ -64,8 +65,6 @@ def root_key(root: str | os.PathLike, storage_options: Mapping[str, Any] | None)
         with _lock:
             known = _urls.get((given, options))
         if known is None:
-            from .storage import open_storage
-
             storage = open_storage(given, storage_options)
             # A URL read through local paths (``local://``) is the directory's; else the storage's.
             known = _urls[(given, options)] = (storage.local_path(""), storage.identity())

@@ -23,7 +23,8 @@ import time
 import uuid
 from typing import Any, Callable
 
-from .errors import ConcurrentWriterError, LogCorruptError, SpecialFileError
+from .checksum import digest_bytes
+from .errors import ConcurrentWriterError, LogCorruptError, SpecialFileError, storage_error
 # The names are layout's; entry_key & co. stay importable from here, where most callers look.
 from .layout import LATEST_HINT, LOG_DIR, SNAPSHOT_DIR, entry_key, snapshot_key
 from .lineage import History, State
@@ -81,8 +82,6 @@ def _decode(data: bytes, seq: int) -> dict[str, Any]:
 
 
 def _digest(entry: dict[str, Any]) -> str:
-    from .checksum import digest_bytes
-
     return digest_bytes(json.dumps(entry, sort_keys=True, separators=(",", ":")).encode())
 
 
@@ -303,8 +302,6 @@ def append(
             else:
                 continue
         except OSError as e:
-            from .errors import storage_error
-
             if on_full is not None and e.errno in (errno.ENOSPC, errno.EDQUOT):
                 freed, on_full = on_full(), None
                 if freed:
@@ -340,8 +337,6 @@ def _parse_snapshot(data: bytes, seq: int) -> tuple[dict[str, Any] | None, str |
     fields (canonical JSON), its ``body_digest`` the body's bytes as stored, so checking a
     snapshot of 10,000 checkpoints hashes 1 MB instead of re-encoding it. /1 and /2 snapshots
     are one JSON object whose digest covers its canonical re-encoding."""
-    from .checksum import digest_bytes
-
     try:
         first, _, rest = data.partition(b"\n")
         head: Any = json.loads(first) if first.startswith(b"{") else None
@@ -425,8 +420,6 @@ def _snapshot_state(seq: int, snap: dict[str, Any], entry: dict[str, Any]) -> St
 
 def encode_snapshot(history: History, entry_digest: str) -> bytes:
     """The ``txckpt-snapshot/3`` bytes of ``history``: a header line, then the body (§4a)."""
-    from .checksum import digest_bytes
-
     body = (json.dumps({"state": history.state.to_json(), **history.snapshot_body()},
                        separators=(",", ":")) + "\n").encode()
     head = {"format": SNAPSHOT_FORMAT, "seq": history.state.seq, "entry_digest": entry_digest,

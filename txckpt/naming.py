@@ -24,7 +24,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from .errors import InvalidArgumentError, NamingConflictError
+from .errors import InvalidArgumentError, LogCorruptError, NamingConflictError
 from .layout import CHECKPOINT_PREFIX, NAMING_KEY, TX_DIR, entry_key, parse_checkpoint_name, parse_step
 
 NAMING_FORMAT = "txckpt-naming/1"
@@ -108,8 +108,6 @@ def read_naming(storage) -> Naming | None:
             raise ValueError(obj.get("format"))
         return Naming(obj["prefix"])
     except (ValueError, KeyError, AttributeError, TypeError, InvalidArgumentError) as e:
-        from .errors import LogCorruptError
-
         raise LogCorruptError(
             f"{storage.full_path(NAMING_KEY)} is damaged ({e!r}): it records how the root names its "
             "checkpoints. Restore it (its content is {\"format\": \"txckpt-naming/1\", \"prefix\": ...})"

@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Any, Iterator
 
+from . import deps
+
 log = logging.getLogger("txckpt")
 
 
@@ -159,7 +161,7 @@ class bar:
         self._b: Any = _NoBar()
         if enabled:
             try:
-                from tqdm import tqdm  # optional: a dependency of transformers, not of txckpt
+                tqdm = deps.tqdm.tqdm  # optional: a dependency of transformers, not of txckpt
             except ImportError:
                 pass
             else:
@@ -206,9 +208,7 @@ class BarAwareHandler(logging.StreamHandler):
         if not live:
             return super().emit(record)
         try:
-            from tqdm import tqdm
-
-            tqdm.write(self.format(record), file=self.stream)
+            deps.tqdm.tqdm.write(self.format(record), file=self.stream)
         except Exception:  # pragma: no cover - as logging does
             self.handleError(record)
 

@@ -20,18 +20,18 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
+from . import log as commit_log
 from .errors import IntegrityError, ManifestError
 from .layout import TX_DIR, is_url, parse_checkpoint_name
+from .lineage import State
 from .manifest import MANIFEST_NAME, Manifest
-from .naming import split_public
+from .naming import DEFAULT as DEFAULT_NAMING, read_naming, split_public
 from .refs import Ref
+from .root import CheckpointRoot, open_root
+from .storage import open_storage
 from .verify import FALLBACK_HINT
-
-if TYPE_CHECKING:  # pragma: no cover - the root is opened on use (open_root), above this import
-    from .lineage import State
-    from .root import CheckpointRoot
 
 _HOME_RE = re.compile(r"^(?P<root>.*)/" + re.escape(TX_DIR) + r"/(?P<txid>[^/]+)/(?P<name>[^/]+)$")
 
@@ -89,13 +89,10 @@ def names_a_checkpoint(path: str | os.PathLike, storage_options: Mapping[str, An
         return False
     if where.txid is not None:
         return True
-    from .naming import DEFAULT, read_naming
-    from .storage import open_storage
-
     try:
-        naming = read_naming(open_storage(where.root, storage_options)) or DEFAULT
+        naming = read_naming(open_storage(where.root, storage_options)) or DEFAULT_NAMING
     except Exception:  # an unreadable or damaged naming file: judge by the default
-        naming = DEFAULT
+        naming = DEFAULT_NAMING
     return naming.step_of(where.key) == where.step
 
 
@@ -112,10 +109,6 @@ class RootContext:
         where = parse(path)
         if where is None:
             return None
-        from . import log as commit_log
-        from .root import open_root
-        from .storage import open_storage
-
         state = commit_log.read_state(open_storage(where.root, storage_options))
         if state.seq < 0:
             return None  # a directory of plain checkpoints, or a cache: no log to check against

@@ -21,6 +21,7 @@ import logging
 import os
 from typing import Any
 
+from .errors import StorageError
 from .layout import RESERVE_KEY, temp_name  # every name under a root is layout's
 
 log = logging.getLogger("txckpt")
@@ -87,8 +88,6 @@ def release_reserve(storage: Any) -> bool:
 def full_disk_error(e: OSError, root_url: str) -> Exception:
     """The StorageError of a retire append that failed for lack of space, even after the
     reserve was released: what to do, in words."""
-    from .errors import StorageError
-
     return StorageError(
         e.errno,
         f"txckpt could not record which checkpoints retention deletes: the disk of {root_url} is full "

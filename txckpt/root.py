@@ -13,18 +13,21 @@ import os
 import threading
 from typing import Any, Callable, ClassVar, Iterable, Mapping
 
+from . import adoption
 from . import log as commit_log
 from . import progress, retention
 from .errors import (
     CheckpointNotFoundError,
     ConcurrentWriterError,
     InvalidArgumentError,
+    LogCorruptError,
     LookupRaceError,
     RootNotFoundError,
     StepConflictError,
 )
 # root_key: identity.py's (which spellings name one root); importable from here, as asyncsave does.
 from .identity import SessionState, Shared, root_key, spelling
+from .fallback import check_on_damaged, describe_damaged, present_fallback, resume_intact
 from .layout import INTENTS_DIR, TX_DIR, home_key, intent_key, new_txid, parse_checkpoint_name
 # The fork warnings are lineage.py's (what a fork abandons).
 from .lineage import (  # CheckpointInfo: importable from here, as txckpt/__init__ does
@@ -36,13 +39,15 @@ from .lineage import (  # CheckpointInfo: importable from here, as txckpt/__init
     new_lineage_id,
     rollback_warning,
 )
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_NAME, Manifest, check_step
 # LOOKUP_ATTEMPTS lives below the root (fallback follows retired tips too); importable from here.
 from .publication import LOOKUP_ATTEMPTS, publication_for
 from .refs import ExternalParent, Parent, Ref, parent_to_json, same_ref
+from .reserve import ensure_reserve
 from .saveplan import SavePlan
 from .storage import Storage, open_storage
 from .storage.errors import missing_bucket_error
+from .transactions import Transaction
 
 log = logging.getLogger("txckpt")
 
@@ -106,8 +111,6 @@ class CheckpointRoot:
                                   update_hint=update_hint, on_full=on_full)
         self._note_state(commit_log.entry_state(entry))
         if entry["seq"] == 0:
-            from .reserve import ensure_reserve
-
             ensure_reserve(self.storage, durable=self.durable)
         return entry
 
@@ -132,9 +135,7 @@ class CheckpointRoot:
     def legacy_dirs(self) -> list[tuple[int, str]]:
         """(step, name) of the checkpoint-N directories as they are named (``checkpoint-00500``);
         two names for one step raise AmbiguousCheckpointNameError."""
-        from .adoption import legacy_dirs
-
-        return legacy_dirs(self)
+        return adoption.legacy_dirs(self)
 
     def path_of(self, key: str) -> str:
         return self.storage.full_path(key)
@@ -184,8 +185,6 @@ class CheckpointRoot:
             fresh = self.state()
             if same_ref(fresh.head_tip, tip):
                 if tip.txid in missed:
-                    from .fallback import present_fallback
-
                     return present_fallback(self, tip)
                 missed.add(tip.txid)
             state = fresh
@@ -262,8 +261,6 @@ class CheckpointRoot:
         """Declare where this process continues from; see :func:`txckpt.resume`. ``verify``
         (``path -> path`` to use, IntegrityError on damage): how a restart checks the checkpoint
         it continues from (txckpt/fallback.py); with ``on_damaged="raise"`` only if given."""
-        from .fallback import check_on_damaged, resume_intact
-
         check_on_damaged(on_damaged)
         if step is not None and path is not None:
             raise InvalidArgumentError("give step or path, not both")
@@ -273,8 +270,6 @@ class CheckpointRoot:
                 "explicitly is the one to load; check it with txckpt.verify_checkpoint"
             )
         if step is not None:
-            from .manifest import check_step
-
             check_step(step)
         state = self.state()
         if state.seq < 0 and self.legacy_checkpoints():
@@ -390,8 +385,6 @@ class CheckpointRoot:
         self.writer_lineage = lid
         history = self.history()
         if damaged:
-            from .fallback import describe_damaged
-
             assert isinstance(parent, Ref)  # a fallback forks from the newest intact checkpoint
 
             log.warning(
@@ -446,15 +439,11 @@ class CheckpointRoot:
     def adopt(self) -> str | None:
         """Record plain checkpoint-N directories as a root lineage (checksums computed now); None
         if there is nothing to adopt or another process adopted the root first (txckpt/adoption.py)."""
-        from .adoption import adopt
-
-        return adopt(self)
+        return adoption.adopt(self)
 
     # ----- saving ------------------------------------------------------------------------------
     def prepare_save(self, step: int) -> SavePlan:
         """Validate a save of ``step`` against the newest state; returns the plan the ranks share."""
-        from .manifest import check_step
-
         check_step(step)
         if self.writer_lineage is not None and self._known_state is not None:
             # This session holds a lineage: plan against the newest state it knows (its own last
@@ -543,16 +532,12 @@ class CheckpointRoot:
     def _snapshot_after_commit(self) -> None:
         """Every SNAPSHOT_EVERY-th entry the committer leaves a snapshot (§4a): a run that only
         saves would leave none, and every fresh `txckpt ls` would fold its whole log."""
-        from .errors import LogCorruptError
-
         try:  # best effort: the save is committed
             self.history(snapshot=True)
         except (OSError, LogCorruptError) as e:
             log.warning("checkpoint committed, but the history snapshot after it was not written (%s)", e)
 
     def transaction(self, step: int, **kwargs: Any):
-        from .transactions import Transaction
-
         return Transaction(self, step, **kwargs)
 
     def save(self, step: int, files: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None, **kwargs: Any) -> str:

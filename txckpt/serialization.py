@@ -6,11 +6,18 @@ holds a second serialised copy of the state in memory and the checksum is comput
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import io
 import json
+import os
+import pickle
+import re
 import struct
+import sys
 from typing import IO, Any, BinaryIO, Mapping, cast
 
+from . import deps
 from .errors import IntegrityError, InvalidArgumentError, WeightsOnlyError
 
 _SAFETENSORS_DTYPES: dict[Any, str] = {}
@@ -18,8 +25,7 @@ _SAFETENSORS_DTYPES: dict[Any, str] = {}
 
 def _dtype_names() -> dict[Any, str]:
     if not _SAFETENSORS_DTYPES:
-        import torch
-
+        torch = deps.torch
         table = {
             "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
             "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
@@ -37,8 +43,7 @@ def write_safetensors(tensors: Mapping[str, Any], out: BinaryIO, metadata: Mappi
                       *, name: str = "a .safetensors file") -> None:
     """Stream ``tensors`` in the safetensors format (byte-compatible with ``safetensors.torch``
     readers) without building the file in memory. ``name``: the file, for error messages."""
-    import torch
-
+    torch = deps.torch
     names = _dtype_names()
     where = name if name == "a .safetensors file" else repr(name)
     advice = ("a .safetensors file holds only tensors: save other values in a file named .pt "
@@ -103,10 +108,8 @@ def write_object(name: str, obj: Any, out: BinaryIO) -> str:
             raise InvalidArgumentError(f"{name!r}: value is not JSON-serialisable ({e})") from None
         out.write(data)
         return "json"
-    import torch
-
     with _torch_save_config():
-        torch.save(obj, out)
+        deps.torch.save(obj, out)
     return "torch"
 
 
@@ -114,13 +117,10 @@ def _torch_save_config():
     """torch.save computes a zip CRC32 of every record: a second pass over every byte at about
     1.3 GB/s, redundant with the xxh3-128 checksum txckpt computes on the way (torch.load never
     checks the CRCs). Off unless TXCKPT_TORCH_ZIP_CRC=1."""
-    import contextlib
-    import os
-
     if os.environ.get("TXCKPT_TORCH_ZIP_CRC", "0") == "1":
         return contextlib.nullcontext()
     try:
-        from torch.utils.serialization import config
+        config = deps.torch_serialization_config
     except ImportError:  # torch before 2.5: no switch, keep the default
         return contextlib.nullcontext()
     try:
@@ -146,18 +146,14 @@ def read_object(name: str, kind: str, data: Any, *, map_location: Any = "cpu", w
         if kind == "safetensors":
             tensors = _safetensors_views(data) if _is_tensor(data) else None
             if tensors is None:
-                from safetensors.torch import load
-
-                tensors = load(_as_bytes(data))
+                tensors = deps.safetensors_torch.load(_as_bytes(data))
             if map_location not in (None, "cpu"):
                 tensors = {k: v.to(map_location) for k, v in tensors.items()}
             return tensors
         if kind == "torch":
-            import torch
-
             if _is_tensor(data):
                 return _torch_load_buffer(data, map_location, weights_only)
-            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+            return deps.torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
     except Exception as e:  # the bytes matched their checksum, so this is a format problem
         if type(e).__name__ == "UnpicklingError":
             if weights_only:
@@ -169,8 +165,6 @@ def read_object(name: str, kind: str, data: Any, *, map_location: Any = "cpu", w
 
 def _weights_only_error(where: str, e: Exception) -> WeightsOnlyError:
     """torch's refusal, saying which file and which global, and what to do."""
-    import re
-
     m = re.search(r"GLOBAL ([\w.]+)", str(e))
     g = m.group(1) if m else None
     what = f"refused to unpickle the global {g}" if g else f"refused the file ({e})"
@@ -203,10 +197,7 @@ def _safetensors_views(buf: Any) -> dict[str, Any] | None:
     """The tensors of the safetensors file held in uint8 tensor ``buf``, as views of it; None
     when the file is anything but plainly well-formed (then safetensors' own reader decodes it,
     and reports what is wrong)."""
-    import sys
-
-    import torch
-
+    torch = deps.torch
     if sys.byteorder != "little":
         return None
     if not _SAFETENSORS_BY_NAME:
@@ -272,11 +263,7 @@ def _torch_load_buffer(buf: Any, map_location: Any, weights_only: bool) -> Any:
     that was verified): no copy, no second allocation. Falls back to ``torch.load`` reading
     from ``buf`` (one copy per record) for what that path does not cover (the pre-1.6 format,
     TorchScript archives, a torch without these internals, TXCKPT_ZERO_COPY_LOAD=0)."""
-    import os
-    import pickle
-
-    import torch
-
+    torch = deps.torch
     internals = _zero_copy_internals()
     if internals is not None and os.environ.get("TXCKPT_ZERO_COPY_LOAD", "1") != "0":
         S = internals
@@ -306,11 +293,8 @@ def _zero_copy_internals() -> Any:
     """``torch.serialization`` if it has the pieces ``torch.load(..., mmap=True)`` is built
     from (torch >= 2.1), else None."""
     if not _INTERNALS:
-        import inspect
-
-        import torch
-        from torch import serialization as S
-
+        torch = deps.torch
+        S = torch.serialization
         ok = all(hasattr(S, n) for n in ("_load", "_weights_only_unpickler", "_is_zipfile", "_is_torchscript_zip"))
         ok = ok and hasattr(torch._C, "PyTorchFileReader")
         try:

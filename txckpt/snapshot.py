@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
+from . import deps
 from .errors import InvalidArgumentError
 
 #: A buffer's key: (file name, path inside the file's structure, bytes, pinned).
@@ -73,11 +74,9 @@ class SnapshotPool:
         return out
 
     def _stream(self, device: Any) -> Any:
-        import torch
-
         s = self._streams.get(device)
         if s is None:
-            s = self._streams[device] = torch.cuda.Stream(device=device)
+            s = self._streams[device] = deps.torch.cuda.Stream(device=device)
         return s
 
 
@@ -144,8 +143,7 @@ class _Run:
         return copy.deepcopy(obj)
 
     def _tensor(self, t: Any, name: str, path: str) -> Any:
-        import torch
-
+        torch = deps.torch
         if self.only is not None and (t.device.type != "cpu" or t.untyped_storage().data_ptr() not in self.only):
             return t  # copied by the first half already
         plain = type(t) in (torch.Tensor, torch.nn.Parameter)
@@ -168,8 +166,7 @@ class _Run:
         return view
 
     def _copy_storage(self, t: Any, src: Any, nbytes: int, name: str, path: str) -> Any:
-        import torch
-
+        torch = deps.torch
         cuda = t.device.type == "cuda"
         key: Key = (name, path, nbytes, cuda)
         buf = self.free.pop(key, None)

@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, Iterable, Literal, Mapping
 from . import errors
 from .checksum import HashingWriter
 from .claims import check_claims, claimed_names, hash_claimed, hash_staged
-from .coordination import Coordinator, current_coordinator, decide_on_rank0
+from .coordination import Coordinator, GatheredElsewhere, current_coordinator, decide_on_rank0
 from .errors import (
     CheckpointNotFoundError,
     InvalidArgumentError,
@@ -41,6 +41,7 @@ from .manifest import (
 from .progress import Timer, timing
 from .saveplan import SavePlan
 from .serialization import write_object
+from .storage.local import makedirs_durable
 from .txnames import TxNames
 
 log = logging.getLogger("txckpt")
@@ -213,8 +214,6 @@ class Transaction:
         staging = self._root.storage.local_path(plan.key)
         if staging is None:
             return
-        from .storage.local import makedirs_durable
-
         try:
             makedirs_durable(staging, self._root.durable)
         except BaseException:
@@ -332,8 +331,6 @@ class Transaction:
         """``__enter__`` for the committer of ``world_size`` ranks gathered by another library
         (DCP's collectives): validation, intent and staging, no collective of txckpt's. Then
         :meth:`commit_reports` with every rank's report; a failure here leaves nothing."""
-        from .coordination import GatheredElsewhere  # only saves another library coordinates need it
-
         self._entered, self._timer = True, Timer("save", f"step {self.step}")
         self._coord = GatheredElsewhere(world_size)
         self._plan = self._plan_save()

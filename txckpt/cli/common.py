@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from ..errors import MissingDependencyError, NotATxckptRootError
 from ..layout import LOG_DIR, META_DIR, entry_key, is_url
 from ..progress import BarAwareHandler, human
+from ..root import CheckpointRoot
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -69,8 +70,6 @@ def parse_storage_options(items: Sequence[str] | None) -> dict[str, Any]:
 
 def open_root_arg(path: str, options: dict[str, Any], *, must_exist: bool = True):
     """A CheckpointRoot for ROOT, or UsageError if there is nothing there."""
-    from ..root import CheckpointRoot
-
     if not is_url(path) and not os.path.isdir(path):
         raise UsageError(f"ROOT {path} is not a directory")
     try:

@@ -6,17 +6,17 @@ import argparse
 import os
 import sys
 
+from ..api import fetch_checkpoint, read_manifest
 from ..errors import CheckpointNotFoundError, IntegrityError, UnsafePathError
 from ..progress import bar as progress_bar, bar_wanted
+from ..storage import open_storage
+from ..storage.local import lies_within
 from .common import (EXIT_OK, EXIT_PROBLEM, UsageError, human_bytes, is_url, open_root_arg,
                      parse_storage_options, print_json)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Find the checkpoint and check DEST here; the copy is txckpt.fetch_checkpoint's."""
-    from ..api import fetch_checkpoint, read_manifest
-    from ..storage import open_storage
-
     root = open_root_arg(args.root, args.storage_options)
     history = root.history()
     if args.txid is None and args.step is None:
@@ -41,8 +41,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     if dest_local is not None and src.local_path("") is not None:
         # Real paths: a DEST reached through a symlink into the root is inside it (gc would
         # take the export for garbage there).
-        from ..storage.local import lies_within
-
         inside = inside or lies_within(dest_local, src.local_path(""))
     if inside:
         raise UsageError(f"DEST {args.dest} lies inside ROOT (its real path, symlinks resolved); "

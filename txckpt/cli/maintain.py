@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from ..gc import collect_garbage
 from ..progress import bar as progress_bar, bar_wanted
+from ..retention import RetentionPolicy
 from .common import EXIT_OK, EXIT_PROBLEM, human_bytes, open_root_arg, print_json
 
 
 # ----- gc ------------------------------------------------------------------------------------------
 def cmd_gc(args: argparse.Namespace) -> int:
-    from ..gc import collect_garbage
-    from ..retention import RetentionPolicy
-
     root = open_root_arg(args.root, args.storage_options)
     policy = None
     if args.keep_last is not None or args.keep_every is not None or args.abandoned_ttl is not None:

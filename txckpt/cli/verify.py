@@ -9,11 +9,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
+from .. import log as commit_log
 from ..errors import ManifestError, SpecialFileError, TxckptError
 from ..layout import LOG_DIR, META_DIR
 from ..manifest import MANIFEST_NAME, FileEntry, Manifest
 from ..progress import bar as progress_bar, bar_wanted
 from ..reader import names_a_checkpoint
+from ..storage import open_storage
 from ..verify import FileProblem, check_file
 from .common import EXIT_OK, EXIT_PROBLEM, UsageError, human_bytes, is_url, open_root_arg, print_json
 
@@ -88,8 +90,6 @@ def _plan_checkpoint(storage: Any, key: str, where: str, expected: Any | None,
 def run_verify(target: str, options: dict[str, Any], *, workers: int | None = None,
                progress: bool = False, include_abandoned: bool = True) -> dict[str, Any]:
     """Verify a root (every committed checkpoint that is not retired) or one checkpoint."""
-    from ..storage import open_storage
-
     storage = open_storage(target, options)
     problems: list[str] = []
     warnings: list[str] = []
@@ -112,8 +112,6 @@ def run_verify(target: str, options: dict[str, Any], *, workers: int | None = No
         try:
             # An audit reads every entry (a fresh process's lookups and retention may start from
             # a history snapshot and never read old entries again: damage there shows up here).
-            from .. import log as commit_log
-
             history = commit_log.read_history(root.storage, snapshots=False)
         except TxckptError as e:
             problems.append(str(e))

@@ -10,17 +10,19 @@ import time
 from typing import Any
 
 from .. import checksum
+from ..api import read_manifest
 from ..errors import AmbiguousCheckpointNameError, CheckpointNotFoundError, NotACheckpointError
-from ..layout import LOG_DIR
+from ..intents import read_intents, staged_step, tree_bytes, writer_status
+from ..layout import LOG_DIR, TX_DIR
 from ..reader import enclosing_root
 from ..refs import ExternalParent, Ref, parent_to_json
+from ..root import CheckpointRoot
 from .common import EXIT_OK, UsageError, human_bytes, human_time, is_url, open_root_arg, print_json, table
+from .logview import build_graph, render_dot, render_text
 
 
 # ----- log: the lineage graph (drawn by txckpt/logview.py) ----------------------------------------
 def cmd_log(args: argparse.Namespace) -> int:
-    from .logview import build_graph, render_dot, render_text
-
     if args.json and args.format != "text":
         raise UsageError("--json and --format dot are alternatives; give one")
     root = open_root_arg(args.root, args.storage_options)
@@ -54,9 +56,6 @@ def cmd_log(args: argparse.Namespace) -> int:
 # ----- ls ------------------------------------------------------------------------------------------
 def staged_leftovers(root: Any, history: Any) -> list[dict[str, Any]]:
     """Uncommitted staging directories, with whether their writer is still alive."""
-    from ..intents import read_intents, staged_step, tree_bytes, writer_status
-    from ..publication import TX_DIR
-
     intents = read_intents(root.storage)
     now = time.time()
     out = []
@@ -164,8 +163,6 @@ def _print_ls_table(rows_json: list[dict[str, Any]]) -> None:
 # ----- show ----------------------------------------------------------------------------------------
 def _find_root_of(path: str, options: dict[str, Any]) -> Any | None:
     """The txckpt root (one with a log) a checkpoint directory lies in, found by txckpt.reader."""
-    from ..root import CheckpointRoot
-
     base = enclosing_root(path)
     if base is None:
         return None
@@ -192,8 +189,6 @@ def _checkpoint_arg(args: argparse.Namespace) -> tuple[str, Any | None]:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from ..api import read_manifest
-
     path, root = _checkpoint_arg(args)
     if not is_url(path) and not os.path.exists(path):
         raise UsageError(f"PATH {path} does not exist")

@@ -42,8 +42,15 @@ from accelerate import Accelerator
 import txckpt
 from txckpt.coordination import decide_on_rank0
 from txckpt.errors import CheckpointNotFoundError, InvalidArgumentError
+from txckpt.fallback import check_on_damaged
 from txckpt.layout import entry_key, is_url
 from txckpt.naming import DEFAULT as DEFAULT_NAMING, Naming, record_naming, split_name
+from txckpt.reader import RootContext, names_a_checkpoint, parse
+from txckpt.retention import RetentionPolicy, apply_retention
+from txckpt.root import durable_default
+from txckpt.storage import open_storage
+
+from .accelerate_dirs import dir_step, save_dir
 
 log = logging.getLogger("txckpt")
 
@@ -86,8 +93,6 @@ class TransactionalAccelerator(Accelerator):
     def __init__(self, *args: Any, txckpt_storage_options: Mapping[str, Any] | None = None,
                  txckpt_local_dir: str | os.PathLike | None = None, txckpt_timeout: float | None = None,
                  on_damaged: str = "raise", **kwargs: Any):
-        from txckpt.fallback import check_on_damaged
-
         check_on_damaged(on_damaged)
         self.txckpt_storage_options = dict(txckpt_storage_options or {})
         self.txckpt_local_dir = None if txckpt_local_dir is None else os.fspath(txckpt_local_dir)
@@ -150,9 +155,6 @@ class TransactionalAccelerator(Accelerator):
         """(root, naming, step) if ``output_dir`` is ``<root>/<prefix><step>`` of ``project_dir``
         or of a directory that is a txckpt root already (with that naming); None: a directory
         of its own (module doc). No directory the user did not name becomes a root."""
-        from txckpt.reader import names_a_checkpoint
-        from txckpt.storage import open_storage
-
         root, name = _split(output_dir)
         try:
             naming, step = split_name(name)
@@ -167,9 +169,6 @@ class TransactionalAccelerator(Accelerator):
 
     def _save_dir(self, d: str, safe_serialization: bool, kwargs: dict[str, Any]) -> str:
         """save_state(d) into a local directory of its own (txckpt/integrations/accelerate_dirs.py)."""
-        from txckpt.integrations.accelerate_dirs import dir_step, save_dir
-        from txckpt.root import durable_default
-
         base = int(self.project_configuration.iteration)
 
         def plan() -> int:
@@ -226,8 +225,6 @@ class TransactionalAccelerator(Accelerator):
         """``total_limit`` newest of the current lineage, after the commit; fork points (the
         checkpoint a rollback resumed from) and other lineages' checkpoints are kept by the
         policy; deletion is two-phase (docs/retention.md). A failure never fails the save."""
-        from txckpt.retention import RetentionPolicy, apply_retention
-
         try:
             for c in apply_retention(self._root(root), RetentionPolicy(keep_last=max(limit, 1))):
                 log.info("total_limit=%d: retired %s (txid %s)", limit,
@@ -276,10 +273,6 @@ class TransactionalAccelerator(Accelerator):
     def _resume_at(self, path: str) -> str:
         """Resume at checkpoint ``path`` (its public name or its home): fork if it is not the
         current lineage's newest. A directory outside any txckpt root is loaded as it is."""
-        from txckpt.reader import RootContext, parse
-
-        from txckpt.storage import open_storage
-
         if is_url(path) and open_storage(path, self.txckpt_storage_options).exists(entry_key(0)):
             # A URL saved as a directory of its own is a root: its newest checkpoint.
             resumed_dir = txckpt.resume(path, storage_options=self.txckpt_storage_options)

@@ -41,6 +41,10 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator
 
+import safetensors.torch
+import torch
+import transformers.modeling_utils as mu
+
 from txckpt import asyncsave, errors as _errors
 from txckpt.root import open_root
 
@@ -123,10 +127,6 @@ def _recording(capture: _Capture) -> Iterator[None]:
     """torch.save and safetensors' save_file (the module attribute and the name transformers'
     modeling_utils imported) record writes into the capture's directory made by this thread,
     with the real writer the background replays them with; every other call goes through."""
-    import safetensors.torch
-    import torch
-    import transformers.modeling_utils as mu
-
     real_save = torch.save
     real_st = safetensors.torch.save_file
     real_mu = getattr(mu, "safe_save_file", None)

@@ -19,6 +19,10 @@ import os
 import sys
 from typing import Any, TextIO
 
+from transformers.utils import logging as hf_logging
+
+import txckpt
+
 log = logging.getLogger("txckpt")
 resume_log = logging.getLogger("txckpt.resume")
 
@@ -57,8 +61,6 @@ def follow_transformers_verbosity(args: Any = None) -> None:
     at each save. A level the application set on the ``txckpt`` logger (or ``txckpt.resume``)
     itself is left alone. ``args``: the Trainer's TrainingArguments, which tell whether its
     verbosity was chosen (the resume line shows unless it was)."""
-    from transformers.utils import logging as hf_logging
-
     hf_logging.get_logger()  # configures transformers' handler if nothing did yet
     if log.level in (logging.NOTSET, getattr(log, "_txckpt_level_from_transformers", None)):
         log.setLevel(hf_logging.get_verbosity())
@@ -81,8 +83,6 @@ def log_resume(trainer: Any, path: str | None, local: str | None) -> None:
     if path is None or not getattr(trainer.args, "should_log", True):
         return
     try:
-        import txckpt
-
         manifest = txckpt.read_manifest(local or path)
         what = f"step {manifest.step} of lineage {manifest.lineage}"
     except Exception:  # a stock checkpoint (a legacy root, an external parent); a log line never fails a resume

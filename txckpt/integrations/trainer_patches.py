@@ -12,6 +12,14 @@ import os
 import threading
 from typing import Any, Callable, Iterator
 
+import huggingface_hub
+import torch
+import transformers.trainer as hf_trainer
+from transformers.trainer_callback import TrainerState
+
+from txckpt.manifest import kind_for_name
+from txckpt.serialization import _torch_save_config
+
 from .trainer_paths import is_remote
 
 #: Upstream uploads the whole output_dir to the Hub, ignoring only "_*" and "checkpoint-*":
@@ -25,9 +33,6 @@ def hub_uploads_skip_txckpt(ignores: list[str] | None = None) -> Iterator[None]:
     the block: 5.x calls ``hf_api().upload_folder`` (an HfApi instance), 4.x the module-level
     ``upload_folder`` that ``transformers.trainer`` imported (a bound method of huggingface_hub's
     default HfApi)."""
-    import huggingface_hub
-    import transformers.trainer as hf_trainer
-
     def with_ignores(kwargs: dict[str, Any]) -> dict[str, Any]:
         patterns = kwargs.get("ignore_patterns") or []
         patterns = [patterns] if isinstance(patterns, str) else list(patterns)
@@ -56,9 +61,6 @@ def torch_save_into(tx: Any, name: str, obj: Any, save: Callable[[Any, Any], Any
     """Write ``obj`` as ``name`` of ``tx`` through ``tx.open`` with ``save`` (torch.save itself:
     the real one, not a patched one), with txckpt's torch.save settings; a failed write leaves
     nothing in the transaction."""
-    from txckpt.manifest import kind_for_name
-    from txckpt.serialization import _torch_save_config
-
     out = tx.open(name, "wb")
     try:
         with _torch_save_config():
@@ -76,8 +78,6 @@ def torch_save_through(tx: Any, streamed: set[str]) -> Iterator[None]:
     ``tx.directory`` (and no other arguments) writes through ``tx.open`` instead, adding the
     file's name to ``streamed``; a second save of a name in ``streamed``, and anything else, goes
     to torch.save unchanged (``tx.check_not_rewritten`` then refuses the commit)."""
-    import torch
-
     real = torch.save
     me = threading.get_ident()
     directory = os.path.realpath(tx.directory)
@@ -105,8 +105,6 @@ def torch_save_through(tx: Any, streamed: set[str]) -> Iterator[None]:
 @contextlib.contextmanager
 def plain_cpu_map_location() -> Iterator[None]:
     """``torch.load(..., map_location=<an indexed CPU device>)`` maps to plain "cpu" in the block."""
-    import torch
-
     real = torch.load
 
     def load(*args: Any, **kwargs: Any) -> Any:
@@ -128,8 +126,6 @@ def remote_best_checkpoints_kept() -> Iterator[list[str] | None]:
     (to None) instead of letting transformers 5.x drop it as "not a local directory"; the block
     gets the list of those set aside, to put back once checked. None (nothing patched): a
     transformers whose ``load_from_json`` is not the classmethod this was written for."""
-    from transformers.trainer_callback import TrainerState
-
     descriptor = TrainerState.__dict__.get("load_from_json")
     if not isinstance(descriptor, classmethod):
         yield None

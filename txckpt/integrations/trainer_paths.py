@@ -13,6 +13,7 @@ from typing import Any, Iterator, Mapping
 
 from ..layout import is_local_path, is_url
 from ..naming import Naming
+from ..root import open_root
 
 #: Upstream's names (transformers.trainer_utils.PREFIX_CHECKPOINT_DIR, trainer.TRAINER_STATE_NAME).
 PREFIX_CHECKPOINT_DIR = "checkpoint"
@@ -33,8 +34,6 @@ def public_name(root: str, storage_options: Mapping[str, Any] | None, step: int)
     """Step ``step``'s public name in ``root``, as messages name it: the root's naming
     (``checkpoint-N`` unless the root records another, txckpt/naming.py). A message never fails
     for it: a root whose naming cannot be read now (an error being reported) is named upstream's way."""
-    from ..root import open_root
-
     try:
         return open_root(root, storage_options).publication.naming.public(step)
     except Exception:  # noqa: BLE001 - only a name in a message

@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch.distributed as dist
+
 log = logging.getLogger("txckpt.transformers")
 
 
@@ -34,8 +36,6 @@ def _deepspeed_patterns(engine: Any) -> list[str]:
     if engine is None or getattr(engine, "mpu", None) is not None or not hasattr(engine, "checkpoint_mp_rank"):
         return []
     try:
-        import torch.distributed as dist
-
         dp = dist.get_rank(group=engine.optimizer.dp_process_group)
         mp = int(engine.checkpoint_mp_rank)
     except Exception as e:  # noqa: BLE001 - unclaimed is correct too: rank 0 hashes them at commit

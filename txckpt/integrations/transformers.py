@@ -45,6 +45,7 @@ import warnings
 from typing import Any
 
 import transformers
+import transformers.trainer as hf_trainer
 from transformers import Trainer
 
 import txckpt
@@ -52,6 +53,7 @@ from txckpt import errors as _errors
 from txckpt.coordination import current_coordinator, decide_on_rank0
 from txckpt.fallback import check_on_damaged
 from txckpt.integrations.trainer_logging import follow_transformers_verbosity, log_resume
+from txckpt.retention import RetentionPolicy, apply_retention, rewind
 
 from .trainer_async import AsyncSaves, check_mode
 from .trainer_patches import (
@@ -271,8 +273,6 @@ class TransactionalCheckpointMixin:
         """Whether upstream's _save_optimizer_and_scheduler takes its plain branch (the same
         conditions in 4.57 and 5.x): ``torch.save`` of the optimizer and of the scheduler on the
         saving process, nothing else. DeepSpeed, FSDP, XLA and SageMaker MP are left alone."""
-        import transformers.trainer as hf_trainer
-
         for probe in ("is_torch_xla_available", "is_sagemaker_mp_enabled"):
             fn = getattr(hf_trainer, probe, None)
             if fn is None or fn():
@@ -449,8 +449,6 @@ class TransactionalCheckpointMixin:
         best = self.state.best_model_checkpoint
         if best is None or not self.args.should_save or not self.is_world_process_zero():  # type: ignore[attr-defined]
             return
-        from txckpt.retention import rewind
-
         root = self._txckpt_root(trial)
         try:
             gone = rewind(txckpt.open_root(root, self.txckpt_storage_options), best)
@@ -577,8 +575,6 @@ def _apply_retention(root: str, storage_options: dict | None, keep_last: int, be
     """The one place that talks to txckpt's retention API: ``save_total_limit`` newest of the
     current lineage plus the best; fork points, the newest and other lineages' checkpoints are
     kept by the policy itself; deletion is two-phase (retire entry, then data)."""
-    from txckpt.retention import RetentionPolicy, apply_retention
-
     policy = RetentionPolicy.from_save_total_limit(keep_last, best)
     r = txckpt.open_root(root, storage_options)
     gone = apply_retention(r, policy)

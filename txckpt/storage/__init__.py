@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
+from .. import deps
 from ..errors import MissingDependencyError
 from ..layout import is_local_path
 from .base import Storage, WriteBatch, check_relative_key, join
@@ -24,10 +25,8 @@ def open_storage(root: str | os.PathLike, storage_options: Mapping[str, Any] | N
         if root.startswith("file://"):
             root = root[len("file://"):]
         return LocalStorage(root)
-    import fsspec
-
     try:
-        fs, path = fsspec.core.url_to_fs(root, **dict(storage_options or {}))
+        fs, path = deps.fsspec.core.url_to_fs(root, **dict(storage_options or {}))
     except ImportError as e:
         raise missing_dependency(root, e) from e
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
@@ -47,8 +46,7 @@ BACKEND_EXTRAS = {
 def missing_dependency(root: str, error: ImportError) -> MissingDependencyError:
     """The typed error for fsspec's ImportError while opening ``root``: which protocol of the
     URL (of each part of a chained one) could not load its filesystem, and what installs it."""
-    import fsspec
-
+    fsspec = deps.fsspec
     protocol = None
     for part in root.split("::"):
         p = part.split("://", 1)[0] if "://" in part else part

@@ -44,6 +44,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Mapping, Sequence
 from ..checksum import PIECE, copy_hashing
 from ..errors import UnsafePathError
 from ..fileio import open_regular_file
+from .errors import map_errors
 
 
 def join(*parts: str) -> str:
@@ -155,8 +156,6 @@ class Storage(abc.ABC):
         # What the stack below raises (no credentials, a missing bucket, an unreachable
         # endpoint) leaves every backend operation as a typed txckpt error: storage/errors.py.
         super().__init_subclass__(**kwargs)
-        from .errors import map_errors
-
         map_errors(cls)
 
     def run_concurrently(self, calls: Sequence[Callable[[], Any]]) -> list[Any]:

@@ -32,6 +32,7 @@ import weakref
 from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
+from .. import deps
 from ..errors import CredentialsError, EndpointUnreachableError, RootNotFoundError, TxckptError
 
 #: The Storage methods that talk to the backend; map_errors wraps these.
@@ -293,9 +294,7 @@ def log_retries(fs: Any) -> None:
     try:
         session = getattr(fs, "session", None)
         if session is None:
-            import aiobotocore.session
-
-            fs.session = session = aiobotocore.session.AioSession(**getattr(fs, "kwargs", {}))
+            fs.session = session = deps.aiobotocore_session.AioSession(**getattr(fs, "kwargs", {}))
             fs._session_is_owned = True  # s3fs's own flag: it may recreate it on a refresh
         emitters = [session] + [c.meta.events for c in [getattr(fs, "_s3", None)] if c is not None]
         for emitter in emitters:

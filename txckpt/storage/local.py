@@ -9,6 +9,7 @@ import shutil
 from typing import BinaryIO, Iterator
 
 from ..checksum import AbortOnError
+from ..errors import TempFileRemovedError
 # The low-level file operations live in fileio (below storage/). They are called through this
 # module's names, so a test that patches ``txckpt.storage.local.rename_noreplace`` (the crash and
 # power-loss tracers do) sees every rename LocalStorage makes; lies_within and makedirs_durable
@@ -434,8 +435,6 @@ def _raise_if_tmp_removed(tmp: str, path: str) -> None:
     """After a link/rename of ``tmp`` failed with ENOENT: a typed error if the temp file itself
     was deleted meanwhile (its directory is still there)."""
     if not os.path.lexists(tmp) and os.path.isdir(os.path.dirname(path)):
-        from ..errors import TempFileRemovedError
-
         raise TempFileRemovedError(path=tmp, target=path) from None
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 from typing import Any, BinaryIO
 
+from .. import deps
 from ..checksum import AbortOnError
 from .fsspec import FsspecStorage
 
@@ -24,10 +25,10 @@ class MemoryStorage(FsspecStorage):
     @classmethod
     def handles(cls, fs: Any) -> bool:
         try:
-            from fsspec.implementations.memory import MemoryFileSystem
+            memory = deps.fsspec_memory
         except ImportError:  # pragma: no cover
             return False
-        return isinstance(fs, MemoryFileSystem)
+        return isinstance(fs, memory.MemoryFileSystem)
 
     def missing_root(self) -> str | None:
         return None  # memory:// has no buckets: every path can be written
@@ -36,10 +37,8 @@ class MemoryStorage(FsspecStorage):
         return _MemoryWriter(self.fs, self._p(key))  # type: ignore[return-value]
 
     def create_exclusive(self, key: str, data: bytes, *, durable: bool) -> None:
-        from fsspec.implementations.memory import MemoryFile
-
         path = self.fs._strip_protocol(self._p(key))
-        f = MemoryFile(self.fs, path, bytes(data))
+        f = deps.fsspec_memory.MemoryFile(self.fs, path, bytes(data))
         if self.fs.store.setdefault(path, f) is not f:
             raise FileExistsError(17, "already exists", self.full_path(key))
 

@@ -8,6 +8,9 @@ import asyncio
 import os
 from typing import Any, BinaryIO, Iterator, Mapping, Sequence
 
+from .. import deps
+from ..checksum import copy_hashing
+from ..fileio import open_regular_file
 from .base import WriteBatch
 from .errors import log_retries
 from .fsspec import FsspecStorage
@@ -135,9 +138,10 @@ class S3Storage(FsspecStorage):
         answer was lost. Then, and only then, the object is read back: if it holds exactly our
         bytes, our attempt won (txckpt writes a unique id into every such file).
         """
-        from botocore.exceptions import ClientError, ConnectTimeoutError, EndpointConnectionError
-        from s3fs.errors import translate_boto_error
-
+        botocore = deps.botocore_exceptions
+        ClientError, ConnectTimeoutError, EndpointConnectionError = (
+            botocore.ClientError, botocore.ConnectTimeoutError, botocore.EndpointConnectionError)
+        translate_boto_error = deps.s3fs.errors.translate_boto_error
         fs = self.fs
         await fs.set_session()
         client = await fs.get_s3(self.bucket)
@@ -203,9 +207,6 @@ class S3Storage(FsspecStorage):
         return self._upload_file(local_file, key, None)
 
     def _upload_file(self, local_file: str, key: str, batch: "_S3WriteBatch | None") -> tuple[int, str]:
-        from ..checksum import copy_hashing
-        from ..fileio import open_regular_file
-
         writer = _S3Writer(self, key, batch)
         ok = False
         try:

@@ -9,13 +9,16 @@ not import it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import concurrent.futures
+import errno
 import io
 import sys
 import zlib
 from typing import Any, BinaryIO
 
+from .. import deps
 from ..checksum import AbortOnError
 from .base import WriteBatch
 
@@ -24,12 +27,10 @@ _S3_MAX_PARTS = 10_000
 
 def _run(fs: Any, coro, timeout: float | None = None):
     """Run ``coro`` on s3fs's event loop thread and wait for it."""
-    from fsspec.asyn import sync
-
     async def _wrapped():
         return await coro
 
-    return sync(fs.loop, _wrapped, timeout=timeout)
+    return deps.fsspec_asyn.sync(fs.loop, _wrapped, timeout=timeout)
 
 
 async def _upload_part(fs: Any, bucket: str, key: str, upload_id: str, number: int,
@@ -50,10 +51,7 @@ async def _put_object(fs: Any, bucket: str, key: str, body: io.BytesIO, crc32: i
     to send checksums or the user's ``s3_additional_kwargs`` chose one; botocore would otherwise
     compute the same CRC32 by re-reading the whole body on s3fs's event loop, the one thread
     every upload of the process shares."""
-    import base64
-
-    from s3fs.core import _error_wrapper
-
+    _error_wrapper = deps.s3fs.core._error_wrapper
     await fs.set_session()
     client = await fs.get_s3(bucket)
     method = client.put_object
@@ -386,8 +384,6 @@ def _upload_failure(path: str, e: BaseException) -> OSError:
     """An OSError naming the file whose background upload failed. Its errno is the error's own,
     or the one its class stands for (s3fs raises ``PermissionError(message)`` without one), so
     ``OSError(errno, ...)`` is again a PermissionError and ``storage_error`` gives its advice."""
-    import errno
-
     code = getattr(e, "errno", None) if isinstance(e, OSError) else None
     if not code:
         code = next((c for cls, c in ((PermissionError, errno.EACCES), (FileNotFoundError, errno.ENOENT),
