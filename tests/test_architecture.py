@@ -256,7 +256,7 @@ def test_import_txckpt_leaves_torch_and_the_backends_to_first_use():
 # ----- one parse of checkpoint names (issue 28) ---------------------------------------------------
 #: The modules that form and parse checkpoint names (``<prefix><step>``, ``checkpoint-N``); every
 #: other module asks them (Naming.public / step_of / name_of, split_public, layout.checkpoint_name,
-#: parse_checkpoint_name, integrations/trainer_paths.TRAINER_NAMING).
+#: parse_checkpoint_name, integrations/trainer/paths.TRAINER_NAMING).
 NAME_MODULES = ("txckpt.naming", "txckpt.layout")
 _PREFIX_TEXT = re.compile(r"checkpoint[-_]$")
 #: A name formed from a prefix and a value: ``checkpoint-{}``, ``{PREFIX}-{}``, ``{PREFIX}{}``.

@@ -155,9 +155,9 @@ def test_path_shapes_follow_the_one_parse():
 
 
 def test_trainer_names_are_parsed_by_the_core():
-    """integrations/trainer_paths keeps upstream's PREFIX_CHECKPOINT_DIR but parses through the
+    """integrations/trainer/paths keeps upstream's PREFIX_CHECKPOINT_DIR but parses through the
     core's naming: a number no step can be is no step (it was an int of 5000 digits)."""
-    from txckpt.integrations import trainer_paths as tp
+    from txckpt.integrations.trainer import paths as tp
 
     assert tp.TRAINER_NAMING.public(7) == "checkpoint-7" == f"{tp.PREFIX_CHECKPOINT_DIR}-7"
     assert tp.checkpoint_name_step("/out/checkpoint-00500/") == 500
@@ -168,7 +168,7 @@ def test_trainer_names_are_parsed_by_the_core():
 
 
 def test_trainer_messages_name_a_step_by_the_roots_naming(root):
-    from txckpt.integrations.trainer_paths import public_name
+    from txckpt.integrations.trainer.paths import public_name
 
     assert public_name(root, None, 5) == "checkpoint-5"
     other = os.path.join(root, "named")

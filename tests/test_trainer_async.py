@@ -210,7 +210,7 @@ def test_true_is_lazy_unless_the_optimizer_changes_parameters_in_backward(optim,
 
     from transformers.training_args import OptimizerNames
 
-    from txckpt.integrations import trainer_async
+    from txckpt.integrations.trainer import async_saves as trainer_async
 
     t = SimpleNamespace(args=SimpleNamespace(optim=OptimizerNames(optim)), optimizer=torch.optim.SGD(
         [torch.nn.Parameter(torch.ones(1))], lr=0.1), txckpt_async_save=True)
@@ -282,7 +282,7 @@ def test_async_mode_refuses_engines_that_write_their_own_shards(engine):
     from types import SimpleNamespace
 
     from txckpt.errors import InvalidArgumentError
-    from txckpt.integrations.trainer_async import AsyncSaves
+    from txckpt.integrations.trainer.async_saves import AsyncSaves
 
     handler = SimpleNamespace(on_save=lambda *a, **k: None)
     trainer = SimpleNamespace(txckpt_async_save=True, callback_handler=handler, **{engine: True})

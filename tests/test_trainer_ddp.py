@@ -53,6 +53,6 @@ def test_rank_killed_mid_save_commits_nothing_and_restart_resumes(tmp_path):
         assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "optimizer.pt",
                 "scheduler.pt", "trainer_state.json"} <= files, files
         txckpt.verify_checkpoint(c.path)
-        # Each rank claimed its own RNG file (trainer_ranks): hashed by it, recorded as its.
+        # Each rank claimed its own RNG file (rank_files): hashed by it, recorded as its.
         ranks = {n: e.rank for n, e in txckpt.read_manifest(c.path).files.items()}
         assert ranks["rng_state_0.pth"] == 0 and ranks["rng_state_1.pth"] == 1, ranks

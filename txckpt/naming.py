@@ -14,7 +14,7 @@ naming (with layout's :func:`~txckpt.layout.parse_checkpoint_name`), :func:`spli
 name whose prefix is not known yet (a path's shape, accelerate's ``save_state(output_dir)``), and
 :meth:`Naming.name_of` names a committed checkpoint as the root has it (an adopted
 ``checkpoint-00500`` keeps its zero padding). The integrations use these too (a Trainer's
-``checkpoint-N``: ``integrations/trainer_paths.TRAINER_NAMING``); tests/test_architecture.py
+``checkpoint-N``: ``integrations/trainer/paths.TRAINER_NAMING``); tests/test_architecture.py
 fails on a checkpoint name formed or parsed anywhere else.
 """
 

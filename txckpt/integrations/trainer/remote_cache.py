@@ -21,7 +21,7 @@ import txckpt
 from txckpt import errors as _errors
 from txckpt.coordination import coordination_timeout, current_coordinator, decide_on_rank0, raise_if_any_failed
 
-from .trainer_paths import (
+from .paths import (
     CACHE_DIR_NAME,
     PUSH_DIR_NAME,
     STAGING_DIR_NAME,

@@ -11,9 +11,9 @@ import json
 import os
 from typing import Any, Iterator, Mapping
 
-from ..layout import is_local_path, is_url
-from ..naming import Naming
-from ..root import open_root
+from ...layout import is_local_path, is_url
+from ...naming import Naming
+from ...root import open_root
 
 #: Upstream's names (transformers.trainer_utils.PREFIX_CHECKPOINT_DIR, trainer.TRAINER_STATE_NAME).
 PREFIX_CHECKPOINT_DIR = "checkpoint"
@@ -23,7 +23,7 @@ TRAINER_STATE_NAME = "trainer_state.json"
 #: too), in ASCII digits below 2**63 (layout.parse_step: a larger number is none, not a huge int).
 TRAINER_NAMING = Naming(PREFIX_CHECKPOINT_DIR + "-")
 
-#: A remote root's local cache, under output_dir, and its parts (trainer_remote.RemoteCache).
+#: A remote root's local cache, under output_dir, and its parts (remote_cache.RemoteCache).
 CACHE_DIR_NAME = ".txckpt-cache"
 STAGING_DIR_NAME = "staging"
 PUSH_DIR_NAME = "push"

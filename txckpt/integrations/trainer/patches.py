@@ -20,7 +20,7 @@ from transformers.trainer_callback import TrainerState
 from txckpt.manifest import kind_for_name
 from txckpt.serialization import _torch_save_config
 
-from .trainer_paths import is_remote
+from .paths import is_remote
 
 #: Upstream uploads the whole output_dir to the Hub, ignoring only "_*" and "checkpoint-*":
 #: without these, txckpt's log and the abandoned lineages' checkpoints under .txckpt/ would go too.

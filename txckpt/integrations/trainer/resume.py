@@ -18,7 +18,7 @@ import txckpt
 from txckpt import errors as _errors
 from txckpt.refs import ExternalParent
 
-from .trainer_paths import is_remote, is_url, is_within, named_step
+from .paths import is_remote, is_url, is_within, named_step
 
 log = logging.getLogger("txckpt.transformers")
 

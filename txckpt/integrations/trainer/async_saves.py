@@ -48,9 +48,9 @@ import transformers.modeling_utils as mu
 from txckpt import asyncsave, errors as _errors
 from txckpt.root import open_root
 
-from .trainer_patches import torch_save_into
-from .trainer_ranks import rank_patterns
-from .trainer_paths import (STAGING_DIR_NAME, STAGING_ENV, TRAINER_NAMING, TRAINER_STATE_NAME, is_remote, is_within,
+from .patches import torch_save_into
+from .rank_files import rank_patterns
+from .paths import (STAGING_DIR_NAME, STAGING_ENV, TRAINER_NAMING, TRAINER_STATE_NAME, is_remote, is_within,
                            public_name)
 
 log = logging.getLogger("txckpt.transformers")
@@ -61,7 +61,7 @@ STREAM, TORCH, SAFETENSORS = "stream", "torch", "safetensors"
 
 
 class _Sink:
-    """What ``_Capture.open`` returns to trainer_patches.torch_save_through: the torch.save it
+    """What ``_Capture.open`` returns to patches.torch_save_through: the torch.save it
     then makes into it is recorded as a STREAM write of ``name``."""
 
     def __init__(self, capture: "_Capture", name: str):
@@ -375,7 +375,7 @@ def _write_and_commit(root: str, so: Any, step: int, meta: Any, plan: list, snap
     """The background job: replay the recorded writes from the snapshot in one transaction. Lazy
     mode (``snap`` None): complete the snapshot first (``lazy``: the pool and the
     LazySnapshot), here, which lets the optimizer step go on.
-    ``claims(rank)``: the globs of the files this rank writes itself (trainer_ranks), claimed as
+    ``claims(rank)``: the globs of the files this rank writes itself (rank_files), claimed as
     the synchronous save claims them, so that the manifest says which rank wrote each."""
     if snap is None:
         pool, pending = lazy
@@ -399,7 +399,7 @@ def _write_and_commit(root: str, so: Any, step: int, meta: Any, plan: list, snap
                 f.write(data)
         for name, how, kw, writer in plan:
             obj = snap[name]
-            if how == STREAM:  # as trainer_patches.torch_save_through writes it
+            if how == STREAM:  # as patches.torch_save_through writes it
                 torch_save_into(tx, name, obj, writer)
                 continue
             path = os.path.join(directory, name)
