@@ -22,7 +22,7 @@ from . import log as commit_log
 from .errors import CheckpointNotFoundError, ConcurrentWriterError, LogCorruptError, StepConflictError
 from .layout import home_key, intent_key, new_txid
 from .lineage import Checkpoint, History, State, describe_checkpoints, new_lineage_id, rollback_warning
-from .manifest import Manifest, check_step
+from .manifest import Manifest
 from .naming import DEFAULT as DEFAULT_NAMING, Naming
 from .publication import Root
 from .refs import ExternalParent, Parent, Ref, parent_to_json
@@ -174,8 +174,8 @@ def describe_damaged(damaged: list[dict[str, Any]], naming: Naming = DEFAULT_NAM
 
 # ----- a save's phases that read or change the log (§8) ------------------------------------------
 def plan_save(root: Root, step: int) -> SavePlan:
-    """Step 1: validate a save of ``step`` against the newest state; the plan the ranks share."""
-    check_step(step)
+    """Step 1: validate a save of ``step`` (checked by ``manifest.check_step`` already: the
+    transaction's first act) against the newest state; the plan the ranks share."""
     session = root.shared
     if session.writer_lineage is not None and session._known_state is not None:
         # This session holds a lineage: plan against the newest state it knows (its own last

@@ -310,10 +310,11 @@ class Transaction:
                             sum(f["size"] for f in report["files"].values()))
             reports = coord.gather(report)
             outcome: dict[str, Any] = {}
-            if coord.is_committer:
+            committer = coord.is_committer
+            if committer:
                 outcome = self._commit_or_abort(reports or [report])
             outcome = coord.broadcast(outcome)
-            if "path" in outcome and coord.is_committer and not self._root.shared.staging_reclaimed:
+            if "path" in outcome and committer and not self._root.shared.staging_reclaimed:
                 # Committed, and every rank has its path: now the session's first save reclaims
                 # what dead writers left (§8 step 12), off the other ranks' way.
                 reclaim_after_save(self._root)
