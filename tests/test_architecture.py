@@ -351,3 +351,52 @@ def test_checkpoint_names_are_formed_and_parsed_only_by_naming_and_layout():
         if name not in NAME_MODULES:
             found += _name_violations(open(path).read(), os.path.relpath(path, HERE))
     assert found == []
+
+
+# ----- the root and the storage are typed in the core (issue 28) ----------------------------------
+def _is_root_or_storage(name: str) -> bool:
+    return name in ("root", "storage") or name.endswith(("_root", "_storage"))
+
+
+def _untyped_root_params(source: str, path: str = "<src>") -> list[str]:
+    """Parameters named root/storage (or ``*_root``/``*_storage``) of ``source``'s functions and
+    lambdas that are unannotated or annotated ``Any`` (``Any``, ``typing.Any``, ``"Any"``)."""
+    tree = ast.parse(source, path)
+    out = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        a = fn.args
+        for arg in a.posonlyargs + a.args + a.kwonlyargs + [x for x in (a.vararg, a.kwarg) if x]:
+            if not _is_root_or_storage(arg.arg):
+                continue
+            ann = arg.annotation
+            text = None if ann is None else (ann.value if isinstance(ann, ast.Constant) else ast.unparse(ann))
+            if text is None or text in ("Any", "typing.Any"):
+                out.append(f"{path}:{fn.lineno} {getattr(fn, 'name', '<lambda>')}({arg.arg}: {text})")
+    return out
+
+
+def test_the_root_parameter_checker_sees_unannotated_and_any():
+    """The checker below is not vacuous."""
+    src = ("from typing import Any\n"
+           "def a(root): pass\n"
+           "def b(storage: Any): pass\n"
+           "def c(x, *, dest_root: 'Any'): pass\n"
+           "f = lambda storage: storage\n"
+           "class K:\n"
+           "    def m(self, src_storage: typing.Any): pass\n"
+           "def ok(root: 'Root', storage: Storage, rooted: Any, storage_options: Any): pass\n")
+    assert [line.split()[1] for line in _untyped_root_params(src)] == [
+        "a(root:", "b(storage:", "c(dest_root:", "<lambda>(storage:", "m(src_storage:"]
+
+
+def test_the_core_types_every_root_and_storage_parameter():
+    """No parameter named root/storage (``*_root``/``*_storage``) in the core (txckpt/ but its
+    integrations) is unannotated or ``Any``: mypy (``make typecheck``) then checks every use of
+    one against the Protocol or class it is (publication.Root, storage.base.Storage, ...)."""
+    found = []
+    for name, path in sorted(_modules().items()):
+        if not name.startswith("txckpt.integrations"):
+            found += _untyped_root_params(open(path).read(), os.path.relpath(path, HERE))
+    assert found == []

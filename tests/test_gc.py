@@ -171,21 +171,21 @@ def test_a_commit_whose_staging_vanished_after_the_check_raises(tmp_path, monkey
     appended, but the save must not return a path that holds nothing."""
     import shutil
 
+    from txckpt import transactions
     from txckpt.errors import CheckpointNotFoundError
-    from txckpt.root import CheckpointRoot
 
     root = str(tmp_path / "out")
     save(root, (1,))
-    real = CheckpointRoot.commit
+    real = transactions.append_commit
 
-    def commit(self, manifest, writer=None):
+    def append_commit(r, manifest, writer=None):  # §8 step 9, after the manifest (step 8)
         shutil.rmtree(os.path.join(root, ".txckpt", "tx", manifest.txid))
-        return real(self, manifest, writer)
+        return real(r, manifest, writer)
 
-    monkeypatch.setattr(CheckpointRoot, "commit", commit)
+    monkeypatch.setattr(transactions, "append_commit", append_commit)
     with pytest.raises(CheckpointNotFoundError, match="was committed, but its data"):
         save(root, (2,))
-    monkeypatch.setattr(CheckpointRoot, "commit", real)
+    monkeypatch.setattr(transactions, "append_commit", real)
     assert txckpt.read_manifest(fresh(root).get_last_checkpoint()).step == 1
 
 

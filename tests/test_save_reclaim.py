@@ -32,8 +32,8 @@ import txckpt
 mode, root, options, step = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) or None, int(sys.argv[4])
 txckpt.resume(root, storage_options=options)
 if mode == "kill-after-commit":
-    from txckpt.root import CheckpointRoot
-    CheckpointRoot.clear_intent = lambda self, txid: os.kill(os.getpid(), signal.SIGKILL)
+    import txckpt.commit
+    txckpt.commit.clear_intent = lambda root, txid: os.kill(os.getpid(), signal.SIGKILL)
 if mode in ("save", "kill-after-commit"):
     print(txckpt.save_checkpoint(root, step, {"w.bin": b"s" * 1000}, storage_options=options), flush=True)
     sys.exit(0)

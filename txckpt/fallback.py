@@ -20,11 +20,11 @@ verifying: to the newest checkpoint of the view that is present (:func:`present_
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable
 
+from .commit import claim, fork
 from .errors import IntegrityError, InvalidArgumentError, LookupRaceError, NoIntactCheckpointError
 from .layout import home_key
-from .naming import DEFAULT as DEFAULT_NAMING, Naming
 from .publication import LOOKUP_ATTEMPTS, Root
 from .refs import Ref, same_ref
 from .verify import FALLBACK_HINT
@@ -73,7 +73,7 @@ def resume_intact(root: Root, state: "State", verify: Verify) -> str | None:
     for _ in range(LOOKUP_ATTEMPTS):
         tip = state.head_tip
         if tip is None:
-            root._claim(state)
+            claim(root, state)
             return None
         try:
             used = _check(root, tip, verify)
@@ -83,7 +83,7 @@ def resume_intact(root: Root, state: "State", verify: Verify) -> str | None:
                 state = fresh  # the log moved on (a retention deleted the tip it read): follow it
                 continue
             return _fall_back(root, tip, e, verify)
-        root._claim(state)
+        claim(root, state)
         return used
     raise LookupRaceError(
         f"the newest checkpoint of {root.url} was retired and deleted under this resume "
@@ -103,7 +103,7 @@ def _fall_back(root: Root, tip: Ref, first: IntegrityError, verify: Verify) -> s
         except IntegrityError as e:
             damaged.append(_record(c.step, c.txid, e))
             continue
-        root._fork(c.ref, history, reason="fork", damaged=damaged)
+        fork(root, c.ref, history, reason="fork", damaged=damaged)
         return used
     listing = "; ".join(f"step {d['step']} (txid {d['txid']}): {d['path']}" for d in damaged)
     raise NoIntactCheckpointError(
@@ -112,18 +112,6 @@ def _fall_back(root: Root, tip: Ref, first: IntegrityError, verify: Verify) -> s
         "a new lineage (txckpt.new_lineage, or train(resume_from_checkpoint=None)); `txckpt verify "
         f"{root.url}` reports every damaged file",
         path=damaged[0]["path"], root=root.url, damaged=damaged,
-    )
-
-
-def describe_damaged(damaged: list[dict[str, Any]], naming: Naming = DEFAULT_NAMING,
-                     keys: Mapping[str, str | None] | None = None) -> str:
-    """One clause per damaged checkpoint, named by the root's ``naming`` (``checkpoint_4`` on an
-    Accelerate root; ``keys``, txid -> the key it was committed at: an adopted
-    ``checkpoint-00500`` keeps its name)."""
-    keys = keys or {}
-    return "; ".join(
-        f"{naming.name_of(d['step'], keys.get(d['txid']))} (txid {d['txid']}): {d['path'] or '?'} failed ({d['error']})"
-        for d in damaged
     )
 
 

@@ -47,8 +47,10 @@ def spelling(root: str | os.PathLike) -> str:
     """``root`` as its storage spells it: a local path absolute (``~`` expanded, ``..`` and
     trailing slashes gone, as ``LocalStorage`` takes it), a URL as given."""
     p = os.fspath(root)
-    if not is_local_path(p):
-        return p
+    return _local_spelling(p) if is_local_path(p) else p
+
+
+def _local_spelling(p: str) -> str:
     if p.startswith("file://"):
         p = p[len("file://"):]
     return os.path.abspath(os.path.expanduser(p))
@@ -59,9 +61,10 @@ def root_key(root: str | os.PathLike, storage_options: Mapping[str, Any] | None)
     identity (module docstring) and the storage options."""
     options = repr(sorted((storage_options or {}).items()))
     given = os.fspath(root)
-    directory: str | None = spelling(given)
+    local = is_local_path(given)
+    directory: str | None = _local_spelling(given) if local else given
     url = given
-    if not is_local_path(given):
+    if not local:
         with _lock:
             known = _urls.get((given, options))
         if known is None:

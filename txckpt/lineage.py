@@ -17,7 +17,7 @@ every entry (or a snapshot and the entries after it) into the full state and eve
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Collection, Iterable, NamedTuple
 
@@ -115,10 +115,8 @@ class State:
             )
         return cls(seq, head, lineages)
 
-    def copy(self) -> "State":
-        new = State.from_json(self.seq, self.to_json())
-        new.partial = self.partial
-        return new
+    def copy(self) -> "State":  # (each lineage's record copied: the after_* methods change one)
+        return State(self.seq, self.head, {k: replace(v) for k, v in sorted(self.lineages.items())}, self.partial)
 
     # ----- log entries (txckpt-log/1 and /2) -----------------------------------------------------
     def head_record(self) -> dict[str, Any] | None:

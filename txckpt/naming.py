@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Protocol
 
 from .errors import InvalidArgumentError, LogCorruptError, NamingConflictError
 from .layout import CHECKPOINT_PREFIX, NAMING_KEY, TX_DIR, entry_key, parse_checkpoint_name, parse_step
@@ -96,7 +97,20 @@ def split_name(name: str) -> tuple[Naming, int]:
     return Naming(split[0]), split[1]
 
 
-def read_naming(storage) -> Naming | None:
+class NamingStorage(Protocol):
+    """What reading and recording the naming needs of a root's storage (``storage.base.Storage``,
+    a floor above)."""
+
+    def read_bytes(self, key: str) -> bytes: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def create_exclusive(self, key: str, data: bytes, *, durable: bool) -> None: ...
+
+    def full_path(self, key: str) -> str: ...
+
+
+def read_naming(storage: NamingStorage) -> Naming | None:
     """The naming recorded in the root, or None where none is (then: the default)."""
     try:
         data = storage.read_bytes(NAMING_KEY)
@@ -114,7 +128,7 @@ def read_naming(storage) -> Naming | None:
         ) from None
 
 
-def record_naming(storage, naming: Naming, *, durable: bool) -> Naming:
+def record_naming(storage: NamingStorage, naming: Naming, *, durable: bool) -> Naming:
     """Make ``naming`` the root's: create ``.txckpt/naming`` if absent (before the root's first log
     entry). Raises :class:`NamingConflictError` if the root has another naming already (a file
     naming another prefix, or a log without the file: the default)."""

@@ -31,7 +31,7 @@ from .errors import SpecialFileError
 # TX_DIR, ORPHANS_DIR and home_key are layout's; importable from here as before.
 from .layout import MANIFEST_NAME, ORPHANS_DIR, TX_DIR, entry_key, home_key, orphan_key, retiring_key, tx_key
 from .naming import DEFAULT, Naming, read_naming
-from .refs import Parent, Ref
+from .refs import Ref
 from .storage.base import Storage
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,16 +43,32 @@ log = logging.getLogger("txckpt")
 LOOKUP_ATTEMPTS = 16
 
 
+class Session(Protocol):
+    """What this process remembers about one root, shared by every spelling of it
+    (:class:`txckpt.identity.SessionState`): the writer session and the states it has read."""
+
+    writer_lineage: str | None
+    session: str
+    _history: "History | None"
+    _base_states: "dict[str, State]"
+    _known_state: "State | None"
+    staging_reclaimed: bool
+
+
 class Root(Protocol):
-    """What the modules below the root facade (adoption, fallback, intents, retention, gc) use of
-    a :class:`txckpt.root.CheckpointRoot`: they take this instead of importing root.py, so
-    imports run downward only."""
+    """What the modules below the root facade (the commit room, the transaction, adoption,
+    fallback, intents, retention, gc) use of a :class:`txckpt.root.CheckpointRoot`: they take
+    this instead of importing root.py, so imports run downward only. Lineage changes are
+    :mod:`txckpt.commit`'s functions of a ``Root``, not methods of it."""
 
     storage: Storage
     storage_options: dict[str, Any]
     durable: bool
     session: str
     staging_reclaimed: bool
+
+    @property
+    def shared(self) -> Session: ...
 
     @property
     def publication(self) -> "InPlacePublication": ...
@@ -70,10 +86,9 @@ class Root(Protocol):
     def describe(self, chosen: "Iterable[Checkpoint]", *, with_paths: bool = True,
                  history: "History | None" = None) -> list[Any]: ...
 
-    def _claim(self, state: "State") -> None: ...
+    def legacy_checkpoints(self) -> list[int]: ...
 
-    def _fork(self, parent: Parent, history: "History", reason: str, *, announce: bool = True,
-              damaged: list[dict[str, Any]] | None = None) -> str: ...
+    def adopt(self) -> str | None: ...
 
 
 def public_key(step: int, naming: Naming = DEFAULT) -> str:
@@ -379,5 +394,5 @@ def publication_for(storage: Storage, durable: bool = True) -> InPlacePublicatio
 
 
 # TX_DIR, ORPHANS_DIR, home_key: re-exported for callers that import them from here (layout owns them).
-__all__ = ["Root", "LOOKUP_ATTEMPTS", "InPlacePublication", "RenamePublication", "publication_for", "public_key", "manifest_txid",
+__all__ = ["Root", "Session", "LOOKUP_ATTEMPTS", "InPlacePublication", "RenamePublication", "publication_for", "public_key", "manifest_txid",
            "home_key", "TX_DIR", "ORPHANS_DIR"]

@@ -19,12 +19,20 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from typing import Any
+from typing import Protocol
 
 from .errors import StorageError
 from .layout import RESERVE_KEY, temp_name  # every name under a root is layout's
 
 log = logging.getLogger("txckpt")
+
+
+class ReserveStorage(Protocol):
+    """What the reserve needs of a root's storage (``storage.base.Storage``, a floor above)."""
+
+    def space_reserve_path(self, key: str) -> str | None: ...
+
+    def full_path(self, key: str) -> str: ...
 
 
 #: Bytes held back: a retire entry carries the compact state (a few hundred bytes per lineage),
@@ -34,12 +42,12 @@ RESERVE_BYTES = max(0, int(os.environ.get("TXCKPT_RESERVE_BYTES", "") or 256 << 
 FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-def _path(storage: Any) -> str | None:
+def _path(storage: ReserveStorage) -> str | None:
     # None on object stores (and memory): they never run out of space this way.
     return storage.space_reserve_path(RESERVE_KEY)
 
 
-def ensure_reserve(storage: Any, *, durable: bool) -> bool:
+def ensure_reserve(storage: ReserveStorage, *, durable: bool) -> bool:
     """Make ``.txckpt/reserve`` if the root is local and lacks it; False if it could not be made
     (no room yet: retried by the next retention or gc). Never raises for lack of space."""
     path = _path(storage)
@@ -70,7 +78,7 @@ def ensure_reserve(storage: Any, *, durable: bool) -> bool:
     return True
 
 
-def release_reserve(storage: Any) -> bool:
+def release_reserve(storage: ReserveStorage) -> bool:
     """Delete the reserve (the disk is full and a retire entry needs the room); True if there
     was one to delete."""
     path = _path(storage)

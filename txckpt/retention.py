@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
 from .errors import CheckpointNotFoundError, CheckpointRetiredError, InvalidArgumentError, SpecialFileError, StorageError
+from .commit import fork
 from .lineage import Checkpoint, History, State
 from .storage.base import Storage
 from .layout import READERS_DIR, TX_DIR, lease_key, parse_checkpoint_name
@@ -444,7 +445,7 @@ def rewind(root: Root, keep: str, *, now: float | None = None) -> list[Checkpoin
     tip = history.state.head_tip
     if tip is not None and tip.txid == txid:
         return []
-    root._fork(view[txid].ref, history, reason="fork", announce=False)
+    fork(root, view[txid].ref, history, reason="fork", announce=False)
     fresh = root.history()
     still = {c.txid for c in fresh.in_view(None)}
     leased, _ = read_leases(root.storage, now)

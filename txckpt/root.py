@@ -15,36 +15,28 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 from . import adoption
 from . import log as commit_log
-from . import progress, retention
+from . import retention
+from .commit import append, claim, fork, new_lineage, note_state
 from .errors import (
     CheckpointNotFoundError,
-    ConcurrentWriterError,
     InvalidArgumentError,
-    LogCorruptError,
     LookupRaceError,
     RootNotFoundError,
-    StepConflictError,
 )
 # root_key: identity.py's (which spellings name one root); importable from here, as asyncsave does.
 from .identity import SessionState, Shared, root_key, spelling
-from .fallback import check_on_damaged, describe_damaged, present_fallback, resume_intact
-from .layout import INTENTS_DIR, TX_DIR, home_key, intent_key, new_txid, parse_checkpoint_name
-# The fork warnings are lineage.py's (what a fork abandons).
+from .fallback import check_on_damaged, present_fallback, resume_intact
+from .layout import INTENTS_DIR, TX_DIR, parse_checkpoint_name
 from .lineage import (  # CheckpointInfo: importable from here, as txckpt/__init__ does
     Checkpoint,
     CheckpointInfo,
     History,
     State,
-    describe_checkpoints,
-    new_lineage_id,
-    rollback_warning,
 )
 from .manifest import MANIFEST_NAME, Manifest, check_step
 # LOOKUP_ATTEMPTS lives below the root (fallback follows retired tips too); importable from here.
 from .publication import LOOKUP_ATTEMPTS, publication_for
-from .refs import ExternalParent, Parent, Ref, parent_to_json, same_ref
-from .reserve import ensure_reserve
-from .saveplan import SavePlan
+from .refs import Ref, same_ref
 from .storage import Storage, open_storage
 from .storage.errors import missing_bucket_error
 from .transactions import Transaction
@@ -100,19 +92,12 @@ class CheckpointRoot:
         return state
 
     def _note_state(self, state: State) -> None:
-        if self._known_state is None or state.seq >= self._known_state.seq:
-            self._known_state = state
+        note_state(self, state)
 
     def append_entry(self, build: Any, *, start: State | None = None, update_hint: bool = True,
                      on_full: Any = None) -> dict[str, Any]:
-        """Append one log entry (``commit_log.append``) and remember the state it made. The
-        root's first entry also makes the space reserve retention uses on a full disk."""
-        entry = commit_log.append(self.storage, build, durable=self.durable, start=start,
-                                  update_hint=update_hint, on_full=on_full)
-        self._note_state(commit_log.entry_state(entry))
-        if entry["seq"] == 0:
-            ensure_reserve(self.storage, durable=self.durable)
-        return entry
+        """Append one log entry and remember the state it made (:func:`txckpt.commit.append`)."""
+        return append(self, build, start=start, update_hint=update_hint, on_full=on_full)
 
     def history(self, *, snapshot: bool = False) -> History:
         """Every entry folded; cached and extended incrementally on each call. A fresh fold
@@ -293,7 +278,7 @@ class CheckpointRoot:
             found = self.get_last_checkpoint()
             if found is not None and verify is not None:
                 found = verify(found)  # before the claim: a damaged tip changes nothing
-            self._claim(state)
+            claim(self, state)
             return found
         history = self.history(snapshot=True)
         if path is not None:
@@ -301,9 +286,9 @@ class CheckpointRoot:
         else:
             target = history.find(step=step)
         if same_ref(target.ref, state.head_tip):
-            self._claim(state)
+            claim(self, state)
             return self.locate(target.ref)
-        self._fork(target.ref, history, reason="fork")
+        fork(self, target.ref, history, reason="fork")
         where = self.locate(target.ref)
         if where is None:
             raise CheckpointNotFoundError(
@@ -318,100 +303,9 @@ class CheckpointRoot:
             raise InvalidArgumentError('on_damaged="fallback" needs a verify function (import txckpt)')
         return make(self)
 
-    def _claim(self, state: State) -> None:
-        """Take over the head lineage for this session (a restart): a job still writing it with an
-        older session (a zombie) can no longer commit."""
-        lineage = state.head
-        if lineage is None:
-            return
-        if state.lineages[lineage].writer == self.session:
-            self.writer_lineage = lineage
-            return
-
-        def build(fresh: State, seq: int, now: float) -> dict[str, Any]:
-            if fresh.head != lineage:
-                raise ConcurrentWriterError(
-                    f"the root's current lineage changed from {lineage} to {fresh.head} while this "
-                    "process was resuming it; check `txckpt log` and resume again"
-                )
-            new_state = fresh.after_claim(seq, lineage, self.session)
-            return {"action": "claim", "lineage": lineage, "writer": self.session, "state": new_state.to_json()}
-
-        self.append_entry(build)
-        self.writer_lineage = lineage
-
     def new_lineage(self, *, external_parent: str | os.PathLike | None = None) -> str:
         """Start a new root lineage (no parent, or an external checkpoint path as parent)."""
-        if self.state().seq < 0 and self.legacy_checkpoints():
-            self.adopt()
-        history = self.history()
-        parent = None if external_parent is None else ExternalParent(os.fspath(external_parent))
-        return self._fork(parent, history, reason="root" if parent is None else "external")
-
-    def _fork(self, parent: Parent, history: History, reason: str, *, announce: bool = True,
-              damaged: list[dict[str, Any]] | None = None) -> str:
-        """Append a fork entry (§10). ``announce=False``: the caller retires what the fork
-        abandons (retention.rewind) and says so itself, instead of the "kept intact" warning.
-        ``damaged``: the checkpoints a restart found damaged (txckpt/fallback.py), recorded in the
-        entry and named in the one warning."""
-        expected_head = history.state.head
-        lid = new_lineage_id(history.state.lineages)
-        abandoned: list[Checkpoint] = []
-        restored: list[Checkpoint] = []
-
-        def build(state: State, seq: int, now: float) -> dict[str, Any]:
-            nonlocal abandoned, restored
-            if state.seq != history.state.seq:
-                fresh = self.history()
-                if fresh.state.head != expected_head:
-                    raise ConcurrentWriterError(
-                        f"the root's current lineage changed from {expected_head} to "
-                        f"{fresh.state.head} while this process was rolling back; check "
-                        "`txckpt log` and retry"
-                    )
-            new_state = state.after_new_lineage(seq, now, lid, parent, reason, writer=self.session)
-            # The entry does not list what it abandons (the fold derives it, §4): the views are
-            # the folded history's, whose lineages are complete (the newest entry's are not).
-            fresh = self._history or history
-            after = fresh.state.after_new_lineage(seq, now, lid, parent, reason, writer=self.session)
-            abandoned = fresh.abandoned_by(after, expected_head)
-            restored = fresh.restored_by(after, expected_head)
-            entry: dict[str, Any] = {"action": "fork", "lineage": lid, "parent": parent_to_json(parent), "reason": reason, "state": new_state}
-            if damaged:
-                entry["damaged"] = damaged
-            return entry
-
-        self.append_entry(build)
-        self.writer_lineage = lid
-        history = self.history()
-        if damaged:
-            assert isinstance(parent, Ref)  # a fallback forks from the newest intact checkpoint
-
-            log.warning(
-                "the newest checkpoint(s) of %s failed verification: %s. Falling back to step "
-                "%d of lineage %s: new lineage %s abandons %d checkpoint(s): %s. Nothing was deleted: "
-                "the damaged ones stay on disk as they are (`txckpt verify` reports them); restore "
-                "them from a backup if you need them.",
-                self.url, describe_damaged(damaged, self.publication.naming,
-                                           {d["txid"]: c.key for d in damaged
-                                            if (c := history.checkpoints.get(d["txid"])) is not None}),
-                parent.step, parent.lineage, lid,
-                len(abandoned), describe_checkpoints(abandoned, self.publication.naming),
-            )
-        elif abandoned and announce:
-            log.warning("%s", rollback_warning(self.url, parent, lid, abandoned,
-                                               renames=self.publication.publishes, naming=self.publication.naming))
-        try:
-            # Only the names the fork changes move (§7), not every name in the root (a manifest
-            # read each); `txckpt gc` reconciles them all (a crash before these renames).
-            self.publication.unpublish_refs([c.ref for c in abandoned])
-            self.publication.publish_missing([c.ref for c in restored if not c.adopted])
-        except OSError as e:
-            # The fork is committed; publication is derived state that `txckpt gc` completes
-            # (a save publishes only its own checkpoint). Lookups follow the log, not the names.
-            log.warning("the rollback is recorded, but moving the checkpoint-N names to the "
-                        "new lineage's checkpoints failed (%s); `txckpt gc` completes it", e)
-        return lid
+        return new_lineage(self, external_parent=external_parent)
 
     def _checkpoint_at_path(self, path: str | os.PathLike, history: History) -> Checkpoint:
         key = self.storage.key_of(os.fspath(path))
@@ -442,101 +336,6 @@ class CheckpointRoot:
         return adoption.adopt(self)
 
     # ----- saving ------------------------------------------------------------------------------
-    def prepare_save(self, step: int) -> SavePlan:
-        """Validate a save of ``step`` against the newest state; returns the plan the ranks share."""
-        check_step(step)
-        if self.writer_lineage is not None and self._known_state is not None:
-            # This session holds a lineage: plan against the newest state it knows (its own last
-            # commit, usually) instead of reading the log. If another process appended since,
-            # the commit's create-if-absent of entry seq+1 loses, and the commit re-reads and
-            # re-validates against the newest state (§8 steps 1 and 9): a stale plan can only
-            # fail later, never commit wrongly.
-            state = self._known_state
-        else:
-            state = self.state()
-        if state.seq < 0 and self.legacy_checkpoints():
-            self.adopt()
-            state = self.state()
-        if self.writer_lineage is None:
-            if state.head is None:
-                self.new_lineage()
-            else:
-                self._claim(state)
-            state = self.state()
-        lineage = self.writer_lineage
-        assert lineage is not None  # set by new_lineage or _claim just above
-        info = state.lineages.get(lineage)
-        if state.head != lineage or (info is not None and info.writer not in (None, self.session)):
-            # Raises StaleLineageError with the full explanation.
-            state.after_commit(state.seq + 1, lineage, step, "", None, self.session)
-        info = state.lineages[lineage]
-        tip = info.tip
-        if tip is not None and step <= tip.step:
-            raise StepConflictError(
-                f"cannot save step {step}: step {tip.step} is already committed in the current "
-                f"lineage {lineage} of {self.url}. To roll back, call txckpt.resume(root, step=K) "
-                "with the step you restarted from; otherwise save a newer step."
-            )
-        parent = tip if tip is not None else info.parent
-        txid = new_txid(step, lineage)
-        # The commit appends after this state without re-reading the log (§8); only the newest
-        # plan is kept, so an aborted save leaves nothing behind.
-        self._base_states = {txid: state}
-        return SavePlan(txid, lineage, step, parent, home_key(txid, step), self.session)
-
-    def clear_intent(self, txid: str) -> None:
-        self.storage.delete_file(intent_key(txid))
-
-    def commit(self, manifest: Manifest, writer: str | None = None) -> str:
-        """Append the commit entry for a staged, durable manifest, publish it and delete its
-        intent; returns the path."""
-        record = {
-            "lineage": manifest.lineage, "step": manifest.step, "txid": manifest.txid,
-            "digest": manifest.digest, "bytes": manifest.total_bytes, "files": len(manifest.files),
-            "parent": parent_to_json(manifest.parent),
-        }
-
-        def build(state: State, seq: int, now: float) -> dict[str, Any]:
-            new_state = state.after_commit(seq, manifest.lineage, manifest.step, manifest.txid, manifest.parent,
-                                           writer if writer is not None else self.session, manifest.digest)
-            return {"action": "commit", "checkpoint": record, "state": new_state.to_json()}
-
-        entry = self.append_entry(build, start=self._base_states.pop(manifest.txid, None), update_hint=False)
-        progress.phase("commit")
-        committed = Ref(manifest.lineage, manifest.step, manifest.txid)
-        # Committed. What is left does not depend on each other (§8 steps 9-11), so on object
-        # stores the three requests overlap instead of costing three round trips in a row.
-        _, where, cleared = self.storage.run_concurrently([
-            lambda: commit_log.write_hint(self.storage, entry["seq"]),
-            lambda: self.publication.publish(committed),
-            lambda: self.clear_intent(manifest.txid),
-        ])
-        progress.phase("publish")
-        if isinstance(cleared, Exception):
-            log.warning("checkpoint %s is committed, but its intent could not be deleted (%s); "
-                        "`txckpt gc` removes it", manifest.txid, cleared)
-        if isinstance(where, OSError):
-            # Committed is committed: the checkpoint stays valid at its home, and the next
-            # publication or `txckpt gc` gives it its name.
-            log.warning("checkpoint %s is committed but could not be published (%s); "
-                        "it stays at its home until the next save or `txckpt gc`", manifest.txid, where)
-            where = self.publication.locate(committed)
-        elif isinstance(where, Exception):
-            raise where
-        if where is None:  # pragma: no cover - the data was just written
-            raise CheckpointNotFoundError(f"committed checkpoint {manifest.txid} vanished during publication")
-        if entry["seq"] % commit_log.SNAPSHOT_EVERY == 0:
-            self._snapshot_after_commit()
-        return self.storage.full_path(where)
-
-    def _snapshot_after_commit(self) -> None:
-        """Every SNAPSHOT_EVERY-th entry the committer leaves a snapshot (§4a): a run that only
-        saves would leave none, and every fresh `txckpt ls` would fold its whole log."""
-        try:  # best effort: the save is committed
-            self.history(snapshot=True)
-        except (OSError, LogCorruptError) as e:
-            log.warning("checkpoint committed, but the history snapshot after it was not written (%s)", e)
-
     def transaction(self, step: int, **kwargs: Any):
         return Transaction(self, step, **kwargs)
 

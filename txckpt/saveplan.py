@@ -1,6 +1,6 @@
 """The save plan: what rank 0 decides before a save's staging exists (protocol §8 steps 1-3).
 
-:meth:`txckpt.root.CheckpointRoot.prepare_save` makes it, the transaction runs on it, every rank
+:func:`txckpt.commit.plan_save` makes it, the transaction runs on it, every rank
 receives it (broadcast, pickled: a frozen dataclass of plain fields) and the intent record holds
 its :meth:`SavePlan.to_json` form.
 """

@@ -77,8 +77,7 @@ def write_safetensors(tensors: Mapping[str, Any], out: BinaryIO, metadata: Mappi
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    out.write(struct.pack("<Q", len(raw)))
-    out.write(raw)
+    out.write(struct.pack("<Q", len(raw)) + raw)  # the length and the header: one write
     for t in prepared:
         if t.numel():
             out.write(t.reshape(-1).view(torch.uint8).numpy().data)

@@ -27,6 +27,7 @@ from .errors import (
     UnsafePathError,
     storage_error,
 )
+from .commit import append_commit, clear_intent, committed_path, finish_commit, plan_save, snapshot_if_due
 from .intents import reclaim_after_save, write_intent
 from .layout import checkpoint_name, intent_key
 from .manifest import (
@@ -38,7 +39,8 @@ from .manifest import (
     check_step,
     kind_for_name,
 )
-from .progress import Timer, timing
+from .progress import Timer
+from .publication import Root
 from .saveplan import SavePlan
 from .serialization import write_object
 from .storage.local import makedirs_durable
@@ -65,7 +67,7 @@ class Transaction:
 
     def __init__(
         self,
-        root: Any,
+        root: Root,
         step: int,
         *,
         metadata: Mapping[str, Any] | None = None,
@@ -191,7 +193,7 @@ class Transaction:
         assert self._coord is not None
         try:
             try:
-                plan = self._root.prepare_save(self.step)
+                plan = plan_save(self._root, self.step)
                 # The intent carries this process's start time from /proc, which is what gc
                 # checks a local writer's liveness with (not this process's clock).
                 write_intent(self._root, plan, self._coord.world_size)
@@ -308,10 +310,11 @@ class Transaction:
                             sum(f["size"] for f in report["files"].values()))
             reports = coord.gather(report)
             outcome: dict[str, Any] = {}
-            if coord.is_committer:
+            committer = coord.is_committer
+            if committer:
                 outcome = self._commit_or_abort(reports or [report])
             outcome = coord.broadcast(outcome)
-            if "path" in outcome and coord.is_committer:
+            if "path" in outcome and committer and not self._root.shared.staging_reclaimed:
                 # Committed, and every rank has its path: now the session's first save reclaims
                 # what dead writers left (§8 step 12), off the other ranks' way.
                 reclaim_after_save(self._root)
@@ -411,12 +414,12 @@ class Transaction:
                 if isinstance(e, OSError):
                     e = storage_error(e, f"commit checkpoint step {plan.step}")
                 try:
-                    committed = self._committed_path()
+                    committed = committed_path(self._root, plan)
                 except CheckpointNotFoundError as lost:
                     # Committed, and its data is gone: nothing is left to delete; say so.
                     log.error("%s", lost)
                     try:
-                        self._root.clear_intent(plan.txid)
+                        clear_intent(self._root, plan.txid)
                     except OSError:
                         pass  # gc removes the intent of a committed txid
                     return {"error": errors.encode_error(lost, rank=self.rank)}
@@ -437,21 +440,40 @@ class Transaction:
         return {"error": err}
 
     def _commit(self, reports: list[dict[str, Any]]) -> str:
-        plan = self._plan
+        """Rank 0's commit of every rank's report, protocol §8 steps 6-11a, in this order; the
+        log's phases are the commit room's (txckpt/commit.py). Raises before step 9: nothing is
+        committed (the caller deletes the staging); after it the checkpoint is committed."""
+        plan, root, timer = self._plan, self._root, self._timer
+        assert plan is not None and timer is not None  # both set by __enter__
+        # Step 6: one rank per name.
+        files = _agree(reports)
+        # Step 7: every reported file still there with its size; the files other code wrote into
+        # the staging directory hashed; everything durable but the staging directory's entries.
+        files = self._staged_files(files)
+        # Step 8: the manifest, create-if-absent and durable (fsyncing the staging directory).
+        manifest = Manifest(
+            txid=plan.txid, lineage=plan.lineage, step=plan.step, parent=plan.parent,
+            files=files, created=time.time(), world_size=self.world_size, metadata=self.metadata,
+        )
+        root.storage.create_exclusive(f"{plan.key}/{MANIFEST_NAME}", manifest.encode(), durable=root.durable)
+        self._manifest = manifest
+        timer.phase("manifest")
+        # Step 9, the commit point: the commit entry, after the state step 1 planned against.
+        entry = append_commit(root, manifest, plan.writer)
+        timer.phase("commit")
+        # Steps 10-11: the hint, the publication, the intent's deletion (overlapped remotely).
+        path = finish_commit(root, manifest, entry)
+        timer.phase("publish")
+        # Step 11a: a history snapshot every SNAPSHOT_EVERY entries (best effort).
+        snapshot_if_due(root, entry)
+        return path
+
+    def _staged_files(self, files: dict[str, FileEntry]) -> dict[str, FileEntry]:
+        """Step 7 on the staging directory: ``files`` (every rank's reports) and the files code
+        wrote straight into it (a shared local root) that no rank reported, hashed now (durable
+        in the same pass) as rank 0's; raises if a reported file vanished or changed size."""
+        plan, storage, durable = self._plan, self._root.storage, self._root.durable
         assert plan is not None
-        storage = self._root.storage
-        durable = self._root.durable
-        files: dict[str, FileEntry] = {}
-        for r in reports:
-            for name, entry in r["files"].items():
-                if name in files:
-                    raise InvalidArgumentError(
-                        f"file {name!r} was written by rank {files[name].rank} and rank {r['rank']}; "
-                        "give each rank's files distinct names (e.g. with the rank in the name)"
-                    )
-                files[name] = FileEntry.from_json(name, {**entry, "rank": r["rank"]})
-        # Files that code wrote straight into the staging directory (a shared local root) and no
-        # rank claimed (claimed ones are in a report): hash them now, durable in the same pass.
         key = plan.key
         subdirs = set()
         unreported = []
@@ -468,7 +490,8 @@ class Transaction:
             if storage.is_symlink_escape(f"{key}/{name}"):
                 raise UnsafePathError(f"{name!r} in the checkpoint is a symlink that leaves the root")
             unreported.append(name)
-        files.update(hash_staged(storage, key, unreported, durable))  # recorded as rank 0's
+        if unreported:
+            files.update(hash_staged(storage, key, unreported, durable))  # recorded as rank 0's
         if not files:
             raise InvalidArgumentError("the transaction wrote no files; nothing to commit")
         check_name_tree(files)  # ranks (or an object store) may hold both 'a' and 'a/b'
@@ -486,52 +509,7 @@ class Transaction:
                 parent = sub.rsplit("/", 1)[0] if "/" in sub else ""
                 if parent:
                     storage.sync_dir(f"{key}/{parent}")
-        manifest = Manifest(
-            txid=plan.txid, lineage=plan.lineage, step=plan.step, parent=plan.parent,
-            files=files, created=time.time(), world_size=self.world_size, metadata=self.metadata,
-        )
-        storage.create_exclusive(f"{key}/{MANIFEST_NAME}", manifest.encode(), durable=durable)
-        self._manifest = manifest
-        assert self._timer is not None  # set by __enter__
-        self._timer.phase("manifest")
-        with timing(self._timer):  # root.commit ends the commit and publish phases
-            return self._root.commit(manifest, plan.writer)  # deletes the intent too
-
-    def _committed_path(self) -> str | None:
-        """Where this transaction's checkpoint is, if its commit entry exists; None if it does not.
-
-        Raises CheckpointNotFoundError if it is committed but its data is found nowhere (its
-        staging was deleted after the commit's check of the staged files: by hand, or by a gc
-        that took this writer for dead): a path that does not hold the checkpoint is never
-        returned."""
-        plan = self._plan
-        if plan is None:
-            return None
-        try:
-            state = self._root.state()
-        except Exception:
-            return None
-        info = state.lineages.get(plan.lineage)
-        tip = info.tip if info is not None else None
-        if tip is None or tip.txid != plan.txid:
-            # The newest entry holds the head's record only: a later entry (a fork, a newer
-            # commit) hides ours from it, and only the folded history tells.
-            try:
-                c = self._root.history().checkpoints.get(plan.txid)
-            except Exception:
-                return None
-            if c is None:
-                return None
-            tip = c.ref
-        path = self._root.locate(tip)
-        if path is None:
-            raise CheckpointNotFoundError(
-                f"checkpoint step {plan.step} (txid {plan.txid}) was committed, but its data is "
-                f"neither at {self._root.storage.full_path(plan.key)} nor published: its staging was "
-                "deleted after the commit checked it (by hand, or by a gc that took this writer for dead). "
-                "Lookups skip it with a warning and return the previous checkpoint; save again"
-            )
-        return path
+        return files
 
     def _abort(self, plan: SavePlan | None = None) -> None:
         """Delete the staging and the intent of ``plan`` (default: this transaction's)."""
@@ -541,7 +519,7 @@ class Transaction:
         storage = self._root.storage
         try:
             storage.delete_tree(plan.key.rsplit("/", 1)[0])
-            self._root.clear_intent(plan.txid)
+            clear_intent(self._root, plan.txid)
         except OSError:
             log.warning("could not remove staging %s; `txckpt gc` will", plan.key, exc_info=True)
 
@@ -565,6 +543,21 @@ class _TrackedWriter(HashingWriter):
         super().abort()
         self._tx._open_writers.discard(self._name)
         self._tx._names.rebuild(list(self._tx._written) + sorted(self._tx._open_writers))
+
+
+def _agree(reports: list[dict[str, Any]]) -> dict[str, FileEntry]:
+    """Every rank's reported files, each recorded with its rank; a name two ranks reported
+    (written or claimed) is refused (protocol §8 step 6)."""
+    files: dict[str, FileEntry] = {}
+    for r in reports:
+        for name, entry in r["files"].items():
+            if name in files:
+                raise InvalidArgumentError(
+                    f"file {name!r} was written by rank {files[name].rank} and rank {r['rank']}; "
+                    "give each rank's files distinct names (e.g. with the rank in the name)"
+                )
+            files[name] = FileEntry.from_json(name, {**entry, "rank": r["rank"]})
+    return files
 
 
 def _walk_local(base: str):

@@ -74,8 +74,11 @@ class TxNames:
         for n in names:
             self.opened(n)
 
-    def mark(self, name: str, path: str) -> None:
-        """Remember the file ``name`` at local ``path`` (see the module doc)."""
+    def mark(self, name: str, path: str | None) -> None:
+        """Remember the file ``name`` at local ``path`` (see the module doc); None (no local
+        path: an object store's staging) remembers nothing."""
+        if path is None:
+            return
         try:
             st = os.stat(path)
             os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns - 1))
@@ -83,11 +86,14 @@ class TxNames:
         except OSError:
             pass  # gone already: the commit's check of the staged files reports it
 
-    def check_not_rewritten(self, path_of: Callable[[str], str]) -> None:
+    def check_not_rewritten(self, path_of: Callable[[str], str | None]) -> None:
         """Raise if other code wrote a marked file again (``path_of``: name -> local path)."""
         for name, before in self._marks.items():
+            path = path_of(name)
+            if path is None:
+                continue  # (only local files are marked)
             try:
-                now = _identity(path_of(name))
+                now = _identity(path)
             except OSError:
                 continue  # missing: the commit's check of the staged files reports it
             if now != before:

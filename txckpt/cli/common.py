@@ -86,7 +86,7 @@ def open_root_arg(path: str, options: dict[str, Any], *, must_exist: bool = True
     return root
 
 
-def _looks_like_root(root: Any) -> bool:
+def _looks_like_root(root: CheckpointRoot) -> bool:
     s = root.storage
     # Entry 0 first: listing a log of 10,000 entries to see that it is not empty cost every
     # command 9 ms on such a root; the listing still catches a log that lost entry 0.

@@ -12,13 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 from ..refs import ExternalParent, Ref
+from ..root import CheckpointRoot
 from .common import human_time, table
 
 #: Step lists longer than this are abbreviated in the legend: the first and last few, and a count.
 STEPS_SHOWN = 8
 
 
-def build_graph(root: Any, history: Any, *, max_count: int | None = None,
+def build_graph(root: CheckpointRoot, history: Any, *, max_count: int | None = None,
                 include_retired: bool = False) -> dict[str, Any]:
     """The lineage graph as data: nodes newest first, with lanes and the text drawing.
 
@@ -132,7 +133,7 @@ def lineage_desc(state: Any, lid: str) -> str:
     return {"adopt": "adopted legacy checkpoints", "root": "root lineage"}.get(info.reason, info.reason)
 
 
-def _key_display(root: Any, path: str | None) -> str:
+def _key_display(root: CheckpointRoot, path: str | None) -> str:
     if path is None:
         return "(missing)"
     key = root.storage.key_of(path)

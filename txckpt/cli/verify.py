@@ -16,6 +16,7 @@ from ..manifest import MANIFEST_NAME, FileEntry, Manifest
 from ..progress import bar as progress_bar, bar_wanted
 from ..reader import names_a_checkpoint
 from ..storage import open_storage
+from ..storage.base import Storage
 from ..verify import FileProblem, check_file
 from .common import EXIT_OK, EXIT_PROBLEM, UsageError, human_bytes, is_url, open_root_arg, print_json
 
@@ -24,7 +25,7 @@ from .common import EXIT_OK, EXIT_PROBLEM, UsageError, human_bytes, is_url, open
 class _Task:
     __slots__ = ("storage", "key", "where", "entry")
 
-    def __init__(self, storage: Any, key: str, where: str, entry: FileEntry):
+    def __init__(self, storage: Storage, key: str, where: str, entry: FileEntry):
         self.storage, self.key, self.where, self.entry = storage, key, where, entry
 
 
@@ -52,7 +53,7 @@ def _check_file(task: _Task) -> tuple[int, str | None]:
     return size, None
 
 
-def _plan_checkpoint(storage: Any, key: str, where: str, expected: Any | None,
+def _plan_checkpoint(storage: Storage, key: str, where: str, expected: Any | None,
                      problems: list[str], warnings: list[str]) -> tuple[Manifest | None, list[_Task]]:
     prefix = f"{key}/" if key else ""
     try:

@@ -54,7 +54,7 @@ def cmd_log(args: argparse.Namespace) -> int:
 
 
 # ----- ls ------------------------------------------------------------------------------------------
-def staged_leftovers(root: Any, history: Any) -> list[dict[str, Any]]:
+def staged_leftovers(root: CheckpointRoot, history: Any) -> list[dict[str, Any]]:
     """Uncommitted staging directories, with whether their writer is still alive."""
     intents = read_intents(root.storage)
     now = time.time()
@@ -83,7 +83,7 @@ def staged_leftovers(root: Any, history: Any) -> list[dict[str, Any]]:
 LS_DEFAULT_COUNT = 20
 
 
-def _ls_choose(root: Any, history: Any, args: argparse.Namespace) -> tuple[list[Any], int]:
+def _ls_choose(root: CheckpointRoot, history: Any, args: argparse.Namespace) -> tuple[list[Any], int]:
     """The log checkpoints ``ls`` lists, and how many it leaves out. Without ``--all`` retired
     ones (data deleted) are left out, and only the ``-n`` most recently committed are kept:
     picked from the newest end of the history, never by a pass over every checkpoint."""

@@ -152,11 +152,18 @@ class Storage(abc.ABC):
     def __init__(self, url: str):
         self.url = url
 
+    #: Whether the backend operations this class itself defines go through storage/errors.py's
+    #: mapping. False only where nothing could be mapped: a local disk raises its OSErrors, which
+    #: ``translate`` leaves as they are (no client, no bucket, no endpoint), so a wrapper per
+    #: file operation would only cost a call. Set in a class's own body; subclasses map again.
+    maps_errors: bool = True
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # What the stack below raises (no credentials, a missing bucket, an unreachable
         # endpoint) leaves every backend operation as a typed txckpt error: storage/errors.py.
         super().__init_subclass__(**kwargs)
-        map_errors(cls)
+        if cls.__dict__.get("maps_errors", True):
+            map_errors(cls)
 
     def run_concurrently(self, calls: Sequence[Callable[[], Any]]) -> list[Any]:
         """Run independent operations of this storage; returns, per call in order, its result

@@ -29,11 +29,20 @@ import functools
 import logging
 import time
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 from urllib.parse import urlsplit
 
 from .. import deps
 from ..errors import CredentialsError, EndpointUnreachableError, RootNotFoundError, TxckptError
+
+class Backend(Protocol):
+    """What the mapping reads of a storage (``storage.base.Storage``, which imports this module);
+    the rest (its client, ``fs``, ``bucket``) it looks up with ``getattr``, backend by backend."""
+
+    url: str
+
+    def missing_root(self) -> str | None: ...
+
 
 #: The Storage methods that talk to the backend; map_errors wraps these.
 OPERATIONS = (
@@ -158,13 +167,13 @@ def _kind(cause: BaseException) -> str | None:
     return None
 
 
-def _scheme(storage: Any) -> str:
+def _scheme(storage: Backend) -> str:
     url = str(getattr(storage, "url", "") or "")
     scheme = url.split("://", 1)[0] if "://" in url else ""
     return {"gcs": "gs", "abfs": "az", "adl": "az", "abfss": "az"}.get(scheme, scheme)
 
 
-def translate(e: BaseException, storage: Any, seconds: float = 0.0,
+def translate(e: BaseException, storage: Backend, seconds: float = 0.0,
               operation: str | None = None) -> BaseException | None:
     """The typed txckpt error for ``e``, raised by ``operation`` of ``storage`` that ran for
     ``seconds``; None when ``e`` is not one of the cases above (raise it as it is)."""
@@ -208,12 +217,12 @@ def translate(e: BaseException, storage: Any, seconds: float = 0.0,
     return None
 
 
-def _bucket_of_root(storage: Any) -> str | None:
+def _bucket_of_root(storage: Backend) -> str | None:
     url = str(getattr(storage, "url", "") or "")
     return url.split("://", 1)[1].split("/", 1)[0] or None if "://" in url else None
 
 
-def missing_bucket_error(storage: Any, bucket: str | None) -> RootNotFoundError:
+def missing_bucket_error(storage: Backend, bucket: str | None) -> RootNotFoundError:
     """The error for a root whose bucket (Azure: container) does not exist; ``bucket`` is its name
     or URL in any of the client's spellings (``abfs://c`` is named ``az://c`` when the root is)."""
     root = getattr(storage, "url", None)
@@ -236,7 +245,7 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
-def endpoint_of(storage: Any) -> str | None:
+def endpoint_of(storage: Backend) -> str | None:
     """The endpoint URL the storage's client uses (None: the provider's default)."""
     fs = getattr(storage, "fs", None)
     client = getattr(fs, "_s3", None)
@@ -258,7 +267,7 @@ def _base_url(url: str | None) -> str | None:
     return f"{parts.scheme}://{parts.netloc}" if parts.scheme and parts.netloc else url
 
 
-def _attempts(storage: Any) -> int | None:
+def _attempts(storage: Backend) -> int | None:
     """How many attempts botocore makes per request, as its client is configured
     (``AWS_MAX_ATTEMPTS`` / ``config_kwargs={"retries": ...}``; legacy mode: 5, else 3); None for
     other clients (their retry policies are their own)."""

@@ -258,6 +258,7 @@ class _LocalWriteBatch(WriteBatch):
 
 class LocalStorage(Storage):
     atomic_dir_rename = True
+    maps_errors = False  # its errors are the file system's OSErrors: nothing to translate
 
     def __init__(self, root: str):
         root = os.path.abspath(os.path.expanduser(root))
@@ -287,7 +288,7 @@ class LocalStorage(Storage):
     # ----- writing -----------------------------------------------------------------------------
     def open_write(self, key: str, *, durable: bool) -> BinaryIO:
         path = self._p(key)
-        makedirs_durable(os.path.dirname(path), durable)
+        _ensure_dir(os.path.dirname(path), durable)
         return _DurableFile(path, durable)  # type: ignore[return-value]
 
     def write_batch(self) -> WriteBatch:
@@ -296,7 +297,7 @@ class LocalStorage(Storage):
     def create_exclusive(self, key: str, data: bytes, *, durable: bool) -> None:
         path = self._p(key)
         directory = os.path.dirname(path)
-        makedirs_durable(directory, durable)
+        _ensure_dir(directory, durable)
         tmp = os.path.join(directory, temp_name(os.path.basename(path), hidden=True))
         # The content is complete and durable under a private name before it gets its public
         # name through link(2), which fails with EEXIST if the name is taken: no reader ever
@@ -410,8 +411,15 @@ class LocalStorage(Storage):
         shutil.rmtree(path, ignore_errors=False, onerror=_ignore_missing)
 
     def rename_noreplace(self, src: str, dst: str) -> None:
-        makedirs_durable(os.path.dirname(self._p(dst)), True)
+        _ensure_dir(os.path.dirname(self._p(dst)), True)
         rename_noreplace(self._p(src), self._p(dst))
+
+
+def _ensure_dir(path: str, durable: bool) -> None:
+    """``fileio.makedirs_durable`` for a directory that is usually there already (the log, a
+    staging directory): one stat, and no call further down when it exists."""
+    if not os.path.isdir(path):
+        makedirs_durable(path, durable)
 
 
 def _write_tmp(tmp: str, data: bytes, durable: bool) -> None:

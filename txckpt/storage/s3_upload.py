@@ -16,11 +16,11 @@ import errno
 import io
 import sys
 import zlib
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from .. import deps
 from ..checksum import AbortOnError
-from .base import WriteBatch
+from .base import Storage, WriteBatch
 
 _S3_MAX_PARTS = 10_000
 
@@ -108,6 +108,22 @@ def _on_loop_thread(fs: Any) -> bool:
         return False
 
 
+class S3Target(Protocol):
+    """What a writer uses of its :class:`txckpt.storage.s3.S3Storage` (which imports this module)."""
+
+    fs: Any
+    bucket: str
+    part_size: int
+    multipart_threshold: int
+    max_in_flight: int
+
+    def full_path(self, key: str) -> str: ...
+
+    def _obj(self, key: str) -> str: ...
+
+    def _forget(self, key: str) -> None: ...
+
+
 class _S3Writer(AbortOnError, io.RawIOBase):
     """Streaming upload of one object, written exactly once (no copy, no rename).
 
@@ -131,7 +147,7 @@ class _S3Writer(AbortOnError, io.RawIOBase):
     parts (16 MiB parts reach ~1 TiB); ``fixed_upload_size=True`` (Cloudflare R2) keeps them equal.
     """
 
-    def __init__(self, storage: Any, key: str, batch: "_S3WriteBatch | None" = None):
+    def __init__(self, storage: "S3Target", key: str, batch: "_S3WriteBatch | None" = None):
         super().__init__()
         self._st = storage
         self._batch = batch if batch is not None and batch.max_pending > 0 else None
@@ -337,14 +353,15 @@ class _S3WriteBatch(WriteBatch):
     ``max_in_flight`` parts. ``max_pending=0`` uploads synchronously, as without a batch.
     """
 
-    def __init__(self, storage: Any, max_pending: int):
+    def __init__(self, storage: Storage, max_pending: int):
         super().__init__(storage)
+        self._target: S3Target = storage  # type: ignore[assignment]  # an S3Storage, which makes the batch
         self.max_pending = max_pending
         self._pending: collections.deque = collections.deque()  # (key, Future), oldest first
         self._failure: OSError | None = None
 
     def open_write(self, key: str, *, durable: bool) -> BinaryIO:
-        return _S3Writer(self.storage, key, self)  # type: ignore[return-value]
+        return _S3Writer(self._target, key, self)  # type: ignore[return-value]
 
     def upload_file(self, local_file: str, key: str, *, durable: bool) -> tuple[int, str]:
         return self.storage._upload_file(local_file, key, self)  # type: ignore[attr-defined]
