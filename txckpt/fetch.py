@@ -155,9 +155,9 @@ def _copy_files(found: Found, open_out: Callable[[str], Any], progress: Callable
             ) from None
         with reader:
             out = open_out(name)
+            stream: Any = reader if progress is None else _Reporting(reader, progress)
             try:
-                size, digest = copy_hashing(reader if progress is None else _Reporting(reader, progress), out,
-                                            chunk=_CHUNK)
+                size, digest = copy_hashing(stream, out, chunk=_CHUNK)
                 out.close()
             except BaseException:
                 abort = getattr(out, "abort", None)
