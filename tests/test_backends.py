@@ -298,7 +298,7 @@ def test_fetch_never_deletes_a_copy_that_appeared_meanwhile(any_root, tmp_path):
     first = txckpt.fetch_checkpoint(path, dest, storage_options=opts)
     inode = os.stat(os.path.join(first, "optimizer.pt")).st_ino
     # A second fetch into the same place (another rank) keeps the verified copy in place.
-    from txckpt.api import _install_fetched
+    from txckpt.fetch import _install_fetched
 
     scratch = tmp_path / "cache" / "scratch"
     import shutil

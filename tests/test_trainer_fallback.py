@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 import txckpt  # noqa: E402
-import txckpt.api  # noqa: E402
+import txckpt.fetch  # noqa: E402
 from txckpt.errors import IntegrityError, InvalidArgumentError  # noqa: E402
 from txckpt.integrations.transformers import TransactionalTrainer  # noqa: E402
 
@@ -104,16 +104,16 @@ def test_a_remote_restart_falls_back_and_downloads_what_it_loads_once(tmp_path, 
     fs.pipe_file(key, bytes(data))
 
     downloads: list[tuple[str, str]] = []
-    copy = txckpt.api._copy_hashing
+    copy = txckpt.fetch.copy_hashing  # checksum's hash-while-copy loop, as the fetch calls it
 
-    def counting(reader, target):
+    def counting(reader, target, **kw):
         scratch = os.path.dirname(target.name)
         while not os.path.basename(scratch).startswith(".txckpt-fetch-"):
             scratch = os.path.dirname(scratch)
         downloads.append((os.path.basename(os.path.dirname(scratch)), os.path.relpath(target.name, scratch)))
-        return copy(reader, target)
+        return copy(reader, target, **kw)
 
-    monkeypatch.setattr(txckpt.api, "_copy_hashing", counting)
+    monkeypatch.setattr(txckpt.fetch, "copy_hashing", counting)
     txckpt.forget_roots()
     t = train(out, 6, resume=True, **mixin, txckpt_on_damaged="fallback")
     assert t.begin_step == 4

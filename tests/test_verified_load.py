@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import txckpt
-from txckpt import api, fileio, verify
+from txckpt import fileio, reader, verify
 from txckpt.errors import IntegrityError
 
 WEIGHTS, OPTIM = "model.safetensors", "optimizer.pt"
@@ -43,7 +43,7 @@ def decodes(monkeypatch):
     reference to each tensor decoded."""
     events: list[tuple[str, str]] = []
     decoded: list[weakref.ref] = []
-    real_decode, real_check = api.read_object, verify.Deferred.check
+    real_decode, real_check = reader.read_object, verify.Deferred.check
 
     def read_object(name, kind, data, **kw):
         events.append(("decode", name))
@@ -66,10 +66,10 @@ def decodes(monkeypatch):
 
     def read_file(storage, key, entry, **kw):
         got = real_read_file(storage, key, entry, **kw)
-        got._name = key
+        got._name = key.rsplit("/", 1)[-1]  # the key is in the root's storage: the file's name is its last part
         return got
 
-    monkeypatch.setattr(api, "read_object", read_object)
+    monkeypatch.setattr(reader, "read_object", read_object)
     monkeypatch.setattr(verify.Deferred, "check", check)
     monkeypatch.setattr(verify, "read_file", read_file)
     return events, decoded

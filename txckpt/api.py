@@ -1,39 +1,21 @@
-"""The drop-in functional API. Each call opens the root through a per-process CheckpointRoot, so
-the lineage a process resumed (or first saved to) is remembered across calls."""
+"""The drop-in functional API, as facades: saves and lineage changes go through the process's
+CheckpointRoot (so the lineage a process resumed, or first saved to, is remembered across calls),
+reads through txckpt.reader (the read path's owner), fetches through txckpt.fetch."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-import uuid
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-from .errors import (
-    CheckpointNotFoundError,
-    IntegrityError,
-    InvalidArgumentError,
-    ManifestError,
-    NotACheckpointError,
-    RootNotFoundError,
-    UnsafePathError,
-)
+from . import reader
 from .asyncsave import wait_for_root
-from .checksum import copy_hashing
 from .coordination import SingleProcess, decide_on_rank0
-from .fileio import open_regular_file
-from .layout import LOG_DIR, is_url
-from .manifest import MANIFEST_NAME, Manifest
-from .naming import DEFAULT as DEFAULT_NAMING, read_naming
-from .progress import Timer
-from .reader import RootContext
-from .retention import retired_error_at
+from .errors import RootNotFoundError
+from .fetch import fetch_checkpoint
+from .manifest import Manifest
 # The per-process root cache is root.py's; open_root/forget_roots stay importable from here.
-from .root import CheckpointRoot, forget_roots, open_root
-from .serialization import read_object
-from .storage import LocalStorage, local, open_storage
-from .storage.base import Storage
-from .verify import FALLBACK_HINT, load_checkpoint_files, verify_checkpoint_files
+from .root import forget_roots, open_root
+from .storage import LocalStorage
 
 def save_checkpoint(
     root: str | os.PathLike,
@@ -159,128 +141,17 @@ def new_lineage(
     )
 
 
-def _read_own_manifest(storage: Storage, path: str | os.PathLike) -> tuple[Manifest, bytes]:
-    """The manifest in ``storage`` (opened at the checkpoint ``path``), its own digest checked,
-    and its bytes as stored (what a copy writes)."""
-    try:
-        data = storage.read_bytes(MANIFEST_NAME)
-    except (FileNotFoundError, NotADirectoryError):
-        if not storage.exists(""):
-            raise CheckpointNotFoundError(f"no checkpoint at {os.fspath(path)}") from None
-        if _is_a_root(storage):
-            raise NotACheckpointError(
-                f"{os.fspath(path)} is a checkpoint root (an output_dir), not a checkpoint: load its "
-                f"newest checkpoint with load_checkpoint(get_last_checkpoint({os.fspath(path)!r})), or "
-                "give one checkpoint directory (`txckpt ls ROOT` lists them)",
-                path=os.fspath(path),
-            ) from None
-        raise ManifestError(
-            f"{os.fspath(path)} has no {MANIFEST_NAME}: it is not a committed txckpt checkpoint "
-            "(a staging leftover, or written by another tool; `txckpt adopt` records legacy ones)"
-        ) from None
-    return Manifest.decode(data, f"{os.fspath(path)}/{MANIFEST_NAME}"), data
-
-
-def _is_a_root(storage: Storage) -> bool:
-    """A txckpt root (it has a log) or a legacy output_dir (it has checkpoint-N directories)."""
-    if storage.list_dir(LOG_DIR):
-        return True
-    naming = read_naming(storage) or DEFAULT_NAMING  # a root names its checkpoints its own way (§2)
-    return any(naming.step_of(name) is not None for name in storage.list_subdirs(""))
-
-
 def read_manifest(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:
     """The manifest of the checkpoint at ``path``, with its own digest verified; and, when
     ``path`` lies in a txckpt root, checked against the digest the root's log committed (an
     edited, replaced or never-committed manifest raises IntegrityError / ManifestError)."""
-    return _following_moves(path, storage_options, _checked_manifest)
-
-
-def _following_moves(path: str | os.PathLike, storage_options: Mapping[str, Any] | None, attempt):
-    """The one read path: resolve ``path`` to its root once (txckpt.reader), open one storage at
-    the checkpoint, and run ``attempt(path, ctx, storage, seen)``, which reads the checkpoint
-    from that storage (and records the manifest's txid in ``seen["txid"]`` once it has it). If it fails because the checkpoint moved since its path
-    was looked up (published, or unpublished by a fork, while this process read), locate it
-    again by its txid and run ``attempt`` where it is now: a healthy checkpoint is never called
-    damaged because a rename raced the read (docs/protocol.md §6a). Each path is tried once."""
-    path = os.fspath(path)
-    ctx = RootContext.open(path, storage_options)
-    tried = {path}
-    while True:
-        seen: dict[str, Any] = {}
-        try:
-            return attempt(path, ctx, open_storage(path, storage_options), seen)
-        except (IntegrityError, ManifestError, CheckpointNotFoundError) as e:
-            moved = ctx.moved_to(seen.get("txid")) if ctx is not None else None
-            if moved is None or moved in tried:
-                if ctx is not None and "txid" not in seen and isinstance(e, CheckpointNotFoundError):
-                    # Nothing there: if retention retired what was, say so (not "no checkpoint").
-                    raise retired_error_at(ctx.root, ctx.root.history(), ctx.where.key, path) or e
-                raise
-            tried.add(moved)
-            path = moved
-            ctx = RootContext.open(path, storage_options)
-
-
-def _checked_manifest(path: str, ctx: RootContext | None, storage: Storage, seen: dict[str, Any]) -> Manifest:
-    """The manifest at ``path`` (read from ``storage``), checked against the log when ``ctx``."""
-    manifest, seen["manifest_bytes"] = _read_own_manifest(storage, path)
-    seen["txid"] = manifest.txid
-    if ctx is not None:
-        ctx.check_committed(manifest, path)
-    return manifest
-
-
-def _read_checkpoint(
-    path: str | os.PathLike,
-    storage_options: Mapping[str, Any] | None,
-    names: list[str] | None,
-    keep_bytes: bool,
-    verify: bool,
-    timer: Timer | None = None,
-    read: Callable[[Storage, Manifest, str, list[str]], Any] | None = None,
-) -> tuple[Manifest, Any]:
-    """Read (and verify) a checkpoint's manifest and files, following it if it moves.
-    ``read(storage, manifest, path, names)``: what reads the files (default:
-    :func:`verify_checkpoint_files`)."""
-
-    def attempt(path: str, ctx: RootContext | None, storage: Storage, seen: dict[str, Any]):
-        manifest = _checked_manifest(path, ctx, storage, seen)
-        if timer is not None:
-            timer.label = f"step {manifest.step}"
-            timer.phase("manifest")
-        wanted = sorted(manifest.files) if names is None else names
-        unknown = [n for n in wanted if n not in manifest.files]
-        if unknown:
-            raise InvalidArgumentError(f"{path} has no file(s) {unknown}; it holds {sorted(manifest.files)}")
-        if read is not None:
-            return manifest, read(storage, manifest, path, wanted)
-        blobs = verify_checkpoint_files(storage, manifest, path, names=wanted,
-                                        keep_bytes=keep_bytes, verify=verify)
-        return manifest, blobs
-
-    return _following_moves(path, storage_options, attempt)
+    return reader.read_manifest(path, storage_options=storage_options)
 
 
 def verify_checkpoint(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:
     """Check every file's size and checksum (and, inside a root, the manifest against the log);
     raises IntegrityError (naming the file) on damage."""
-    return _read_checkpoint(path, storage_options, None, keep_bytes=False, verify=True)[0]
-
-
-def _resume_verify(root: CheckpointRoot):
-    """The check a load makes, applied ahead of it by ``resume(on_damaged="fallback")``: every
-    file's size and checksum, and the manifest against the log (:func:`verify_checkpoint`).
-    Handed to the root (txckpt/fallback.py), which sits below this module."""
-
-    def verify(path: str) -> str:
-        verify_checkpoint(path, storage_options=root.storage_options or None)
-        return path
-
-    return verify
-
-
-CheckpointRoot.default_verify = _resume_verify
+    return reader.verify_checkpoint(path, storage_options=storage_options)
 
 
 def load_checkpoint(
@@ -303,260 +174,8 @@ def load_checkpoint(
     kernel may later read a hashed page from the disk again, and a file shortened under the
     mapping (txckpt never does: committed files are only unlinked) fails the process with SIGBUS
     (docs/troubleshooting.md, "Loading with `mmap=True`"). Elsewhere (object stores) files are read."""
-    names = None if files is None else list(files)
-    timer = Timer("load", os.fspath(path))
-    base = os.fspath(path).rstrip("/")
-
-    def decode(manifest: Manifest, name: str, content: Any) -> Any:
-        return read_object(name, manifest.files[name].kind, content, map_location=map_location,
-                           weights_only=weights_only, where=f"{base}/{name}")
-
-    def early(kind: str) -> bool:
-        # Decoders that are safe on bytes nobody checked yet: they start while the hash ends,
-        # and nothing they produce is returned unless it matched. An unrestricted pickle
-        # (weights_only=False) runs code: it is decoded only once its file is checked.
-        return kind == "safetensors" or (kind == "torch" and weights_only)
-
-    def decode_early(manifest: Manifest, name: str, content: Any) -> Any:
-        try:
-            return decode(manifest, name, content)
-        except Exception as e:
-            # Raised only once the file's hash matched (a damaged file is reported as damaged),
-            # and after the read, as before: a file that does not decode is not a checkpoint
-            # that moved while it was read (_following_moves looks for those).
-            return _DecodeFailed(e)
-
-    def read(storage: Storage, manifest: Manifest, checkpoint: str, wanted: list[str]) -> Any:
-        return load_checkpoint_files(storage, manifest, checkpoint, names=wanted, verify=verify, early=early,
-                                     decode=lambda n, content: decode_early(manifest, n, content), mmap=mmap)
-
-    manifest, loaded = _read_checkpoint(path, storage_options, names, keep_bytes=True, verify=verify, timer=timer,
-                                        read=read)
-    wanted = sorted(manifest.files) if names is None else names
-    nbytes = sum(manifest.files[n].size for n in wanted)
-    # "data": reading, checking and, for the files decoded on the way, decoding; "decode": the
-    # files decoded only once checked.
-    timer.phase("data", nbytes)
-    out = {}
-    for n in wanted:
-        decoded, value = loaded[n]
-        if isinstance(value, _DecodeFailed):
-            raise value.error
-        out[n] = value if decoded else decode(manifest, n, value)
-    timer.phase("decode")
-    timer.done("loaded", nbytes, len(wanted), os.fspath(path))
-    return out
-
-
-class _DecodeFailed:
-    """What decoding a checked file raised, carried out of the read to be raised after it."""
-
-    def __init__(self, error: Exception):
-        self.error = error
-
-
-def fetch_checkpoint(
-    path: str | os.PathLike,
-    dest: str | os.PathLike,
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    dest_storage_options: Mapping[str, Any] | None = None,
-    with_manifest: bool = True,
-    durable: bool = False,
-    progress: Callable[[int], Any] | None = None,
-) -> str:
-    """Copy a committed checkpoint (any root, e.g. S3) to ``dest`` and return it, verifying every
-    file's size and checksum on the way.
-
-    A local ``dest``: a ``dest`` that already holds the same manifest and verifies is reused, so a
-    cache keyed by txid downloads each checkpoint once. Files land in a scratch directory beside
-    it and are renamed into place only once verified (an empty directory at ``dest`` is
-    replaced). An fsspec URL ``dest`` (``dest_storage_options``), new or empty: files are
-    written into it directly, and on a damaged source the ones written are removed again.
-
-    ``with_manifest``: also write the manifest (so the copy loads and verifies on its own);
-    ``durable``: fsync what was written; ``progress``: called with each block's size."""
-    given = os.fspath(dest)
-    url = is_url(given)
-    dest = given if url else os.path.abspath(given)
-    timer = Timer("fetch", os.fspath(path))
-
-    def attempt(path: str, ctx: RootContext | None, src: Any, seen: dict[str, Any]) -> str:
-        manifest = _checked_manifest(path, ctx, src, seen)
-        timer.label = f"step {manifest.step}"
-        timer.phase("manifest")
-        if url:
-            _fetch_into(src, path, manifest, open_storage(dest, dest_storage_options),
-                        seen["manifest_bytes"] if with_manifest else None, durable, progress)
-            timer.phase("data", manifest.total_bytes)
-        elif not _fetch_local(src, path, manifest, dest, seen["manifest_bytes"] if with_manifest else None,
-                              durable, progress, timer):
-            return dest  # the cached copy
-        timer.done("fetched", manifest.total_bytes, len(manifest.files), dest)
-        return dest
-
-    return _following_moves(path, storage_options, attempt)
-
-
-def _fetch_local(src: Any, path: str, manifest: Manifest, dest: str, manifest_bytes: bytes | None,
-                 durable: bool, progress: Callable[[int], Any] | None, timer: Timer) -> bool:
-    """Copy into a scratch directory beside local ``dest`` and install it; False: ``dest``
-    already held the same checkpoint, verified."""
-    if manifest_bytes is not None and os.path.exists(os.path.join(dest, MANIFEST_NAME)):
-        try:
-            with open_regular_file(os.path.join(dest, MANIFEST_NAME)) as f:
-                cached = Manifest.decode(f.read())
-            if cached.digest == manifest.digest:
-                verify_checkpoint(dest)
-                timer.phase("cached", manifest.total_bytes)
-                timer.done("fetched (cached copy verified)", manifest.total_bytes, len(manifest.files), dest)
-                return False
-        except Exception:
-            pass  # a damaged or different cache entry: fetch again
-    parent = os.path.dirname(dest)
-    os.makedirs(parent, exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix=".txckpt-fetch-", dir=parent)
-
-    def open_out(name: str):
-        target = os.path.join(scratch, *name.split("/"))
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        return open(target, "wb")
-
-    try:
-        _copy_files(src, path, manifest, open_out, progress)
-        if manifest_bytes is not None:
-            with open(os.path.join(scratch, MANIFEST_NAME), "wb") as out:
-                out.write(manifest_bytes)
-        if durable:
-            _fsync_tree(scratch)
-        timer.phase("data", manifest.total_bytes)
-        _install_fetched(scratch, dest, manifest)
-        if durable:
-            local.fsync_dir(parent)
-        timer.phase("install")
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    return True
-
-
-def _fetch_into(src: Any, path: str, manifest: Manifest, dest: Any, manifest_bytes: bytes | None,
-                durable: bool, progress: Callable[[int], Any] | None) -> None:
-    """Copy into storage ``dest`` (an object store has no rename to install with); what was
-    written is removed again if the source turns out damaged."""
-    written: list[str] = []
-
-    def open_out(name: str):
-        out = dest.open_write(name, durable=durable)
-        written.append(name)
-        return out
-
-    try:
-        _copy_files(src, path, manifest, open_out, progress)
-    except BaseException:
-        for name in written:
-            try:
-                dest.delete_file(name)
-            except OSError:
-                pass  # reported by the error being raised; the caller sees what is left
-        raise
-    if manifest_bytes is not None:
-        dest.create_exclusive(MANIFEST_NAME, manifest_bytes, durable=durable)
-    if durable:
-        for d in sorted({n.rsplit("/", 1)[0] for n in manifest.files if "/" in n}, key=len, reverse=True):
-            dest.sync_dir(d)
-        dest.sync_dir("")
-
-
-def _copy_files(src: Any, path: str, manifest: Manifest, open_out: Callable[[str], Any],
-                progress: Callable[[int], Any] | None) -> None:
-    """Copy each file of ``manifest`` from ``src`` to ``open_out(name)``, hashing on the way;
-    IntegrityError (naming the file) on the first that is missing or does not match."""
-    for name, entry in sorted(manifest.files.items()):
-        if src.is_symlink_escape(name):
-            raise UnsafePathError(f"{path}/{name} is a symlink that leaves the root; refusing to read it")
-        try:
-            reader = src.open_read(name)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise IntegrityError(
-                f"{path}/{name} is missing (the manifest lists it): the stored checkpoint is "
-                f"damaged; {FALLBACK_HINT}", path=f"{path}/{name}",
-            ) from None
-        with reader:
-            out = open_out(name)
-            try:
-                size, digest = _copy_hashing(reader if progress is None else _Reporting(reader, progress), out)
-                out.close()
-            except BaseException:
-                abort = getattr(out, "abort", None)
-                abort() if abort is not None else out.close()  # an upload left unfinished
-                raise
-        if size != entry.size or digest != entry.checksum:
-            raise IntegrityError(
-                f"{path}/{name} has {size} bytes / xxh3-128 {digest}, the manifest says "
-                f"{entry.size} / {entry.checksum}: the stored checkpoint is damaged; "
-                f"{FALLBACK_HINT}", path=f"{path}/{name}",
-            )
-
-
-class _Reporting:
-    """A reader that tells ``progress`` the size of each block read (a progress bar)."""
-
-    def __init__(self, reader: Any, progress: Callable[[int], Any]):
-        self._reader, self._progress = reader, progress
-
-    def read(self, n: int = -1) -> bytes:
-        block = self._reader.read(n)
-        self._progress(len(block))
-        return block
-
-
-def _fsync_tree(top: str) -> None:
-    for dirpath, _dirs, files in os.walk(top):
-        for n in files:
-            fd = os.open(os.path.join(dirpath, n), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        local.fsync_dir(dirpath)
-
-
-def _install_fetched(scratch: str, dest: str, manifest: Manifest) -> None:
-    """Rename a verified copy into place without ever deleting a copy another process may be
-    reading: an empty directory at ``dest`` is replaced; if ``dest`` appeared meanwhile and holds
-    the same verified checkpoint, keep it; if it holds something else, move it aside first."""
-    for _ in range(8):
-        try:
-            local.rename_noreplace(scratch, dest)  # local's: the crash tests patch it there
-            return
-        except FileExistsError:
-            pass
-        try:
-            os.rmdir(dest)  # an empty directory (an export's DEST made beforehand) holds no copy
-            continue
-        except OSError:
-            pass
-        try:
-            same = read_manifest(dest).digest == manifest.digest
-            if same:
-                verify_checkpoint(dest)
-        except Exception:
-            same = False
-        if same:
-            shutil.rmtree(scratch, ignore_errors=True)
-            return
-        try:
-            os.rename(dest, f"{dest}.stale-{uuid.uuid4().hex[:8]}")
-        except FileNotFoundError:
-            continue
-    raise OSError(f"could not install the fetched checkpoint at {dest}: it keeps changing")
-
-
-def _copy_hashing(reader, out) -> tuple[int, str]:
-    # checksum's one hash-while-copy loop, under a name of the fetch path's own (a test counts
-    # the bytes a fetch reads through it).
-    return copy_hashing(reader, out, chunk=8 << 20)
+    return reader.load(path, files=files, map_location=map_location, storage_options=storage_options,
+                       weights_only=weights_only, verify=verify, mmap=mmap)
 
 
 #: open_root and forget_roots are root.py's (the per-process root cache); re-exported here.

@@ -413,6 +413,19 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def fsync_tree(top: str) -> None:
+    """fsync every file under ``top`` and every directory, ``top`` included (a tree written
+    without fsync, made durable at once: a fetched copy before it is renamed into place)."""
+    for dirpath, _dirs, files in os.walk(top):
+        for n in files:
+            fd = os.open(os.path.join(dirpath, n), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+
+
 def _libc() -> ctypes.CDLL:
     """The C library already linked into this process (dlopen(NULL)). Not
     ``ctypes.util.find_library("c")``: that runs ``ldconfig -p`` in a child process, at import."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Collection, Iterable, Iterator
 
 from . import checksum, fileio
 from .errors import CheckpointNotFoundError, IntegrityError, UnsafePathError
@@ -180,7 +180,11 @@ def read_file(storage: Storage, key: str, entry: FileEntry, *, verify: bool = Tr
                     raise FileProblem("checksum", size=entry.size, digest=digest)
 
             return Deferred(pending.buffer, check_buffer)
-        data = storage.read_bytes(key)
+        if local is not None:
+            with fileio.open_regular_file(local) as f:  # as the local backend reads it
+                data = f.read()
+        else:
+            data = storage.read_bytes(key)
     size = len(data)
     if size != entry.size:
         raise FileProblem("size", size=size)
@@ -219,33 +223,49 @@ def _problem_error(p: FileProblem, where: str, name: str, entry: FileEntry) -> E
 
 
 def _read_one(storage: Storage, manifest: Manifest, where: str, name: str, keep: bool, verify: bool,
-              pipeline: bool = True):
+              pipeline: bool = True, at: str = ""):
     entry = manifest.files[name]
     try:
-        return name, check_file(storage, name, entry, keep=keep, verify=verify, pipeline=pipeline)[1]
+        return name, check_file(storage, f"{at}/{name}" if at else name, entry, keep=keep, verify=verify,
+                                pipeline=pipeline)[1]
     except FileProblem as p:
         raise _problem_error(p, where, name, entry) from None
 
 
+class DecodeFailed:
+    """What the decoder raised on a file whose check then passed: handed back in the file's place
+    by :func:`load_checkpoint_files`, for the caller to raise once the read is done (a file that
+    does not decode is not a damaged or moved checkpoint)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+#: ``decode(name, kind, content, where=path_of_the_file)``: what :func:`load_checkpoint_files`
+#: decodes with (:func:`txckpt.serialization.read_object`, its options bound).
+Decoder = Callable[..., Any]
+
+
 def _load_one(storage: Storage, manifest: Manifest, where: str, name: str, verify: bool, pipeline: bool,
-              decode: Callable[[str, Any], Any], early: Callable[[str], bool], mmap: bool) -> tuple[str, bool, Any]:
-    """``(name, decoded?, value)``: read ``name`` once and check it; a file ``early`` allows
-    is decoded while its hash finishes, and what it decoded is dropped unless the hash matches."""
+              decode: Decoder, early: Collection[str], mmap: bool, at: str = "") -> tuple[str, bool, Any]:
+    """``(name, decoded?, value)``: read ``name`` once and check it; a file whose kind is in
+    ``early`` is decoded while its hash finishes, and what it decoded is dropped unless the hash
+    matches."""
     entry = manifest.files[name]
     got: Deferred | None = None
     value: Any = None
     try:
-        got = read_file(storage, name, entry, verify=verify, pipeline=pipeline, mmap=mmap)
-        if not early(entry.kind):
+        got = read_file(storage, f"{at}/{name}" if at else name, entry, verify=verify, pipeline=pipeline, mmap=mmap)
+        if entry.kind not in early:
             got.check()
             return name, False, got.content
         try:
-            value = decode(name, got.content)
-        except Exception:
+            value = decode(name, entry.kind, got.content, where=f"{where.rstrip('/')}/{name}")
+        except Exception as e:
             # A damaged file is reported as damaged, not as whatever its damage made the
             # decoder say (a flipped byte in a pickle reads as a forbidden global).
             got.check()
-            raise
+            return name, True, DecodeFailed(e)
         got.check()
         return name, True, value
     except FileProblem as p:
@@ -304,15 +324,17 @@ def verify_checkpoint_files(
     keep_bytes: bool = False,
     verify: bool = True,
     workers: int = 2,
+    at: str = "",
 ) -> dict[str, Any]:
     """Read and check each named file (default: all). With ``keep_bytes`` returns each file's
     content for :func:`txckpt.serialization.read_object`: ``bytes``, or for safetensors and torch
-    files on a local disk a ``torch.uint8`` tensor holding the file."""
+    files on a local disk a ``torch.uint8`` tensor holding the file. ``at``: the checkpoint's key
+    in ``storage`` ("" when ``storage`` is the checkpoint's own; ``where`` names it in messages)."""
     names, sequential, pipelined = _plan(manifest, where, names, workers)
     out: dict[str, Any] = {}
 
     def one(n: str):
-        return _read_one(storage, manifest, where, n, keep_bytes, verify, pipeline=n in pipelined)
+        return _read_one(storage, manifest, where, n, keep_bytes, verify, pipeline=n in pipelined, at=at)
 
     if sequential:
         results = [one(n) for n in names]
@@ -331,27 +353,30 @@ def load_checkpoint_files(
     where: str,
     *,
     names: Iterable[str] | None = None,
-    decode: Callable[[str, Any], Any],
-    early: Callable[[str], bool],
+    decode: Decoder,
+    early: Collection[str],
     verify: bool = True,
     workers: int = 2,
     mmap: bool = False,
+    at: str = "",
 ) -> dict[str, tuple[bool, Any]]:
     """Read each named file (default: all) once and check it, decoding on the way: returns
-    ``name -> (decoded?, value)``, ``value`` being ``decode(name, content)`` for a file whose
-    kind ``early`` allows, else the checked content (as :func:`verify_checkpoint_files` gives).
+    ``name -> (decoded?, value)``, ``value`` being ``decode(name, kind, content, where=...)`` for
+    a file whose kind is in ``early`` (or the :class:`DecodeFailed` the decoder raised on it),
+    else the checked content (as :func:`verify_checkpoint_files` gives).
 
-    ``early(kind)`` says a decoder is safe on any bytes (safetensors; torch files with
+    ``early``: the kinds whose decoder is safe on any bytes (safetensors; torch files with
     ``weights_only``): such a file is decoded while the last of its hash is still running, in
     its reader's thread while the other files are still being read. Nothing is returned before
     every hash matched: the first file that does not match raises IntegrityError naming it, and
     whatever was decoded is dropped. A file whose decoder is not safe on unchecked bytes (an
     unrestricted pickle) is only handed back once checked, never decoded here. ``mmap``: local
-    safetensors and torch files are mapped, not read (:func:`read_file`)."""
+    safetensors and torch files are mapped, not read (:func:`read_file`). ``at``: as
+    :func:`verify_checkpoint_files`'s."""
     names, sequential, pipelined = _plan(manifest, where, names, workers)
 
     def one(n: str) -> tuple[str, bool, Any]:
-        return _load_one(storage, manifest, where, n, verify, n in pipelined, decode, early, mmap)
+        return _load_one(storage, manifest, where, n, verify, n in pipelined, decode, early, mmap, at)
 
     results: dict[str, tuple[bool, Any]] = {}
     errors: dict[str, BaseException] = {}

@@ -48,12 +48,12 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .. import errors, fileio
-from ..api import _checked_manifest, _following_moves
 from ..asyncsave import wait_for_root
 from ..checksum import PIECE, HashingWriter, digest_bytes, new_hasher
 from ..errors import IntegrityError, InvalidArgumentError, ManifestError, TransactionAbortedError
 from ..layout import intent_key
 from ..manifest import FileEntry, Manifest, kind_for_name
+from ..reader import Found, read_checked
 from ..root import open_root
 from ..verify import FALLBACK_HINT, _wrong_checksum, verify_checkpoint_files
 from .dcp_compat import (  # torch's unpublished DCP names (DCP's own file format, item by item)
@@ -356,7 +356,7 @@ class TransactionalReader(StorageReader):
         self.path = os.fspath(path)
         self.storage_options = dict(storage_options or {})
         self.verify = verify
-        self._opened: tuple[str, Any, Manifest, Metadata, dict[str, Any]] | None = None
+        self._opened: tuple[Found, Metadata, dict[str, Any]] | None = None
         self._load_id = uuid.uuid4().hex
         # Opened (manifest, .metadata and the range digests checked) here, outside DCP's
         # collectives: DCP turns any error of read_metadata into an untyped AssertionError, while
@@ -369,20 +369,21 @@ class TransactionalReader(StorageReader):
         self._opened, self._load_id = None, uuid.uuid4().hex
         self._open()
 
-    def _open(self) -> tuple[str, Any, Manifest, Metadata, dict[str, Any]]:
+    def _open(self) -> tuple[Found, Metadata, dict[str, Any]]:
         if self._opened is not None:
             return self._opened
 
-        def attempt(path: str, ctx: Any, storage: Any, seen: dict[str, Any]):
-            manifest = _checked_manifest(path, ctx, storage, seen)
+        def attempt(found: Found) -> tuple[Found, dict[str, Any]]:
+            path, manifest = found.path, found.manifest
             if METADATA_NAME not in manifest.files:
                 raise ManifestError(f"{path} is a txckpt checkpoint without {METADATA_NAME}: it was not "
                                     "saved through DCP; load it with txckpt.load_checkpoint", path=path)
             names = [n for n in (METADATA_NAME, RANGES_NAME) if n in manifest.files]
-            blobs = verify_checkpoint_files(storage, manifest, path, names=names, keep_bytes=True)
-            return path, storage, manifest, blobs
+            return found, verify_checkpoint_files(found.storage, manifest, path, names=names, keep_bytes=True,
+                                                  at=found.key)
 
-        path, storage, manifest, blobs = _following_moves(self.path, self.storage_options or None, attempt)
+        found, blobs = read_checked(self.path, self.storage_options or None, attempt)
+        path, manifest = found.path, found.manifest
         metadata = pickle.loads(bytes(blobs[METADATA_NAME]))  # verified: the bytes the save wrote
         ranges = json.loads(bytes(blobs[RANGES_NAME])) if RANGES_NAME in blobs else {}
         for info in (metadata.storage_data or {}).values():
@@ -390,13 +391,13 @@ class TransactionalReader(StorageReader):
                 raise IntegrityError(
                     f"{path}/{METADATA_NAME} names {info.relative_path!r}, which the manifest does not list: "
                     f"the checkpoint is damaged; {FALLBACK_HINT}", path=f"{path}/{METADATA_NAME}")
-        self._opened = (path, storage, manifest, metadata, ranges)
+        self._opened = (found, metadata, ranges)
         return self._opened
 
     # No ``**kwargs``: DCP then never asks for a per-rank ``__<rank>.metadata`` (a save through
     # TransactionalWriter always has one global .metadata).
     def read_metadata(self, *args: Any) -> Metadata:
-        metadata = self._open()[3]
+        metadata = self._open()[1]
         meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         meta.load_id = self._load_id
         metadata.storage_meta = meta
@@ -412,7 +413,7 @@ class TransactionalReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        path, storage, manifest, metadata, ranges = self._open()
+        found, metadata, ranges = self._open()
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(metadata.storage_data[item.storage_index].relative_path, []).append(item)
@@ -420,47 +421,48 @@ class TransactionalReader(StorageReader):
             infos = [cast(_StorageInfo, metadata.storage_data[r.storage_index]) for r in reqs]
             blobs: list[Any]
             if self.verify == "full":
-                blobs = self._whole(path, storage, manifest, name, infos)
+                blobs = self._whole(found, name, infos)
             else:
-                blobs = self._ranges(path, storage, manifest, ranges, name, infos)
+                blobs = self._ranges(found, ranges, name, infos)
             for req, blob in zip(reqs, blobs):
                 _load_item(req, blob, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _whole(self, path: str, storage: Any, manifest: Manifest, name: str,
-               infos: list[_StorageInfo]) -> list[memoryview]:
+    def _whole(self, found: Found, name: str, infos: list[_StorageInfo]) -> list[memoryview]:
+        path, storage, manifest, key = found.path, found.storage, found.manifest, found.file_key(name)
         entry = manifest.files[name]
-        local = storage.local_path(name)
+        local = storage.local_path(key)
         view: memoryview | None = None
-        if local is not None and entry.size > 0 and not storage.is_symlink_escape(name):
+        if local is not None and entry.size > 0 and not storage.is_symlink_escape(key):
             view = _mapped(local, entry.size)  # None: missing or resized, which the check below names
         if view is None:
-            data = verify_checkpoint_files(storage, manifest, path, names=[name], keep_bytes=True)[name]
+            data = verify_checkpoint_files(storage, manifest, path, names=[name], keep_bytes=True,
+                                           at=found.key)[name]
             raw: Any = data.numpy() if isinstance(data, torch.Tensor) else data  # a uint8 buffer or bytes
             view = memoryview(raw).cast("B")
         elif digest_bytes(view) != entry.checksum:
             raise _wrong_checksum(path, name)
         return [view[i.offset:i.offset + i.length] for i in infos]
 
-    def _ranges(self, path: str, storage: Any, manifest: Manifest, ranges: dict[str, Any], name: str,
-                infos: list[_StorageInfo]) -> list[bytes]:
-        where, entry = f"{path}/{name}", manifest.files[name]
+    def _ranges(self, found: Found, ranges: dict[str, Any], name: str, infos: list[_StorageInfo]) -> list[bytes]:
+        storage, key = found.storage, found.file_key(name)
+        where, entry = f"{found.path}/{name}", found.manifest.files[name]
         recorded = ranges.get(name)
         if recorded is None:
             raise IntegrityError(f"{where} has no recorded range digests ({RANGES_NAME}); load it with "
                                  "verify=\"full\"", path=where)
-        if storage.is_symlink_escape(name):
+        if storage.is_symlink_escape(key):
             raise errors.UnsafePathError(f"{where} is a symlink that leaves the root; refusing to read it")
         try:
-            f = storage.open_read(name)
+            f = storage.open_read(key)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise IntegrityError(f"{where} is missing (the manifest lists it): the checkpoint is damaged; "
                                  f"{FALLBACK_HINT}", path=where) from None
         out = []
         with f:
-            size = os.fstat(f.fileno()).st_size if storage.local_path(name) is not None else getattr(f, "size", None)
+            size = os.fstat(f.fileno()).st_size if storage.local_path(key) is not None else getattr(f, "size", None)
             if size != entry.size:
                 raise IntegrityError(f"{where} has {size} bytes, the manifest says {entry.size} (truncated or "
                                      f"rewritten): the checkpoint is damaged; {FALLBACK_HINT}", path=where)

@@ -1,0 +1,93 @@
+"""One room owns the read path (issue 28): a verified local load opens storage once, through
+the factory, and passes through at most 50 module-to-module hops (benchmarks/hops.py defines
+and counts them; docs/architecture.md records the counts)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+import txckpt
+from txckpt import storage as storage_pkg
+from txckpt.storage.base import Storage
+
+from benchmarks import hops
+
+MAX_LOAD_HOPS = 50
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    txckpt.forget_roots()
+    yield
+    txckpt.forget_roots()
+
+
+def _opens(monkeypatch) -> list[str]:
+    """Every Storage the code builds from now on: the factory's (open_storage, as the modules
+    that import it name it) and any built directly (Storage.__init__)."""
+    opened: list[str] = []
+    real_init = Storage.__init__
+
+    def init(self, url):
+        opened.append(url)
+        real_init(self, url)
+
+    monkeypatch.setattr(Storage, "__init__", init)
+    return opened
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_a_verified_local_load_opens_storage_once(tmp_path, monkeypatch, warm):
+    root = str(tmp_path / "out")
+    txckpt.save_checkpoint(root, 1, hops._state(1))
+    path = txckpt.save_checkpoint(root, 2, hops._state(2))
+    if warm:
+        txckpt.load_checkpoint(path)
+    else:
+        txckpt.forget_roots()  # as a fresh process: no CheckpointRoot to lean on
+    calls: list[str] = []
+    real_factory = storage_pkg.open_storage
+
+    def factory(root, storage_options=None):
+        calls.append(os.fspath(root))
+        return real_factory(root, storage_options)
+
+    for module in ("txckpt.storage", "txckpt.reader", "txckpt.root", "txckpt.identity", "txckpt.fetch"):
+        monkeypatch.setattr(f"{module}.open_storage", factory)
+    opened = _opens(monkeypatch)
+    out = txckpt.load_checkpoint(path)
+    assert out[hops.FILES_NAMES[1]] == {"global_step": 2}
+    assert calls == [root] and opened == [root]  # the root's storage reads the log and the checkpoint
+
+
+def test_a_checkpoint_copied_out_of_its_root_opens_its_own_storage_once(tmp_path, monkeypatch):
+    path = txckpt.save_checkpoint(str(tmp_path / "out"), 1, hops._state(1))
+    copy = str(tmp_path / "copy")
+    shutil.copytree(path, copy)
+    opened = _opens(monkeypatch)
+    txckpt.load_checkpoint(copy)
+    assert opened == [copy]
+
+
+def test_a_warm_verified_load_makes_at_most_50_hops():
+    t = hops.measure("load")
+    assert t.storage_opens == 1 and t.open_storage_calls == 1
+    assert t.hops <= MAX_LOAD_HOPS, t.summary("load") + "\n" + "\n".join(
+        f"{n:4d}  {a} -> {b}" for (a, b), n in t.edges.most_common())
+
+
+def test_the_hop_counter_counts_edges_between_modules_only():
+    """Not vacuous: the operation's entry and calls inside one module are no hop; a call into
+    another module is one; Storage constructions are counted."""
+    from txckpt import layout
+
+    t = hops.trace(lambda: layout.is_url("s3://b/k"))
+    assert t.hops == 0  # is_url calls nothing of another module
+    t = hops.trace(lambda: txckpt.reader.parse("/x/checkpoint-3"))
+    assert dict(t.edges) == {("txckpt.reader", "txckpt.layout"): 1, ("txckpt.reader", "txckpt.naming"): 1,
+                             ("txckpt.naming", "txckpt.layout"): 1} and t.hops == 3
+    t = hops.trace(lambda: storage_pkg.open_storage("/tmp"))
+    assert (t.storage_opens, t.open_storage_calls) == (1, 1)
