@@ -57,7 +57,7 @@ IMPLIED = {"s3": ("server",), "gcs": ("server", "campaign"), "azure": ("server",
 
 
 #: Names whose use starts a child process: the standard library's and the suite's own starters
-#: (tests/harness/procs.py, tests/dist_workers.py, tests/crash_harness.py, the campaign's runner).
+#: (tests/harness/procs.py, tests/harness/launcher.py, tests/harness/crash_sweep.py, the campaign's runner).
 SPAWNERS = frozenset({
     "subprocess", "Popen", "fork", "forkpty", "posix_spawn", "multiprocessing", "get_context",
     "run_child", "child_value", "torchrun", "run_torchrun", "launch", "run_in_fresh_process",
