@@ -11,6 +11,8 @@ import torch
 
 import txckpt
 
+from tests.harness.zygote import run_python
+
 MiB = 1 << 20
 
 
@@ -93,12 +95,9 @@ def test_a_trainer_save_logs_at_transformers_verbosity(tmp_path, log_level):
     """A Trainer script configures no logging: txckpt's summary shows through transformers'
     handler exactly when transformers logs at INFO (the Trainer's ``log_level``)."""
     pytest.importorskip("transformers")
-    import subprocess
-    import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", _TRAIN.format(repo=repo), str(tmp_path / "out"), log_level],
-                         capture_output=True, text=True, timeout=300)
+    out = run_python(["-c", _TRAIN.format(repo=repo), str(tmp_path / "out"), log_level], timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     saved = [line for line in out.stderr.splitlines() if "saved step 2: " in line]
     if log_level == "info":
@@ -265,15 +264,12 @@ def test_txckpt_lines_in_trainer_output_carry_level_and_origin_and_a_resume_show
     prints one INFO line at the default verbosity (the Trainer's ``log_level`` "passive"),
     which an explicit quieter ``log_level`` hides."""
     pytest.importorskip("transformers")
-    import subprocess
-    import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "out"
 
     def run(steps, resume, level="default"):
-        p = subprocess.run([sys.executable, "-c", _RESUME.format(repo=repo), str(out), str(steps), resume, level],
-                           capture_output=True, text=True, timeout=300)
+        p = run_python(["-c", _RESUME.format(repo=repo), str(out), str(steps), resume, level], timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
         return p.stderr.splitlines()
 
