@@ -12,16 +12,17 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-from tests import dist_workers as dw  # noqa: E402
-from tests.accelerate_workers import job  # noqa: E402
+from tests.children import dist_workers as dw  # noqa: E402
+from tests.harness import launcher
+from tests.children.accelerate_workers import job  # noqa: E402
 
 # Ranks fork from a server that imported these once (if this module starts it), instead of
 # importing accelerate in every rank of every job.
-for _module in ("accelerate", "txckpt.integrations.accelerate", "tests.accelerate_workers"):
-    if _module not in dw._PRELOAD:
-        dw._PRELOAD.append(_module)
+for _module in ("accelerate", "txckpt.integrations.accelerate", "tests.children.accelerate_workers"):
+    if _module not in launcher._PRELOAD:
+        launcher._PRELOAD.append(_module)
 
-# Every job runs in real processes (tests/dist_workers.py), one rank or two.
+# Every job runs in real processes (tests/harness/launcher.py), one rank or two.
 pytestmark = pytest.mark.process
 
 STOCK_FAILS = pytest.mark.xfail(strict=True, reason="stock accelerate has this failure (the issue)")
@@ -54,7 +55,7 @@ class Runs:
         pid_dir = d / "pids"
         os.makedirs(pid_dir)
         kind = kw.pop("kind", self.kind)
-        run = dw.launch(self.world, job, str(d / "results"), deadline=120.0, kind=kind,
+        run = launcher.launch(self.world, job, str(d / "results"), deadline=120.0, kind=kind,
                         project=kw.pop("project", self.path("proj")), ops=ops, pid_dir=str(pid_dir),
                         storage_options=self.options, local_dir=str(d / "scratch"), **kw)
         if crash:

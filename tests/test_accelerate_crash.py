@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("accelerate")
 
 import txckpt  # noqa: E402
-from tests.accelerate_workers import observe, prepare, train  # noqa: E402
-from tests.crash_harness import report, sweep  # noqa: E402
+from tests.children.accelerate_workers import observe, prepare, train  # noqa: E402
+from tests.harness.crash_sweep import report, sweep  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

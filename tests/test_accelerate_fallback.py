@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -14,6 +12,7 @@ import pytest
 pytest.importorskip("accelerate")
 
 from .harness.fs import flip_byte  # noqa: E402
+from .harness.zygote import run_python  # noqa: E402
 
 _SCRIPT = textwrap.dedent(r"""
     import json, logging, os, sys
@@ -53,8 +52,7 @@ _SCRIPT = textwrap.dedent(r"""
 
 
 def _run(project: str, mode: str, phase: str) -> dict:
-    p = subprocess.run([sys.executable, "-c", _SCRIPT, project, mode, phase], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "TXCKPT_DURABLE": "0"})
+    p = run_python(["-c", _SCRIPT, project, mode, phase], timeout=300, env={**os.environ, "TXCKPT_DURABLE": "0"})
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 

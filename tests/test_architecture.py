@@ -400,3 +400,55 @@ def test_the_core_types_every_root_and_storage_parameter():
         if not name.startswith("txckpt.integrations"):
             found += _untyped_root_params(open(path).read(), os.path.relpath(path, HERE))
     assert found == []
+
+
+TESTS = os.path.join(HERE, "tests")
+#: Modules outside tests/children/ that may be entry points, and why: the reliability campaign is a
+#: program of its own (``python -m tests.reliability``), and two of its cases are both the case (a
+#: library its runner imports, their main role) and the child process the case starts.
+ENTRY_POINTS_ELSEWHERE = {
+    "tests/reliability/__main__.py": "the campaign's command line",
+    "tests/reliability/s3.py": "the campaign's S3 server process (python -m tests.reliability.s3)",
+    "tests/reliability/atexit_save.py": "the async-atexit case and its interpreter (python -m ...)",
+}
+
+
+def _has_main_block(source: str) -> bool:
+    """Whether a module has a top-level ``if __name__ == "__main__":`` (either way round)."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1 \
+                and isinstance(node.test.ops[0], ast.Eq):
+            sides = [node.test.left, *node.test.comparators]
+            names = {s.id for s in sides if isinstance(s, ast.Name)}
+            consts = {s.value for s in sides if isinstance(s, ast.Constant)}
+            if names == {"__name__"} and consts == {"__main__"}:
+                return True
+    return False
+
+
+def test_the_main_block_finder_sees_both_spellings():
+    assert _has_main_block('if __name__ == "__main__":\n    main()\n')
+    assert _has_main_block("if '__main__' == __name__:\n    pass\n")
+    assert not _has_main_block('def f():\n    if __name__ == "__main__":\n        pass\n')
+    assert not _has_main_block('S = """\nif __name__ == "__main__":\n    main()\n"""\n')
+
+
+def test_child_process_entry_points_live_in_tests_children():
+    """tests/children/__init__.py's rule: a module of tests/ that a child process starts from (a
+    ``__main__`` block, or a ``__main__.py``) lives in tests/children/; libraries live in
+    tests/harness/. The few exceptions are listed, each with its reason."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(TESTS):
+        dirnames[:] = [d for d in dirnames if d not in ("children", "__pycache__", "data")]
+        for fn in filenames:
+            if not fn.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, fn)
+            rel = os.path.relpath(path, HERE)
+            if rel in ENTRY_POINTS_ELSEWHERE:
+                continue
+            if fn == "__main__.py" or _has_main_block(open(path).read()):
+                found.append(rel)
+    assert found == [], f"entry points outside tests/children/ (move them there): {found}"
+    for rel in ENTRY_POINTS_ELSEWHERE:  # an exception that stopped being one is removed from the list
+        assert _has_main_block(open(os.path.join(HERE, rel)).read()), rel

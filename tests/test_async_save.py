@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import txckpt
-from tests import async_workers, dist_workers
-from tests.crash_harness import report, sweep
+from tests.children import async_workers, dist_workers
+from tests.harness import launcher
+from tests.harness.crash_sweep import report, sweep
 from tests.test_crash_sweep import files as tagged_files
 from tests.test_crash_sweep import make_checker, snapshot as committed_digests
 from txckpt import asyncsave, transactions
@@ -500,7 +501,7 @@ def test_a_failed_save_nobody_waited_for_is_logged_at_exit(tmp_path):
 @pytest.mark.parametrize("lazy", [False, True], ids=["copy-first", "lazy"])
 def test_two_ranks_on_gloo_beside_the_jobs_own_collectives(tmp_path, lazy):
     root = str(tmp_path / "out")
-    run = dist_workers.launch(2, async_workers.async_saves_beside_training, str(tmp_path / "res"),
+    run = launcher.launch(2, async_workers.async_saves_beside_training, str(tmp_path / "res"),
                               root=root, steps=[1, 2, 3], lazy=lazy)
     assert all(r.exitcode == 0 and r.ok for r in run.results), run.describe()
     paths = [r.ok["paths"] for r in run.results]
@@ -515,7 +516,7 @@ def test_two_ranks_on_gloo_beside_the_jobs_own_collectives(tmp_path, lazy):
 
 def test_a_dead_rank_fails_the_survivors_background_save(tmp_path):
     root = str(tmp_path / "out")
-    run = dist_workers.launch(2, async_workers.async_save_with_dead_rank, str(tmp_path / "res"),
+    run = launcher.launch(2, async_workers.async_save_with_dead_rank, str(tmp_path / "res"),
                               root=root, victim=1, env={"TXCKPT_COORDINATION_TIMEOUT": "20"})
     survivor, victim = run.results
     assert victim.exitcode == -9, run.describe()

@@ -1,6 +1,6 @@
 """Per-rank attribution (issue 17): files other code writes into ``tx.directory`` on rank r and
 that rank r claims (``tx.claim_files``) are hashed by rank r and recorded with ``rank: r``;
-rank 0 never opens them for reading at commit. Real gloo ranks (tests/dist_workers.py)."""
+rank 0 never opens them for reading at commit. Real gloo ranks (tests/harness/launcher.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import os
 import pytest
 
 import txckpt
-from tests import claim_workers as cw
-from tests import dist_workers as dw
+from tests.children import claim_workers as cw
+from tests.children import dist_workers as dw
+from tests.harness import launcher
 from txckpt.claims import claimed_names, matches
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -22,7 +23,7 @@ def _shard(step: int, r: int) -> str:
 
 def test_each_rank_hashes_and_records_what_it_claims(tmp_path):
     root = str(tmp_path / "out")
-    run = dw.launch(2, cw.claim_own_files, str(tmp_path / "res"), root=root, step=3)
+    run = launcher.launch(2, cw.claim_own_files, str(tmp_path / "res"), root=root, step=3)
     for r in run.results:
         assert r.exitcode == 0 and r.ok is not None, run.describe() + "\n" + (r.trace or "")
     path = run[0].ok["path"]
@@ -43,7 +44,7 @@ def test_each_rank_hashes_and_records_what_it_claims(tmp_path):
 def test_without_claims_rank0_hashes_everything(tmp_path):
     """The baseline the claims change: rank 0 reads rank 1's files and records them as its own."""
     root = str(tmp_path / "out")
-    run = dw.launch(2, cw.claim_own_files, str(tmp_path / "res"), root=root, step=1, claims="none")
+    run = launcher.launch(2, cw.claim_own_files, str(tmp_path / "res"), root=root, step=1, claims="none")
     assert all(r.exitcode == 0 for r in run.results), run.describe()
     manifest = txckpt.read_manifest(run[0].ok["path"])
     assert {e.rank for e in manifest.files.values()} == {0}
@@ -54,7 +55,7 @@ def test_without_claims_rank0_hashes_everything(tmp_path):
 def test_bad_claims_commit_nothing_on_any_rank(tmp_path, case):
     root = str(tmp_path / "out")
     kw = {"claims": "both"} if case == "claimed twice" else {"missing": 1}
-    run = dw.launch(2, cw.claim_own_files, str(tmp_path / "res"), root=root, step=2, **kw)
+    run = launcher.launch(2, cw.claim_own_files, str(tmp_path / "res"), root=root, step=2, **kw)
     for r in run.results:
         assert r.exitcode == 17 and r.error_type == "InvalidArgumentError", run.describe()
         if case == "claimed twice":

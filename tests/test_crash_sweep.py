@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import txckpt
-from tests.crash_harness import report, sweep
+from tests.harness.crash_sweep import report, sweep
 
 pytestmark = pytest.mark.slow
 

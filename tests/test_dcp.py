@@ -1,6 +1,6 @@
 """txckpt under torch.distributed.checkpoint: FSDP2 (``fully_shard``) state saved by dcp.save
 through TransactionalWriter and loaded by dcp.load through TransactionalReader, on real gloo
-ranks (tests/dist_workers.py's launcher; nothing of torch.distributed is mocked)."""
+ranks (tests/harness/launcher.py; nothing of torch.distributed is mocked)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import os
 import pytest
 
 import txckpt
-from tests import dcp_workers as cw
-from tests import dist_workers as dw
+from tests.children import dcp_workers as cw
+from tests.children import dist_workers as dw
+from tests.harness import launcher
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 
-def _ok(run: dw.Run) -> list:
+def _ok(run: launcher.Run) -> list:
     for r in run.results:
         assert r.exitcode == 0 and r.error_type is None, run.describe() + "\n" + (r.trace or "")
     return [r.ok for r in run.results]
@@ -27,7 +28,7 @@ def saved(tmp_path_factory):
     """One FSDP2 model + Adam saved through DCP on 2 ranks (step 5), and its full state."""
     tmp = tmp_path_factory.mktemp("dcp")
     root, ref = str(tmp / "root"), str(tmp / "ref.pt")
-    out = _ok(dw.launch(2, cw.save, str(tmp / "save"), root=root, step=5, ref_file=ref))
+    out = _ok(launcher.launch(2, cw.save, str(tmp / "save"), root=root, step=5, ref_file=ref))
     return {"root": root, "ref": ref, "out": out, "tmp": tmp}
 
 
@@ -46,7 +47,7 @@ def test_save_commits_one_checkpoint_with_each_shard_attributed_to_its_rank(save
 @pytest.mark.parametrize("world", [1, 4])
 def test_load_reshards_to_equal_tensors(saved, world):
     path = saved["out"][0]["path"]
-    got = _ok(dw.launch(world, cw.load, str(saved["tmp"] / f"load{world}"), path=path, ref_file=saved["ref"]))
+    got = _ok(launcher.launch(world, cw.load, str(saved["tmp"] / f"load{world}"), path=path, ref_file=saved["ref"]))
     for g in got:
         assert g["tensors"] > 8 and g["different"] == [], g
 
@@ -102,7 +103,7 @@ def _remove(name: str):
 
 
 def _load_errors(saved, path: str, tag: str, world: int = 2, verify: str = "full") -> dict:
-    got = _ok(dw.launch(world, cw.load, str(saved["tmp"] / f"load-{tag}"), path=path, ref_file=saved["ref"],
+    got = _ok(launcher.launch(world, cw.load, str(saved["tmp"] / f"load-{tag}"), path=path, ref_file=saved["ref"],
                         verify=verify))
     for g in got:
         assert "errors" in g, f"{tag}: loaded without an error: {g}"
@@ -126,7 +127,7 @@ def test_damaged_shard_is_an_integrity_error_on_every_rank(saved, case):
 
 
 def test_metadata_from_another_checkpoint_is_refused(saved):
-    other = _ok(dw.launch(2, cw.save, str(saved["tmp"] / "save-other"), root=str(saved["tmp"] / "other"),
+    other = _ok(launcher.launch(2, cw.save, str(saved["tmp"] / "save-other"), root=str(saved["tmp"] / "other"),
                           step=5, seed=77))[0]["path"]
 
     def swap(path: str) -> None:
@@ -147,7 +148,7 @@ def test_ranged_reads_check_what_they_read(saved, verify):
     errs = _load_errors(saved, path, f"ranges-{verify}", world=1, verify=verify)
     assert [e[0] for e in errs.values()] == ["IntegrityError"] and "__1_0.distcp" in list(errs.values())[0][1]
     if verify == "ranges":  # "full" reshards intact checkpoints in test_load_reshards_to_equal_tensors
-        intact = _ok(dw.launch(4, cw.load, str(saved["tmp"] / "load-ranges-ok"),
+        intact = _ok(launcher.launch(4, cw.load, str(saved["tmp"] / "load-ranges-ok"),
                                path=saved["out"][0]["path"], ref_file=saved["ref"], verify=verify))
         assert all(g["different"] == [] for g in intact), intact
 
@@ -163,15 +164,15 @@ def test_step_conflict_and_rollback_fork_through_the_writer(saved):
     shutil.copytree(saved["root"], root, symlinks=True)
     txckpt.forget_roots()
     # Step 5 is committed: saving it again is refused on every rank, and nothing is left staged.
-    errs = _ok(dw.launch(2, cw.expect_error, str(saved["tmp"] / "conflict"), root=root, step=5))
+    errs = _ok(launcher.launch(2, cw.expect_error, str(saved["tmp"] / "conflict"), root=root, step=5))
     for e in errs:
         assert e and {v[0] for v in e.values()} == {"StepConflictError"}, errs
     intents = os.path.join(root, ".txckpt", "intents")
     assert not os.path.isdir(intents) or os.listdir(intents) == []
-    seven = _ok(dw.launch(2, cw.save, str(saved["tmp"] / "seven"), root=root, step=7))[0]["path"]
+    seven = _ok(launcher.launch(2, cw.save, str(saved["tmp"] / "seven"), root=root, step=7))[0]["path"]
     m7 = txckpt.read_manifest(seven)
     # Roll back to 5 and save 6: a new lineage, one warning naming what it abandons.
-    out = _ok(dw.launch(2, cw.save, str(saved["tmp"] / "fork"), root=root, step=6, resume_step=5))
+    out = _ok(launcher.launch(2, cw.save, str(saved["tmp"] / "fork"), root=root, step=6, resume_step=5))
     six = out[0]["path"]
     assert txckpt.get_last_checkpoint(root) == six
     m6 = txckpt.read_manifest(six)
@@ -209,7 +210,7 @@ def test_dcp_ranks_that_disagree_on_the_step_root_or_lineage_commit_nothing(save
         kw["planner"] = "drops-storage-data"
     if what == "lineage":  # rank 1 starts a lineage, then rank 0 does: the head is rank 0's
         kw["new_lineages"] = (1, 0)
-    errs = _ok(dw.launch(2, cw.expect_error_per_rank, str(saved["tmp"] / f"disagree-{what}-run"), seed=6, **kw))
+    errs = _ok(launcher.launch(2, cw.expect_error_per_rank, str(saved["tmp"] / f"disagree-{what}-run"), seed=6, **kw))
     assert errs[0] is not None and errs[1] is not None, f"both ranks returned: {errs}"
     assert errs[0] == errs[1], errs  # the same failures, on every rank
     (etype, message), = {tuple(v) for v in errs[0].values()}
@@ -231,7 +232,7 @@ def test_dcp_ranks_that_disagree_on_the_step_root_or_lineage_commit_nothing(save
     if os.path.isdir(other):
         assert not [n for n in os.listdir(other) if n.startswith("checkpoint-")]
         assert _staged(other) == ([], [])
-    out = _ok(dw.launch(2, cw.save, str(saved["tmp"] / f"disagree-{what}-after"), root=root, step=6))
+    out = _ok(launcher.launch(2, cw.save, str(saved["tmp"] / f"disagree-{what}-after"), root=root, step=6))
     assert [o["returned"] for o in out] == [os.path.join(root, "checkpoint-6")] * 2
     m = txckpt.verify_checkpoint(out[0]["path"])
     assert m.step == 6 and {n: e.rank for n, e in m.files.items() if n.endswith(".distcp")} == {
@@ -283,10 +284,10 @@ def test_a_planner_replaying_a_cached_plan_is_refused_before_anything_is_staged(
 def test_async_save_commits(saved):
     root = str(saved["tmp"] / "async")
     ref = str(saved["tmp"] / "ref-async.pt")
-    out = _ok(dw.launch(2, cw.save, str(saved["tmp"] / "async-save"), root=root, step=3, ref_file=ref, mode="async"))
+    out = _ok(launcher.launch(2, cw.save, str(saved["tmp"] / "async-save"), root=root, step=3, ref_file=ref, mode="async"))
     path = out[0]["path"]
     assert path and txckpt.get_last_checkpoint(root) == path and out[1]["returned"] == path
-    got = _ok(dw.launch(1, cw.load, str(saved["tmp"] / "async-load"), path=path, ref_file=ref))
+    got = _ok(launcher.launch(1, cw.load, str(saved["tmp"] / "async-load"), path=path, ref_file=ref))
     assert got[0]["different"] == []
 
 
@@ -301,7 +302,7 @@ def test_process_based_async_save_commits_each_save_in_order(saved):
 
     root, refs = str(saved["tmp"] / "async-process"), saved["tmp"] / "async-process-refs"
     refs.mkdir()
-    script = os.path.join(os.path.dirname(__file__), "dcp_scripts", "async_process.py")
+    script = os.path.join(os.path.dirname(__file__), "children", "dcp_async_process.py")
     p = torchrun(script, root, "3,4", refs, timeout=600)
     results = [json.loads(line.split(" ", 2)[2]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     assert sorted((r["step"], r["path"]) for r in results) == sorted(
@@ -313,7 +314,7 @@ def test_process_based_async_save_commits_each_save_in_order(saved):
         m = txckpt.verify_checkpoint(path)
         assert {n: e.rank for n, e in m.files.items() if n.endswith(".distcp")} == {"__0_0.distcp": 0,
                                                                                  "__1_0.distcp": 1}
-        got = _ok(dw.launch(1, cw.load, str(saved["tmp"] / f"async-process-load-{step}"), path=path,
+        got = _ok(launcher.launch(1, cw.load, str(saved["tmp"] / f"async-process-load-{step}"), path=path,
                             ref_file=str(refs / f"ref-{step}.pt")))
         assert got[0]["different"] == []
 
@@ -322,7 +323,7 @@ def test_process_based_async_save_commits_each_save_in_order(saved):
 def test_s3_root_round_trip(saved, s3_root):
     url, opts = s3_root
     ref = str(saved["tmp"] / "ref-s3.pt")
-    out = _ok(dw.launch(2, cw.save, str(saved["tmp"] / "s3-save"), root=url, step=4, ref_file=ref,
+    out = _ok(launcher.launch(2, cw.save, str(saved["tmp"] / "s3-save"), root=url, step=4, ref_file=ref,
                         storage_options=opts))
     path = out[0]["path"]
     assert path.startswith("s3://") and "/.txckpt/tx/" in path  # an object store's home: no rename
@@ -330,7 +331,7 @@ def test_s3_root_round_trip(saved, s3_root):
     m = txckpt.read_manifest(path, storage_options=opts)
     assert {n: e.rank for n, e in m.files.items() if n.endswith(".distcp")} == {"__0_0.distcp": 0, "__1_0.distcp": 1}
     for verify, world in (("full", 1), ("ranges", 2)):
-        got = _ok(dw.launch(world, cw.load, str(saved["tmp"] / f"s3-load-{verify}"), path=path, ref_file=ref,
+        got = _ok(launcher.launch(world, cw.load, str(saved["tmp"] / f"s3-load-{verify}"), path=path, ref_file=ref,
                             storage_options=opts, verify=verify))
         assert all(g["different"] == [] for g in got), got
 

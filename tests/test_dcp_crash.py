@@ -17,8 +17,9 @@ import time
 import pytest
 
 from tests import conftest
-from tests import dcp_workers as cw
-from tests import dist_workers as dw
+from tests.children import dcp_workers as cw
+from tests.children import dist_workers as dw
+from tests.harness import launcher
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -34,7 +35,7 @@ def _count(tmp_path, base: str, victim: int) -> list[str]:
     root = str(tmp_path / f"count-{victim}")
     shutil.copytree(base, root, symlinks=True)
     ops_file = str(tmp_path / f"ops-{victim}.json")
-    run = dw.launch(2, cw.crash_save, str(tmp_path / f"res-count-{victim}"), deadline=180, root=root, step=2,
+    run = launcher.launch(2, cw.crash_save, str(tmp_path / f"res-count-{victim}"), deadline=180, root=root, step=2,
                     victim=victim, kill_at=None, when="before", ops_file=ops_file)
     assert all(r.exitcode == 0 for r in run.results), run.describe()
     return json.load(open(ops_file))
@@ -51,7 +52,7 @@ def _crash_once(tmp_path, base: str, victim: int, point: tuple[str, int], when: 
         root = str(tmp_path / f"root-{t}")
         shutil.copytree(base, root, symlinks=True)
         label = str(tmp_path / f"label-{t}.json")
-        run = dw.launch(2, cw.crash_save, str(tmp_path / f"res-{t}"), deadline=90, root=root, step=2,
+        run = launcher.launch(2, cw.crash_save, str(tmp_path / f"res-{t}"), deadline=90, root=root, step=2,
                         victim=victim, kill_at=point, when=when, label_file=label)
         hit = json.load(open(label)) if os.path.exists(label) else None
         if hit is not None or not all(r.exitcode == 0 for r in run.results):
@@ -67,7 +68,7 @@ def _crash_once(tmp_path, base: str, victim: int, point: tuple[str, int], when: 
         problems.append(f"rank {survivor.rank} hung")
     elif survivor.error_type is None:
         problems.append(f"rank {survivor.rank} returned {survivor.ok!r} although rank {victim} died")
-    verdict = dw.run_in_fresh_process(cw.check_after_crash, root, 1, 2, timeout=120)
+    verdict = launcher.run_in_fresh_process(cw.check_after_crash, root, 1, 2, timeout=120)
     problems += verdict["violations"]
     if victim == 1 and verdict["committed"]:
         problems.append("committed although rank 1 died before its report reached the coordinator")
@@ -91,7 +92,7 @@ def _chosen(ops: list[str], victim: int) -> list[tuple[tuple[str, int], str]]:
 
 def test_dcp_crash_sweep_two_ranks(tmp_path):
     base = str(tmp_path / "base")
-    run = dw.launch(2, cw.baseline, str(tmp_path / "res-base"), root=base, step=1)
+    run = launcher.launch(2, cw.baseline, str(tmp_path / "res-base"), root=base, step=1)
     assert all(r.exitcode == 0 for r in run.results), run.describe()
     t0 = time.monotonic()
     points = unreached = commits = 0

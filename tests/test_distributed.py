@@ -1,7 +1,7 @@
 """Coordinated transactions across real torch.distributed processes (CPU, gloo, 127.0.0.1).
 
-Ranks are real processes (tests/dist_workers.py) with a gloo default group; nothing of
-torch.distributed is mocked. Every run is bounded: the launcher SIGKILLs a rank that outlives
+Ranks are real processes (tests/harness/launcher.py; the targets are in tests/children/dist_workers.py)
+with a gloo default group; nothing of torch.distributed is mocked. Every run is bounded: the launcher SIGKILLs a rank that outlives
 its deadline and the test then fails as "hung".
 """
 
@@ -18,18 +18,19 @@ import pytest
 
 import txckpt
 from tests import conftest
-from tests import dist_workers as dw
+from tests.children import dist_workers as dw
+from tests.harness import launcher
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 ABORTED = {"TransactionAbortedError", "CoordinationTimeoutError"}
 
 
-def _paths(run: dw.Run) -> list[str]:
+def _paths(run: launcher.Run) -> list[str]:
     return [r.ok["paths"] for r in run.results]
 
 
-def _assert_all_ok(run: dw.Run) -> None:
+def _assert_all_ok(run: launcher.Run) -> None:
     for r in run.results:
         assert r.exitcode == 0 and r.ok is not None, run.describe() + "\n" + (r.trace or "")
 
@@ -47,7 +48,7 @@ def _staging_leftovers(root: str) -> list[str]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_save_checkpoint_every_rank(tmp_path, world):
     root = str(tmp_path / "out")
-    run = dw.launch(world, dw.save_files, str(tmp_path / "res"), root=root, step=10, saves=2)
+    run = launcher.launch(world, dw.save_files, str(tmp_path / "res"), root=root, step=10, saves=2)
     _assert_all_ok(run)
     paths = _paths(run)
     assert all(p == paths[0] for p in paths), "every rank must return the same paths"
@@ -73,11 +74,11 @@ def test_a_process_forked_after_the_forkserver_started_launches_ranks_of_its_own
     had started the forkserver, inherited the forkserver's pid and could not start its ranks."""
     from tests.harness.procs import run_child
 
-    first = dw.launch(2, dw.save_files, str(tmp_path / "res0"), root=str(tmp_path / "a"), step=1)
+    first = launcher.launch(2, dw.save_files, str(tmp_path / "res0"), root=str(tmp_path / "a"), step=1)
     _assert_all_ok(first)  # this process's forkserver now runs
 
     def in_a_forked_child():
-        run = dw.launch(2, dw.save_files, str(tmp_path / "res1"), root=str(tmp_path / "b"), step=2)
+        run = launcher.launch(2, dw.save_files, str(tmp_path / "res1"), root=str(tmp_path / "b"), step=2)
         return [(r.exitcode, r.error_type, r.error) for r in run.results]
 
     code, out = run_child(in_a_forked_child, timeout=120)
@@ -89,7 +90,7 @@ def test_a_process_forked_after_the_forkserver_started_launches_ranks_of_its_own
 @pytest.mark.parametrize("world", [2, 4])
 def test_transaction_open_save_directory(tmp_path, world):
     root = str(tmp_path / "out")
-    run = dw.launch(world, dw.save_files, str(tmp_path / "res"), root=root, step=3, api="transaction", saves=3)
+    run = launcher.launch(world, dw.save_files, str(tmp_path / "res"), root=root, step=3, api="transaction", saves=3)
     _assert_all_ok(run)
     paths = _paths(run)
     assert all(p == paths[0] for p in paths)
@@ -113,7 +114,7 @@ def test_transaction_open_save_directory(tmp_path, world):
 
 def test_no_rank_reads_another_ranks_data(tmp_path):
     root = str(tmp_path / "out")
-    run = dw.launch(4, dw.reads_of_others, str(tmp_path / "res"), root=root, step=1)
+    run = launcher.launch(4, dw.reads_of_others, str(tmp_path / "res"), root=root, step=1)
     _assert_all_ok(run)
     for r in run.results:
         assert r.ok["others"] == [], f"rank {r.rank} read other ranks' files: {r.ok['others']}"
@@ -126,7 +127,7 @@ def test_no_rank_reads_another_ranks_data(tmp_path):
 @pytest.mark.parametrize("world", [2, 4])
 def test_name_collision_is_an_error_on_every_rank(tmp_path, world):
     root = str(tmp_path / "out")
-    run = dw.launch(world, dw.save_files, str(tmp_path / "res"), root=root, step=1, names="collide")
+    run = launcher.launch(world, dw.save_files, str(tmp_path / "res"), root=root, step=1, names="collide")
     for r in run.results:
         assert r.error_type == "InvalidArgumentError", run.describe()
         assert "'same.pt' was written by rank" in r.error and "distinct names" in r.error
@@ -140,7 +141,7 @@ def test_rank_that_raises_aborts_everywhere(tmp_path, world, raiser):
     root = str(tmp_path / "out")
     dw.make_baseline(root, 1)
     txckpt.forget_roots()
-    run = dw.launch(world, dw.save_files, str(tmp_path / "res"), root=root, step=2, api="transaction",
+    run = launcher.launch(world, dw.save_files, str(tmp_path / "res"), root=root, step=2, api="transaction",
                     raise_on=raiser)
     for r in run.results:
         assert not r.hung and r.exitcode == 17, run.describe()
@@ -155,7 +156,7 @@ def test_rank_that_raises_aborts_everywhere(tmp_path, world, raiser):
 
 def test_ranks_disagreeing_on_the_step_fail_fast(tmp_path):
     root = str(tmp_path / "out")
-    run = dw.launch(2, dw.enter_mismatch, str(tmp_path / "res"), root=root, step=4,
+    run = launcher.launch(2, dw.enter_mismatch, str(tmp_path / "res"), root=root, step=4,
                     env={"TXCKPT_COORDINATION_TIMEOUT": "60"})
     for r in run.results:
         assert r.error_type == "TransactionAbortedError" and "disagree on the step" in r.error, run.describe()
@@ -166,7 +167,7 @@ def test_ranks_disagreeing_on_the_step_fail_fast(tmp_path):
 def test_ranks_without_a_shared_root_get_a_clear_error(tmp_path):
     """Node-local disks: each rank sees only its own directory at the root path."""
     roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
-    run = dw.launch(2, dw.separate_roots, str(tmp_path / "res"), roots=roots, step=1)
+    run = launcher.launch(2, dw.separate_roots, str(tmp_path / "res"), roots=roots, step=1)
     for r in run.results:
         assert r.error_type == "TransactionAbortedError", run.describe()
         assert "do not share the checkpoint root" in r.error and "docs/distributed.md" in r.error
@@ -181,15 +182,15 @@ def test_slow_rank_times_out_instead_of_hanging(tmp_path, how):
     timeout (set by timeout= or TXCKPT_COORDINATION_TIMEOUT); once released, rank 1 raises too.
     The first, quick save creates the group with the default timeout; the second sets its own."""
     root = str(tmp_path / "out")
-    release = dw.context().Event()
+    release = launcher.context().Event()
     timeout = 3.0
     kwargs = {"timeout": timeout} if how == "argument" else {}
     env = {} if how == "argument" else {"TXCKPT_COORDINATION_TIMEOUT": str(timeout)}
-    ctx = dw.context()
+    ctx = launcher.context()
     res = str(tmp_path / "res")
     os.makedirs(res)
     store = os.path.join(res, "store")
-    procs = [ctx.Process(target=dw._entry, args=(r, 2, store, res, dw.slow_rank,
+    procs = [ctx.Process(target=launcher._entry, args=(r, 2, store, res, dw.slow_rank,
                                                  dict(root=root, step=1, slow=1, release=release, **kwargs), env),
                          daemon=True) for r in range(2)]
     for p in procs:
@@ -216,7 +217,7 @@ def test_rank_dying_after_the_gather(tmp_path):
     """Rank 1 dies once its file list is delivered: rank 0 commits; its own answer is the path,
     or an error that says the checkpoint WAS committed (if the outcome broadcast failed)."""
     root = str(tmp_path / "out")
-    run = dw.launch(2, dw.die_after_gather, str(tmp_path / "res"), root=root, step=1, victim=1)
+    run = launcher.launch(2, dw.die_after_gather, str(tmp_path / "res"), root=root, step=1, victim=1)
     assert run[1].killed, run.describe()
     r0 = run[0]
     assert not r0.hung
@@ -290,7 +291,7 @@ def _crash_once(tmp_path, base: str, world: int, victim: int, point: tuple[str, 
         root = str(tmp_path / f"root-{t}")
         shutil.copytree(base, root, symlinks=True)
         label = str(tmp_path / f"label-{t}.json")
-        run = dw.launch(world, dw.crash_save, str(tmp_path / f"res-{t}"), deadline=60, root=root, step=2,
+        run = launcher.launch(world, dw.crash_save, str(tmp_path / f"res-{t}"), deadline=60, root=root, step=2,
                         victim=victim, kill_at=point, when=when, label_file=label, timeout=30.0)
         hit = json.load(open(label)) if os.path.exists(label) else None
         if hit is not None or not all(r.exitcode == 0 for r in run.results):
@@ -308,7 +309,7 @@ def _crash_once(tmp_path, base: str, world: int, victim: int, point: tuple[str, 
             problems.append(f"rank {r.rank} hung")
         elif r.error_type not in ABORTED:
             problems.append(f"rank {r.rank} did not raise a coordination error: {r.error_type} {r.ok}")
-    verdict = dw.run_in_fresh_process(dw.check_after_crash, root, 1, 2, world)
+    verdict = launcher.run_in_fresh_process(dw.check_after_crash, root, 1, 2, world)
     problems += verdict["violations"]
     if verdict["committed"]:  # a survivor must never claim that nothing was committed
         for r in survivors:
@@ -328,7 +329,7 @@ def _count_ops(tmp_path, base: str, world: int, victim: int) -> list[str]:
     root = str(tmp_path / f"count-{world}-{victim}")
     shutil.copytree(base, root, symlinks=True)
     ops_file = str(tmp_path / f"ops-{world}-{victim}.json")
-    run = dw.launch(world, dw.crash_save, str(tmp_path / f"res-count-{world}-{victim}"), root=root, step=2,
+    run = launcher.launch(world, dw.crash_save, str(tmp_path / f"res-count-{world}-{victim}"), root=root, step=2,
                     victim=victim, kill_at=None, when="before", ops_file=ops_file)
     _assert_all_ok(run)
     return json.load(open(ops_file))
@@ -439,7 +440,7 @@ def test_resume_on_every_rank_forks_once(tmp_path, world, txlog):
     for s in (2, 4, 6):
         txckpt.save_checkpoint(root, s, {"a.json": s})
     txckpt.forget_roots()
-    run = dw.launch(world, dw.rollback_every_rank, str(tmp_path / "res"), root=root, step=2)
+    run = launcher.launch(world, dw.rollback_every_rank, str(tmp_path / "res"), root=root, step=2)
     _assert_all_ok(run)
     assert {r.ok["resumed"] for r in run.results} == {os.path.join(root, "checkpoint-2")}
     assert {r.ok["saved"] for r in run.results} == {os.path.join(root, "checkpoint-3")}

@@ -213,14 +213,15 @@ def resume_nothing_intact(rank: int, world: int, *, root: str):
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_rank_0s_no_intact_checkpoint_error_reaches_rank_1_with_its_fields(tmp_path):
-    from tests import dist_workers as dw
+    from tests.children import dist_workers as dw
+    from tests.harness import launcher
 
     root = str(tmp_path / "out")
     path = txckpt.save_checkpoint(root, 4, {"a.bin": b"x" * 64})
     with open(os.path.join(path, "a.bin"), "r+b") as f:
         f.write(b"y")
     txckpt.forget_roots()
-    run = dw.launch(2, resume_nothing_intact, str(tmp_path / "res"), root=root)
+    run = launcher.launch(2, resume_nothing_intact, str(tmp_path / "res"), root=root)
     for r in run.results:
         assert r.exitcode == 0 and r.ok is not None, run.describe() + "\n" + (r.trace or "")
     zero, one = run.results[0].ok, run.results[1].ok

@@ -194,12 +194,13 @@ def test_integrity_errors_carry_their_path_across_processes():
 
 @pytest.mark.distributed
 def test_every_rank_gets_rank_0s_decision_and_the_job_forks_once(tmp_path):
-    from tests import dist_workers as dw
+    from tests.children import dist_workers as dw
+    from tests.harness import launcher
 
     root = str(tmp_path / "out")
     txids, paths = commit(root, None)
     damage(paths[6], {}, "flipped_byte")
-    run = dw.launch(2, dw.fallback_every_rank, str(tmp_path / "res"), root=root)
+    run = launcher.launch(2, dw.fallback_every_rank, str(tmp_path / "res"), root=root)
     for r in run.results:
         assert r.exitcode == 0 and r.ok is not None, run.describe() + "\n" + (r.trace or "")
     assert {r.ok["resumed"] for r in run.results} == {paths[4]}

@@ -212,8 +212,7 @@ def test_damage_raises_integrity_error(root, small_chunks, name, damage):
 @pytest.mark.trainer
 def test_trainer_optimizer_is_streamed_not_rehashed(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(Path(__file__).parent / "trainer_scripts"))
-    from tiny import Data, TinyConfig, TinyModel, make_args
+    from tests.harness.tiny import Data, TinyConfig, TinyModel, make_args
 
     from txckpt import transactions
     from txckpt.integrations.transformers import TransactionalTrainer
@@ -243,8 +242,7 @@ def test_trainer_optimizer_is_streamed_not_rehashed(tmp_path, monkeypatch):
 @pytest.mark.trainer
 def test_trainer_refuses_a_streamed_file_rewritten_afterwards(tmp_path):
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(Path(__file__).parent / "trainer_scripts"))
-    from tiny import Data, TinyConfig, TinyModel, make_args
+    from tests.harness.tiny import Data, TinyConfig, TinyModel, make_args
 
     from txckpt.integrations.transformers import TransactionalTrainer
 

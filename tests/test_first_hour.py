@@ -257,11 +257,7 @@ def _names(root: str, options: dict | None) -> dict:
     """The free names the blocks use: a tiny model and its data, as the Trainer tests build them."""
     import torch
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "trainer_scripts"))
-    try:
-        from tiny import Data, TinyConfig, TinyModel
-    finally:
-        sys.path.pop(0)
+    from tests.harness.tiny import Data, TinyConfig, TinyModel
     torch.manual_seed(0)
     model = TinyModel(TinyConfig())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -11,6 +11,8 @@ import torch
 
 import txckpt
 
+from tests.harness.zygote import run_python
+
 MiB = 1 << 20
 
 
@@ -77,9 +79,9 @@ def test_at_info_a_save_is_one_record_and_at_warning_none(tmp_path, caplog):
 
 _TRAIN = r"""
 import sys
-sys.path.insert(0, {scripts!r})
+sys.path.insert(0, {repo!r})
 import torch
-from tiny import Data, TinyConfig, TinyModel, make_args
+from tests.harness.tiny import Data, TinyConfig, TinyModel, make_args
 from txckpt.integrations.transformers import TransactionalTrainer
 torch.manual_seed(0)
 args = make_args(sys.argv[1], 2, **({{"log_level": sys.argv[2]}} if sys.argv[2] != "default" else {{}}))
@@ -93,12 +95,9 @@ def test_a_trainer_save_logs_at_transformers_verbosity(tmp_path, log_level):
     """A Trainer script configures no logging: txckpt's summary shows through transformers'
     handler exactly when transformers logs at INFO (the Trainer's ``log_level``)."""
     pytest.importorskip("transformers")
-    import subprocess
-    import sys
 
-    scripts = os.path.join(os.path.dirname(__file__), "trainer_scripts")
-    out = subprocess.run([sys.executable, "-c", _TRAIN.format(scripts=scripts), str(tmp_path / "out"), log_level],
-                         capture_output=True, text=True, timeout=300)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = run_python(["-c", _TRAIN.format(repo=repo), str(tmp_path / "out"), log_level], timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     saved = [line for line in out.stderr.splitlines() if "saved step 2: " in line]
     if log_level == "info":
@@ -203,10 +202,11 @@ def log_a_save(rank: int, world: int, *, root: str, step: int) -> list[list]:
 
 
 def test_in_a_process_group_the_summary_is_logged_once_by_rank_0_with_every_ranks_bytes(tmp_path):
-    from tests import dist_workers as dw
+    from tests.children import dist_workers as dw
+    from tests.harness import launcher
 
     root = str(tmp_path / "out")
-    run = dw.launch(2, log_a_save, str(tmp_path / "res"), root=root, step=4)
+    run = launcher.launch(2, log_a_save, str(tmp_path / "res"), root=root, step=4)
     assert all(r.error is None and not r.hung for r in run.results), [(r.error, r.trace) for r in run.results]
     by_rank = {r.rank: r.ok for r in run.results}
     total = txckpt.read_manifest(os.path.join(root, "checkpoint-4")).total_bytes
@@ -245,9 +245,9 @@ def test_following_transformers_verbosity_leaves_a_level_the_application_set_alo
 
 _RESUME = r"""
 import sys
-sys.path.insert(0, {scripts!r})
+sys.path.insert(0, {repo!r})
 import torch
-from tiny import Data, TinyConfig, TinyModel, make_args
+from tests.harness.tiny import Data, TinyConfig, TinyModel, make_args
 from txckpt.integrations.transformers import TransactionalTrainer
 torch.manual_seed(0)
 out, steps, resume, level = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -264,15 +264,12 @@ def test_txckpt_lines_in_trainer_output_carry_level_and_origin_and_a_resume_show
     prints one INFO line at the default verbosity (the Trainer's ``log_level`` "passive"),
     which an explicit quieter ``log_level`` hides."""
     pytest.importorskip("transformers")
-    import subprocess
-    import sys
 
-    scripts = os.path.join(os.path.dirname(__file__), "trainer_scripts")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "out"
 
     def run(steps, resume, level="default"):
-        p = subprocess.run([sys.executable, "-c", _RESUME.format(scripts=scripts), str(out), str(steps), resume, level],
-                           capture_output=True, text=True, timeout=300)
+        p = run_python(["-c", _RESUME.format(repo=repo), str(out), str(steps), resume, level], timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
         return p.stderr.splitlines()
 

@@ -314,7 +314,7 @@ def test_rewind_leaves_a_leased_checkpoint_for_later(tmp_path):
 @pytest.mark.slow
 def _sweep_clean(name, template, tmp_path, scenario, check):
     """SIGKILL ``scenario`` before and after each of its file operations; every point clean."""
-    from tests.crash_harness import sweep
+    from tests.harness.crash_sweep import sweep
 
     result = sweep(name, template, str(tmp_path / "work"), scenario, check)
     print(f"{name} crash sweep: {len(result.ops)} file ops, {result.crash_points} crash points, "

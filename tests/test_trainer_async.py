@@ -29,9 +29,8 @@ import txckpt  # noqa: E402
 from tests import test_trainer_ddp as ddp  # noqa: E402
 from tests import test_trainer_rollback as rollback  # noqa: E402
 
-HERE = Path(__file__).parent / "trainer_scripts"
-sys.path.insert(0, str(HERE))
-from tiny import Data, TinyConfig, TinyModel, make_args  # noqa: E402
+HERE = Path(__file__).parent / "children"
+from tests.harness.tiny import Data, TinyConfig, TinyModel, make_args  # noqa: E402
 
 from txckpt.integrations.transformers import TransactionalTrainer  # noqa: E402
 

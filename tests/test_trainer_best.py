@@ -19,8 +19,7 @@ from transformers.trainer_utils import get_last_checkpoint as hf_get_last_checkp
 import txckpt  # noqa: E402
 from txckpt.integrations.transformers import TransactionalTrainer  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent / "trainer_scripts"))
-from tiny import Data, TinyConfig, TinyModel, make_args  # noqa: E402
+from tests.harness.tiny import Data, TinyConfig, TinyModel, make_args  # noqa: E402
 
 pytestmark = pytest.mark.trainer
 

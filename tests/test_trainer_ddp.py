@@ -16,12 +16,12 @@ pytest.importorskip("transformers")
 import txckpt  # noqa: E402
 from tests.harness.procs import torchrun as run_torchrun  # noqa: E402
 
-HERE = Path(__file__).parent / "trainer_scripts"
+HERE = Path(__file__).parent / "children"
 pytestmark = [pytest.mark.trainer, pytest.mark.distributed]
 
 
 def torchrun(*args, expect_ok=True):
-    return run_torchrun(str(HERE / "ddp.py"), *args, expect_ok=expect_ok)
+    return run_torchrun(str(HERE / "trainer_ddp.py"), *args, expect_ok=expect_ok)
 
 
 def manifest_files(path):

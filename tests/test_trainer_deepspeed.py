@@ -1,6 +1,6 @@
 """Trainer + DeepSpeed ZeRO-3 through TransactionalTrainer: 2 ranks (torchrun, gloo, CPU).
 
-One story in four real runs (tests/trainer_scripts/deepspeed_zero3.py), each rank its own process:
+One story in four real runs (tests/children/trainer_deepspeed_zero3.py), each rank its own process:
 
 1. run A saves checkpoint-2 and -4; rank 1 SIGKILLs itself in the middle of the save of step 6,
    after DeepSpeed wrote its ZeRO shards into staging: nothing commits, checkpoint-4 stays the
@@ -13,7 +13,7 @@ One story in four real runs (tests/trainer_scripts/deepspeed_zero3.py), each ran
 4. the restart (``resume_from_checkpoint=True``) continues run B from 6 and commits its own 8.
 
 Between 2 and 3, docs/distributed.md's consolidation recipe runs on the committed checkpoint-8
-(tests/trainer_scripts/zero_consolidate.py): from_pretrained refuses it, DeepSpeed's
+(tests/children/trainer_zero_consolidate.py): from_pretrained refuses it, DeepSpeed's
 get_fp32_state_dict_from_zero_checkpoint rebuilds the weights, and the checkpoint is unchanged.
 
 Every committed manifest records each ``zero_pp_rank_{r}_*`` file (and ``rng_state_{r}.pth``)
@@ -33,7 +33,7 @@ pytest.importorskip("transformers")
 import txckpt  # noqa: E402
 from tests.harness.procs import torchrun as run_torchrun  # noqa: E402
 
-HERE = Path(__file__).parent / "trainer_scripts"
+HERE = Path(__file__).parent / "children"
 pytestmark = [pytest.mark.trainer, pytest.mark.distributed, pytest.mark.campaign, pytest.mark.timeout(900)]
 
 
@@ -46,7 +46,7 @@ def deepspeed_importable():
 
 
 def torchrun(out, max_steps, resume, seed=0, kill="-", limit="-", expect_ok=True):
-    return run_torchrun(str(HERE / "deepspeed_zero3.py"), out, max_steps, resume, seed, kill, limit,
+    return run_torchrun(str(HERE / "trainer_deepspeed_zero3.py"), out, max_steps, resume, seed, kill, limit,
                         timeout=600, expect_ok=expect_ok)
 
 
@@ -82,7 +82,7 @@ def assert_sharded_and_attributed(path, step):
 def consolidate(ckpt, dest):
     """docs/distributed.md's recipe: from_pretrained refuses the sharded checkpoint; DeepSpeed's
     get_fp32_state_dict_from_zero_checkpoint rebuilds the weights from the committed shards."""
-    p = subprocess.run([sys.executable, str(HERE / "zero_consolidate.py"), str(ckpt), str(dest)],
+    p = subprocess.run([sys.executable, str(HERE / "trainer_zero_consolidate.py"), str(ckpt), str(dest)],
                        capture_output=True, text=True, timeout=300, cwd=str(HERE),
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stderr[-6000:]

@@ -20,8 +20,7 @@ from txckpt.integrations.transformers import TransactionalTrainer  # noqa: E402
 
 from .harness.fs import flip_byte  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent / "trainer_scripts"))
-from tiny import Data, TinyConfig, TinyModel, make_args  # noqa: E402
+from tests.harness.tiny import Data, TinyConfig, TinyModel, make_args  # noqa: E402
 
 pytestmark = pytest.mark.trainer
 WEIGHTS = "model.safetensors"

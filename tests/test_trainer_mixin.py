@@ -19,8 +19,7 @@ from txckpt.integrations.trainer import mixin as integ  # noqa: E402
 from txckpt.integrations.transformers import TransactionalCheckpointMixin, TransactionalTrainer  # noqa: E402
 from txckpt.refs import ExternalParent  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent / "trainer_scripts"))
-from tiny import Data, TinyConfig, TinyModel, digests, make_args  # noqa: E402
+from tests.harness.tiny import Data, TinyConfig, TinyModel, digests, make_args  # noqa: E402
 
 pytestmark = pytest.mark.trainer
 TF5 = int(transformers.__version__.split(".")[0]) >= 5

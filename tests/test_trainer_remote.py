@@ -22,9 +22,8 @@ from txckpt.storage import open_storage  # noqa: E402
 
 from tests.harness.procs import torchrun as run_torchrun  # noqa: E402
 
-HERE = Path(__file__).parent / "trainer_scripts"
-sys.path.insert(0, str(HERE))
-from tiny import FILES, Data, TinyConfig, TinyModel, make_args  # noqa: E402
+HERE = Path(__file__).parent / "children"
+from tests.harness.tiny import FILES, Data, TinyConfig, TinyModel, make_args  # noqa: E402
 
 pytestmark = [pytest.mark.trainer, pytest.mark.s3]
 CACHE = ".txckpt-cache"
@@ -259,7 +258,7 @@ def script_env(s3_root):
 
 
 def run(env, *args, expect_rc=0):
-    p = subprocess.run([sys.executable, str(HERE / "rollback.py"), *map(str, args)], capture_output=True,
+    p = subprocess.run([sys.executable, str(HERE / "trainer_rollback.py"), *map(str, args)], capture_output=True,
                        text=True, timeout=300, env=env, cwd=str(HERE))
     if p.returncode != expect_rc:
         raise AssertionError(f"{args}: rc {p.returncode} (expected {expect_rc})\n--- stdout\n{p.stdout}\n"
@@ -281,7 +280,7 @@ def test_torn_on_s3(tmp_path, s3_root):
     process would be: forget_roots); run B is a real process, really killed."""
     url, opts = s3_root
     out = tmp_path / "out"
-    assert train(out, 4, s3_root).begin.step == 0  # rollback.py run-a OUT 4
+    assert train(out, 4, s3_root).begin.step == 0  # trainer_rollback.py run-a OUT 4
     a = current(s3_root)
     assert sorted(a) == [2, 4]
     a4_before = remote_digests(a[4].path, opts)
@@ -308,7 +307,7 @@ def test_torn_on_s3(tmp_path, s3_root):
     assert txckpt.get_last_checkpoint(url, storage_options=opts) == a[2].path
 
     txckpt.forget_roots()
-    assert train(out, 8, s3_root, resume=True, data_seed=1).begin.step == 2  # rollback.py restart OUT
+    assert train(out, 8, s3_root, resume=True, data_seed=1).begin.step == 2  # trainer_rollback.py restart OUT
     b = current(s3_root)
     assert sorted(b) == [2, 4, 6, 8] and b[2].txid == a[2].txid and b[4].txid != a[4].txid
     b4 = assert_holds_exactly_its_manifest(b[4].path, opts)
@@ -333,7 +332,7 @@ def test_two_ranks_on_s3_rank_killed_mid_save_then_resume(tmp_path, s3_root):
     env = script_env(s3_root)
 
     def torchrun(*args, ok=True):
-        return run_torchrun(str(HERE / "ddp.py"), *args, env=env, expect_ok=ok)
+        return run_torchrun(str(HERE / "trainer_ddp.py"), *args, env=env, expect_ok=ok)
 
     p = torchrun(out, 4, "none", 4, ok=False)
     assert "rank 1: killing myself while saving step 4" in p.stdout

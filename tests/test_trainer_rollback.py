@@ -6,8 +6,6 @@ resume_from_checkpoint=True continues run B's lineage from step 2, and the rollb
 names the checkpoints it abandons.
 """
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,17 +14,16 @@ pytest.importorskip("transformers")
 
 import txckpt  # noqa: E402
 
-HERE = Path(__file__).parent / "trainer_scripts"
-sys.path.insert(0, str(HERE))
-from tiny import FILES, digests  # noqa: E402
+HERE = Path(__file__).parent / "children"
+from tests.harness.tiny import FILES, digests  # noqa: E402
+from tests.harness.zygote import run_python  # noqa: E402
 
 pytestmark = pytest.mark.trainer
 
 
 def run(*args, expect_rc=0):
     env = dict(os.environ, TXCKPT_COORDINATION_TIMEOUT="120", PYTHONUNBUFFERED="1")
-    p = subprocess.run([sys.executable, str(HERE / "rollback.py"), *map(str, args)], capture_output=True,
-                       text=True, timeout=300, env=env, cwd=str(HERE))
+    p = run_python([str(HERE / "trainer_rollback.py"), *map(str, args)], timeout=300, env=env, cwd=str(HERE))
     if expect_rc is not None and p.returncode != expect_rc:
         raise AssertionError(f"{args}: rc {p.returncode} (expected {expect_rc})\n--- stdout\n{p.stdout}\n"
                              f"--- stderr\n{p.stderr[-6000:]}")

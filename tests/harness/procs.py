@@ -7,8 +7,8 @@ need a fresh view either never opened the root in the parent or forget it in the
 here sleeps to wait: the result comes through a pipe and the child is reaped with a blocking
 ``waitpid``; an optional ``timeout`` makes the child SIGALRM itself.
 
-Used by the crash sweeps (tests/crash_harness.py) and the reliability campaign
-(tests/reliability/); real multi-rank runs start from the forkserver of tests/dist_workers.py,
+Used by the crash sweeps (tests/harness/crash_sweep.py) and the reliability campaign
+(tests/reliability/); real multi-rank runs start from the forkserver of tests/harness/launcher.py,
 or, where a rank starts processes of its own (DeepSpeed, DCP's process-based async save), from
 :func:`torchrun`.
 """

@@ -57,11 +57,12 @@ IMPLIED = {"s3": ("server",), "gcs": ("server", "campaign"), "azure": ("server",
 
 
 #: Names whose use starts a child process: the standard library's and the suite's own starters
-#: (tests/harness/procs.py, tests/dist_workers.py, tests/crash_harness.py, the campaign's runner).
+#: (tests/harness/procs.py, tests/harness/launcher.py, tests/harness/crash_sweep.py, tests/harness/zygote.py,
+#: the campaign's runner).
 SPAWNERS = frozenset({
     "subprocess", "Popen", "fork", "forkpty", "posix_spawn", "multiprocessing", "get_context",
     "run_child", "child_value", "torchrun", "run_torchrun", "launch", "run_in_fresh_process",
-    "sweep", "count_ops", "run_cases",
+    "sweep", "count_ops", "run_cases", "run_python", "popen_python",
 })
 
 

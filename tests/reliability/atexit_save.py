@@ -11,6 +11,9 @@ SIGKILLed before or after each of the atexit save's file operations and a fresh 
 every invariant (invariants.py): lookup returns step 3 or step 4, never a mix, a restarted job
 resumes and saves, gc leaks nothing. Quick mode samples 6 points (each is an interpreter start
 with torch), full mode every point.
+
+Both the case (imported by crash.py: its main role, so it stays with the campaign) and the child
+interpreter's entry point (tests/test_architecture.py lists it).
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def run_cases(cases: list[Case], base_ctx: Ctx, *, workers: int = 2, budget: flo
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             # Wait on the pidfds of this scheduler's own cases, never on "any child" (os.wait):
             # that would reap what else this process started (the multiprocessing forkserver
-            # of tests/dist_workers.py, an emulator), whose owner then fails with ECHILD.
+            # of tests/harness/launcher.py, an emulator), whose owner then fails with ECHILD.
             ready, _, _ = select.select(list(pidfds), [], [], left)
             if not ready:  # the campaign's budget ran out
                 for pid, (case, out, t0) in list(running.items()):

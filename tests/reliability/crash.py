@@ -207,7 +207,6 @@ def trainer_sweep(ctx: Ctx, case: Case, result: Result) -> None:
 
     import txckpt
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "trainer_scripts"))
     import logging
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -216,7 +215,7 @@ def trainer_sweep(ctx: Ctx, case: Case, result: Result) -> None:
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    from tiny import Data, TinyConfig, TinyModel, make_args  # noqa: E402
+    from tests.harness.tiny import Data, TinyConfig, TinyModel, make_args  # noqa: E402
 
     from txckpt.integrations.transformers import TransactionalTrainer
 

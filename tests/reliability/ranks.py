@@ -38,13 +38,14 @@ def _staged(root: str) -> tuple[list[str], list[str]]:
 
 def _variant(ctx: Ctx, template: str, name: str) -> list[str]:
     import txckpt
-    from tests import dcp_workers as cw
-    from tests import dist_workers as dw
+    from tests.children import dcp_workers as cw
+    from tests.children import dist_workers as dw
+    from tests.harness import launcher
 
     steps, other_root, extra = VARIANTS[name]
     root, other = ctx.path(name, "root"), ctx.path(name, "other")
     shutil.copytree(template, root, symlinks=True)
-    run = dw.launch(2, cw.expect_error_per_rank, ctx.path(name, "run"), deadline=180,
+    run = launcher.launch(2, cw.expect_error_per_rank, ctx.path(name, "run"), deadline=180,
                     roots=[root, other if other_root else root], steps=steps, seed=6, **extra)
     bad = [f"rank {r.rank}: exit {r.exitcode}, {r.error_type}: {(r.error or '')[:300]}"
            for r in run.results if r.exitcode != 0 or r.error_type is not None]
@@ -75,7 +76,7 @@ def _variant(ctx: Ctx, template: str, name: str) -> list[str]:
     if os.path.isdir(other) and (_staged(other) != ([], []) or
                                  any(n.startswith("checkpoint-") for n in os.listdir(other))):
         out.append(f"[{name}] rank 1's root {other} holds {sorted(os.listdir(other))}, {_staged(other)}")
-    after = dw.launch(2, cw.save, ctx.path(name, "after"), deadline=180, root=root, step=8)
+    after = launcher.launch(2, cw.save, ctx.path(name, "after"), deadline=180, root=root, step=8)
     if any(r.exitcode != 0 or r.error_type for r in after.results):
         return out + [f"[{name}] the next save, on which the ranks agree, failed: {after.describe()}"]
     path = after.results[0].ok["path"]
@@ -87,14 +88,14 @@ def _variant(ctx: Ctx, template: str, name: str) -> list[str]:
 
 
 def dcp_disagreement(ctx: Ctx, case: Case, result: Result) -> None:
-    from tests import dcp_workers as cw
-    from tests import dist_workers as dw
+    from tests.children import dcp_workers as cw
+    from tests.children import dist_workers as dw
 
     from .core import classify
 
     result.unit = "disagreements"
     template = ctx.path("template")
-    base = dw.launch(2, cw.baseline, ctx.path("template-run"), deadline=180, root=template, step=5)
+    base = launcher.launch(2, cw.baseline, ctx.path("template-run"), deadline=180, root=template, step=5)
     if any(r.exitcode != 0 or r.error_type for r in base.results):
         raise RuntimeError(f"the template save failed: {base.describe()}")
     found: list[str] = []

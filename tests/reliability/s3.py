@@ -5,6 +5,9 @@ The server is emulators/s3.py's :class:`~emulators.s3.S3Server` (moto's Threaded
 separate process so that the campaign's processes, which fork for every crash point, never fork
 while moto's server threads hold a lock. ``python -m tests.reliability.s3`` is that process: it
 prints the endpoint URL and serves until its stdin closes.
+
+Both the library the campaign imports (``ServerProcess``) and that process's entry point; it stays with
+the campaign, its main role (tests/test_architecture.py lists it).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rank targets of tests/test_async_save.py (started by tests/dist_workers.launch)."""
+"""Rank targets of tests/test_async_save.py (started by tests/harness/launcher.launch)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A 2-process (torchrun, gloo, CPU) Trainer run with DeepSpeed ZeRO-3 through TransactionalTrainer.
 
-  torchrun --standalone --nproc_per_node 2 deepspeed_zero3.py OUT MAX_STEPS RESUME DATA_SEED KILL_STEP LIMIT
+  torchrun --standalone --nproc_per_node 2 trainer_deepspeed_zero3.py OUT MAX_STEPS RESUME DATA_SEED KILL_STEP LIMIT
 
 RESUME: "none", "true" or a checkpoint path (a rollback when it is older than the newest).
 KILL_STEP ("-": none): rank 1 SIGKILLs itself in the middle of the save of that step, after
@@ -17,7 +17,8 @@ import sys
 import torch
 from transformers import Trainer
 
-from tiny import Data, Start, TinyConfig, TinyModel, make_args
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository: tests.harness
+from tests.harness.tiny import Data, Start, TinyConfig, TinyModel, make_args
 from txckpt.integrations.transformers import TransactionalTrainer
 
 ZERO3 = {

@@ -1,4 +1,4 @@
-"""Rank targets for tests/test_claims.py (launched by tests/dist_workers.launch): each rank
+"""Rank targets for tests/test_claims.py (launched by tests/harness/launcher.launch): each rank
 writes files straight into ``tx.directory``, as DeepSpeed or DCP do, and claims its own."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tests.dist_workers import spying_reads
+from tests.children.dist_workers import spying_reads
 
 
 def _write(path: str, data: bytes) -> None:

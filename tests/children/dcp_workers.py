@@ -1,6 +1,6 @@
 """Rank targets for tests/test_dcp.py: FSDP2 (``fully_shard``) models saved and loaded through
 torch.distributed.checkpoint with txckpt's TransactionalWriter / TransactionalReader, on real
-gloo ranks started by tests/dist_workers.py's launcher."""
+gloo ranks started by tests/harness/launcher.py."""
 
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ def crash_save(rank: int, world: int, *, root: str, step: int, victim: int, kill
     """A restarted job (resume on every rank, rank 0 appends the claim) saves ``step`` through
     DCP; the model (no optimizer: the sweep is about the commit) is the one seeded by ``step``."""
     import txckpt
-    from tests import dist_workers as dw
+    from tests.children import dist_workers as dw
     from txckpt.integrations.dcp import TransactionalWriter
 
     txckpt.resume(root)

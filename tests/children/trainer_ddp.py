@@ -1,11 +1,11 @@
 """A 2-process (torchrun, gloo, CPU) Trainer run with TransactionalTrainer.
 
-  torchrun --standalone --nproc_per_node 2 ddp.py OUT MAX_STEPS RESUME [KILL_STEP]
+  torchrun --standalone --nproc_per_node 2 trainer_ddp.py OUT MAX_STEPS RESUME [KILL_STEP]
 
 RESUME is "none" or "true". With KILL_STEP, rank 1 SIGKILLs itself in the middle of the save of
 that step: after writing its rng_state_1.pth into staging, before the transaction commits.
 TXCKPT_TEST_ROOT / TXCKPT_TEST_STORAGE_OPTIONS: a remote txckpt root; TXCKPT_TEST_ASYNC=1: async
-saves, and rank 1 dies in the background save instead (see tiny.root_kwargs).
+saves, and rank 1 dies in the background save instead (see tests/harness/tiny.root_kwargs).
 """
 import os
 import signal
@@ -14,7 +14,8 @@ import sys
 import torch
 from transformers import Trainer
 
-from tiny import Data, Start, TinyConfig, TinyModel, make_args, root_kwargs
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository: tests.harness
+from tests.harness.tiny import Data, Start, TinyConfig, TinyModel, make_args, root_kwargs
 from txckpt.integrations.transformers import TransactionalTrainer
 
 if __name__ == "__main__":

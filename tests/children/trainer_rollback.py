@@ -1,13 +1,13 @@
 """The seed report's rollback script (hf_trainer_rollback.py) with its Trainer replaced by
 txckpt's TransactionalTrainer. One process per command, so that a crash is a real crash:
 
-  rollback.py run-a OUT MAX_STEPS                 run A: data seed 0, from scratch
-  rollback.py run-b OUT MODE MAX_STEPS CRASH      run B: data seed 1, resumed from OUT/checkpoint-2,
-                                                  killed in MODE (torn: while re-saving
-                                                  checkpoint-4, after save_model; abandoned: at
-                                                  global_step 3, before its first save) by CRASH
-                                                  (exit: os._exit(137); kill: SIGKILL)
-  rollback.py restart OUT                         run B's command with resume_from_checkpoint=True
+  trainer_rollback.py run-a OUT MAX_STEPS              run A: data seed 0, from scratch
+  trainer_rollback.py run-b OUT MODE MAX_STEPS CRASH   run B: data seed 1, resumed from OUT/checkpoint-2,
+                                               killed in MODE (torn: while re-saving
+                                               checkpoint-4, after save_model; abandoned: at
+                                               global_step 3, before its first save) by CRASH
+                                               (exit: os._exit(137); kill: SIGKILL)
+  trainer_rollback.py restart OUT                      run B's command with resume_from_checkpoint=True
 
 With TXCKPT_TEST_ASYNC=1 the Trainer saves asynchronously, and torn dies in the background save
 right after it wrote model.safetensors. With TXCKPT_TEST_ROOT (and TXCKPT_TEST_STORAGE_OPTIONS, JSON) set, the txckpt root is that URL
@@ -20,7 +20,8 @@ import sys
 import torch
 from transformers import Trainer
 
-from tiny import Data, Start, TinyConfig, TinyModel, make_args, root_kwargs
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository: tests.harness
+from tests.harness.tiny import Data, Start, TinyConfig, TinyModel, make_args, root_kwargs
 from txckpt.integrations.transformers import TransactionalTrainer
 
 

@@ -1,18 +1,20 @@
 """Consolidate a committed ZeRO-3 checkpoint into a loadable model, as docs/distributed.md says:
 
-  zero_consolidate.py CHECKPOINT DEST
+  trainer_zero_consolidate.py CHECKPOINT DEST
 
 Verifies CHECKPOINT, shows that from_pretrained cannot read it (no weights file), rebuilds the
 fp32 weights with DeepSpeed's get_fp32_state_dict_from_zero_checkpoint, saves them to DEST with
 save_pretrained and loads DEST back with from_pretrained. Prints one JSON line of findings.
 """
 import json
+import os
 import sys
 
 import torch
 
 import txckpt
-from tiny import TinyConfig, TinyModel
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository: tests.harness
+from tests.harness.tiny import TinyConfig, TinyModel
 
 if __name__ == "__main__":
     ckpt, dest = sys.argv[1], sys.argv[2]

@@ -1,10 +1,13 @@
-"""Accelerate jobs for tests/test_accelerate.py, run on real processes by tests/dist_workers.py
+"""Accelerate jobs for tests/test_accelerate.py, run on real processes by tests/harness/launcher.py
 (gloo, 1 or 2 ranks): stock ``accelerate.Accelerator`` or ``TransactionalAccelerator``.
 
 A job runs a list of operations on a fresh accelerator (a fresh process: a new run or a
 restart) and returns what each one observed. Every checkpoint's model and optimizer carry a
 *tag* (the model's weights and the optimizer's lr hold the same number), so a load that mixes
 two saves, or picks another run's checkpoint, is seen.
+
+Mainly rank targets (``job``); tests/test_accelerate_crash.py also imports its helpers
+(``prepare``, ``train``, ``observe``) to build its in-process scenarios.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ through TransactionalWriter, one save after the other, and prints one ``RESULT <
 line per save. DCP's background process is spawned once per rank and serves every save; it
 re-imports this file, hence the ``__main__`` guard.
 
-    torchrun --nproc_per_node 2 async_process.py ROOT STEPS REF_DIR
+    torchrun --nproc_per_node 2 dcp_async_process.py ROOT STEPS REF_DIR
 """
 import json
 import os
@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 def main() -> None:
     import torch.distributed as dist
 
-    from tests import dcp_workers as cw
+    from tests.children import dcp_workers as cw
 
     root, steps, ref_dir = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], sys.argv[3]
     dist.init_process_group("gloo")

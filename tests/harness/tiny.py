@@ -1,4 +1,5 @@
-"""The seed report's tiny model and data, shared by the Trainer test scripts and tests.
+"""The seed report's tiny model and data, shared by the Trainer test scripts (tests/children/trainer_*.py)
+and the tests (a library).
 
 Works with transformers 4.57 (PretrainedConfig) and 5.x (PreTrainedConfig).
 """
