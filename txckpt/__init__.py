@@ -5,7 +5,7 @@ create-if-absent log entry; a rollback forks a new lineage instead of overwritin
 checkpoints. See docs/protocol.md for the on-disk protocol.
 
 The public API is what docs/api.md lists: the names below (``__all__``), :mod:`txckpt.errors`,
-and the integrations ``txckpt.integrations.transformers``,
+:mod:`txckpt.preemption`, and the integrations ``txckpt.integrations.transformers``,
 ``.accelerate`` and ``.dcp``. Every other module is internal, even where it can be imported;
 tests/test_public_api.py checks both.
 """
@@ -23,6 +23,7 @@ from .api import (
     transaction,
     verify_checkpoint,
 )
+from . import preemption
 from .asyncsave import async_save, release_buffers, wait_for_saves
 from .coordination import SingleProcess
 from .errors import TxckptError
@@ -65,6 +66,7 @@ __all__ = [
     "wait_for_saves",
     "release_buffers",
     # preemption and resumable loops
+    "preemption",
     "rng_state",
     "set_rng_state",
     # retention and garbage collection
