@@ -20,6 +20,10 @@ import torch
 
 import txckpt
 
+#: Every test starts the loop through Child (a class: tests/harness/tiers.py's scan sees only
+#: module-level functions), so the module says it: the `test` tier, not `test-fast`.
+pytestmark = pytest.mark.process
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOOP = os.path.join(REPO, "tests", "children_preempt", "loop.py")
 SIGTERM_STATUS = 128 + signal.SIGTERM  # docs/preemption.md
@@ -95,7 +99,7 @@ def test_sigterm_at_a_random_step_saves_the_next_boundary_and_exits(tmp_path):
 
 def test_a_save_pending_at_the_signal_commits_before_exit(tmp_path):
     root = str(tmp_path / "out")
-    child = Child(tmp_path, "--root", root, "--every", "5", "--block-step", "10", "--no-final-save",
+    child = Child(tmp_path, "--root", root, "--every", "5", "--block-step", "10", "--last-periodic", "10", "--no-final-save",
                   "--grace", "60")
     child.wait_for("blocked-rank{r}")  # the save of step 10 is in the background, held
     child.signal(signal.SIGTERM)
@@ -111,7 +115,7 @@ def test_a_save_pending_at_the_signal_commits_before_exit(tmp_path):
 
 def test_a_second_sigterm_exits_at_once_leaving_the_previous_checkpoint(tmp_path):
     root = str(tmp_path / "out")
-    child = Child(tmp_path, "--root", root, "--every", "5", "--block-step", "10", "--no-final-save",
+    child = Child(tmp_path, "--root", root, "--every", "5", "--block-step", "10", "--last-periodic", "10", "--no-final-save",
                   "--grace", "600")
     child.wait_for("blocked-rank{r}")
     child.signal(signal.SIGTERM)

@@ -48,6 +48,8 @@ def main() -> None:
     p.add_argument("--grace", type=float, default=None)
     p.add_argument("--block-step", type=int, default=None)
     p.add_argument("--no-final-save", action="store_true")
+    p.add_argument("--last-periodic", type=int, default=None,
+                   help="no periodic save after this step (so a held save never blocks the loop)")
     p.add_argument("--max-steps", type=int, default=1_000_000)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world", type=int, default=1)
@@ -80,7 +82,8 @@ def main() -> None:
         stop = preemption.requested()
         if stop and not a.no_final_save:
             _put(os.path.join(a.hs, f"final-rank{r}"), str(step))
-        if (stop and not a.no_final_save) or step % a.every == 0:
+        periodic = step % a.every == 0 and (a.last_periodic is None or step <= a.last_periodic)
+        if (stop and not a.no_final_save) or periodic:
             txckpt.async_save(a.root, step, {f"rank{r}.pt": {"w": w, "step": step}})
         _put(os.path.join(a.hs, f"step-rank{r}"), str(step))
         if stop:
