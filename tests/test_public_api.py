@@ -31,6 +31,7 @@ API_MD = os.path.join(HERE, "docs", "api.md")
 PUBLIC_MODULES = (
     "txckpt",
     "txckpt.errors",
+    "txckpt.preemption",
     "txckpt.integrations.transformers",
     "txckpt.integrations.accelerate",
     "txckpt.integrations.dcp",
@@ -121,7 +122,7 @@ def test_api_md_lists_exactly_the_public_all():
 
 
 def test_the_static_all_is_the_all():
-    for module in ("txckpt", "txckpt.errors", "txckpt.integrations.dcp"):
+    for module in ("txckpt", "txckpt.errors", "txckpt.preemption", "txckpt.integrations.dcp"):
         assert list(importlib.import_module(module).__all__) == static_all(module)
 
 

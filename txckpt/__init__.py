@@ -5,8 +5,9 @@ create-if-absent log entry; a rollback forks a new lineage instead of overwritin
 checkpoints. See docs/protocol.md for the on-disk protocol.
 
 The public API is what docs/api.md lists: the names below (``__all__``), :mod:`txckpt.errors`,
-and the integrations ``txckpt.integrations.transformers``, ``.accelerate`` and ``.dcp``. Every
-other module is internal, even where it can be imported; tests/test_public_api.py checks both.
+:mod:`txckpt.preemption`, and the integrations ``txckpt.integrations.transformers``,
+``.accelerate`` and ``.dcp``. Every other module is internal, even where it can be imported;
+tests/test_public_api.py checks both.
 """
 
 from .api import (
@@ -22,6 +23,7 @@ from .api import (
     transaction,
     verify_checkpoint,
 )
+from . import preemption
 from .asyncsave import async_save, release_buffers, wait_for_saves
 from .coordination import SingleProcess
 from .errors import TxckptError
@@ -35,6 +37,7 @@ from .retention import (
     rewind,
 )
 from .manifest import MANIFEST_NAME, Manifest
+from .rngstate import rng_state, set_rng_state
 from .root import CheckpointInfo, CheckpointRoot
 
 __version__ = "0.1.0"
@@ -62,6 +65,10 @@ __all__ = [
     "async_save",
     "wait_for_saves",
     "release_buffers",
+    # preemption and resumable loops
+    "preemption",
+    "rng_state",
+    "set_rng_state",
     # retention and garbage collection
     "RetentionPolicy",
     "apply_retention",

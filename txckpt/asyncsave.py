@@ -76,7 +76,13 @@ class SaveFuture(Future):
     """An async save's future. Its error is *retrieved* once ``result()`` has raised it or
     ``exception()`` has returned it (a call that timed out retrieved nothing), as
     concurrent.futures and asyncio count it: a retrieved error is handled, so neither
-    wait_for_saves nor the exit hook reports it again."""
+    wait_for_saves nor the exit hook reports it again. ``root`` and ``step``: what it saves (step
+    None for a :func:`submit` that did not say); ``submitted``: ``time.monotonic()`` at the
+    request (txckpt/preemption.py reports the saves of a shutdown by them)."""
+
+    root: str | None = None
+    step: int | None = None
+    submitted: float = 0.0
 
     def result(self, timeout: float | None = None) -> Any:
         Future.exception(self, timeout)  # waits; TimeoutError here: nothing was retrieved
@@ -266,7 +272,7 @@ def async_save(
 
         return Job(run, lazy)
 
-    return submit(root, storage_options, prepare)
+    return submit(root, storage_options, prepare, step=step)
 
 
 class Job:
@@ -282,6 +288,8 @@ def submit(
     root: str | os.PathLike,
     storage_options: Mapping[str, Any] | None,
     prepare: "Callable[[SnapshotPool, SnapshotPool], Job]",
+    *,
+    step: int | None = None,
 ) -> Future:
     """The machinery of :func:`async_save` for a caller that snapshots its own state (the
     Trainer integration, whose files are written by upstream code): wait for the root's save in
@@ -302,6 +310,7 @@ def submit(
         coordinator = _coordinator()
         job = prepare(saver.pool, saver.eager)
         future = SaveFuture()
+        future.root, future.step, future.submitted = os.fspath(root), step, time.monotonic()
         future.set_running_or_notify_cancel()  # it runs from now on: cancel() is refused
         claimed = threading.Lock()  # run once, by the worker or by the caller, never by both
 
@@ -418,6 +427,14 @@ def pending_saves() -> int:
     """How many async saves of this process have not finished yet."""
     with _lock:
         return sum(1 for f in _futures if not f.done())
+
+
+def recent_saves() -> list[SaveFuture]:
+    """This process's async saves not finished yet, and those finished since the latest request
+    that wait_for_saves (or their caller) has not reported, in request order: the latest request
+    is always among them until reported. Nothing is waited for or retrieved."""
+    with _lock:
+        return [f for f in _futures if isinstance(f, SaveFuture)]
 
 
 def _coordinator() -> Coordinator:
@@ -543,4 +560,4 @@ def _fail_exit_status(failed: int) -> None:
     log.error("txckpt: no open sys.stdout or sys.stderr: the exit status cannot say that a save failed")
 
 
-__all__ = ["async_save", "submit", "Job", "SaveFuture", "LazySnapshot", "step_gate", "torch_optimizer", "mark_reported", "wait_for_saves", "wait_for_root", "release_buffers", "pending_saves"]
+__all__ = ["async_save", "submit", "Job", "SaveFuture", "LazySnapshot", "step_gate", "torch_optimizer", "mark_reported", "wait_for_saves", "wait_for_root", "release_buffers", "pending_saves", "recent_saves"]

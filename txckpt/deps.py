@@ -25,6 +25,8 @@ Why these wait:
 * fsspec and what backs a remote root (s3fs, botocore, aiobotocore): only a remote root needs
   them; s3fs, gcsfs and adlfs are optional extras, and importing them costs start-up a local
   run should not pay. A missing one is reported when a root needs it (MissingDependencyError).
+* numpy: only ``txckpt.rng_state`` reads its global generator, and only where it imports: a
+  save never needs it, and ``rng_state`` skips it cleanly in an environment without it.
 * tqdm: optional (a dependency of transformers, not of txckpt); progress bars only.
 """
 
@@ -39,6 +41,7 @@ if TYPE_CHECKING:  # what mypy sees: each name is the module
     import fsspec
     import fsspec.asyn as fsspec_asyn
     import fsspec.implementations.memory as fsspec_memory
+    import numpy
     import s3fs
     import safetensors.torch as safetensors_torch
     import torch
@@ -117,6 +120,13 @@ def _aiobotocore_session() -> ModuleType:
     return aiobotocore.session
 
 
+def _numpy() -> ModuleType:
+    """numpy: only to capture or restore its global generator (``txckpt.rng_state``), if installed."""
+    import numpy
+
+    return numpy
+
+
 def _tqdm() -> ModuleType:
     """tqdm: optional (transformers installs it, txckpt does not need it); progress bars only."""
     import tqdm
@@ -135,6 +145,7 @@ _LOADERS: dict[str, Callable[[], ModuleType]] = {
     "s3fs": _s3fs,
     "botocore_exceptions": _botocore_exceptions,
     "aiobotocore_session": _aiobotocore_session,
+    "numpy": _numpy,
     "tqdm": _tqdm,
 }
 

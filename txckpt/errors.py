@@ -358,6 +358,19 @@ class NamingConflictError(InvalidArgumentError):
     requested: str | None
 
 
+class RngStateError(InvalidArgumentError):
+    """``txckpt.set_rng_state(state)`` got a state it cannot restore exactly: another format
+    version, or another layout of generators than this process has (numpy captured but not
+    importable here, another number of CUDA devices, CUDA generators captured where CUDA is not
+    available). Nothing was restored. Restore in a process laid out as the one that captured
+    it (the same rank's state, the same devices), or pass ``strict=False`` to restore the
+    generators both have. ``state_layout``, ``process_layout``: what each has (``{"version":
+    1, "numpy": True, "cuda": 2}``)."""
+
+    state_layout: dict | None
+    process_layout: dict | None
+
+
 # ----- the cross-rank codec ---------------------------------------------------------------------
 # One rank's error travels to the others as plain data (an object collective pickles it, and a
 # rank must never unpickle arbitrary classes of another's): a txckpt error comes back as the same
@@ -434,7 +447,7 @@ def _this_module() -> Any:
 #: decode_error, reworded, is_txckpt_error) and storage_error are internal.
 __all__ = [
     "TxckptError",
-    "InvalidArgumentError", "NamingConflictError",
+    "InvalidArgumentError", "NamingConflictError", "RngStateError",
     "NotATxckptRootError",
     "CheckpointNotFoundError", "CheckpointRetiredError", "LineageNotFoundError",
     "RootNotFoundError",

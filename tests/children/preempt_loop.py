@@ -1,0 +1,98 @@
+"""A training loop under txckpt.preemption, run as a real process by tests/test_preemption_procs.py
+(issue 32). It saves every ``--every`` steps with txckpt.async_save, polls requested() at each
+step boundary, and at a preemption saves that step (unless ``--no-final-save``) and calls
+txckpt.preemption.exit(). Handshakes are files in ``--hs`` (never sleeps):
+
+- ``step-rank{r}``: the last step this rank finished (replaced atomically each step);
+- ``final-rank{r}``: written just before the final async_save (its step inside);
+- ``inside-{step}-rank{r}``: the background save of ``step`` has begun (CheckpointRoot.save);
+- ``blocked-rank{r}``: the save of ``--block-step`` waits for ``release`` to appear;
+- ``result-rank{r}.json``: written when requested() returned True, before exit().
+
+With ``--world 2`` it is one rank of a gloo group rendezvousing on ``--store`` (a FileStore).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+
+import torch
+
+import txckpt
+from txckpt import preemption
+
+
+def _put(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _wait_for(path: str, deadline_s: float = 120.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise TimeoutError(path)
+        time.sleep(0.01)  # polling a file with a deadline: the parent's release
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True)
+    p.add_argument("--hs", required=True)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--grace", type=float, default=None)
+    p.add_argument("--block-step", type=int, default=None)
+    p.add_argument("--no-final-save", action="store_true")
+    p.add_argument("--last-periodic", type=int, default=None,
+                   help="no periodic save after this step (so a held save never blocks the loop)")
+    p.add_argument("--max-steps", type=int, default=1_000_000)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--store", default=None)
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    r = a.rank
+    if a.world > 1:
+        import datetime
+
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"file://{a.store}", rank=r, world_size=a.world,
+                                timeout=datetime.timedelta(seconds=60))
+
+    real_save = txckpt.CheckpointRoot.save
+
+    def save(root, step, *args, **kwargs):  # the background's save: mark it, hold it if asked
+        _put(os.path.join(a.hs, f"inside-{step}-rank{r}"), str(step))
+        if step == a.block_step:
+            _put(os.path.join(a.hs, f"blocked-rank{r}"), str(step))
+            _wait_for(os.path.join(a.hs, "release"))
+        return real_save(root, step, *args, **kwargs)
+
+    txckpt.CheckpointRoot.save = save  # type: ignore[method-assign]
+
+    preemption.install(grace_s=a.grace)
+    w = torch.zeros(8)
+    for step in range(1, a.max_steps + 1):
+        w += 1  # the "training step": w == step
+        stop = preemption.requested()
+        if stop and not a.no_final_save:
+            _put(os.path.join(a.hs, f"final-rank{r}"), str(step))
+        periodic = step % a.every == 0 and (a.last_periodic is None or step <= a.last_periodic)
+        if (stop and not a.no_final_save) or periodic:
+            txckpt.async_save(a.root, step, {f"rank{r}.pt": {"w": w, "step": step}})
+        _put(os.path.join(a.hs, f"step-rank{r}"), str(step))
+        if stop:
+            _put(os.path.join(a.hs, f"result-rank{r}.json"),
+                 json.dumps({"stopped_at": step, "received": preemption.received(),
+                             "status": preemption.exit_status()}))
+            preemption.exit()
+    raise SystemExit("the loop ran out of steps: no signal came")
+
+
+if __name__ == "__main__":
+    main()
