@@ -5,8 +5,6 @@ import hashlib
 import json
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from txckpt.integrations.transformers import TransactionalTrainer  # noqa: E402
 from txckpt.storage import open_storage  # noqa: E402
 
 from tests.harness.procs import torchrun as run_torchrun  # noqa: E402
+from tests.harness.zygote import run_python  # noqa: E402
 
 HERE = Path(__file__).parent / "children"
 from tests.harness.tiny import FILES, Data, TinyConfig, TinyModel, make_args  # noqa: E402
@@ -258,8 +257,8 @@ def script_env(s3_root):
 
 
 def run(env, *args, expect_rc=0):
-    p = subprocess.run([sys.executable, str(HERE / "trainer_rollback.py"), *map(str, args)], capture_output=True,
-                       text=True, timeout=300, env=env, cwd=str(HERE))
+    # OMP_NUM_THREADS=1 (script_env) is read when torch loads: a zygote of its own, started with it.
+    p = run_python([str(HERE / "trainer_rollback.py"), *map(str, args)], timeout=300, env=env, cwd=str(HERE))
     if p.returncode != expect_rc:
         raise AssertionError(f"{args}: rc {p.returncode} (expected {expect_rc})\n--- stdout\n{p.stdout}\n"
                              f"--- stderr\n{p.stderr[-6000:]}")
