@@ -73,8 +73,9 @@ _IMPORT_TIME_NAMES = frozenset({"HOME", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOC
 #: Handled in the child (tests/children/zygote_server.py) or not read at start-up.
 _HANDLED = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE"})
 #: Import-time variables whose value, where a request's differs from the suite's, gets a zygote of
-#: its own started with that value (instead of a plain subprocess): the suite sets them for whole
-#: groups of children (the S3 Trainer script's OMP_NUM_THREADS=1). Not PYTHONWARNINGS (the CLI
+#: its own started with that value (instead of a plain subprocess), for a value the suite sets for
+#: a group of torch-importing children. None does yet: test_trainer_remote.py's one OMP_NUM_THREADS=1
+#: child costs as much through a zygote of its own (22.2 s) as plain (19.6 s). Not PYTHONWARNINGS (the CLI
 #: tests'): their children import txckpt.cli only (0.39 s plain, 0.24 s forked), and a zygote of
 #: their own costs 7 s to start, what their ~90 launches a worker save (measured: test_cli.py 70.7 s
 #: plain, 74.4 s with it).
