@@ -242,6 +242,8 @@ def test_import_txckpt_leaves_torch_and_the_backends_to_first_use():
             "import txckpt.cli\n"
             "print(json.dumps([first, sorted(sys.modules)]))\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p))
+    # A fresh interpreter, never the zygote (tests/harness/zygote.py): its children have torch and
+    # transformers in sys.modules already, which is what this test looks for.
     out = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True,
                          timeout=120, check=True).stdout
     first, cli = json.loads(out.splitlines()[-1])

@@ -457,6 +457,9 @@ def test_sigkill_during_the_background_save_leaves_the_old_or_the_new_checkpoint
 
 def _run_script(body: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=REPO)
+    # A real interpreter, not the zygote (tests/harness/zygote.py): these tests are about what
+    # txckpt does at interpreter exit (threading's exit hooks, atexit, the exit status), which a
+    # zygote child only imitates (threading._shutdown, atexit, os._exit).
     return subprocess.run([sys.executable, "-c", textwrap.dedent(body), *args], env=env,
                           capture_output=True, text=True, timeout=120)
 

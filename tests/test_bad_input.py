@@ -2,14 +2,13 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import txckpt
 import txckpt.errors
+from tests.harness.zygote import run_python
 from txckpt.errors import IntegrityError, LogCorruptError, ManifestError, UnsafePathError
 
 
@@ -201,8 +200,7 @@ def test_read_only_root_gives_a_clear_error(root):
 
 
 def test_demo_runs(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "txckpt.demo", str(tmp_path / "demo")],
-                         capture_output=True, text=True, timeout=300)
+    out = run_python(["-m", "txckpt.demo", str(tmp_path / "demo")], timeout=300)
     assert out.returncode == 0, out.stderr
     assert "abandons 2 checkpoint(s)" in out.stdout
     assert "get_last_checkpoint -> " + str(tmp_path / "demo" / "checkpoint-2") in out.stdout
@@ -248,8 +246,7 @@ def test_committed_file_replaced_by_a_special_file_is_a_typed_error_not_a_hang(t
     keep = _replace_with_special(p, kind)
     try:
         # A child process: on a reader that blocks on the FIFO the timeout fails the test.
-        out = subprocess.run([sys.executable, "-c", _SPECIAL_PROBE, path], capture_output=True, text=True,
-                             timeout=120)
+        out = run_python(["-c", _SPECIAL_PROBE, path], timeout=120)
     finally:
         if keep is not None:
             keep.close()
@@ -273,7 +270,7 @@ def test_fileio_never_blocks_on_a_fifo(tmp_path):
             "          lambda: fileio.open_regular(sys.argv[1])):\n"
             "    try: f(); print('read')\n"
             "    except Exception as e: print(type(e).__name__)\n")
-    out = subprocess.run([sys.executable, "-c", code, p], capture_output=True, text=True, timeout=120)
+    out = run_python(["-c", code, p], timeout=120)
     assert out.stdout.split() == ["SpecialFileError"] * 3, out.stderr
     with pytest.raises(SpecialFileError) as e:
         fileio.regular_size(p)
@@ -361,8 +358,7 @@ def test_temp_file_removed_by_gc_during_a_retention_append(root, monkeypatch):
     def link_after_gc(src, dst, *a, **k):
         if os.path.basename(os.path.dirname(src)) == "log" and not ran:
             # The real `txckpt gc --grace 0`, between the temp file's write and its link.
-            ran.append(subprocess.run([sys.executable, "-m", "txckpt", "gc", "--grace", "0", root],
-                                      capture_output=True, text=True, timeout=120))
+            ran.append(run_python(["-m", "txckpt", "gc", "--grace", "0", root], timeout=120))
         return real_link(src, dst, *a, **k)
 
     monkeypatch.setattr(local.os, "link", link_after_gc)
@@ -435,7 +431,7 @@ def test_fifo_log_entry_hint_lease_and_intent_are_handled_without_blocking(root)
             "r = sys.argv[1]\nprint(txckpt.get_last_checkpoint(r))\n"
             "rep = collect_garbage(txckpt.CheckpointRoot(r), grace_seconds=0)\n"
             "print(sorted(i.kind for i in rep.items if i.done))\n")
-    out = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=120)
+    out = run_python(["-c", code, root], timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == os.path.join(root, "checkpoint-2")  # a FIFO hint reads as a missing one
@@ -443,7 +439,7 @@ def test_fifo_log_entry_hint_lease_and_intent_are_handled_without_blocking(root)
     os.unlink(os.path.join(meta, "log", newest))
     os.mkfifo(os.path.join(meta, "log", newest))
     code = "import sys, txckpt\ntry:\n    txckpt.get_last_checkpoint(sys.argv[1])\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
-    out = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=120)
+    out = run_python(["-c", code, root], timeout=120)
     assert out.stdout.startswith("LogCorruptError") and "a FIFO, not a file" in out.stdout, out.stdout + out.stderr
 
 
@@ -462,7 +458,7 @@ except Exception as e:
     print(type(e).__name__, "FIFO" in str(e), txckpt.get_last_checkpoint(root))
 """
     for root in (str(tmp_path / "local"), "memory://fifo-commit"):
-        out = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=120)
+        out = run_python(["-c", code, root], timeout=120)
         assert out.stdout.split() == ["SpecialFileError", "True", "None"], (root, out.stdout, out.stderr)
 
 

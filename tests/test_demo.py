@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
+
+from tests.harness.zygote import run_python
 
 
 def demo(cwd, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "txckpt.demo", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+    return run_python(["-m", "txckpt.demo", *args], cwd=cwd, timeout=300)
 
 
 def test_the_readme_command_with_a_relative_root_runs_and_ends_with_the_log(tmp_path):
@@ -60,8 +60,7 @@ def test_the_demo_names_its_root_once_and_leaves_what_readmes_gc_sample_shows(tm
     root = first.split(" a rollback in ", 1)[1]
     assert os.path.isabs(root) and os.path.isdir(root) and first.count(root) == 1, first
     try:
-        gc = subprocess.run([sys.executable, "-m", "txckpt", "gc", "--dry-run", root], capture_output=True,
-                            text=True, timeout=120)
+        gc = run_python(["-m", "txckpt", "gc", "--dry-run", root], timeout=120)
     finally:
         shutil.rmtree(os.path.dirname(root))  # the demo's own temporary directory
     assert gc.returncode == 0, gc.stderr

@@ -254,6 +254,8 @@ assert coordination._cached == {{}}, "a gloo group was created"
 assert isinstance(coordination.current_coordinator(), coordination.SingleProcess)
 print("ok", tx.path)
 """
+    # A fresh interpreter, never the zygote (tests/harness/zygote.py): the code asserts torch is not
+    # in sys.modules, and the zygote's children have it preloaded.
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr

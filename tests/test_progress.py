@@ -11,7 +11,7 @@ import torch
 
 import txckpt
 
-from tests.harness.zygote import run_python
+from tests.harness.zygote import popen_python, run_python
 
 MiB = 1 << 20
 
@@ -112,7 +112,6 @@ def _cli_on_a_terminal(*argv: str, columns: int = 120) -> tuple[int, str]:
     terminal that reports no size, as some ``docker exec -t`` and CI ptys do); returns (rc, stderr)."""
     import pty
     import subprocess
-    import sys
 
     master, slave = pty.openpty()
     if columns:
@@ -121,8 +120,7 @@ def _cli_on_a_terminal(*argv: str, columns: int = 120) -> tuple[int, str]:
         import termios
 
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "txckpt", *argv], stdout=subprocess.DEVNULL,
-                            stderr=slave, stdin=subprocess.DEVNULL)
+    proc = popen_python(["-m", "txckpt", *argv], stdout=subprocess.DEVNULL, stderr=slave, stdin=subprocess.DEVNULL)
     os.close(slave)
     chunks = []
     while True:
@@ -157,16 +155,12 @@ def test_a_terminal_that_reports_no_size_still_gets_a_bar(two_mib_root):
 
 
 def test_no_progress_json_and_a_pipe_show_no_bar(two_mib_root, tmp_path):
-    import subprocess
-    import sys
-
     for argv in (["verify", two_mib_root, "--no-progress"], ["verify", two_mib_root, "--json"],
                  ["export", two_mib_root, str(tmp_path / "c1"), "--step", "1", "--no-progress"],
                  ["gc", two_mib_root, "--no-progress"]):
         rc, err = _cli_on_a_terminal(*argv)
         assert rc == 0 and "%|" not in err and "B/s]" not in err, (argv, err)
-    piped = subprocess.run([sys.executable, "-m", "txckpt", "verify", two_mib_root], capture_output=True,
-                           text=True, timeout=120)
+    piped = run_python(["-m", "txckpt", "verify", two_mib_root], timeout=120)
     assert piped.returncode == 0 and piped.stderr == "", piped.stderr
 
 

@@ -145,3 +145,24 @@ def test_an_import_time_variable_or_the_switch_falls_back_to_a_plain_subprocess(
     assert int(_c("import os; print(os.getppid())").stdout) == os.getpid()
     monkeypatch.delenv("TXCKPT_TEST_NO_ZYGOTE")
     assert int(_c("import os; print(os.getppid())").stdout) == zygote.server().proc.pid
+
+
+def test_an_own_server_variable_gets_a_zygote_started_with_its_value(monkeypatch):
+    """OMP_NUM_THREADS=1 (read by OpenMP when torch loads) is not a fallback but a zygote of its
+    own, started with it: its children see what a fresh interpreter with it sees. A third
+    distinct value with MAX_SERVERS zygotes running falls back."""
+    probe = "import os, torch; print(os.getppid(), torch.get_num_threads(), os.environ['OMP_NUM_THREADS'])"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    fresh = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    before = len(zygote.FALLBACKS)
+    p = _c(probe, env=env)
+    assert p.returncode == 0, p.stderr
+    ppid, threads, omp = p.stdout.split()
+    own = zygote.server((("OMP_NUM_THREADS", "1"),))
+    assert int(ppid) == own.proc.pid != zygote.server().proc.pid
+    assert (threads, omp) == tuple(fresh.stdout.split()[1:]) == ("1", "1")
+    assert len(zygote.FALLBACKS) == before
+    monkeypatch.setattr(zygote, "MAX_SERVERS", 2)
+    p = _c("import os; print(os.getppid())", env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert int(p.stdout) == os.getpid() and len(zygote.FALLBACKS) == before + 1
+    assert "2 zygotes run already" in zygote.FALLBACKS[-1]

@@ -26,7 +26,12 @@ exception's traceback and exit 1, non-daemon threads joined, atexit callbacks, s
 What a fork cannot give a child, so such a launch runs as a plain subprocess instead (counted in
 ``FALLBACKS``): an environment that differs from the zygote's in a variable that torch,
 transformers, accelerate, huggingface_hub or the interpreter read at import or start-up
-(``import_time_differences``). What differs from a fresh interpreter and is accepted: the hash seed
+(``import_time_differences``). Except for a few such variables that the suite sets for whole
+groups of children (``OWN_SERVER_VARIABLES``: ``OMP_NUM_THREADS=1``, which OpenMP reads when torch
+loads): a request that differs from
+the suite's environment in those only goes to a zygote of its own, started with those values
+(one per distinct set of values, at most ``MAX_SERVERS`` zygotes per test process, counting the
+first; a request that would need one more falls back). What differs from a fresh interpreter and is accepted: the hash seed
 (shared by the zygote's children), and modules the zygote imported are already in sys.modules
 (as after the child's own first import of them).
 
@@ -67,6 +72,18 @@ _IMPORT_TIME_NAMES = frozenset({"HOME", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOC
                                 "MASTER_ADDR", "MASTER_PORT", "LC_ALL", "LC_CTYPE", "LANG"})
 #: Handled in the child (tests/children/zygote_server.py) or not read at start-up.
 _HANDLED = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE"})
+#: Import-time variables whose value, where a request's differs from the suite's, gets a zygote of
+#: its own started with that value (instead of a plain subprocess), for a value the suite sets for
+#: a group of torch-importing children. None does yet: test_trainer_remote.py's one OMP_NUM_THREADS=1
+#: child costs as much through a zygote of its own (22.2 s) as plain (19.6 s). Not PYTHONWARNINGS (the CLI
+#: tests'): their children import txckpt.cli only (0.39 s plain, 0.24 s forked), and a zygote of
+#: their own costs 7 s to start, what their ~90 launches a worker save (measured: test_cli.py 70.7 s
+#: plain, 74.4 s with it).
+OWN_SERVER_VARIABLES = frozenset({"OMP_NUM_THREADS"})
+#: Zygotes one test process (one pytest-xdist worker) may hold, the default one included: each
+#: holds torch and transformers (about 350 MB) and costs one heavy import to start, so a value set
+#: by one test only is better a plain subprocess than a server of its own.
+MAX_SERVERS = 3
 
 
 def disabled() -> bool:
@@ -86,13 +103,17 @@ def import_time_differences(env: dict[str, str], start: dict[str, str] | None = 
 
 
 class _Server:
-    def __init__(self) -> None:
+    def __init__(self, key: tuple[tuple[str, str | None], ...] = ()) -> None:
+        #: The OWN_SERVER_VARIABLES values this zygote started with, where they differ from the
+        #: suite's (``()``: the default zygote); its environment for import_time_differences.
+        self.key = key
+        self.start_env = _with(START_ENV, key)
         self.dir = tempfile.mkdtemp(prefix="txckpt-zygote-")
         self.path = os.path.join(self.dir, "sock")
         self.log = open(os.path.join(self.dir, "server.log"), "wb")
         # numpy's OpenBLAS starts a worker thread at import unless told otherwise: the zygote must
         # fork with one thread (the children's BLAS then runs on one thread, a cost, not a result).
-        env = {"OPENBLAS_NUM_THREADS": "1", **START_ENV}
+        env = {"OPENBLAS_NUM_THREADS": "1", **self.start_env}
         self.proc = subprocess.Popen([sys.executable, SERVER, self.path], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, env=env, cwd=self.dir)
         line = self.proc.stdout.readline()  # once the heavy imports are done
@@ -118,18 +139,46 @@ class _Server:
         self.log.close()
 
 
+def _with(env: dict[str, str], key: tuple[tuple[str, str | None], ...]) -> dict[str, str]:
+    out = dict(env)
+    for k, v in key:
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = v
+    return out
+
+
 _LOCK = threading.Lock()
-_SERVER: _Server | None = None
+#: This process's zygotes by key (see _Server.key).
+_SERVERS: dict[tuple, _Server] = {}
 
 
-def server() -> _Server:
-    """This process's zygote, started on first use (a process forked from this one starts its own)."""
-    global _SERVER
+def server_key(env: dict[str, str]) -> tuple[tuple[str, str | None], ...] | None:
+    """The key of the zygote that can fork a child with environment ``env``: ``()`` for the
+    default one, the OWN_SERVER_VARIABLES values it differs in for another, None when it differs
+    in another import-time variable (a plain subprocess, then)."""
+    differs = import_time_differences(env)
+    if not set(differs) <= OWN_SERVER_VARIABLES:
+        return None
+    return tuple((k, env.get(k)) for k in differs)
+
+
+def server(key: tuple[tuple[str, str | None], ...] = ()) -> _Server | None:
+    """This process's zygote for ``key`` (server_key), started on first use (a process forked
+    from this one starts its own); None when it is not running and MAX_SERVERS others are (one
+    place is kept for the default zygote)."""
     with _LOCK:
-        if _SERVER is None or _SERVER.owner != os.getpid() or _SERVER.proc.poll() is not None:
-            _SERVER = _Server()
-            atexit.register(_SERVER.close)
-        return _SERVER
+        pid = os.getpid()
+        for k in [k for k, s in _SERVERS.items() if s.owner != pid or s.proc.poll() is not None]:
+            del _SERVERS[k]  # a parent's, or dead
+        s = _SERVERS.get(key)
+        if s is None:
+            if len(set(_SERVERS) | {(), key}) > MAX_SERVERS:
+                return None
+            s = _SERVERS[key] = _Server(key)
+            atexit.register(s.close)
+        return s
 
 
 def _fd_for(spec: Any, default: int, mode: str, opened: list[int]) -> tuple[int, int | None]:
@@ -156,7 +205,8 @@ class ZygoteProcess:
     """A child forked by the zygote: the parts of :class:`subprocess.Popen` the suite uses."""
 
     def __init__(self, argv: Sequence[str], *, env: dict | None = None, cwd: str | None = None,
-                 stdin: Any = None, stdout: Any = None, stderr: Any = None, text: bool = False) -> None:
+                 stdin: Any = None, stdout: Any = None, stderr: Any = None, text: bool = False,
+                 zygote: _Server | None = None) -> None:
         self.args = [sys.executable, *map(str, argv)]
         self.returncode: int | None = None
         self._lock = threading.Lock()
@@ -169,7 +219,8 @@ class ZygoteProcess:
             fout, our_out = _fd_for(stdout, 1, "w", opened)
             ferr, our_err = _fd_for(stderr, 2, "w", opened)
             self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._conn.connect(server().path)
+            self._server = zygote or server()
+            self._conn.connect(self._server.path)
             req = {"argv": list(map(str, argv)), "env": dict(os.environ if env is None else env), "cwd": cwd}
             socket.send_fds(self._conn, [(json.dumps(req) + "\n").encode()], [fin, fout, ferr])
         finally:
@@ -199,7 +250,7 @@ class ZygoteProcess:
             except (socket.timeout, BlockingIOError):
                 raise subprocess.TimeoutExpired(self.args, timeout) from None
             if not chunk:
-                raise RuntimeError(f"the zygote went away while {self.args} ran: {server().log_text()}")
+                raise RuntimeError(f"the zygote went away while {self.args} ran: {self._server.log_text()}")
             self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
@@ -287,36 +338,42 @@ class ZygoteProcess:
         self.wait()
 
 
-def _plain(argv: Sequence[str], env: dict | None) -> str | None:
-    """Why this launch must be a plain subprocess (None: it can be a fork of the zygote)."""
+def _route(argv: Sequence[str], env: dict | None) -> tuple[str | None, _Server | None]:
+    """(why this launch must be a plain subprocess, or None; the zygote to fork it)."""
     if disabled():
-        return "TXCKPT_TEST_NO_ZYGOTE"
-    differs = import_time_differences(dict(os.environ if env is None else env))
-    return f"{argv[0]}: env differs in {differs}" if differs else None
+        return "TXCKPT_TEST_NO_ZYGOTE", None
+    env = dict(os.environ if env is None else env)
+    key = server_key(env)
+    if key is None:
+        return f"{argv[0]}: env differs in {import_time_differences(env)}", None
+    zygote = server(key)
+    if zygote is None:
+        return f"{argv[0]}: {MAX_SERVERS} zygotes run already, none with {dict(key)}", None
+    return None, zygote
 
 
 def popen_python(argv: Sequence[str], *, env: dict | None = None, cwd: str | None = None, stdin: Any = None,
                  stdout: Any = None, stderr: Any = None, text: bool = False) -> Any:
     """``subprocess.Popen([sys.executable, *argv], ...)``, forked by the zygote."""
-    why = _plain(argv, env)
+    why, zygote = _route(argv, env)
     if why:
         FALLBACKS.append(why)
         return subprocess.Popen([sys.executable, *map(str, argv)], env=env, cwd=cwd, stdin=stdin, stdout=stdout,
                                 stderr=stderr, text=text)
-    return ZygoteProcess(argv, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text)
+    return ZygoteProcess(argv, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text, zygote=zygote)
 
 
 def run_python(argv: Sequence[str], *, env: dict | None = None, cwd: str | None = None,
                timeout: float | None = None, input: str | None = None) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, *argv], capture_output=True, text=True, ...)``, forked by
     the zygote."""
-    why = _plain(argv, env)
+    why, zygote = _route(argv, env)
     if why:
         FALLBACKS.append(why)
         return subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True, env=env, cwd=cwd,
                               timeout=timeout, input=input)
     p = ZygoteProcess(argv, env=env, cwd=cwd, stdin=subprocess.PIPE if input is not None else None,
-                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, zygote=zygote)
     try:
         out, err = p.communicate(input, timeout=timeout)
     except subprocess.TimeoutExpired:
