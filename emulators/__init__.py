@@ -3,7 +3,9 @@
 ``emulators.s3``     moto's S3 server on 127.0.0.1 behind a middleware that counts requests,
                      injects faults and makes conditional writes atomic (as S3 does);
 ``emulators.gcs``    fake-gcs-server;
-``emulators.azure``  Azurite's blob service.
+``emulators.azure``  Azurite's blob service;
+``emulators.seaweedfs`` a SeaweedFS cluster (master, three replicated volume servers, filer, S3
+                     gateway): a real distributed object store, with faults to inject.
 
 A top-level package rather than part of tests/, so that benchmarks/ uses the same servers without
 importing the test suite. Not part of the txckpt wheel (pyproject finds only txckpt*).

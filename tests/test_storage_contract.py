@@ -1,6 +1,9 @@
 """The Storage contract (txckpt/storage/base.py), method by method, on every backend.
 
-Runs over ``any_root`` (local, memory, s3 via moto; see emulators/s3.py). Nothing here mocks
+Runs over ``any_root`` (local, memory, s3 via moto, gcs, azure; see emulators/), and here also on
+seaweedfs: a SeaweedFS cluster (three replicated volume servers behind its S3 gateway,
+emulators/seaweedfs.py), so the S3 backend is held to the contract by a real distributed store
+and not by moto alone. Nothing here mocks
 s3fs or botocore: the S3 cases talk HTTP to a moto server on 127.0.0.1. Races use barriers, never
 sleeps; cross-process cases use ``multiprocessing`` with the spawn start method.
 """
@@ -21,7 +24,9 @@ from txckpt.storage import open_storage
 from txckpt.storage.fsspec import FsspecStorage
 from txckpt.storage.s3 import S3Storage
 
-OBJECT_STORES = ("memory", "s3", "gcs", "azure")
+from tests.harness.backends import STORE_KINDS
+
+OBJECT_STORES = ("memory", "s3", "gcs", "azure", "seaweedfs")
 
 
 def _blob(n: int, seed: int = 0) -> bytes:
@@ -39,6 +44,12 @@ def _open(root: tuple[str, dict[str, Any]]):
     """A new Storage instance (on S3: a new client with its own listing cache)."""
     url, options = root
     return open_storage(url, options)
+
+
+@pytest.fixture(params=STORE_KINDS)
+def any_root(request) -> tuple[str, dict[str, Any]]:
+    """The plugin's any_root over every kind of store, SeaweedFS included."""
+    return request.getfixturevalue(f"{request.param}_root")
 
 
 @pytest.fixture
@@ -178,7 +189,7 @@ def test_create_exclusive_one_winner_processes(any_root, request):
 
 def test_create_exclusive_no_partial_visibility(any_root, request, fine_grained_threads):
     """A reader polling the key sees nothing or the whole content, never a prefix."""
-    size = (12 << 20) if _kind(request) == "s3" else (4 << 20)
+    size = (12 << 20) if _kind(request) in ("s3", "seaweedfs") else (4 << 20)
     data = _blob(size, seed=7)
     writer, reader = _open(any_root), _open(any_root)
     done = threading.Event()

