@@ -106,22 +106,12 @@ def _write_all(fd: int, view: memoryview) -> int:
 
 
 def fsync_tree(path: str) -> None:
-    """fsync every file under ``path``, then every directory bottom-up, then ``path``'s parent:
-    what a stock writer would have to do to be as durable as a txckpt commit."""
-    from txckpt.fileio import fsync_dir
+    """fsync every file and directory under ``path``, then ``path``'s parent: what a stock writer
+    would have to do to be as durable as a txckpt commit."""
+    from txckpt import fileio
 
-    dirs = []
-    for dirpath, _dirnames, filenames in os.walk(path):
-        dirs.append(dirpath)
-        for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    for d in reversed(dirs):
-        fsync_dir(d)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fileio.fsync_tree(path)
+    fileio.fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def evict(path: str) -> None:

@@ -226,11 +226,9 @@ class AsyncSaves:
         """The mixin's _save_checkpoint in async mode; ``upstream``: Trainer's, bound."""
         t = self._t
         self.settle()  # the previous save: committed (its follow-up done) or its error raised
-        step = int(t.state.global_step)
-        if t._txckpt_last_step is not None and step == t._txckpt_last_step:
-            log.info("%s is already committed in this lineage; not saving it again",
-                     public_name(t._txckpt_root(trial), t.txckpt_storage_options, step))
+        if t._txckpt_already_committed(trial):
             return
+        step = int(t.state.global_step)
         root = t._txckpt_root(trial)
         so = t.txckpt_storage_options
         meta = t._txckpt_metadata(trial)

@@ -174,6 +174,17 @@ class TransactionalCheckpointMixin:
         self._txckpt_async.install()
 
     # ----- where things go ---------------------------------------------------------------------
+    def _txckpt_already_committed(self, trial: Any) -> bool:
+        """Whether this step is the lineage's newest committed checkpoint already (logged if so).
+        E.g. a JIT checkpoint requested right after a regular save or a resume: checkpoint-N
+        holds this step; saving it again would be a StepConflictError."""
+        step = int(self.state.global_step)
+        if self._txckpt_last_step is None or step != self._txckpt_last_step:
+            return False
+        log.info("%s is already committed in this lineage; not saving it again",
+                 public_name(self._txckpt_root(trial), self.txckpt_storage_options, step))
+        return True
+
     def _txckpt_root(self, trial: Any = None) -> str:
         """The txckpt root: ``txckpt_root`` if set, else the run directory upstream would use
         (output_dir, or the trial's run directory during a hyperparameter search; with
@@ -204,13 +215,9 @@ class TransactionalCheckpointMixin:
         follow_transformers_verbosity(self.args)  # the save's records show at transformers' verbosity
         if self.txckpt_async_save:
             return self._txckpt_async.save(super()._save_checkpoint, model, trial, *args, **kwargs)  # type: ignore[misc]
-        step = int(self.state.global_step)
-        if self._txckpt_last_step is not None and step == self._txckpt_last_step:
-            # E.g. a JIT checkpoint requested right after a regular save or a resume: the committed
-            # checkpoint-N already holds this step; saving it again would be a StepConflictError.
-            log.info("%s is already committed in this lineage; not saving it again",
-                     public_name(self._txckpt_root(trial), self.txckpt_storage_options, step))
+        if self._txckpt_already_committed(trial):
             return
+        step = int(self.state.global_step)
         root = self._txckpt_root(trial)
         self._txckpt_pending_push = None
         with txckpt.transaction(
