@@ -36,6 +36,7 @@ from .manifest import (
     Manifest,
     check_file_name,
     check_name_tree,
+    check_new_file_name,
     check_step,
     kind_for_name,
 )
@@ -239,17 +240,24 @@ class Transaction:
         self._require_open()
         if mode != "wb":
             raise InvalidArgumentError(f"transaction files open with mode 'wb' only, not {mode!r}")
-        check_file_name(name)
+        check_new_file_name(name)
         if name in self._written or name in self._open_writers:
             raise InvalidArgumentError(f"{name!r} was already written in this transaction")
-        self._names.check_new(name, lambda n: n in self._written or n in self._open_writers, self._local_dir)
+        self._names.add(name, lambda n: n in self._written or n in self._open_writers, self._local_dir)
         try:
             sink = self._writes.open_write(f"{self.staging_key}/{name}", durable=self._root.durable)
-        except OSError as e:
-            raise storage_error(e, f"create {name!r} in the staging directory") from e
+        except BaseException as e:
+            self._rebuild_names()  # the name was not opened after all
+            if isinstance(e, OSError):
+                raise storage_error(e, f"create {name!r} in the staging directory") from e
+            raise
         self._open_writers.add(name)
-        self._names.opened(name)
         return _TrackedWriter(self, name, sink)  # type: ignore[return-value]
+
+    def _rebuild_names(self) -> None:
+        """The names' directories again from the names written or open now (after one was
+        dropped: a writer aborted, or a file that could not be created)."""
+        self._names.rebuild(list(self._written) + sorted(self._open_writers))
 
     def check_not_rewritten(self) -> None:
         """Raise InvalidArgumentError if a file written through ``open``/``save`` was written
@@ -542,7 +550,7 @@ class _TrackedWriter(HashingWriter):
             return
         super().abort()
         self._tx._open_writers.discard(self._name)
-        self._tx._names.rebuild(list(self._tx._written) + sorted(self._tx._open_writers))
+        self._tx._rebuild_names()
 
 
 def _agree(reports: list[dict[str, Any]]) -> dict[str, FileEntry]:
