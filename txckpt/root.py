@@ -39,7 +39,7 @@ from .publication import LOOKUP_ATTEMPTS, publication_for
 from .refs import Ref, same_ref
 from .storage import Storage, open_storage
 from .storage.errors import missing_bucket_error
-from .transactions import Transaction
+from .transactions import Transaction, save_files
 
 log = logging.getLogger("txckpt")
 
@@ -342,11 +342,7 @@ class CheckpointRoot:
     def save(self, step: int, files: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None, **kwargs: Any) -> str:
         if not isinstance(files, Mapping) or not files:
             raise InvalidArgumentError("files must be a non-empty dict of file name -> object")
-        with self.transaction(step, metadata=metadata, **kwargs) as tx:
-            for name, obj in files.items():
-                tx.save(name, obj)
-        assert tx.path is not None
-        return tx.path
+        return save_files(self, step, files, metadata=metadata, **kwargs)
 
 
 # ----- the per-process root cache ------------------------------------------------------------------

@@ -553,6 +553,16 @@ class _TrackedWriter(HashingWriter):
         self._tx._rebuild_names()
 
 
+def save_files(root: Root, step: int, files: Mapping[str, Any], **kwargs: Any) -> str:
+    """Save ``files`` (file name -> object, by the rules of :func:`txckpt.save_checkpoint`) as
+    checkpoint ``step`` in one transaction (``kwargs``: :class:`Transaction`'s); the path."""
+    with Transaction(root, step, **kwargs) as tx:
+        for name, obj in files.items():
+            tx.save(name, obj)
+    assert tx.path is not None
+    return tx.path
+
+
 def _agree(reports: list[dict[str, Any]]) -> dict[str, FileEntry]:
     """Every rank's reported files, each recorded with its rank; a name two ranks reported
     (written or claimed) is refused (protocol §8 step 6)."""
