@@ -96,6 +96,8 @@ class Transaction:
         self._entered = False
         self._done = False
         self._timer: Timer | None = None  # phases logged at DEBUG, the summary at INFO (rank 0)
+        self._alone = False  # a world of one rank (set by __enter__): no collective to make
+        self._committer = False  # this rank commits (set by __enter__)
         self._manifest: Manifest | None = None
         self._claims: list[str] = []  # names and globs of tx.directory files this rank hashes itself
 
@@ -165,7 +167,11 @@ class Transaction:
         self._timer = Timer("save", f"step {self.step}")
         if self._coord is None:
             self._coord = current_coordinator(self._timeout)
-        plan = decide_on_rank0(self._plan_save, phase="save plan", coordinator=self._coord)
+        # Asked once: alone, this rank commits and every collective returns what it was given.
+        self._alone = self._coord.world_size == 1
+        self._committer = self._alone or self._coord.is_committer
+        plan = (self._plan_save() if self._alone else
+                decide_on_rank0(self._plan_save, phase="save plan", coordinator=self._coord))
         self._plan = plan
         self.txid = plan.txid
         self._timer.phase("staging")
@@ -175,7 +181,7 @@ class Transaction:
                 raise TransactionAbortedError(
                     f"ranks disagree on the step: this rank saves {self.step}, rank 0 saves {plan.step}"
                 )
-            if not self._coord.is_committer:
+            if not self._committer:
                 self._check_shared_root(plan)
         except BaseException as e:
             # The other ranks are inside the transaction already and will gather at its end:
@@ -183,11 +189,21 @@ class Transaction:
             # rank learns it and none waits for the timeout (or meets a mismatched collective).
             self._done = True
             report = {"rank": self.rank, "error": errors.encode_error(e, rank=self.rank)}
-            reports = self._coord.gather(report)
-            outcome = self._commit_or_abort(reports or [report]) if self._coord.is_committer else {}
-            self._coord.broadcast(outcome)
+            reports = self._gather(report)
+            outcome = self._commit_or_abort(reports or [report]) if self._committer else {}
+            self._broadcast(outcome)
             raise
         return self
+
+    def _gather(self, report: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """Every rank's report, on the committer (None on the other ranks)."""
+        assert self._coord is not None  # set by __enter__
+        return [report] if self._alone else self._coord.gather(report)
+
+    def _broadcast(self, outcome: dict[str, Any]) -> dict[str, Any]:
+        """The committer's outcome, on every rank."""
+        assert self._coord is not None  # set by __enter__
+        return outcome if self._alone else self._coord.broadcast(outcome)
 
     def _plan_save(self) -> SavePlan:
         """Rank 0: validate the save, record its intent, create its staging; the plan."""
@@ -309,20 +325,19 @@ class Transaction:
             self._names.mark(name, self._root.storage.local_path(f"{self.staging_key}/{name}"))
 
     def __exit__(self, exc_type, exc, tb) -> Literal[False]:
-        coord, timer = self._coord, self._timer
-        assert coord is not None and timer is not None  # both set by __enter__
+        timer = self._timer
+        assert self._coord is not None and timer is not None  # both set by __enter__
         try:
             report = self._rank_report(exc)
             if "files" in report:
                 timer.phase("data" if self.world_size == 1 else f"data (rank {self.rank})",
                             sum(f["size"] for f in report["files"].values()))
-            reports = coord.gather(report)
+            reports = self._gather(report)
             outcome: dict[str, Any] = {}
-            committer = coord.is_committer
-            if committer:
+            if self._committer:
                 outcome = self._commit_or_abort(reports or [report])
-            outcome = coord.broadcast(outcome)
-            if "path" in outcome and committer and not self._root.shared.staging_reclaimed:
+            outcome = self._broadcast(outcome)
+            if "path" in outcome and self._committer and not self._root.shared.staging_reclaimed:
                 # Committed, and every rank has its path: now the session's first save reclaims
                 # what dead writers left (§8 step 12), off the other ranks' way.
                 reclaim_after_save(self._root)
