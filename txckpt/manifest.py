@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from . import checksum
 from .errors import InvalidArgumentError, ManifestError, UnsafePathError
@@ -43,6 +43,17 @@ class FileEntry:
         if size < 0 or kind not in KINDS:
             raise ManifestError(f"manifest entry for {name!r} has size {size} / kind {kind!r}")
         return cls(size, digest, kind, rank)
+
+
+def files_to_json(files: Mapping[str, FileEntry]) -> dict[str, dict[str, Any]]:
+    """A file table's wire form (a rank's report), ``FileEntry.to_json`` of each file."""
+    return {name: entry.to_json() for name, entry in files.items()}
+
+
+def files_from_json(raw: Mapping[str, Any], *, rank: int) -> dict[str, FileEntry]:
+    """The file table of one rank's report (:func:`files_to_json`), every file recorded with
+    ``rank``, the rank that sent it, whatever the entries say."""
+    return {name: FileEntry.from_json(name, {**entry, "rank": rank}) for name, entry in raw.items()}
 
 
 def kind_for_name(name: str) -> str:

@@ -38,6 +38,8 @@ from .manifest import (
     check_name_tree,
     check_new_file_name,
     check_step,
+    files_from_json,
+    files_to_json,
     kind_for_name,
 )
 from .progress import Timer
@@ -387,7 +389,7 @@ class Transaction:
             if self._open_writers:
                 raise InvalidArgumentError(f"files still open at commit: {sorted(self._open_writers)}")
             self._names.check_not_rewritten(lambda n: self._root.storage.local_path(f"{self.staging_key}/{n}"))
-            files = {name: e.to_json() for name, e in self._written.items()}
+            files = files_to_json(self._written)
             if self._temp_root and self._local_dir is not None:
                 # Remote root: upload what other code wrote into the local scratch directory
                 # (this rank's own: every file there is hashed and recorded as this rank's).
@@ -583,13 +585,14 @@ def _agree(reports: list[dict[str, Any]]) -> dict[str, FileEntry]:
     (written or claimed) is refused (protocol §8 step 6)."""
     files: dict[str, FileEntry] = {}
     for r in reports:
-        for name, entry in r["files"].items():
+        entries = files_from_json(r["files"], rank=r["rank"])
+        for name in entries:
             if name in files:
                 raise InvalidArgumentError(
                     f"file {name!r} was written by rank {files[name].rank} and rank {r['rank']}; "
                     "give each rank's files distinct names (e.g. with the rank in the name)"
                 )
-            files[name] = FileEntry.from_json(name, {**entry, "rank": r["rank"]})
+        files.update(entries)
     return files
 
 
