@@ -24,7 +24,7 @@ from .errors import (
     RootNotFoundError,
 )
 # root_key: identity.py's (which spellings name one root); importable from here, as asyncsave does.
-from .identity import SessionState, Shared, root_key, spelling
+from .identity import SessionState, Shared, root_key, root_names
 from .fallback import check_on_damaged, present_fallback, resume_intact
 from .layout import INTENTS_DIR, TX_DIR, parse_checkpoint_name
 from .lineage import (  # CheckpointInfo: importable from here, as txckpt/__init__ does
@@ -354,7 +354,7 @@ _lock = threading.Lock()
 def open_root(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> CheckpointRoot:
     """The process's CheckpointRoot for ``root`` (created on first use). Every spelling of one
     root (:func:`root_key`) shares one SessionState; each has its own object, its paths in it."""
-    key, spelled = root_key(root, storage_options), spelling(root)
+    key, spelled = root_names(root, storage_options)
     with _lock:
         peers = _roots.setdefault(key, {})
         r = peers.get(spelled)
