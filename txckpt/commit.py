@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from typing import Any, Callable, Mapping
 
 from . import log as commit_log
@@ -243,9 +244,9 @@ def finish_commit(root: Root, manifest: Manifest, entry: dict[str, Any]) -> str:
     # Committed. What is left does not depend on each other (§8 steps 9-11), so on object
     # stores the three requests overlap instead of costing three round trips in a row.
     _, where, cleared = storage.run_concurrently([
-        lambda: commit_log.write_hint(storage, entry["seq"]),
-        lambda: root.publication.publish(committed),
-        lambda: clear_intent(root, manifest.txid),
+        partial(commit_log.write_hint, storage, entry["seq"]),
+        partial(root.publication.publish, committed),
+        partial(clear_intent, root, manifest.txid),
     ])
     if isinstance(cleared, Exception):
         log.warning("checkpoint %s is committed, but its intent could not be deleted (%s); "
