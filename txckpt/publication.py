@@ -160,7 +160,11 @@ class InPlacePublication:
 
     def locate(self, ref: Ref) -> str | None:
         """The key where the committed checkpoint ``ref`` is now, or None if it is gone."""
-        for key in self.candidates(ref):
+        return self._holding(ref, self.candidates(ref))
+
+    def _holding(self, ref: Ref, keys: list[str]) -> str | None:
+        """The first of ``keys`` that holds the committed checkpoint ``ref``, or None."""
+        for key in keys:
             if manifest_txid(self.storage, key) == ref.txid:
                 return key
         return None
@@ -293,9 +297,10 @@ class RenamePublication(InPlacePublication):
             if other is not None and dst != key and other[1]:
                 self.publish(other[0])
             return
-    def candidates(self, ref: Ref) -> list[str]:
+    def candidates(self, ref: Ref, pub: str | None = None) -> list[str]:
+        """``pub``: the public key of ``ref.step``, if the caller has it."""
         keys = super().candidates(ref)
-        pub = self.public_key(ref.step)
+        pub = self.public_key(ref.step) if pub is None else pub
         return [pub] + [k for k in keys if k != pub]
 
     def publish(self, ref: Ref) -> str | None:
@@ -306,7 +311,7 @@ class RenamePublication(InPlacePublication):
             occupant = manifest_txid(s, pub)
             if occupant == ref.txid:
                 return pub
-            src = self.locate(ref)
+            src = self._holding(ref, self.candidates(ref, pub))  # locate(ref), its public key known
             if src is None:
                 return None
             if s.exists(pub):
