@@ -388,7 +388,8 @@ class Transaction:
         try:
             if self._open_writers:
                 raise InvalidArgumentError(f"files still open at commit: {sorted(self._open_writers)}")
-            self._names.check_not_rewritten(lambda n: self._root.storage.local_path(f"{self.staging_key}/{n}"))
+            if self._local_dir is not None:  # files are marked once tx.directory is out (_mark)
+                self._names.check_not_rewritten(lambda n: self._root.storage.local_path(f"{self.staging_key}/{n}"))
             files = files_to_json(self._written)
             if self._temp_root and self._local_dir is not None:
                 # Remote root: upload what other code wrote into the local scratch directory
