@@ -45,13 +45,14 @@ class FileEntry:
         return cls(size, digest, kind, rank)
 
 
-def files_to_json(files: Mapping[str, FileEntry]) -> dict[str, dict[str, Any]]:
-    """A file table's wire form (a rank's report), ``FileEntry.to_json`` of each file."""
-    return {name: entry.to_json() for name, entry in files.items()}
+def written_to_json(written: Mapping[str, tuple[int, str, str]], rank: int) -> dict[str, dict[str, Any]]:
+    """The file table of a rank's report: each file it wrote, ``name -> (size, checksum,
+    kind)``, as the wire form of its FileEntry, recorded with ``rank``."""
+    return {name: FileEntry(size, digest, kind, rank).to_json() for name, (size, digest, kind) in written.items()}
 
 
 def files_from_json(raw: Mapping[str, Any], *, rank: int) -> dict[str, FileEntry]:
-    """The file table of one rank's report (:func:`files_to_json`), every file recorded with
+    """The file table of one rank's report (:func:`written_to_json`), every file recorded with
     ``rank``, the rank that sent it, whatever the entries say."""
     return {name: FileEntry.from_json(name, {**entry, "rank": rank}) for name, entry in raw.items()}
 

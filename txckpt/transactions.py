@@ -39,7 +39,7 @@ from .manifest import (
     check_new_file_name,
     check_step,
     files_from_json,
-    files_to_json,
+    written_to_json,
     kind_for_name,
 )
 from .progress import Timer
@@ -89,7 +89,7 @@ class Transaction:
         self.path: str | None = None
         self.txid: str | None = None
         self._plan: SavePlan | None = None
-        self._written: dict[str, FileEntry] = {}
+        self._written: dict[str, tuple[int, str, str]] = {}  # name -> (size, checksum, kind), once closed
         self._open_writers: set[str] = set()
         self._names = TxNames()  # directories of the names, and marks of files tx.directory may rewrite
         self._writes: Any = None  # the storage's WriteBatch of this rank's staging files
@@ -316,9 +316,9 @@ class Transaction:
             f.abort()
             raise
 
-    def _finished_file(self, name: str, entry: FileEntry) -> None:
+    def _finished_file(self, name: str, size: int, digest: str, kind: str) -> None:
         self._open_writers.discard(name)
-        self._written[name] = entry
+        self._written[name] = (size, digest, kind)
         if self._local_dir is not None:
             self._mark(name)
 
@@ -390,7 +390,7 @@ class Transaction:
                 raise InvalidArgumentError(f"files still open at commit: {sorted(self._open_writers)}")
             if self._local_dir is not None:  # files are marked once tx.directory is out (_mark)
                 self._names.check_not_rewritten(lambda n: self._root.storage.local_path(f"{self.staging_key}/{n}"))
-            files = files_to_json(self._written)
+            files = written_to_json(self._written, self.rank)
             if self._temp_root and self._local_dir is not None:
                 # Remote root: upload what other code wrote into the local scratch directory
                 # (this rank's own: every file there is hashed and recorded as this rank's).
@@ -561,7 +561,7 @@ class _TrackedWriter(HashingWriter):
         if self.closed:
             return
         super().close()
-        self._tx._finished_file(self._name, FileEntry(self.size, self.digest, self.kind, self._tx.rank))
+        self._tx._finished_file(self._name, self.size, self.digest, self.kind)
 
     def abort(self) -> None:
         if self.closed:
