@@ -297,10 +297,9 @@ class RenamePublication(InPlacePublication):
             if other is not None and dst != key and other[1]:
                 self.publish(other[0])
             return
-    def candidates(self, ref: Ref, pub: str | None = None) -> list[str]:
-        """``pub``: the public key of ``ref.step``, if the caller has it."""
+    def candidates(self, ref: Ref) -> list[str]:
         keys = super().candidates(ref)
-        pub = self.public_key(ref.step) if pub is None else pub
+        pub = self.public_key(ref.step)
         return [pub] + [k for k in keys if k != pub]
 
     def publish(self, ref: Ref) -> str | None:
@@ -311,7 +310,10 @@ class RenamePublication(InPlacePublication):
             occupant = manifest_txid(s, pub)
             if occupant == ref.txid:
                 return pub
-            src = self._holding(ref, self.candidates(ref, pub))  # locate(ref), its public key known
+            # locate(ref), pub first read just above: the other candidates, then pub again only
+            # if the checkpoint is in none of them (it got there meanwhile).
+            others = [k for k in super().candidates(ref) if k != pub]
+            src = self._holding(ref, others) or self._holding(ref, [pub])
             if src is None:
                 return None
             if s.exists(pub):
