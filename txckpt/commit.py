@@ -40,9 +40,9 @@ def append(root: Root, build: Build, *, start: State | None = None, update_hint:
            on_full: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Append one log entry (``txckpt.log.append``) and remember the state it made. The root's
     first entry also makes the space reserve retention uses on a full disk."""
-    entry = commit_log.append(root.storage, build, durable=root.durable, start=start,
-                              update_hint=update_hint, on_full=on_full)
-    note_state(root, commit_log.entry_state(entry))
+    entry, state = commit_log.append(root.storage, build, durable=root.durable, start=start,
+                                     update_hint=update_hint, on_full=on_full)
+    note_state(root, state)
     if entry["seq"] == 0:
         ensure_reserve(root.storage, durable=root.durable)
     return entry
