@@ -1,6 +1,7 @@
 """One room owns the read path (issue 28): a verified local load opens storage once, through
-the factory, and passes through at most 50 module-to-module hops (benchmarks/hops.py defines
-and counts them; docs/architecture.md records the counts)."""
+the factory, and passes through at most 50 module-to-module hops; a warm synchronous save opens
+none and passes through at most 110 (benchmarks/hops.py defines and counts them;
+docs/architecture.md records the counts)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from txckpt.storage.base import Storage
 from benchmarks import hops
 
 MAX_LOAD_HOPS = 50
+MAX_SAVE_HOPS = 110
 
 
 @pytest.fixture(autouse=True)
@@ -76,6 +78,13 @@ def test_a_warm_verified_load_makes_at_most_50_hops():
     t = hops.measure("load")
     assert t.storage_opens == 1 and t.open_storage_calls == 1
     assert t.hops <= MAX_LOAD_HOPS, t.summary("load") + "\n" + "\n".join(
+        f"{n:4d}  {a} -> {b}" for (a, b), n in t.edges.most_common())
+
+
+def test_a_warm_synchronous_save_makes_at_most_110_hops():
+    t = hops.measure("save")
+    assert t.storage_opens == 0 and t.open_storage_calls == 0  # the root's storage is open already
+    assert t.hops <= MAX_SAVE_HOPS, t.summary("save") + "\n" + "\n".join(
         f"{n:4d}  {a} -> {b}" for (a, b), n in t.edges.most_common())
 
 
