@@ -197,14 +197,12 @@ class Transaction:
             raise
         return self
 
-    def _gather(self, report: dict[str, Any]) -> list[dict[str, Any]] | None:
-        """Every rank's report, on the committer (None on the other ranks)."""
+    def _gather(self, report: dict[str, Any]) -> list[dict[str, Any]] | None:  # on the committer
         assert self._coord is not None  # set by __enter__
         return [report] if self._alone else self._coord.gather(report)
 
-    def _broadcast(self, outcome: dict[str, Any]) -> dict[str, Any]:
-        """The committer's outcome, on every rank."""
-        assert self._coord is not None  # set by __enter__
+    def _broadcast(self, outcome: dict[str, Any]) -> dict[str, Any]:  # the committer's, on every rank
+        assert self._coord is not None
         return outcome if self._alone else self._coord.broadcast(outcome)
 
     def _plan_save(self) -> SavePlan:
@@ -272,9 +270,7 @@ class Transaction:
         self._open_writers.add(name)
         return _TrackedWriter(self, name, sink)  # type: ignore[return-value]
 
-    def _rebuild_names(self) -> None:
-        """The names' directories again from the names written or open now (after one was
-        dropped: a writer aborted, or a file that could not be created)."""
+    def _rebuild_names(self) -> None:  # after a name was dropped: a writer aborted, a file not created
         self._names.rebuild(list(self._written) + sorted(self._open_writers))
 
     def check_not_rewritten(self) -> None:
@@ -572,8 +568,7 @@ class _TrackedWriter(HashingWriter):
 
 
 def save_files(root: Root, step: int, files: Mapping[str, Any], **kwargs: Any) -> str:
-    """Save ``files`` (file name -> object, by the rules of :func:`txckpt.save_checkpoint`) as
-    checkpoint ``step`` in one transaction (``kwargs``: :class:`Transaction`'s); the path."""
+    """Save ``files`` (name -> object, as save_checkpoint) as ``step`` in one Transaction(**kwargs)."""
     with Transaction(root, step, **kwargs) as tx:
         for name, obj in files.items():
             tx.save(name, obj)
