@@ -1,11 +1,15 @@
 """One room owns the read path (issue 28): a verified local load opens storage once, through
-the factory, and passes through at most 50 module-to-module hops (benchmarks/hops.py defines
-and counts them; docs/architecture.md records the counts)."""
+the factory, and passes through at most 50 module-to-module hops; a warm synchronous save opens
+none and passes through at most 110 (benchmarks/hops.py defines and counts them;
+docs/architecture.md records the counts)."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -16,6 +20,7 @@ from txckpt.storage.base import Storage
 from benchmarks import hops
 
 MAX_LOAD_HOPS = 50
+MAX_SAVE_HOPS = 110
 
 
 @pytest.fixture(autouse=True)
@@ -77,6 +82,19 @@ def test_a_warm_verified_load_makes_at_most_50_hops():
     assert t.storage_opens == 1 and t.open_storage_calls == 1
     assert t.hops <= MAX_LOAD_HOPS, t.summary("load") + "\n" + "\n".join(
         f"{n:4d}  {a} -> {b}" for (a, b), n in t.edges.most_common())
+
+
+def test_a_warm_synchronous_save_makes_at_most_110_hops():
+    # In a process of its own, as `python -m benchmarks.hops save` counts it: a test process
+    # holds what earlier tests left (an async saver makes every save ask which root it is).
+    out = subprocess.run([sys.executable, "-m", "benchmarks.hops", "save", "--edges"], capture_output=True,
+                         text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    summary = out.stdout.splitlines()[0]
+    found = re.match(r"save: (\d+) hops, .* storage opened (\d+) times \((\d+) open_storage calls\)", summary)
+    assert found, out.stdout
+    assert found.group(2) == found.group(3) == "0", summary  # the root's storage is open already
+    assert int(found.group(1)) <= MAX_SAVE_HOPS, out.stdout
 
 
 def test_the_hop_counter_counts_edges_between_modules_only():

@@ -400,7 +400,9 @@ def wait_for_root(root: str | os.PathLike, storage_options: Mapping[str, Any] | 
     and wait_for_saves have it). Called by the synchronous API before it reads or changes the
     root's state, which the background save is changing."""
     with _lock:
-        saver = _savers.get(root_key(root, storage_options))
+        # No saver in this process (it never saved asynchronously): nothing to wait for, and no
+        # need to tell which root ``root`` is.
+        saver = _savers.get(root_key(root, storage_options)) if _savers else None
     if saver is None:
         return
     with saver.lock:

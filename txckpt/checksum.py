@@ -118,6 +118,9 @@ class HashingWriter(AbortOnError, io.RawIOBase):
         self._sink = sink
         self._hasher = new_hasher()
         self.size = 0
+        #: The xxh3-128 hex digest of every byte written, set when the writer closes ("" before,
+        #: and after an abort).
+        self.digest = ""
         self.sink_error: OSError | None = None
 
     def _failed(self, e: OSError) -> None:
@@ -160,6 +163,7 @@ class HashingWriter(AbortOnError, io.RawIOBase):
 
     def close(self) -> None:
         if not self.closed:
+            self.digest = self._hasher.hexdigest()
             try:
                 self._sink.close()
             except OSError as e:
@@ -185,7 +189,3 @@ class HashingWriter(AbortOnError, io.RawIOBase):
                 self.abort()
             except Exception:
                 pass
-
-    @property
-    def digest(self) -> str:
-        return self._hasher.hexdigest()

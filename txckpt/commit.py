@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from typing import Any, Callable, Mapping
 
 from . import log as commit_log
@@ -39,9 +40,9 @@ def append(root: Root, build: Build, *, start: State | None = None, update_hint:
            on_full: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Append one log entry (``txckpt.log.append``) and remember the state it made. The root's
     first entry also makes the space reserve retention uses on a full disk."""
-    entry = commit_log.append(root.storage, build, durable=root.durable, start=start,
-                              update_hint=update_hint, on_full=on_full)
-    note_state(root, commit_log.entry_state(entry))
+    entry, state = commit_log.append(root.storage, build, durable=root.durable, start=start,
+                                     update_hint=update_hint, on_full=on_full)
+    note_state(root, state)
     if entry["seq"] == 0:
         ensure_reserve(root.storage, durable=root.durable)
     return entry
@@ -243,9 +244,9 @@ def finish_commit(root: Root, manifest: Manifest, entry: dict[str, Any]) -> str:
     # Committed. What is left does not depend on each other (§8 steps 9-11), so on object
     # stores the three requests overlap instead of costing three round trips in a row.
     _, where, cleared = storage.run_concurrently([
-        lambda: commit_log.write_hint(storage, entry["seq"]),
-        lambda: root.publication.publish(committed),
-        lambda: clear_intent(root, manifest.txid),
+        partial(commit_log.write_hint, storage, entry["seq"]),
+        partial(root.publication.publish, committed),
+        partial(clear_intent, root, manifest.txid),
     ])
     if isinstance(cleared, Exception):
         log.warning("checkpoint %s is committed, but its intent could not be deleted (%s); "

@@ -298,16 +298,14 @@ def current_coordinator(timeout_s: float | None = None, phase: str | None = None
     """TorchDistributed inside an initialised process group of more than one rank, else
     SingleProcess.
 
-    torch.distributed is looked at only if torch is already imported (a process group cannot
-    exist otherwise), so a process that never imported torch does not import it here. Every
+    torch.distributed is looked at only if it is already imported (``import torch`` imports it;
+    a process group cannot exist otherwise), so a process that never imported torch does not
+    import it here. Every
     rank must call this at the same point: the first call in a process group creates txckpt's
     gloo group, a collective. ``phase``: what a failure to create it is reported as.
     """
-    if "torch" not in sys.modules:
-        return SingleProcess()
-    try:
-        dist = deps.torch_distributed
-    except ImportError:  # pragma: no cover
+    dist = sys.modules.get("torch.distributed")  # a look-up, never an import
+    if dist is None:
         return SingleProcess()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return TorchDistributed(timeout_s, phase)

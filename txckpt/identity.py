@@ -59,10 +59,17 @@ def _local_spelling(p: str) -> str:
 def root_key(root: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> tuple[Any, ...]:
     """What names one root in this process: the pid (a forked child starts afresh), the root's
     identity (module docstring) and the storage options."""
+    return root_names(root, storage_options)[0]
+
+
+def root_names(root: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> tuple[tuple[Any, ...], str]:
+    """``(root_key(root, storage_options), spelling(root))``: both names the root cache files a
+    root under, from one look at what kind of path ``root`` is."""
     options = repr(sorted((storage_options or {}).items()))
     given = os.fspath(root)
     local = is_local_path(given)
-    directory: str | None = _local_spelling(given) if local else given
+    spelled = _local_spelling(given) if local else given
+    directory: str | None = spelled
     url = given
     if not local:
         with _lock:
@@ -73,8 +80,8 @@ def root_key(root: str | os.PathLike, storage_options: Mapping[str, Any] | None)
             known = _urls[(given, options)] = (storage.local_path(""), storage.identity())
         directory, url = known
     if directory is None:
-        return (os.getpid(), url, options)
-    return (os.getpid(), "dir:" + _directory(directory), options)
+        return (os.getpid(), url, options), spelled
+    return (os.getpid(), "dir:" + _directory(directory), options), spelled
 
 
 def _directory(path: str) -> str:
@@ -161,4 +168,4 @@ class Shared(Generic[T]):
         setattr(obj.shared, self.name, value)
 
 
-__all__ = ["root_key", "spelling", "SessionState", "Shared"]
+__all__ = ["root_key", "root_names", "spelling", "SessionState", "Shared"]

@@ -255,8 +255,8 @@ def append(
     start: State | None = None,
     update_hint: bool = True,
     on_full: Callable[[], bool] | None = None,
-) -> dict[str, Any]:
-    """Append one entry. ``build(state, seq, time)`` validates against the newest state and
+) -> tuple[dict[str, Any], State]:
+    """Append one entry; returns it, and the state it carries (:func:`entry_state`). ``build(state, seq, time)`` validates against the newest state and
     returns the entry's body: the action's fields and "state", the State after it (or its
     ``to_json()``); it may raise to refuse. The entry records that state's head record only.
     ``state`` is partial (:func:`entry_state`): what the newest entry says.
@@ -309,7 +309,7 @@ def append(
             raise storage_error(e, f"append log entry {seq}") from e
         if update_hint:
             write_hint(storage, seq)
-        return entry
+        return entry, entry_state(entry)
     raise ConcurrentWriterError(
         f"could not append to the log after {_MAX_APPEND_ATTEMPTS} attempts: too many concurrent "
         "writers on one root"

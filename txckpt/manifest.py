@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from . import checksum
 from .errors import InvalidArgumentError, ManifestError, UnsafePathError
@@ -43,6 +43,18 @@ class FileEntry:
         if size < 0 or kind not in KINDS:
             raise ManifestError(f"manifest entry for {name!r} has size {size} / kind {kind!r}")
         return cls(size, digest, kind, rank)
+
+
+def written_to_json(written: Mapping[str, tuple[int, str, str]], rank: int) -> dict[str, dict[str, Any]]:
+    """The file table of a rank's report: each file it wrote, ``name -> (size, checksum,
+    kind)``, as the wire form of its FileEntry, recorded with ``rank``."""
+    return {name: FileEntry(size, digest, kind, rank).to_json() for name, (size, digest, kind) in written.items()}
+
+
+def files_from_json(raw: Mapping[str, Any], *, rank: int) -> dict[str, FileEntry]:
+    """The file table of one rank's report (:func:`written_to_json`), every file recorded with
+    ``rank``, the rank that sent it, whatever the entries say."""
+    return {name: FileEntry.from_json(name, {**entry, "rank": rank}) for name, entry in raw.items()}
 
 
 def kind_for_name(name: str) -> str:

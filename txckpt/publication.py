@@ -160,7 +160,11 @@ class InPlacePublication:
 
     def locate(self, ref: Ref) -> str | None:
         """The key where the committed checkpoint ``ref`` is now, or None if it is gone."""
-        for key in self.candidates(ref):
+        return self._holding(ref, self.candidates(ref))
+
+    def _holding(self, ref: Ref, keys: list[str]) -> str | None:
+        """The first of ``keys`` that holds the committed checkpoint ``ref``, or None."""
+        for key in keys:
             if manifest_txid(self.storage, key) == ref.txid:
                 return key
         return None
@@ -306,7 +310,10 @@ class RenamePublication(InPlacePublication):
             occupant = manifest_txid(s, pub)
             if occupant == ref.txid:
                 return pub
-            src = self.locate(ref)
+            # locate(ref), pub first read just above: the other candidates, then pub again only
+            # if the checkpoint is in none of them (it got there meanwhile).
+            others = [k for k in super().candidates(ref) if k != pub]
+            src = self._holding(ref, others) or self._holding(ref, [pub])
             if src is None:
                 return None
             if s.exists(pub):

@@ -24,7 +24,7 @@ from .errors import (
     RootNotFoundError,
 )
 # root_key: identity.py's (which spellings name one root); importable from here, as asyncsave does.
-from .identity import SessionState, Shared, root_key, spelling
+from .identity import SessionState, Shared, root_key, root_names
 from .fallback import check_on_damaged, present_fallback, resume_intact
 from .layout import INTENTS_DIR, TX_DIR, parse_checkpoint_name
 from .lineage import (  # CheckpointInfo: importable from here, as txckpt/__init__ does
@@ -39,7 +39,7 @@ from .publication import LOOKUP_ATTEMPTS, publication_for
 from .refs import Ref, same_ref
 from .storage import Storage, open_storage
 from .storage.errors import missing_bucket_error
-from .transactions import Transaction
+from .transactions import Transaction, save_files
 
 log = logging.getLogger("txckpt")
 
@@ -342,11 +342,7 @@ class CheckpointRoot:
     def save(self, step: int, files: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None, **kwargs: Any) -> str:
         if not isinstance(files, Mapping) or not files:
             raise InvalidArgumentError("files must be a non-empty dict of file name -> object")
-        with self.transaction(step, metadata=metadata, **kwargs) as tx:
-            for name, obj in files.items():
-                tx.save(name, obj)
-        assert tx.path is not None
-        return tx.path
+        return save_files(self, step, files, metadata=metadata, **kwargs)
 
 
 # ----- the per-process root cache ------------------------------------------------------------------
@@ -358,7 +354,7 @@ _lock = threading.Lock()
 def open_root(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> CheckpointRoot:
     """The process's CheckpointRoot for ``root`` (created on first use). Every spelling of one
     root (:func:`root_key`) shares one SessionState; each has its own object, its paths in it."""
-    key, spelled = root_key(root, storage_options), spelling(root)
+    key, spelled = root_names(root, storage_options)
     with _lock:
         peers = _roots.setdefault(key, {})
         r = peers.get(spelled)

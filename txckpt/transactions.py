@@ -36,7 +36,10 @@ from .manifest import (
     Manifest,
     check_file_name,
     check_name_tree,
+    check_new_file_name,
     check_step,
+    files_from_json,
+    written_to_json,
     kind_for_name,
 )
 from .progress import Timer
@@ -86,7 +89,7 @@ class Transaction:
         self.path: str | None = None
         self.txid: str | None = None
         self._plan: SavePlan | None = None
-        self._written: dict[str, FileEntry] = {}
+        self._written: dict[str, tuple[int, str, str]] = {}  # name -> (size, checksum, kind), once closed
         self._open_writers: set[str] = set()
         self._names = TxNames()  # directories of the names, and marks of files tx.directory may rewrite
         self._writes: Any = None  # the storage's WriteBatch of this rank's staging files
@@ -95,6 +98,8 @@ class Transaction:
         self._entered = False
         self._done = False
         self._timer: Timer | None = None  # phases logged at DEBUG, the summary at INFO (rank 0)
+        self._alone = False  # a world of one rank (set by __enter__): no collective to make
+        self._committer = False  # this rank commits (set by __enter__)
         self._manifest: Manifest | None = None
         self._claims: list[str] = []  # names and globs of tx.directory files this rank hashes itself
 
@@ -164,7 +169,11 @@ class Transaction:
         self._timer = Timer("save", f"step {self.step}")
         if self._coord is None:
             self._coord = current_coordinator(self._timeout)
-        plan = decide_on_rank0(self._plan_save, phase="save plan", coordinator=self._coord)
+        # Asked once: alone, this rank commits and every collective returns what it was given.
+        self._alone = self._coord.world_size == 1
+        self._committer = self._alone or self._coord.is_committer
+        plan = (self._plan_save() if self._alone else
+                decide_on_rank0(self._plan_save, phase="save plan", coordinator=self._coord))
         self._plan = plan
         self.txid = plan.txid
         self._timer.phase("staging")
@@ -174,7 +183,7 @@ class Transaction:
                 raise TransactionAbortedError(
                     f"ranks disagree on the step: this rank saves {self.step}, rank 0 saves {plan.step}"
                 )
-            if not self._coord.is_committer:
+            if not self._committer:
                 self._check_shared_root(plan)
         except BaseException as e:
             # The other ranks are inside the transaction already and will gather at its end:
@@ -182,11 +191,19 @@ class Transaction:
             # rank learns it and none waits for the timeout (or meets a mismatched collective).
             self._done = True
             report = {"rank": self.rank, "error": errors.encode_error(e, rank=self.rank)}
-            reports = self._coord.gather(report)
-            outcome = self._commit_or_abort(reports or [report]) if self._coord.is_committer else {}
-            self._coord.broadcast(outcome)
+            reports = self._gather(report)
+            outcome = self._commit_or_abort(reports or [report]) if self._committer else {}
+            self._broadcast(outcome)
             raise
         return self
+
+    def _gather(self, report: dict[str, Any]) -> list[dict[str, Any]] | None:  # on the committer
+        assert self._coord is not None  # set by __enter__
+        return [report] if self._alone else self._coord.gather(report)
+
+    def _broadcast(self, outcome: dict[str, Any]) -> dict[str, Any]:  # the committer's, on every rank
+        assert self._coord is not None
+        return outcome if self._alone else self._coord.broadcast(outcome)
 
     def _plan_save(self) -> SavePlan:
         """Rank 0: validate the save, record its intent, create its staging; the plan."""
@@ -239,17 +256,22 @@ class Transaction:
         self._require_open()
         if mode != "wb":
             raise InvalidArgumentError(f"transaction files open with mode 'wb' only, not {mode!r}")
-        check_file_name(name)
+        check_new_file_name(name)
         if name in self._written or name in self._open_writers:
             raise InvalidArgumentError(f"{name!r} was already written in this transaction")
-        self._names.check_new(name, lambda n: n in self._written or n in self._open_writers, self._local_dir)
+        self._names.add(name, lambda n: n in self._written or n in self._open_writers, self._local_dir)
         try:
             sink = self._writes.open_write(f"{self.staging_key}/{name}", durable=self._root.durable)
-        except OSError as e:
-            raise storage_error(e, f"create {name!r} in the staging directory") from e
+        except BaseException as e:
+            self._rebuild_names()  # the name was not opened after all
+            if isinstance(e, OSError):
+                raise storage_error(e, f"create {name!r} in the staging directory") from e
+            raise
         self._open_writers.add(name)
-        self._names.opened(name)
         return _TrackedWriter(self, name, sink)  # type: ignore[return-value]
+
+    def _rebuild_names(self) -> None:  # after a name was dropped: a writer aborted, a file not created
+        self._names.rebuild(list(self._written) + sorted(self._open_writers))
 
     def check_not_rewritten(self) -> None:
         """Raise InvalidArgumentError if a file written through ``open``/``save`` was written
@@ -290,9 +312,9 @@ class Transaction:
             f.abort()
             raise
 
-    def _finished_file(self, name: str, entry: FileEntry) -> None:
+    def _finished_file(self, name: str, size: int, digest: str, kind: str) -> None:
         self._open_writers.discard(name)
-        self._written[name] = entry
+        self._written[name] = (size, digest, kind)
         if self._local_dir is not None:
             self._mark(name)
 
@@ -301,20 +323,19 @@ class Transaction:
             self._names.mark(name, self._root.storage.local_path(f"{self.staging_key}/{name}"))
 
     def __exit__(self, exc_type, exc, tb) -> Literal[False]:
-        coord, timer = self._coord, self._timer
-        assert coord is not None and timer is not None  # both set by __enter__
+        timer = self._timer
+        assert self._coord is not None and timer is not None  # both set by __enter__
         try:
             report = self._rank_report(exc)
             if "files" in report:
                 timer.phase("data" if self.world_size == 1 else f"data (rank {self.rank})",
                             sum(f["size"] for f in report["files"].values()))
-            reports = coord.gather(report)
+            reports = self._gather(report)
             outcome: dict[str, Any] = {}
-            committer = coord.is_committer
-            if committer:
+            if self._committer:
                 outcome = self._commit_or_abort(reports or [report])
-            outcome = coord.broadcast(outcome)
-            if "path" in outcome and committer and not self._root.shared.staging_reclaimed:
+            outcome = self._broadcast(outcome)
+            if "path" in outcome and self._committer and not self._root.shared.staging_reclaimed:
                 # Committed, and every rank has its path: now the session's first save reclaims
                 # what dead writers left (§8 step 12), off the other ranks' way.
                 reclaim_after_save(self._root)
@@ -363,8 +384,9 @@ class Transaction:
         try:
             if self._open_writers:
                 raise InvalidArgumentError(f"files still open at commit: {sorted(self._open_writers)}")
-            self._names.check_not_rewritten(lambda n: self._root.storage.local_path(f"{self.staging_key}/{n}"))
-            files = {name: e.to_json() for name, e in self._written.items()}
+            if self._local_dir is not None:  # files are marked once tx.directory is out (_mark)
+                self._names.check_not_rewritten(lambda n: self._root.storage.local_path(f"{self.staging_key}/{n}"))
+            files = written_to_json(self._written, self.rank)
             if self._temp_root and self._local_dir is not None:
                 # Remote root: upload what other code wrote into the local scratch directory
                 # (this rank's own: every file there is hashed and recorded as this rank's).
@@ -535,14 +557,23 @@ class _TrackedWriter(HashingWriter):
         if self.closed:
             return
         super().close()
-        self._tx._finished_file(self._name, FileEntry(self.size, self.digest, self.kind, self._tx.rank))
+        self._tx._finished_file(self._name, self.size, self.digest, self.kind)
 
     def abort(self) -> None:
         if self.closed:
             return
         super().abort()
         self._tx._open_writers.discard(self._name)
-        self._tx._names.rebuild(list(self._tx._written) + sorted(self._tx._open_writers))
+        self._tx._rebuild_names()
+
+
+def save_files(root: Root, step: int, files: Mapping[str, Any], **kwargs: Any) -> str:
+    """Save ``files`` (name -> object, as save_checkpoint) as ``step`` in one Transaction(**kwargs)."""
+    with Transaction(root, step, **kwargs) as tx:
+        for name, obj in files.items():
+            tx.save(name, obj)
+    assert tx.path is not None
+    return tx.path
 
 
 def _agree(reports: list[dict[str, Any]]) -> dict[str, FileEntry]:
@@ -550,13 +581,14 @@ def _agree(reports: list[dict[str, Any]]) -> dict[str, FileEntry]:
     (written or claimed) is refused (protocol §8 step 6)."""
     files: dict[str, FileEntry] = {}
     for r in reports:
-        for name, entry in r["files"].items():
+        entries = files_from_json(r["files"], rank=r["rank"])
+        for name in entries:
             if name in files:
                 raise InvalidArgumentError(
                     f"file {name!r} was written by rank {files[name].rank} and rank {r['rank']}; "
                     "give each rank's files distinct names (e.g. with the rank in the name)"
                 )
-            files[name] = FileEntry.from_json(name, {**entry, "rank": r["rank"]})
+        files.update(entries)
     return files
 
 

@@ -21,7 +21,7 @@ import os
 from typing import Callable, Iterable
 
 from .errors import InvalidArgumentError
-from .manifest import check_new_file_name, name_conflict
+from .manifest import name_conflict
 
 
 def _prefixes(name: str) -> list[str]:
@@ -42,37 +42,38 @@ class TxNames:
         self._dirs: dict[str, str] = {}  # directory prefix -> a name below it
         self._marks: dict[str, tuple[int, ...]] = {}
 
-    def check_new(self, name: str, taken: Callable[[str], bool], local_dir: str | None) -> None:
-        """Raise unless ``name`` may be opened now. ``taken``: whether a name is written or open
-        already; ``local_dir``: tx.directory, if it is out."""
-        check_new_file_name(name)
+    def add(self, name: str, taken: Callable[[str], bool], local_dir: str | None) -> None:
+        """Raise unless ``name`` (a valid file name, ``manifest.check_new_file_name``) may be
+        opened now, else record it as opened (:meth:`rebuild` forgets it again). ``taken``:
+        whether a name is written or open already; ``local_dir``: tx.directory, if it is out."""
         if name in self._dirs:
             raise name_conflict(name, self._dirs[name])
         prefixes = _prefixes(name)
         for prefix in prefixes:
             if taken(prefix):
                 raise name_conflict(prefix, name)
-        if local_dir is None:
-            return
-        for prefix in prefixes:
-            p = os.path.join(local_dir, *prefix.split("/"))
-            if os.path.lexists(p) and not os.path.isdir(p):
-                raise name_conflict(prefix, name)
-        if os.path.lexists(os.path.join(local_dir, *name.split("/"))):
-            raise InvalidArgumentError(
-                f"{name!r} is already in tx.directory (written there by other code, e.g. save_pretrained): "
-                "tx.save/tx.open would replace it. Write each file one way only, or under another name"
-            )
+        if local_dir is not None:
+            for prefix in prefixes:
+                p = os.path.join(local_dir, *prefix.split("/"))
+                if os.path.lexists(p) and not os.path.isdir(p):
+                    raise name_conflict(prefix, name)
+            if os.path.lexists(os.path.join(local_dir, *name.split("/"))):
+                raise InvalidArgumentError(
+                    f"{name!r} is already in tx.directory (written there by other code, e.g. save_pretrained): "
+                    "tx.save/tx.open would replace it. Write each file one way only, or under another name"
+                )
+        self._opened(name, prefixes)
 
-    def opened(self, name: str) -> None:
-        for prefix in _prefixes(name):
+    def _opened(self, name: str, prefixes: list[str]) -> None:
+        for prefix in prefixes:
             self._dirs.setdefault(prefix, name)
 
     def rebuild(self, names: Iterable[str]) -> None:
-        """After a writer was aborted: the directories of the names still written or open."""
+        """After a name was dropped (a writer aborted, a file not created): the directories of
+        the names still written or open."""
         self._dirs = {}
         for n in names:
-            self.opened(n)
+            self._opened(n, _prefixes(n))
 
     def mark(self, name: str, path: str | None) -> None:
         """Remember the file ``name`` at local ``path`` (see the module doc); None (no local

@@ -370,6 +370,9 @@ class LocalStorage(Storage):
             return []
 
     def walk_files(self, key: str) -> Iterator[tuple[str, int]]:
+        # Listed whole, then returned: one call for the caller rather than one per file (the
+        # listing is a few stats; nothing is gained by interleaving them with the caller's work).
+        out = []
         base = self._p(key)
         for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
             rel_dir = os.path.relpath(dirpath, base)
@@ -381,7 +384,8 @@ class LocalStorage(Storage):
                     size = os.stat(full).st_size
                 except FileNotFoundError:
                     size = -1  # a dangling symlink: reported, and refused by the manifest check
-                yield rel.replace(os.sep, "/"), size
+                out.append((rel.replace(os.sep, "/"), size))
+        return iter(out)
 
     def is_symlink_escape(self, key: str) -> bool:
         path = self._p(key)
