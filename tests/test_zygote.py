@@ -135,6 +135,24 @@ def test_concurrent_requests_from_threads():
     assert {i: p.returncode for i, p in out.items()} == {i: i for i in range(6)}
 
 
+def test_what_the_preloaded_imports_set_is_no_difference(monkeypatch):
+    """A variable the zygote's own imports set (its hello lists them) is no difference at that
+    value, and still one at another."""
+    assert zygote.server().hello["set_by_imports"].items() <= zygote.SET_BY_IMPORTS.items()
+    monkeypatch.setitem(zygote.SET_BY_IMPORTS, "TORCH_SET_BY_AN_IMPORT", "1")
+    assert zygote.import_time_differences({**zygote.START_ENV, "TORCH_SET_BY_AN_IMPORT": "1"}) == []
+    assert zygote.import_time_differences({**zygote.START_ENV, "TORCH_SET_BY_AN_IMPORT": "2"}) == [
+        "TORCH_SET_BY_AN_IMPORT"]
+
+
+def test_a_test_process_that_ran_a_trainer_in_process_still_forks_from_the_zygote(monkeypatch):
+    """What in-process Trainer tests leave in the test process's environment (read when used,
+    not at import) keeps its children forks of the zygote."""
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_elsewhere")
+    assert int(_c("import os; print(os.getppid())").stdout) == zygote.server().proc.pid
+
+
 def test_an_import_time_variable_or_the_switch_falls_back_to_a_plain_subprocess(monkeypatch):
     assert zygote.import_time_differences({**zygote.START_ENV, "TXCKPT_X": "1", "PYTHONUNBUFFERED": "1"}) == []
     assert zygote.import_time_differences({**zygote.START_ENV, "HF_HUB_OFFLINE": "0"}) == ["HF_HUB_OFFLINE"]

@@ -231,7 +231,11 @@ def _exit_code(e: SystemExit) -> int:
 
 def serve(path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the test process's; the lifeline ends us
+    before = dict(os.environ)
     loaded = _preload()
+    # What the preloaded imports set themselves (torch's inductor: TORCHINDUCTOR_CACHE_DIR): the
+    # test process has the same values once it imported them too, and that is no difference.
+    set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -240,7 +244,8 @@ def serve(path: str) -> None:
     sel.register(0, selectors.EVENT_READ, "lifeline")
     children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, the client's connection)
     sys.path[:] = _BASE_PATH  # tests/children/ is not for the children
-    print(json.dumps({"pid": os.getpid(), "threads": _threads(), "preloaded": loaded}), flush=True)
+    print(json.dumps({"pid": os.getpid(), "threads": _threads(), "preloaded": loaded,
+                      "set_by_imports": set_by_imports}), flush=True)
     while True:
         for key, _ in sel.select():
             if key.data == "lifeline":

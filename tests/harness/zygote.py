@@ -62,6 +62,9 @@ SERVER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 START_ENV = dict(os.environ)
 #: Launches that ran as plain subprocesses, and why.
 FALLBACKS: list[str] = []
+#: Variables the zygote's preloaded imports set themselves, with their values (from its hello):
+#: a test process that made the same imports in-process has them too, and that is no difference.
+SET_BY_IMPORTS: dict[str, str] = {}
 
 #: Read by the interpreter at start-up or by the preloaded libraries at import: a child whose
 #: environment differs from the zygote's in one of these cannot be a fork of it.
@@ -70,8 +73,13 @@ _IMPORT_TIME_PREFIXES = ("TRANSFORMERS_", "HF_", "HUGGINGFACE_", "ACCELERATE_", 
                          "DEEPSPEED", "DS_", "USE_", "PYTHON", "LD_", "MALLOC_")
 _IMPORT_TIME_NAMES = frozenset({"HOME", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                                 "MASTER_ADDR", "MASTER_PORT", "LC_ALL", "LC_CTYPE", "LANG"})
-#: Handled in the child (tests/children/zygote_server.py) or not read at start-up.
-_HANDLED = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE"})
+#: Handled in the child (tests/children/zygote_server.py) or not read at start-up. The last two
+#: match the prefixes but are read when used, not at import (the child's os.environ is the
+#: request's): accelerate's is_cuda_available() leaves PYTORCH_NVML_BASED_CUDA_CHECK=1 in a test
+#: process that ran a Trainer in-process, and torch's inductor sets TORCHINDUCTOR_CACHE_DIR when
+#: imported; a clean-clone `make test` fell back to plain subprocesses for every launch after them.
+_HANDLED = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE",
+                      "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR"})
 #: Import-time variables whose value, where a request's differs from the suite's, gets a zygote of
 #: its own started with that value (instead of a plain subprocess), for a value the suite sets for
 #: a group of torch-importing children. None does yet: test_trainer_remote.py's one OMP_NUM_THREADS=1
@@ -97,6 +105,8 @@ def import_time_differences(env: dict[str, str], start: dict[str, str] | None = 
     for k in sorted(set(env) | set(start)):
         if k in _HANDLED or env.get(k) == start.get(k):
             continue
+        if k in SET_BY_IMPORTS and env.get(k) == SET_BY_IMPORTS[k]:
+            continue
         if k in _IMPORT_TIME_NAMES or k.startswith(_IMPORT_TIME_PREFIXES):
             out.append(k)
     return out
@@ -121,6 +131,7 @@ class _Server:
             self.proc.wait()
             raise RuntimeError(f"the zygote did not start (exit {self.proc.returncode}): {self.log_text()}")
         self.hello = json.loads(line)
+        SET_BY_IMPORTS.update(self.hello.get("set_by_imports", {}))
         self.proc.stdout.close()
         self.owner = os.getpid()
 
@@ -343,6 +354,8 @@ def _route(argv: Sequence[str], env: dict | None) -> tuple[str | None, _Server |
     if disabled():
         return "TXCKPT_TEST_NO_ZYGOTE", None
     env = dict(os.environ if env is None else env)
+    if server(()) is None:  # the default zygote first: its hello says what its imports set
+        return "no zygote could start", None
     key = server_key(env)
     if key is None:
         return f"{argv[0]}: env differs in {import_time_differences(env)}", None
