@@ -90,6 +90,7 @@ def _variant(ctx: Ctx, template: str, name: str) -> list[str]:
 def dcp_disagreement(ctx: Ctx, case: Case, result: Result) -> None:
     from tests.children import dcp_workers as cw
     from tests.children import dist_workers as dw
+    from tests.harness import launcher
 
     from .core import classify
 
