@@ -12,6 +12,7 @@ importing the test suite. Not part of the txckpt wheel (pyproject finds only txc
 """
 
 import importlib.util
+import socket
 
 
 def missing(*modules: str) -> str | None:
@@ -20,3 +21,10 @@ def missing(*modules: str) -> str | None:
         if importlib.util.find_spec(name) is None:
             return name
     return None
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a server that cannot report the one it picked."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

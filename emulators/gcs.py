@@ -41,13 +41,11 @@ class GCSServer:
         self.endpoint_url = ""
 
     def start(self) -> "GCSServer":
-        import socket
         import subprocess
 
-        # fake-gcs-server cannot report a port it picked itself (it logs ":0"), so pick one.
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        from emulators import free_port
+
+        port = free_port()  # fake-gcs-server cannot report a port it picked itself (it logs ":0")
         self.endpoint_url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
             [self.binary, "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",

@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any
+
+from emulators import free_port
 
 #: How long one server may take to answer after its start (the filer waits for the master to
 #: have a volume server, the gateway for the filer).
@@ -60,12 +61,6 @@ def _server_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET)
     return env
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class _Server:
@@ -141,24 +136,24 @@ class SeaweedCluster:
 
     def start(self) -> "SeaweedCluster":
         ip = ["-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
-        mport, mgrpc = _free_port(), _free_port()
+        mport, mgrpc = free_port(), free_port()
         master = f"127.0.0.1:{mport}.{mgrpc}"  # weed's host:port.grpcPort
         self.master = self._server("master", [
             "master", *ip, f"-port={mport}", f"-port.grpc={mgrpc}", f"-mdir={self._dir('master')}",
             "-defaultReplication=001", "-volumeSizeLimitMB=64", "-volumePreallocate=false"],
             f"http://127.0.0.1:{mport}/cluster/status")
         for i in range(self.VOLUMES):
-            vport, vgrpc = _free_port(), _free_port()
+            vport, vgrpc = free_port(), free_port()
             self.volumes.append(self._server(f"volume{i}", [
                 "volume", *ip, f"-port={vport}", f"-port.grpc={vgrpc}", f"-mserver={master}",
                 f"-dir={self._dir(f'volume{i}')}", "-max=100", "-dataCenter=dc1", "-rack=rack1"],
                 f"http://127.0.0.1:{vport}/status"))
-        fport, fgrpc = _free_port(), _free_port()
+        fport, fgrpc = free_port(), free_port()
         self.filer = self._server("filer", [
             "filer", *ip, f"-port={fport}", f"-port.grpc={fgrpc}", f"-master={master}",
             f"-defaultStoreDir={self._dir('filer')}", f"-localSocket={self.workdir}/filer.sock"],
             f"http://127.0.0.1:{fport}/")
-        sport, sgrpc = _free_port(), _free_port()
+        sport, sgrpc = free_port(), free_port()
         # The gateway also serves an Iceberg catalog (8181) and a Lance namespace (9101) by
         # default: fixed ports two clusters would collide on, and nothing the tests use.
         self.gateway = self._server("s3", [

@@ -39,7 +39,6 @@ def _staged(root: str) -> tuple[list[str], list[str]]:
 def _variant(ctx: Ctx, template: str, name: str) -> list[str]:
     import txckpt
     from tests.children import dcp_workers as cw
-    from tests.children import dist_workers as dw
     from tests.harness import launcher
 
     steps, other_root, extra = VARIANTS[name]
@@ -89,7 +88,6 @@ def _variant(ctx: Ctx, template: str, name: str) -> list[str]:
 
 def dcp_disagreement(ctx: Ctx, case: Case, result: Result) -> None:
     from tests.children import dcp_workers as cw
-    from tests.children import dist_workers as dw
     from tests.harness import launcher
 
     from .core import classify
