@@ -16,6 +16,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import time
 
 import pytest
@@ -424,3 +425,79 @@ def test_forged_manifest_is_refused_by_load(root):
     open(mpath, "w").write(_json.dumps(body))
     with pytest.raises(TxckptError):
         txckpt.load_checkpoint(path)
+
+
+# =================================================================================================
+# The campaign's own harness: a broken or hung case is reported by name, never a silent hang
+# =================================================================================================
+def _hang_with_a_helper(ctx, case, result) -> None:
+    """A case that hangs, after starting a helper process of its own (as actors and ranks do)."""
+    helper = os.fork()
+    if helper == 0:
+        signal.pause()
+        os._exit(0)
+    with open(ctx.path("helper.pid"), "w") as f:
+        f.write(str(helper))
+    signal.pause()
+
+
+def _quick_case(ctx, case, result) -> None:
+    result.points = 1
+
+
+@pytest.mark.process
+def test_a_hung_case_is_killed_at_its_limit_with_what_it_started(tmp_path):
+    """CI once lost its whole campaign tier to one case waiting forever on an actor that had
+    died: the scheduler now kills a case past its limit, with its helpers, and names it."""
+    from tests.reliability.core import Case, Ctx, run_cases
+
+    cases = [Case("x/local/hangs", "crash", "hangs", "local", _hang_with_a_helper),
+             Case("x/local/quick", "crash", "quick", "local", _quick_case)]
+    t0 = time.monotonic()
+    results = {r.id: r for r in run_cases(cases, Ctx(str(tmp_path), True), workers=2, case_limit=3.0,
+                                          progress=lambda line: None)}
+    assert time.monotonic() - t0 < 120
+    assert results["x/local/quick"].error is None and results["x/local/quick"].points == 1
+    err = results["x/local/hangs"].error
+    assert err is not None and "limit" in err, err
+    pid = int((tmp_path / "x_local_hangs" / "helper.pid").read_text())
+    # The helper was the hung case's child: killed with it (and reaped by init, so the pid is gone
+    # or a zombie that is no longer ours).
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            assert f.read().split(")")[1].split()[0] == "Z", f"the hung case's helper {pid} still runs"
+    except ProcessLookupError:
+        pass
+
+
+@pytest.mark.process
+def test_an_actor_told_to_pause_where_nothing_is_says_so():
+    """A pause spec naming a function that moved (the commit room's move left
+    ``CheckpointRoot.commit`` in the campaign's specs) is an error the case sees at once."""
+    from tests.reliability.actors import Actor
+
+    a = Actor("probe", timeout=60)
+    try:
+        with pytest.raises(RuntimeError, match="cannot pause txckpt.root:CheckpointRoot.no_such"):
+            a.pause("txckpt.root:CheckpointRoot.no_such")
+        a.pause("txckpt.transactions:append_commit")  # the commit point's owner today
+        a.unpause("txckpt.transactions:append_commit")
+    finally:
+        a.stop()
+
+
+def _die(state, code: int) -> None:
+    os._exit(code)
+
+
+@pytest.mark.process
+def test_an_actor_that_dies_is_reported_at_the_next_wait():
+    from tests.reliability.actors import Actor
+
+    a = Actor("victim", timeout=120)
+    a.send(_die, 3)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="died \\(exit 3\\)"):
+        a.wait()
+    assert time.monotonic() - t0 < 60  # not the 120-second timeout

@@ -5,8 +5,8 @@
   throughput. Records go to the ``"txckpt"`` logger and carry their numbers as record
   attributes (``txckpt_op``, ``txckpt_phase``, ``txckpt_bytes``, ``txckpt_seconds``,
   ``txckpt_files``) for code that wants them without parsing the message. A timer costs one
-  clock read per phase and nothing per chunk. Code that runs a phase of an operation it did not
-  start (``CheckpointRoot.commit`` inside a save) ends it with :func:`phase`, under :func:`timing`.
+  clock read per phase and nothing per chunk. The operation's owner holds its timer and ends
+  each phase (a save's committer, ``txckpt.transactions``, ends ``commit`` and ``publish``).
 * :func:`bar` is the CLI's progress bar: a tqdm bar on stderr when tqdm is installed (it comes
   with transformers, not with txckpt), stderr is a terminal and the user did not ask for none;
   otherwise an object whose methods do nothing. Code deep inside an operation (adoption's
@@ -16,13 +16,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any
 
 from . import deps
 
@@ -79,28 +78,6 @@ class Timer:
                      extra={"txckpt_op": self.op, "txckpt_phase": "done", "txckpt_seconds": seconds,
                             "txckpt_bytes": nbytes, "txckpt_files": files})
         return seconds
-
-
-_current = threading.local()
-
-
-@contextlib.contextmanager
-def timing(timer: Timer | None) -> Iterator[None]:
-    """Make ``timer`` the one :func:`phase` ends in this thread (code that runs a phase of an
-    operation it did not start, e.g. ``CheckpointRoot.commit`` for a save, needs no parameter)."""
-    previous = getattr(_current, "timer", None)
-    _current.timer = timer
-    try:
-        yield
-    finally:
-        _current.timer = previous
-
-
-def phase(name: str, nbytes: int | None = None) -> None:
-    """End phase ``name`` of this thread's operation (see :func:`timing`); nothing if none."""
-    timer = getattr(_current, "timer", None)
-    if timer is not None:
-        timer.phase(name, nbytes)
 
 
 # ----- CLI progress bars ---------------------------------------------------------------------------
@@ -219,4 +196,4 @@ def advance(n: int) -> None:
         _active[-1].update(n)
 
 
-__all__ = ["Timer", "timing", "phase", "bar", "bar_wanted", "advance", "BarAwareHandler", "human", "rate"]
+__all__ = ["Timer", "bar", "bar_wanted", "advance", "BarAwareHandler", "human", "rate"]

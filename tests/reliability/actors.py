@@ -13,8 +13,12 @@ time.
 from __future__ import annotations
 
 import importlib
+import multiprocessing
+import multiprocessing.connection
 import os
+import queue
 import signal
+import time
 import traceback
 from typing import Any, Callable
 
@@ -66,7 +70,13 @@ def _actor_main(cmd: Any, res: Any, env: dict[str, str], inherit: dict[str, Any]
             break
         kind = msg[0]
         if kind == "pause":
-            install_pause(msg[1], msg[2], msg[3])
+            # A spec that no longer names anything (the function moved) is the test's error: say
+            # so to the test instead of dying, which would leave it waiting for an answer.
+            try:
+                install_pause(msg[1], msg[2], msg[3])
+            except (AttributeError, ImportError) as e:
+                res.put(("err", type(e).__name__, f"cannot pause {msg[1]}: {e}", traceback.format_exc(limit=-2), False))
+                continue
             res.put(("ok", None))
             continue
         if kind == "unpause":
@@ -87,8 +97,6 @@ def _actor_main(cmd: Any, res: Any, env: dict[str, str], inherit: dict[str, Any]
 class Actor:
     def __init__(self, name: str, env: dict[str, str] | None = None, timeout: float = 180.0,
                  inherit: dict[str, Any] | None = None):
-        import multiprocessing
-
         ctx = multiprocessing.get_context("fork")
         self.name = name
         self.timeout = timeout
@@ -102,7 +110,22 @@ class Actor:
         self.cmd.put(("call", fn, args, kwargs))
 
     def wait(self) -> tuple:
-        return self.res.get(timeout=self.timeout)
+        """The actor's next answer; raises if it does not come within ``timeout`` or the actor
+        died (a dead actor never answers: without the check a case would wait out the timeout
+        at every later call)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            # Wake on an answer or on the actor's exit, whichever comes first.
+            multiprocessing.connection.wait([self.res._reader, self.proc.sentinel],  # type: ignore[attr-defined]
+                                            max(deadline - time.monotonic(), 0.0))
+            try:
+                return self.res.get(block=False)
+            except queue.Empty:
+                pass
+            if not self.proc.is_alive():
+                raise RuntimeError(f"actor {self.name} died (exit {self.proc.exitcode}) without answering")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"actor {self.name} gave no answer in {self.timeout:.0f} s")
 
     def call(self, fn: Callable, *args: Any, **kwargs: Any) -> tuple:
         self.send(fn, *args, **kwargs)
@@ -116,7 +139,9 @@ class Actor:
 
     def pause(self, spec: str, when: str = "before", nth: int = 1) -> None:
         self.cmd.put(("pause", spec, when, nth))
-        assert self.wait() == ("ok", None)
+        out = self.wait()
+        if out[0] != "ok":
+            raise RuntimeError(f"actor {self.name}: {out[2]}")
 
     def unpause(self, spec: str) -> None:
         self.cmd.put(("unpause", spec))

@@ -44,7 +44,7 @@ KILL_POINTS = (
     ("txckpt.adoption:_other_live_adopters", "after", 1),
     ("txckpt.adoption:_append_adopt_entry", "before", 1),
     ("txckpt.adoption:_append_adopt_entry", "after", 1),
-    ("txckpt.root:CheckpointRoot.commit", "before", 1),
+    ("txckpt.transactions:append_commit", "before", 1),
 )
 
 

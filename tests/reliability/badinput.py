@@ -644,7 +644,7 @@ def clock(ctx: Ctx, case: Case, result: Result) -> None:
     with Actor("writer") as w, Actor("gc") as g2:
         w.value(op_save, root2, 1, "W-1")
         w.value(_set_clock_offset, -3600.0)
-        w.pause("txckpt.root:CheckpointRoot.commit")
+        w.pause("txckpt.transactions:append_commit")
         w.send(op_save, root2, 2, "W-2")
         assert w.wait()[0] == "paused"
         items = g2.value(op_gc, root2)

@@ -74,7 +74,7 @@ def zombie_after_rollback(ctx: Ctx, case: Case, result: Result) -> None:
         z.value(op_save, root, 2, "A-2", so)
         z.value(op_save, root, 4, "A-4", so)
         # The zombie's next save is staged and about to commit when the operator rolls back.
-        z.pause("txckpt.root:CheckpointRoot.commit")
+        z.pause("txckpt.transactions:append_commit")
         z.send(op_save, root, 6, "A-6", so)
         assert z.wait()[0] == "paused"
         op.value(op_resume, root, 2, so)
@@ -84,7 +84,7 @@ def zombie_after_rollback(ctx: Ctx, case: Case, result: Result) -> None:
         out = z.wait()
         if out[0] != "err" or out[1] != "StaleLineageError":
             found.append(f"[zombie] the zombie's in-flight save after a rollback: expected StaleLineageError, {_err(out)}")
-        z.unpause("txckpt.root:CheckpointRoot.commit")
+        z.unpause("txckpt.transactions:append_commit")
         out = z.call(op_save, root, 8, "A-8", so)
         if out[0] != "err" or out[1] != "StaleLineageError":
             found.append(f"[zombie] the zombie's next save after a rollback: expected StaleLineageError, {_err(out)}")
@@ -106,7 +106,7 @@ def zombie_beside_restart(ctx: Ctx, case: Case, result: Result) -> None:
         z.value(op_save, root, 2, "Z-2", so)
         z.value(op_save, root, 4, "Z-4", so)
         # (a) in flight: the zombie's save of 6 is staged when the restart takes over.
-        z.pause("txckpt.root:CheckpointRoot.commit")
+        z.pause("txckpt.transactions:append_commit")
         z.send(op_save, root, 6, "Z-6", so)
         assert z.wait()[0] == "paused"
         r.value(op_resume, root, None, so)
@@ -117,7 +117,7 @@ def zombie_beside_restart(ctx: Ctx, case: Case, result: Result) -> None:
         if out[0] != "err" or out[1] not in ("StaleLineageError", "ConcurrentWriterError", "StepConflictError"):
             found.append(f"[zombie] the zombie's in-flight save of step 6 after its restart saved 6: expected a "
                          f"clear error, {_err(out)}")
-        z.unpause("txckpt.root:CheckpointRoot.commit")
+        z.unpause("txckpt.transactions:append_commit")
         # (b) the zombie's next save, a step the restart has not reached yet.
         before = _snap(root, so)
         out = z.call(op_save, root, 8, "Z-8", so)
@@ -149,14 +149,14 @@ def same_command_twice(ctx: Ctx, case: Case, result: Result) -> None:
         with Actor("a") as a, Actor("b") as b:
             actors = {"a": a, "b": b}
             for x in actors.values():
-                x.pause("txckpt.root:CheckpointRoot.commit")
+                x.pause("txckpt.transactions:append_commit")
                 x.send(op_save, root, 2, f"{x.name}-2", so)
                 assert x.wait()[0] == "paused"
             outs = {}
             for name in order:
                 actors[name].go()
                 outs[name] = actors[name].wait()
-                actors[name].unpause("txckpt.root:CheckpointRoot.commit")
+                actors[name].unpause("txckpt.transactions:append_commit")
             points += 1
             winners = [n for n, o in outs.items() if o[0] == "ok"]
             if len(winners) != 1:
@@ -193,7 +193,7 @@ def race_same_step(ctx: Ctx, case: Case, result: Result) -> None:
         for i in range(rounds):
             for x in (a, b):
                 x.value(op_resume, root, None, so)  # both follow the newest (as restarts do)
-                x.pause("txckpt.root:CheckpointRoot.commit")
+                x.pause("txckpt.transactions:append_commit")
                 x.send(op_save, root, step, f"{x.name}-{step}", so)
                 assert x.wait()[0] == "paused"
             first, second = (a, b) if i % 2 == 0 else (b, a)
@@ -201,7 +201,7 @@ def race_same_step(ctx: Ctx, case: Case, result: Result) -> None:
             second.go()  # both race for the log entry
             outs = {first.name: first.wait(), second.name: second.wait()}
             for x in (a, b):
-                x.unpause("txckpt.root:CheckpointRoot.commit")
+                x.unpause("txckpt.transactions:append_commit")
             wins = [n for n, o in outs.items() if o[0] == "ok"]
             if len(wins) != 1:
                 found.append(f"[race] step {step}: {len(wins)} writers committed: {outs}")
@@ -481,7 +481,7 @@ def gc_beside_live_writer(ctx: Ctx, case: Case, result: Result) -> None:
     found: list[str] = []
     with Actor("writer") as w, Actor("gc") as g:
         w.value(op_save, root, 1, "W-1", so)
-        w.pause("txckpt.root:CheckpointRoot.commit")
+        w.pause("txckpt.transactions:append_commit")
         w.send(op_save, root, 2, "W-2", so)
         assert w.wait()[0] == "paused"
         for grace in (3600.0, 0.0):

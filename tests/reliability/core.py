@@ -10,6 +10,7 @@ cases still running.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -144,15 +145,32 @@ def _run_case(case: Case, ctx: Ctx) -> Result:
     return result
 
 
+#: The longest one case may run, quick and full mode: many times the slowest case's time
+#: (quick: ~30 s; full: ~10 min), so only a case that hangs reaches it. A case past it is killed
+#: with every process it started and reported as a harness error that names it, instead of the
+#: whole campaign waiting on it (CI once lost its campaign tier to one hung case).
+CASE_LIMIT_S = {True: 300.0, False: 3600.0}
+
+
+def _kill_case(pid: int) -> None:
+    """SIGKILL a case's process and every process it started (its own process group)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
 def run_cases(cases: list[Case], base_ctx: Ctx, *, workers: int = 2, budget: float | None = None,
-              progress: Callable[[str], None] = print) -> list[Result]:
-    """Run every case in a forked worker process, ``workers`` at a time, longest first."""
+              progress: Callable[[str], None] = print, case_limit: float | None = None) -> list[Result]:
+    """Run every case in a forked worker process, ``workers`` at a time, longest first; a case
+    still running ``case_limit`` seconds after it started (default :data:`CASE_LIMIT_S`) is
+    killed and reported as an error."""
     order = sorted(cases, key=lambda c: -(c.cost if base_ctx.quick else (c.cost_full or 4 * c.cost)))
     pending = list(order)
     running: dict[int, tuple[Case, str, float]] = {}
     pidfds: dict[int, int] = {}  # pidfd -> pid of a running case
     results: dict[str, Result] = {}
     deadline = None if budget is None else time.monotonic() + budget
+    limit = CASE_LIMIT_S[base_ctx.quick] if case_limit is None else case_limit
 
     def start(case: Case) -> None:
         wd = os.path.join(base_ctx.workdir, re.sub(r"[^A-Za-z0-9_.-]+", "_", case.id))
@@ -161,6 +179,7 @@ def run_cases(cases: list[Case], base_ctx: Ctx, *, workers: int = 2, budget: flo
         out = os.path.join(wd, "result.json")
         pid = os.fork()
         if pid == 0:
+            os.setpgid(0, 0)  # a group of its own: a case past its limit is killed whole
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
             code = 0
             try:
@@ -172,6 +191,8 @@ def run_cases(cases: list[Case], base_ctx: Ctx, *, workers: int = 2, budget: flo
                 traceback.print_exc()
                 code = 1
             os._exit(code)
+        with contextlib.suppress(OSError):  # in both processes, so that no kill comes before it
+            os.setpgid(pid, pid)
         running[pid] = (case, out, time.monotonic())
         pidfds[os.pidfd_open(pid)] = pid
 
@@ -179,15 +200,30 @@ def run_cases(cases: list[Case], base_ctx: Ctx, *, workers: int = 2, budget: flo
         while pending or running:
             while pending and len(running) < workers:
                 start(pending.pop(0))
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            now = time.monotonic()
+            first_limit = min(t0 + limit for _, _, t0 in running.values())
+            left = max(min(first_limit, deadline if deadline is not None else first_limit) - now, 0.0)
             # Wait on the pidfds of this scheduler's own cases, never on "any child" (os.wait):
             # that would reap what else this process started (the multiprocessing forkserver
             # of tests/harness/launcher.py, an emulator), whose owner then fails with ECHILD.
             ready, _, _ = select.select(list(pidfds), [], [], left)
-            if not ready:  # the campaign's budget ran out
+            now = time.monotonic()
+            for fd, pid in list(pidfds.items()):
+                case, out, t0 = running[pid]
+                if fd in ready or now < t0 + limit:
+                    continue
+                _kill_case(pid)
+                os.close(fd)
+                del pidfds[fd], running[pid]
+                r = Result(case.id, case.campaign, case.title, case.backend)
+                r.error = (f"killed after {now - t0:.0f} s: the case passed its {limit:.0f}-second limit "
+                           f"(it hangs, or it needs a larger CASE_LIMIT_S in tests/reliability/core.py)")
+                r.seconds = now - t0
+                results[case.id] = r
+                progress(f"  {case.id}: KILLED (case limit)")
+            if not ready and deadline is not None and now >= deadline:  # the campaign's budget ran out
                 for pid, (case, out, t0) in list(running.items()):
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
+                    _kill_case(pid)
                     r = Result(case.id, case.campaign, case.title, case.backend)
                     r.error = f"killed: the campaign's time budget ({budget:.0f} s) ran out"
                     r.seconds = time.monotonic() - t0
