@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import select
 import shutil
 import signal
 import time
@@ -461,14 +462,17 @@ def test_a_hung_case_is_killed_at_its_limit_with_what_it_started(tmp_path):
     err = results["x/local/hangs"].error
     assert err is not None and "limit" in err, err
     pid = int((tmp_path / "x_local_hangs" / "helper.pid").read_text())
-    # The helper was the hung case's child: killed with it (and reaped by init, so the pid is gone
-    # or a zombie that is no longer ours).
+    # The helper was the hung case's child: SIGKILLed with it. A kill is delivered, not awaited:
+    # wait for its exit on a pidfd (readable once the process has exited, child of ours or not).
     try:
-        os.kill(pid, 0)
-        with open(f"/proc/{pid}/stat") as f:
-            assert f.read().split(")")[1].split()[0] == "Z", f"the hung case's helper {pid} still runs"
+        fd = os.pidfd_open(pid)
     except ProcessLookupError:
-        pass
+        return  # gone and reaped already
+    try:
+        ready, _, _ = select.select([fd], [], [], 60)
+        assert ready, f"the hung case's helper {pid} still runs 60 s after its case was killed"
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.process

@@ -135,6 +135,7 @@ def test_concurrent_requests_from_threads():
     assert {i: p.returncode for i, p in out.items()} == {i: i for i in range(6)}
 
 
+@pytest.mark.process  # zygote.server() starts the zygote when no test before it did
 def test_what_the_preloaded_imports_set_is_no_difference(monkeypatch):
     """A variable the zygote's own imports set (its hello lists them) is no difference at that
     value, and still one at another."""
