@@ -19,6 +19,7 @@ table, or ``{"tables": [table, ...]}``. A table is a dict::
           "reps": 7,                         # rounds measured
           "paired": [1.02, 1.07, ...],       # optional: per-round ratios (shown as a range)
           "note": "",                        # optional
+          "unit": "bytes",                   # optional: this row's columns are byte counts
       }],
       "unit": "s",                           # unit of the txckpt/other columns
       "series": {"method": [[size_bytes, seconds], ...]},  # optional: drawn in the size plot
@@ -34,4 +35,4 @@ test) from :func:`benchmarks.harness.settings`.
 
 #: Case modules, in the order of the report. ``ranks`` and ``s3`` are written by their issues'
 #: owners; until they exist the report lists them as pending.
-CASES = ["save", "load", "memory", "lookup", "trainer", "ranks", "s3", "asyncsave", "trainer_async", "dcp"]
+CASES = ["save", "load", "memory", "lookup", "trainer", "ranks", "s3", "asyncsave", "trainer_async", "dcp", "incremental"]

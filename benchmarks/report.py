@@ -41,7 +41,7 @@ def _cell(key: str, row: dict[str, Any]) -> str:
     if key == "size":
         return h.fmt_size(v) if v is not None else "–"
     if key in ("txckpt", "other"):
-        return _t(v)
+        return h.fmt_size(v) if row.get("unit") == "bytes" and v is not None else _t(v)
     if key == "goal":
         return "report" if v is None else f"≤ {v:.2f}"
     if key == "paired":

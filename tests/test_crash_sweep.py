@@ -156,3 +156,19 @@ def test_sweep_adoption_of_a_legacy_root(tmp_path):
                    lambda root: txckpt.save_checkpoint(root, 6, files("A-6", 6)),
                    make_checker({"L-4", "A-6"}, {}, "R", legacy=legacy))
     report(result)
+
+
+def test_sweep_incremental_save_that_shares_a_file(tmp_path):
+    """An incremental save (docs/incremental.md) that shares a committed file (a hard link to
+    step 2's) and writes the changed ones: after a SIGKILL at any point, step 2 still verifies
+    (its shared file was never opened for writing) and lookup returns step 2 or step 4, whole."""
+    frozen = {"frozen.safetensors": {"w": torch.arange(1 << 19, dtype=torch.float32)}}  # 2 MiB
+    template = str(tmp_path / "template")
+    txckpt.save_checkpoint(template, 2, {**files("A-2", 2), **frozen}, incremental=True)
+    txckpt.forget_roots()
+    before = snapshot(template)
+    result = sweep("incremental save sharing a file", template, str(tmp_path / "work"),
+                   lambda root: txckpt.save_checkpoint(root, 4, {**files("A-4", 4), **frozen}, incremental=True),
+                   make_checker({"A-2", "A-4"}, before, "R"))
+    assert any(op.startswith("link") for op in result.ops), result.ops  # the share is one of them
+    report(result)

@@ -25,6 +25,7 @@ def save_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
     timeout: float | None = None,
+    incremental: bool = False,
 ) -> str:
     """Save ``files`` as checkpoint ``step`` of the current lineage, all or nothing.
 
@@ -33,9 +34,14 @@ def save_checkpoint(
     the committed checkpoint's path. Raises StepConflictError if ``step`` is not newer than the
     lineage's newest checkpoint (call :func:`resume` with an older step first to roll back).
     Inside a torch.distributed group every rank calls it with its own files.
+
+    ``incremental=True``: a file whose bytes equal a file of one of the root's newest committed
+    checkpoints is not written again but shared with it (a hard link on a local disk, a
+    server-side copy on an object store); every checkpoint stays whole (docs/incremental.md).
     """
     wait_for_root(root, storage_options)  # an async save of this root commits first
-    return open_root(root, storage_options).save(step, files, metadata=metadata, timeout=timeout)
+    return open_root(root, storage_options).save(step, files, metadata=metadata, timeout=timeout,
+                                                 incremental=incremental)
 
 
 def transaction(
@@ -46,13 +52,15 @@ def transaction(
     metadata: Mapping[str, Any] | None = None,
     timeout: float | None = None,
     local_dir: str | os.PathLike | None = None,
+    incremental: bool = False,
 ):
     """A context manager for writers that need file handles or a directory; see
     :class:`txckpt.transactions.Transaction`. Commits on a clean exit, aborts on an exception.
-    ``local_dir``: where a remote root's local scratch directory (``tx.directory``) goes."""
+    ``local_dir``: where a remote root's local scratch directory (``tx.directory``) goes.
+    ``incremental``: ``tx.save`` shares unchanged files, as :func:`save_checkpoint`."""
     wait_for_root(root, storage_options)  # an async save of this root commits first
     return open_root(root, storage_options).transaction(step, metadata=metadata, timeout=timeout,
-                                                        local_dir=local_dir)
+                                                        local_dir=local_dir, incremental=incremental)
 
 
 def get_last_checkpoint(root: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,

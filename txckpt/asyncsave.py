@@ -230,6 +230,7 @@ def async_save(
     storage_options: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
     optimizer: Any = None,
+    incremental: bool = False,
 ) -> "Future[str]":
     """Save ``files`` as checkpoint ``step`` in the background; see :func:`txckpt.save_checkpoint`
     for ``files`` and what is saved.
@@ -249,6 +250,9 @@ def async_save(
     through ``step()`` before it (an in-place change the background sees fails the save with
     InvalidArgumentError; docs/async.md, "Lazy snapshots"). Everything else is copied before
     this returns, as without it.
+
+    ``incremental=True``: unchanged files are shared, not written (as :func:`txckpt.save_checkpoint`);
+    the background decides, from the snapshot.
     """
     if not isinstance(files, Mapping) or not files:
         raise InvalidArgumentError("files must be a non-empty dict of file name -> object")
@@ -263,12 +267,14 @@ def async_save(
         if not optimizers:
             snapshot = pool.snapshot(files)
             return Job(lambda coordinator: open_root(root, so).save(step, snapshot, metadata=meta,
-                                                                    coordinator=coordinator))
+                                                                    coordinator=coordinator,
+                                                                    incremental=incremental))
         lazy = LazySnapshot(eager, files, optimizers)
 
         def run(coordinator: Coordinator) -> str:
             snapshot = lazy.take(pool)  # first: the optimizers' next step waits for it
-            return open_root(root, so).save(step, snapshot, metadata=meta, coordinator=coordinator)
+            return open_root(root, so).save(step, snapshot, metadata=meta, coordinator=coordinator,
+                                            incremental=incremental)
 
         return Job(run, lazy)
 

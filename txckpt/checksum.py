@@ -102,6 +102,30 @@ class AbortOnError:
 #: How much HashingWriter (and copy_hashing with ``piece``) hashes before writing it on.
 PIECE = 1 << 20
 
+#: Where an incremental save records a file's running digest (protocol §3, ``prefixes``): at
+#: 1 MiB, doubling up to 64 MiB, then every 64 MiB (a 1 GiB file: 21 digests). Dense at the
+#: start, because a changed file usually differs early: the next save tells it from every
+#: committed file after hashing the bytes up to the first boundary where they differ.
+_FIRST_BOUNDARY, _STRIDE = 1 << 20, 64 << 20
+
+
+def next_boundary(offset: int) -> int:
+    """The first prefix boundary after ``offset`` bytes."""
+    if offset < _FIRST_BOUNDARY:
+        return _FIRST_BOUNDARY
+    if offset < _STRIDE:
+        return 1 << offset.bit_length()
+    return (offset // _STRIDE + 1) * _STRIDE
+
+
+def prefix_boundaries(size: int) -> list[int]:
+    """Every prefix boundary strictly inside a file of ``size`` bytes."""
+    out, b = [], next_boundary(0)
+    while b < size:
+        out.append(b)
+        b = next_boundary(b)
+    return out
+
 
 class HashingWriter(AbortOnError, io.RawIOBase):
     """A write-only stream that hashes and counts every byte on its way to ``sink``.
@@ -113,7 +137,7 @@ class HashingWriter(AbortOnError, io.RawIOBase):
     writer raises RuntimeError "unexpected pos" after a failed write).
     """
 
-    def __init__(self, sink: BinaryIO):
+    def __init__(self, sink: BinaryIO, *, prefixes: bool = False):
         super().__init__()
         self._sink = sink
         self._hasher = new_hasher()
@@ -121,6 +145,10 @@ class HashingWriter(AbortOnError, io.RawIOBase):
         #: The xxh3-128 hex digest of every byte written, set when the writer closes ("" before,
         #: and after an abort).
         self.digest = ""
+        #: With ``prefixes=True``: the running digest at each of ``prefix_boundaries(size)``,
+        #: complete once the writer closes.
+        self.prefixes: list[str] = []
+        self._boundary = next_boundary(0) if prefixes else None
         self.sink_error: OSError | None = None
 
     def _failed(self, e: OSError) -> None:
@@ -133,6 +161,8 @@ class HashingWriter(AbortOnError, io.RawIOBase):
     def write(self, data) -> int:
         view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
         n = len(view)
+        if self._boundary is not None:
+            return self._write_recording(view)
         # Hash and write piece by piece, so each piece goes to the sink while it is still in the
         # CPU cache the hash just pulled it into (one pass over memory instead of two for the
         # large writes serializers make).
@@ -145,6 +175,27 @@ class HashingWriter(AbortOnError, io.RawIOBase):
                 self._failed(e)
                 raise
         self.size += n
+        return n
+
+    def _write_recording(self, view: memoryview) -> int:
+        """write() that also records the running digest at each prefix boundary (a piece
+        ends at the boundary, so the digest is taken exactly there)."""
+        assert self._boundary is not None
+        n, start = len(view), 0
+        while start < n:
+            end = min(start + PIECE, n, start + self._boundary - self.size)
+            piece = view[start:end]
+            self._hasher.update(piece)
+            try:
+                self._sink.write(piece)
+            except OSError as e:
+                self._failed(e)
+                raise
+            self.size += end - start
+            start = end
+            if self.size == self._boundary:
+                self.prefixes.append(self._hasher.hexdigest())
+                self._boundary = next_boundary(self.size)
         return n
 
     def tell(self) -> int:
@@ -164,6 +215,8 @@ class HashingWriter(AbortOnError, io.RawIOBase):
     def close(self) -> None:
         if not self.closed:
             self.digest = self._hasher.hexdigest()
+            # A file that ends on a boundary: that digest is the file's own, not a prefix.
+            del self.prefixes[len(prefix_boundaries(self.size)):]
             try:
                 self._sink.close()
             except OSError as e:

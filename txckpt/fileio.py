@@ -31,7 +31,7 @@ import os
 import queue
 import stat
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 from . import deps
 from .checksum import new_hasher
@@ -386,6 +386,14 @@ def _start_writeback(fd: int) -> None:
 
 
 # ----- low-level local file operations (what storage.local builds on) ------------------------------
+def walk_relative(base: str) -> Iterator[tuple[str, int]]:
+    """Every file under local directory ``base``: (its '/'-separated path relative to ``base``, its size)."""
+    for dirpath, dirnames, filenames in os.walk(base):
+        for n in sorted(filenames):
+            full = os.path.join(dirpath, n)
+            yield os.path.relpath(full, base).replace(os.sep, "/"), os.path.getsize(full)
+
+
 def makedirs_durable(path: str, durable: bool) -> None:
     """os.makedirs, and with ``durable`` fsync the parent of every directory it created, so the
     new entries survive a power cut (POSIX makes an entry durable when its directory is fsynced)."""

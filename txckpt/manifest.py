@@ -29,32 +29,57 @@ class FileEntry:
     checksum: str
     kind: str = "bytes"
     rank: int = 0
+    #: The running xxh3-128 at each of ``checksum.prefix_boundaries(size)``: recorded by an
+    #: incremental save (protocol §3), so the next one tells a changed file within the bytes
+    #: before the first boundary where it differs. Empty otherwise.
+    prefixes: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "xxh3_128": self.checksum, "kind": self.kind, "rank": self.rank}
+        out: dict[str, Any] = {"size": self.size, "xxh3_128": self.checksum, "kind": self.kind, "rank": self.rank}
+        if self.prefixes:
+            out["prefixes"] = list(self.prefixes)
+        return out
 
     @classmethod
     def from_json(cls, name: str, d: Any) -> "FileEntry":
         try:
             size, digest = int(d["size"]), str(d["xxh3_128"])
             kind, rank = str(d.get("kind", "bytes")), int(d.get("rank", 0))
+            prefixes = tuple(str(p) for p in d.get("prefixes", ()))
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"manifest entry for {name!r} is malformed ({e})") from None
         if size < 0 or kind not in KINDS:
             raise ManifestError(f"manifest entry for {name!r} has size {size} / kind {kind!r}")
-        return cls(size, digest, kind, rank)
+        return cls(size, digest, kind, rank, prefixes)
 
 
-def written_to_json(written: Mapping[str, tuple[int, str, str]], rank: int) -> dict[str, dict[str, Any]]:
-    """The file table of a rank's report: each file it wrote, ``name -> (size, checksum,
-    kind)``, as the wire form of its FileEntry, recorded with ``rank``."""
-    return {name: FileEntry(size, digest, kind, rank).to_json() for name, (size, digest, kind) in written.items()}
+def written_to_json(written: Mapping[str, tuple[int, str, str, tuple[str, ...]]], rank: int) -> dict[str, dict[str, Any]]:
+    """The file table of a rank's report: each file it wrote or shared, ``name -> (size,
+    checksum, kind, prefixes)``, as the wire form of its FileEntry, recorded with ``rank``."""
+    return {name: FileEntry(size, digest, kind, rank, prefixes).to_json()
+            for name, (size, digest, kind, prefixes) in written.items()}
 
 
 def files_from_json(raw: Mapping[str, Any], *, rank: int) -> dict[str, FileEntry]:
     """The file table of one rank's report (:func:`written_to_json`), every file recorded with
     ``rank``, the rank that sent it, whatever the entries say."""
     return {name: FileEntry.from_json(name, {**entry, "rank": rank}) for name, entry in raw.items()}
+
+
+def agree_files(reports: list[dict[str, Any]]) -> dict[str, FileEntry]:
+    """Every rank's reported files, each recorded with its rank; a name two ranks reported
+    (written or claimed) is refused (protocol §8 step 6)."""
+    files: dict[str, FileEntry] = {}
+    for r in reports:
+        entries = files_from_json(r["files"], rank=r["rank"])
+        for name in entries:
+            if name in files:
+                raise InvalidArgumentError(
+                    f"file {name!r} was written by rank {files[name].rank} and rank {r['rank']}; "
+                    "give each rank's files distinct names (e.g. with the rank in the name)"
+                )
+        files.update(entries)
+    return files
 
 
 def kind_for_name(name: str) -> str:

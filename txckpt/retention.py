@@ -38,7 +38,8 @@ from .errors import CheckpointNotFoundError, CheckpointRetiredError, InvalidArgu
 from .commit import fork
 from .lineage import Checkpoint, History, State
 from .storage.base import Storage
-from .layout import READERS_DIR, TX_DIR, lease_key, parse_checkpoint_name
+from .layout import READERS_DIR, TX_DIR, parse_checkpoint_name
+from .leases import acquire_reader_lease, release_reader_lease
 from .manifest import MANIFEST_NAME, Manifest
 from .naming import DEFAULT as DEFAULT_NAMING, Naming
 from .publication import Root, manifest_txid
@@ -202,60 +203,8 @@ def protected_by_state(state: State) -> set[str]:
 
 
 # ----- reader leases ---------------------------------------------------------------------------
-def acquire_reader_lease(root: Root, txid: str, seconds: float = 3600.0) -> str:
-    """Ask retention and gc to leave checkpoint ``txid`` alone for ``seconds``. Returns the lease
-    key, for :func:`release_reader_lease`. Expired leases are ignored (and removed by gc).
-
-    Take the lease *before* reading the checkpoint. The lease is written first, then the log is
-    read: if ``txid`` is retired (its deletion may have begun) or not committed, the lease is
-    deleted again and :class:`~txckpt.errors.CheckpointNotFoundError` is raised. A lease that
-    passes this check is seen by every deleter, because deleters read the retired set first and
-    the leases after it (:func:`finish_retired`, ``collect_garbage``): a retire entry the check
-    did not see was appended after the lease existed, so a deleter that acts on it reads the
-    leases later still.
-    """
-    if not isinstance(txid, str) or not txid or "/" in txid:
-        raise InvalidArgumentError(f"txid must be a plain txid string, not {txid!r}")
-    key = lease_key(txid)
-    record = {"txid": txid, "expires": time.time() + float(seconds), "pid": os.getpid()}
-    root.storage.replace(key, json.dumps(record).encode())
-    try:
-        # A fresh read of the log, after the lease exists: the History object is extended with
-        # every entry appended since it was last read (entries are immutable, each read is a
-        # direct read that bypasses listing caches), so this sees every entry created before now.
-        history = root.history()
-    except BaseException:
-        _drop_lease(root, key)
-        raise
-    why = None
-    if txid not in history.checkpoints:
-        why = "is not a committed checkpoint of this root"
-    elif txid in history.retired:
-        why = "is retired: retention let it go and its data is being (or was) deleted"
-    if why is not None:
-        _drop_lease(root, key)
-        raise CheckpointNotFoundError(
-            f"no reader lease on {txid}: it {why}. Look the checkpoint up again "
-            "(txckpt.get_last_checkpoint, or `txckpt ls`) and lease one that is still kept"
-        )
-    return key
-
-
-def _drop_lease(root: Root, key: str) -> None:
-    try:
-        root.storage.delete_file(key)
-    except FileNotFoundError:
-        pass
-    except OSError:  # left behind: it names a retired txid, gc removes it once it expires
-        log.warning("could not remove the refused reader lease %s", key, exc_info=True)
-
-
-def release_reader_lease(root: Root, key: str) -> None:
-    """Give back the lease ``key`` that :func:`acquire_reader_lease` returned (deletes its file);
-    retention and gc may then delete the checkpoint. Call it when the read is done."""
-    root.storage.delete_file(key)
-
-
+# Taking and giving back a lease is txckpt.leases' (an incremental save leases what it shares);
+# what a deleter reads of them is here.
 def lease_clock_skew() -> float:
     """Seconds by which a deleter's clock may run ahead of a reader's without undercutting the
     reader's lease (``TXCKPT_LEASE_CLOCK_SKEW``, default 300). A lease's ``expires`` is the

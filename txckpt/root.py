@@ -65,6 +65,7 @@ class CheckpointRoot:
         durable: bool | None = None,
         storage: Storage | None = None,
         shared: SessionState | None = None,
+        incremental: bool = False,
     ):
         self.storage = storage if storage is not None else open_storage(root, storage_options)
         self.storage_options = dict(storage_options or {})
@@ -73,6 +74,9 @@ class CheckpointRoot:
         #: The session and states this process holds for the root, shared by its spellings'
         #: objects (open_root; identity.py documents the fields below).
         self.shared = shared if shared is not None else SessionState()
+        #: What this object's saves do unless told (``transaction``/``save(incremental=...)``):
+        #: share the files a committed checkpoint already holds (docs/incremental.md).
+        self.incremental = bool(incremental)
 
     writer_lineage = Shared[str | None]()
     session = Shared[str]()
@@ -337,11 +341,13 @@ class CheckpointRoot:
 
     # ----- saving ------------------------------------------------------------------------------
     def transaction(self, step: int, **kwargs: Any):
+        kwargs.setdefault("incremental", self.incremental)
         return Transaction(self, step, **kwargs)
 
     def save(self, step: int, files: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None, **kwargs: Any) -> str:
         if not isinstance(files, Mapping) or not files:
             raise InvalidArgumentError("files must be a non-empty dict of file name -> object")
+        kwargs.setdefault("incremental", self.incremental)
         return save_files(self, step, files, metadata=metadata, **kwargs)
 
 

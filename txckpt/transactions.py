@@ -20,31 +20,17 @@ from . import errors
 from .checksum import HashingWriter
 from .claims import check_claims, claimed_names, hash_claimed, hash_staged
 from .coordination import Coordinator, GatheredElsewhere, current_coordinator, decide_on_rank0
-from .errors import (
-    CheckpointNotFoundError,
-    InvalidArgumentError,
-    TransactionAbortedError,
-    UnsafePathError,
-    storage_error,
-)
+from .errors import CheckpointNotFoundError, InvalidArgumentError, TransactionAbortedError, UnsafePathError, storage_error
 from .commit import append_commit, clear_intent, committed_path, finish_commit, plan_save, snapshot_if_due
+from .incremental import Sharing
 from .intents import reclaim_after_save, write_intent
 from .layout import checkpoint_name, intent_key
-from .manifest import (
-    MANIFEST_NAME,
-    FileEntry,
-    Manifest,
-    check_file_name,
-    check_name_tree,
-    check_new_file_name,
-    check_step,
-    files_from_json,
-    written_to_json,
-    kind_for_name,
-)
+from .manifest import (MANIFEST_NAME, FileEntry, Manifest, agree_files, check_file_name, check_name_tree,
+                       check_new_file_name, check_step, kind_for_name, written_to_json)
 from .progress import Timer
 from .publication import Root
 from .saveplan import SavePlan
+from .fileio import walk_relative
 from .serialization import write_object
 from .storage.local import makedirs_durable
 from .txnames import TxNames
@@ -77,6 +63,7 @@ class Transaction:
         timeout: float | None = None,
         coordinator: Coordinator | None = None,
         local_dir: str | os.PathLike | None = None,
+        incremental: bool = False,
     ):
         # Validated before anything formats it (a step of 5,000 digits cannot even be printed).
         step = check_step(step)
@@ -89,7 +76,10 @@ class Transaction:
         self.path: str | None = None
         self.txid: str | None = None
         self._plan: SavePlan | None = None
-        self._written: dict[str, tuple[int, str, str]] = {}  # name -> (size, checksum, kind), once closed
+        # name -> (size, checksum, kind, prefixes), once closed (or, shared, once decided)
+        self._written: dict[str, tuple[int, str, str, tuple[str, ...]]] = {}
+        # incremental=True: the files tx.save finds unchanged, shared at this rank's end
+        self._sharing = Sharing(root) if incremental else None
         self._open_writers: set[str] = set()
         self._names = TxNames()  # directories of the names, and marks of files tx.directory may rewrite
         self._writes: Any = None  # the storage's WriteBatch of this rank's staging files
@@ -141,7 +131,8 @@ class Transaction:
             os.makedirs(local, exist_ok=True)
             self._local_dir = local
             for name in self._written:
-                self._mark(name)
+                if self._sharing is None or name not in self._sharing.pending:  # not there yet
+                    self._mark(name)
         return self._local_dir
 
     @property
@@ -290,7 +281,10 @@ class Transaction:
         self._claims.extend(check_claims(names_or_globs))
 
     def save(self, name: str, obj: Any) -> None:
-        """Write ``obj`` as file ``name`` by the rules of :func:`txckpt.save_checkpoint`."""
+        """Write ``obj`` as file ``name`` by the rules of :func:`txckpt.save_checkpoint`; with
+        ``incremental=True``, share it instead if a committed file has its bytes."""
+        if self._sharing is not None and self._share(name, obj):
+            return
         f: Any = self.open(name, "wb")  # a _TrackedWriter (kind, abort, sink_error), typed as a BinaryIO
         try:
             kind = write_object(name, obj, f)
@@ -312,9 +306,24 @@ class Transaction:
             f.abort()
             raise
 
-    def _finished_file(self, name: str, size: int, digest: str, kind: str) -> None:
+    def _share(self, name: str, obj: Any) -> bool:
+        """tx.save's incremental path (txckpt.incremental): True if ``obj`` is unchanged."""
+        assert self._sharing is not None
+        self._require_open()
+        found = self._sharing.unchanged(name, obj)
+        if found is None:
+            return False
+        check_new_file_name(name)
+        if name in self._written or name in self._open_writers:
+            raise InvalidArgumentError(f"{name!r} was already written in this transaction")
+        self._names.add(name, lambda n: n in self._written or n in self._open_writers, self._local_dir)
+        entry, kind = found
+        self._written[name] = (entry.size, entry.checksum, kind, entry.prefixes)
+        return True
+
+    def _finished_file(self, name: str, size: int, digest: str, kind: str, prefixes: list[str]) -> None:
         self._open_writers.discard(name)
-        self._written[name] = (size, digest, kind)
+        self._written[name] = (size, digest, kind, tuple(prefixes))
         if self._local_dir is not None:
             self._mark(name)
 
@@ -343,6 +352,8 @@ class Transaction:
             self._done = True
             if self._temp_root:
                 shutil.rmtree(self._temp_root, ignore_errors=True)
+            if self._sharing is not None:
+                self._sharing.release()
         if exc is not None:
             return False  # this rank's own exception propagates
         if "error" in outcome:
@@ -386,11 +397,13 @@ class Transaction:
                 raise InvalidArgumentError(f"files still open at commit: {sorted(self._open_writers)}")
             if self._local_dir is not None:  # files are marked once tx.directory is out (_mark)
                 self._names.check_not_rewritten(lambda n: self._root.storage.local_path(f"{self.staging_key}/{n}"))
+            if self._sharing is not None:  # no code writes into the staging any more
+                self._sharing.place(self.staging_key, self._root.durable)
             files = written_to_json(self._written, self.rank)
             if self._temp_root and self._local_dir is not None:
                 # Remote root: upload what other code wrote into the local scratch directory
                 # (this rank's own: every file there is hashed and recorded as this rank's).
-                local = list(_walk_local(self._local_dir))
+                local = list(walk_relative(self._local_dir))
                 claimed_names([n for n, _ in local] + list(files), self._claims, set())  # claimed names exist
                 for name, size in local:
                     if name in files:
@@ -468,7 +481,7 @@ class Transaction:
         plan, root, timer = self._plan, self._root, self._timer
         assert plan is not None and timer is not None  # both set by __enter__
         # Step 6: one rank per name.
-        files = _agree(reports)
+        files = agree_files(reports)
         # Step 7: every reported file still there with its size; the files other code wrote into
         # the staging directory hashed; everything durable but the staging directory's entries.
         files = self._staged_files(files)
@@ -548,7 +561,7 @@ class Transaction:
 
 class _TrackedWriter(HashingWriter):
     def __init__(self, tx: Transaction, name: str, sink: BinaryIO):
-        super().__init__(sink)
+        super().__init__(sink, prefixes=tx._sharing is not None)
         self._tx = tx
         self._name = name
         self.kind = "bytes"  # raw bytes through tx.open; tx.save records what it serialised
@@ -557,7 +570,7 @@ class _TrackedWriter(HashingWriter):
         if self.closed:
             return
         super().close()
-        self._tx._finished_file(self._name, self.size, self.digest, self.kind)
+        self._tx._finished_file(self._name, self.size, self.digest, self.kind, self.prefixes)
 
     def abort(self) -> None:
         if self.closed:
@@ -574,27 +587,3 @@ def save_files(root: Root, step: int, files: Mapping[str, Any], **kwargs: Any) -
             tx.save(name, obj)
     assert tx.path is not None
     return tx.path
-
-
-def _agree(reports: list[dict[str, Any]]) -> dict[str, FileEntry]:
-    """Every rank's reported files, each recorded with its rank; a name two ranks reported
-    (written or claimed) is refused (protocol §8 step 6)."""
-    files: dict[str, FileEntry] = {}
-    for r in reports:
-        entries = files_from_json(r["files"], rank=r["rank"])
-        for name in entries:
-            if name in files:
-                raise InvalidArgumentError(
-                    f"file {name!r} was written by rank {files[name].rank} and rank {r['rank']}; "
-                    "give each rank's files distinct names (e.g. with the rank in the name)"
-                )
-        files.update(entries)
-    return files
-
-
-def _walk_local(base: str):
-    for dirpath, dirnames, filenames in os.walk(base):
-        for n in sorted(filenames):
-            full = os.path.join(dirpath, n)
-            yield os.path.relpath(full, base).replace(os.sep, "/"), os.path.getsize(full)
-

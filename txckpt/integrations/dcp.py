@@ -52,7 +52,7 @@ from ..asyncsave import wait_for_root
 from ..checksum import PIECE, HashingWriter, digest_bytes, new_hasher
 from ..errors import IntegrityError, InvalidArgumentError, ManifestError, TransactionAbortedError
 from ..layout import intent_key
-from ..manifest import FileEntry, Manifest, kind_for_name
+from ..manifest import FileEntry, kind_for_name
 from ..reader import Found, read_checked
 from ..root import open_root
 from ..verify import FALLBACK_HINT, _wrong_checksum, verify_checkpoint_files

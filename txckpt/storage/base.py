@@ -252,6 +252,21 @@ class Storage(abc.ABC):
                 writer.abort()  # type: ignore[attr-defined]  # open_write's writers are AbortOnError
         return size, digest
 
+    def share_file(self, src: str, dst: str) -> bool:
+        """Make the new key ``dst`` hold the bytes of the existing, committed file ``src``
+        without the client sending them again (an incremental save's unchanged file:
+        docs/incremental.md). Returns False where this backend cannot (the caller then writes
+        the bytes itself); raises FileNotFoundError if ``src`` is gone. ``dst`` is a staging key,
+        private to the caller as for :meth:`open_write` (a local disk raises FileExistsError
+        where it exists).
+
+        Contract: afterwards ``dst`` is a file of its own: deleting either key never deletes the
+        other's bytes, so retention and gc need no reference counts. Local disks make a hard
+        link (the two names share one inode: committed files are never written again); object
+        stores a server-side copy. The bytes are as durable as ``src``'s; the caller makes the
+        directory entry durable with ``sync_dir``, as for a written file. This default cannot."""
+        return False
+
     # ----- reading -----------------------------------------------------------------------------
     @abc.abstractmethod
     def read_bytes(self, key: str) -> bytes:

@@ -294,6 +294,19 @@ class LocalStorage(Storage):
     def write_batch(self) -> WriteBatch:
         return _LocalWriteBatch(self)
 
+    def share_file(self, src: str, dst: str) -> bool:
+        path = self._p(dst)
+        _ensure_dir(os.path.dirname(path), True)
+        try:
+            os.link(self._p(src), path, follow_symlinks=False)
+        except OSError as e:
+            # A file system without hard links (some network and FUSE mounts), or the source's
+            # link count at its limit: the caller writes the bytes instead.
+            if e.errno in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                return False
+            raise
+        return True
+
     def create_exclusive(self, key: str, data: bytes, *, durable: bool) -> None:
         path = self._p(key)
         directory = os.path.dirname(path)

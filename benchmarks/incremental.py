@@ -1,0 +1,154 @@
+"""Incremental saves (issue 30, files; docs/incremental.md): a frozen base beside a trained adapter.
+
+State: a frozen base of S bytes in ``base.safetensors``, an adapter of S/64 in
+``adapter.safetensors`` and its Adam state (2x the adapter) in ``optimizer.pt``, a small
+``config.json``. Each round every method saves the next step of its own root (fsync on): the
+adapter and its optimizer state change every step, the base never does.
+
+* *frozen base*: ``save_checkpoint(incremental=True)`` against ``save_checkpoint()``: time per
+  save, and the bytes each save puts on disk (a file whose inode is new) against the bytes that
+  changed;
+* *full fine-tune*: every tensor changes every step (the base too): the incremental save must
+  cost what a plain save costs (it tells a changed file within its first MiB);
+* after the rounds: what the incremental root's checkpoints occupy on disk (each inode counted
+  once) against one base plus one delta per checkpoint.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any
+
+from . import harness as h
+
+TITLE = "Incremental save"
+INC = "save_checkpoint(incremental=True)"
+FULL = "save_checkpoint()"
+
+
+def _state(size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    base = {f"layer{i}.w": torch.randn(size // 4 // 8, generator=g) for i in range(8)}
+    adapter = {"lora.a": torch.randn(max(size // 64 // 4, 64), generator=g)}
+    return base, adapter
+
+
+def _files(base: dict[str, Any], adapter: dict[str, Any], step: int) -> dict[str, Any]:
+    a = {k: v + step for k, v in adapter.items()}
+    return {"base.safetensors": base, "adapter.safetensors": a,
+            "optimizer.pt": {"exp_avg": {k: v * 0.5 for k, v in a.items()}, "exp_avg_sq": {k: v * v for k, v in a.items()},
+                             "step": step},
+            "config.json": {"layers": 8, "frozen": True}}
+
+
+def _new_bytes(path: str, before: set[int]) -> int:
+    """Bytes of the files of checkpoint ``path`` whose inode no earlier checkpoint holds."""
+    total = 0
+    for name in os.listdir(path):
+        st = os.stat(os.path.join(path, name))
+        if name != "txckpt-manifest.json" and st.st_ino not in before:
+            total += st.st_size
+    return total
+
+
+def _inodes(root: str) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for dirpath, _, names in os.walk(root):
+        if "/.txckpt" in dirpath:
+            continue
+        for n in names:
+            if n != "txckpt-manifest.json":
+                st = os.stat(os.path.join(dirpath, n))
+                out[st.st_ino] = st.st_size
+    return out
+
+
+def _frozen_table(size: int, reps: int) -> list[dict[str, Any]]:
+    import txckpt
+
+    base, adapter = _state(size)
+    roots = {INC: h.fresh_dir("inc"), FULL: h.fresh_dir("full")}
+    steps = {INC: itertools.count(1), FULL: itertools.count(1)}
+    written: dict[str, list[int]] = {INC: [], FULL: []}
+    changed: list[int] = []
+
+    def method(name: str, incremental: bool) -> h.Method:
+        def run(ctx):
+            before = set(_inodes(roots[name]))
+            step = next(steps[name])
+            path = txckpt.save_checkpoint(roots[name], step, _files(base, adapter, step), incremental=incremental)
+            ctx["path"], ctx["before"] = path, before
+
+        def done(ctx):
+            written[name].append(_new_bytes(ctx["path"], ctx["before"]))
+            if name == INC:
+                m = txckpt.read_manifest(ctx["path"]).files
+                changed.append(sum(m[n].size for n in ("adapter.safetensors", "optimizer.pt")))
+
+        return h.Method(name, run, dict, done)
+
+    try:
+        times = h.interleave([method(INC, True), method(FULL, False)], reps, warmup=1)
+        saves = len(written[INC])
+        on_disk = sum(_inodes(roots[INC]).values())
+        full_one = written[FULL][-1]
+        delta = h.median(changed)
+        one_plus_deltas = full_one + (saves - 1) * delta
+    finally:
+        for r in roots.values():
+            h.remove(r)
+    inc_written = h.median(written[INC][1:])  # the first save writes the base
+    rows = [
+        h.compare("incremental ÷ full save time, frozen base + adapter", size, times, INC, FULL, 0.15),
+        {"case": "bytes written per incremental save ÷ bytes that changed", "size": size,
+         "txckpt": inc_written, "other": delta, "ratio": inc_written / delta if delta else float("nan"),
+         "goal": 1.05, "reps": saves - 1, "unit": "bytes",
+         "note": f"a full save writes {full_one} bytes ({full_one / max(inc_written, 1):.0f}x)"},
+        {"case": f"disk use of the incremental root's {saves} checkpoints ÷ (one full + {saves - 1} deltas)",
+         "size": size, "txckpt": on_disk, "other": one_plus_deltas,
+         "ratio": on_disk / one_plus_deltas if one_plus_deltas else float("nan"), "goal": 1.2, "reps": 1,
+         "unit": "bytes"},
+    ]
+    return rows
+
+
+def _finetune_row(size: int, reps: int) -> dict[str, Any]:
+    import txckpt
+
+    base, adapter = _state(size)
+    roots = {INC: h.fresh_dir("inc-ft"), FULL: h.fresh_dir("full-ft")}
+    steps = {INC: itertools.count(1), FULL: itertools.count(1)}
+
+    def method(name: str, incremental: bool) -> h.Method:
+        def run(ctx):
+            step = next(steps[name])
+            changed = {k: v + step for k, v in base.items()}  # everything changes
+            txckpt.save_checkpoint(roots[name], step, _files(changed, adapter, step), incremental=incremental)
+
+        return h.Method(name, run, dict)
+
+    try:
+        times = h.interleave([method(INC, True), method(FULL, False)], reps, warmup=1)
+    finally:
+        for r in roots.values():
+            h.remove(r)
+    return h.compare("incremental ÷ full save time, full fine-tune (every byte changes)", size, times, INC, FULL, 1.03)
+
+
+def run(quick: bool) -> dict[str, Any]:
+    s = h.settings()
+    size = list(s.sizes)[-1] if s.tiny else 256 * h.MiB if s.quick else 1 * h.GiB
+    reps = 2 if s.tiny else 5 if s.quick else 9
+    h.log(f"incremental: {h.fmt_size(size)}, {reps} rounds")
+    rows = _frozen_table(size, reps) + [_finetune_row(size, reps)]
+    return {"id": "incremental", "title": "Incremental save: frozen base + adapter (local disk, fsync on)",
+            "rows": rows,
+            "about": "A frozen base (8 tensors, the size column) in `base.safetensors`, an adapter of 1/64 of "
+                     "it in `adapter.safetensors` and its Adam state in `optimizer.pt`, and a small "
+                     "`config.json`; each method saves the next step of its own root, interleaved rounds "
+                     "after one warm-up round. The adapter and its state change every step. *Bytes written*: "
+                     "the files of a checkpoint whose inode no earlier checkpoint holds. The full fine-tune "
+                     "row changes every tensor every step. docs/incremental.md explains the method."}

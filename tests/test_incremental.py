@@ -1,0 +1,218 @@
+"""Incremental saves (issue 30, files): an unchanged file is shared with the committed checkpoint
+that holds its bytes, never written again; every checkpoint stays whole and verifiable; nothing a
+committed checkpoint holds is lost to retention, gc, a rollback or a crash (test_crash_sweep.py
+has the SIGKILL sweep of an incremental save)."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+import xxhash
+
+import txckpt
+from txckpt.checksum import HashingWriter, next_boundary, prefix_boundaries
+from txckpt.errors import IntegrityError, InvalidArgumentError
+from txckpt.incremental import Source, _Changed, _Probe
+from txckpt.manifest import FileEntry
+from txckpt.refs import Ref
+from txckpt.retention import RetentionPolicy, apply_retention
+from txckpt.root import CheckpointRoot
+
+MiB = 1 << 20
+FROZEN = {"w": torch.arange(3 * MiB // 4, dtype=torch.float32)}  # 3 MiB: past two boundaries
+
+
+def files(step: int) -> dict:
+    return {"frozen.safetensors": FROZEN, "adapter.safetensors": {"a": torch.full((256,), float(step))},
+            "config.json": {"layers": 2}, "optimizer.pt": {"m": torch.full((128,), float(step))}}
+
+
+def ino(path: str, name: str) -> int:
+    return os.stat(os.path.join(path, name)).st_ino
+
+
+# ----- prefix digests ---------------------------------------------------------------------------
+def test_boundaries_are_dense_at_the_start_then_every_64_mib():
+    assert [next_boundary(0), next_boundary(MiB - 1), next_boundary(MiB), next_boundary(3 * MiB)] == \
+        [MiB, MiB, 2 * MiB, 4 * MiB]
+    assert next_boundary(64 * MiB) == 128 * MiB and next_boundary(100 * MiB) == 128 * MiB
+    assert prefix_boundaries(MiB) == [] and prefix_boundaries(MiB + 1) == [MiB]
+    assert len(prefix_boundaries(1 << 30)) == 21  # 1, 2, ..., 64 MiB, then 128 ... 960 MiB
+
+
+@pytest.mark.parametrize("size", [MiB - 1, MiB, 4 * MiB, 4 * MiB + 7])
+def test_a_writer_records_the_running_digest_at_each_boundary(size):
+    data = os.urandom(size)
+
+    w = HashingWriter(io.BytesIO(), prefixes=True)
+    for start in range(0, size, 300_001):  # writes that straddle the boundaries
+        w.write(data[start:start + 300_001])
+    w.close()
+    assert w.digest == xxhash.xxh3_128_hexdigest(data)
+    assert w.prefixes == [xxhash.xxh3_128_hexdigest(data[:b]) for b in prefix_boundaries(size)]
+
+
+def _source(data: bytes) -> Source:
+    entry = FileEntry(len(data), xxhash.xxh3_128_hexdigest(data), "bytes", 0,
+                      tuple(xxhash.xxh3_128_hexdigest(data[:b]) for b in prefix_boundaries(len(data))))
+    return Source(Ref("L", 1, "t1"), "f.bin", entry)
+
+
+def test_a_changed_file_is_told_at_the_first_boundary_where_it_differs():
+    old = os.urandom(16 * MiB)
+    probe = _Probe([_source(old)])
+    new = bytearray(old)
+    new[3 * MiB] ^= 1  # differs in its fourth MiB: the 4 MiB boundary tells
+    with pytest.raises(_Changed):
+        probe.write(bytes(new))
+    assert probe.size == 4 * MiB  # hashed up to that boundary, not the 16 MiB
+
+    probe = _Probe([_source(old)])
+    probe.write(old)
+    assert probe.equal() is not None
+    probe = _Probe([_source(old)])
+    probe.write(old[:8 * MiB])  # a prefix of the old file is not the old file
+    assert probe.equal() is None
+
+
+# ----- saving -----------------------------------------------------------------------------------
+def test_unchanged_files_are_shared_and_every_checkpoint_stays_whole(root):
+    one = txckpt.save_checkpoint(root, 1, files(1), incremental=True)
+    two = txckpt.save_checkpoint(root, 2, files(2), incremental=True)
+    # The frozen weights and the config are the same inode as step 1's (a hard link); the
+    # adapter and the optimizer changed and were written.
+    assert ino(one, "frozen.safetensors") == ino(two, "frozen.safetensors")
+    assert ino(one, "config.json") == ino(two, "config.json")
+    assert ino(one, "adapter.safetensors") != ino(two, "adapter.safetensors")
+    assert ino(one, "optimizer.pt") != ino(two, "optimizer.pt")
+    m1, m2 = txckpt.read_manifest(one), txckpt.read_manifest(two)
+    assert m2.files["frozen.safetensors"] == m1.files["frozen.safetensors"]
+    assert len(m2.files["frozen.safetensors"].prefixes) == 2
+    for path, step in ((one, 1), (two, 2)):
+        txckpt.verify_checkpoint(path)
+        out = txckpt.load_checkpoint(path)
+        assert torch.equal(out["frozen.safetensors"]["w"], FROZEN["w"])
+        assert torch.equal(out["adapter.safetensors"]["a"], torch.full((256,), float(step)))
+    # A stock reader sees plain files.
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(os.path.join(two, "frozen.safetensors"))["w"], FROZEN["w"])
+    # The leases the save took on step 1 went back.
+    readers = os.path.join(root, ".txckpt", "readers")
+    assert not os.path.isdir(readers) or os.listdir(readers) == []
+
+
+def test_without_incremental_every_file_is_written(root):
+    one = txckpt.save_checkpoint(root, 1, files(1))
+    two = txckpt.save_checkpoint(root, 2, files(2))
+    assert ino(one, "frozen.safetensors") != ino(two, "frozen.safetensors")
+    assert txckpt.read_manifest(two).files["frozen.safetensors"].prefixes == ()
+
+
+def test_a_checkpoint_root_can_save_incrementally_by_default(root):
+    r = CheckpointRoot(root, incremental=True)
+    one = r.save(1, files(1))
+    two = r.save(2, files(2))
+    assert ino(one, "frozen.safetensors") == ino(two, "frozen.safetensors")
+    three = r.save(3, files(3), incremental=False)
+    assert ino(one, "frozen.safetensors") != ino(three, "frozen.safetensors")
+
+
+def test_retiring_the_checkpoint_that_first_held_the_bytes_loses_nothing(root):
+    paths = [txckpt.save_checkpoint(root, s, files(s), incremental=True) for s in (1, 2, 3)]
+    apply_retention(CheckpointRoot(root), RetentionPolicy(keep_last=1))
+    assert not os.path.exists(paths[0]) and not os.path.exists(paths[1])
+    out = txckpt.load_checkpoint(paths[2])  # verified: the shared bytes are still its own
+    assert torch.equal(out["frozen.safetensors"]["w"], FROZEN["w"])
+    four = txckpt.save_checkpoint(root, 4, files(4), incremental=True)
+    assert ino(four, "frozen.safetensors") == ino(paths[2], "frozen.safetensors")
+
+
+def test_a_fork_shares_with_the_lineage_it_abandons_and_both_stay_whole(root, txlog):
+    paths = {s: txckpt.save_checkpoint(root, s, files(s), incremental=True) for s in (1, 2, 3)}
+    txckpt.resume(root, step=1)  # abandons 2 and 3
+    again = txckpt.save_checkpoint(root, 2, files(2), incremental=True)
+    # The new step 2 has the abandoned step 2's bytes for every file: all shared.
+    abandoned = [c for c in CheckpointRoot(root).checkpoints("all") if c.step == 2 and c.path != again]
+    assert len(abandoned) == 1
+    for name in files(2):
+        assert ino(again, name) == ino(abandoned[0].path, name)
+    for c in CheckpointRoot(root).checkpoints("all"):
+        txckpt.verify_checkpoint(c.path)
+    assert txckpt.get_last_checkpoint(root) == again
+
+
+def test_a_name_saved_and_written_into_tx_directory_is_refused_and_the_source_is_untouched(root):
+    one = txckpt.save_checkpoint(root, 1, files(1), incremental=True)
+    with pytest.raises(InvalidArgumentError, match="one way only"):
+        with txckpt.transaction(root, 2, incremental=True) as tx:
+            tx.save("config.json", {"layers": 2})  # unchanged: shared at the transaction's end
+            assert not os.path.exists(os.path.join(tx.directory, "config.json"))
+            with open(os.path.join(tx.directory, "config.json"), "w") as f:  # other code, same name
+                f.write('{"layers": 3}')
+    txckpt.verify_checkpoint(one)  # step 1's config.json was never opened for writing
+    assert txckpt.get_last_checkpoint(root) == one
+
+
+def test_the_source_is_leased_until_the_save_ends(root):
+    one = txckpt.save_checkpoint(root, 1, files(1), incremental=True)
+    txid = txckpt.read_manifest(one).txid
+    readers = os.path.join(root, ".txckpt", "readers")
+    with txckpt.transaction(root, 2, incremental=True) as tx:
+        tx.save("frozen.safetensors", FROZEN)
+        assert [n.split(".")[0] for n in os.listdir(readers)] == [txid]
+    assert os.listdir(readers) == []
+
+
+def test_a_damaged_shared_file_fails_every_checkpoint_that_holds_it(root):
+    one = txckpt.save_checkpoint(root, 1, files(1), incremental=True)
+    two = txckpt.save_checkpoint(root, 2, files(2), incremental=True)
+    with open(os.path.join(one, "frozen.safetensors"), "r+b") as f:  # one inode, two names
+        f.seek(MiB)
+        b = f.read(1)
+        f.seek(MiB)
+        f.write(bytes([b[0] ^ 1]))
+    for path in (one, two):
+        with pytest.raises(IntegrityError):
+            txckpt.verify_checkpoint(path)
+
+
+def test_a_root_that_cannot_link_copies_and_checks_the_bytes(root, monkeypatch):
+    from txckpt.storage.local import LocalStorage
+
+    one = txckpt.save_checkpoint(root, 1, files(1), incremental=True)
+    monkeypatch.setattr(LocalStorage, "share_file", lambda self, src, dst: False)
+    two = txckpt.save_checkpoint(root, 2, files(2), incremental=True)
+    assert ino(one, "frozen.safetensors") != ino(two, "frozen.safetensors")
+    txckpt.verify_checkpoint(two)
+
+
+def test_an_async_save_shares_too(root):
+    one = txckpt.save_checkpoint(root, 1, files(1), incremental=True)
+    two = txckpt.async_save(root, 2, files(2), incremental=True).result()
+    assert ino(one, "frozen.safetensors") == ino(two, "frozen.safetensors")
+    txckpt.verify_checkpoint(two)
+
+
+def test_an_object_store_copies_on_the_server(memory_root):
+    url, so = memory_root
+    txckpt.save_checkpoint(url, 1, files(1), storage_options=so, incremental=True)
+    two = txckpt.save_checkpoint(url, 2, files(2), storage_options=so, incremental=True)
+    out = txckpt.load_checkpoint(two, storage_options=so)
+    assert torch.equal(out["frozen.safetensors"]["w"], FROZEN["w"])
+
+
+@pytest.mark.s3
+def test_s3_uploads_only_the_changed_bytes(s3_root, s3_requests):
+    url, so = s3_root
+    txckpt.save_checkpoint(url, 1, files(1), storage_options=so, incremental=True)
+    s3_requests.reset()
+    two = txckpt.save_checkpoint(url, 2, files(2), storage_options=so, incremental=True)
+    frozen = txckpt.read_manifest(two, storage_options=so).files["frozen.safetensors"].size
+    assert s3_requests.ops["CopyObject"] >= 2  # the frozen weights and the config
+    assert s3_requests.uploaded_bytes < frozen / 4, s3_requests.ops
+    out = txckpt.load_checkpoint(two, storage_options=so)  # verified
+    assert torch.equal(out["frozen.safetensors"]["w"], FROZEN["w"])

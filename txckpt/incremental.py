@@ -1,0 +1,226 @@
+"""Incremental saves: a file whose bytes equal a committed file's is shared, not written again.
+
+docs/incremental.md is the user's page; protocol.md §3 (``prefixes``) and §8a the rules. One
+:class:`Sharing` per transaction and rank, used by ``txckpt.transactions`` in this order:
+
+1. :meth:`Sharing.unchanged` for each object ``tx.save`` is given. It serializes the object into a
+   hash-only :class:`_Probe` (nothing is written) against the files of the newest committed
+   checkpoints of the root (any lineage; :func:`committed_files`). The probe compares the running
+   digest at each prefix boundary (``checksum.next_boundary``) with every candidate's recorded
+   one and stops at the first boundary that no candidate matches, so a changed file costs the
+   hashing of the bytes before that boundary (usually its first MiB), not a second write. A
+   file whose size and xxh3-128 equal a candidate's is unchanged: the source checkpoint is
+   leased (``txckpt.leases``: retention and gc leave it alone until the save ends) and the share
+   is pending.
+2. :meth:`Sharing.place`, at the rank's end of the transaction, after every writer of the
+   staging directory is done: each pending file is made at its staging key by the storage's
+   ``share_file`` (a hard link on local disks, a server-side copy on object stores), or, where
+   the storage cannot, copied through this process and checked against the source's checksum.
+   Placing late means no code writing into ``tx.directory`` can open a shared (hard-linked)
+   file for writing: a name it wrote as well makes the placement fail, like any name written
+   twice.
+3. :meth:`Sharing.release` when the transaction ends, committed or not: the leases go back.
+
+A shared file is a file of its checkpoint like any other: its manifest entry has the same size,
+checksum and prefixes, loads verify it byte for byte, and deleting another checkpoint that holds
+the same bytes deletes none of them (a hard link or a copy is a file of its own).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .checksum import copy_hashing, new_hasher, next_boundary
+from .errors import CheckpointNotFoundError, IntegrityError, InvalidArgumentError, ManifestError
+from .leases import acquire_reader_lease, release_reader_lease
+from .lineage import Checkpoint
+from .manifest import MANIFEST_NAME, FileEntry, Manifest
+from .publication import Root
+from .refs import Ref
+from .serialization import write_object
+
+log = logging.getLogger("txckpt")
+
+#: How many of the newest committed checkpoints (of any lineage) an incremental save compares
+#: its files with: the previous save's, a fork point's, a sibling run's. Each costs one manifest
+#: read per process, once (manifests never change).
+DEPTH = 8
+
+
+@dataclass(frozen=True)
+class Source:
+    """One committed file an unchanged file can share: its checkpoint and its entry there."""
+
+    ref: Ref
+    name: str
+    entry: FileEntry
+
+
+# Decoded manifests by (root identity, txid, digest): a committed manifest never changes.
+_MANIFESTS: dict[tuple[str, str, str], Manifest] = {}
+
+
+def committed_files(root: Root, depth: int = DEPTH) -> list[Source]:
+    """The files of the ``depth`` newest committed, not retired checkpoints of ``root``, newest
+    checkpoint first. A checkpoint whose manifest cannot be read, or does not match the digest
+    its commit entry recorded, offers nothing (its bytes are not trusted to share)."""
+    history = root.history()
+    live = [c for c in history.checkpoints.values() if c.txid not in history.retired]
+    live.sort(key=lambda c: c.seq, reverse=True)
+    out: list[Source] = []
+    for c in live[:depth]:
+        manifest = _manifest(root, c)
+        if manifest is not None:
+            out.extend(Source(c.ref, name, entry) for name, entry in sorted(manifest.files.items()))
+    return out
+
+
+def _manifest(root: Root, c: Checkpoint) -> Manifest | None:
+    cache_key = (root.storage.identity(), c.txid, c.digest)
+    if cache_key in _MANIFESTS:
+        return _MANIFESTS[cache_key]
+    key = root.publication.locate(c.ref)
+    if key is None:
+        return None
+    try:
+        manifest = Manifest.decode(root.storage.read_bytes(f"{key}/{MANIFEST_NAME}"), where=key)
+    except (OSError, ManifestError):
+        return None
+    if manifest.txid != c.txid or manifest.digest != c.digest:
+        return None
+    _MANIFESTS[cache_key] = manifest
+    return manifest
+
+
+class _Changed(Exception):
+    """Raised inside the serializer when no candidate is left: the file is written instead."""
+
+
+class _Probe(io.RawIOBase):
+    """A write-only stream that hashes what a serializer gives it, writes nothing, and drops
+    each candidate whose recorded prefix digest differs at a boundary (or that is too short to
+    be equal). Raises :class:`_Changed` as soon as none is left."""
+
+    def __init__(self, candidates: Sequence[Source]):
+        super().__init__()
+        self._alive = list(candidates)
+        self._hasher = new_hasher()
+        self._boundary = next_boundary(0)
+        self._index = 0  # of the next boundary in every candidate's prefixes
+        self.size = 0
+        self.changed = not self._alive
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        return self.size
+
+    def write(self, data: Any) -> int:
+        if self.changed:
+            raise _Changed()
+        view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
+        n, start = len(view), 0
+        while start < n:
+            end = min(n, start + self._boundary - self.size)
+            self._hasher.update(view[start:end])
+            self.size += end - start
+            start = end
+            if self.size == self._boundary:
+                self._at_boundary()
+        return n
+
+    def _at_boundary(self) -> None:
+        digest, i, size = self._hasher.hexdigest(), self._index, self.size
+        # A candidate of exactly this size may still be equal: the end decides it.
+        self._alive = [s for s in self._alive if s.entry.size == size or (
+            s.entry.size > size and len(s.entry.prefixes) > i and s.entry.prefixes[i] == digest)]
+        self._index += 1
+        self._boundary = next_boundary(size)
+        if not self._alive:
+            self.changed = True
+            raise _Changed()
+
+    def equal(self) -> Source | None:
+        """After the serializer returned: the first candidate with this size and checksum."""
+        digest = self._hasher.hexdigest()
+        return next((s for s in self._alive if s.entry.size == self.size and s.entry.checksum == digest), None)
+
+
+class Sharing:
+    """One rank's shares in one transaction (see the module doc for the call sequence)."""
+
+    def __init__(self, root: Root):
+        self._root = root
+        self._candidates: list[Source] | None = None
+        self._leases: dict[str, str] = {}  # txid -> lease key
+        #: name -> (the committed file it shares, the kind tx.save gave it): placed by place().
+        self.pending: dict[str, tuple[Source, str]] = {}
+
+    def unchanged(self, name: str, obj: Any) -> tuple[FileEntry, str] | None:
+        """If ``obj``, serialized as file ``name``, has the bytes of a committed file: lease
+        that file's checkpoint, make the share pending and return (its entry, its kind).
+        Otherwise None (the caller writes the file); never raises for the object's sake (a
+        serializer error shows when the caller writes)."""
+        if self._candidates is None:
+            self._candidates = committed_files(self._root)
+        probe = _Probe(self._candidates)
+        try:
+            kind = write_object(name, obj, probe)  # type: ignore[arg-type]  # a write-only stream
+        except Exception:  # _Changed, maybe wrapped by the serializer; or the object's own error
+            return None
+        source = probe.equal()
+        if source is None:
+            return None
+        if source.ref.txid not in self._leases:
+            try:
+                self._leases[source.ref.txid] = acquire_reader_lease(self._root, source.ref.txid)
+            except CheckpointNotFoundError:  # retired since the index was read: not a source
+                self._candidates = [s for s in self._candidates if s.ref.txid != source.ref.txid]
+                return self.unchanged(name, obj)
+        self.pending[name] = (source, kind)
+        return source.entry, kind
+
+    def place(self, staging_key: str, durable: bool) -> None:
+        """Make every pending share a file of the staging directory (module doc, step 2)."""
+        storage = self._root.storage
+        for name, (source, _kind) in sorted(self.pending.items()):
+            home = self._root.publication.locate(source.ref)
+            if home is None:  # pragma: no cover - the lease keeps it
+                raise CheckpointNotFoundError(
+                    f"checkpoint {source.ref.txid}, whose {source.name!r} this save shares, is gone "
+                    "although leased; save again without incremental=True")
+            src, dst = f"{home}/{source.name}", f"{staging_key}/{name}"
+            try:
+                if storage.share_file(src, dst):
+                    continue
+            except FileExistsError:
+                raise InvalidArgumentError(
+                    f"{name!r} was saved with tx.save and written into tx.directory by other code as well; "
+                    "write each file one way only, or under another name") from None
+            # This storage cannot share: copy through this process, checked against the source.
+            with storage.open_read(src) as f, storage.open_write(dst, durable=durable) as out:
+                size, digest = copy_hashing(f, out, chunk=8 << 20)
+                if (size, digest) != (source.entry.size, source.entry.checksum):  # aborts the copy
+                    raise IntegrityError(
+                        f"{storage.full_path(src)} does not match its manifest (size {size}, xxh3-128 "
+                        f"{digest}); run `txckpt verify` on its root and save again without incremental=True",
+                        path=storage.full_path(src))
+
+    def release(self) -> None:
+        """Give the leases back (the transaction has ended); never raises."""
+        for key in self._leases.values():
+            try:
+                release_reader_lease(self._root, key)
+            except OSError:  # it expires; gc removes it
+                log.warning("could not release the lease %s of an incremental save", key, exc_info=True)
+        self._leases.clear()
+
+
+__all__ = ["Sharing", "Source", "committed_files", "DEPTH"]
