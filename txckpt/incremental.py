@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .checksum import copy_hashing, new_hasher, next_boundary
-from .errors import CheckpointNotFoundError, IntegrityError, InvalidArgumentError, ManifestError
+from .errors import CheckpointNotFoundError, IntegrityError, InvalidArgumentError, ManifestError, storage_error
 from .leases import acquire_reader_lease, release_reader_lease
 from .lineage import Checkpoint
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
@@ -43,6 +43,10 @@ from .refs import Ref
 from .serialization import write_object
 
 log = logging.getLogger("txckpt")
+
+#: How long the lease on a source lasts: past the longest save (its release ends it sooner); a
+#: process killed mid-save holds its sources this long (+ the deleters' clock-skew margin).
+LEASE_S = 6 * 3600.0
 
 #: How many of the newest committed checkpoints (of any lineage) an incremental save compares
 #: its files with: the previous save's, a fork point's, a sibling run's. Each costs one manifest
@@ -180,7 +184,7 @@ class Sharing:
             return None
         if source.ref.txid not in self._leases:
             try:
-                self._leases[source.ref.txid] = acquire_reader_lease(self._root, source.ref.txid)
+                self._leases[source.ref.txid] = acquire_reader_lease(self._root, source.ref.txid, LEASE_S)
             except CheckpointNotFoundError:  # retired since the index was read: not a source
                 self._candidates = [s for s in self._candidates if s.ref.txid != source.ref.txid]
                 return self.unchanged(name, obj)
@@ -204,6 +208,8 @@ class Sharing:
                 raise InvalidArgumentError(
                     f"{name!r} was saved with tx.save and written into tx.directory by other code as well; "
                     "write each file one way only, or under another name") from None
+            except OSError as e:  # a full disk, a refused request: typed, saying which file
+                raise storage_error(e, f"share {name!r} with {storage.full_path(src)}") from e
             # This storage cannot share: copy through this process, checked against the source.
             with storage.open_read(src) as f, storage.open_write(dst, durable=durable) as out:
                 size, digest = copy_hashing(f, out, chunk=8 << 20)

@@ -347,7 +347,8 @@ def cases() -> list[Case]:
     for name, sc in SCENARIOS.items():
         for backend in sc.backends:
             out.append(Case(f"crash/{backend}/{name}", "crash", sc.title, backend, _sweep_case(backend, name),
-                            cost=_COST[backend] * (2 if name in ("gc", "retention", "fork") else 1),
+                            cost=_COST[backend] * (2 if name in ("gc", "retention", "fork", "incremental-fork",
+                                                                 "incremental-retention") else 1),
                             needs_s3=backend == "s3",
                             params={"cap_quick": 6 if backend == "s3" else None}))
         if "memory" in sc.backends:

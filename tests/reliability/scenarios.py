@@ -223,6 +223,58 @@ def run_adopt_save(url, so, expect):
     return _save(url, so, 6, "A-6")
 
 
+# ----- incremental saves (docs/incremental.md): files shared with committed checkpoints ----------
+def _frozen():
+    import torch
+
+    return {"w": torch.arange(1 << 19, dtype=torch.float32)}  # 2 MiB: past the first prefix boundary
+
+
+def _save_inc(url, so, step, tag):
+    import txckpt
+
+    return txckpt.save_checkpoint(url, step, {**payload(tag, step), "frozen.safetensors": _frozen()},
+                                  storage_options=so, incremental=True)
+
+
+def build_incremental(url, so):
+    for s in (2, 4):
+        _save_inc(url, so, s, f"A-{s}")
+    return {"allowed": ["A-4", "A-6"]}
+
+
+def run_incremental(url, so, expect):
+    return _save_inc(url, so, 6, "A-6")  # shares frozen.safetensors with A-4 (a link or a server-side copy)
+
+
+def build_incremental_fork(url, so):
+    for s in (2, 4, 6):
+        _save_inc(url, so, s, f"A-{s}")
+    return {"allowed": ["A-6", "A-2", "B-4"]}
+
+
+def run_incremental_fork(url, so, expect):
+    import txckpt
+
+    txckpt.resume(url, step=2, storage_options=so)
+    return _save_inc(url, so, 4, "B-4")  # shares with the lineage it abandons
+
+
+def build_incremental_retention(url, so):
+    import txckpt
+    from txckpt.retention import plan_retention
+
+    for s in (1, 2, 3, 4, 5):
+        _save_inc(url, so, s, f"A-{s}")
+    txckpt.resume(url, step=2, storage_options=so)
+    for s in (3, 4):
+        _save_inc(url, so, s, f"B-{s}")
+    txckpt.forget_roots()
+    going = [c.txid for c in plan_retention(_root(url, so), _retention_policy())]
+    assert len(going) == 4, going
+    return {"allowed": ["B-4"], "may_retire": going}
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("save", "save (3 kinds + raw bytes) over a root with one checkpoint: staging, commit, publish",
              build_save, run_save),
@@ -239,4 +291,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              "half-done publish and unpublish", build_gc, run_gc),
     Scenario("adopt", "adoption of a legacy root (txckpt adopt)", build_adopt, run_adopt),
     Scenario("adopt-save", "first txckpt save on a legacy root (adopts, then saves)", build_adopt_save, run_adopt_save),
+    Scenario("incremental", "incremental save sharing an unchanged file with the previous checkpoint",
+             build_incremental, run_incremental),
+    Scenario("incremental-fork", "fork (resume to step 2 of 2,4,6) + incremental re-save of step 4, sharing with "
+             "the abandoned lineage", build_incremental_fork, run_incremental_fork),
+    Scenario("incremental-retention", "retention (as 'retention') of checkpoints that all share one file",
+             build_incremental_retention, run_retention),
 ]}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 from typing import BinaryIO, Iterator
 
 from ..checksum import AbortOnError
@@ -295,10 +296,12 @@ class LocalStorage(Storage):
         return _LocalWriteBatch(self)
 
     def share_file(self, src: str, dst: str) -> bool:
-        path = self._p(dst)
+        source, path = self._p(src), self._p(dst)
+        if not stat.S_ISREG(os.lstat(source).st_mode):
+            return False  # only a regular file's inode is shared; the caller copies and checks the rest
         _ensure_dir(os.path.dirname(path), True)
         try:
-            os.link(self._p(src), path, follow_symlinks=False)
+            os.link(source, path, follow_symlinks=False)
         except OSError as e:
             # A file system without hard links (some network and FUSE mounts), or the source's
             # link count at its limit: the caller writes the bytes instead.
