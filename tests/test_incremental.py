@@ -216,3 +216,56 @@ def test_s3_uploads_only_the_changed_bytes(s3_root, s3_requests):
     assert s3_requests.uploaded_bytes < frozen / 4, s3_requests.ops
     out = txckpt.load_checkpoint(two, storage_options=so)  # verified
     assert torch.equal(out["frozen.safetensors"]["w"], FROZEN["w"])
+
+
+def _flip(path: str, offset: int = MiB) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def test_txckpt_verify_names_every_checkpoint_that_holds_a_damaged_shared_file(root, capsys):
+    from txckpt.cli import app
+
+    paths = [txckpt.save_checkpoint(root, s, files(s), incremental=True) for s in (1, 2, 3)]
+    _flip(os.path.join(paths[0], "frozen.safetensors"))
+    txckpt.forget_roots()
+    assert app.main(["verify", root]) == 1
+    out = capsys.readouterr()
+    text = out.out + out.err
+    for p in paths:
+        assert os.path.join(os.path.basename(p), "frozen.safetensors") in text, text
+
+
+def test_a_fallback_resume_skips_every_checkpoint_that_shares_the_damaged_bytes(root, txlog):
+    first = txckpt.save_checkpoint(root, 1, files(1), incremental=True)
+    changed = {**files(2), "frozen.safetensors": {"w": FROZEN["w"] + 1}}  # new bytes from step 2 on
+    two = txckpt.save_checkpoint(root, 2, changed, incremental=True)
+    three = txckpt.save_checkpoint(root, 3, {**changed, "adapter.safetensors": files(3)["adapter.safetensors"]},
+                                   incremental=True)
+    assert ino(two, "frozen.safetensors") == ino(three, "frozen.safetensors") != ino(first, "frozen.safetensors")
+    _flip(os.path.join(three, "frozen.safetensors"))  # damages step 2 as well: one inode
+    txckpt.forget_roots()
+    resumed = txckpt.resume(root, on_damaged="fallback")
+    assert resumed is not None and txckpt.read_manifest(resumed).step == 1
+
+
+def test_txckpt_show_says_how_many_bytes_are_shared(root, capsys):
+    import json
+
+    from txckpt.cli import app
+
+    one = txckpt.save_checkpoint(root, 1, files(1), incremental=True)
+    two = txckpt.save_checkpoint(root, 2, files(2), incremental=True)
+    m = txckpt.read_manifest(two).files
+    assert app.main(["show", two, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["shared_bytes"] == m["frozen.safetensors"].size + m["config.json"].size
+    assert app.main(["show", two]) == 0
+    assert "shared with other checkpoints" in capsys.readouterr().out
+    txckpt.save_checkpoint(root, 3, files(3))  # not incremental: owns every byte
+    assert app.main(["show", os.path.join(root, "checkpoint-3"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["shared_bytes"] == 0
+    assert one

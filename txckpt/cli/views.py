@@ -188,6 +188,22 @@ def _checkpoint_arg(args: argparse.Namespace) -> tuple[str, Any | None]:
     return where, root
 
 
+def _shared_bytes(path: str, manifest: Any) -> int | None:
+    """On a local disk, the bytes of the checkpoint's files that another name also holds (an
+    incremental save's hard links: deleting this checkpoint frees none of them). None on an
+    object store, where every checkpoint holds its own copies."""
+    if is_url(path):
+        return None
+    total = 0
+    for name, entry in manifest.files.items():
+        try:
+            if os.stat(os.path.join(path, *name.split("/"))).st_nlink > 1:
+                total += entry.size
+        except OSError:  # missing: `txckpt verify` reports it
+            pass
+    return total
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     path, root = _checkpoint_arg(args)
     if not is_url(path) and not os.path.exists(path):
@@ -213,11 +229,13 @@ def cmd_show(args: argparse.Namespace) -> int:
             status = r.describe([c], with_paths=False, history=h)[0].state
             if status == "current" and h.state.head_tip is not None and h.state.head_tip.txid == c.txid:
                 status += " (HEAD tip)"
+    shared = _shared_bytes(path, manifest)
     info = {
         "path": path, "txid": manifest.txid, "lineage": manifest.lineage, "step": manifest.step,
         "parent": parent_to_json(manifest.parent), "created": manifest.created, "world_size": manifest.world_size,
         "adopted": manifest.adopted, "checksum_algorithm": checksum.ALGORITHM, "digest": manifest.digest,
-        "bytes": manifest.total_bytes, "metadata": manifest.metadata, "state": status,
+        "bytes": manifest.total_bytes, "shared_bytes": shared,
+        "metadata": manifest.metadata, "state": status,
         "files": {n: manifest.files[n].to_json() for n in sorted(manifest.files)},
     }
     if args.json:
@@ -242,7 +260,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     if manifest.adopted:
         print("adopted     yes (checksums computed at adoption)")
     print(f"checksums   {checksum.ALGORITHM}, manifest digest {manifest.digest}")
-    print(f"files       {len(manifest.files)}, {human_bytes(manifest.total_bytes)}")
+    print(f"files       {len(manifest.files)}, {human_bytes(manifest.total_bytes)}"
+          + (f" ({human_bytes(shared)} of it shared with other checkpoints: hard links, docs/incremental.md)"
+             if shared else ""))
     rows = [[n, human_bytes(e.size), str(e.size), e.kind, str(e.rank), e.checksum]
             for n, e in sorted(manifest.files.items())]
     print("\n" + "\n".join("  " + line for line in table(rows, ["FILE", "SIZE", "BYTES", "KIND", "RANK", "XXH3-128"]).splitlines()))
