@@ -260,14 +260,16 @@ def test_the_mixin_must_come_first():
 
 def test_save_on_each_node_across_nodes_is_refused(monkeypatch):
     args = types.SimpleNamespace(save_on_each_node=True, world_size=4)
-    for v in integ._LOCAL_WORLD_SIZE_VARS:
+    from txckpt.integrations.trainer import paths
+
+    for v in paths._LOCAL_WORLD_SIZE_VARS:
         monkeypatch.delenv(v, raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="save_on_each_node"):
-        integ._check_save_on_each_node(args)
+        paths.check_save_on_each_node(args)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    integ._check_save_on_each_node(args)  # one node: fine
-    integ._check_save_on_each_node(types.SimpleNamespace(save_on_each_node=False, world_size=4))
+    paths.check_save_on_each_node(args)  # one node: fine
+    paths.check_save_on_each_node(types.SimpleNamespace(save_on_each_node=False, world_size=4))
 
 
 class RequestJIT(TrainerCallback):

@@ -148,6 +148,12 @@ def _close(st: _Installed) -> None:
             pass
 
 
+def installed() -> bool:
+    """Whether install() is in effect in this process (the Trainer's ``txckpt_save_on_preemption``
+    installs only where the script did not)."""
+    return _current is not None
+
+
 def received() -> int:
     """The number of the first signal this process received since install() (0: none). Local:
     no collective."""
@@ -372,4 +378,4 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-__all__ = ["install", "uninstall", "requested", "received", "exit", "exit_status", "decide", "DEFAULT_SIGNALS"]
+__all__ = ["install", "uninstall", "installed", "requested", "received", "exit", "exit_status", "decide", "DEFAULT_SIGNALS"]

@@ -63,8 +63,10 @@ from .patches import (
     remote_best_checkpoints_kept,
     torch_save_through,
 )
+from .preempt import PreemptionSave
 from .paths import (
     PREFIX_CHECKPOINT_DIR,
+    check_save_on_each_node,
     TRAINER_STATE_NAME,
     checkpoint_name_step,
     public_name,
@@ -79,9 +81,6 @@ from .remote_cache import RemoteCache
 from .resume import committed_step_path, resolve_on_rank0
 
 log = logging.getLogger("txckpt.transformers")
-
-_LOCAL_WORLD_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
-
 
 class TransactionalCheckpointMixin:
     """Make a ``transformers.Trainer`` save every checkpoint as one txckpt transaction and resume
@@ -111,6 +110,9 @@ class TransactionalCheckpointMixin:
       parameters outside its step (layer-wise and LOMO optimizers), then from a copy made before
       ``_save_checkpoint`` returns (copy-first). ``"lazy"`` or ``"copy"`` chooses one
       (docs/async.md, "Trainer": ordering, errors).
+    * ``txckpt_save_on_preemption``: ``True`` (or a grace in seconds): SIGTERM / SIGUSR1 make the
+      Trainer save at the next step boundary, stop, and the process exit with 128 + the signal
+      (``txckpt.preemption``, installed by ``train()`` unless the script did; docs/preemption.md).
 
     Class attribute only: ``txckpt_stream_optimizer`` (default True): the ``torch.save`` calls of
     upstream's ``_save_optimizer_and_scheduler`` (``optimizer.pt``, ``scheduler.pt``) write
@@ -130,6 +132,7 @@ class TransactionalCheckpointMixin:
     txckpt_on_damaged: str = "raise"
     txckpt_stream_optimizer: bool = True
     txckpt_async_save: bool | str = False
+    txckpt_save_on_preemption: bool | float = False
 
     def __init_subclass__(cls, **kwargs: Any):
         # Runs at class definition, even when Trainer comes first (whose __init__ would then
@@ -141,21 +144,20 @@ class TransactionalCheckpointMixin:
                  txckpt_storage_options: dict[str, Any] | None = None,
                  txckpt_cache_dir: str | os.PathLike | None = None,
                  txckpt_timeout: float | None = None, txckpt_on_damaged: str | None = None,
-                 txckpt_async_save: bool | str | None = None, **kwargs: Any):
+                 txckpt_async_save: bool | str | None = None, txckpt_save_on_preemption: bool | float | None = None,
+                 **kwargs: Any):
         _check_mro(type(self))
         if txckpt_on_damaged is not None:
             check_on_damaged(txckpt_on_damaged)
-            self.txckpt_on_damaged = txckpt_on_damaged
-        if txckpt_root is not None:
-            self.txckpt_root = os.fspath(txckpt_root)
-        if txckpt_storage_options is not None:
-            self.txckpt_storage_options = dict(txckpt_storage_options)
-        if txckpt_cache_dir is not None:
-            self.txckpt_cache_dir = os.fspath(txckpt_cache_dir)
-        if txckpt_timeout is not None:
-            self.txckpt_timeout = txckpt_timeout
-        if txckpt_async_save is not None:
-            self.txckpt_async_save = check_mode(txckpt_async_save)
+        given = {"txckpt_on_damaged": txckpt_on_damaged, "txckpt_timeout": txckpt_timeout,
+                 "txckpt_root": None if txckpt_root is None else os.fspath(txckpt_root),
+                 "txckpt_storage_options": None if txckpt_storage_options is None else dict(txckpt_storage_options),
+                 "txckpt_cache_dir": None if txckpt_cache_dir is None else os.fspath(txckpt_cache_dir),
+                 "txckpt_async_save": None if txckpt_async_save is None else check_mode(txckpt_async_save),
+                 "txckpt_save_on_preemption": txckpt_save_on_preemption}
+        for name, value in given.items():
+            if value is not None:
+                setattr(self, name, value)
         # Set before Trainer.__init__: it may call overridden methods (e.g. _get_output_dir).
         self._txckpt_tx = None
         #: Files of the open transaction written through it by _save_optimizer_and_scheduler.
@@ -172,6 +174,9 @@ class TransactionalCheckpointMixin:
         super().__init__(*args, **kwargs)
         self._txckpt_install_jit()
         self._txckpt_async.install()
+        preempt = self.txckpt_save_on_preemption
+        self._txckpt_preempt = None if preempt is False else PreemptionSave(
+            self, None if preempt is True else float(preempt))
 
     # ----- where things go ---------------------------------------------------------------------
     def _txckpt_already_committed(self, trial: Any) -> bool:
@@ -211,7 +216,7 @@ class TransactionalCheckpointMixin:
         if self._txckpt_tx is not None:
             # Called again from inside a save (a subclass's override): join the open transaction.
             return super()._save_checkpoint(model, trial, *args, **kwargs)
-        _check_save_on_each_node(self.args)
+        check_save_on_each_node(self.args)
         follow_transformers_verbosity(self.args)  # the save's records show at transformers' verbosity
         if self.txckpt_async_save:
             return self._txckpt_async.save(super()._save_checkpoint, model, trial, *args, **kwargs)  # type: ignore[misc]
@@ -512,8 +517,11 @@ class TransactionalCheckpointMixin:
         if "model_path" in kwargs:  # transformers 4.x's deprecated alias
             warnings.warn("`model_path` is deprecated; use `resume_from_checkpoint`", FutureWarning)
             resume_from_checkpoint = kwargs.pop("model_path")
-        _check_save_on_each_node(self.args)
+        check_save_on_each_node(self.args)
         resolved = self._txckpt_resolve_resume(resume_from_checkpoint, trial)
+        if self._txckpt_preempt is not None:
+            self._txckpt_preempt.begin()
+        completed = False
         try:
             result = super().train(  # type: ignore[misc]
                 resume_from_checkpoint=resolved, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
@@ -524,10 +532,13 @@ class TransactionalCheckpointMixin:
                 # transformers 4.x: its inline end-of-training cleanup got no checkpoints from
                 # _sorted_checkpoints; keep only the best here, as 5.x's _finalize_training does.
                 self._txckpt_keep_only_best(trial)
+            completed = True
             return result
         finally:
             self._txckpt_async.finish(raise_error=False)  # train() raised: its error, not a save's
             self._txckpt_remote.drop_push_copies()  # upstream waited for the last push at the end
+            if self._txckpt_preempt is not None:  # preempted: exit with 128 + signum
+                self._txckpt_preempt.end(completed=completed)
 
     def _txckpt_resolve_resume(self, resume: str | bool | None, trial: Any) -> str | None:
         """Rank 0 decides (and records any lineage change); every rank gets its answer. A remote
@@ -559,23 +570,6 @@ def _check_mro(cls: type) -> None:
             f"`class {cls.__name__}(TransactionalCheckpointMixin, Trainer)`; after Trainer its "
             "overrides never run and checkpoints would be written in place"
         )
-
-
-def _check_save_on_each_node(args: Any) -> None:
-    """save_on_each_node=True on several nodes makes each node's local rank 0 write its own copy
-    of the staging directory on node-local storage, while only global rank 0 commits: refuse."""
-    if not getattr(args, "save_on_each_node", False) or args.world_size <= 1:
-        return
-    local = next((os.environ[v] for v in _LOCAL_WORLD_SIZE_VARS if os.environ.get(v)), None)
-    if local is not None and int(local) == args.world_size:
-        return  # one node: save_on_each_node changes nothing
-    raise ValueError(
-        "TransactionalCheckpointMixin does not support save_on_each_node=True across several nodes "
-        f"(world size {args.world_size}, local world size {local or 'unknown'}): a txckpt checkpoint "
-        "is committed once, by global rank 0, from one staging directory that every rank writes. Put "
-        "output_dir on storage all nodes share (or an fsspec URL) and set save_on_each_node=False."
-    )
-
 
 
 def _apply_retention(root: str, storage_options: dict | None, keep_last: int, best: str | None) -> None:

@@ -94,3 +94,22 @@ def env_var(name: str, value: str) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
+
+
+_LOCAL_WORLD_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+
+
+def check_save_on_each_node(args: Any) -> None:
+    """save_on_each_node=True on several nodes makes each node's local rank 0 write its own copy
+    of the staging directory on node-local storage, while only global rank 0 commits: refuse."""
+    if not getattr(args, "save_on_each_node", False) or args.world_size <= 1:
+        return
+    local = next((os.environ[v] for v in _LOCAL_WORLD_SIZE_VARS if os.environ.get(v)), None)
+    if local is not None and int(local) == args.world_size:
+        return  # one node: save_on_each_node changes nothing
+    raise ValueError(
+        "TransactionalCheckpointMixin does not support save_on_each_node=True across several nodes "
+        f"(world size {args.world_size}, local world size {local or 'unknown'}): a txckpt checkpoint "
+        "is committed once, by global rank 0, from one staging directory that every rank writes. Put "
+        "output_dir on storage all nodes share (or an fsspec URL) and set save_on_each_node=False."
+    )
