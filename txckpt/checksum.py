@@ -160,30 +160,15 @@ class HashingWriter(AbortOnError, io.RawIOBase):
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
-        n = len(view)
-        if self._boundary is not None:
-            return self._write_recording(view)
+        n, start = len(view), 0
         # Hash and write piece by piece, so each piece goes to the sink while it is still in the
         # CPU cache the hash just pulled it into (one pass over memory instead of two for the
-        # large writes serializers make).
-        for start in range(0, n, PIECE):
-            piece = view[start:start + PIECE]
-            self._hasher.update(piece)
-            try:
-                self._sink.write(piece)
-            except OSError as e:
-                self._failed(e)
-                raise
-        self.size += n
-        return n
-
-    def _write_recording(self, view: memoryview) -> int:
-        """write() that also records the running digest at each prefix boundary (a piece
-        ends at the boundary, so the digest is taken exactly there)."""
-        assert self._boundary is not None
-        n, start = len(view), 0
+        # large writes serializers make). Recording prefixes, a piece also ends at each prefix
+        # boundary, so the running digest is taken exactly there.
         while start < n:
-            end = min(start + PIECE, n, start + self._boundary - self.size)
+            end = min(start + PIECE, n)
+            if self._boundary is not None:
+                end = min(end, start + self._boundary - self.size)
             piece = view[start:end]
             self._hasher.update(piece)
             try:

@@ -86,17 +86,17 @@ def run_first(url, so, expect):
 
 
 # ----- fork (resume to an older step) and re-save a step another lineage committed --------------
-def build_fork(url, so):
+def build_fork(url, so, save=_save):
     for s in (2, 4, 6):
-        _save(url, so, s, f"A-{s}")
+        save(url, so, s, f"A-{s}")
     return {"allowed": ["A-6", "A-2", "B-4"]}
 
 
-def run_fork(url, so, expect):
+def run_fork(url, so, expect, save=_save):
     import txckpt
 
     txckpt.resume(url, step=2, storage_options=so)
-    return _save(url, so, 4, "B-4")
+    return save(url, so, 4, "B-4")
 
 
 # ----- publish over a checkpoint-N that another tool wrote --------------------------------------
@@ -114,15 +114,16 @@ def _retention_policy():
     return RetentionPolicy(keep_last=2, abandoned=0)
 
 
-def build_retention(url, so):
+def build_retention(url, so, save=_save):
+    """A-1..A-5, a fork at 2, B-3 and B-4: retention lets 4 go. ``save``: how each is saved."""
     import txckpt
     from txckpt.retention import plan_retention
 
     for s in (1, 2, 3, 4, 5):
-        _save(url, so, s, f"A-{s}")
+        save(url, so, s, f"A-{s}")
     txckpt.resume(url, step=2, storage_options=so)
     for s in (3, 4):
-        _save(url, so, s, f"B-{s}")
+        save(url, so, s, f"B-{s}")
     txckpt.forget_roots()
     going = [c.txid for c in plan_retention(_root(url, so), _retention_policy())]
     assert len(going) == 4, going
@@ -248,31 +249,15 @@ def run_incremental(url, so, expect):
 
 
 def build_incremental_fork(url, so):
-    for s in (2, 4, 6):
-        _save_inc(url, so, s, f"A-{s}")
-    return {"allowed": ["A-6", "A-2", "B-4"]}
+    return build_fork(url, so, save=_save_inc)
 
 
 def run_incremental_fork(url, so, expect):
-    import txckpt
-
-    txckpt.resume(url, step=2, storage_options=so)
-    return _save_inc(url, so, 4, "B-4")  # shares with the lineage it abandons
+    return run_fork(url, so, expect, save=_save_inc)  # B-4 shares with the lineage it abandons
 
 
 def build_incremental_retention(url, so):
-    import txckpt
-    from txckpt.retention import plan_retention
-
-    for s in (1, 2, 3, 4, 5):
-        _save_inc(url, so, s, f"A-{s}")
-    txckpt.resume(url, step=2, storage_options=so)
-    for s in (3, 4):
-        _save_inc(url, so, s, f"B-{s}")
-    txckpt.forget_roots()
-    going = [c.txid for c in plan_retention(_root(url, so), _retention_policy())]
-    assert len(going) == 4, going
-    return {"allowed": ["B-4"], "may_retire": going}
+    return build_retention(url, so, save=_save_inc)
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
