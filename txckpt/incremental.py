@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import io
 import logging
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -63,8 +65,12 @@ class Source:
     entry: FileEntry
 
 
-# Decoded manifests by (root identity, txid, digest): a committed manifest never changes.
-_MANIFESTS: dict[tuple[str, str, str], Manifest] = {}
+# Decoded manifests by (root identity, txid, digest), the most recently used last: a committed
+# manifest never changes, so a save re-reads only the checkpoints committed since the last one.
+# Bounded: a long run's older checkpoints fall out of every save's DEPTH anyway.
+_MANIFESTS: "OrderedDict[tuple[str, str, str], Manifest]" = OrderedDict()
+_MANIFESTS_KEPT = 4 * DEPTH
+_MANIFESTS_LOCK = threading.Lock()
 
 
 def committed_files(root: Root, depth: int = DEPTH) -> list[Source]:
@@ -84,8 +90,10 @@ def committed_files(root: Root, depth: int = DEPTH) -> list[Source]:
 
 def _manifest(root: Root, c: Checkpoint) -> Manifest | None:
     cache_key = (root.storage.identity(), c.txid, c.digest)
-    if cache_key in _MANIFESTS:
-        return _MANIFESTS[cache_key]
+    with _MANIFESTS_LOCK:  # an async save's thread and the caller's may both look
+        if cache_key in _MANIFESTS:
+            _MANIFESTS.move_to_end(cache_key)
+            return _MANIFESTS[cache_key]
     key = root.publication.locate(c.ref)
     if key is None:
         return None
@@ -95,7 +103,10 @@ def _manifest(root: Root, c: Checkpoint) -> Manifest | None:
         return None
     if manifest.txid != c.txid or manifest.digest != c.digest:
         return None
-    _MANIFESTS[cache_key] = manifest
+    with _MANIFESTS_LOCK:
+        _MANIFESTS[cache_key] = manifest
+        while len(_MANIFESTS) > _MANIFESTS_KEPT:
+            _MANIFESTS.popitem(last=False)
     return manifest
 
 
