@@ -269,3 +269,16 @@ def test_txckpt_show_says_how_many_bytes_are_shared(root, capsys):
     assert app.main(["show", os.path.join(root, "checkpoint-3"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["shared_bytes"] == 0
     assert one
+
+
+def test_a_name_saved_twice_is_refused_and_the_first_share_still_commits(root):
+    txckpt.save_checkpoint(root, 1, files(1), incremental=True)
+    with txckpt.transaction(root, 2, incremental=True) as tx:
+        tx.save("config.json", {"layers": 2})  # shared
+        with pytest.raises(InvalidArgumentError, match="already written"):
+            tx.save("config.json", {"layers": 2})
+        with pytest.raises(InvalidArgumentError):
+            tx.save("config.json/inner.json", {"layers": 2})  # under a file's name
+        tx.save("other.json", {"x": 1})
+    assert set(txckpt.read_manifest(tx.path).files) == {"config.json", "other.json"}
+    txckpt.verify_checkpoint(tx.path)

@@ -175,14 +175,15 @@ class Sharing:
         self._root = root
         self._candidates: list[Source] | None = None
         self._leases: dict[str, str] = {}  # txid -> lease key
-        #: name -> (the committed file it shares, the kind tx.save gave it): placed by place().
+        #: name -> (the committed file it shares, the kind tx.save gave it), recorded by the
+        #: transaction once the name is accepted; placed by :meth:`place`.
         self.pending: dict[str, tuple[Source, str]] = {}
 
-    def unchanged(self, name: str, obj: Any) -> tuple[FileEntry, str] | None:
+    def unchanged(self, name: str, obj: Any) -> tuple[Source, str] | None:
         """If ``obj``, serialized as file ``name``, has the bytes of a committed file: lease
-        that file's checkpoint, make the share pending and return (its entry, its kind).
-        Otherwise None (the caller writes the file); never raises for the object's sake (a
-        serializer error shows when the caller writes)."""
+        that file's checkpoint and return (the file, the kind ``tx.save`` gives it); the caller
+        then records the share in :attr:`pending`. Otherwise None (the caller writes the file);
+        never raises for the object's sake (a serializer error shows when the caller writes)."""
         if self._candidates is None:
             self._candidates = committed_files(self._root)
         probe = _Probe(self._candidates)
@@ -199,8 +200,7 @@ class Sharing:
             except CheckpointNotFoundError:  # retired since the index was read: not a source
                 self._candidates = [s for s in self._candidates if s.ref.txid != source.ref.txid]
                 return self.unchanged(name, obj)
-        self.pending[name] = (source, kind)
-        return source.entry, kind
+        return source, kind
 
     def place(self, staging_key: str, durable: bool) -> None:
         """Make every pending share a file of the staging directory (module doc, step 2)."""

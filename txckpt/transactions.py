@@ -310,15 +310,16 @@ class Transaction:
         """tx.save's incremental path (txckpt.incremental): True if ``obj`` is unchanged."""
         assert self._sharing is not None
         self._require_open()
-        found = self._sharing.unchanged(name, obj)
-        if found is None:
-            return False
         check_new_file_name(name)
         if name in self._written or name in self._open_writers:
             raise InvalidArgumentError(f"{name!r} was already written in this transaction")
+        found = self._sharing.unchanged(name, obj)
+        if found is None:
+            return False
         self._names.add(name, lambda n: n in self._written or n in self._open_writers, self._local_dir)
-        entry, kind = found
-        self._written[name] = (entry.size, entry.checksum, kind, entry.prefixes)
+        source, kind = found
+        self._sharing.pending[name] = (source, kind)  # placed at this rank's end
+        self._written[name] = (source.entry.size, source.entry.checksum, kind, source.entry.prefixes)
         return True
 
     def _finished_file(self, name: str, size: int, digest: str, kind: str, prefixes: list[str]) -> None:
