@@ -106,7 +106,7 @@ def _frozen_table(size: int, reps: int) -> list[dict[str, Any]]:
         {"case": "bytes written per incremental save ÷ bytes that changed", "size": size,
          "txckpt": inc_written, "other": delta, "ratio": inc_written / delta if delta else float("nan"),
          "goal": 1.05, "reps": saves - 1, "unit": "bytes",
-         "note": f"a full save writes {full_one} bytes ({full_one / max(inc_written, 1):.0f}x)"},
+         "note": f"a full save writes {h.fmt_size(full_one)} ({full_one / max(inc_written, 1):.0f}x)"},
         {"case": f"disk use of the incremental root's {saves} checkpoints ÷ (one full + {saves - 1} deltas)",
          "size": size, "txckpt": on_disk, "other": one_plus_deltas,
          "ratio": on_disk / one_plus_deltas if one_plus_deltas else float("nan"), "goal": 1.2, "reps": 1,

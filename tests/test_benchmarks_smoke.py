@@ -36,7 +36,8 @@ def test_tiny_run_writes_report_and_plot(tmp_path):
                   "S3: get_last_checkpoint requests", "Async save: time the training loop is blocked",
                   "Async save on S3: blocked time against the synchronous save",
                   "Trainer with txckpt_async_save: overhead per save",
-                  "DCP: TransactionalWriter / TransactionalReader vs plain torch DCP, 2 ranks"):
+                  "DCP: TransactionalWriter / TransactionalReader vs plain torch DCP, 2 ranks",
+                  "Incremental save: frozen base + adapter (local disk, fsync on)"):
         assert title in md, title
     assert "**failed**" not in md, md[md.find("**failed**") - 400:][:2000]
     # The write benchmarks cleaned up after themselves.
