@@ -181,6 +181,20 @@ ANALYSIS: dict[str, str] = {
         "share the memory bandwidth); lazy's background does the same work and its steps were "
         "not measurably slower."
     ),
+    "s3load": (
+        "**Where the time goes.** On SeaweedFS the ranged read (16 MiB parts, 8 in flight, the "
+        "best of 8/16 MiB x 8/16 in flight and 32 MiB x 8 in a probe) beats the one-GET read it "
+        "replaces, but stays behind s3fs `cat_ranges` of the same parts: the gateway, the filer "
+        "and three volume servers run on the same two cores as the client, and txckpt's client "
+        "also copies each part into the file's buffer and hashes it on a second thread, CPU the "
+        "unverified readers leave to the servers. Its fixed cost is a load's own requests "
+        "(root, log, manifest: ~0.1 s, the whole of a 4 MiB load). moto serves a ranged GET "
+        "by copying the whole object (every ranged reader is slow there: `cat_ranges` and "
+        "boto3's transfer manager too), so on moto the one-GET read was faster; real S3, GCS "
+        "and SeaweedFS serve ranges natively, which is what the transfer managers are built "
+        "on. What would close the gap: reading each part's body straight into its slice of "
+        "the buffer (no copy), and a machine where the store does not share the client's cores."
+    ),
     "incremental": (
         "**Hashing the frozen base is the floor.** To know a file is unchanged without reading "
         "the committed copy, the save hashes the object's bytes from memory: xxh3-128 runs at "

@@ -153,7 +153,7 @@ class BufferRead:
     on any input (safetensors, torch's ``weights_only`` unpickler), and must not hand out what it
     decoded before the check (txckpt.verify)."""
 
-    def __init__(self, buffer: Any, hasher: Any, worker: "_HashWorker | None"):
+    def __init__(self, buffer: Any, hasher: Any, worker: "HashWorker | None"):
         self.buffer = buffer
         self._hasher = hasher
         self._worker = worker
@@ -170,7 +170,7 @@ class BufferRead:
         return self._digest
 
 
-class _HashWorker:
+class HashWorker:
     """One thread that hashes, in order, the chunks the reader hands it as each one lands
     (xxhash releases the GIL while it hashes, so it runs beside the reader on another core).
     A daemon thread: a load abandoned half-way (an exception in the reader, a
@@ -241,7 +241,7 @@ def start_read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool =
         pipelined = hasher is not None and pipeline and size >= _PIPELINE_MIN
         buf = new_buffer(size)
         view = memoryview(buf.numpy()) if size else memoryview(b"")
-        worker = _HashWorker(hasher) if pipelined else None
+        worker = HashWorker(hasher) if pipelined else None
         step = HOT_CHUNK if hasher is not None and worker is None else READ_CHUNK
         try:
             off = 0
@@ -311,7 +311,7 @@ def start_map_file(path: str, size: int, *, hash: bool, pipeline: bool = True) -
     worker = None
     if hasher is not None:
         if pipeline and size >= _PIPELINE_MIN:
-            worker = _HashWorker(hasher)  # the caller decodes while it hashes
+            worker = HashWorker(hasher)  # the caller decodes while it hashes
         feed = hasher.update if worker is None else worker.put
         view = memoryview(m)
         for off in range(0, size, READ_CHUNK):

@@ -159,7 +159,8 @@ def read_file(storage: Storage, key: str, entry: FileEntry, *, verify: bool = Tr
     ``check()`` raises :class:`FileProblem` (sizes are checked before this returns).
 
     A safetensors or torch file on a local disk is read into the buffer its tensors will be
-    views of, hashed chunk by chunk as it lands (:func:`txckpt.fileio.start_read_into_buffer`);
+    views of, hashed chunk by chunk as it lands (:func:`txckpt.fileio.start_read_into_buffer`;
+    on an object store that offers it, :meth:`Storage.start_read`: S3's parallel ranged GETs);
     what the reader has not hashed yet when the last byte lands is hashed behind it, meanwhile
     the caller can decode. Any other file is read as ``bytes``; with ``overlap`` (a core to
     spare, a large file) its hash runs in a thread of its own while the caller decodes.
@@ -170,12 +171,19 @@ def read_file(storage: Storage, key: str, entry: FileEntry, *, verify: bool = Tr
         raise FileProblem("symlink")
     local = storage.local_path(key)
     with _as_file_problems():
+        pending = None
         if local is not None and entry.kind in _BUFFER_KINDS:
             start = fileio.start_map_file if mmap else fileio.start_read_into_buffer
             pending = start(local, entry.size, hash=verify, pipeline=pipeline)
+        elif local is None and entry.kind in _BUFFER_KINDS:
+            # An object store that reads faster in parallel parts (S3: ranged GETs into the
+            # buffer, hashed as they land), or None: one GET below.
+            pending = storage.start_read(key, entry.size, hash=verify)
+        if pending is not None:
+            read = pending
 
             def check_buffer() -> None:
-                digest = pending.digest()
+                digest = read.digest()
                 if verify and digest != entry.checksum:
                     raise FileProblem("checksum", size=entry.size, digest=digest)
 

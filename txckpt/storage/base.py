@@ -43,7 +43,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Mapping, Sequence
 
 from ..checksum import PIECE, copy_hashing
 from ..errors import UnsafePathError
-from ..fileio import open_regular_file
+from ..fileio import BufferRead, open_regular_file
 from .errors import map_errors
 
 
@@ -271,6 +271,16 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def read_bytes(self, key: str) -> bytes:
         """The whole content of ``key``, fresh (no cache). Raises FileNotFoundError."""
+
+    def start_read(self, key: str, size: int, *, hash: bool) -> BufferRead | None:
+        """Start reading the whole file at ``key``, which must hold ``size`` bytes, into a new
+        uint8 tensor, hashing as it lands (``hash``); a :class:`~txckpt.fileio.BufferRead`
+        once the last byte is in the buffer, its hash possibly still finishing. Raises
+        :class:`~txckpt.fileio.SizeMismatch` when the file is not ``size`` bytes,
+        FileNotFoundError when it is missing. None where this backend reads no faster than
+        :meth:`read_bytes` (the caller reads and hashes that instead). The verified read of a
+        load (txckpt.verify) asks it for remote files; local disks read through txckpt.fileio."""
+        return None
 
     @abc.abstractmethod
     def open_read(self, key: str) -> BinaryIO:

@@ -10,10 +10,11 @@ from typing import Any, BinaryIO, Iterator, Mapping, Sequence
 
 from .. import deps
 from ..checksum import copy_hashing
-from ..fileio import open_regular_file
+from ..fileio import BufferRead, open_regular_file
 from .base import WriteBatch
 from .errors import log_retries
 from .fsspec import FsspecStorage
+from .s3_download import ranged_read
 from .s3_upload import _run, _S3Writer, _S3WriteBatch
 
 #: Multipart upload tuning for S3 (see docs/remote.md for the measurements behind them).
@@ -34,6 +35,11 @@ S3_MULTIPART_THRESHOLD = int(os.environ.get("TXCKPT_S3_MULTIPART_THRESHOLD", 0))
 #: than 1 against moto (benchmarks/s3.py): the second file's request is prepared (signed,
 #: checksummed) while the first one's is still on the wire. 0: every close() waits.
 S3_PENDING_FILES = max(0, int(os.environ.get("TXCKPT_S3_PENDING_FILES", 2)))
+#: A verified read of a file larger than one part (a load, a fetch, the DCP reader) is that many
+#: ranged GETs of this size, at most ``S3_READ_IN_FLIGHT`` at once, straight into the file's
+#: buffer and hashed as they land (s3_download.py; benchmarks/s3load.py measures them).
+S3_READ_PART = int(os.environ.get("TXCKPT_S3_READ_PART", 16 << 20))
+S3_READ_IN_FLIGHT = int(os.environ.get("TXCKPT_S3_READ_IN_FLIGHT", 8))
 _S3_MIN_PART = 5 << 20  # S3's minimum size of every part but the last
 _DELETE_BATCH = 1000  # DeleteObjects limit
 
@@ -241,6 +247,12 @@ class S3Storage(FsspecStorage):
     def open_read(self, key: str) -> BinaryIO:
         self._forget(key)
         return self.fs.open(self._p(key), "rb")
+
+    def start_read(self, key: str, size: int, *, hash: bool) -> BufferRead | None:
+        if size <= S3_READ_PART:
+            return None  # one GET (read_bytes) is as fast, in one request
+        return ranged_read(self.fs, self.bucket, self._obj(key), size, hash=hash, part=S3_READ_PART,
+                           in_flight=S3_READ_IN_FLIGHT)
 
     def _head(self, key: str) -> dict | None:
         obj = self._obj(key)

