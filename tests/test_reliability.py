@@ -505,3 +505,16 @@ def test_an_actor_that_dies_is_reported_at_the_next_wait():
     with pytest.raises(RuntimeError, match="died \\(exit 3\\)"):
         a.wait()
     assert time.monotonic() - t0 < 60  # not the 120-second timeout
+
+
+@pytest.mark.process
+def test_a_forked_child_runs_parallel_torch_kernels_after_the_parent_used_its_thread_pool():
+    """The campaign forks its cases from a pytest process whose OpenMP pool earlier tests started;
+    a child's first parallel kernel then waited forever for the parent's pool threads (the CI
+    campaign hung on the incremental scenarios' 2 MiB tensor). run_child's children (and the
+    campaign's cases and actors) run torch on one thread."""
+    import torch
+
+    torch.arange(1 << 22, dtype=torch.float32).sum()  # the parent's pool is up
+    code, out = run_child(lambda: float(torch.arange(1 << 19, dtype=torch.float32).sum()), timeout=60)
+    assert code == 0 and out == {"ok": float((1 << 19) * ((1 << 19) - 1) // 2)}, out

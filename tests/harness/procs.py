@@ -23,6 +23,16 @@ import sys
 import traceback
 from typing import Any, Callable
 
+def after_fork() -> None:
+    """Run first in every child the suite forks from a process that may have used torch: one
+    intra-op thread. GNU OpenMP's thread pool does not survive ``fork``: a child's first parallel
+    kernel (``torch.arange`` of 512 Ki floats is one) waits forever for the parent's pool threads
+    (the CI campaign hung on it). With one thread torch runs every kernel inline."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
 def run_child(fn: Callable[[], Any], *, timeout: float | None = None) -> tuple[int, Any]:
     """Fork; run ``fn`` in the child; return (exit code, or -signal; fn's JSON result or error).
 
@@ -33,6 +43,7 @@ def run_child(fn: Callable[[], Any], *, timeout: float | None = None) -> tuple[i
     pid = os.fork()
     if pid == 0:  # child
         os.close(r)
+        after_fork()
         code = 0
         try:
             signal.signal(signal.SIGALRM, signal.SIG_DFL)

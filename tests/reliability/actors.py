@@ -22,6 +22,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from tests.harness.procs import after_fork
+
 
 def _resolve(spec: str) -> tuple[Any, str]:
     mod, _, attr = spec.partition(":")
@@ -33,6 +35,7 @@ def _resolve(spec: str) -> tuple[Any, str]:
 
 
 def _actor_main(cmd: Any, res: Any, env: dict[str, str], inherit: dict[str, Any]) -> None:
+    after_fork()
     os.environ.update(env)
     import logging
 

@@ -23,6 +23,8 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from tests.harness.procs import after_fork
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -180,6 +182,7 @@ def run_cases(cases: list[Case], base_ctx: Ctx, *, workers: int = 2, budget: flo
         pid = os.fork()
         if pid == 0:
             os.setpgid(0, 0)  # a group of its own: a case past its limit is killed whole
+            after_fork()  # one torch thread: the parent's OpenMP pool did not survive the fork
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
             code = 0
             try:
