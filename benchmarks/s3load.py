@@ -17,11 +17,10 @@ their own stores).
 from __future__ import annotations
 
 import io
-import os
-import sys
 from typing import Any
 
 from . import harness as h
+from .s3 import _server_module
 
 TITLE = "S3 load, verified"
 TX = "txckpt.load_checkpoint (ranged GETs, verified)"
@@ -29,13 +28,11 @@ TX_ONE = "txckpt.load_checkpoint (one GET, then verified: before)"
 CAT = "s3fs cat_file (one GET, unverified)"
 RANGES = "s3fs cat_ranges, 16 MiB parts (unverified)"
 BOTO = "boto3 download_fileobj, 16 MiB x 8 threads (unverified)"
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _emulators():
-    if _HERE not in sys.path:
-        sys.path.insert(0, _HERE)
-    from emulators import s3, seaweedfs
+    s3 = _server_module()  # puts emulators/ on the path
+    from emulators import seaweedfs
 
     return s3, seaweedfs
 
