@@ -126,7 +126,6 @@ class _Probe(io.RawIOBase):
         self._boundary = next_boundary(0)
         self._index = 0  # of the next boundary in every candidate's prefixes
         self.size = 0
-        self.changed = not self._alive
 
     def writable(self) -> bool:
         return True
@@ -138,7 +137,7 @@ class _Probe(io.RawIOBase):
         return self.size
 
     def write(self, data: Any) -> int:
-        if self.changed:
+        if not self._alive:
             raise _Changed()
         view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
         n, start = len(view), 0
@@ -159,7 +158,6 @@ class _Probe(io.RawIOBase):
         self._index += 1
         self._boundary = next_boundary(size)
         if not self._alive:
-            self.changed = True
             raise _Changed()
 
     def equal(self) -> Source | None:
@@ -175,9 +173,9 @@ class Sharing:
         self._root = root
         self._candidates: list[Source] | None = None
         self._leases: dict[str, str] = {}  # txid -> lease key
-        #: name -> (the committed file it shares, the kind tx.save gave it), recorded by the
-        #: transaction once the name is accepted; placed by :meth:`place`.
-        self.pending: dict[str, tuple[Source, str]] = {}
+        #: name -> the committed file it shares, recorded by the transaction once the name is
+        #: accepted; placed by :meth:`place`.
+        self.pending: dict[str, Source] = {}
 
     def unchanged(self, name: str, obj: Any) -> tuple[Source, str] | None:
         """If ``obj``, serialized as file ``name``, has the bytes of a committed file: lease
@@ -205,7 +203,7 @@ class Sharing:
     def place(self, staging_key: str, durable: bool) -> None:
         """Make every pending share a file of the staging directory (module doc, step 2)."""
         storage = self._root.storage
-        for name, (source, _kind) in sorted(self.pending.items()):
+        for name, source in sorted(self.pending.items()):
             home = self._root.publication.locate(source.ref)
             if home is None:  # pragma: no cover - the lease keeps it
                 raise CheckpointNotFoundError(

@@ -318,7 +318,7 @@ class Transaction:
             return False
         self._names.add(name, lambda n: n in self._written or n in self._open_writers, self._local_dir)
         source, kind = found
-        self._sharing.pending[name] = (source, kind)  # placed at this rank's end
+        self._sharing.pending[name] = source  # placed at this rank's end
         self._written[name] = (source.entry.size, source.entry.checksum, kind, source.entry.prefixes)
         return True
 

@@ -37,9 +37,10 @@ def ranged_read(fs: Any, bucket: str, obj: str, size: int, *, hash: bool, part: 
     worker = HashWorker(hasher) if hasher is not None else None
     parts = [(a, min(a + part, size)) for a in range(0, size, part)]
     landed = [False] * len(parts)
-    state = {"next": 0}  # the first part not handed to the hash yet
+    next_part = 0  # the first part not handed to the hash yet
 
     async def fetch(i: int, gate: asyncio.Semaphore) -> None:
+        nonlocal next_part
         a, b = parts[i]
         async with gate:
             resp = await fs._call_s3("get_object", Bucket=bucket, Key=obj, Range=f"bytes={a}-{b - 1}")
@@ -54,11 +55,11 @@ def ranged_read(fs: Any, bucket: str, obj: str, size: int, *, hash: bool, part: 
             raise SizeMismatch(a + len(body))
         view[a:b] = body
         landed[i] = True
-        while state["next"] < len(parts) and landed[state["next"]]:
-            lo, hi = parts[state["next"]]
+        while next_part < len(parts) and landed[next_part]:
+            lo, hi = parts[next_part]
             if worker is not None:
                 worker.put(view[lo:hi])
-            state["next"] += 1
+            next_part += 1
 
     async def fetch_all() -> None:
         gate = asyncio.Semaphore(max(1, in_flight))
