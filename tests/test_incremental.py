@@ -282,3 +282,94 @@ def test_a_name_saved_twice_is_refused_and_the_first_share_still_commits(root):
         tx.save("other.json", {"x": 1})
     assert set(txckpt.read_manifest(tx.path).files) == {"config.json", "other.json"}
     txckpt.verify_checkpoint(tx.path)
+
+
+# ----- files other code writes into tx.directory (a Trainer's save_pretrained, tokenizers) -----
+def _write_dir(tx, step: int, frozen: bytes) -> None:
+    """What a Trainer's save does: files written by path into tx.directory, not through tx.save."""
+    os.makedirs(os.path.join(tx.directory, "sub"), exist_ok=True)
+    for name, data in (("model-00001-of-00002.safetensors", frozen),
+                       ("model-00002-of-00002.safetensors", b"trained %d" % step * 1000),
+                       ("sub/tokenizer.json", b'{"vocab": 3}')):
+        with open(os.path.join(tx.directory, name), "wb") as f:
+            f.write(data)
+
+
+@pytest.mark.parametrize("claimed", [False, True])
+def test_files_written_into_the_directory_are_shared_once_hashed(root, claimed):
+    frozen = os.urandom(3 * MiB)
+    paths = []
+    for step in (1, 2, 3):
+        with txckpt.transaction(root, step, incremental=True) as tx:
+            if claimed:  # hashed by this rank at its end, as DeepSpeed's and rng files are
+                tx.claim_files("*.safetensors")
+            _write_dir(tx, step, frozen)
+        paths.append(tx.path)
+    shard, trained = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    # Saves 2 and 3 hold the frozen shard and the tokenizer as links of save 1's files.
+    assert ino(paths[0], shard) == ino(paths[1], shard) == ino(paths[2], shard)
+    assert ino(paths[0], "sub/tokenizer.json") == ino(paths[2], "sub/tokenizer.json")
+    assert len({ino(p, trained) for p in paths}) == 3
+    for p in paths:
+        txckpt.verify_checkpoint(p)
+        with open(os.path.join(p, shard), "rb") as f:
+            assert f.read() == frozen
+    # Retiring the first checkpoint leaves the others whole: a link is a file of its own.
+    apply_retention(CheckpointRoot(root), RetentionPolicy(keep_last=2))
+    assert not os.path.exists(paths[0])
+    txckpt.verify_checkpoint(paths[1])
+
+
+def test_without_incremental_files_written_into_the_directory_are_not_shared(root):
+    frozen = os.urandom(MiB)
+    paths = []
+    for step in (1, 2):
+        with txckpt.transaction(root, step) as tx:
+            _write_dir(tx, step, frozen)
+        paths.append(tx.path)
+    assert ino(paths[0], "model-00001-of-00002.safetensors") != ino(paths[1], "model-00001-of-00002.safetensors")
+
+
+@pytest.mark.s3
+def test_s3_uploads_only_the_changed_files_written_into_the_directory(s3_root, s3_requests):
+    url, so = s3_root
+    frozen = os.urandom(4 * MiB)
+    with txckpt.transaction(url, 1, storage_options=so, incremental=True) as tx:
+        _write_dir(tx, 1, frozen)
+    s3_requests.reset()
+    with txckpt.transaction(url, 2, storage_options=so, incremental=True) as tx:
+        _write_dir(tx, 2, frozen)
+    assert s3_requests.ops["CopyObject"] >= 2, s3_requests.ops  # the frozen shard and the tokenizer
+    assert s3_requests.uploaded_bytes < MiB, s3_requests.ops  # the trained shard (9 KB) and metadata
+    txckpt.verify_checkpoint(tx.path, storage_options=so)  # every byte against the manifest
+    m = txckpt.read_manifest(tx.path, storage_options=so).files
+    assert m["model-00001-of-00002.safetensors"].size == len(frozen)
+
+
+def test_a_scratch_file_equal_to_a_streamed_one_is_told_by_its_prefixes(memory_root, monkeypatch):
+    """On an object store, a file written into tx.directory (a local scratch) is compared before
+    its upload: with the candidate's prefix digests the probe reads only up to the first
+    boundary where it differs; equal, it is copied on the server, not uploaded."""
+    from txckpt import incremental
+
+    url, so = memory_root
+    data = os.urandom(40 * MiB)
+    with txckpt.transaction(url, 1, storage_options=so, incremental=True) as tx:
+        tx.save("blob.bin", data)  # streamed by an incremental tx.save: prefixes recorded
+    assert txckpt.read_manifest(tx.path, storage_options=so).files["blob.bin"].prefixes
+    read: list[int] = []
+    real = incremental._Probe.write
+    monkeypatch.setattr(incremental._Probe, "write", lambda self, b: read.append(len(b)) or real(self, b))
+    changed = bytearray(data)
+    changed[MiB // 2] ^= 1
+    with txckpt.transaction(url, 2, storage_options=so, incremental=True) as tx:
+        with open(os.path.join(tx.directory, "blob.bin"), "wb") as f:
+            f.write(changed)
+    assert sum(read) <= 8 * MiB and txckpt.read_manifest(tx.path, storage_options=so).files["blob.bin"].checksum \
+        == xxhash.xxh3_128_hexdigest(bytes(changed))
+    with txckpt.transaction(url, 3, storage_options=so, incremental=True) as tx:
+        with open(os.path.join(tx.directory, "blob.bin"), "wb") as f:
+            f.write(data)
+    assert txckpt.read_manifest(tx.path, storage_options=so).files["blob.bin"].checksum == \
+        xxhash.xxh3_128_hexdigest(data)
+    txckpt.verify_checkpoint(tx.path, storage_options=so)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
+from typing import Callable, Dict, Iterable
 
 from .checksum import digest_stream
 from .errors import InvalidArgumentError, UnsafePathError
@@ -63,9 +63,10 @@ def claimed_names(present: Iterable[str], claims: list[str], skip: set[str]) -> 
 
 
 def hash_claimed(storage: Storage, key: str, claims: list[str], skip: set[str], durable: bool,
-                 rank: int) -> dict[str, dict]:
+                 rank: int, relink: Relink | None = None) -> dict[str, dict]:
     """Hash (and with ``durable`` fsync) the files of the staging directory ``key`` that
-    ``claims`` match, less ``skip``: their manifest entries (JSON), recorded with ``rank``."""
+    ``claims`` match, less ``skip``: their manifest entries (JSON), recorded with ``rank``;
+    ``relink`` as for :func:`hash_staged`."""
     base = storage.local_path(key)
     if base is None:  # no local staging (an object store, tx.directory never asked for): no files
         claimed_names([], claims, skip)
@@ -75,13 +76,21 @@ def hash_claimed(storage: Storage, key: str, claims: list[str], skip: set[str], 
         if storage.is_symlink_escape(f"{key}/{name}"):
             raise UnsafePathError(f"{name!r} in the checkpoint is a symlink that leaves the root")
 
-    return {name: e.to_json() for name, e in hash_staged(storage, key, names, durable, rank).items()}
+    return {name: e.to_json() for name, e in hash_staged(storage, key, names, durable, rank, relink).items()}
 
 
-def hash_staged(storage: Storage, key: str, names: list[str], durable: bool, rank: int = 0) -> dict[str, FileEntry]:
+#: An incremental save's ``Sharing.relink``: given the staging key and the files just hashed,
+#: replaces those a committed checkpoint already holds by shares of them.
+Relink = Callable[[str, Dict[str, FileEntry]], int]
+
+
+def hash_staged(storage: Storage, key: str, names: list[str], durable: bool, rank: int = 0,
+                relink: Relink | None = None) -> dict[str, FileEntry]:
     """Hash (and with ``durable`` fsync) files ``names`` of the staging directory ``key``, which
     other code wrote there: their manifest entries, recorded with ``rank``. The claiming rank's
-    pass and the committer's pass over unclaimed files (transactions) are this one."""
+    pass and the committer's pass over unclaimed files (transactions) are this one. With
+    ``relink`` (an incremental save), the files whose bytes a committed checkpoint holds are
+    then shared with it (the entries stay as hashed)."""
 
     def one(name: str) -> FileEntry:
         local = storage.local_path(f"{key}/{name}")
@@ -94,4 +103,7 @@ def hash_staged(storage: Storage, key: str, names: list[str], durable: bool, ran
 
     # Reading one file while another one's fsync waits for the disk: both release the GIL.
     with ThreadPoolExecutor(max_workers=min(4, max(1, len(names)))) as pool:
-        return dict(zip(names, pool.map(one, names)))
+        entries = dict(zip(names, pool.map(one, names)))
+    if relink is not None and entries:
+        relink(key, entries)
+    return entries

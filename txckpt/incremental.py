@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .checksum import copy_hashing, new_hasher, next_boundary
+from .checksum import copy_hashing, new_hasher, next_boundary, prefix_boundaries
 from .errors import CheckpointNotFoundError, IntegrityError, InvalidArgumentError, ManifestError, storage_error
+from .fileio import hash_file
 from .leases import acquire_reader_lease, release_reader_lease
 from .lineage import Checkpoint
 from .manifest import MANIFEST_NAME, FileEntry, Manifest
@@ -182,9 +184,7 @@ class Sharing:
         that file's checkpoint and return (the file, the kind ``tx.save`` gives it); the caller
         then records the share in :attr:`pending`. Otherwise None (the caller writes the file);
         never raises for the object's sake (a serializer error shows when the caller writes)."""
-        if self._candidates is None:
-            self._candidates = committed_files(self._root)
-        probe = _Probe(self._candidates)
+        probe = _Probe(self._sources())
         try:
             kind = write_object(name, obj, probe)  # type: ignore[arg-type]  # a write-only stream
         except Exception:  # _Changed, maybe wrapped by the serializer; or the object's own error
@@ -192,13 +192,80 @@ class Sharing:
         source = probe.equal()
         if source is None:
             return None
-        if source.ref.txid not in self._leases:
+        return (source, kind) if self._leased(source) else self.unchanged(name, obj)
+
+    def unchanged_file(self, path: str) -> Source | None:
+        """If the local file ``path`` (other code's file in a remote root's scratch directory,
+        about to be uploaded) has the bytes of a committed file: that file, leased; the caller
+        records the share in :attr:`pending` and uploads nothing. Reads ``path`` only up to the
+        first boundary where it differs from every committed file of its size."""
+        size = os.path.getsize(path)
+        candidates = [s for s in self._sources() if s.entry.size == size]
+        if not candidates:
+            return None
+        if any(len(s.entry.prefixes) != len(prefix_boundaries(size)) for s in candidates):
+            # A candidate without prefixes (a file uploaded or hashed whole, not streamed by an
+            # incremental tx.save): only the whole file's checksum can tell.
+            _, checksum = hash_file(path)
+            return self.matching(size, checksum)
+        probe = _Probe(candidates)
+        try:
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(8 << 20), b""):
+                    probe.write(chunk)
+        except _Changed:
+            return None
+        source = probe.equal()
+        if source is None:
+            return None
+        return source if self._leased(source) else self.unchanged_file(path)
+
+    def relink(self, storage_key: str, hashed: dict[str, FileEntry]) -> int:
+        """Files other code wrote into a local staging directory ``storage_key`` and this
+        process has just hashed (``hashed``: name -> entry): each whose size and checksum equal
+        a committed file's is replaced by a share of that file (a hard link), so the
+        checkpoints hold its bytes once. The bytes were written once already (a Trainer's
+        ``save_pretrained`` writes its own files); what this saves is the disk. Returns the
+        bytes no longer held twice."""
+        saved = 0
+        for name, entry in sorted(hashed.items()):
+            source = self.matching(entry.size, entry.checksum)
+            if source is None:
+                continue
+            home = self._root.publication.locate(source.ref)
+            if home is None:  # pragma: no cover - the lease keeps it
+                continue
             try:
-                self._leases[source.ref.txid] = acquire_reader_lease(self._root, source.ref.txid, LEASE_S)
-            except CheckpointNotFoundError:  # retired since the index was read: not a source
-                self._candidates = [s for s in self._candidates if s.ref.txid != source.ref.txid]
-                return self.unchanged(name, obj)
-        return source, kind
+                shared = self._root.storage.share_file(f"{home}/{source.name}", f"{storage_key}/{name}", replace=True)
+            except OSError as e:  # the written file stays: a share is an optimisation here
+                log.debug("could not share %s with %s: %s", name, source.name, e)
+                shared = False
+            saved += entry.size if shared else 0
+        return saved
+
+    def matching(self, size: int, checksum: str) -> Source | None:
+        """The committed file with this size and checksum, leased; None if there is none."""
+        for source in self._sources():
+            if source.entry.size == size and source.entry.checksum == checksum:
+                return source if self._leased(source) else self.matching(size, checksum)
+        return None
+
+    def _sources(self) -> list[Source]:
+        if self._candidates is None:
+            self._candidates = committed_files(self._root)
+        return self._candidates
+
+    def _leased(self, source: Source) -> bool:
+        """Lease ``source``'s checkpoint for this save; False (and it is no longer a candidate)
+        if it was retired since the index was read."""
+        if source.ref.txid in self._leases:
+            return True
+        try:
+            self._leases[source.ref.txid] = acquire_reader_lease(self._root, source.ref.txid, LEASE_S)
+        except CheckpointNotFoundError:
+            self._candidates = [s for s in self._sources() if s.ref.txid != source.ref.txid]
+            return False
+        return True
 
     def place(self, staging_key: str, durable: bool) -> None:
         """Make every pending share a file of the staging directory (module doc, step 2)."""

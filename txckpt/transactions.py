@@ -9,6 +9,7 @@ so that every rank returns the same path or raises the same error.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -398,8 +399,7 @@ class Transaction:
                 raise InvalidArgumentError(f"files still open at commit: {sorted(self._open_writers)}")
             if self._local_dir is not None:  # files are marked once tx.directory is out (_mark)
                 self._names.check_not_rewritten(lambda n: self._root.storage.local_path(f"{self.staging_key}/{n}"))
-            if self._sharing is not None:  # no code writes into the staging any more
-                self._sharing.place(self.staging_key, self._root.durable)
+            sharing = self._sharing
             files = written_to_json(self._written, self.rank)
             if self._temp_root and self._local_dir is not None:
                 # Remote root: upload what other code wrote into the local scratch directory
@@ -410,14 +410,19 @@ class Transaction:
                     if name in files:
                         raise InvalidArgumentError(f"{name!r} written both through tx.open and tx.directory")
                     check_file_name(name)
-                    size, digest = self._writes.upload_file(
-                        os.path.join(self._local_dir, name), f"{self.staging_key}/{name}",
-                        durable=self._root.durable,
-                    )
+                    path = os.path.join(self._local_dir, name)
+                    source = sharing.unchanged_file(path) if sharing is not None else None
+                    if source is not None:  # a committed file's bytes: shared below, not uploaded
+                        sharing.pending[name] = source  # type: ignore[union-attr]
+                        files[name] = dataclasses.replace(source.entry, kind=kind_for_name(name), rank=self.rank).to_json()
+                        continue
+                    size, digest = self._writes.upload_file(path, f"{self.staging_key}/{name}", durable=self._root.durable)
                     files[name] = FileEntry(size, digest, kind_for_name(name), self.rank).to_json()
             elif self._claims:  # shared staging: this rank hashes what it claims; rank 0 only stats it
                 files.update(hash_claimed(self._root.storage, self.staging_key, self._claims, set(files),
-                                          self._root.durable, self.rank))
+                                          self._root.durable, self.rank, sharing and sharing.relink))
+            if sharing is not None:  # no code writes into the staging any more
+                sharing.place(self.staging_key, self._root.durable)
             try:
                 self._writes.wait()
             except OSError as e:
@@ -527,7 +532,7 @@ class Transaction:
                 raise UnsafePathError(f"{name!r} in the checkpoint is a symlink that leaves the root")
             unreported.append(name)
         if unreported:
-            files.update(hash_staged(storage, key, unreported, durable))  # recorded as rank 0's
+            files.update(hash_staged(storage, key, unreported, durable, 0, self._sharing and self._sharing.relink))
         if not files:
             raise InvalidArgumentError("the transaction wrote no files; nothing to commit")
         check_name_tree(files)  # ranks (or an object store) may hold both 'a' and 'a/b'

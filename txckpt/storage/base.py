@@ -252,13 +252,15 @@ class Storage(abc.ABC):
                 writer.abort()  # type: ignore[attr-defined]  # open_write's writers are AbortOnError
         return size, digest
 
-    def share_file(self, src: str, dst: str) -> bool:
+    def share_file(self, src: str, dst: str, *, replace: bool = False) -> bool:
         """Make the new key ``dst`` hold the bytes of the existing, committed file ``src``
         without the client sending them again (an incremental save's unchanged file:
         docs/incremental.md). Returns False where this backend cannot (the caller then writes
         the bytes itself); raises FileNotFoundError if ``src`` is gone. ``dst`` is a staging key,
         private to the caller as for :meth:`open_write` (a local disk raises FileExistsError
-        where it exists).
+        where it exists). With ``replace=True`` ``dst`` is a file the caller wrote there with the
+        same bytes, which the shared one replaces atomically (a reader of ``dst`` sees either);
+        on False it is left as it was.
 
         Contract: afterwards ``dst`` is a file of its own: deleting either key never deletes the
         other's bytes, so retention and gc need no reference counts. Local disks make a hard

@@ -122,10 +122,11 @@ class FsspecStorage(Storage):
         self.fs.pipe_file(self._p(key), data)
         self._fresh(key)
 
-    def share_file(self, src: str, dst: str) -> bool:
+    def share_file(self, src: str, dst: str, *, replace: bool = False) -> bool:
         # fsspec's copy is the store's own: S3 CopyObject (UploadPartCopy past 5 GiB), GCS
         # rewrite, Azure copy-from-URL; no byte of the file passes through this process. The
-        # destination is a staging key, private to the caller (as for open_write).
+        # destination is a staging key, private to the caller (as for open_write); a copy
+        # replaces an object whole, so ``replace`` needs nothing more.
         self.fs.copy(self._p(src), self._p(dst))
         self._fresh(dst)
         return True

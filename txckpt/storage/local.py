@@ -295,19 +295,29 @@ class LocalStorage(Storage):
     def write_batch(self) -> WriteBatch:
         return _LocalWriteBatch(self)
 
-    def share_file(self, src: str, dst: str) -> bool:
+    def share_file(self, src: str, dst: str, *, replace: bool = False) -> bool:
         source, path = self._p(src), self._p(dst)
         if not stat.S_ISREG(os.lstat(source).st_mode):
             return False  # only a regular file's inode is shared; the caller copies and checks the rest
         _ensure_dir(os.path.dirname(path), True)
+        # replace: the link is made under a temp name and renamed over the written file, so
+        # ``dst`` is never missing and a failed link leaves it as it was.
+        target = os.path.join(os.path.dirname(path), temp_name(os.path.basename(path), hidden=True)) \
+            if replace else path
         try:
-            os.link(source, path, follow_symlinks=False)
+            os.link(source, target, follow_symlinks=False)
         except OSError as e:
             # A file system without hard links (some network and FUSE mounts), or the source's
             # link count at its limit: the caller writes the bytes instead.
             if e.errno in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
                 return False
             raise
+        if replace:
+            try:
+                os.replace(target, path)
+            except BaseException:
+                os.unlink(target)
+                raise
         return True
 
     def create_exclusive(self, key: str, data: bytes, *, durable: bool) -> None:
