@@ -271,7 +271,7 @@ class AsyncSaves:
             plan = [(name, how, kw, writer) for name, (how, _, kw, writer) in capture.writes.items()]
             return asyncsave.Job(functools.partial(
                 _write_and_commit, root, so, step, meta, plan, snap, small, state, capture_root, local_dir,
-                (pool, lazy), functools.partial(rank_patterns, t)), lazy)
+                (pool, lazy), functools.partial(rank_patterns, t), incremental=t.txckpt_incremental), lazy)
 
         future = asyncsave.submit(root, so, prepare)
         self._job = _Job(step, root, future, capture_root, push, state, best_before)
@@ -368,7 +368,7 @@ class AsyncSaves:
 
 def _write_and_commit(root: str, so: Any, step: int, meta: Any, plan: list, snap: dict | None, small: dict,
                       state: Any, capture_root: str, local_dir: str | None, lazy: tuple,
-                      claims: Callable[[int], list[str]], coordinator: Any,
+                      claims: Callable[[int], list[str]], coordinator: Any, *, incremental: bool = False,
                       ) -> tuple[str, str]:
     """The background job: replay the recorded writes from the snapshot in one transaction. Lazy
     mode (``snap`` None): complete the snapshot first (``lazy``: the pool and the
@@ -380,7 +380,7 @@ def _write_and_commit(root: str, so: Any, step: int, meta: Any, plan: list, snap
         snap = pending.take(pool)
 
     with open_root(root, so).transaction(step, metadata=meta, coordinator=coordinator,
-                                         local_dir=local_dir) as tx:
+                                         local_dir=local_dir, incremental=incremental) as tx:
         expected = tx.final_path
         directory = tx.directory
         for name, data in small.items():

@@ -113,6 +113,9 @@ class TransactionalCheckpointMixin:
     * ``txckpt_save_on_preemption``: ``True`` (or a grace in seconds): SIGTERM / SIGUSR1 make the
       Trainer save at the next step boundary, stop, and the process exit with 128 + the signal
       (``txckpt.preemption``, installed by ``train()`` unless the script did; docs/preemption.md).
+    * ``txckpt_incremental``: ``True`` shares every file a committed checkpoint already holds
+      byte for byte (frozen shards, tokenizer, config) instead of keeping it twice: a hard link on
+      a local root, a server-side copy (no upload) on an object store (docs/incremental.md).
 
     Class attribute only: ``txckpt_stream_optimizer`` (default True): the ``torch.save`` calls of
     upstream's ``_save_optimizer_and_scheduler`` (``optimizer.pt``, ``scheduler.pt``) write
@@ -133,6 +136,7 @@ class TransactionalCheckpointMixin:
     txckpt_stream_optimizer: bool = True
     txckpt_async_save: bool | str = False
     txckpt_save_on_preemption: bool | float = False
+    txckpt_incremental: bool = False
 
     def __init_subclass__(cls, **kwargs: Any):
         # Runs at class definition, even when Trainer comes first (whose __init__ would then
@@ -145,7 +149,7 @@ class TransactionalCheckpointMixin:
                  txckpt_cache_dir: str | os.PathLike | None = None,
                  txckpt_timeout: float | None = None, txckpt_on_damaged: str | None = None,
                  txckpt_async_save: bool | str | None = None, txckpt_save_on_preemption: bool | float | None = None,
-                 **kwargs: Any):
+                 txckpt_incremental: bool | None = None, **kwargs: Any):
         _check_mro(type(self))
         if txckpt_on_damaged is not None:
             check_on_damaged(txckpt_on_damaged)
@@ -154,7 +158,7 @@ class TransactionalCheckpointMixin:
                  "txckpt_storage_options": None if txckpt_storage_options is None else dict(txckpt_storage_options),
                  "txckpt_cache_dir": None if txckpt_cache_dir is None else os.fspath(txckpt_cache_dir),
                  "txckpt_async_save": None if txckpt_async_save is None else check_mode(txckpt_async_save),
-                 "txckpt_save_on_preemption": txckpt_save_on_preemption}
+                 "txckpt_save_on_preemption": txckpt_save_on_preemption, "txckpt_incremental": txckpt_incremental}
         for name, value in given.items():
             if value is not None:
                 setattr(self, name, value)
@@ -227,7 +231,7 @@ class TransactionalCheckpointMixin:
         self._txckpt_pending_push = None
         with txckpt.transaction(
             root, step, storage_options=self.txckpt_storage_options,
-            metadata=self._txckpt_metadata(trial), timeout=self.txckpt_timeout,
+            metadata=self._txckpt_metadata(trial), timeout=self.txckpt_timeout, incremental=self.txckpt_incremental,
         ) as tx:
             self._txckpt_tx = tx
             try:

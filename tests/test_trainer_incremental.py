@@ -1,0 +1,121 @@
+"""The Trainer's ``txckpt_incremental=True`` (issue 30): a model with a frozen base saved in shards
+(what ``save_pretrained`` does with any model past ``max_shard_size``) writes its frozen shards
+once. On a local root every later checkpoint holds them as hard links of the first, and stock
+transformers loads each published ``checkpoint-N/`` (from_pretrained and a stock resume); on an
+object store they are copied on the server and only the changed files are uploaded."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+from transformers import PreTrainedModel, Trainer, TrainerCallback
+
+import txckpt
+from tests.harness.tiny import Data, TinyConfig, make_args
+from txckpt.integrations.transformers import TransactionalTrainer
+
+pytestmark = pytest.mark.trainer
+
+
+class FrozenBaseModel(PreTrainedModel):
+    """A 2 MiB frozen "base" (two 1 MiB blocks) and a trainable 8 -> 1 head."""
+
+    config_class = TinyConfig
+    main_input_name = "x"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.base_a = nn.Linear(512, 512, bias=False)
+        self.base_b = nn.Linear(512, 512, bias=False)
+        self.head = nn.Linear(8, 1)
+        for p in (*self.base_a.parameters(), *self.base_b.parameters()):
+            p.requires_grad_(False)
+        self.post_init()
+
+    def forward(self, x=None, labels=None):
+        z = self.base_a.weight[:8, :8] @ x.T  # uses the base without training it
+        out = self.head(x + 0 * z.T).squeeze(-1)
+        return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
+
+    def save_pretrained(self, *args, **kwargs):
+        # A big model's save: shards of at most 1 MB (upstream's default is 5 GB / 50 GB).
+        kwargs.setdefault("max_shard_size", "1MB")
+        return super().save_pretrained(*args, **kwargs)
+
+
+class Sizes(TrainerCallback):
+    """Bytes uploaded to the S3 server by the time each save's on_save runs (after its commit)."""
+
+    def __init__(self, counter):
+        self.counter, self.at = counter, {}
+
+    def on_save(self, args, state, control, **kwargs):
+        self.at[state.global_step] = self.counter.uploaded_bytes
+
+
+def train(out, max_steps, resume=None, cls=TransactionalTrainer, callbacks=(), **kw):
+    torch.manual_seed(0)
+    trainer = cls(model=FrozenBaseModel(TinyConfig()), args=make_args(str(out), max_steps),
+                  train_dataset=Data(0), callbacks=list(callbacks), **kw)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def shards(path: str) -> dict[str, int]:
+    return {n: os.stat(os.path.join(path, n)).st_ino for n in os.listdir(path) if n.endswith(".safetensors")}
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_frozen_shards_are_kept_once_and_stock_transformers_loads_every_checkpoint(tmp_path, async_save):
+    out = tmp_path / "out"
+    t = train(out, 6, txckpt_incremental=True, txckpt_async_save=async_save)
+    paths = [str(out / f"checkpoint-{s}") for s in (2, 4, 6)]
+    first, *later = [shards(p) for p in paths]
+    assert len(first) >= 3, first  # two frozen shards and the head's
+    # Each frozen shard is one inode in every checkpoint; the head's shard changes every save.
+    frozen = {n for n in first if all(s[n] == first[n] for s in later)}
+    assert len(frozen) == len(first) - 1, (first, later)
+    # Disk: the base once, plus each checkpoint's own files.
+    seen, on_disk, apparent = set(), 0, 0
+    for p in paths:
+        txckpt.verify_checkpoint(p)
+        for name in os.listdir(p):
+            st = os.stat(os.path.join(p, name))
+            apparent += st.st_size
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                on_disk += st.st_size
+    base = sum(os.path.getsize(os.path.join(paths[0], n)) for n in frozen)
+    assert on_disk <= apparent - 2 * base, (on_disk, apparent, base)
+    # Stock transformers reads every published checkpoint as it is.
+    loaded = FrozenBaseModel.from_pretrained(paths[-1])
+    for k, v in t.model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    for p in paths[:-1]:
+        assert torch.equal(FrozenBaseModel.from_pretrained(p).base_b.weight, t.model.base_b.weight)
+    stock = train(tmp_path / "stock", 8, resume=paths[1], cls=Trainer)
+    assert stock.state.global_step == 8
+
+
+@pytest.mark.s3
+def test_s3_uploads_only_the_changed_files(tmp_path, s3_root, s3_requests):
+    url, so = s3_root
+    sizes = Sizes(s3_requests)
+    train(tmp_path / "out", 4, callbacks=[sizes], txckpt_incremental=True, txckpt_root=url,
+          txckpt_storage_options=so)
+    txckpt.forget_roots()
+    cps = {c.step: c for c in txckpt.CheckpointRoot(url, storage_options=so).checkpoints()}
+    before = txckpt.verify_checkpoint(cps[2].path, storage_options=so).files
+    after = txckpt.verify_checkpoint(cps[4].path, storage_options=so).files
+    changed = sum(e.size for n, e in after.items() if n not in before or before[n].checksum != e.checksum)
+    unchanged = sum(e.size for n, e in after.items() if n in before and before[n].checksum == e.checksum)
+    uploaded = sizes.at[4] - sizes.at[2]
+    assert unchanged >= 2 << 20  # the frozen shards
+    # The changed files, the manifest (which names every file), the log entry and the intent.
+    manifest = len(txckpt.read_manifest(cps[4].path, storage_options=so).encode())
+    print(f"save 2: uploaded {uploaded} B; changed files {changed} B, manifest {manifest} B, "
+          f"shared {unchanged} B")
+    assert uploaded <= 1.05 * changed + manifest + 8192, (uploaded, changed, manifest)
