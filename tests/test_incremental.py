@@ -374,3 +374,27 @@ def test_a_scratch_file_equal_to_a_streamed_one_is_told_by_its_prefixes(memory_r
     assert txckpt.read_manifest(tx.path, storage_options=so).files["blob.bin"].checksum == \
         xxhash.xxh3_128_hexdigest(data)
     txckpt.verify_checkpoint(tx.path, storage_options=so)
+
+
+def test_txckpt_ls_says_how_many_bytes_each_checkpoint_shares(root, capsys):
+    import json
+
+    from txckpt.cli import app
+
+    txckpt.save_checkpoint(root, 1, files(1))
+    capsys.readouterr()
+    assert app.main(["ls", root]) == 0
+    assert "SHARED" not in capsys.readouterr().out  # no incremental save: no column
+    txckpt.save_checkpoint(root, 2, files(2), incremental=False)
+    # Step 3 shares the small config.json with step 2 (compared whole) but writes its 3 MiB frozen
+    # file: the plain saves recorded no prefixes to compare it with. Step 4 shares both with 3.
+    txckpt.save_checkpoint(root, 3, files(3), incremental=True)
+    four = txckpt.save_checkpoint(root, 4, files(4), incremental=True)
+    m = txckpt.read_manifest(four).files
+    assert app.main(["ls", root, "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    shared = m["frozen.safetensors"].size + m["config.json"].size
+    assert rows[4]["shared_bytes"] == shared and rows[3]["shared_bytes"] == shared
+    assert rows[2]["shared_bytes"] == m["config.json"].size and rows[1]["shared_bytes"] == 0
+    assert app.main(["ls", root]) == 0
+    assert "SHARED" in capsys.readouterr().out.splitlines()[0]

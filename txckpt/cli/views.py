@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import checksum
 from ..api import read_manifest
-from ..errors import AmbiguousCheckpointNameError, CheckpointNotFoundError, NotACheckpointError
+from ..errors import AmbiguousCheckpointNameError, CheckpointNotFoundError, NotACheckpointError, TxckptError
 from ..intents import read_intents, staged_step, tree_bytes, writer_status
 from ..layout import LOG_DIR, TX_DIR
 from ..reader import enclosing_root
@@ -123,6 +123,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "key": root.storage.key_of(info.path) if info.path else None,
                 "adopted": info.adopted, "published": info.published, "files": info.files,
                 "missing": info.path is None and info.state != "retired",
+                "shared_bytes": _shared_bytes_at(info.path),
             })
     if args.lineage is None:
         rows_json.extend(staged_leftovers(root, history))
@@ -153,11 +154,15 @@ def _print_ls_table(rows_json: list[dict[str, Any]]) -> None:
             state += " (data missing!)"
         where = r["key"] if r["key"] is not None else ("(deleted)" if r["state"] == "retired" else "(missing)")
         rows.append([str(r["step"] if r["step"] is not None else "?"), r["lineage"], human_bytes(r["bytes"]),
-                     human_time(r["time"]), state, where])
+                     human_bytes(r.get("shared_bytes") or 0), human_time(r["time"]), state, where])
+    headers = ["STEP", "LINEAGE", "SIZE", "SHARED", "TIME", "STATE", "PATH"]
+    if not any(r.get("shared_bytes") for r in rows_json):  # no incremental save: no column
+        rows = [row[:3] + row[4:] for row in rows]
+        headers.remove("SHARED")
     if not rows:
         print("no checkpoints")
     else:
-        print(table(rows, ["STEP", "LINEAGE", "SIZE", "TIME", "STATE", "PATH"]))
+        print(table(rows, headers))
 
 
 # ----- show ----------------------------------------------------------------------------------------
@@ -202,6 +207,17 @@ def _shared_bytes(path: str, manifest: Any) -> int | None:
         except OSError:  # missing: `txckpt verify` reports it
             pass
     return total
+
+
+def _shared_bytes_at(path: str | None) -> int | None:
+    """``ls``: :func:`_shared_bytes` of the checkpoint at ``path``, a local one only (a stat per
+    file: the listing is a screenful); None elsewhere or where it cannot be read."""
+    if path is None or is_url(path):
+        return None
+    try:
+        return _shared_bytes(path, read_manifest(path))
+    except (OSError, TxckptError):
+        return None
 
 
 def cmd_show(args: argparse.Namespace) -> int:
