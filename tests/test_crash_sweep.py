@@ -172,3 +172,29 @@ def test_sweep_incremental_save_that_shares_a_file(tmp_path):
                    make_checker({"A-2", "A-4"}, before, "R"))
     assert any(op.startswith("link") for op in result.ops), result.ops  # the share is one of them
     report(result)
+
+
+def test_sweep_incremental_file_written_into_the_directory(tmp_path):
+    """An incremental transaction whose unchanged file other code writes into tx.directory (a
+    Trainer's save): it is written, hashed, then replaced by a hard link to step 2's file under a
+    temp name and a rename. A SIGKILL at any point leaves step 2 whole and lookup returning step 2
+    or step 4, whole."""
+    from txckpt.serialization import write_object
+
+    frozen = {"w": torch.arange(1 << 19, dtype=torch.float32)}  # 2 MiB
+
+    def save(root, step, tag):
+        with txckpt.transaction(root, step, incremental=True) as tx:
+            for name, obj in {**files(tag, step), "frozen.safetensors": frozen}.items():
+                with open(os.path.join(tx.directory, name), "wb") as f:
+                    write_object(name, obj, f)
+        return tx.path
+
+    template = str(tmp_path / "template")
+    save(template, 2, "A-2")
+    txckpt.forget_roots()
+    before = snapshot(template)
+    result = sweep("incremental save of a file written into tx.directory", template, str(tmp_path / "work"),
+                   lambda root: save(root, 4, "A-4"), make_checker({"A-2", "A-4"}, before, "R"))
+    assert any(op.startswith("link") for op in result.ops), result.ops  # the share is one of them
+    report(result)

@@ -248,6 +248,30 @@ def run_incremental(url, so, expect):
     return _save_inc(url, so, 6, "A-6")  # shares frozen.safetensors with A-4 (a link or a server-side copy)
 
 
+def _save_inc_txdir(url, so, step, tag):
+    """An incremental transaction whose files other code writes into tx.directory (a Trainer's
+    save): the frozen file equals the previous checkpoint's, so it is shared once hashed (a local
+    root: a hard link renamed over the written file) or instead of its upload (an object store)."""
+    import txckpt
+    from txckpt.serialization import write_object
+
+    with txckpt.transaction(url, step, storage_options=so, incremental=True) as tx:
+        for name, obj in {**payload(tag, step), "frozen.safetensors": _frozen()}.items():
+            with open(os.path.join(tx.directory, name), "wb") as f:
+                write_object(name, obj, f)
+    return tx.path
+
+
+def build_incremental_txdir(url, so):
+    for s in (2, 4):
+        _save_inc_txdir(url, so, s, f"A-{s}")
+    return {"allowed": ["A-4", "A-6"]}
+
+
+def run_incremental_txdir(url, so, expect):
+    return _save_inc_txdir(url, so, 6, "A-6")
+
+
 def build_incremental_fork(url, so):
     return build_fork(url, so, save=_save_inc)
 
@@ -278,6 +302,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("adopt-save", "first txckpt save on a legacy root (adopts, then saves)", build_adopt_save, run_adopt_save),
     Scenario("incremental", "incremental save sharing an unchanged file with the previous checkpoint",
              build_incremental, run_incremental),
+    Scenario("incremental-txdir", "incremental transaction whose unchanged file other code wrote into "
+             "tx.directory (shared once hashed, or instead of its upload)", build_incremental_txdir,
+             run_incremental_txdir),
     Scenario("incremental-fork", "fork (resume to step 2 of 2,4,6) + incremental re-save of step 4, sharing with "
              "the abandoned lineage", build_incremental_fork, run_incremental_fork),
     Scenario("incremental-retention", "retention (as 'retention') of checkpoints that all share one file",
