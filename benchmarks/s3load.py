@@ -45,6 +45,10 @@ def _methods(url: str, so: dict[str, Any], path: str, client: Any, bucket: str, 
     from txckpt.storage import s3 as s3mod
 
     fs = s3fs.S3FileSystem(**so)
+    # The emulators' options open a new s3fs client per call (skip_instance_cache: test
+    # isolation), ~100 ms of session and connection set-up per load that a user's options (an
+    # fsspec-cached client, as every reader here keeps its own) never pay.
+    so = {k: v for k, v in so.items() if k != "skip_instance_cache"}
     full = f"{bucket}/{obj}"
     part = s3mod.S3_READ_PART
     starts = list(range(0, size, part))

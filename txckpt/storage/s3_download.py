@@ -48,12 +48,17 @@ def ranged_read(fs: Any, bucket: str, obj: str, size: int, *, hash: bool, part: 
                 total = _total_of(resp)
                 if total is not None and total != size:
                     raise SizeMismatch(total)
-                body = await resp["Body"].read()
+                # Each chunk as it comes off the connection, copied once into its place: read()
+                # would join the chunks into one bytes object first (a second copy of the part).
+                body, pos = resp["Body"], a
+                while pos < b:
+                    chunk = await body.read(b - pos)
+                    if not chunk:  # shorter than the range: the object changed size meanwhile
+                        raise SizeMismatch(pos)
+                    view[pos:pos + len(chunk)] = chunk
+                    pos += len(chunk)
             finally:
                 resp["Body"].close()
-        if len(body) != b - a:  # shorter than the range: the object changed size meanwhile
-            raise SizeMismatch(a + len(body))
-        view[a:b] = body
         landed[i] = True
         while next_part < len(parts) and landed[next_part]:
             lo, hi = parts[next_part]
