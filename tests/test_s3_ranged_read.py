@@ -92,3 +92,84 @@ def test_a_part_that_fails_fails_the_load_typed(s3_root, s3_server, small_parts)
         s3_server.clear_failures()
     out = txckpt.load_checkpoint(path, storage_options=so)  # the store is fine again: it loads
     assert out["trainer_state.json"] == {"global_step": 1}
+
+
+# ----- fetch: ranged GETs copied to a local file in order (S3Storage.read_through) -----------------
+def test_a_fetch_copies_in_parts_exactly(s3_root, s3_requests, small_parts, tmp_path):
+    url, so = s3_root
+    files = _files(PART // 4 * 5 + 3)
+    path = txckpt.save_checkpoint(url, 1, files, storage_options=so)
+    size = txckpt.read_manifest(path, storage_options=so).files["model.safetensors"].size
+    s3_requests.reset()
+    seen: list[int] = []
+    local = txckpt.fetch_checkpoint(path, str(tmp_path / "copy"), storage_options=so, progress=seen.append)
+    assert s3_requests.ops["GetObject"] >= -(-size // PART)  # the big file in parts
+    assert sum(seen) == sum(e.size for e in txckpt.verify_checkpoint(local).files.values())
+    out = txckpt.load_checkpoint(local)
+    assert torch.equal(out["model.safetensors"]["w"], files["model.safetensors"]["w"])
+
+
+def test_a_fetch_refuses_a_flipped_byte_and_leaves_no_copy(s3_root, small_parts, tmp_path):
+    url, so = s3_root
+    path = txckpt.save_checkpoint(url, 1, _files(PART), storage_options=so)
+    st = _storage(url, so)
+    key = st.key_of(path) + "/model.safetensors"
+    data = bytearray(st.read_bytes(key))
+    data[2 * PART + 5] ^= 1
+    st.replace(key, bytes(data))
+    with pytest.raises(IntegrityError, match="model.safetensors"):
+        txckpt.fetch_checkpoint(path, str(tmp_path / "copy"), storage_options=so)
+    assert not (tmp_path / "copy").exists() or not any((tmp_path / "copy").iterdir())
+
+
+@pytest.mark.parametrize("delta", [-1, 1])
+def test_a_fetch_refuses_an_object_of_another_size(s3_root, small_parts, tmp_path, delta):
+    url, so = s3_root
+    path = txckpt.save_checkpoint(url, 1, _files(PART), storage_options=so)
+    st = _storage(url, so)
+    key = st.key_of(path) + "/model.safetensors"
+    data = st.read_bytes(key)
+    st.replace(key, data[:-1] if delta < 0 else data + b"x")
+    with pytest.raises(IntegrityError, match="bytes"):
+        txckpt.fetch_checkpoint(path, str(tmp_path / "copy"), storage_options=so)
+
+
+def test_ranged_copy_holds_a_bounded_window_of_parts(s3_root, small_parts, monkeypatch):
+    """A slow writer holds the downloads back: at most in_flight + 4 parts are ever downloaded
+    and not yet written, whatever the object's size; a writer that fails fails the copy."""
+    import threading
+
+    from txckpt.storage import s3_download
+
+    url, so = s3_root
+    st = _storage(url, so)
+    blob = bytes(range(256)) * (20 * PART // 256)  # 20 parts
+    st.replace("blob.bin", blob)
+    started: list[int] = []
+    real = s3_download._get_part
+
+    async def counting(fs, bucket, obj, size, a, into):
+        started.append(a // PART)
+        await real(fs, bucket, obj, size, a, into)
+
+    monkeypatch.setattr(s3_download, "_get_part", counting)
+    written: list[int] = []
+    most_ahead = []
+    lock = threading.Lock()
+
+    def write(chunk):
+        with lock:
+            most_ahead.append(len(started) - len(written))
+            written.append(len(chunk))
+
+    size, digest = st.read_through("blob.bin", len(blob), write)
+    assert (size, sum(written)) == (len(blob), len(blob))
+    import xxhash
+    assert digest == xxhash.xxh3_128_hexdigest(blob)
+    assert max(most_ahead) <= 3 + 4, most_ahead  # in_flight (3, small_parts) + 4
+
+    def failing(chunk):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        st.read_through("blob.bin", len(blob), failing)

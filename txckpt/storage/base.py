@@ -284,6 +284,15 @@ class Storage(abc.ABC):
         load (txckpt.verify) asks it for remote files; local disks read through txckpt.fileio."""
         return None
 
+    def read_through(self, key: str, size: int, write: Callable[[memoryview], Any]) -> tuple[int, str] | None:
+        """Read the whole file at ``key``, which must hold ``size`` bytes, handing its bytes in
+        order to ``write`` and hashing them; ``(size, xxh3-128)``. Raises
+        :class:`~txckpt.fileio.SizeMismatch` when the file is not ``size`` bytes,
+        FileNotFoundError when it is missing. None where this backend reads no faster than a
+        stream of :meth:`open_read` (the caller copies that). A fetch (txckpt.fetch) asks it
+        for each file it copies; S3 answers with parallel ranged GETs."""
+        return None
+
     @abc.abstractmethod
     def open_read(self, key: str) -> BinaryIO:
         """A readable binary stream of ``key``. Raises FileNotFoundError."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, BinaryIO, Iterator, Mapping, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Mapping, Sequence
 
 from .. import deps
 from ..checksum import copy_hashing
@@ -14,7 +14,7 @@ from ..fileio import BufferRead, open_regular_file
 from .base import WriteBatch
 from .errors import log_retries
 from .fsspec import FsspecStorage
-from .s3_download import ranged_read
+from .s3_download import ranged_copy, ranged_read
 from .s3_upload import _run, _S3Writer, _S3WriteBatch
 
 #: Multipart upload tuning for S3 (see docs/remote.md for the measurements behind them).
@@ -252,6 +252,12 @@ class S3Storage(FsspecStorage):
         if size <= S3_READ_PART:
             return None  # one GET (read_bytes) is as fast, in one request
         return ranged_read(self.fs, self.bucket, self._obj(key), size, hash=hash, part=S3_READ_PART,
+                           in_flight=S3_READ_IN_FLIGHT)
+
+    def read_through(self, key: str, size: int, write: Callable[[memoryview], Any]) -> tuple[int, str] | None:
+        if size <= S3_READ_PART:
+            return None  # one GET streamed is as fast, in one request
+        return ranged_copy(self.fs, self.bucket, self._obj(key), size, write, part=S3_READ_PART,
                            in_flight=S3_READ_IN_FLIGHT)
 
     def _head(self, key: str) -> dict | None:
