@@ -8,6 +8,10 @@ volume servers, filer, S3 gateway) and on moto:
 * s3fs ``cat_ranges`` of the same 16 MiB parts, all at once on s3fs's loop, no check;
 * boto3's transfer manager (``download_fileobj``, 16 MiB parts, 8 threads), no check.
 
+And to a local disk (what the Trainer's remote resume and ``txckpt fetch`` do): txckpt's fetch
+(ranged GETs into a bounded window, written and hashed in order) against the same fetch through
+one stream (before), and boto3's ``download_file`` (16 MiB x 8 threads, no check).
+
 txckpt's load here is parallel ranged GETs (16 MiB, 8 in flight) into the file's buffer, hashed
 as they land, decoded to tensors. The readers return bytes; none decodes. Every side reads the
 whole object every round; nothing is cached between rounds (moto and the gateway serve from
@@ -28,6 +32,9 @@ TX_ONE = "txckpt.load_checkpoint (one GET, then verified: before)"
 CAT = "s3fs cat_file (one GET, unverified)"
 RANGES = "s3fs cat_ranges, 16 MiB parts (unverified)"
 BOTO = "boto3 download_fileobj, 16 MiB x 8 threads (unverified)"
+FETCH = "txckpt.fetch_checkpoint to a local dir (ranged GETs, verified)"
+FETCH_ONE = "txckpt.fetch_checkpoint (one stream: before)"
+BOTO_FILE = "boto3 download_file to a local file, 16 MiB x 8 threads (unverified)"
 
 
 def _emulators():
@@ -74,9 +81,32 @@ def _methods(url: str, so: dict[str, Any], path: str, client: Any, bucket: str, 
     def boto(ctx):
         client.download_fileobj(bucket, obj, io.BytesIO(), Config=config)
 
+    import shutil
+    import tempfile
+
+    def scratch():
+        return tempfile.mkdtemp(prefix="s3load-", dir=h.settings().scratch)
+
+    def fetch(ctx):
+        txckpt.fetch_checkpoint(path, f"{ctx}/copy", storage_options=so)
+
+    def fetch_one(ctx):
+        saved = s3mod.S3_READ_PART
+        s3mod.S3_READ_PART = 1 << 62
+        try:
+            txckpt.fetch_checkpoint(path, f"{ctx}/copy", storage_options=so)
+        finally:
+            s3mod.S3_READ_PART = saved
+
+    def boto_file(ctx):
+        client.download_file(bucket, obj, f"{ctx}/model.safetensors", Config=config)
+
     no_settle = {"settle": False}  # reads: no dirty pages to push first
+    to_disk = {"setup": scratch, "cleanup": lambda ctx: shutil.rmtree(ctx, ignore_errors=True)}
     return [h.Method(TX, tx, **no_settle), h.Method(TX_ONE, tx_one, **no_settle), h.Method(CAT, cat, **no_settle),
-            h.Method(RANGES, ranges, **no_settle), h.Method(BOTO, boto, **no_settle)]
+            h.Method(RANGES, ranges, **no_settle), h.Method(BOTO, boto, **no_settle),
+            h.Method(FETCH, fetch, **to_disk), h.Method(FETCH_ONE, fetch_one, **to_disk),
+            h.Method(BOTO_FILE, boto_file, **to_disk)]
 
 
 def _rows(store: str, size: int, reps: int, url: str, so: dict[str, Any], client: Any, bucket: str) -> list[dict[str, Any]]:
@@ -100,6 +130,9 @@ def _rows(store: str, size: int, reps: int, url: str, so: dict[str, Any], client
                   1.05, note),
         h.compare(f"{store}: txckpt verified, ranged GETs ÷ one GET then verify (before)", nbytes, times, TX, TX_ONE,
                   0.5),
+        h.compare(f"{store}: txckpt fetch to local disk, verified ÷ boto3 download_file (unverified)", nbytes, times,
+                  FETCH, BOTO_FILE, 1.05),
+        h.compare(f"{store}: txckpt fetch, ranged GETs ÷ one stream (before)", nbytes, times, FETCH, FETCH_ONE, 0.5),
     ]
 
 
