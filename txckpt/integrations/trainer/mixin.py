@@ -56,6 +56,7 @@ from txckpt.integrations.trainer.verbosity import follow_transformers_verbosity,
 from txckpt.retention import RetentionPolicy, apply_retention, rewind
 
 from .async_saves import AsyncSaves, check_mode
+from .exactness import warn_inexact_resume_once
 from .patches import (
     HUB_IGNORE_PATTERNS,
     hub_uploads_skip_txckpt,
@@ -222,6 +223,7 @@ class TransactionalCheckpointMixin:
             return super()._save_checkpoint(model, trial, *args, **kwargs)
         check_save_on_each_node(self.args)
         follow_transformers_verbosity(self.args)  # the save's records show at transformers' verbosity
+        warn_inexact_resume_once(self)
         if self.txckpt_async_save:
             return self._txckpt_async.save(super()._save_checkpoint, model, trial, *args, **kwargs)  # type: ignore[misc]
         if self._txckpt_already_committed(trial):
