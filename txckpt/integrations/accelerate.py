@@ -26,6 +26,12 @@ docs/accelerate.md.
 * ``project_dir`` (or ``output_dir``) may be an fsspec URL: accelerate writes into a local
   scratch directory under ``txckpt_local_dir`` that the transaction uploads, and a load fetches
   (and verifies) the checkpoint there first.
+* ``save_on_preemption=True`` (or a grace in seconds): the constructor installs
+  ``txckpt.preemption``'s handlers (unless the script did), and the loop calls
+  ``save_state_if_preempted()`` at each step boundary, on every process: one all-reduce; once
+  any process got SIGTERM / SIGUSR1, every process saves that step through ``save_state`` and
+  the process exits through ``txckpt.preemption.exit()`` (status 128 + signum).
+  ``preemption_requested()`` is the question alone, for loops that stop their own way.
 
 The core of txckpt never imports accelerate; this module is the only one that does.
 """
@@ -40,6 +46,7 @@ from typing import Any, Mapping
 from accelerate import Accelerator
 
 import txckpt
+from txckpt import preemption
 from txckpt.coordination import decide_on_rank0
 from txckpt.errors import CheckpointNotFoundError, InvalidArgumentError
 from txckpt.fallback import check_on_damaged
@@ -76,6 +83,21 @@ def _same_dir(a: str, b: str) -> bool:
     return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 
+def _preemption_grace(save_on_preemption: Any) -> float | None:
+    """``save_on_preemption``'s grace: None for True (and for False, unused), else the number of
+    seconds, as the Trainer's ``txckpt_save_on_preemption`` reads it."""
+    if isinstance(save_on_preemption, bool):
+        return None
+    try:
+        grace_s = float(save_on_preemption)
+    except (TypeError, ValueError):
+        grace_s = float("nan")
+    if not (0 <= grace_s < float("inf")):
+        raise InvalidArgumentError(f"save_on_preemption must be True, False or a grace in seconds (>= 0), "
+                                   f"not {save_on_preemption!r}")
+    return grace_s
+
+
 class TransactionalAccelerator(Accelerator):
     """``accelerate.Accelerator`` whose checkpoints are txckpt transactions (module doc).
 
@@ -88,18 +110,30 @@ class TransactionalAccelerator(Accelerator):
     * ``on_damaged``: ``"raise"`` (default) or ``"fallback"``, as ``txckpt.resume``'s: with
       ``"fallback"``, ``load_state()`` (a restart) whose newest checkpoint fails verification
       forks from the newest one that verifies, with one warning naming each damaged file.
+    * ``save_on_preemption``: ``True``, or a grace in seconds (``txckpt.preemption.install``'s
+      ``grace_s``): SIGTERM / SIGUSR1 no longer kill the process; :meth:`save_state_if_preempted`
+      saves and exits at the next step boundary (docs/accelerate.md, "Preemption"). The handlers
+      are installed here (construct it on the main thread), unless the script installed them.
     """
 
     def __init__(self, *args: Any, txckpt_storage_options: Mapping[str, Any] | None = None,
                  txckpt_local_dir: str | os.PathLike | None = None, txckpt_timeout: float | None = None,
-                 on_damaged: str = "raise", **kwargs: Any):
+                 on_damaged: str = "raise", save_on_preemption: bool | float | None = False, **kwargs: Any):
         check_on_damaged(on_damaged)
+        save_on_preemption = False if save_on_preemption is None else save_on_preemption
+        grace_s = _preemption_grace(save_on_preemption)
         self.txckpt_storage_options = dict(txckpt_storage_options or {})
         self.txckpt_local_dir = None if txckpt_local_dir is None else os.fspath(txckpt_local_dir)
         self.txckpt_timeout = txckpt_timeout
         self.on_damaged = on_damaged
         self._txckpt_named: dict[str, Naming] = {}
+        self.save_on_preemption = save_on_preemption
+        self._txckpt_installed_preemption = False
         super().__init__(*args, **kwargs)
+        # After accelerate's own set-up, so that a constructor that raises leaves no handler behind.
+        if save_on_preemption is not False and not preemption.installed():
+            preemption.install(grace_s=grace_s)
+            self._txckpt_installed_preemption = True
 
     # ----- where things go ---------------------------------------------------------------------
     def txckpt_root(self) -> str:
@@ -232,6 +266,40 @@ class TransactionalAccelerator(Accelerator):
         except Exception as e:  # the checkpoint is committed; the next save retries retention
             log.warning("retention after the save failed (%s: %s); the next save retries it",
                         type(e).__name__, e)
+
+    # ----- preemption --------------------------------------------------------------------------
+    def preemption_requested(self) -> bool:
+        """Whether to save and stop at this step boundary: ``txckpt.preemption.requested()``.
+        With more than one process it is one all-reduce (of one integer, on txckpt's gloo group),
+        True on every process at the same call if any of them received SIGTERM / SIGUSR1, so
+        every process must call it at the same points of the loop (as ``check_trigger``). Once
+        True it stays True. False while no handler is installed (``save_on_preemption`` off and
+        no ``txckpt.preemption.install()``), still collectively."""
+        return preemption.requested()
+
+    def save_state_if_preempted(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
+                                **save_model_func_kwargs: Any) -> None:
+        """The step boundary of a preemptible loop, in one call on every process: returns at
+        once (after the one collective of :meth:`preemption_requested`) while no process has been
+        signalled; otherwise ``save_state(output_dir, ...)`` saves this step on every process
+        (committed before anything else happens), then ``txckpt.preemption.exit()`` ends the
+        process: pending async saves finish within the grace, what committed is logged, and
+        SystemExit carries 128 + the signal's number (143 for SIGTERM) to the scheduler."""
+        if not self.preemption_requested():
+            return
+        log.warning("txckpt: preemption: saving the state at this step boundary, then the process exits with "
+                    "status %d", preemption.exit_status())
+        path = self.save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
+        log.warning("txckpt: preemption: saved %s", path)
+        preemption.exit()
+
+    def end_training(self) -> None:
+        """accelerate's ``end_training``; then the signal handlers ``save_on_preemption``
+        installed are put back, unless a signal was received or agreed (its exit still needs them)."""
+        super().end_training()
+        if self._txckpt_installed_preemption and not preemption.exit_status():
+            self._txckpt_installed_preemption = False
+            preemption.uninstall()
 
     # ----- load --------------------------------------------------------------------------------
     def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
