@@ -61,7 +61,6 @@ def _inodes(path: str) -> dict[int, int]:
 def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int, queue: Any) -> None:
     import datetime
 
-    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
