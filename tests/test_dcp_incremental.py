@@ -26,6 +26,22 @@ BASE_BYTES = sum(4 * 2 * SHAPES[n][0] * SHAPES[n][1] for n in BASE)
 CHANGED_BYTES = sum(4 * 2 * SHAPES[n][0] * SHAPES[n][1] * 3 for n in SHAPES if n.startswith("adapter."))
 
 
+def test_a_tensor_key_follows_every_property_that_decides_the_saved_bytes():
+    import torch
+
+    from txckpt.integrations.dcp_incremental import tensor_key
+
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    key = tensor_key(t)
+    assert key == tensor_key(t.clone()) == tensor_key(torch.nn.Parameter(t.clone()))  # saved detached
+    assert key == tensor_key(torch.arange(24, dtype=torch.float32).reshape(6, 4)[:3])  # DCP saves a minimal copy
+    changed = t.clone()
+    changed[2, 3] += 1
+    others = [changed, t.double(), t.reshape(4, 3), t.t().contiguous().t(), t.to(torch.bfloat16)]
+    assert len({key} | {tensor_key(o) for o in others}) == 1 + len(others)
+    assert tensor_key(t.to_sparse()) is None
+
+
 def _ok(run: launcher.Run) -> list:
     for r in run.results:
         assert r.exitcode == 0 and r.error_type is None, run.describe() + "\n" + (r.trace or "")

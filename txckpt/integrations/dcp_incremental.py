@@ -65,11 +65,12 @@ def tensor_key(tensor: torch.Tensor) -> str | None:
     them (the tensor as DCP's loader hands it to ``torch.save``: detached, on the CPU, cloned
     when its storage is larger than itself; its dtype, shape, strides, storage offset, conj/neg
     bits; the torch release, byte order and ``torch.save`` settings) and of its storage's bytes.
-    None for what it does not describe (a tensor subclass, a sparse or quantized tensor): such
-    an item is always written."""
-    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided or tensor.is_quantized:
+    None for what it does not describe (a tensor subclass that stays one when detached, a sparse
+    or quantized tensor): such an item is always written."""
+    t = tensor.detach()  # first, as DCP's loader: an nn.Parameter is saved as the plain tensor
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized:
         return None
-    t = tensor.detach().cpu()
+    t = t.cpu()
     if t.untyped_storage().size() != t.nbytes:  # as DCP's _SerialCpuLoader: saves a minimal copy
         t = t.clone()
     save = serialization_config.save
