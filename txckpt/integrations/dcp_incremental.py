@@ -186,10 +186,6 @@ class IncrementalShards:
             ranges[name] = {"0": [e.size, e.checksum]}
         return files, ranges
 
-    @property
-    def shared(self) -> dict[str, Source]:
-        return dict(self._sharing.pending)
-
     def release(self) -> None:
         self._sharing.release()
 
