@@ -12,6 +12,9 @@ adapter and its optimizer state change every step, the base never does.
   cost what a plain save costs (it tells a changed file within its first MiB);
 * after the rounds: what the incremental root's checkpoints occupy on disk (each inode counted
   once) against one base plus one delta per checkpoint.
+
+The same frozen base saved through DCP by 2 ranks (``TransactionalWriter(incremental=True)``) is
+a second table, from benchmarks/dcp_incremental.py.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import itertools
 import os
 from typing import Any
 
+from . import dcp_incremental  # the same frozen base through DCP, 2 ranks: a table of its own
 from . import harness as h
 
 TITLE = "Incremental save"
@@ -144,6 +148,10 @@ def run(quick: bool) -> dict[str, Any]:
     reps = 2 if s.tiny else 5 if s.quick else 9
     h.log(f"incremental: {h.fmt_size(size)}, {reps} rounds")
     rows = _frozen_table(size, reps) + [_finetune_row(size, reps)]
+    return {"tables": [_files_table(rows), dcp_incremental.run(quick)]}
+
+
+def _files_table(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"id": "incremental", "title": "Incremental save: frozen base + adapter (local disk, fsync on)",
             "rows": rows,
             "about": "A frozen base (8 tensors, the size column) in `base.safetensors`, an adapter of 1/64 of "

@@ -306,3 +306,18 @@ class Sharing:
 
 
 __all__ = ["Sharing", "Source", "committed_files", "DEPTH"]
+
+
+def lease_source(sharing: Sharing, source: Source) -> bool:
+    """Lease ``source``'s checkpoint for ``sharing`` (once per checkpoint: retention and gc keep
+    it until :meth:`Sharing.release`), for a saver that decides by itself that a file is
+    unchanged (txckpt.integrations.dcp_incremental: from a tensor's own bytes) and then records
+    the share in ``sharing.pending``. False when the checkpoint was retired since it was listed:
+    it is no source, and the caller writes the file."""
+    if source.ref.txid in sharing._leases:
+        return True
+    try:
+        sharing._leases[source.ref.txid] = acquire_reader_lease(sharing._root, source.ref.txid, LEASE_S)
+    except CheckpointNotFoundError:
+        return False
+    return True

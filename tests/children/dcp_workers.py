@@ -285,3 +285,103 @@ def baseline(rank: int, world: int, *, root: str, step: int) -> Any:
 
 def shard_file(path: str, rank: int) -> str:
     return os.path.join(path, f"__{rank}_0.distcp")
+
+
+# ---------------------------------------------------------------------------------------------
+# Incremental saves (tests/test_dcp_incremental.py, benchmarks/dcp_incremental.py): a frozen base
+# and a changing adapter with its Adam state, as DTensors sharded by rows over the ranks. Every
+# rank makes only its own rows (seeded by name and rank), so any world size can rebuild the
+# full tensors to compare with.
+
+MiB = 1 << 20
+
+
+def frozen_layout(frozen_mib: float, adapter_mib: float, tensors: int = 4) -> dict[str, Any]:
+    """Names -> (rows per rank at 2 ranks, columns) of the state: ``tensors`` frozen base tensors
+    of ``frozen_mib`` in all, an adapter of ``adapter_mib`` in 2 tensors, Adam's two moments of
+    the adapter, and small items (a frozen norm, the optimizer's step, a learning rate)."""
+    cols = 1024
+    per = max(1, int(frozen_mib * MiB / tensors / 4 / cols / 2))
+    ad = max(1, int(adapter_mib * MiB / 2 / 4 / cols / 2))
+    shapes = {f"base.{i}": (per, cols) for i in range(tensors)}
+    shapes.update({f"adapter.{i}": (ad, cols) for i in range(2)})
+    return shapes
+
+
+def _rows(name: str, step: int, rank: int, shape: tuple[int, int]) -> torch.Tensor:
+    import zlib
+
+    frozen = name.startswith("base.")
+    g = torch.Generator().manual_seed(zlib.crc32(f"{name}/{0 if frozen else step}/{rank}".encode()))
+    return torch.randn(shape, generator=g)
+
+
+def frozen_state(step: int, shapes: dict[str, Any], world: int, rank: int) -> dict[str, Any]:
+    """The state at ``step`` as ``dcp.save`` gets it: at 2 ranks, DTensors sharded by rows (each
+    rank makes only its own rows); at 1 rank, the plain full tensors (both ranks' rows); the
+    small items replicated."""
+    def rows(name: str, shape: tuple[int, int]) -> torch.Tensor:
+        if world == 2:
+            return _rows(name, step, rank, shape)
+        assert world == 1, "the state is sharded over 2 ranks; loads compare at 1 or 2"
+        return torch.cat([_rows(name, step, r, shape) for r in range(2)])
+
+    out: dict[str, Any] = {"lr": 1e-4, "model.norm": torch.ones(1024), "optim.step": torch.tensor(float(step))}
+    for name, shape in shapes.items():
+        t = rows(name, shape)
+        out[f"model.{name}"] = t
+        if name.startswith("adapter."):
+            out[f"optim.{name}.exp_avg"] = t * 0.1
+            out[f"optim.{name}.exp_avg_sq"] = t * t * 0.01
+    if world == 1:
+        return out
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    return {k: DTensor.from_local(v, mesh, [Shard(0)], run_check=False) if isinstance(v, torch.Tensor) and v.dim() == 2
+            else v for k, v in out.items()}
+
+
+def frozen_saves(rank: int, world: int, *, root: str, steps: list[int], frozen_mib: float = 12,
+                 adapter_mib: float = 4, incremental: bool = True, storage_options: dict | None = None) -> Any:
+    """dcp.save of steps ``steps`` one after the other (each a checkpoint): their paths."""
+    from txckpt.integrations.dcp import TransactionalWriter
+
+    shapes = frozen_layout(frozen_mib, adapter_mib)
+    paths = []
+    for step in steps:
+        w = TransactionalWriter(root, step, storage_options=storage_options, incremental=incremental)
+        dcp.save(frozen_state(step, shapes, world, rank), storage_writer=w)
+        paths.append(w.path)
+    return paths
+
+
+def frozen_load(rank: int, world: int, *, paths: list[str], frozen_mib: float = 12, adapter_mib: float = 4,
+                verify: str = "full", storage_options: dict | None = None) -> Any:
+    """dcp.load of each of ``paths`` through TransactionalReader into zeroed targets sharded
+    over ``world`` ranks; per path, the names whose loaded rows differ from its step's, or the
+    error of each rank."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import txckpt
+    from txckpt.integrations.dcp import TransactionalReader
+
+    shapes = frozen_layout(frozen_mib, adapter_mib)
+    out = {}
+    for path in paths:
+        step = txckpt.read_manifest(path, storage_options=storage_options).step
+        want = frozen_state(step, shapes, world, rank)
+        got = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0.0) for k, v in want.items()}
+        try:
+            dcp.load(got, storage_reader=TransactionalReader(path, storage_options=storage_options, verify=verify),
+                     no_dist=world == 1)
+        except CheckpointException as e:
+            out[path] = {"errors": {r: [type(x).__name__, str(x)[:300]] for r, (x, _tb) in e.failures.items()}}
+            continue
+
+        def local(t: Any) -> Any:
+            return t.to_local() if hasattr(t, "to_local") else t
+        out[path] = {"different": sorted(k for k in want if not (
+            torch.equal(local(got[k]), local(want[k])) if isinstance(want[k], torch.Tensor) else got[k] == want[k]))}
+    return out

@@ -65,6 +65,7 @@ from .dcp_compat import (  # torch's unpublished DCP names (DCP's own file forma
     _write_files_from_queue,
     narrow_tensor_by_index,
 )
+from .dcp_incremental import ITEMS_NAME, IncrementalShards
 
 #: DCP's metadata file (the name FileSystemReader reads).
 METADATA_NAME = ".metadata"
@@ -109,15 +110,19 @@ def _disagreement(what: str, rank: int, mine: Any, coordinator: int, planned: An
 
 class _RangeHashingWriter(HashingWriter):
     """A HashingWriter that also hashes each stretch between two ``tell()`` calls: DCP's item
-    writer calls ``tell()`` before and after every item, so each item's range gets its digest."""
+    writer calls ``tell()`` before and after every item, so each item's range gets its digest.
+    ``whole``: the file holds one item, whose range is the file (its digest, not hashed twice)."""
 
-    def __init__(self, sink: Any):
+    def __init__(self, sink: Any, whole: bool = False):
         super().__init__(sink)
+        self._whole = whole
         self._start = 0
         self._range = new_hasher()
         self.ranges: dict[str, list[Any]] = {}
 
     def write(self, data: Any) -> int:
+        if self._whole:
+            return super().write(data)
         view = memoryview(data).cast("B")
         # Piece by piece, so the range hash, the file hash and the write all find the piece in
         # the CPU cache (one pass over memory, as HashingWriter's own).
@@ -128,7 +133,7 @@ class _RangeHashingWriter(HashingWriter):
         return len(view)
 
     def tell(self) -> int:
-        if self.size != self._start:
+        if self.size != self._start and not self._whole:
             self.ranges[str(self._start)] = [self.size - self._start, self._range.hexdigest()]
             self._range.reset()
             self._start = self.size
@@ -145,13 +150,17 @@ class TransactionalWriter(StorageWriter):
     returned Metadata's ``storage_meta.checkpoint_id`` is it. Errors reach every rank inside
     DCP's ``CheckpointException`` (``.failures``: rank -> (error, traceback)), txckpt's typed
     error among them (StepConflictError, StaleLineageError, TransactionAbortedError...).
+
+    ``incremental=True``: a tensor item whose bytes equal an item of one of the root's newest
+    committed checkpoints is not written again; its file is shared (docs/incremental.md, "DCP").
     """
 
     def __init__(self, root: str | os.PathLike, step: int, *, storage_options: Mapping[str, Any] | None = None,
-                 metadata: Mapping[str, Any] | None = None):
+                 metadata: Mapping[str, Any] | None = None, incremental: bool = False):
         super().__init__()
         self.root = os.fspath(root)
         self.step = step
+        self.incremental = incremental
         self.storage_options = dict(storage_options or {})
         self.metadata = dict(metadata or {})
         self.path: str | None = None
@@ -232,9 +241,13 @@ class TransactionalWriter(StorageWriter):
         ranges: dict[str, Any] = {}
         batch = storage.write_batch()
 
+        # incremental: which files are shared, decided from the tensors before anything is written
+        shards = IncrementalShards(root, a.prefix, plan.items, planner, self._rank) if self.incremental else None
+
         @contextlib.contextmanager
         def create_stream(name: str, mode: str) -> Iterator[_RangeHashingWriter]:
-            w = _RangeHashingWriter(batch.open_write(f"{a.key}/{name}", durable=a.durable))
+            whole = shards is not None and name in shards.single
+            w = _RangeHashingWriter(batch.open_write(f"{a.key}/{name}", durable=a.durable), whole)
             try:
                 yield w
             except BaseException:
@@ -243,24 +256,36 @@ class TransactionalWriter(StorageWriter):
             w.tell()  # closes the last range
             w.close()  # durable (or uploaded through the batch) from here
             files[name] = FileEntry(w.size, w.digest, kind_for_name(name), self._rank).to_json()
-            ranges[name] = w.ranges
+            ranges[name] = {"0": [w.size, w.digest]} if whole else w.ranges
 
         todo: queue.Queue = queue.Queue()
-        for i, bucket in enumerate(_split_by_size_and_type(1, plan.items)):
-            name = f"{a.prefix}{i}{DEFAULT_SUFFIX}"
+        buckets = shards.to_write if shards is not None else [
+            (f"{a.prefix}{i}{DEFAULT_SUFFIX}", b) for i, b in enumerate(_split_by_size_and_type(1, plan.items))]
+        for name, bucket in buckets:
             todo.put((name, name, bucket))
         done: queue.Queue = queue.Queue()
+        results: list[WriteResult] = []
         try:
             _write_files_from_queue(create_stream, todo, done, planner, _StorageWriterTransforms(), 10_000_000,
                                     False, 1, SerializationFormat.TORCH_SAVE)
             batch.wait()  # every upload is complete before the report leaves this rank
+            if shards is not None:  # after this rank's writes: a shared name is never opened for writing
+                shared_files, shared_ranges = shards.place(a.key, a.durable)
+                files.update(shared_files)
+                ranges.update(shared_ranges)
+                results += shards.results
         except BaseException:
             batch.cancel()  # nothing of this rank lands after the coordinator's abort
             raise
-        results: list[WriteResult] = []
+        finally:
+            if shards is not None:
+                shards.release()  # placed (or failed): a shared file is a file of its own now
         while not done.empty():
             results += done.get_nowait()
-        return results, {"rank": self._rank, "files": files, "ranges": ranges}
+        report = {"rank": self._rank, "files": files, "ranges": ranges}
+        if shards is not None:
+            report["items"] = shards.keys
+        return results, report
 
     def _check_assignment(self, a: _Assignment, root: Any) -> None:
         """This rank saves what the coordinator planned: the same step, the same root (it sees
@@ -305,14 +330,16 @@ class TransactionalWriter(StorageWriter):
                 metadata.storage_data = storage_md
                 metadata.storage_meta = StorageMeta(checkpoint_id=tx.final_path, save_id=self._save_id)
                 ranges = {n: rg for r in reports for n, rg in r.get("ranges", {}).items()}
-                reports.append({"rank": self._rank, "files": self._write_own(tx, {
-                    METADATA_NAME: pickle.dumps(metadata),
-                    RANGES_NAME: json.dumps(ranges, sort_keys=True).encode(),
-                })})
+                own = {METADATA_NAME: pickle.dumps(metadata), RANGES_NAME: json.dumps(ranges, sort_keys=True).encode()}
+                if any("items" in r for r in reports):  # an incremental save: the next one looks its keys up
+                    items = {n: k for r in reports for n, k in r.get("items", {}).items()}
+                    own[ITEMS_NAME] = json.dumps(items, sort_keys=True).encode()
+                reports.append({"rank": self._rank, "files": self._write_own(tx, own)})
         except Exception as e:
             reports.append({"rank": self._rank, "error": errors.encode_error(e, rank=self._rank)})
         for r in reports:
             r.pop("ranges", None)
+            r.pop("items", None)
         self.path = tx.commit_reports(reports)
         self._tx = None
         if metadata.storage_meta is not None:

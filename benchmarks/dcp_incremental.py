@@ -1,0 +1,183 @@
+"""Incremental DCP saves (issue 30, tensors; docs/incremental.md, "DCP"): a frozen base beside a
+trained adapter, saved through ``TransactionalWriter`` by 2 ranks, incremental against not.
+
+Two real processes with a gloo group on 127.0.0.1 (CPU), fsync on. Each rank holds half of a
+frozen base of S bytes (8 float32 tensors of its own), half of an adapter of S/64 (4 tensors) and
+Adam's two moments of it; every step changes the adapter and its moments, never the base. Each
+round both methods save the next step of their own root, in an order that alternates between
+rounds, each from a barrier after the dirty pages of the previous phase were synced (untimed);
+the time is the slowest rank's. The first round (each root's first save: the incremental one
+writes everything) is not counted: saves 2..10 are.
+
+* save time: ``TransactionalWriter(root, step, incremental=True)`` ÷ ``TransactionalWriter(root,
+  step)``;
+* bytes written per incremental save (the files whose inode no earlier checkpoint of its root
+  holds, manifest included) ÷ (the bytes of the tensors that changed + the checkpoint's metadata
+  files: ``.metadata``, the range digests, the item keys, the manifest);
+* bytes written: incremental ÷ full save;
+* after the rounds: the disk use of the incremental root's 10 checkpoints (each inode counted
+  once) ÷ (one base + 10 deltas).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any
+
+TITLE = "Incremental DCP save: frozen base + adapter + Adam state, 2 ranks (local disk, fsync on)"
+WORLD = 2
+MiB = 1 << 20
+INC, FULL = "TransactionalWriter(incremental=True)", "TransactionalWriter()"
+METADATA = (".metadata", "txckpt-dcp-ranges.json", "txckpt-dcp-items.json", "txckpt-manifest.json")
+
+
+def _state(rank: int, size: int) -> tuple[dict[str, Any], list[str]]:
+    """This rank's state (half of everything) and the names of what changes each step."""
+    import torch
+
+    g = torch.Generator().manual_seed(rank)
+    half = size // WORLD
+    out: dict[str, Any] = {f"rank{rank}.base{i}": torch.randn(max(1, half // 4 // 8), generator=g) for i in range(8)}
+    changing = []
+    for i in range(4):
+        n = max(1, half // 64 // 4 // 4)
+        for what in ("adapter", "exp_avg", "exp_avg_sq"):
+            out[f"rank{rank}.{what}{i}"] = torch.randn(n, generator=g)
+            changing.append(f"rank{rank}.{what}{i}")
+    out["step"] = torch.tensor(0.0)
+    return out, changing
+
+
+def _inodes(path: str) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for name in os.listdir(path):
+        st = os.stat(os.path.join(path, name))
+        out[st.st_ino] = st.st_size
+    return out
+
+
+def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int, queue: Any) -> None:
+    import datetime
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from txckpt.integrations.dcp import TransactionalWriter
+
+    os.environ["TXCKPT_DURABLE"] = "1"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=900))
+    try:
+        state, changing = _state(rank, size)
+        roots = {INC: os.path.join(base, "inc"), FULL: os.path.join(base, "full")}
+        times: dict[str, list[float]] = {INC: [], FULL: []}
+        written: dict[str, list[int]] = {INC: [], FULL: []}
+        expected: list[int] = []  # changed tensor bytes + metadata files, per incremental save
+        seen: dict[str, set[int]] = {INC: set(), FULL: set()}
+        base_bytes = 0
+        for r in range(warmup + rounds):
+            step = r + 1
+            for name in state:  # the training step: the adapter and its moments change
+                if name in changing:
+                    state[name].add_(0.001)
+            state["step"].fill_(step)
+            for method in ([INC, FULL] if r % 2 == 0 else [FULL, INC]):
+                if rank == 0:
+                    os.sync()  # untimed: no write-back of the previous phase is charged to this one
+                dist.barrier()
+                w = TransactionalWriter(roots[method], step, incremental=method == INC)
+                t0 = time.perf_counter()
+                dcp.save(state, storage_writer=w)
+                dt = time.perf_counter() - t0
+                every: list[Any] = [None] * WORLD
+                dist.all_gather_object(every, (dt, sum(state[n].nbytes for n in changing)))
+                if rank == 0:
+                    assert w.path is not None
+                    files = _inodes(w.path)
+                    new = sum(s for ino, s in files.items() if ino not in seen[method])
+                    seen[method].update(files)
+                    if r >= warmup:
+                        times[method].append(max(t for t, _ in every))
+                        written[method].append(new)
+                        if method == INC:
+                            meta = sum(os.path.getsize(os.path.join(w.path, n)) for n in METADATA
+                                       if os.path.exists(os.path.join(w.path, n)))
+                            expected.append(sum(c for _, c in every) + meta)
+                    elif method == INC:  # the first save: the base's files are the ones kept since
+                        base_bytes = new
+                    if method == FULL and r > 0:  # untimed: keep one full checkpoint on the disk
+                        import shutil
+
+                        shutil.rmtree(os.path.join(roots[FULL], f"checkpoint-{r}"), ignore_errors=True)
+                dist.barrier()
+        if rank == 0:
+            on_disk = sum(s for ino, s in _all_inodes(roots[INC]).items())
+            queue.put({"times": times, "written": written, "expected": expected, "on_disk": on_disk,
+                       "base_bytes": base_bytes, "saves": warmup + rounds})
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        if rank == 0:
+            queue.put({"error": f"{type(e).__name__}: {e}"})
+        raise
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def _all_inodes(root: str) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for name in os.listdir(root):
+        if name.startswith("checkpoint-"):
+            out.update(_inodes(os.path.join(root, name)))
+    return out
+
+
+def measure(size: int, rounds: int, warmup: int = 1, deadline: float = 1800.0) -> dict[str, Any]:
+    from .ranks import launch_ranks
+
+    return launch_ranks(_worker, "dcp-incremental", WORLD, size, rounds, warmup, deadline)
+
+
+def table(size: int, rounds: int) -> dict[str, Any]:
+    res = measure(size, rounds)
+    times, written, expected = res["times"], res["written"], res["expected"]
+    paired = [a / b for a, b in zip(times[INC], times[FULL]) if b > 0]
+    per_save = [w / e for w, e in zip(written[INC], expected)]
+    vs_full = [a / b for a, b in zip(written[INC], written[FULL]) if b > 0]
+    delta = statistics.median(written[INC])
+    base_plus = res["base_bytes"] - delta + res["saves"] * delta  # the first save = base + its delta
+    med = statistics.median
+    rows = [
+        {"case": "incremental ÷ full save time, saves 2..10", "size": size, "txckpt": med(times[INC]),
+         "other": med(times[FULL]), "ratio": med(paired), "goal": 0.15, "reps": len(paired), "paired": paired,
+         "note": f"ratio of medians {med(times[INC]) / med(times[FULL]):.3f}"},
+        {"case": "bytes written per incremental save ÷ (changed tensor bytes + metadata)", "size": size,
+         "txckpt": med(written[INC]), "other": med(expected), "ratio": med(per_save), "goal": 1.05,
+         "reps": len(per_save), "unit": "bytes", "paired": per_save},
+        {"case": "bytes written per save, incremental ÷ full", "size": size, "txckpt": med(written[INC]),
+         "other": med(written[FULL]), "ratio": med(vs_full), "goal": 0.1, "reps": len(vs_full), "unit": "bytes",
+         "note": f"{1 / med(vs_full):.0f}x fewer"},
+        {"case": f"disk use of the incremental root's {res['saves']} checkpoints ÷ (one base + "
+                 f"{res['saves']} deltas)", "size": size, "txckpt": res["on_disk"], "other": base_plus,
+         "ratio": res["on_disk"] / base_plus, "goal": 1.2, "reps": 1, "unit": "bytes"},
+    ]
+    return {"id": "dcp-incremental", "title": TITLE, "rows": rows, "about": __doc__.split("\n\n", 1)[1].strip()}
+
+
+def run(quick: bool) -> dict[str, Any]:
+    from . import harness
+
+    s = harness.settings()
+    size = 16 * MiB if s.tiny else 256 * MiB if s.quick else 1024 * MiB
+    return table(size, 2 if s.tiny else 9)
+
+
+if __name__ == "__main__":  # python -m benchmarks.dcp_incremental [SIZE_MIB]
+    import json
+    import sys
+
+    mib = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
+    print(json.dumps(table(mib * MiB, 9), indent=1, default=str))

@@ -1,0 +1,193 @@
+"""``TransactionalWriter(..., incremental=True)``: a DCP tensor item whose bytes equal an item of a
+committed checkpoint is not written again; its file is shared (docs/incremental.md, "DCP").
+
+Layout: a rank puts each tensor item of at least :data:`OWN_FILE_BYTES` in a file of its own,
+``__<rank>_<n>.distcp`` (n = 1, 2, ... in the plan's item order), written with DCP's own item
+writer as any shard, and everything smaller (and every non-tensor item) in ``__<rank>_0.distcp``.
+A file of one item holds exactly ``torch.save`` of that tensor, so its bytes are a function of
+the tensor alone: its dtype, shape, strides, storage bytes, and the torch release and
+serialization settings that write it. :func:`tensor_key` hashes exactly those (xxh3-128 straight
+from the tensor's memory: no serialization, no second pass), and the coordinator records the key
+of every such file in ``txckpt-dcp-items.json``. The next incremental save computes each large
+item's key and, where one of the root's newest committed checkpoints (``incremental.DEPTH``, any
+lineage) holds a file of that key, shares that file (``Storage.share_file``: a hard link on a
+local disk, a server-side copy on an object store) instead of writing it: its DCP WriteResult
+(offset 0, the file's length) and its txckpt range (the whole file, its manifest digest) are
+known without a byte serialized.
+
+Why keys of tensors rather than probing the serialized bytes as ``tx.save`` does: ``torch.save``
+computes a CRC-32 of every record (about 3x the cost of xxh3 on this CPU), so a probe through the
+serializer would cost more than half of a full save for an unchanged base; the key costs one
+xxh3 pass over the tensor. The committed file is still what every load checks: its manifest
+entry is the source's own size and xxh3-128, and TransactionalReader verifies every byte it reads
+against it, as for any checkpoint.
+
+Every checkpoint stays whole: each file is in its directory (a hard link or a copy), so a stock
+``FileSystemReader`` reads a local incremental checkpoint as any other, and retention or gc of the
+checkpoint that first held the bytes deletes none of them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.utils.serialization.config as serialization_config
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..checksum import digest_bytes, new_hasher
+from ..incremental import Sharing, Source, committed_files, lease_source
+from ..manifest import FileEntry, kind_for_name
+from ..publication import Root
+from .dcp_compat import DEFAULT_SUFFIX, _StorageInfo
+
+#: Each checkpoint's key of every one-item file: {file name: tensor key}.
+ITEMS_NAME = "txckpt-dcp-items.json"
+#: Tensor items of at least this many bytes get a file of their own (and can be shared); smaller
+#: ones are packed into the rank's file 0, written every save (a frozen model's norms and
+#: biases are a small part of it).
+OWN_FILE_BYTES = 1 << 20
+
+# Decoded ITEMS_NAME files by (root identity, txid, digest of the items file): committed files
+# never change. Bounded as incremental's manifest cache.
+_ITEMS: "OrderedDict[tuple[str, str, str], dict[str, str]]" = OrderedDict()
+_ITEMS_KEPT = 32
+_ITEMS_LOCK = threading.Lock()
+
+
+def tensor_key(tensor: torch.Tensor) -> str | None:
+    """The key of the bytes DCP's item writer makes of ``tensor``: xxh3-128 of what decides
+    them (the tensor as DCP's loader hands it to ``torch.save``: detached, on the CPU, cloned
+    when its storage is larger than itself; its dtype, shape, strides, storage offset, conj/neg
+    bits; the torch release, byte order and ``torch.save`` settings) and of its storage's bytes.
+    None for what it does not describe (a tensor subclass that stays one when detached, a sparse
+    or quantized tensor): such an item is always written."""
+    t = tensor.detach()  # first, as DCP's loader: an nn.Parameter is saved as the plain tensor
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized:
+        return None
+    t = t.cpu()
+    if t.untyped_storage().size() != t.nbytes:  # as DCP's _SerialCpuLoader: saves a minimal copy
+        t = t.clone()
+    save = serialization_config.save
+    hasher = new_hasher()
+    hasher.update(repr(("txckpt-dcp-item/1", torch.__version__, sys.byteorder, save.compute_crc32,
+                        save.storage_alignment, str(t.dtype), tuple(t.shape), t.stride(), t.storage_offset(),
+                        t.is_conj(), t.is_neg())).encode())
+    storage = t.untyped_storage()
+    if storage.size():
+        raw = torch.empty(0, dtype=torch.uint8).set_(storage)  # the storage's bytes, not copied
+        hasher.update(memoryview(raw.numpy()).cast("B"))
+    return hasher.hexdigest()
+
+
+def committed_items(root: Root) -> dict[str, Source]:
+    """Tensor key -> the one-item file of that key in the newest committed checkpoints of
+    ``root`` (incremental.committed_files: any lineage, manifests verified), the newest first.
+    A checkpoint's ITEMS_NAME counts only when its bytes match its manifest entry."""
+    by_checkpoint: "OrderedDict[str, dict[str, Source]]" = OrderedDict()
+    for s in committed_files(root):
+        by_checkpoint.setdefault(s.ref.txid, {})[s.name] = s
+    out: dict[str, Source] = {}
+    for files in by_checkpoint.values():
+        listed = files.get(ITEMS_NAME)
+        if listed is None:
+            continue  # not saved incrementally through DCP: no file with a known key
+        for name, key in _items(root, listed).items():
+            if name in files and key not in out:
+                out[key] = files[name]
+    return out
+
+
+def _items(root: Root, listed: Source) -> dict[str, str]:
+    cache_key = (root.storage.identity(), listed.ref.txid, listed.entry.checksum)
+    with _ITEMS_LOCK:
+        if cache_key in _ITEMS:
+            _ITEMS.move_to_end(cache_key)
+            return _ITEMS[cache_key]
+    home = root.publication.locate(listed.ref)
+    if home is None:
+        return {}
+    try:
+        data = root.storage.read_bytes(f"{home}/{ITEMS_NAME}")
+    except OSError:
+        return {}
+    if len(data) != listed.entry.size or digest_bytes(data) != listed.entry.checksum:
+        return {}  # damaged: its keys are not trusted
+    try:
+        items = {str(k): str(v) for k, v in json.loads(data).items()}
+    except (ValueError, AttributeError):
+        return {}
+    with _ITEMS_LOCK:
+        _ITEMS[cache_key] = items
+        while len(_ITEMS) > _ITEMS_KEPT:
+            _ITEMS.popitem(last=False)
+    return items
+
+
+def _item_bytes(item: WriteItem) -> int:
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0
+    n = 1
+    for s in item.tensor_data.size:
+        n *= s
+    return n * item.tensor_data.properties.dtype.itemsize
+
+
+class IncrementalShards:
+    """One rank's files in an incremental DCP save: which to write (:attr:`to_write`, for DCP's
+    item writer), which to share (decided here, placed by :meth:`place` once this rank's writes
+    are done), and every one-item file's key (:attr:`keys`, for the coordinator's ITEMS_NAME).
+    :meth:`release` returns the leases on the sources, whatever happened."""
+
+    def __init__(self, root: Root, prefix: str, items: list[WriteItem], planner: SavePlanner, rank: int):
+        self._rank = rank
+        self._sharing = Sharing(root)
+        candidates: dict[str, Source] | None = None
+        small = [i for i in items if _item_bytes(i) < OWN_FILE_BYTES]
+        #: (file name, its items) for DCP's item writer; the packed file first, always written
+        self.to_write: list[tuple[str, list[WriteItem]]] = [(f"{prefix}0{DEFAULT_SUFFIX}", small)]
+        #: the names of one-item files: their range is the whole file
+        self.single: set[str] = set()
+        self.keys: dict[str, str] = {}
+        self.results: list[WriteResult] = []
+        for n, item in enumerate((i for i in items if _item_bytes(i) >= OWN_FILE_BYTES), 1):
+            name = f"{prefix}{n}{DEFAULT_SUFFIX}"
+            self.single.add(name)
+            data = planner.resolve_data(item)
+            key = tensor_key(data) if isinstance(data, torch.Tensor) else None
+            if key is None:
+                self.to_write.append((name, [item]))
+                continue
+            self.keys[name] = key
+            if candidates is None:  # read once, on the first large item
+                candidates = committed_items(root)
+            source = candidates.get(key)
+            if source is not None and lease_source(self._sharing, source):
+                self._sharing.pending[name] = source
+                size = source.entry.size
+                self.results.append(WriteResult(index=item.index, size_in_bytes=size,
+                                                storage_data=_StorageInfo(name, 0, size)))
+            else:
+                self.to_write.append((name, [item]))
+
+    def place(self, staging_key: str, durable: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Make every shared file a file of the staging (after this rank's writes are done):
+        their manifest entries and txckpt ranges (one range: the whole file)."""
+        self._sharing.place(staging_key, durable)
+        files, ranges = {}, {}
+        for name, source in self._sharing.pending.items():
+            e = source.entry
+            files[name] = FileEntry(e.size, e.checksum, kind_for_name(name), self._rank).to_json()
+            ranges[name] = {"0": [e.size, e.checksum]}
+        return files, ranges
+
+    def release(self) -> None:
+        self._sharing.release()
+
+
+__all__ = ["ITEMS_NAME", "OWN_FILE_BYTES", "IncrementalShards", "committed_items", "tensor_key"]
