@@ -192,7 +192,7 @@ class Sharing:
         source = probe.equal()
         if source is None:
             return None
-        return (source, kind) if self._leased(source) else self.unchanged(name, obj)
+        return (source, kind) if self.lease(source) else self.unchanged(name, obj)
 
     def unchanged_file(self, path: str) -> Source | None:
         """If the local file ``path`` (other code's file in a remote root's scratch directory,
@@ -218,7 +218,7 @@ class Sharing:
         source = probe.equal()
         if source is None:
             return None
-        return source if self._leased(source) else self.unchanged_file(path)
+        return source if self.lease(source) else self.unchanged_file(path)
 
     def relink(self, storage_key: str, hashed: dict[str, FileEntry]) -> int:
         """Files other code wrote into a local staging directory ``storage_key`` and this
@@ -247,7 +247,7 @@ class Sharing:
         """The committed file with this size and checksum, leased; None if there is none."""
         for source in self._sources():
             if source.entry.size == size and source.entry.checksum == checksum:
-                return source if self._leased(source) else self.matching(size, checksum)
+                return source if self.lease(source) else self.matching(size, checksum)
         return None
 
     def _sources(self) -> list[Source]:
@@ -255,9 +255,12 @@ class Sharing:
             self._candidates = committed_files(self._root)
         return self._candidates
 
-    def _leased(self, source: Source) -> bool:
-        """Lease ``source``'s checkpoint for this save; False (and it is no longer a candidate)
-        if it was retired since the index was read."""
+    def lease(self, source: Source) -> bool:
+        """Lease ``source``'s checkpoint for this save (once per checkpoint: retention and gc
+        keep it until :meth:`release`); False (and it is no longer a candidate) if it was
+        retired since the index was read. Public for a saver that decides by itself that a file
+        is unchanged (txckpt.integrations.dcp_incremental: from a tensor's own bytes) and then
+        records the share in :attr:`pending`."""
         if source.ref.txid in self._leases:
             return True
         try:
@@ -307,17 +310,3 @@ class Sharing:
 
 __all__ = ["Sharing", "Source", "committed_files", "DEPTH"]
 
-
-def lease_source(sharing: Sharing, source: Source) -> bool:
-    """Lease ``source``'s checkpoint for ``sharing`` (once per checkpoint: retention and gc keep
-    it until :meth:`Sharing.release`), for a saver that decides by itself that a file is
-    unchanged (txckpt.integrations.dcp_incremental: from a tensor's own bytes) and then records
-    the share in ``sharing.pending``. False when the checkpoint was retired since it was listed:
-    it is no source, and the caller writes the file."""
-    if source.ref.txid in sharing._leases:
-        return True
-    try:
-        sharing._leases[source.ref.txid] = acquire_reader_lease(sharing._root, source.ref.txid, LEASE_S)
-    except CheckpointNotFoundError:
-        return False
-    return True

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..checksum import digest_bytes, new_hasher
-from ..incremental import Sharing, Source, committed_files, lease_source
+from ..incremental import Sharing, Source, committed_files
 from ..manifest import FileEntry, kind_for_name
 from ..publication import Root
 from .dcp_compat import DEFAULT_SUFFIX, _StorageInfo
@@ -167,7 +167,7 @@ class IncrementalShards:
             if candidates is None:  # read once, on the first large item
                 candidates = committed_items(root)
             source = candidates.get(key)
-            if source is not None and lease_source(self._sharing, source):
+            if source is not None and self._sharing.lease(source):
                 self._sharing.pending[name] = source
                 size = source.entry.size
                 self.results.append(WriteResult(index=item.index, size_in_bytes=size,
