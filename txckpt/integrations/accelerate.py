@@ -114,11 +114,17 @@ class TransactionalAccelerator(Accelerator):
       ``grace_s``): SIGTERM / SIGUSR1 no longer kill the process; :meth:`save_state_if_preempted`
       saves and exits at the next step boundary (docs/accelerate.md, "Preemption"). The handlers
       are installed here (construct it on the main thread), unless the script installed them.
+    * ``incremental``: ``True`` keeps each file a committed checkpoint of the root already holds
+      byte for byte (a frozen model's weights, an unchanged sampler or scaler) once: a hard link
+      on a local root, a server-side copy instead of an upload on an object store
+      (docs/incremental.md). Saves into a root only (automatic naming, or ``<root>/<name>_<i>``);
+      a directory of its own (``save_state(d)`` elsewhere) has no earlier checkpoint to share with.
     """
 
     def __init__(self, *args: Any, txckpt_storage_options: Mapping[str, Any] | None = None,
                  txckpt_local_dir: str | os.PathLike | None = None, txckpt_timeout: float | None = None,
-                 on_damaged: str = "raise", save_on_preemption: bool | float | None = False, **kwargs: Any):
+                 on_damaged: str = "raise", save_on_preemption: bool | float | None = False,
+                 incremental: bool = False, **kwargs: Any):
         check_on_damaged(on_damaged)
         save_on_preemption = False if save_on_preemption is None else save_on_preemption
         grace_s = _preemption_grace(save_on_preemption)
@@ -126,6 +132,7 @@ class TransactionalAccelerator(Accelerator):
         self.txckpt_local_dir = None if txckpt_local_dir is None else os.fspath(txckpt_local_dir)
         self.txckpt_timeout = txckpt_timeout
         self.on_damaged = on_damaged
+        self.incremental = bool(incremental)
         self._txckpt_named: dict[str, Naming] = {}
         self.save_on_preemption = save_on_preemption
         self._txckpt_installed_preemption = False
@@ -242,7 +249,7 @@ class TransactionalAccelerator(Accelerator):
                 self._use_naming(root, naming)
         local_dir = self._scratch() if is_url(root) else None
         with txckpt.transaction(root, step, storage_options=self.txckpt_storage_options,
-                                timeout=self.txckpt_timeout, local_dir=local_dir) as tx:
+                                timeout=self.txckpt_timeout, local_dir=local_dir, incremental=self.incremental) as tx:
             self.project_configuration.automatic_checkpoint_naming = False  # write where told
             try:
                 super().save_state(tx.directory, safe_serialization=safe_serialization, **save_model_func_kwargs)
