@@ -8,7 +8,8 @@ Each case draws, from one seeded RNG (the seed is printed; ``TXCKPT_CAMPAIGN_SEE
   save_checkpoint of step B holds inside CheckpointRoot.save) or *while an async save is pending*
   (the background save of step B holds there); each is reached through the handshake file the
   child writes there (``instep-rank{r}`` / ``blocked-rank{r}``), never a sleep: the parent waits
-  for both ranks' file, signals, then writes ``release``;
+  for both ranks' file, signals, then writes ``release`` (in one case in five it never does: a
+  step or a save that hangs, which txckpt's grace or the SIGKILL must end);
 - which rank(s) get SIGTERM (0, 1 or both), the scheduler's grace (0-5 s: both ranks still alive
   then are SIGKILLed) and the grace the loop gives txckpt.preemption.install (none, or a little
   less than the scheduler's, as docs/preemption.md advises);
@@ -56,9 +57,11 @@ SIGTERM_STATUS = 128 + signal.SIGTERM
 WORLD = 2
 #: Cases a root: a local case costs ~2 s on the 2-core machine, an S3 one ~10 s (moto serves from
 #: this process); ``TXCKPT_CAMPAIGN_CASES`` (a number) runs that many on each root instead.
-CASES = {"local": 12, "s3": 6}
+CASES = {"local": 16, "s3": 8}
 MOMENTS = ("step", "sync-save", "async-pending")
 SHORT_GRACE_S = {"local": 0.25, "s3": 0.8}
+SLOW_AFTER_S = 2.0
+FINAL_SAVE_S = {"local": 0.06, "s3": 0.5}  # about how long the final 2-rank save takes on the 2-core machine
 #: What txckpt.preemption logs when its own grace ran out (or a second signal came): a forced exit.
 FORCED_EXIT = "txckpt: preemption: exiting now with status"
 HANDSHAKE_DEADLINE_S = 90.0
@@ -83,12 +86,15 @@ class Case:
     targets: tuple[int, ...]
     grace_s: float  # the scheduler's: SIGKILL after it
     loop_grace_s: float | None  # txckpt.preemption.install(grace_s=...)
+    stalled: bool  # the held step or save is never released
+    aimed: bool  # the grace counts from the final save's start (``final-rank{r}``), not from the signal
 
     @property
     def name(self) -> str:
         return (f"{self.kind}-{self.index:02d} {self.moment}@{self.at} {'sync' if self.sync else 'async'} "
                 f"every {self.every} SIGTERM->rank{'+'.join(map(str, self.targets))} grace {self.grace_s:g} s "
-                f"(loop {'none' if self.loop_grace_s is None else f'{self.loop_grace_s:g} s'})")
+                f"(loop {'none' if self.loop_grace_s is None else f'{self.loop_grace_s:g} s'})"
+                f"{' stalled' if self.stalled else ''}{' from the final save' if self.aimed else ''}")
 
 
 def plan(rng: random.Random, kind: str, n: int) -> list[Case]:
@@ -104,7 +110,11 @@ def plan(rng: random.Random, kind: str, n: int) -> list[Case]:
         draw, short = rng.random(), SHORT_GRACE_S[kind]
         grace = 0.0 if draw < 0.15 else round(rng.uniform(0.0, short) if draw < 0.5 else rng.uniform(short, 5.0), 2)
         loop_grace = None if rng.random() < 0.5 else round(grace * rng.uniform(0.5, 0.9), 2)
-        cases.append(Case(i, kind, moment, sync, every, at, rng.choice([(0,), (1,), (0, 1)]), grace, loop_grace))
+        stalled, aimed = rng.random() < 0.2, rng.random() < 0.25
+        if aimed and not stalled:  # the SIGKILL within about the final save's time after a rank began it
+            grace, loop_grace = round(rng.uniform(0.0, FINAL_SAVE_S[kind]), 3), None
+        cases.append(Case(i, kind, moment, sync, every, at, rng.choice([(0,), (1,), (0, 1)]), grace, loop_grace,
+                          stalled, aimed and not stalled))
     return cases
 
 
@@ -155,6 +165,18 @@ def wait_for_files(ranks: list[Rank], name: str, deadline_s: float = HANDSHAKE_D
         time.sleep(0.01)  # polling a handshake file with a deadline
 
 
+def first_file(ranks: list[Rank], name: str, until: float) -> float | None:
+    """time.monotonic() when the first rank's ``name`` was seen (polled until ``until``, or until
+    every rank exited); None if none was."""
+    while time.monotonic() < until:
+        if any(os.path.exists(r.file(name)) for r in ranks):
+            return time.monotonic()
+        if all(r.proc.poll() is not None for r in ranks):
+            return None
+        time.sleep(0.005)  # polling a handshake file with a deadline
+    return None
+
+
 def kill_all(ranks: list[Rank]) -> None:
     for r in ranks:
         if r.proc.poll() is None:
@@ -183,6 +205,10 @@ class Campaign:
     sigkills: int = 0
     killed_cases: int = 0
     killed_in_final_save: int = 0
+    stalls: int = 0
+    #: Not stalled, no grace of txckpt's own, a grace >= SLOW_AFTER_S, and still SIGKILLed: a
+    #: shutdown slower than the grace (a hang, or a loaded machine). Counted, not asserted (a time).
+    slow_shutdowns: int = 0
     covered: int = 0
     committed_at_signal: int = 0
     restarts: int = 0
@@ -264,24 +290,38 @@ class Campaign:
             for r in case.targets:
                 ranks[r].proc.send_signal(signal.SIGTERM)
                 self.sigterms += 1
-            open(os.path.join(ranks[0].hs, "release"), "w").close()
+            if not case.stalled:
+                open(os.path.join(ranks[0].hs, "release"), "w").close()
+            end = t_signal + case.grace_s
+            if case.aimed:  # from the moment the first rank begins its final save (5 s at most in all)
+                began = first_file(ranks, "final-rank{r}", until=t_signal + 5.0)
+                end = min((began or t_signal + 5.0) + case.grace_s, t_signal + 5.0)
             for r in ranks:  # the scheduler's grace: whatever is alive after it gets SIGKILL
                 try:
-                    r.proc.wait(max(0.0, t_signal + case.grace_s - time.monotonic()))
+                    r.proc.wait(max(0.0, end - time.monotonic()))
                     r.exited_after = time.monotonic() - t_signal  # an upper bound: it may have exited before
                 except subprocess.TimeoutExpired:  # still running: the SIGKILL below
                     pass
         finally:
             alive = [r for r in ranks if r.proc.poll() is None]
             kill_all(ranks)
+        self.stalls += case.stalled
+        self.slow_shutdowns += bool(alive) and not case.stalled and not case.aimed and case.loop_grace_s is None \
+            and case.grace_s >= SLOW_AFTER_S
         self.sigkills += len(alive)
         self.killed_cases += bool(alive)
         final = [r.read("final-rank{r}") for r in ranks]  # the final save had begun on that rank
         self.killed_in_final_save += any(r in alive and f and f"done-{f}-rank{r.rank}" not in os.listdir(r.hs)
                                          for r, f in zip(ranks, final))
         codes = [r.proc.returncode for r in ranks]
+        forced = [r.rank for r in ranks if FORCED_EXIT in r.output(tail=1 << 20)]
         for r, code in zip(ranks, codes):
-            self.check(code in (SIGTERM_STATUS, -signal.SIGKILL),
+            # 143, or SIGKILL; or 1 where the other rank was forced out or killed in the middle of a
+            # save both make: the save's collective raises CoordinationTimeoutError in the loop (a plain
+            # loop does not catch it), before this rank's own grace ran out.
+            peer_gone = any(o.rank != r.rank and (o.rank in forced or o in alive) for o in ranks)
+            self.check(code in (SIGTERM_STATUS, -signal.SIGKILL)
+                       or (code == 1 and peer_gone and "CoordinationTimeoutError" in r.output(tail=1 << 20)),
                        f"rank {r.rank} exited with {code}, not {SIGTERM_STATUS} or SIGKILL:\n{r.output()}")
         results = [r.result() for r in ranks]
         expected = {"step": case.at, "sync-save": case.at + 1}.get(case.moment)
@@ -297,7 +337,6 @@ class Campaign:
         current = self.committed(url, saved, ranks)
         if at_signal is not None and at_signal in current:
             self.committed_at_signal += 1
-        forced = [r.rank for r in ranks if FORCED_EXIT in r.output(tail=1 << 20)]
         for r in forced:  # txckpt exits by itself only when the grace install() was given ran out
             after = ranks[r].exited_after
             self.check(case.loop_grace_s is not None and (after is None or after >= case.loop_grace_s),
@@ -352,9 +391,10 @@ class Campaign:
                    f"the restart from step {last} did not commit step {finish}: {sorted(after)}")
 
     def summary(self, wall: float) -> str:
-        return (f"preemption campaign ({self.kind} root, seed {SEED}): {self.cases} cases, {self.sigterms} SIGTERMs, "
-                f"{self.sigkills} SIGKILLs in {self.killed_cases} cases ({self.killed_in_final_save} inside the final "
-                f"save), {self.covered} covered by the grace, "
+        return (f"preemption campaign ({self.kind} root, seed {SEED}): {self.cases} cases, "
+                f"{self.sigterms + self.sigkills + self.stalls} faults ({self.sigterms} SIGTERMs, {self.sigkills} "
+                f"SIGKILLs in {self.killed_cases} cases, {self.killed_in_final_save} inside the final save, "
+                f"{self.stalls} stalls), {self.covered} covered by the grace, {self.slow_shutdowns} slow shutdowns, "
                 f"{self.committed_at_signal} committed the step at the signal, {self.restarts} restarts, "
                 f"{self.points} points checked, {len(self.violations)} violations; {wall:.0f} s")
 
