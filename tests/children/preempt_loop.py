@@ -14,6 +14,10 @@ For the preemption campaign (tests/test_preemption_campaign.py):
 - ``--sync`` saves with txckpt.save_checkpoint (in the loop's thread) instead of async_save;
 - ``--hold-step N``: inside step N (after its update, before requested()) the loop writes
   ``instep-rank{r}`` and waits for ``release``: a signal sent then arrives *during a step*;
+- ``signalled-rank{r}``: written while the loop waits for ``release`` (a held step or save) once
+  this process has handled a signal: Python runs the handler in the main thread at its next
+  bytecode, which may come after the release if another thread took the signal, so the parent
+  waits for this file before it releases a held step or sync save;
 - ``done-{step}-rank{r}``: the save of ``step`` returned (sync) or its future finished (async):
   ``ok <path>`` or ``error <what>``; a step reported ``ok`` must stay committed whatever follows;
 - ``--resume``: txckpt.resume(root) first (every rank), check the loaded state is that step's,
@@ -45,9 +49,13 @@ def _put(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _wait_for(path: str, deadline_s: float = 120.0) -> None:
+def _wait_for(path: str, deadline_s: float = 120.0, ack: str | None = None) -> None:
+    """Poll for ``path`` with a deadline; with ``ack``, write that file once this process has
+    handled a signal (the parent knows then that the signal came while the loop waited here)."""
     end = time.monotonic() + deadline_s
     while not os.path.exists(path):
+        if ack is not None and preemption.received() and not os.path.exists(ack):
+            _put(ack, str(preemption.received()))
         if time.monotonic() > end:
             raise TimeoutError(path)
         time.sleep(0.01)  # polling a file with a deadline: the parent's release
@@ -89,7 +97,7 @@ def main() -> None:
         _put(os.path.join(a.hs, f"inside-{step}-rank{r}"), str(step))
         if step == a.block_step:
             _put(os.path.join(a.hs, f"blocked-rank{r}"), str(step))
-            _wait_for(os.path.join(a.hs, "release"))
+            _wait_for(os.path.join(a.hs, "release"), ack=os.path.join(a.hs, f"signalled-rank{r}"))
         return real_save(root, step, *args, **kwargs)
 
     txckpt.CheckpointRoot.save = save  # type: ignore[method-assign]
@@ -126,7 +134,7 @@ def main() -> None:
         w += 1  # the "training step": w == step
         if step == a.hold_step:
             _put(os.path.join(a.hs, f"instep-rank{r}"), str(step))
-            _wait_for(os.path.join(a.hs, "release"))
+            _wait_for(os.path.join(a.hs, "release"), ack=os.path.join(a.hs, f"signalled-rank{r}"))
         stop = preemption.requested()
         if stop and not a.no_final_save:
             _put(os.path.join(a.hs, f"final-rank{r}"), str(step))
