@@ -9,11 +9,28 @@ txckpt.preemption.exit(). Handshakes are files in ``--hs`` (never sleeps):
 - ``blocked-rank{r}``: the save of ``--block-step`` waits for ``release`` to appear;
 - ``result-rank{r}.json``: written when requested() returned True, before exit().
 
+For the preemption campaign (tests/test_preemption_campaign.py):
+
+- ``--sync`` saves with txckpt.save_checkpoint (in the loop's thread) instead of async_save;
+- ``--hold-step N``: inside step N (after its update, before requested()) the loop writes
+  ``instep-rank{r}`` and waits for ``release``: a signal sent then arrives *during a step*;
+- ``signalled-rank{r}``: written while the loop waits for ``release`` (a held step or save) once
+  this process has handled a signal: Python runs the handler in the main thread at its next
+  bytecode, which may come after the release if another thread took the signal, so the parent
+  waits for this file before it releases a held step or sync save;
+- ``done-{step}-rank{r}``: the save of ``step`` returned (sync) or its future finished (async):
+  ``ok <path>`` or ``error <what>``; a step reported ``ok`` must stay committed whatever follows;
+- ``--resume``: txckpt.resume(root) first (every rank), check the loaded state is that step's,
+  go on from it; ``resumed-rank{r}.json`` says from which step (0: nothing committed);
+- ``--finish-at N``: at step N (no signal) save N, wait for the saves and exit 0;
+- ``--storage-options JSON``: the root's (an S3 root on moto).
+
 With ``--world 2`` it is one rank of a gloo group rendezvousing on ``--store`` (a FileStore).
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import logging
 import os
@@ -32,9 +49,13 @@ def _put(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _wait_for(path: str, deadline_s: float = 120.0) -> None:
+def _wait_for(path: str, deadline_s: float = 120.0, ack: str | None = None) -> None:
+    """Poll for ``path`` with a deadline; with ``ack``, write that file once this process has
+    handled a signal (the parent knows then that the signal came while the loop waited here)."""
     end = time.monotonic() + deadline_s
     while not os.path.exists(path):
+        if ack is not None and preemption.received() and not os.path.exists(ack):
+            _put(ack, str(preemption.received()))
         if time.monotonic() > end:
             raise TimeoutError(path)
         time.sleep(0.01)  # polling a file with a deadline: the parent's release
@@ -54,7 +75,13 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--store", default=None)
+    p.add_argument("--sync", action="store_true")
+    p.add_argument("--hold-step", type=int, default=None)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--finish-at", type=int, default=None)
+    p.add_argument("--storage-options", default=None)
     a = p.parse_args()
+    so = json.loads(a.storage_options) if a.storage_options else None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     r = a.rank
     if a.world > 1:
@@ -70,22 +97,56 @@ def main() -> None:
         _put(os.path.join(a.hs, f"inside-{step}-rank{r}"), str(step))
         if step == a.block_step:
             _put(os.path.join(a.hs, f"blocked-rank{r}"), str(step))
-            _wait_for(os.path.join(a.hs, "release"))
+            _wait_for(os.path.join(a.hs, "release"), ack=os.path.join(a.hs, f"signalled-rank{r}"))
         return real_save(root, step, *args, **kwargs)
 
     txckpt.CheckpointRoot.save = save  # type: ignore[method-assign]
 
+    def saved(step: int, outcome: str) -> None:
+        _put(os.path.join(a.hs, f"done-{step}-rank{r}"), outcome)
+
+    def on_done(step: int):
+        def report(f) -> None:  # the base class's: the outcome stays unretrieved for exit() to report
+            e = concurrent.futures.Future.exception(f)
+            path = None if e is not None else concurrent.futures.Future.result(f)
+            saved(step, f"error {type(e).__name__}: {e}" if e is not None else f"ok {path}")
+        return report
+
+    def save_step(step: int, w: torch.Tensor) -> None:
+        files = {f"rank{r}.pt": {"w": w, "step": step}}
+        if a.sync:
+            saved(step, "ok " + txckpt.save_checkpoint(a.root, step, files, storage_options=so))
+        else:
+            txckpt.async_save(a.root, step, files, storage_options=so).add_done_callback(on_done(step))
+
     preemption.install(grace_s=a.grace)
-    w = torch.zeros(8)
-    for step in range(1, a.max_steps + 1):
+    w, start = torch.zeros(8), 0
+    if a.resume:
+        path = txckpt.resume(a.root, storage_options=so)
+        if path is not None:
+            start = txckpt.read_manifest(path, storage_options=so).step
+            state = txckpt.load_checkpoint(path, files=[f"rank{r}.pt"], storage_options=so)[f"rank{r}.pt"]
+            if state["step"] != start or not state["w"].eq(start).all():
+                raise SystemExit(f"resumed {path} (step {start}) holds the state of step {state['step']}")
+            w = state["w"].clone()
+        _put(os.path.join(a.hs, f"resumed-rank{r}.json"), json.dumps({"from": start, "path": path}))
+    for step in range(start + 1, a.max_steps + 1):
         w += 1  # the "training step": w == step
+        if step == a.hold_step:
+            _put(os.path.join(a.hs, f"instep-rank{r}"), str(step))
+            _wait_for(os.path.join(a.hs, "release"), ack=os.path.join(a.hs, f"signalled-rank{r}"))
         stop = preemption.requested()
         if stop and not a.no_final_save:
             _put(os.path.join(a.hs, f"final-rank{r}"), str(step))
         periodic = step % a.every == 0 and (a.last_periodic is None or step <= a.last_periodic)
-        if (stop and not a.no_final_save) or periodic:
-            txckpt.async_save(a.root, step, {f"rank{r}.pt": {"w": w, "step": step}})
+        if (stop and not a.no_final_save) or periodic or step == a.finish_at:
+            save_step(step, w)
         _put(os.path.join(a.hs, f"step-rank{r}"), str(step))
+        if step == a.finish_at and not stop:
+            txckpt.wait_for_saves()
+            _put(os.path.join(a.hs, f"result-rank{r}.json"), json.dumps({"stopped_at": step, "finished": True}))
+            preemption.uninstall()
+            return
         if stop:
             _put(os.path.join(a.hs, f"result-rank{r}.json"),
                  json.dumps({"stopped_at": step, "received": preemption.received(),
