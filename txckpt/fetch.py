@@ -186,7 +186,8 @@ def _copy_one(src: Any, key: str, size: int, out: Any, progress: Callable[[int],
     if copied is not None:
         return copied
     with src.open_read(key) as reader:
-        return copy_hashing(reader if progress is None else _Reporting(reader, progress), out, chunk=_CHUNK)
+        stream: Any = reader if progress is None else _Reporting(reader, progress)
+        return copy_hashing(stream, out, chunk=_CHUNK)
 
 
 class _Reporting:

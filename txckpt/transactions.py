@@ -420,7 +420,7 @@ class Transaction:
                     files[name] = FileEntry(size, digest, kind_for_name(name), self.rank).to_json()
             elif self._claims:  # shared staging: this rank hashes what it claims; rank 0 only stats it
                 files.update(hash_claimed(self._root.storage, self.staging_key, self._claims, set(files),
-                                          self._root.durable, self.rank, sharing and sharing.relink))
+                                          self._root.durable, self.rank, sharing.relink if sharing is not None else None))
             if sharing is not None:  # no code writes into the staging any more
                 sharing.place(self.staging_key, self._root.durable)
             try:
@@ -532,7 +532,8 @@ class Transaction:
                 raise UnsafePathError(f"{name!r} in the checkpoint is a symlink that leaves the root")
             unreported.append(name)
         if unreported:
-            files.update(hash_staged(storage, key, unreported, durable, 0, self._sharing and self._sharing.relink))
+            relink = self._sharing.relink if self._sharing is not None else None
+            files.update(hash_staged(storage, key, unreported, durable, 0, relink))  # recorded as rank 0's
         if not files:
             raise InvalidArgumentError("the transaction wrote no files; nothing to commit")
         check_name_tree(files)  # ranks (or an object store) may hold both 'a' and 'a/b'

@@ -81,7 +81,7 @@ def tensor_key(tensor: torch.Tensor) -> str | None:
     storage = t.untyped_storage()
     if storage.size():
         raw = torch.empty(0, dtype=torch.uint8).set_(storage)  # the storage's bytes, not copied
-        hasher.update(memoryview(raw.numpy()).cast("B"))
+        hasher.update(raw.numpy().data)  # a uint8 array: its buffer is the bytes
     return hasher.hexdigest()
 
 
