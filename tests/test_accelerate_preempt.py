@@ -18,6 +18,7 @@ import time
 import pytest
 
 import txckpt
+from tests.harness.handshake import HandshakeChild
 from tests.harness.zygote import popen_python
 
 pytest.importorskip("accelerate")
@@ -31,49 +32,15 @@ LOOP = os.path.join(REPO, "tests", "children", "accelerate_preempt.py")
 SIGTERM_STATUS = 128 + signal.SIGTERM  # docs/preemption.md
 
 
-class Child:
+class Child(HandshakeChild):
+    deadline_s = 180.0
+
     def __init__(self, tmp_path, *args: str, rank: int = 0, name: str = "") -> None:
-        self.hs, self.rank = str(tmp_path / f"hs{name}"), rank
-        os.makedirs(self.hs, exist_ok=True)
-        self.log = str(tmp_path / f"rank{rank}{name}.log")
+        self._dirs(tmp_path, rank, name)
         env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", TXCKPT_COORDINATION_TIMEOUT="120")
         with open(self.log, "w") as out:
             self.proc = popen_python([LOOP, "--hs", self.hs, *args, "--rank", str(rank)], env=env,
                                      stdout=out, stderr=out)
-
-    def path(self, name: str) -> str:
-        return os.path.join(self.hs, name.format(r=self.rank))
-
-    def wait_for(self, name: str, at_least: int | None = None, deadline: float = 180.0) -> str:
-        """The handshake file's text once it exists (and, with ``at_least``, holds a step >= it)."""
-        path, end = self.path(name), time.monotonic() + deadline
-        while True:
-            if os.path.exists(path):
-                text = open(path).read()
-                if at_least is None or (text and int(text) >= at_least):
-                    return text
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the child exited ({self.proc.returncode}) before {name}:\n{self.output()}")
-            if time.monotonic() > end:
-                self.proc.kill()
-                raise AssertionError(f"no {name} after {deadline} s:\n{self.output()}")
-            time.sleep(0.01)  # polling a file with a deadline
-
-    def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
-
-    def finish(self, deadline: float = 180.0) -> int:
-        try:
-            return self.proc.wait(deadline)
-        except Exception:
-            self.proc.kill()
-            raise AssertionError(f"the child did not exit within {deadline} s:\n{self.output()}")
-
-    def json(self, name: str) -> dict:
-        return json.loads(open(self.path(name)).read())
-
-    def output(self) -> str:
-        return open(self.log).read()
 
 
 def _newest(project: str) -> tuple[str, txckpt.Manifest]:

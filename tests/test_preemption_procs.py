@@ -7,7 +7,6 @@ writes (tests/children/preempt_loop.py lists them); the parent polls them with a
 never sleeps to synchronise."""
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -16,9 +15,9 @@ import sys
 import time
 
 import pytest
-import torch
 
 import txckpt
+from tests.harness.handshake import HandshakeChild
 
 #: Every test starts the loop through Child (a class: tests/harness/tiers.py's scan sees only
 #: module-level functions), so the module says it: the `test` tier, not `test-fast`.
@@ -29,49 +28,16 @@ LOOP = os.path.join(REPO, "tests", "children", "preempt_loop.py")
 SIGTERM_STATUS = 128 + signal.SIGTERM  # docs/preemption.md
 
 
-class Child:
+class Child(HandshakeChild):
     def __init__(self, tmp_path, *args: str, rank: int = 0) -> None:
-        self.hs, self.rank = str(tmp_path / "hs"), rank
-        os.makedirs(self.hs, exist_ok=True)
-        self.log = str(tmp_path / f"rank{rank}.log")
+        self._dirs(tmp_path, rank)
         env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", TXCKPT_COORDINATION_TIMEOUT="60")
         with open(self.log, "w") as err:
             self.proc = subprocess.Popen([sys.executable, LOOP, "--hs", self.hs, *args, "--rank", str(rank)],
                                          stdout=err, stderr=subprocess.STDOUT, env=env)
 
-    def path(self, name: str) -> str:
-        return os.path.join(self.hs, name.format(r=self.rank))
-
-    def wait_for(self, name: str, at_least: int | None = None, deadline: float = 120.0) -> str:
-        """The handshake file's text once it exists (and, with ``at_least``, holds a step >= it)."""
-        path, end = self.path(name), time.monotonic() + deadline
-        while True:
-            if os.path.exists(path):
-                text = open(path).read()
-                if at_least is None or (text and int(text) >= at_least):
-                    return text
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the child exited ({self.proc.returncode}) before {name}:\n{self.output()}")
-            if time.monotonic() > end:
-                self.proc.kill()
-                raise AssertionError(f"no {name} after {deadline} s:\n{self.output()}")
-            time.sleep(0.01)  # polling a file with a deadline
-
-    def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
-
-    def finish(self, deadline: float = 120.0) -> int:
-        try:
-            return self.proc.wait(deadline)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(f"the child did not exit within {deadline} s:\n{self.output()}")
-
     def result(self) -> dict:
-        return json.loads(open(self.path("result-rank{r}.json")).read())
-
-    def output(self) -> str:
-        return open(self.log).read()
+        return self.json("result-rank{r}.json")
 
 
 def _newest(root: str) -> tuple[int, dict]:

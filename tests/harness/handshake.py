@@ -1,0 +1,64 @@
+"""A child process the test drives by handshake files (a library for the preemption tests).
+
+The child writes small files into its handshake directory (``hs``) at the moments the test
+needs (a step finished, a save begun, a result); the test polls them with a deadline, never
+sleeping to synchronise, and fails with the child's output when it exits or stalls first.
+Subclasses start ``proc`` (their own command line) in their ``__init__``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from typing import Any
+
+
+class HandshakeChild:
+    #: How long wait_for and finish wait when not told.
+    deadline_s = 120.0
+    hs: str
+    rank: int
+    log: str
+    proc: Any  # subprocess.Popen, or the zygote's popen_python handle
+
+    def _dirs(self, tmp_path: Any, rank: int, name: str = "") -> None:
+        self.hs, self.rank = str(tmp_path / f"hs{name}"), rank
+        os.makedirs(self.hs, exist_ok=True)
+        self.log = str(tmp_path / f"rank{rank}{name}.log")
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.hs, name.format(r=self.rank))
+
+    def wait_for(self, name: str, at_least: int | None = None, deadline: float | None = None) -> str:
+        """The handshake file's text once it exists (and, with ``at_least``, holds a step >= it)."""
+        deadline = self.deadline_s if deadline is None else deadline
+        path, end = self.path(name), time.monotonic() + deadline
+        while True:
+            if os.path.exists(path):
+                text = open(path).read()
+                if at_least is None or (text and int(text) >= at_least):
+                    return text
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the child exited ({self.proc.returncode}) before {name}:\n{self.output()}")
+            if time.monotonic() > end:
+                self.proc.kill()
+                raise AssertionError(f"no {name} after {deadline} s:\n{self.output()}")
+            time.sleep(0.01)  # polling a file with a deadline
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def finish(self, deadline: float | None = None) -> int:
+        deadline = self.deadline_s if deadline is None else deadline
+        try:
+            return self.proc.wait(deadline)
+        except (subprocess.TimeoutExpired, TimeoutError):
+            self.proc.kill()
+            raise AssertionError(f"the child did not exit within {deadline} s:\n{self.output()}") from None
+
+    def json(self, name: str) -> dict:
+        return json.loads(open(self.path(name)).read())
+
+    def output(self) -> str:
+        return open(self.log).read()
