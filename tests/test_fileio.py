@@ -220,9 +220,9 @@ def test_trainer_optimizer_is_streamed_not_rehashed(tmp_path, monkeypatch):
     rehashed = []
     real = transactions.hash_staged
 
-    def spy(storage, key, names, durable, rank=0):  # the committer's pass over unclaimed files
+    def spy(storage, key, names, durable, rank=0, relink=None):  # the committer's pass over unclaimed files
         rehashed.extend(names)
-        return real(storage, key, names, durable, rank)
+        return real(storage, key, names, durable, rank, relink)
 
     monkeypatch.setattr(transactions, "hash_staged", spy)
     torch.manual_seed(0)
