@@ -71,18 +71,15 @@ def _state(rank: int, size: int) -> dict[str, Any]:
 
 
 def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int, queue: Any) -> None:
-    import datetime
-
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from txckpt.integrations.dcp import TransactionalReader, TransactionalWriter
+    from . import harness as h
 
     os.environ["TXCKPT_DURABLE"] = "1"  # as FileSystemWriter's sync_files=True
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=600))
-    try:
+    with h.gloo_rank(rank, WORLD, port, queue, timeout_s=600):
         state = _state(rank, size)
         target = {k: torch.zeros_like(v) for k, v in state.items()}
         root = os.path.join(base, "root")
@@ -133,15 +130,6 @@ def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int
                     shutil.rmtree(os.path.join(root, f"checkpoint-{r}"), ignore_errors=True)
         if rank == 0:
             queue.put({"times": times})
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        if rank == 0:
-            queue.put({"error": f"{type(e).__name__}: {e}"})
-        raise
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
 
 
 def measure(size: int, rounds: int, warmup: int = 1, deadline: float = 1800.0) -> dict[str, Any]:

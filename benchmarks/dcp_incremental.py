@@ -59,17 +59,14 @@ def _inodes(path: str) -> dict[int, int]:
 
 
 def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int, queue: Any) -> None:
-    import datetime
-
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from txckpt.integrations.dcp import TransactionalWriter
+    from . import harness as h
 
     os.environ["TXCKPT_DURABLE"] = "1"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=900))
-    try:
+    with h.gloo_rank(rank, WORLD, port, queue, timeout_s=900):
         state, changing = _state(rank, size)
         roots = {INC: os.path.join(base, "inc"), FULL: os.path.join(base, "full")}
         times: dict[str, list[float]] = {INC: [], FULL: []}
@@ -116,15 +113,6 @@ def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int
             on_disk = sum(s for ino, s in _all_inodes(roots[INC]).items())
             queue.put({"times": times, "written": written, "expected": expected, "on_disk": on_disk,
                        "base_bytes": base_bytes, "saves": warmup + rounds})
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        if rank == 0:
-            queue.put({"error": f"{type(e).__name__}: {e}"})
-        raise
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
 
 
 def _all_inodes(root: str) -> dict[int, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -15,7 +16,7 @@ import sys
 import time
 import traceback
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -175,6 +176,28 @@ def interleave(methods: list[Method], reps: int, warmup: int = 1) -> dict[str, l
             if r >= warmup:
                 times[m.name].append(dt)
     return times
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int, queue: Any, timeout_s: float = 600) -> Iterator[None]:
+    """A benchmark rank's body, run inside a gloo group on 127.0.0.1:``port``: an error is also
+    reported to the parent through ``queue`` by rank 0 (the parent reads rank 0's result there),
+    and the group is destroyed at the end, whatever happened."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        yield
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        if rank == 0:
+            queue.put({"error": f"{type(e).__name__}: {e}"})
+        raise
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
 
 
 def median(xs: list[float]) -> float:

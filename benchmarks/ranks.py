@@ -104,12 +104,11 @@ def _write_raw(path: str, tensors: list[Any], nbytes: int) -> None:
 
 
 def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int, queue: Any) -> None:
-    import datetime
-
     import torch.distributed as dist
 
     import txckpt
     from txckpt import CheckpointRoot
+    from . import harness as h
 
     weights, optim, tensors = _make_state(size, seed=rank)
     files = _rank_files(rank, weights, optim)
@@ -119,9 +118,7 @@ def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int
     path = CheckpointRoot(probe, durable=False).save(1, files)
     nbytes = sum(os.path.getsize(os.path.join(path, n)) for n in files)
     shutil.rmtree(probe)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=600))
-    try:
+    with h.gloo_rank(rank, WORLD, port, queue, timeout_s=600):
         root = os.path.join(base, "root")
         times: dict[str, list[float]] = {TX: [], RAW: []}
         step = 0
@@ -153,15 +150,6 @@ def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int
                         shutil.rmtree(os.path.join(root, f"checkpoint-{step - 1}"), ignore_errors=True)
         if rank == 0:
             queue.put({"times": times, "nbytes": nbytes})
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        if rank == 0:
-            queue.put({"error": f"{type(e).__name__}: {e}"})
-        raise
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
 
 
 def launch_ranks(worker: Any, tag: str, world: int, size: int, rounds: int, warmup: int,
