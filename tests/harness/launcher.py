@@ -94,6 +94,12 @@ class Run:
             for r in self.results
         )
 
+    def oks(self) -> list:
+        """Every rank's result, after asserting that each rank exited 0 without an error."""
+        for r in self.results:
+            assert r.exitcode == 0 and r.error_type is None, self.describe() + "\n" + (r.trace or "")
+        return [r.ok for r in self.results]
+
 
 def _entry(rank: int, world: int, store: str, result_dir: str, target: Callable, kwargs: dict, env: dict) -> None:
     # The forkserver's environment is the test process's at the time it started: pin what
