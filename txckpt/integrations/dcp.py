@@ -241,7 +241,7 @@ class TransactionalWriter(StorageWriter):
         ranges: dict[str, Any] = {}
         batch = storage.write_batch()
 
-        # incremental: which files are shared, decided from the tensors before anything is written
+        # incremental: which files are shared, decided from the tensors' keys (computed beside the writes)
         shards = IncrementalShards(root, a.prefix, plan.items, planner, self._rank) if self.incremental else None
 
         @contextlib.contextmanager
@@ -258,16 +258,17 @@ class TransactionalWriter(StorageWriter):
             files[name] = FileEntry(w.size, w.digest, kind_for_name(name), self._rank).to_json()
             ranges[name] = {"0": [w.size, w.digest]} if whole else w.ranges
 
-        todo: queue.Queue = queue.Queue()
-        buckets = shards.to_write if shards is not None else [
+        # incremental: each file as soon as it is known to be needed (its key computed beside)
+        buckets = shards.writes() if shards is not None else [
             (f"{a.prefix}{i}{DEFAULT_SUFFIX}", b) for i, b in enumerate(_split_by_size_and_type(1, plan.items))]
-        for name, bucket in buckets:
-            todo.put((name, name, bucket))
         done: queue.Queue = queue.Queue()
         results: list[WriteResult] = []
         try:
-            _write_files_from_queue(create_stream, todo, done, planner, _StorageWriterTransforms(), 10_000_000,
-                                    False, 1, SerializationFormat.TORCH_SAVE)
+            for name, bucket in buckets:
+                todo: queue.Queue = queue.Queue()
+                todo.put((name, name, bucket))
+                _write_files_from_queue(create_stream, todo, done, planner, _StorageWriterTransforms(), 10_000_000,
+                                        False, 1, SerializationFormat.TORCH_SAVE)
             batch.wait()  # every upload is complete before the report leaves this rank
             if shards is not None:  # after this rank's writes: a shared name is never opened for writing
                 shared_files, shared_ranges = shards.place(a.key, a.durable)

@@ -30,10 +30,11 @@ checkpoint that first held the bytes deletes none of them.
 from __future__ import annotations
 
 import json
+import queue
 import sys
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.utils.serialization.config as serialization_config
@@ -139,33 +140,66 @@ def _item_bytes(item: WriteItem) -> int:
 
 
 class IncrementalShards:
-    """One rank's files in an incremental DCP save: which to write (:attr:`to_write`, for DCP's
-    item writer), which to share (decided here, placed by :meth:`place` once this rank's writes
-    are done), and every one-item file's key (:attr:`keys`, for the coordinator's ITEMS_NAME).
-    :meth:`release` returns the leases on the sources, whatever happened."""
+    """One rank's files in an incremental DCP save: which to write (:meth:`writes`, for DCP's
+    item writer, in the order they become known), which to share (decided here, placed by
+    :meth:`place` once this rank's writes are done), and every one-item file's key
+    (:attr:`keys`, for the coordinator's ITEMS_NAME). :meth:`release` stops the keying and
+    returns the leases on the sources, whatever happened.
+
+    The keys are computed on a thread of their own (xxh3 releases the GIL), smallest item
+    first, while this rank writes: the packed file first, then each changed item as soon as its
+    key is known. Smallest first because what a run trains (adapters, their optimizer state) is
+    usually smaller than what it freezes (the base): the writes start early and the hash of
+    the base runs beside them instead of before them."""
 
     def __init__(self, root: Root, prefix: str, items: list[WriteItem], planner: SavePlanner, rank: int):
+        self._root = root
         self._rank = rank
+        self._planner = planner
         self._sharing = Sharing(root)
-        candidates: dict[str, Source] | None = None
         small = [i for i in items if _item_bytes(i) < OWN_FILE_BYTES]
-        #: (file name, its items) for DCP's item writer; the packed file first, always written
-        self.to_write: list[tuple[str, list[WriteItem]]] = [(f"{prefix}0{DEFAULT_SUFFIX}", small)]
+        self._packed = (f"{prefix}0{DEFAULT_SUFFIX}", small)
+        #: one-item files in the plan's item order: (name, item); the name does not depend on
+        #: the order in which keys are computed
+        self._large = [(f"{prefix}{n}{DEFAULT_SUFFIX}", item)
+                       for n, item in enumerate((i for i in items if _item_bytes(i) >= OWN_FILE_BYTES), 1)]
         #: the names of one-item files: their range is the whole file
-        self.single: set[str] = set()
+        self.single: set[str] = {name for name, _ in self._large}
         self.keys: dict[str, str] = {}
         self.results: list[WriteResult] = []
-        for n, item in enumerate((i for i in items if _item_bytes(i) >= OWN_FILE_BYTES), 1):
-            name = f"{prefix}{n}{DEFAULT_SUFFIX}"
-            self.single.add(name)
-            data = planner.resolve_data(item)
-            key = tensor_key(data) if isinstance(data, torch.Tensor) else None
-            if key is None:
-                self.to_write.append((name, [item]))
+        self._keyed: "queue.Queue[tuple[str, WriteItem, str | None] | BaseException]" = queue.Queue()
+        self._stop = threading.Event()
+        self._keyer: threading.Thread | None = None
+        if self._large:
+            self._keyer = threading.Thread(target=self._key_all, name="txckpt-dcp-keys", daemon=True)
+            self._keyer.start()
+
+    def _key_all(self) -> None:
+        try:
+            for name, item in sorted(self._large, key=lambda ni: _item_bytes(ni[1])):
+                if self._stop.is_set():
+                    return
+                data = self._planner.resolve_data(item)
+                self._keyed.put((name, item, tensor_key(data) if isinstance(data, torch.Tensor) else None))
+        except BaseException as e:  # handed to the writing thread, which raises it
+            self._keyed.put(e)
+
+    def writes(self) -> Iterator[tuple[str, list[WriteItem]]]:
+        """(file name, its items) to write, in the order they are known: the packed file (always
+        written), then each one-item file whose key no committed file has."""
+        yield self._packed
+        candidates: dict[str, Source] | None = None
+        for _ in self._large:
+            got = self._keyed.get()
+            if isinstance(got, BaseException):
+                raise got
+            name, item, key = got
+            if key is None:  # not a plain tensor: always written
+                yield name, [item]
                 continue
             self.keys[name] = key
-            if candidates is None:  # read once, on the first large item
-                candidates = committed_items(root)
+            if candidates is None:  # read once, on the first keyed item
+                candidates = committed_items(self._root)
             source = candidates.get(key)
             if source is not None and self._sharing.lease(source):
                 self._sharing.pending[name] = source
@@ -173,7 +207,7 @@ class IncrementalShards:
                 self.results.append(WriteResult(index=item.index, size_in_bytes=size,
                                                 storage_data=_StorageInfo(name, 0, size)))
             else:
-                self.to_write.append((name, [item]))
+                yield name, [item]
 
     def place(self, staging_key: str, durable: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         """Make every shared file a file of the staging (after this rank's writes are done):
@@ -187,6 +221,10 @@ class IncrementalShards:
         return files, ranges
 
     def release(self) -> None:
+        """Stop the keying (after the item it is hashing) and return the leases."""
+        self._stop.set()
+        if self._keyer is not None:
+            self._keyer.join()
         self._sharing.release()
 
 
