@@ -142,6 +142,8 @@ def load_differences(path: str, world: int, rank: int, so: dict | None) -> Any:
     """dcp.load of ``path`` through TransactionalReader (full verification) into zeroed targets
     sharded over ``world`` ranks: the names whose loaded bytes differ from what the checkpoint's
     step and seeds say, or the error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     import txckpt
     from txckpt.integrations.dcp import TransactionalReader
 
@@ -152,7 +154,7 @@ def load_differences(path: str, world: int, rank: int, so: dict | None) -> Any:
         with warnings.catch_warnings():  # DCP warns that a no_dist load is one process: it is meant to be
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(got, storage_reader=TransactionalReader(path, storage_options=so), no_dist=world == 1)
-    except Exception as e:  # noqa: BLE001 - reported
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported (DCP's is a BaseException)
         return f"{type(e).__name__}: {str(e)[:300]}"
 
     def local(t: Any) -> Any:
@@ -197,6 +199,8 @@ def after_kill(rank: int, world: int, *, root: str, before: list[str], prev_step
     committed), which must commit, be the newest, and load bit-exact at 2 ranks; then rank 0 retires
     every other checkpoint (the ones that first held the shared bytes among them), runs gc, and
     checks that what is left verifies and the retry still loads bit-exact at 1 rank."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     import txckpt
 
     so = storage_options
@@ -208,7 +212,7 @@ def after_kill(rank: int, world: int, *, root: str, before: list[str], prev_step
     retry_step = new_step + 1 if out["committed"] else new_step
     try:
         path = _save(root, retry_step, seeds, world, rank, so)
-    except Exception as e:  # noqa: BLE001 - a violation
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a violation (DCP raises on every rank)
         v.append(f"rank {rank}: the retry's save failed: {type(e).__name__}: {str(e)[:300]}")
         return out
     if rank == 0 and txckpt.get_last_checkpoint(root, storage_options=so) != path:
