@@ -47,8 +47,10 @@ SCENARIOS = {
     # shares: the committed checkpoint the killed save links its shared files from (local).
     "save": {"template": [1, 2], "step": 3, "seeds": {}, "prev": 2, "resume_step": None, "retention": False,
              "shares": "checkpoint-2/"},
-    "fork+retention": {"template": [1, 2, 3], "step": 2, "seeds": {"adapter.1": 3}, "prev": 1, "resume_step": 1,
-                       "retention": True, "shares": "checkpoint-3/"},  # the abandoned lineage's step 3
+    # adapter.0 of its own (the bytes of no committed step), adapter.1 the abandoned step 3's; the
+    # fork moved the abandoned checkpoints back to their homes (.txckpt/tx/<txid>/checkpoint-N).
+    "fork+retention": {"template": [1, 2, 3], "step": 2, "seeds": {"adapter.0": 20, "adapter.1": 3}, "prev": 1,
+                       "resume_step": 1, "retention": True, "shares": ".txckpt/tx/<id>/checkpoint-3/"},
 }
 
 
@@ -186,8 +188,11 @@ def _sweep(where: Root, scenario: str, backend: str, victims=(1, 0)) -> str:
         ops = json.load(open(ops_file))
         counted[victim] = f"{len(ops)} ops ({len(_points(ops, backend))} {'writes' if backend == 's3' else 'in the root'})"
         names = [name for name, _ in ops]
-        # The save shares committed files: a link (local) or a server-side copy (S3) is among its ops.
+        # The save shares committed files: a link (local) or a server-side copy (S3) is among its ops;
+        # locally, it also writes a changed tensor's file of its own (not only the packed __<rank>_0).
         assert any(n.startswith((f"link(<root>/{sc['shares']}", "CopyObject")) for n in names), names
+        assert backend == "s3" or any(n.startswith("open(<root>/.txckpt/tx/") and n.endswith(".distcp, wb)")
+                                      and "_0.distcp" not in n for n in names), names
         where.remove(root)
         for i, (point, when) in enumerate(_chosen(ops, victim, backend)):
             out = _kill_once(where, template, sc, victim, point, when, f"{scenario}-{victim}-{i}-{when}", backend)
