@@ -140,7 +140,7 @@ def _kill_once(where: Root, template: str, sc: dict, victim: int, point, when: s
                             storage_options=where.so)
     if not all(r.exitcode == 0 and r.error_type is None for r in after.results):
         problems.append(f"the checks after the kill failed: {after.describe()}")
-        out = {"committed": None, "retired": 0}
+        out = {"committed": None}
     else:
         out = after[0].ok
         problems += after[0].ok["violations"] + after[1].ok["violations"]
