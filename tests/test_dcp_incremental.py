@@ -2,7 +2,8 @@
 real gloo ranks shares each unchanged tensor's file with the committed checkpoint that holds its
 bytes; every checkpoint stays whole, verifies, loads bit-exact at any world size (through
 TransactionalReader and a stock FileSystemReader), survives the retention of the checkpoint that
-first held the bytes, and a damaged shared file fails every checkpoint that holds it."""
+first held the bytes, and a damaged shared file fails every checkpoint that holds it (`txckpt
+verify` names each; a fallback resume skips them all, onto a full save before them)."""
 
 from __future__ import annotations
 
@@ -179,3 +180,41 @@ def test_s3_copies_unchanged_tensors_on_the_server(saved, s3_root, s3_requests):
     assert s3_requests.uploaded_bytes < CHANGED_BYTES * 1.05 + 64 * 1024, (s3_requests.uploaded_bytes, s3_requests.ops)
     got = _ok(launcher.launch(2, cw.frozen_load, str(saved["tmp"] / "s3-load"), paths=[two], storage_options=so))
     assert all(g == {two: {"different": []}} for g in got), got
+
+
+def test_a_damaged_shared_file_is_reported_for_every_holder_and_fallback_skips_them_all(tmp_path, capsys):
+    """Issue 30: a flipped byte in a tensor file that three incremental checkpoints share (one
+    inode): `txckpt verify` names it in each of them and in no other checkpoint, and
+    resume(on_damaged="fallback") skips all three and lands on the full save before them (which
+    shares nothing: a full save records no item keys), which loads bit-exact."""
+    import json
+
+    from txckpt.cli import app
+
+    root = str(tmp_path / "root")
+    full = _ok(launcher.launch(2, cw.frozen_saves, str(tmp_path / "full"), root=root, steps=[1],
+                               incremental=False))[0][0]
+    shared = _ok(launcher.launch(2, cw.frozen_saves, str(tmp_path / "inc"), root=root, steps=[2, 3, 4]))[0]
+    shard = os.path.join(shared[0], "__1_1.distcp")  # rank 1's first base tensor: written by step 2
+    assert os.stat(shard).st_nlink == 3 and not os.path.exists(os.path.join(full, "__1_1.distcp"))
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 1]))
+    txckpt.forget_roots()
+    assert app.main(["verify", "--json", root]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["checkpoints"]) == 4
+    named = sorted(next(os.path.basename(p) for p in shared if os.path.basename(p) + "/" in problem)
+                   for problem in report["problems"])
+    assert named == sorted(os.path.basename(p) for p in shared), report["problems"]  # each holder, once
+    assert all("__1_1.distcp" in problem and os.path.basename(full) + "/" not in problem
+               for problem in report["problems"]), report["problems"]
+    txckpt.forget_roots()
+    resumed = txckpt.resume(root, on_damaged="fallback")
+    warned = capsys.readouterr().err  # txckpt's warning, on stderr
+    assert resumed == full, (resumed, warned)
+    assert txckpt.get_last_checkpoint(root) == full
+    assert all(f"{os.path.basename(p)}/__1_1.distcp failed" in warned for p in shared), warned  # each damaged one
+    assert cw.frozen_load(0, 1, paths=[full]) == {full: {"different": []}}

@@ -13,5 +13,6 @@ in tests/harness/. Only modules here may have an ``if __name__ == "__main__":`` 
                                               async save
     dist_workers.py, dcp_workers.py,          rank targets (``target(rank, world, **kw)``) run by
     claim_workers.py, async_workers.py,       tests.harness.launcher.launch on real gloo ranks
-    accelerate_workers.py
+    accelerate_workers.py,
+    dcp_incremental_crash.py
 """
