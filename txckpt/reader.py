@@ -33,7 +33,7 @@ from .errors import (
 )
 from .layout import LOG_DIR, TX_DIR, is_url, parse_checkpoint_name
 from .lineage import State
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_NAME, Manifest, read_manifest_at
 from .naming import DEFAULT as DEFAULT_NAMING, read_naming, split_public
 from .progress import Timer
 from .refs import Ref
@@ -238,7 +238,7 @@ def read_own_manifest(storage: Storage, key: str, path: str) -> tuple[Manifest, 
             f"{path} has no {MANIFEST_NAME}: it is not a committed txckpt checkpoint "
             "(a staging leftover, or written by another tool; `txckpt adopt` records legacy ones)"
         ) from None
-    return Manifest.decode(data, f"{path}/{MANIFEST_NAME}"), data
+    return read_manifest_at(storage, key, Manifest.decode(data, f"{path}/{MANIFEST_NAME}"), path), data
 
 
 def _is_a_root(storage: Storage, key: str) -> bool:
