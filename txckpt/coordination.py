@@ -5,7 +5,8 @@ module never imports torch.distributed (nor torch) itself. With one, a transacti
 collectives per save, whatever the world size:
 
 * ``broadcast`` of the plan (staging name, txid, lineage, step) from the committing rank (0),
-* ``gather`` of every rank's file list (names, sizes, checksums; never file data) to rank 0,
+* ``gather_records`` of every rank's fixed-size record of its manifest part (56 bytes: the part
+  that rank wrote holds its names, sizes and checksums; protocol §3a) to rank 0,
 * ``broadcast`` of the outcome (committed path, or the reason for aborting) to every rank.
 
 They run as object collectives on a dedicated gloo group on the CPU, whatever the default
