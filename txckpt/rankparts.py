@@ -38,7 +38,10 @@ def write_part(storage: Storage, staging_key: str, rank: int, txid: str, files_j
     sub-directories its files are in: the committer may not list them) and return its record.
     ``directory``: ``tx.directory`` was handed out on this rank (the committer must list)."""
     data = encode_part(rank, txid, files_json)
-    storage.create_exclusive(f"{staging_key}/{parts.part_name(rank)}", data, durable=durable)
+    # A plain durable write (the file's bytes fsynced at its close): the committer's creation
+    # of the tree in the same directory fsyncs that directory once, for every rank's entry.
+    with storage.open_write(f"{staging_key}/{parts.part_name(rank)}", durable=durable) as f:
+        f.write(data)
     if durable:
         for sub in sorted({n.rsplit("/", 1)[0] for n in files_json if "/" in n}, key=len, reverse=True):
             storage.sync_dir(f"{staging_key}/{sub}")
@@ -73,9 +76,9 @@ def parts_manifest(storage: Storage, plan: SavePlan, records: list[parts.Record]
     if not fast:
         own_files = _checked_parts(storage, key, plan.txid, records, own_files, durable, relink)
     tree = parts.build_tree([r.part for r in records])
+    # Durable, and fsyncing txckpt-parts/: every part's entry and its own (the staging's when
+    # the manifest lands).
     storage.create_exclusive(f"{key}/{parts.TREE_NAME}", tree, durable=durable)
-    if durable:  # the parts' and the tree's entries; the staging's own when the manifest lands
-        storage.sync_dir(f"{key}/{parts.PARTS_DIR}")
     info = PartsInfo(count, parts.tree_root(tree).hex(), sum(r.files for r in records),
                      sum(r.bytes for r in records))
     manifest = Manifest(txid=plan.txid, lineage=plan.lineage, step=plan.step, parent=plan.parent,

@@ -256,8 +256,10 @@ class Transaction:
         staging = self._root.storage.local_path(plan.key)
         if staging is None:
             return
-        try:
-            makedirs_durable(staging, self._root.durable)
+        try:  # in a group, with the directory of the ranks' manifest parts (protocol §3a)
+            assert self._coord is not None
+            makedirs_durable(staging if self._coord.world_size < 2 else os.path.join(staging, parts.PARTS_DIR),
+                             self._root.durable)
         except BaseException:
             self._abort(plan)
             raise
