@@ -126,6 +126,26 @@ def test_a_damaged_part_fails_both_readers_naming_its_rank(tmp_path):
     assert any("rank 4's part" in p for p in run_verify(str(tmp_path / "out"), {})["problems"])
 
 
+def test_a_missing_or_damaged_tree_costs_a_whole_read_not_the_checkpoint(tmp_path):
+    """The tree is an index (not fsynced at commit): a narrow read that cannot prove its part
+    reads every part instead; only a part that does not fit the root fails."""
+    root = txckpt.CheckpointRoot(str(tmp_path / "out"))
+    path = _save(root, 1, 5)
+    manifest = Manifest.decode(open(os.path.join(path, MANIFEST_NAME), "rb").read())
+    key = root.storage.key_of(path)
+    tree = os.path.join(path, parts.TREE_NAME)
+    with open(tree, "r+b") as f:
+        f.write(bytes(16))
+    assert {n: e.rank for n, e in read_rank_files(root.storage, key, manifest, 0, path).items()} == {"r0.bin": 0}
+    os.remove(tree)
+    assert set(read_rank_files(root.storage, key, manifest, 2, path)) == {"r2.bin"}
+    txckpt.verify_checkpoint(path)
+    with open(os.path.join(path, parts.part_name(1)), "ab") as f:
+        f.write(b" ")
+    with pytest.raises(ManifestError, match="the parts in .* do not match the Merkle root"):
+        read_rank_files(root.storage, key, manifest, 1, path)
+
+
 def test_the_second_save_of_the_same_structure_reads_no_part(tmp_path, monkeypatch):
     root = txckpt.CheckpointRoot(str(tmp_path / "out"))
     checked = []

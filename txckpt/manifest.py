@@ -351,7 +351,12 @@ def decode_part(data: bytes, rank: int, txid: str, where: str) -> dict[str, File
     return _file_table(files_raw, where, rank)
 
 
-def _part_mismatch(where: str, rank: int) -> ManifestError:
+def _part_mismatch(where: str, rank: int | None) -> ManifestError:
+    if rank is None:  # the tree (an index) is damaged too: it cannot tell which part differs
+        return ManifestError(
+            f"the parts in {where}/{parts.PARTS_DIR} do not match the Merkle root its manifest committed (a part "
+            "was edited, truncated or replaced after the commit); do not trust this checkpoint: resume from "
+            "another one (txckpt.resume(root, on_damaged=\"fallback\")) or restore it from a copy", path=where)
     return ManifestError(
         f"{where}/{parts.part_name(rank)} (rank {rank}'s part of the file table) does not match the "
         "Merkle root its manifest committed: it was edited, truncated or replaced after the commit; "
@@ -399,18 +404,20 @@ def read_manifest_at(storage: Storage, key: str, manifest: Manifest, where: str)
     return dataclasses.replace(manifest, files=files)
 
 
-def _bad_leaf(storage: Storage, key: str, info: PartsInfo, leaves: list[bytes]) -> int:
-    """The rank whose part does not fit: where the leaves differ from the committed tree file
-    (if that still fits the root); the first rank if the tree file is damaged too."""
+def _bad_leaf(storage: Storage, key: str, info: PartsInfo, leaves: list[bytes]) -> int | None:
+    """The rank whose part does not fit: where the leaves differ from the tree file, if that
+    still fits the root; None if the tree file is damaged too."""
     try:
         tree = storage.read_bytes(f"{key}/{parts.TREE_NAME}" if key else parts.TREE_NAME)
     except OSError:
-        return 0
-    if len(tree) == parts.tree_size(info.count) and parts.tree_root(tree).hex() == info.merkle_root:
+        return None
+    if len(tree) == parts.tree_size(info.count) and parts.build_tree(
+            [tree[i * parts.NODE_SIZE:(i + 1) * parts.NODE_SIZE] for i in range(info.count)]) == tree \
+            and parts.tree_root(tree).hex() == info.merkle_root:
         for rank, leaf in enumerate(leaves):
             if tree[rank * parts.NODE_SIZE:(rank + 1) * parts.NODE_SIZE] != leaf:
                 return rank
-    return 0
+    return None
 
 
 def read_rank_files(storage: Storage, key: str, manifest: Manifest, rank: int, where: str) -> dict[str, FileEntry]:
@@ -424,16 +431,18 @@ def read_rank_files(storage: Storage, key: str, manifest: Manifest, rank: int, w
     if not 0 <= rank < info.count:
         raise InvalidArgumentError(f"rank {rank}: {where} has parts of ranks 0..{info.count - 1}")
     blob = _read_part(storage, key, rank, where)
-    siblings = []
-    tree_key = f"{key}/{parts.TREE_NAME}" if key else parts.TREE_NAME
+    siblings, proof = [], parts.proof_nodes(info.count, rank)
     try:
-        with storage.open_read(tree_key) as f:
-            for offset, _level in parts.proof_nodes(info.count, rank):
+        with storage.open_read(f"{key}/{parts.TREE_NAME}" if key else parts.TREE_NAME) as f:
+            for offset, _level in proof:
                 f.seek(offset)
                 siblings.append(f.read(parts.NODE_SIZE))
     except (FileNotFoundError, NotADirectoryError):
-        raise ManifestError(f"{where}/{parts.TREE_NAME} is missing; the checkpoint is damaged: resume from "
-                            "another one or restore it from a copy", path=f"{where}/{parts.TREE_NAME}") from None
-    if parts.root_from_proof(parts.node_digest(blob), info.count, rank, siblings).hex() != info.merkle_root:
-        raise _part_mismatch(where, rank)
+        pass
+    fits = len(siblings) == len(proof) and all(len(s) == parts.NODE_SIZE for s in siblings)
+    if not fits or parts.root_from_proof(parts.node_digest(blob), info.count, rank, siblings).hex() != info.merkle_root:
+        # The part or the tree (an index, not fsynced at commit: protocol §3a) does not fit:
+        # the whole read decides, and names the rank whose part is damaged.
+        whole = read_manifest_at(storage, key, manifest, where)
+        return {n: e for n, e in whole.files.items() if e.rank == rank and n not in (manifest.own_files or {})}
     return decode_part(blob, rank, manifest.txid, f"{where}/{parts.part_name(rank)}")

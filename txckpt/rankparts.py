@@ -76,9 +76,13 @@ def parts_manifest(storage: Storage, plan: SavePlan, records: list[parts.Record]
     if not fast:
         own_files = _checked_parts(storage, key, plan.txid, records, own_files, durable, relink)
     tree = parts.build_tree([r.part for r in records])
-    # Durable, and fsyncing txckpt-parts/: every part's entry and its own (the staging's when
-    # the manifest lands).
-    storage.create_exclusive(f"{key}/{parts.TREE_NAME}", tree, durable=durable)
+    # The tree is an index, derived from the parts and checked on every use (a reader whose
+    # proof fails reads every part instead), so its bytes need no fsync of their own; the
+    # parts' directory entries do, once (the staging's own when the manifest lands).
+    with storage.open_write(f"{key}/{parts.TREE_NAME}", durable=False) as f:
+        f.write(tree)
+    if durable:
+        storage.sync_dir(f"{key}/{parts.PARTS_DIR}")
     info = PartsInfo(count, parts.tree_root(tree).hex(), sum(r.files for r in records),
                      sum(r.bytes for r in records))
     manifest = Manifest(txid=plan.txid, lineage=plan.lineage, step=plan.step, parent=plan.parent,
