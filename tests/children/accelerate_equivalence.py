@@ -2,7 +2,7 @@
 (tests/test_resume_equivalence_accelerate.py, issue 32): the loop accelerate's documentation
 shows, with nothing of its own to make the resume exact.
 
-  accelerate_equivalence.py OUT WORKERS STOP [resume] [--stock] [--rank R --world W --store FILE]
+  accelerate_equivalence.py OUT WORKERS STOP [resume] [--stock] [--seedable] [--rank R --world W --store FILE]
 
 * ``acc.prepare(model, optimizer, dataloader)``: a model with dropout, a DataLoader with
   ``shuffle=True`` (no generator of its own) and WORKERS workers; 3 epochs of 48 rows in
@@ -17,7 +17,9 @@ shows, with nothing of its own to make the resume exact.
   ``project_configuration.iteration - 1``; the epoch's remaining batches come from
   ``acc.skip_first_batches(dataloader, done)``;
 * ``--stock``: the same loop with ``accelerate.Accelerator``: it resumes from the newest
-  ``step_<n>`` directory (``load_state(path)``), and SIGTERM kills it (no preemption save).
+  ``step_<n>`` directory (``load_state(path)``), and SIGTERM kills it (no preemption save);
+* ``--seedable``: ``DataLoaderConfiguration(use_seedable_sampler=True)``: accelerate's sampler
+  reseeds every epoch from its epoch number (``set_epoch``) instead of drawing a seed.
 
 Each process appends ``[step, loss]`` to ``OUT.losses.r{R}``; every process prints
 ``WEIGHTS <sha1>`` at the end. With ``--world 2`` the processes rendezvous on ``--store`` (a
@@ -46,6 +48,7 @@ def main() -> None:
     p.add_argument("stop")
     p.add_argument("resume", nargs="?", default="")
     p.add_argument("--stock", action="store_true")
+    p.add_argument("--seedable", action="store_true", help="DataLoaderConfiguration(use_seedable_sampler=True)")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--store", default=None)
@@ -61,7 +64,7 @@ def main() -> None:
         dist.init_process_group("gloo", init_method=f"file://{a.store}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
     from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
     from txckpt.integrations.accelerate import TransactionalAccelerator
 
@@ -69,8 +72,10 @@ def main() -> None:
     stop_step = int(at) if at else None
     project = os.path.join(a.out, "project")
     config = ProjectConfiguration(project_dir=project)
-    acc = (Accelerator(cpu=True, project_config=config) if a.stock else
-           TransactionalAccelerator(cpu=True, project_config=config, save_on_preemption=kind == "term"))
+    loading = DataLoaderConfiguration(use_seedable_sampler=a.seedable)
+    acc = (Accelerator(cpu=True, project_config=config, dataloader_config=loading) if a.stock else
+           TransactionalAccelerator(cpu=True, project_config=config, dataloader_config=loading,
+                                    save_on_preemption=kind == "term"))
     assert acc.num_processes == world, (acc.num_processes, world)
 
     torch.manual_seed(0)  # the same initial weights and data on every process

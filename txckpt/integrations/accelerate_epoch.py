@@ -23,7 +23,10 @@ The fix, per prepared ``DataLoaderShard`` (and each ``acc.skip_first_batches`` c
   back: the next dropout mask is the one the uninterrupted run drew.
 
 A loader that was between epochs at the save (its last batch yielded) needs nothing: the next
-epoch draws from the restored state, as the uninterrupted run did. The module-level
+epoch draws from the restored state, as the uninterrupted run did. A skip copy that finishes its
+epoch passes its epoch count to the prepared loader (a seedable sampler's next ``set_epoch``).
+Not covered (left as stock): ``DataLoaderDispatcher`` (``dispatch_batches=True``) and stateful
+data loaders (``use_stateful_dataloader=True``, which restore a position of their own). The module-level
 ``accelerate.skip_first_batches`` makes a copy this module never sees: use the accelerator's
 method (``acc.skip_first_batches``), as accelerate's own examples do.
 """
@@ -44,7 +47,8 @@ class EpochStart:
     """What one prepared loader (and its skip copies) share: the running epoch's start, and the
     start a ``load_state`` asked the next iteration to replay."""
 
-    def __init__(self, generators: list[torch.Generator]) -> None:
+    def __init__(self, owner: Any, generators: list[torch.Generator]) -> None:
+        self.owner = owner  # the prepared loader
         self.generators = generators  # the prepared loader's (its skip copies share them)
         self.start: dict[str, Any] | None = None  # the running iteration's epoch-start states
         self.live: Any = None  # the loader iterating now (None: between epochs)
@@ -84,6 +88,10 @@ class _TrackedShard:
             yield batch
         if record.live is self:
             record.live = None
+        if record.owner is not self:
+            # A skip copy ran the epoch's rest and counted it: the prepared loader's next epoch
+            # is the one after it (a seedable sampler's set_epoch), as in the run that never stopped.
+            record.owner.iteration = self.iteration
 
 
 _CLASSES: dict[type, type] = {}
@@ -97,10 +105,12 @@ def track(loader: Any, record: EpochStart | None = None) -> Any:
     cls = type(loader)
     if not isinstance(loader, DataLoaderShard) or issubclass(cls, _TrackedShard):
         return loader
+    if getattr(loader, "use_stateful_dataloader", False):
+        return loader  # it saves and restores its own position and sampler (not measured with this)
     if cls not in _CLASSES:
         _CLASSES[cls] = type(cls.__name__, (_TrackedShard, cls), {"__module__": cls.__module__})
     object.__dict__["__class__"].__set__(loader, _CLASSES[cls])
-    loader._txckpt_epoch = record if record is not None else EpochStart(_generators(loader))
+    loader._txckpt_epoch = record if record is not None else EpochStart(loader, _generators(loader))
     return loader
 
 
@@ -109,7 +119,10 @@ def record_of(loader: Any) -> EpochStart | None:
 
 
 def write_epoch_starts(dataloaders: list, process_index: int, directory: str) -> None:
-    """Into a save's directory: for each prepared loader, its epoch start if it is mid-epoch."""
+    """Into a save's directory: for each prepared loader, its epoch start if it is mid-epoch.
+    Nothing without a prepared loader (a checkpoint then holds exactly what stock writes)."""
+    if not any(record_of(loader) is not None for loader in dataloaders):
+        return
     entries = []
     for loader in dataloaders:
         record = record_of(loader)
@@ -126,7 +139,7 @@ def read_epoch_starts(dataloaders: list, process_index: int, directory: str) -> 
     path = os.path.join(directory, EPOCH_START_FILE.format(process=process_index))
     if not os.path.exists(path):
         return
-    entries = torch.load(path, weights_only=False)["loaders"]
+    entries = torch.load(path, weights_only=True)["loaders"]  # tensors, numbers and flags only
     after = torch.get_rng_state()
     for loader, entry in zip(dataloaders, entries):
         record = record_of(loader)
