@@ -33,7 +33,15 @@ docs/accelerate.md.
   the process exits through ``txckpt.preemption.exit()`` (status 128 + signum).
   ``preemption_requested()`` is the question alone, for loops that stop their own way.
 
-The core of txckpt never imports accelerate; this module is the only one that does.
+* Exact resume mid-epoch: ``save_state`` also writes, per process, where each prepared
+  DataLoader's running epoch started (``txckpt_epoch_start_<i>.pt``: the RNG and sampler
+  generator states its iterator drew from), and the first iteration after ``load_state``
+  replays that start, then continues from the saved step's RNG. Stock accelerate restores the
+  RNGs before the loop makes the epoch's iterator, which then draws another order and shifts
+  every later dropout draw (txckpt/integrations/accelerate_epoch.py; docs/preemption.md).
+
+The core of txckpt never imports accelerate; this module and its accelerate_* helpers are the
+only ones that do.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ from txckpt.root import durable_default
 from txckpt.storage import open_storage
 
 from .accelerate_dirs import dir_step, save_dir
+from .accelerate_epoch import read_epoch_starts, record_of, track, write_epoch_starts
 
 log = logging.getLogger("txckpt")
 
@@ -218,11 +227,32 @@ class TransactionalAccelerator(Accelerator):
 
         step = decide_on_rank0(plan, phase="save step", timeout=self.txckpt_timeout)
         stock_save = super().save_state
-        path = save_dir(d, step, lambda directory: stock_save(directory, safe_serialization=safe_serialization,
-                                                              **kwargs),
+
+        def save_into(directory: str) -> None:
+            stock_save(directory, safe_serialization=safe_serialization, **kwargs)
+            self._write_epoch_starts(directory)
+
+        path = save_dir(d, step, save_into,
                         main=self.is_main_process, timeout=self.txckpt_timeout, durable=durable_default())
         self.project_configuration.iteration = step + 1
         return path
+
+    # ----- data loaders ------------------------------------------------------------------------
+    def prepare_data_loader(self, data_loader: Any, *args: Any, **kwargs: Any) -> Any:
+        """accelerate's, and the loader records where each epoch starts (an exact resume
+        mid-epoch: txckpt/integrations/accelerate_epoch.py)."""
+        return track(super().prepare_data_loader(data_loader, *args, **kwargs))
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """accelerate's; the copy shares the prepared loader's epoch record, so the first
+        iteration after ``load_state`` replays the saved epoch's start (use this method, not the
+        module-level ``accelerate.skip_first_batches``, whose copy txckpt never sees)."""
+        record = record_of(dataloader)
+        skipped = super().skip_first_batches(dataloader, num_batches=num_batches)
+        return skipped if record is None else track(skipped, record)
+
+    def _write_epoch_starts(self, directory: str) -> None:
+        write_epoch_starts(self._dataloaders, self.process_index, directory)
 
     # ----- save --------------------------------------------------------------------------------
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
@@ -253,6 +283,7 @@ class TransactionalAccelerator(Accelerator):
             self.project_configuration.automatic_checkpoint_naming = False  # write where told
             try:
                 super().save_state(tx.directory, safe_serialization=safe_serialization, **save_model_func_kwargs)
+                self._write_epoch_starts(tx.directory)
             finally:
                 self.project_configuration.automatic_checkpoint_naming = auto
         self.project_configuration.iteration = step + 1
@@ -336,6 +367,7 @@ class TransactionalAccelerator(Accelerator):
         # A directory that stock accelerate wrote has no manifest: loaded as it is, as stock does.
         manifest = txckpt.read_manifest(local) if os.path.exists(os.path.join(local, txckpt.MANIFEST_NAME)) else None
         super().load_state(local, load_kwargs=load_kwargs, **load_model_func_kwargs)
+        read_epoch_starts(self._dataloaders, self.process_index, local)  # after accelerate restored the RNGs
         # accelerate reads the files by path, outside txckpt's reader (which follows a checkpoint
         # that moved, protocol §6a). No process returns before every one has read them: else the
         # main process's next rollback could unpublish this checkpoint (rename it to its home)
