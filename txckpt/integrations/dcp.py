@@ -244,7 +244,7 @@ class TransactionalWriter(StorageWriter):
         ranges: dict[str, Any] = {}
         batch = storage.write_batch()
 
-        # incremental: which files are shared, decided from the tensors' keys (computed beside the writes)
+        # incremental: files shared by the tensors' keys, computed beside the writes (shards.writes)
         shards = IncrementalShards(root, a.prefix, plan.items, planner, self._rank) if self.incremental else None
 
         @contextlib.contextmanager
@@ -261,7 +261,6 @@ class TransactionalWriter(StorageWriter):
             files[name] = FileEntry(w.size, w.digest, kind_for_name(name), self._rank).to_json()
             ranges[name] = {"0": [w.size, w.digest]} if whole else w.ranges
 
-        # incremental: each file as soon as it is known to be needed (its key computed beside)
         buckets = shards.writes() if shards is not None else [
             (f"{a.prefix}{i}{DEFAULT_SUFFIX}", b) for i, b in enumerate(_split_by_size_and_type(1, plan.items))]
         done: queue.Queue = queue.Queue()
