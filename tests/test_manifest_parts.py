@@ -42,7 +42,7 @@ def test_every_leafs_proof_gives_the_root_and_a_changed_leaf_does_not(count):
 
 
 def test_the_record_is_56_bytes_and_round_trips():
-    r = parts.Record(part=b"p" * 16, structure=b"s" * 16, files=3, bytes=2**40, flags=parts.DIRECTORY)
+    r = parts.Record(part=b"p" * 16, structure=b"s" * 16, files=3, total_bytes=2**40, flags=parts.DIRECTORY)
     data = r.encode()
     assert len(data) == parts.RECORD_SIZE == 56
     assert parts.Record.decode(data, 0) == r and not r.failed

@@ -70,7 +70,7 @@ class Record:
     part: bytes = bytes(16)
     structure: bytes = bytes(16)
     files: int = 0
-    bytes: int = 0
+    total_bytes: int = 0
     flags: int = 0
 
     @property
@@ -78,7 +78,7 @@ class Record:
         return bool(self.flags & FAILED)
 
     def encode(self) -> bytes:
-        return _RECORD.pack(self.part, self.structure, self.files, self.bytes, self.flags)
+        return _RECORD.pack(self.part, self.structure, self.files, self.total_bytes, self.flags)
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview, rank: int) -> "Record":

@@ -48,7 +48,7 @@ def write_part(storage: Storage, staging_key: str, rank: int, txid: str, files_j
     return parts.Record(
         part=parts.node_digest(data),
         structure=parts.structure_digest((n, str(e.get("kind", "bytes"))) for n, e in files_json.items()),
-        files=len(files_json), bytes=sum(int(e["size"]) for e in files_json.values()),
+        files=len(files_json), total_bytes=sum(int(e["size"]) for e in files_json.values()),
         flags=parts.DIRECTORY if directory else 0,
     )
 
@@ -84,7 +84,7 @@ def parts_manifest(storage: Storage, plan: SavePlan, records: list[parts.Record]
     if durable:
         storage.sync_dir(f"{key}/{parts.PARTS_DIR}")
     info = PartsInfo(count, parts.tree_root(tree).hex(), sum(r.files for r in records),
-                     sum(r.bytes for r in records))
+                     sum(r.total_bytes for r in records))
     manifest = Manifest(txid=plan.txid, lineage=plan.lineage, step=plan.step, parent=plan.parent,
                         files=dict(own_files), created=created, world_size=count, metadata=metadata,
                         parts=info, own_files=own_files)
@@ -101,7 +101,7 @@ def _checked_parts(storage: Storage, key: str, txid: str, records: list[parts.Re
     rank reported (hashed now, recorded as the committer's)."""
     blobs = storage.run_concurrently([
         (lambda r=r: storage.read_bytes(f"{key}/{parts.part_name(r)}")) for r in range(len(records))])  # type: ignore[misc]
-    reports = []
+    reports: list[dict[str, Any]] = []
     for rank, (blob, record) in enumerate(zip(blobs, records)):
         if isinstance(blob, BaseException) or parts.node_digest(blob) != record.part:
             raise TransactionAbortedError(

@@ -81,7 +81,7 @@ class _TrackedShard:
         record.start = {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in record.generators],
                         "iteration": self.iteration}
         record.live = self
-        for batch in super().__iter__():
+        for batch in super().__iter__():  # type: ignore[misc]  # the DataLoader class it is mixed into
             if pending is not None:  # the epoch's draws are done: continue from the saved step's state
                 torch.set_rng_state(pending["after"])
                 pending = None
@@ -127,8 +127,9 @@ def write_epoch_starts(dataloaders: list, process_index: int, directory: str) ->
     for loader in dataloaders:
         record = record_of(loader)
         live = None if record is None else record.live
-        mid_epoch = live is not None and not live.end_of_dataloader and record.start is not None
-        entries.append(dict(record.start, mid_epoch=True) if mid_epoch else {"mid_epoch": False})
+        start = None if record is None else record.start
+        mid_epoch = live is not None and not live.end_of_dataloader and start is not None
+        entries.append(dict(start, mid_epoch=True) if mid_epoch and start is not None else {"mid_epoch": False})
     torch.save({"version": 1, "loaders": entries}, os.path.join(directory, EPOCH_START_FILE.format(process=process_index)))
 
 
