@@ -45,12 +45,16 @@ CRITICAL = ("link(<root>/.txckpt/log/", "rename_noreplace(", "PutObject(if-none-
 
 SCENARIOS = {
     # shares: the committed checkpoint the killed save links its shared files from (local).
+    # first_holder: the template checkpoint (index among its steps) that first held bytes the save
+    # shares, which the retention after the retry must be able to delete: step 1 (the base), or the
+    # abandoned step 3 (adapter.1; retention keeps step 1 there, the new lineage's fork point).
     "save": {"template": [1, 2], "step": 3, "seeds": {}, "prev": 2, "resume_step": None, "retention": False,
-             "shares": "checkpoint-2/"},
+             "shares": "checkpoint-2/", "first_holder": 0},
     # adapter.0 of its own (the bytes of no committed step), adapter.1 the abandoned step 3's; the
     # fork moved the abandoned checkpoints back to their homes (.txckpt/tx/<txid>/checkpoint-N).
     "fork+retention": {"template": [1, 2, 3], "step": 2, "seeds": {"adapter.0": 20, "adapter.1": 3}, "prev": 1,
-                       "resume_step": 1, "retention": True, "shares": ".txckpt/tx/<id>/checkpoint-3/"},
+                       "resume_step": 1, "retention": True, "shares": ".txckpt/tx/<id>/checkpoint-3/",
+                       "first_holder": -1},
 }
 
 
@@ -97,10 +101,11 @@ def _committed_by(done: list[str]) -> bool:
 def _points(ops: list[list], backend: str) -> list[tuple[str, int]]:
     """The ops a kill is worth trying at, as (name, occurrence). S3 reads change nothing: a kill
     before or after one leaves what the previous write left. Locally, what a rank does outside
-    the root (torch's temp files) is no point of the save."""
+    the root (torch's temp files, named by an absolute path: the root's own are ``<root>/...``)
+    is no point of the save; retention's deletions, made relative to a directory descriptor
+    (``unlink(__1_9.distcp)``), are."""
     named = occurrences([name for name, _ in ops])
-    return [p for p, (name, mut) in zip(named, ops)
-            if (mut if backend == "s3" else "<root>" in name or name.startswith("fsync("))]
+    return [p for p, (name, mut) in zip(named, ops) if (mut if backend == "s3" else "(/" not in name)]
 
 
 def _chosen(ops: list[list], victim: int, backend: str) -> list[tuple[tuple[str, int], str]]:
@@ -151,16 +156,16 @@ def _kill_once(where: Root, template: str, sc: dict, victim: int, point, when: s
         if out["committed"] != _committed_by(done):
             problems.append(f"committed={out['committed']}, but rank 0 had "
                             f"{'' if _committed_by(done) else 'not '}written the commit entry")
-    first_holder_deleted = _data_deleted(root, where.so, where.before[0])
+    first_holder_deleted = _data_deleted(root, where.so, where.before[sc["first_holder"]])
     where.remove(root)
     return {"problems": problems, "unreached": False, "committed": out["committed"],
             "first_holder_deleted": first_holder_deleted}
 
 
 def _data_deleted(root: str, so: dict | None, txid: str) -> bool:
-    """Whether checkpoint ``txid`` (the template's step 1, which first held the base's bytes) was
-    retired and its data deleted: a stale lease of the killed save (docs/incremental.md) defers
-    that deletion, so not every point gets that far."""
+    """Whether checkpoint ``txid`` (the one that first held bytes the save shares) was retired and
+    its data deleted: a stale lease of the killed save (docs/incremental.md) defers that deletion,
+    so not every point gets that far."""
     import txckpt
     from txckpt.root import open_root
 
@@ -206,7 +211,7 @@ def _sweep(where: Root, scenario: str, backend: str, victims=(1, 0)) -> str:
     line = (f"incremental DCP crash sweep [{scenario}, {backend}, {'full' if FULL else 'sampled'}]: rank 1 "
             f"{counted.get(1, '-')}, rank 0 {counted.get(0, '-')}; {points} crash points "
             f"({unreached} not reached in 3 runs), {commits} left the new checkpoint committed, retention after "
-            f"the retry deleted the first holder of the shared base at {first_holder_deleted}, {len(violations)} "
+            f"the retry deleted the first holder of the shared bytes at {first_holder_deleted}, {len(violations)} "
             f"violations, {time.monotonic() - t0:.0f} s")
     print(line)
     conftest.SUMMARY_LINES.append(line)
