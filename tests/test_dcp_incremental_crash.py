@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(180
 
 FULL = os.environ.get("TXCKPT_DCP_FULL_SWEEP") == "1"
 #: Points of a sampled victim besides the commit-critical ones (spread evenly over its operations).
-SAMPLED = {"local": 3, "s3": 3}
+SAMPLED = {"local": 2, "s3": 2}
 #: Ops around which the outcome flips: the commit entry, the publication (local, S3).
 CRITICAL = ("link(<root>/.txckpt/log/", "rename_noreplace(", "PutObject(if-none-match) .txckpt/log/")
 
