@@ -53,7 +53,6 @@ class Session(Protocol):
     _base_states: "dict[str, State]"
     _known_state: "State | None"
     staging_reclaimed: bool
-    part_structures: bytes | None
 
 
 class Root(Protocol):
