@@ -82,7 +82,17 @@ def _differences(expected: dict[int, float], got: dict[int, float]) -> dict[int,
     return {s: (expected.get(s), got.get(s)) for s in set(expected) | set(got) if expected.get(s) != got.get(s)}
 
 
-def _cell(tmp_path: Path, ranks: int, workers: int, use_async: int, stop: str) -> None:
+#: The campaign runs this file again on transformers 4.57 (the Trainer pass), where the full
+#: matrix cost about 3.5 of CI's minutes; there it runs these cells (ranks, workers, async, stop),
+#: one of each rank count with and without workers, and the stock-4 test's own cell.
+TF4_SAMPLE = {(1, 2, 1, "kill:5"), (1, 0, 0, "term:5"), (2, 0, 1, "term:5"), (2, 2, 1, "kill:5")}
+
+
+def _cell(tmp_path: Path, ranks: int, workers: int, use_async: int, stop: str, *, sampled: bool = True) -> None:
+    import transformers
+
+    if sampled and int(transformers.__version__.split(".")[0]) < 5 and (ranks, workers, use_async, stop) not in TF4_SAMPLE:
+        pytest.skip("on transformers 4.x the campaign runs TF4_SAMPLE of this matrix; the whole matrix runs on 5.x")
     losses, weights = _reference(tmp_path, ranks, workers)
     assert sorted(losses[0]) == list(range(1, 13))
     got, got_weights, out = stopped_and_resumed(tmp_path, ranks, workers, use_async, stop)
@@ -134,4 +144,4 @@ def test_stock_trainer_4_cannot_resume_two_ranks_on_cpu_where_transactional_is_e
     assert _run(out, 2, 0, 0, "kill:5", stock=True).returncode != 0
     again = _run(out, 2, 0, 0, "0", "resume", stock=True, expect_ok=False)
     assert again.returncode != 0 and "don't know how to restore data location" in again.stderr, again.stderr[-3000:]
-    _cell(tmp_path, 2, 0, 0, "kill:5")
+    _cell(tmp_path, 2, 0, 0, "kill:5", sampled=False)

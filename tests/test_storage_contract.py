@@ -125,10 +125,13 @@ def test_create_exclusive_empty_and_binary(storage):
 
 
 @pytest.mark.parametrize("writers", [8])
-def test_create_exclusive_one_winner_threads(any_root, writers, fine_grained_threads):
+def test_create_exclusive_one_winner_threads(any_root, writers, fine_grained_threads, request):
     """Several threads, each with its own Storage instance (own S3 client), race on 20 keys."""
     stores = [_open(any_root) for _ in range(writers)]
-    rounds = 20
+    # SeaweedFS's gateway serialises conditional writes to one key: the losers of a race learn
+    # it about 1 s apart (measured: 1, 2, ... 6 s for 7 losers), so 20 rounds of 8 writers took
+    # 110 s of the campaign there. Five rounds still race 8 writers on each key.
+    rounds = 5 if _kind(request) == "seaweedfs" else 20
     barrier = threading.Barrier(writers)
 
     def race(i: int) -> list[bool]:
