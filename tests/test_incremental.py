@@ -321,6 +321,36 @@ def test_files_written_into_the_directory_are_shared_once_hashed(root, claimed):
     txckpt.verify_checkpoint(paths[1])
 
 
+@pytest.mark.parametrize("claimed", [False, True])
+def test_a_file_found_unchanged_is_never_fsynced_so_its_scratch_copy_never_reaches_the_disk(root, claimed, monkeypatch):
+    """On a local root a file written into tx.directory is hashed first and fsynced only if it
+    was not replaced by a link: the replaced copy's dirty pages go with its inode (the kernel's
+    cancelled_write_bytes) instead of being written to the disk and then unlinked."""
+    assert CheckpointRoot(root).durable
+    frozen = os.urandom(2 * MiB)
+    fsynced: list[tuple[str, int]] = []
+    real_fsync = os.fsync
+
+    def spy(fd):
+        fsynced.append((os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_ino))
+        return real_fsync(fd)
+
+    paths = []
+    for step in (1, 2):
+        if step == 2:
+            monkeypatch.setattr(os, "fsync", spy)
+        with txckpt.transaction(root, step, incremental=True) as tx:
+            if claimed:
+                tx.claim_files("*.safetensors")
+            _write_dir(tx, step, frozen)
+        paths.append(tx.path)
+    shard, trained = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    assert ino(paths[0], shard) == ino(paths[1], shard)  # shared
+    shard_inodes = {i for p, i in fsynced if p.endswith("/" + shard)}
+    assert shard_inodes <= {ino(paths[0], shard)}, "the scratch copy of an unchanged file was fsynced"
+    assert ino(paths[1], trained) in {i for p, i in fsynced if p.endswith("/" + trained)}  # a changed one is
+
+
 def test_without_incremental_files_written_into_the_directory_are_not_shared(root):
     frozen = os.urandom(MiB)
     paths = []

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import fnmatch
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, Iterable
+from typing import Callable, Dict, Iterable, Set
 
 from .checksum import digest_stream
 from .errors import InvalidArgumentError, UnsafePathError
-from .fileio import hash_file
+from .fileio import fsync_file, hash_file
 from .manifest import FileEntry, check_file_name, kind_for_name
 from .storage.base import Storage
 
@@ -80,8 +80,8 @@ def hash_claimed(storage: Storage, key: str, claims: list[str], skip: set[str], 
 
 
 #: An incremental save's ``Sharing.relink``: given the staging key and the files just hashed,
-#: replaces those a committed checkpoint already holds by shares of them.
-Relink = Callable[[str, Dict[str, FileEntry]], int]
+#: replaces those a committed checkpoint already holds by shares of them; returns their names.
+Relink = Callable[[str, Dict[str, FileEntry]], Set[str]]
 
 
 def hash_staged(storage: Storage, key: str, names: list[str], durable: bool, rank: int = 0,
@@ -90,12 +90,14 @@ def hash_staged(storage: Storage, key: str, names: list[str], durable: bool, ran
     other code wrote there: their manifest entries, recorded with ``rank``. The claiming rank's
     pass and the committer's pass over unclaimed files (transactions) are this one. With
     ``relink`` (an incremental save), the files whose bytes a committed checkpoint holds are
-    then shared with it (the entries stay as hashed)."""
+    then shared with it (the entries stay as hashed), and only the others are fsynced: a shared
+    file's scratch copy is never written to the disk (its dirty pages go with its inode)."""
+    fsync_now = durable and relink is None
 
     def one(name: str) -> FileEntry:
         local = storage.local_path(f"{key}/{name}")
         if local is not None:
-            size, digest = hash_file(local, fsync=durable)  # a FIFO here raises, never blocks
+            size, digest = hash_file(local, fsync=fsync_now)  # a FIFO here raises, never blocks
         else:
             with storage.open_read(f"{key}/{name}") as f:
                 size, digest = digest_stream(f)
@@ -105,5 +107,9 @@ def hash_staged(storage: Storage, key: str, names: list[str], durable: bool, ran
     with ThreadPoolExecutor(max_workers=min(4, max(1, len(names)))) as pool:
         entries = dict(zip(names, pool.map(one, names)))
     if relink is not None and entries:
-        relink(key, entries)
+        shared = relink(key, entries)
+        unshared = [p for p in (storage.local_path(f"{key}/{n}") for n in names if n not in shared) if p]
+        if durable and unshared:
+            with ThreadPoolExecutor(max_workers=min(4, len(unshared))) as pool:
+                list(pool.map(fsync_file, unshared))
     return entries

@@ -374,6 +374,15 @@ def hash_file(path: str, *, fsync: bool = False) -> tuple[int, str]:
         os.close(fd)
 
 
+def fsync_file(path: str) -> None:
+    """Make the data of the regular file at ``path`` durable (its name is its directory's)."""
+    fd = open_regular(path)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def hash_and_fsync(path: str) -> tuple[int, str]:
     """:func:`hash_file` with ``fsync=True``: what a commit does to a file other code wrote."""
     return hash_file(path, fsync=True)

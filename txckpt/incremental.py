@@ -220,14 +220,15 @@ class Sharing:
             return None
         return source if self.lease(source) else self.unchanged_file(path)
 
-    def relink(self, storage_key: str, hashed: dict[str, FileEntry]) -> int:
+    def relink(self, storage_key: str, hashed: dict[str, FileEntry]) -> set[str]:
         """Files other code wrote into a local staging directory ``storage_key`` and this
         process has just hashed (``hashed``: name -> entry): each whose size and checksum equal
         a committed file's is replaced by a share of that file (a hard link), so the
         checkpoints hold its bytes once. The bytes were written once already (a Trainer's
-        ``save_pretrained`` writes its own files); what this saves is the disk. Returns the
-        bytes no longer held twice."""
-        saved = 0
+        ``save_pretrained`` writes its own files), to memory: the caller fsyncs only the files
+        not shared, so a replaced file's pages leave with its inode, never written to the disk.
+        Returns the names shared."""
+        shared_names: set[str] = set()
         for name, entry in sorted(hashed.items()):
             source = self.matching(entry.size, entry.checksum)
             if source is None:
@@ -240,8 +241,9 @@ class Sharing:
             except OSError as e:  # the written file stays: a share is an optimisation here
                 log.debug("could not share %s with %s: %s", name, source.name, e)
                 shared = False
-            saved += entry.size if shared else 0
-        return saved
+            if shared:
+                shared_names.add(name)
+        return shared_names
 
     def matching(self, size: int, checksum: str) -> Source | None:
         """The committed file with this size and checksum, leased; None if there is none."""
