@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import gc
 import importlib
+import math
 import os
 import platform
 import shutil
@@ -204,18 +205,28 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def order_balanced(paired: list[float]) -> list[float]:
+    """Per-round ratios of rounds whose two methods ran in alternating order, folded pairwise:
+    the geometric mean of rounds 2k and 2k+1 (one in each order). The second method of a round
+    inherits the first one's aftermath (its write-back, a freed gigabyte, a cold cache), and a
+    median over an odd count of rounds gives one order the majority."""
+    return [math.sqrt(paired[i] * paired[i + 1]) for i in range(0, len(paired) - 1, 2)]
+
+
 def compare(case: str, size: Any, times: dict[str, list[float]], a: str, b: str, goal: float | None,
-            note: str = "") -> dict[str, Any]:
-    """A table row: method ``a`` (txckpt) against ``b`` from the same interleaved rounds."""
+            note: str = "", *, alternating: bool = False) -> dict[str, Any]:
+    """A table row: method ``a`` (txckpt) against ``b`` from the same interleaved rounds
+    (``alternating``: the two ran in an order that alternates from round to round)."""
     ta, tb = times[a], times[b]
     ma, mb = median(ta), median(tb)
     paired = [x / y for x, y in zip(ta, tb) if y > 0]
     # The headline ratio is the median of the per-round ratios: the two sides of one round run
     # back to back, so a burst of load from other processes hits both; medians of each side
     # taken separately can pair a quiet round of one with a busy round of the other.
+    headline = order_balanced(paired) if alternating and len(paired) >= 2 else paired
     return {
         "case": case, "size": size, "txckpt": ma, "other": mb,
-        "ratio": median(paired) if paired else float("nan"),
+        "ratio": median(headline) if headline else float("nan"),
         "ratio_of_medians": ma / mb if mb > 0 else float("nan"), "goal": goal, "reps": len(ta),
         "paired": paired, "note": note,
     }
