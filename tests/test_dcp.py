@@ -123,6 +123,20 @@ def test_damaged_shard_is_an_integrity_error_on_every_rank(saved, case):
         assert etype == kind and name in message and epath == f"{path}/{name}", errs
 
 
+def test_two_ranks_write_format_2_and_a_damaged_part_fails_the_load_naming_its_rank(saved):
+    """Protocol §3a: each rank's files are in its part; the manifest lists the coordinator's own."""
+    from txckpt.manifest import MANIFEST_NAME, Manifest
+
+    path = saved["out"][0]["path"]
+    with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+        m = Manifest.decode(f.read())
+    assert m.parts is not None and m.parts.count == 2 and set(m.files) == {".metadata", "txckpt-dcp-ranges.json"}
+    bad = _damaged(saved, "part1", _flip("txckpt-parts/1.json", 0.3))
+    errs = _load_errors(saved, bad, "part1")
+    for _rank, (etype, message, epath) in errs.items():
+        assert etype == "ManifestError" and "rank 1's part" in message and epath == f"{bad}/txckpt-parts/1.json", errs
+
+
 def test_metadata_from_another_checkpoint_is_refused(saved):
     other = _ok(launcher.launch(2, cw.save, str(saved["tmp"] / "save-other"), root=str(saved["tmp"] / "other"),
                           step=5, seed=77))[0]["path"]

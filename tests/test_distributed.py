@@ -20,6 +20,7 @@ import txckpt
 from tests import conftest
 from tests.children import dist_workers as dw
 from tests.harness import launcher
+from txckpt.manifest import read_rank_files
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -61,6 +62,12 @@ def test_save_checkpoint_every_rank(tmp_path, world):
         assert {n: e.rank for n, e in manifest.files.items()} == {
             n: rank for rank in range(world) for n in dw.payload(rank, step)
         }
+        # Format /2 (protocol §3a): one part per rank; each rank's narrow read is its own files.
+        assert manifest.parts is not None and manifest.parts.count == world
+        storage = txckpt.CheckpointRoot(root).storage
+        for rank in range(world):
+            mine = read_rank_files(storage, storage.key_of(path), manifest, rank, path)
+            assert set(mine) == set(dw.payload(rank, step))
         loaded = txckpt.load_checkpoint(path)  # verifies every size and checksum
         for rank in range(world):
             assert loaded[f"rank{rank}.pt"]["rank"] == rank and loaded[f"rank{rank}.pt"]["step"] == step

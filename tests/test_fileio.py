@@ -214,17 +214,17 @@ def test_trainer_optimizer_is_streamed_not_rehashed(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from tests.harness.tiny import Data, TinyConfig, TinyModel, make_args
 
-    from txckpt import transactions
+    from txckpt import rankparts
     from txckpt.integrations.transformers import TransactionalTrainer
 
     rehashed = []
-    real = transactions.hash_staged
+    real = rankparts.hash_staged
 
     def spy(storage, key, names, durable, rank=0, relink=None):  # the committer's pass over unclaimed files
         rehashed.extend(names)
         return real(storage, key, names, durable, rank, relink)
 
-    monkeypatch.setattr(transactions, "hash_staged", spy)
+    monkeypatch.setattr(rankparts, "hash_staged", spy)
     torch.manual_seed(0)
     out = str(tmp_path / "out")
     TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(out, 2),

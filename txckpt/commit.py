@@ -224,7 +224,7 @@ def append_commit(root: Root, manifest: Manifest, writer: str | None = None) -> 
     session = root.shared
     record = {
         "lineage": manifest.lineage, "step": manifest.step, "txid": manifest.txid,
-        "digest": manifest.digest, "bytes": manifest.total_bytes, "files": len(manifest.files),
+        "digest": manifest.digest, "bytes": manifest.total_bytes, "files": manifest.file_count,
         "parent": parent_to_json(manifest.parent),
     }
 

@@ -5,7 +5,8 @@ module never imports torch.distributed (nor torch) itself. With one, a transacti
 collectives per save, whatever the world size:
 
 * ``broadcast`` of the plan (staging name, txid, lineage, step) from the committing rank (0),
-* ``gather`` of every rank's file list (names, sizes, checksums; never file data) to rank 0,
+* ``gather_records`` of every rank's fixed-size record of its manifest part (56 bytes: the part
+  that rank wrote holds its names, sizes and checksums; protocol §3a) to rank 0,
 * ``broadcast`` of the outcome (committed path, or the reason for aborting) to every rank.
 
 They run as object collectives on a dedicated gloo group on the CPU, whatever the default
@@ -104,6 +105,13 @@ class Coordinator(abc.ABC):
     @abc.abstractmethod
     def barrier(self) -> None:
         """Return when every rank has called it."""
+
+    def gather_records(self, record: bytes) -> list[bytes] | None:
+        """On rank 0, every rank's ``record`` (the same length on every rank) in rank order; None
+        on other ranks. A tensor gather, not a pickled object: rank 0 receives exactly
+        ``len(record)`` bytes per rank (the per-rank manifest parts' reports, protocol §3a).
+        A coordinator without a tensor gather sends the record as an object."""
+        return self.gather(bytes(record))
 
 
 class SingleProcess(Coordinator):
@@ -292,6 +300,17 @@ class TorchDistributed(Coordinator):
             self._dist.barrier(group=self.group)
         except Exception as e:
             raise self._fail("barrier", e) from e
+
+    def gather_records(self, record: bytes) -> list[bytes] | None:
+        torch = deps.torch
+        mine = torch.frombuffer(bytearray(record), dtype=torch.uint8)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
+        try:
+            self._dist.gather(mine, out, dst=0, group=self.group)
+        except Exception as e:
+            raise self._fail("gather", e) from e
+        self._gathered = True
+        return None if out is None else [t.numpy().tobytes() for t in out]
 
 
 def current_coordinator(timeout_s: float | None = None, phase: str | None = None) -> Coordinator:

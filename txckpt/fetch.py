@@ -10,7 +10,7 @@ import tempfile
 import uuid
 from typing import Any, Callable, Mapping
 
-from . import fileio
+from . import fileio, parts
 from .checksum import copy_hashing
 from .errors import IntegrityError, UnsafePathError
 from .fileio import SizeMismatch
@@ -135,7 +135,8 @@ def _fetch_into(found: Found, dest: Storage, manifest_bytes: bytes | None, durab
     if manifest_bytes is not None:
         dest.create_exclusive(MANIFEST_NAME, manifest_bytes, durable=durable)
     if durable:
-        for d in sorted({n.rsplit("/", 1)[0] for n in manifest.files if "/" in n}, key=len, reverse=True):
+        names = list(manifest.files) + manifest.meta_files()
+        for d in sorted({n.rsplit("/", 1)[0] for n in names if "/" in n}, key=len, reverse=True):
             dest.sync_dir(d)
         dest.sync_dir("")
 
@@ -170,6 +171,30 @@ def _copy_files(found: Found, open_out: Callable[[str], Any], progress: Callable
                 f"{entry.size} / {entry.checksum}: the stored checkpoint is damaged; "
                 f"{FALLBACK_HINT}", path=f"{path}/{name}",
             )
+    _copy_parts(found, open_out)
+
+
+def _copy_parts(found: Found, open_out: Callable[[str], Any]) -> None:
+    """A /2 manifest's parts (protocol §3a), each checked against the Merkle root again as it
+    is copied, and the tree rebuilt from them: the copy reads like the original."""
+    info = found.manifest.parts
+    if info is None:
+        return
+    leaves = []
+    for rank in range(info.count):
+        name = parts.part_name(rank)
+        data = found.storage.read_bytes(found.file_key(name))
+        leaves.append(parts.node_digest(data))
+        out = open_out(name)
+        out.write(data)
+        out.close()
+    tree = parts.build_tree(leaves)
+    if parts.tree_root(tree).hex() != info.merkle_root:
+        raise IntegrityError(f"{found.path}/{parts.PARTS_DIR} changed while it was copied (its parts no longer "
+                             f"match the manifest's Merkle root); {FALLBACK_HINT}", path=found.path)
+    out = open_out(parts.TREE_NAME)
+    out.write(tree)
+    out.close()
 
 
 def _copy_one(src: Any, key: str, size: int, out: Any, progress: Callable[[int], Any] | None) -> tuple[int, str]:

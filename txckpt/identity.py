@@ -150,6 +150,10 @@ class SessionState:
         self._known_state: State | None = None
         #: Whether this session's first commit reclaimed dead writers' staging (gc.reclaim_after_save).
         self.staging_reclaimed = False
+        #: The digest of every rank's file names and kinds at this session's last multi-rank
+        #: commit (txckpt.rankparts): a save whose ranks report the same one commits without
+        #: reading their parts (protocol §3a, the unchanged-structure fast path).
+        self.part_structures: bytes | None = None
 
 
 class Shared(Generic[T]):

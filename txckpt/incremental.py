@@ -41,7 +41,7 @@ from .errors import CheckpointNotFoundError, IntegrityError, InvalidArgumentErro
 from .fileio import hash_file
 from .leases import acquire_reader_lease, release_reader_lease
 from .lineage import Checkpoint
-from .manifest import MANIFEST_NAME, FileEntry, Manifest
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest_at
 from .publication import Root
 from .refs import Ref
 from .serialization import write_object
@@ -100,7 +100,7 @@ def _manifest(root: Root, c: Checkpoint) -> Manifest | None:
     if key is None:
         return None
     try:
-        manifest = Manifest.decode(root.storage.read_bytes(f"{key}/{MANIFEST_NAME}"), where=key)
+        manifest = read_manifest_at(root.storage, key, Manifest.decode(root.storage.read_bytes(f"{key}/{MANIFEST_NAME}"), where=key), key)
     except (OSError, ManifestError):
         return None
     if manifest.txid != c.txid or manifest.digest != c.digest:

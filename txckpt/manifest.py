@@ -7,17 +7,23 @@ without the root's log; the log entry that commits it records the same digest.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from . import checksum
+from . import checksum, parts
 from .errors import InvalidArgumentError, ManifestError, UnsafePathError
 from .layout import MANIFEST_NAME  # every name under a root is layout's; importable from here as before
 from .refs import Parent, parent_from_json, parent_to_json
-from .storage.base import check_relative_key
+from .storage.base import Storage, check_relative_key
 
 FORMAT = "txckpt-manifest/1"
+#: A multi-rank save's manifest (protocol §3a): the file table lives in per-rank parts, which
+#: the manifest commits to through the Merkle root over their digests. A new format string, so
+#: that a txckpt older than it refuses it ("upgrade txckpt") instead of reading no files.
+FORMAT_V2 = "txckpt-manifest/2"
+PART_FORMAT = "txckpt-part/1"
 
 #: How load_checkpoint turns a file back into an object.
 KINDS = ("safetensors", "torch", "json", "bytes")
@@ -112,10 +118,12 @@ def check_step(step: Any, what: str = "step") -> int:
 
 
 def check_file_name(name: str) -> str:
-    """A name a checkpoint may hold: relative, no '..', and not the manifest itself."""
+    """A name a checkpoint may hold: relative, no '..', not the manifest itself nor its parts."""
     check_relative_key(name)
     if name == MANIFEST_NAME:
         raise UnsafePathError(f"{MANIFEST_NAME!r} is reserved for txckpt's manifest")
+    if parts.is_part_file(name):
+        raise UnsafePathError(f"{parts.PARTS_DIR!r} is reserved for txckpt's manifest parts: rename {name!r}")
     return name
 
 
@@ -158,6 +166,32 @@ def name_conflict(file_name: str, nested: str) -> InvalidArgumentError:
     )
 
 
+@dataclass(frozen=True)
+class PartsInfo:
+    """A /2 manifest's commitment to its parts (protocol §3a): ``count`` parts (one per rank),
+    the Merkle root over their digests, and the file count and byte total they hold."""
+
+    count: int
+    merkle_root: str
+    files: int = 0
+    bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"count": self.count, "merkle_root": self.merkle_root, "files": self.files, "bytes": self.bytes}
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> "PartsInfo":
+        try:
+            info = cls(int(d["count"]), str(d["merkle_root"]), int(d.get("files", 0)), int(d.get("bytes", 0)))
+            bytes.fromhex(info.merkle_root)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ManifestError(f"{where} has a malformed parts record ({e}); the checkpoint is damaged",
+                                path=where) from None
+        if info.count < 1 or len(info.merkle_root) != 2 * parts.NODE_SIZE:
+            raise ManifestError(f"{where} has a malformed parts record ({d!r})", path=where)
+        return info
+
+
 @dataclass
 class Manifest:
     """One checkpoint's manifest (``txckpt-manifest.json``, protocol §3), as
@@ -178,10 +212,17 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     adopted: bool = False
     digest: str = ""
+    #: Format /2 only (protocol §3a): the parts this manifest commits to, and the files the
+    #: manifest itself lists (those the committer recorded: its own, and files found in the
+    #: staging that no rank reported). ``files`` is their union once the parts are read
+    #: (:func:`read_manifest_at`); until then, ``own_files`` only.
+    parts: PartsInfo | None = None
+    own_files: dict[str, FileEntry] | None = None
 
     def body(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
+        table = self.files if self.parts is None else (self.own_files or {})
+        body = {
+            "format": FORMAT if self.parts is None else FORMAT_V2,
             "txid": self.txid,
             "lineage": self.lineage,
             "step": self.step,
@@ -190,13 +231,31 @@ class Manifest:
             "world_size": self.world_size,
             "adopted": self.adopted,
             "checksum_algorithm": checksum.ALGORITHM,
-            "files": {name: self.files[name].to_json() for name in sorted(self.files)},
+            "files": {name: table[name].to_json() for name in sorted(table)},
             "metadata": self.metadata,
         }
+        if self.parts is not None:
+            body["parts"] = self.parts.to_json()
+        return body
 
     @property
     def total_bytes(self) -> int:
+        if self.parts is not None:
+            return self.parts.bytes + sum(f.size for f in (self.own_files or {}).values())
         return sum(f.size for f in self.files.values())
+
+    @property
+    def file_count(self) -> int:
+        if self.parts is not None:
+            return self.parts.files + len(self.own_files or {})
+        return len(self.files)
+
+    def meta_files(self) -> list[str]:
+        """The names, inside the checkpoint, of the manifest's own metadata besides
+        ``MANIFEST_NAME``: a /2 manifest's parts and tree (what a copy must carry too)."""
+        if self.parts is None:
+            return []
+        return [parts.part_name(r) for r in range(self.parts.count)] + [parts.TREE_NAME]
 
     def encode(self) -> bytes:
         body = self.body()
@@ -206,15 +265,17 @@ class Manifest:
 
     @classmethod
     def decode(cls, data: bytes, where: str = "manifest") -> "Manifest":
+        """The manifest in ``data``, its own digest checked. A /2 manifest's ``files`` are the
+        ones it lists itself: :func:`read_manifest_at` reads its parts too."""
         try:
             body = json.loads(data)
         except (ValueError, UnicodeDecodeError) as e:
             raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is damaged", path=where) from None
         if not isinstance(body, dict):
             raise ManifestError(f"{where} is not a JSON object; the checkpoint is damaged", path=where)
-        if body.get("format") != FORMAT:
+        if body.get("format") not in (FORMAT, FORMAT_V2):
             raise ManifestError(
-                f"{where} has format {body.get('format')!r}, this txckpt reads {FORMAT!r}; "
+                f"{where} has format {body.get('format')!r}, this txckpt reads {FORMAT!r} and {FORMAT_V2!r}; "
                 "upgrade txckpt or check that this is a txckpt checkpoint"
             )
         claimed = body.pop("digest", None)
@@ -229,13 +290,8 @@ class Manifest:
         files_raw = body.get("files")
         if not isinstance(files_raw, dict):
             raise ManifestError(f"{where} has no file table")
-        files = {}
-        for name, entry in files_raw.items():
-            try:
-                check_file_name(name)
-            except UnsafePathError as e:
-                raise UnsafePathError(f"{where} names an unsafe path: {e}") from None
-            files[name] = FileEntry.from_json(name, entry)
+        files = _file_table(files_raw, where)
+        info = PartsInfo.from_json(body.get("parts"), where) if body["format"] == FORMAT_V2 else None
         try:
             return cls(
                 txid=str(body["txid"]),
@@ -248,11 +304,145 @@ class Manifest:
                 metadata=dict(body.get("metadata") or {}),
                 adopted=bool(body.get("adopted", False)),
                 digest=str(claimed),
+                parts=info,
+                own_files=dict(files) if info is not None else None,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"{where} is missing a field ({e})", path=where) from None
 
 
+def _file_table(files_raw: Mapping[str, Any], where: str, rank: int | None = None) -> dict[str, FileEntry]:
+    files = {}
+    for name, entry in files_raw.items():
+        try:
+            check_file_name(name)
+        except UnsafePathError as e:
+            raise UnsafePathError(f"{where} names an unsafe path: {e}") from None
+        files[name] = FileEntry.from_json(name, entry if rank is None else {**entry, "rank": rank})
+    return files
+
+
 def _digest(body: dict[str, Any]) -> str:
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     return checksum.digest_bytes(canonical)
+
+
+# ----- format /2: the parts (protocol §3a) -------------------------------------------------------
+def encode_part(rank: int, txid: str, files_json: Mapping[str, Any]) -> bytes:
+    """Rank ``rank``'s part of the manifest of ``txid``: its file table (the wire form of
+    :func:`written_to_json`). Its digest (``parts.node_digest`` of these bytes) is its leaf."""
+    body = {"format": PART_FORMAT, "rank": rank, "txid": txid, "files": dict(files_json)}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_part(data: bytes, rank: int, txid: str, where: str) -> dict[str, FileEntry]:
+    """The file table of rank ``rank``'s part (each file recorded with ``rank``), checked to be
+    that rank's part of ``txid`` (its bytes are checked against the tree by the caller)."""
+    try:
+        body = json.loads(data)
+        files_raw = body["files"]
+        ok = body.get("format") == PART_FORMAT and body.get("rank") == rank and body.get("txid") == txid
+    except (ValueError, UnicodeDecodeError, TypeError, KeyError, AttributeError) as e:
+        raise ManifestError(f"{where} is not a txckpt manifest part ({e}); the checkpoint is damaged",
+                            path=where) from None
+    if not ok or not isinstance(files_raw, dict):
+        raise ManifestError(f"{where} is not rank {rank}'s part of txid {txid}; the checkpoint is damaged",
+                            path=where)
+    return _file_table(files_raw, where, rank)
+
+
+def _part_mismatch(where: str, rank: int | None) -> ManifestError:
+    if rank is None:  # the tree (an index) is damaged too: it cannot tell which part differs
+        return ManifestError(
+            f"the parts in {where}/{parts.PARTS_DIR} do not match the Merkle root its manifest committed (a part "
+            "was edited, truncated or replaced after the commit); do not trust this checkpoint: resume from "
+            "another one (txckpt.resume(root, on_damaged=\"fallback\")) or restore it from a copy", path=where)
+    return ManifestError(
+        f"{where}/{parts.part_name(rank)} (rank {rank}'s part of the file table) does not match the "
+        "Merkle root its manifest committed: it was edited, truncated or replaced after the commit; "
+        "do not trust this checkpoint: resume from another one (txckpt.resume(root, "
+        "on_damaged=\"fallback\")) or restore the checkpoint from a copy",
+        path=f"{where}/{parts.part_name(rank)}")
+
+
+def _read_part(storage: Storage, key: str, rank: int, where: str) -> bytes:
+    name = parts.part_name(rank)
+    try:
+        return storage.read_bytes(f"{key}/{name}" if key else name)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise ManifestError(f"{where}/{name} (rank {rank}'s part of the file table) is missing; the "
+                            "checkpoint is damaged: resume from another one or restore it from a copy",
+                            path=f"{where}/{name}") from None
+
+
+def read_manifest_at(storage: Storage, key: str, manifest: Manifest, where: str) -> Manifest:
+    """``manifest`` (decoded from ``key``'s manifest) with its whole file table: a /1 manifest
+    as it is; a /2 one with every part read and checked against its Merkle root (a part that
+    does not fit raises ManifestError naming its rank). Every reader that needs the whole
+    table (verify, gc, retention, incremental, fetch) comes here."""
+    info = manifest.parts
+    if info is None:
+        return manifest
+    blobs = storage.run_concurrently([
+        (lambda r=r: _read_part(storage, key, r, where)) for r in range(info.count)])  # type: ignore[misc]
+    for blob in blobs:
+        if isinstance(blob, BaseException):
+            raise blob
+    leaves = [parts.node_digest(b) for b in blobs]
+    if parts.tree_root(parts.build_tree(leaves)).hex() != info.merkle_root:
+        raise _part_mismatch(where, _bad_leaf(storage, key, info, leaves))
+    files = dict(manifest.own_files or {})
+    for rank, blob in enumerate(blobs):
+        for name, entry in decode_part(blob, rank, manifest.txid, f"{where}/{parts.part_name(rank)}").items():
+            if name in files:
+                raise ManifestError(f"{where} lists {name!r} twice (rank {files[name].rank} and rank {rank}); "
+                                    "the checkpoint is damaged", path=where)
+            files[name] = entry
+    if len(files) != manifest.file_count:
+        raise ManifestError(f"{where}'s parts hold {len(files)} files, its manifest says {manifest.file_count}; "
+                            "the checkpoint is damaged", path=where)
+    return dataclasses.replace(manifest, files=files)
+
+
+def _bad_leaf(storage: Storage, key: str, info: PartsInfo, leaves: list[bytes]) -> int | None:
+    """The rank whose part does not fit: where the leaves differ from the tree file, if that
+    still fits the root; None if the tree file is damaged too."""
+    try:
+        tree = storage.read_bytes(f"{key}/{parts.TREE_NAME}" if key else parts.TREE_NAME)
+    except OSError:
+        return None
+    if len(tree) == parts.tree_size(info.count) and parts.build_tree(
+            [tree[i * parts.NODE_SIZE:(i + 1) * parts.NODE_SIZE] for i in range(info.count)]) == tree \
+            and parts.tree_root(tree).hex() == info.merkle_root:
+        for rank, leaf in enumerate(leaves):
+            if tree[rank * parts.NODE_SIZE:(rank + 1) * parts.NODE_SIZE] != leaf:
+                return rank
+    return None
+
+
+def read_rank_files(storage: Storage, key: str, manifest: Manifest, rank: int, where: str) -> dict[str, FileEntry]:
+    """A loading rank's narrow read (protocol §3a): the files of rank ``rank``'s part, checked
+    against the manifest's Merkle root through its proof path (log2 W sibling nodes of the tree
+    file, read by range). What it reads does not grow with the world size. A /1 manifest: the
+    files it records with that rank."""
+    info = manifest.parts
+    if info is None:
+        return {n: e for n, e in manifest.files.items() if e.rank == rank}
+    if not 0 <= rank < info.count:
+        raise InvalidArgumentError(f"rank {rank}: {where} has parts of ranks 0..{info.count - 1}")
+    blob = _read_part(storage, key, rank, where)
+    siblings, proof = [], parts.proof_nodes(info.count, rank)
+    try:
+        with storage.open_read(f"{key}/{parts.TREE_NAME}" if key else parts.TREE_NAME) as f:
+            for offset, _level in proof:
+                f.seek(offset)
+                siblings.append(f.read(parts.NODE_SIZE))
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    fits = len(siblings) == len(proof) and all(len(s) == parts.NODE_SIZE for s in siblings)
+    if not fits or parts.root_from_proof(parts.node_digest(blob), info.count, rank, siblings).hex() != info.merkle_root:
+        # The part or the tree (an index, not fsynced at commit: protocol §3a) does not fit:
+        # the whole read decides, and names the rank whose part is damaged.
+        whole = read_manifest_at(storage, key, manifest, where)
+        return {n: e for n, e in whole.files.items() if e.rank == rank and n not in (manifest.own_files or {})}
+    return decode_part(blob, rank, manifest.txid, f"{where}/{parts.part_name(rank)}")

@@ -53,6 +53,7 @@ class Session(Protocol):
     _base_states: "dict[str, State]"
     _known_state: "State | None"
     staging_reclaimed: bool
+    part_structures: bytes | None
 
 
 class Root(Protocol):

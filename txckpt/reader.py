@@ -33,7 +33,7 @@ from .errors import (
 )
 from .layout import LOG_DIR, TX_DIR, is_url, parse_checkpoint_name
 from .lineage import State
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_NAME, Manifest, read_manifest_at
 from .naming import DEFAULT as DEFAULT_NAMING, read_naming, split_public
 from .progress import Timer
 from .refs import Ref
@@ -213,9 +213,10 @@ class Found:
         return f"{self.key}/{name}" if self.key else name
 
 
-def read_own_manifest(storage: Storage, key: str, path: str) -> tuple[Manifest, bytes]:
+def read_own_manifest(storage: Storage, key: str, path: str, *, whole: bool = True) -> tuple[Manifest, bytes]:
     """The manifest of the checkpoint at ``key`` of ``storage`` (``path``, in messages), its own
-    digest checked, and its bytes as stored."""
+    digest checked, and its bytes as stored. ``whole=False``: a /2 manifest's parts are left
+    unread (a loading rank reads its share with ``manifest.read_rank_files``)."""
     name = f"{key}/{MANIFEST_NAME}" if key else MANIFEST_NAME
     local = storage.local_path(name)
     try:
@@ -238,7 +239,8 @@ def read_own_manifest(storage: Storage, key: str, path: str) -> tuple[Manifest, 
             f"{path} has no {MANIFEST_NAME}: it is not a committed txckpt checkpoint "
             "(a staging leftover, or written by another tool; `txckpt adopt` records legacy ones)"
         ) from None
-    return Manifest.decode(data, f"{path}/{MANIFEST_NAME}"), data
+    manifest = Manifest.decode(data, f"{path}/{MANIFEST_NAME}")
+    return (read_manifest_at(storage, key, manifest, path) if whole else manifest), data
 
 
 def _is_a_root(storage: Storage, key: str) -> bool:
@@ -252,14 +254,15 @@ def _is_a_root(storage: Storage, key: str) -> bool:
 
 
 def read_checked(path: str | os.PathLike, storage_options: Mapping[str, Any] | None,
-                 attempt: Callable[[Found], T]) -> T:
+                 attempt: Callable[[Found], T], *, whole: bool = True) -> T:
     """The one read path: resolve ``path`` to its root once, open one storage (the root's, or
     the checkpoint's outside a root), check the manifest, and return ``attempt(found)``, which
     reads the checkpoint's files. If that fails because the checkpoint moved since its path was
     looked up (published, or unpublished by a fork, while this process read), locate it again
     by its txid and run ``attempt`` where it is now, through the same storage: a healthy
     checkpoint is never called damaged because a rename raced the read (docs/protocol.md §6a).
-    Each key is tried once."""
+    Each key is tried once. ``whole=False``: ``found.manifest`` of a /2 checkpoint holds only the
+    files its manifest lists itself (:func:`read_own_manifest`)."""
     path = os.fspath(path)
     # The root's naming is asked only if the read fails: a manifest the log committed is read
     # through the root whatever the directory's name.
@@ -272,7 +275,7 @@ def read_checked(path: str | os.PathLike, storage_options: Mapping[str, Any] | N
     while True:
         txid = None
         try:
-            manifest, data = read_own_manifest(storage, key, path)
+            manifest, data = read_own_manifest(storage, key, path, whole=whole)
             txid = manifest.txid
             if ctx is not None:
                 ctx.check_committed(manifest, path)

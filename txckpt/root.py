@@ -33,7 +33,7 @@ from .lineage import (  # CheckpointInfo: importable from here, as txckpt/__init
     History,
     State,
 )
-from .manifest import MANIFEST_NAME, Manifest, check_step
+from .manifest import MANIFEST_NAME, Manifest, check_step, read_manifest_at
 # LOOKUP_ATTEMPTS lives below the root (fallback follows retired tips too); importable from here.
 from .publication import LOOKUP_ATTEMPTS, publication_for
 from .refs import Ref, same_ref
@@ -320,6 +320,7 @@ class CheckpointRoot:
             )
         try:
             manifest = Manifest.decode(self.storage.read_bytes(f"{key}/{MANIFEST_NAME}"), f"{path}/{MANIFEST_NAME}")
+            manifest = read_manifest_at(self.storage, key, manifest, os.fspath(path))
         except FileNotFoundError:  # never committed, or retired (retention words it)
             raise retention.missing_checkpoint_error(self, history, key, os.fspath(path)) from None
         # The same decision as a load's (reader.RootContext.check_committed): the digest the

@@ -17,18 +17,19 @@ import tempfile
 import time
 from typing import Any, BinaryIO, Iterable, Literal, Mapping
 
-from . import errors
+from . import errors, parts
 from .checksum import HashingWriter
-from .claims import check_claims, claimed_names, hash_claimed, hash_staged
+from .claims import check_claims, claimed_names, hash_claimed
 from .coordination import Coordinator, GatheredElsewhere, current_coordinator, decide_on_rank0
-from .errors import CheckpointNotFoundError, InvalidArgumentError, TransactionAbortedError, UnsafePathError, storage_error
+from .errors import CheckpointNotFoundError, InvalidArgumentError, TransactionAbortedError, storage_error
 from .commit import append_commit, clear_intent, committed_path, finish_commit, plan_save, snapshot_if_due
 from .incremental import Sharing
 from .intents import reclaim_after_save, write_intent
 from .layout import checkpoint_name, intent_key
-from .manifest import (MANIFEST_NAME, FileEntry, Manifest, agree_files, check_file_name, check_name_tree,
-                       check_new_file_name, check_step, kind_for_name, written_to_json)
+from .manifest import (MANIFEST_NAME, FileEntry, Manifest, agree_files, check_file_name, check_new_file_name,
+                       check_step, kind_for_name, written_to_json)
 from .progress import Timer
+from .rankparts import parts_manifest, staged_files, write_part
 from .publication import Root
 from .saveplan import SavePlan
 from .fileio import walk_relative
@@ -182,16 +183,46 @@ class Transaction:
             # take part in the gather and the outcome broadcast with this error, so that every
             # rank learns it and none waits for the timeout (or meets a mismatched collective).
             self._done = True
-            report = {"rank": self.rank, "error": errors.encode_error(e, rank=self.rank)}
-            reports = self._gather(report)
-            outcome = self._commit_or_abort(reports or [report]) if self._committer else {}
-            self._broadcast(outcome)
+            self._outcome({"rank": self.rank, "error": errors.encode_error(e, rank=self.rank)})
             raise
         return self
 
-    def _gather(self, report: dict[str, Any]) -> list[dict[str, Any]] | None:  # on the committer
+    def _outcome(self, report: dict[str, Any]) -> dict[str, Any]:
+        """Every rank: the committer's outcome of the save, given this rank's report. In a group
+        (protocol §3a) each rank writes its part and sends a fixed-size record; only if one
+        failed do the ranks send their reports (the errors) as objects, the rare path."""
+        if self._alone:
+            return self._commit_or_abort([report])
         assert self._coord is not None  # set by __enter__
-        return [report] if self._alone else self._coord.gather(report)
+        outcome = self._broadcast(self._gather_parts(report))
+        if outcome.get("gather_errors"):
+            reports = self._coord.gather(report if "error" in report else None)
+            outcome = self._broadcast(self._commit_or_abort([r for r in reports or [] if r])
+                                      if self._committer else {})
+        return outcome
+
+    def _gather_parts(self, report: dict[str, Any]) -> dict[str, Any]:
+        """This rank's part written and its record gathered; the committer's outcome (to
+        broadcast), ``{"gather_errors": True}`` if a rank failed; {} on other ranks."""
+        assert self._coord is not None and self._plan is not None
+        record = parts.failed_record()
+        if "files" in report:
+            try:
+                record = write_part(self._root.storage, self._plan.key, self.rank, self._plan.txid,
+                                    report["files"], durable=self._root.durable,
+                                    directory=self._local_dir is not None and not self._temp_root)
+            except Exception as e:
+                if isinstance(e, OSError):
+                    e = storage_error(e, "write this rank's part of the manifest")
+                report.pop("files")
+                report["error"] = errors.encode_error(e, rank=self.rank)
+        records = self._coord.gather_records(record.encode())
+        if not self._committer:
+            return {}
+        decoded = [parts.Record.decode(r, rank) for rank, r in enumerate(records or [])]
+        if any(r.failed for r in decoded):
+            return {"gather_errors": True}
+        return self._commit_or_abort([], decoded)
 
     def _broadcast(self, outcome: dict[str, Any]) -> dict[str, Any]:  # the committer's, on every rank
         assert self._coord is not None
@@ -225,8 +256,10 @@ class Transaction:
         staging = self._root.storage.local_path(plan.key)
         if staging is None:
             return
-        try:
-            makedirs_durable(staging, self._root.durable)
+        try:  # in a group, with the directory of the ranks' manifest parts (protocol §3a)
+            assert self._coord is not None
+            makedirs_durable(staging if self._coord.world_size < 2 else os.path.join(staging, parts.PARTS_DIR),
+                             self._root.durable)
         except BaseException:
             self._abort(plan)
             raise
@@ -341,11 +374,7 @@ class Transaction:
             if "files" in report:
                 timer.phase("data" if self.world_size == 1 else f"data (rank {self.rank})",
                             sum(f["size"] for f in report["files"].values()))
-            reports = self._gather(report)
-            outcome: dict[str, Any] = {}
-            if self._committer:
-                outcome = self._commit_or_abort(reports or [report])
-            outcome = self._broadcast(outcome)
+            outcome = self._outcome(report)
             if "path" in outcome and self._committer and not self._root.shared.staging_reclaimed:
                 # Committed, and every rank has its path: now the session's first save reclaims
                 # what dead writers left (§8 step 12), off the other ranks' way.
@@ -374,12 +403,15 @@ class Transaction:
         self.txid = self._plan.txid
         return self._plan
 
-    def commit_reports(self, reports: list[dict[str, Any]]) -> str:
+    def commit_reports(self, reports: list[dict[str, Any]], records: list[bytes] | None = None) -> str:
         """Commit from every rank's report (``{"rank", "files"}``, or ``{"rank", "error"}``:
-        then abort) and return the path, or raise the error for every rank."""
+        then abort) and return the path, or raise the error for every rank. ``records``: each
+        rank's fixed-size record of the part it wrote (:func:`txckpt.rankparts.write_part`),
+        in rank order; the reports then hold only the committer's own files, or errors."""
         self._require_open()
         self._done = True
-        outcome = self._commit_or_abort(reports)
+        decoded = None if records is None else [parts.Record.decode(r, i) for i, r in enumerate(records)]
+        outcome = self._commit_or_abort(reports, decoded)
         if "error" in outcome:
             raise errors.decode_error(outcome["error"])
         path: str = outcome["path"]
@@ -440,16 +472,16 @@ class Transaction:
         except Exception:  # pragma: no cover - cancel ignores upload failures by contract
             log.warning("waiting for the uploads of %s failed", self.txid, exc_info=True)
 
-    def _commit_or_abort(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
+    def _commit_or_abort(self, reports: list[dict[str, Any]], records: list[parts.Record] | None = None) -> dict[str, Any]:
         plan = self._plan
         assert plan is not None
         failed = [r for r in reports if "error" in r]
         if not failed:
             try:
-                path = self._commit(reports)
+                path = self._commit(reports, records)
                 m = self._manifest
                 assert m is not None and self._timer is not None  # _commit set it; __enter__ the timer
-                self._timer.done("saved", m.total_bytes, len(m.files), path)
+                self._timer.done("saved", m.total_bytes, m.file_count, path)
                 return {"path": path}
             except Exception as e:
                 if isinstance(e, OSError):
@@ -480,27 +512,35 @@ class Transaction:
                 f"checkpoint step {plan.step} was not committed: {err['message']}"), rank=self.rank)
         return {"error": err}
 
-    def _commit(self, reports: list[dict[str, Any]]) -> str:
-        """Rank 0's commit of every rank's report, protocol §8 steps 6-11a, in this order; the
-        log's phases are the commit room's (txckpt/commit.py). Raises before step 9: nothing is
-        committed (the caller deletes the staging); after it the checkpoint is committed."""
+    def _commit(self, reports: list[dict[str, Any]], records: list[parts.Record] | None = None) -> str:
+        """Rank 0's commit of every rank's report (or, in a group, record: protocol §3a),
+        protocol §8 steps 6-11a, in this order; the log's phases are the commit room's
+        (txckpt/commit.py). Raises before step 9: nothing is committed (the caller deletes
+        the staging); after it the checkpoint is committed."""
         plan, root, timer = self._plan, self._root, self._timer
         assert plan is not None and timer is not None  # both set by __enter__
-        # Step 6: one rank per name.
-        files = agree_files(reports)
-        # Step 7: every reported file still there with its size; the files other code wrote into
-        # the staging directory hashed; everything durable but the staging directory's entries.
-        files = self._staged_files(files)
-        # Step 8: the manifest, create-if-absent and durable (fsyncing the staging directory).
-        manifest = Manifest(
-            txid=plan.txid, lineage=plan.lineage, step=plan.step, parent=plan.parent,
-            files=files, created=time.time(), world_size=self.world_size, metadata=self.metadata,
-        )
-        root.storage.create_exclusive(f"{plan.key}/{MANIFEST_NAME}", manifest.encode(), durable=root.durable)
+        relink = self._sharing.relink if self._sharing is not None else None
+        structures = None
+        if records is not None:  # steps 6-8 on the parts: txckpt/rankparts.py
+            own = agree_files(reports) if reports else {}
+            manifest, structures = parts_manifest(
+                root.storage, plan, records, own, previous=root.shared.part_structures, durable=root.durable,
+                relink=relink, created=time.time(), metadata=self.metadata)
+        else:
+            # Step 6: one rank per name. Step 7: every reported file still there with its size;
+            # the files other code wrote into the staging hashed; all durable but its entries.
+            files = staged_files(root.storage, plan.key, agree_files(reports), root.durable, relink)
+            # Step 8: the manifest, create-if-absent and durable (fsyncing the staging directory).
+            manifest = Manifest(
+                txid=plan.txid, lineage=plan.lineage, step=plan.step, parent=plan.parent,
+                files=files, created=time.time(), world_size=self.world_size, metadata=self.metadata,
+            )
+            root.storage.create_exclusive(f"{plan.key}/{MANIFEST_NAME}", manifest.encode(), durable=root.durable)
         self._manifest = manifest
         timer.phase("manifest")
         # Step 9, the commit point: the commit entry, after the state step 1 planned against.
         entry = append_commit(root, manifest, plan.writer)
+        root.shared.part_structures = structures  # the next save's fast path (protocol §3a)
         timer.phase("commit")
         # Steps 10-11: the hint, the publication, the intent's deletion (overlapped remotely).
         path = finish_commit(root, manifest, entry)
@@ -508,50 +548,6 @@ class Transaction:
         # Step 11a: a history snapshot every SNAPSHOT_EVERY entries (best effort).
         snapshot_if_due(root, entry)
         return path
-
-    def _staged_files(self, files: dict[str, FileEntry]) -> dict[str, FileEntry]:
-        """Step 7 on the staging directory: ``files`` (every rank's reports) and the files code
-        wrote straight into it (a shared local root) that no rank reported, hashed now (durable
-        in the same pass) as rank 0's; raises if a reported file vanished or changed size."""
-        plan, storage, durable = self._plan, self._root.storage, self._root.durable
-        assert plan is not None
-        key = plan.key
-        subdirs = set()
-        unreported = []
-        present: dict[str, int] = {}
-        for name, size in storage.walk_files(key):
-            present[name] = size
-            if "/" in name:
-                subdirs.add(name.rsplit("/", 1)[0])
-            if name in files:
-                continue
-            if name == MANIFEST_NAME:
-                raise InvalidArgumentError(f"{MANIFEST_NAME} is reserved for txckpt")
-            check_file_name(name)
-            if storage.is_symlink_escape(f"{key}/{name}"):
-                raise UnsafePathError(f"{name!r} in the checkpoint is a symlink that leaves the root")
-            unreported.append(name)
-        if unreported:
-            relink = self._sharing.relink if self._sharing is not None else None
-            files.update(hash_staged(storage, key, unreported, durable, 0, relink))  # recorded as rank 0's
-        if not files:
-            raise InvalidArgumentError("the transaction wrote no files; nothing to commit")
-        check_name_tree(files)  # ranks (or an object store) may hold both 'a' and 'a/b'
-        gone = sorted(n for n, e in files.items() if present.get(n) != e.size)
-        if gone:
-            raise TransactionAbortedError(
-                f"files of the staging directory vanished or changed size before the commit: {gone[:5]} "
-                "(deleted by hand, or by a gc that took this writer for dead?); nothing was committed"
-            )
-        if durable:
-            # Sub-directories now; the staging directory itself is fsynced when the manifest is
-            # linked into it (create_exclusive), which persists every entry it holds.
-            for sub in sorted(subdirs, key=len, reverse=True):
-                storage.sync_dir(f"{key}/{sub}")
-                parent = sub.rsplit("/", 1)[0] if "/" in sub else ""
-                if parent:
-                    storage.sync_dir(f"{key}/{parent}")
-        return files
 
     def _abort(self, plan: SavePlan | None = None) -> None:
         """Delete the staging and the intent of ``plan`` (default: this transaction's)."""

@@ -43,7 +43,7 @@ def save_files(rank: int, world: int, *, root: str, step: int, api: str = "save_
     from txckpt import coordination
 
     calls = {"n": 0}
-    orig = {m: getattr(coordination.TorchDistributed, m) for m in ("broadcast", "gather", "barrier")}
+    orig = {m: getattr(coordination.TorchDistributed, m) for m in ("broadcast", "gather", "barrier", "gather_records")}
 
     def counted(m):
         def wrapper(self, *a, **kw):
@@ -97,18 +97,19 @@ def slow_rank(rank: int, world: int, *, root: str, step: int, slow: int, release
 
 
 def die_after_gather(rank: int, world: int, *, root: str, step: int, victim: int) -> Any:
-    """Rank ``victim`` SIGKILLs itself right after its report reached rank 0."""
+    """Rank ``victim`` SIGKILLs itself right after its report (the fixed-size record of its
+    manifest part, protocol §3a) reached rank 0."""
     import txckpt
     from txckpt import coordination
 
     if rank == victim:
-        real = coordination.TorchDistributed.gather
+        real = coordination.TorchDistributed.gather_records
 
-        def gather_then_die(self, obj):
-            real(self, obj)
+        def gather_then_die(self, record):
+            real(self, record)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        coordination.TorchDistributed.gather = gather_then_die
+        coordination.TorchDistributed.gather_records = gather_then_die
     return txckpt.save_checkpoint(root, step, payload(rank, step))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from .. import log as commit_log
 from ..errors import ManifestError, SpecialFileError, TxckptError
 from ..layout import LOG_DIR, META_DIR
-from ..manifest import MANIFEST_NAME, FileEntry, Manifest
+from ..manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest_at
 from ..progress import bar as progress_bar, bar_wanted
 from ..reader import names_a_checkpoint
 from ..storage import open_storage
@@ -65,7 +65,7 @@ def _plan_checkpoint(storage: Storage, key: str, where: str, expected: Any | Non
         problems.append(f"{where}/{MANIFEST_NAME}: a {e.kind}, not a regular file (not read)")
         return None, []
     try:
-        manifest = Manifest.decode(data, f"{where}/{MANIFEST_NAME}")
+        manifest = read_manifest_at(storage, key, Manifest.decode(data, f"{where}/{MANIFEST_NAME}"), where)
     except ManifestError as e:
         problems.append(str(e))
         return None, []
@@ -79,7 +79,7 @@ def _plan_checkpoint(storage: Storage, key: str, where: str, expected: Any | Non
     tasks = [_Task(storage, f"{prefix}{name}", f"{where}/{name}", entry) for name, entry in sorted(manifest.files.items())]
     try:
         listed = {name for name, _ in storage.walk_files(key)}
-        extra = sorted(listed - set(manifest.files) - {MANIFEST_NAME})
+        extra = sorted(listed - set(manifest.files) - {MANIFEST_NAME} - set(manifest.meta_files()))
         if extra:
             warnings.append(f"{where}: {len(extra)} file(s) not in the manifest (added after the commit?): "
                             + ", ".join(extra[:10]) + (" ..." if len(extra) > 10 else ""))

@@ -35,7 +35,7 @@ from txckpt import fileio
 from txckpt.coordination import decide_on_rank0
 from txckpt.errors import InvalidArgumentError, ManifestError
 from txckpt.intents import GRACE_SECONDS, process_start, writer_status
-from txckpt.manifest import MANIFEST_NAME, Manifest
+from txckpt.manifest import MANIFEST_NAME, Manifest, read_manifest_at
 from txckpt.root import CheckpointRoot
 from txckpt.storage import local
 
@@ -60,7 +60,7 @@ def _manifest_of(d: str) -> Manifest | None:
     """The manifest ``d`` holds, or None (none, or not one txckpt wrote)."""
     try:
         with open(os.path.join(d, MANIFEST_NAME), "rb") as f:
-            return Manifest.decode(f.read(), d)
+            return read_manifest_at(local.LocalStorage(d), "", Manifest.decode(f.read(), d), d)
     except (OSError, ValueError, ManifestError):
         return None
 

@@ -52,7 +52,8 @@ from ..asyncsave import wait_for_root
 from ..checksum import PIECE, HashingWriter, digest_bytes, new_hasher
 from ..errors import IntegrityError, InvalidArgumentError, ManifestError, TransactionAbortedError
 from ..layout import intent_key
-from ..manifest import FileEntry, kind_for_name
+from ..manifest import FileEntry, kind_for_name, read_rank_files
+from ..rankparts import write_part
 from ..reader import Found, read_checked
 from ..root import open_root
 from ..verify import FALLBACK_HINT, _wrong_checksum, verify_checkpoint_files
@@ -99,6 +100,7 @@ class _Assignment:
     lineage: str
     root: str  # the coordinator's root, as it was given
     coordinator: int
+    world: int = 1  # ranks in the save: from 2, each writes its part of the manifest (protocol §3a)
 
 
 def _disagreement(what: str, rank: int, mine: Any, coordinator: int, planned: Any) -> TransactionAbortedError:
@@ -214,7 +216,8 @@ class TransactionalWriter(StorageWriter):
         plan = tx.begin_external(len(plans))
         self._tx = tx
         return [dataclasses.replace(p, storage_data=_Assignment(plan.key, plan.txid, f"__{i}_", root.durable,
-                                                                plan.step, plan.lineage, self.root, self._rank))
+                                                                plan.step, plan.lineage, self.root, self._rank,
+                                                                len(plans)))
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -282,7 +285,11 @@ class TransactionalWriter(StorageWriter):
                 shards.release()  # placed (or failed): a shared file is a file of its own now
         while not done.empty():
             results += done.get_nowait()
-        report = {"rank": self._rank, "files": files, "ranges": ranges}
+        # In a group, this rank's part of the manifest (protocol §3a), durable in the staging: the
+        # coordinator gets its fixed-size record instead of the file table.
+        report = {"rank": self._rank, "files": files, "ranges": ranges} if a.world < 2 else {
+            "rank": self._rank, "ranges": ranges,
+            "record": write_part(storage, a.key, self._rank, a.txid, files, durable=a.durable, directory=False).encode()}
         if shards is not None:
             report["items"] = shards.keys
         return results, report
@@ -313,6 +320,7 @@ class TransactionalWriter(StorageWriter):
         if tx is None:
             raise InvalidArgumentError("finish() without prepare_global_plan() on this writer")
         reports: list[dict[str, Any]] = []
+        own_files: dict[str, Any] = {}
         storage_md: dict[Any, Any] = {}
         for wr_list in results:
             for wr in wr_list:
@@ -334,13 +342,14 @@ class TransactionalWriter(StorageWriter):
                 if any("items" in r for r in reports):  # an incremental save: the next one looks its keys up
                     items = {n: k for r in reports for n, k in r.get("items", {}).items()}
                     own[ITEMS_NAME] = json.dumps(items, sort_keys=True).encode()
-                reports.append({"rank": self._rank, "files": self._write_own(tx, own)})
+                own_files = self._write_own(tx, own)
         except Exception as e:
             reports.append({"rank": self._rank, "error": errors.encode_error(e, rank=self._rank)})
-        for r in reports:
-            r.pop("ranges", None)
-            r.pop("items", None)
-        self.path = tx.commit_reports(reports)
+        failed, own_report = [r for r in reports if "error" in r], {"rank": self._rank, "files": own_files}
+        if failed or any("record" not in r for r in reports):  # a failure aborts; one rank: format /1
+            self.path = tx.commit_reports(failed or [{"rank": r["rank"], "files": r["files"]} for r in reports] + [own_report])
+        else:
+            self.path = tx.commit_reports([own_report], [r["record"] for r in sorted(reports, key=lambda r: r["rank"])])
         self._tx = None
         if metadata.storage_meta is not None:
             metadata.storage_meta.checkpoint_id = self.path  # what dcp.save returns on every rank
@@ -360,6 +369,21 @@ class TransactionalWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return False  # never chosen by DCP on its own: a txckpt save needs a step
+
+
+def _shard_rank(name: str) -> int | None:  # the rank of a shard __<rank>_<n>.distcp; None: not a shard
+    rank, _, rest = name[2:].partition("_")
+    return int(rank) if name.startswith("__") and rank.isdigit() and rest.endswith(DEFAULT_SUFFIX) else None
+
+
+def _need(found: Found, name: str) -> None:
+    """Put ``name``'s entry in ``found.manifest.files`` (/2: its rank's part, checked, read once)."""
+    manifest, rank = found.manifest, _shard_rank(name)
+    if name not in manifest.files and manifest.parts is not None and rank is not None and rank < manifest.parts.count:
+        manifest.files.update(read_rank_files(found.storage, found.key, manifest, rank, found.path))
+    if name not in manifest.files:
+        raise IntegrityError(f"{found.path}/{METADATA_NAME} names {name!r}, which the manifest does not list: the "
+                             f"checkpoint is damaged; {FALLBACK_HINT}", path=f"{found.path}/{METADATA_NAME}")
 
 
 class TransactionalReader(StorageReader):
@@ -409,15 +433,14 @@ class TransactionalReader(StorageReader):
             return found, verify_checkpoint_files(found.storage, manifest, path, names=names, keep_bytes=True,
                                                   at=found.key)
 
-        found, blobs = read_checked(self.path, self.storage_options or None, attempt)
-        path, manifest = found.path, found.manifest
+        # whole=False: of a /2 manifest (protocol §3a) this rank reads only the parts of the ranks
+        # whose shards it loads (_need), each checked against the manifest's Merkle root.
+        found, blobs = read_checked(self.path, self.storage_options or None, attempt, whole=False)
         metadata = pickle.loads(bytes(blobs[METADATA_NAME]))  # verified: the bytes the save wrote
         ranges = json.loads(bytes(blobs[RANGES_NAME])) if RANGES_NAME in blobs else {}
-        for info in (metadata.storage_data or {}).values():
-            if info.relative_path not in manifest.files:
-                raise IntegrityError(
-                    f"{path}/{METADATA_NAME} names {info.relative_path!r}, which the manifest does not list: "
-                    f"the checkpoint is damaged; {FALLBACK_HINT}", path=f"{path}/{METADATA_NAME}")
+        for name in {info.relative_path for info in (metadata.storage_data or {}).values()}:
+            if found.manifest.parts is None or _shard_rank(name) is None:  # a rank's shard: checked when read
+                _need(found, name)
         self._opened = (found, metadata, ranges)
         return self._opened
 
@@ -444,6 +467,8 @@ class TransactionalReader(StorageReader):
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(metadata.storage_data[item.storage_index].relative_path, []).append(item)
+        for name in per_file:
+            _need(found, name)
         for name, reqs in sorted(per_file.items()):
             infos = [cast(_StorageInfo, metadata.storage_data[r.storage_index]) for r in reqs]
             blobs: list[Any]
