@@ -36,6 +36,7 @@ from txckpt.coordination import decide_on_rank0
 from txckpt.errors import InvalidArgumentError, ManifestError
 from txckpt.intents import GRACE_SECONDS, process_start, writer_status
 from txckpt.manifest import MANIFEST_NAME, Manifest, read_manifest_at
+from txckpt.parts import TREE_NAME, part_name
 from txckpt.root import CheckpointRoot
 from txckpt.storage import local
 
@@ -116,6 +117,8 @@ def _check_replaceable(d: str, new: Manifest) -> None:
             "a directory of its own")
     old = _manifest_of(d)
     allowed = set(new.files) | set(old.files if old is not None else ()) | {MANIFEST_NAME}
+    if old is not None and old.parts is not None:  # a multi-rank checkpoint's parts and tree (format /2)
+        allowed |= {part_name(r) for r in range(old.parts.count)} | {TREE_NAME}
     dirs = {n.rsplit("/", i)[0] for n in allowed for i in range(1, n.count("/") + 1)}
     foreign: list[str] = []
     for top, subdirs, files in os.walk(d):
