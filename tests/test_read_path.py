@@ -20,7 +20,11 @@ from txckpt.storage.base import Storage
 from benchmarks import hops
 
 MAX_LOAD_HOPS = 50
-MAX_SAVE_HOPS = 110
+#: 109 before format /2 (per-rank parts). It added two calls to every save, both inherent: the
+#: staging check (step 7) moved from transactions (at the 600-line cap) into rankparts, beside
+#: its per-part form, and the commit entry's file count and bytes are the manifest's to say (a /2
+#: manifest holds them for the parts it does not list).
+MAX_SAVE_HOPS = 112
 
 
 @pytest.fixture(autouse=True)
@@ -84,7 +88,7 @@ def test_a_warm_verified_load_makes_at_most_50_hops():
         f"{n:4d}  {a} -> {b}" for (a, b), n in t.edges.most_common())
 
 
-def test_a_warm_synchronous_save_makes_at_most_110_hops():
+def test_a_warm_synchronous_save_makes_at_most_112_hops():
     # In a process of its own, as `python -m benchmarks.hops save` counts it: a test process
     # holds what earlier tests left (an async saver makes every save ask which root it is).
     out = subprocess.run([sys.executable, "-m", "benchmarks.hops", "save", "--edges"], capture_output=True,

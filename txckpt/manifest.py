@@ -117,12 +117,15 @@ def check_step(step: Any, what: str = "step") -> int:
     return step
 
 
+_PARTS_PREFIX = parts.PARTS_DIR + "/"
+
+
 def check_file_name(name: str) -> str:
     """A name a checkpoint may hold: relative, no '..', not the manifest itself nor its parts."""
     check_relative_key(name)
     if name == MANIFEST_NAME:
         raise UnsafePathError(f"{MANIFEST_NAME!r} is reserved for txckpt's manifest")
-    if parts.is_part_file(name):
+    if name == parts.PARTS_DIR or name.startswith(_PARTS_PREFIX):  # parts.is_part_file, inline: every name passes here
         raise UnsafePathError(f"{parts.PARTS_DIR!r} is reserved for txckpt's manifest parts: rename {name!r}")
     return name
 

@@ -117,6 +117,9 @@ def _checked_parts(storage: Storage, key: str, txid: str, records: list[parts.Re
     return {n: e for n, e in everything.items() if n not in in_parts}
 
 
+_PARTS_PREFIX = parts.PARTS_DIR + "/"
+
+
 def staged_files(storage: Storage, key: str, files: dict[str, FileEntry], durable: bool,
                  relink: Relink) -> dict[str, FileEntry]:
     """Step 7 on the staging directory: ``files`` (every rank's reports) and the files code
@@ -127,7 +130,7 @@ def staged_files(storage: Storage, key: str, files: dict[str, FileEntry], durabl
     unreported = []
     present: dict[str, int] = {}
     for name, size in storage.walk_files(key):
-        if parts.is_part_file(name):
+        if name.startswith(_PARTS_PREFIX):  # parts.is_part_file, inline: once per staged file
             continue
         present[name] = size
         if "/" in name:
