@@ -192,7 +192,7 @@ def test_save_state_into_directories_of_their_own_never_makes_a_root_outside_pro
     whose name ends in digits, nested directories, a re-save into the same directory. Each loads
     back what was saved into it (by TransactionalAccelerator and by stock Accelerator), and no
     directory other than project_dir ever receives .txckpt (or any txckpt file but the
-    checkpoint's own txckpt-manifest.json)."""
+    checkpoint's own txckpt-manifest.json and, of a 2-process save, its txckpt-parts/)."""
     runs = local_runs
     base = runs.base
     cwd, tmp = os.path.join(base, "cwd"), os.path.join(base, "tmp")
