@@ -89,9 +89,10 @@ def consolidate(ckpt, dest):
     found = json.loads(p.stdout.strip().splitlines()[-1])
     assert found["refused"] and "model.safetensors" in found["refused"]
     assert found["keys"] == ["fc.bias", "fc.weight"] and found["round_trip"]
-    before = set(txckpt.read_manifest(ckpt).files)
+    manifest = txckpt.read_manifest(ckpt)
     on_disk = {os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs}
-    assert on_disk == before | {txckpt.MANIFEST_NAME}
+    # the consolidation wrote nothing into the checkpoint: its files, the manifest, its parts (/2)
+    assert on_disk == set(manifest.files) | {txckpt.MANIFEST_NAME} | set(manifest.meta_files())
 
 
 def file_digests(path):
