@@ -84,24 +84,32 @@ def claim(root: Root, state: State) -> None:
     session.writer_lineage = lineage
 
 
-def new_lineage(root: Root, *, external_parent: str | os.PathLike | None = None) -> str:
-    """Start a new root lineage (no parent, or an external checkpoint path as parent)."""
+def new_lineage(root: Root, *, external_parent: str | os.PathLike | None = None,
+                lineage_id: str | None = None) -> str:
+    """Start a new root lineage (no parent, or an external checkpoint path as parent).
+    ``lineage_id``: see ``fork``."""
     if root.state().seq < 0 and root.legacy_checkpoints():
         root.adopt()
     history = root.history()
     parent = None if external_parent is None else ExternalParent(os.fspath(external_parent))
-    return fork(root, parent, history, reason="root" if parent is None else "external")
+    return fork(root, parent, history, reason="root" if parent is None else "external", lineage_id=lineage_id)
 
 
 def fork(root: Root, parent: Parent, history: History, reason: str, *, announce: bool = True,
-         damaged: list[dict[str, Any]] | None = None) -> str:
+         damaged: list[dict[str, Any]] | None = None, lineage_id: str | None = None) -> str:
     """Append a fork entry (§10); returns the new lineage. ``announce=False``: the caller retires
     what the fork abandons (retention.rewind) and says so itself, instead of the "kept intact"
     warning. ``damaged``: the checkpoints a restart found damaged (txckpt/fallback.py), recorded
-    in the entry and named in the one warning."""
+    in the entry and named in the one warning. ``lineage_id``: the new lineage's id instead of a
+    fresh one: a tiered root's replicator repeats the fast tier's fork on the durable tier under
+    the same id (protocol §14), so one id names the lineage on both tiers."""
     session = root.shared
     expected_head = history.state.head
-    lid = new_lineage_id(history.state.lineages)
+    if lineage_id is not None and lineage_id in history.state.lineages:
+        raise ConcurrentWriterError(
+            f"lineage {lineage_id} already exists in {root.url}; a replicated fork is appended "
+            "once: check `txckpt log` on that root")
+    lid = lineage_id if lineage_id is not None else new_lineage_id(history.state.lineages)
     abandoned: list[Checkpoint] = []
     restored: list[Checkpoint] = []
 
