@@ -25,3 +25,176 @@ def test_a_replicated_fork_is_appended_once(tmp_path):
     with pytest.raises(ConcurrentWriterError, match=lid):
         commit.new_lineage(durable, lineage_id=lid)
     assert durable.state().seq == seq
+
+
+# ----- TieredRoot ---------------------------------------------------------------------------------
+import os  # noqa: E402
+
+import torch  # noqa: E402
+
+import txckpt  # noqa: E402
+from txckpt.errors import ReplicationError, StepConflictError  # noqa: E402
+from txckpt.root import forget_roots  # noqa: E402
+from txckpt.tiered import TieredRoot  # noqa: E402
+
+
+def files(step: int, base: torch.Tensor | None = None):
+    """A checkpoint with a frozen base (shared across saves when ``base`` is the same) and
+    files that change with ``step``."""
+    return {
+        "base.safetensors": {"w": base if base is not None else torch.arange(4096, dtype=torch.float32)},
+        "adapter.safetensors": {"a": torch.full((64,), float(step))},
+        "optimizer.pt": {"step": step},
+        "trainer_state.json": {"global_step": step},
+    }
+
+
+@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
+def durable(request, tmp_path):
+    """(url, storage_options) of an empty durable tier on each backend."""
+    if request.param == "local":
+        return str(tmp_path / "durable"), {}
+    return request.getfixturevalue(f"{request.param}_root")
+
+
+@pytest.fixture
+def tiered(tmp_path, durable):
+    forget_roots()
+    url, options = durable
+    yield TieredRoot(str(tmp_path / "fast"), url, options)
+    forget_roots()
+
+
+def durable_root(t: TieredRoot) -> txckpt.CheckpointRoot:
+    return txckpt.CheckpointRoot(t.durable, t.storage_options)
+
+
+def test_a_save_commits_on_the_fast_tier_and_becomes_durable_under_the_same_txid_and_lineage(tiered):
+    path = txckpt.save_checkpoint(tiered, 1, files(1))
+    assert path.startswith(tiered.fast)
+    txckpt.save_checkpoint(tiered, 2, files(2))
+    tiered.wait_durable()
+    assert tiered.pending() == []
+    fast = {c.txid: c for c in tiered.fast_root.checkpoints("all")}
+    dur = {c.txid: c for c in durable_root(tiered).checkpoints("all")}
+    assert set(fast) == set(dur) and len(dur) == 2
+    for txid, c in fast.items():
+        assert (dur[txid].step, dur[txid].lineage) == (c.step, c.lineage)
+        fm, dm = txckpt.read_manifest(c.path), txckpt.verify_checkpoint(dur[txid].path, storage_options=tiered.storage_options)
+        assert {n: (e.size, e.checksum) for n, e in fm.files.items()} == {n: (e.size, e.checksum) for n, e in dm.files.items()}
+    assert durable_root(tiered).state().head == tiered.fast_root.state().head
+    # The durable tier on its own is an ordinary root: its newest checkpoint is step 2.
+    last = txckpt.get_last_checkpoint(tiered.durable, storage_options=tiered.storage_options)
+    assert txckpt.load_checkpoint(last, storage_options=tiered.storage_options)["optimizer.pt"] == {"step": 2}
+    assert txckpt.get_last_checkpoint(tiered) == path.replace("checkpoint-1", "checkpoint-2")
+
+
+def test_a_rollback_forks_on_both_tiers_and_keeps_the_abandoned_checkpoints(tiered):
+    for step in (1, 2, 3):
+        txckpt.save_checkpoint(tiered, step, files(step))
+    txckpt.resume(tiered, step=1)
+    txckpt.save_checkpoint(tiered, 2, files(20))
+    tiered.wait_durable()
+    d = durable_root(tiered)
+    assert d.state().head == tiered.fast_root.state().head
+    current = [(c.step, c.txid) for c in d.checkpoints("current")]
+    assert current == [(c.step, c.txid) for c in tiered.fast_root.checkpoints("current")]
+    assert [s for s, _ in current] == [1, 2]
+    assert sorted(c.step for c in d.checkpoints("all")) == [1, 2, 2, 3]  # nothing lost
+    last = txckpt.get_last_checkpoint(tiered.durable, storage_options=tiered.storage_options)
+    assert txckpt.load_checkpoint(last, storage_options=tiered.storage_options)["optimizer.pt"] == {"step": 20}
+
+
+def test_a_lost_fast_tier_resumes_from_the_newest_durable_checkpoint_and_continues_its_lineage(tiered, tmp_path):
+    import shutil
+
+    for step in (1, 2):
+        txckpt.save_checkpoint(tiered, step, files(step))
+    tiered.wait_durable()
+    lineage = tiered.fast_root.state().head
+    shutil.rmtree(tiered.fast)  # a new node
+    forget_roots()
+    fresh = TieredRoot(tiered.fast, tiered.durable, tiered.storage_options)
+    last = txckpt.get_last_checkpoint(fresh)
+    assert last is not None and not last.startswith(fresh.fast)
+    assert txckpt.resume(fresh) == last
+    assert txckpt.load_checkpoint(fresh)["optimizer.pt"] == {"step": 2}
+    with pytest.raises(StepConflictError, match="step 2 is already committed"):
+        txckpt.save_checkpoint(fresh, 2, files(2))
+    txckpt.save_checkpoint(fresh, 3, files(3))
+    fresh.wait_durable()
+    d = durable_root(fresh)
+    assert fresh.fast_root.state().head == d.state().head == lineage
+    assert [c.step for c in d.checkpoints("current")] == [1, 2, 3]
+    assert txckpt.get_last_checkpoint(fresh).startswith(fresh.fast)
+
+
+def test_a_load_fetches_exactly_the_missing_and_damaged_files_from_the_durable_tier(tiered):
+    path = txckpt.save_checkpoint(tiered, 1, files(1))
+    tiered.wait_durable()
+    sizes = {n: e.size for n, e in txckpt.read_manifest(path).files.items()}
+    os.unlink(os.path.join(path, "base.safetensors"))
+    os.unlink(os.path.join(path, "trainer_state.json"))
+    with open(os.path.join(path, "adapter.safetensors"), "r+b") as f:
+        f.seek(sizes["adapter.safetensors"] - 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    loaded = txckpt.load_checkpoint(tiered)
+    assert torch.equal(loaded["adapter.safetensors"]["a"], torch.full((64,), 1.0))
+    assert loaded["trainer_state.json"] == {"global_step": 1}
+    damaged = ("base.safetensors", "trainer_state.json", "adapter.safetensors")
+    assert tiered.last_fetched == {n: sizes[n] for n in damaged}
+    txckpt.verify_checkpoint(path)  # the fast copy is whole again
+    txckpt.load_checkpoint(tiered)
+    assert tiered.last_fetched == {}
+
+
+def test_a_damaged_file_of_a_checkpoint_not_yet_durable_fails_with_what_to_do(tiered, monkeypatch):
+    monkeypatch.setattr(TieredRoot, "_kick", lambda self: None)  # replication not yet run
+    path = txckpt.save_checkpoint(tiered, 1, files(1))
+    os.unlink(os.path.join(path, "optimizer.pt"))
+    with pytest.raises(txckpt.errors.IntegrityError, match="not durable"):
+        txckpt.load_checkpoint(tiered)
+    with pytest.raises(ReplicationError) as e:
+        tiered.wait_durable()
+    assert "optimizer.pt" in str(e.value.__cause__ or e.value) or e.value.txid
+
+
+def test_fast_tier_retention_keeps_every_checkpoint_that_is_not_durable(tiered, monkeypatch):
+    monkeypatch.setattr(TieredRoot, "_kick", lambda self: None)  # a durable tier that lags
+    for step in (1, 2, 3, 4):
+        txckpt.save_checkpoint(tiered, step, files(step))
+    policy = txckpt.RetentionPolicy(keep_last=1)
+    assert tiered.apply_retention(policy) == []
+    assert len(tiered.pending()) == 4
+    assert len(tiered.wait_durable()) == 4  # the backlog, on this thread
+    assert sorted(i.step for i in tiered.apply_retention(policy)) == [1, 2, 3]
+    assert [c.step for c in durable_root(tiered).checkpoints("current")] == [1, 2, 3, 4]
+
+
+def test_a_restart_replicates_what_the_previous_process_left_pending(tiered, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(TieredRoot, "_kick", lambda self: None)  # the process dies before replicating
+        txckpt.save_checkpoint(tiered, 1, files(1))
+        txckpt.save_checkpoint(tiered, 2, files(2))
+    forget_roots()
+    fresh = TieredRoot(tiered.fast, tiered.durable, tiered.storage_options)
+    assert [c.step for c in fresh.pending()] == [1, 2]
+    assert txckpt.resume(fresh).endswith("checkpoint-2")
+    fresh.wait_durable()
+    assert fresh.pending() == []
+    assert [c.step for c in durable_root(fresh).checkpoints("current")] == [1, 2]
+
+
+def test_the_durable_tier_shares_a_frozen_base_it_already_holds(tmp_path):
+    forget_roots()
+    t = TieredRoot(str(tmp_path / "fast"), str(tmp_path / "durable"))
+    base = torch.arange(4096, dtype=torch.float32)
+    one = txckpt.save_checkpoint(t, 1, files(1, base), incremental=True)
+    two = txckpt.save_checkpoint(t, 2, files(2, base), incremental=True)
+    assert os.stat(os.path.join(one, "base.safetensors")).st_ino == os.stat(os.path.join(two, "base.safetensors")).st_ino
+    t.wait_durable()
+    d = [c.path for c in durable_root(t).checkpoints("current")]
+    assert os.stat(os.path.join(d[0], "base.safetensors")).st_ino == os.stat(os.path.join(d[1], "base.safetensors")).st_ino
+    assert os.stat(os.path.join(d[0], "adapter.safetensors")).st_ino != os.stat(os.path.join(d[1], "adapter.safetensors")).st_ino

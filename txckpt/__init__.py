@@ -39,6 +39,7 @@ from .retention import (
 from .manifest import MANIFEST_NAME, Manifest
 from .rngstate import rng_state, set_rng_state
 from .root import CheckpointInfo, CheckpointRoot
+from .tiered import TieredRoot
 
 __version__ = "0.1.0"
 
@@ -58,6 +59,7 @@ __all__ = [
     "new_lineage",
     "CheckpointRoot",
     "CheckpointInfo",
+    "TieredRoot",
     "open_root",
     "forget_roots",
     "SingleProcess",

@@ -16,9 +16,10 @@ from .manifest import Manifest
 # The per-process root cache is root.py's; open_root/forget_roots stay importable from here.
 from .root import forget_roots, open_root
 from .storage import LocalStorage
+from .tiered import TieredRoot
 
 def save_checkpoint(
-    root: str | os.PathLike,
+    root: str | os.PathLike | TieredRoot,
     step: int,
     files: Mapping[str, Any],
     *,
@@ -38,14 +39,19 @@ def save_checkpoint(
     ``incremental=True``: a file whose bytes equal a file of one of the root's newest committed
     checkpoints is not written again but shared with it (a hard link on a local disk, a
     server-side copy on an object store); every checkpoint stays whole (docs/incremental.md).
+
+    ``root`` may be a :class:`txckpt.TieredRoot`: the save commits on its fast tier and is
+    replicated to its durable tier in the background (docs/tiered.md).
     """
+    if isinstance(root, TieredRoot):
+        return root.save(step, files, metadata=metadata, timeout=timeout, incremental=incremental)
     wait_for_root(root, storage_options)  # an async save of this root commits first
     return open_root(root, storage_options).save(step, files, metadata=metadata, timeout=timeout,
                                                  incremental=incremental)
 
 
 def transaction(
-    root: str | os.PathLike,
+    root: str | os.PathLike | TieredRoot,
     step: int,
     *,
     storage_options: Mapping[str, Any] | None = None,
@@ -57,13 +63,17 @@ def transaction(
     """A context manager for writers that need file handles or a directory; see
     :class:`txckpt.transactions.Transaction`. Commits on a clean exit, aborts on an exception.
     ``local_dir``: where a remote root's local scratch directory (``tx.directory``) goes.
-    ``incremental``: ``tx.save`` shares unchanged files, as :func:`save_checkpoint`."""
+    ``incremental``: ``tx.save`` shares unchanged files, as :func:`save_checkpoint`. A
+    :class:`txckpt.TieredRoot` commits on its fast tier and replicates in the background."""
+    if isinstance(root, TieredRoot):
+        return root.transaction(step, metadata=metadata, timeout=timeout, local_dir=local_dir,
+                                incremental=incremental)
     wait_for_root(root, storage_options)  # an async save of this root commits first
     return open_root(root, storage_options).transaction(step, metadata=metadata, timeout=timeout,
                                                         local_dir=local_dir, incremental=incremental)
 
 
-def get_last_checkpoint(root: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,
+def get_last_checkpoint(root: str | os.PathLike | TieredRoot, *, storage_options: Mapping[str, Any] | None = None,
                         missing_ok: bool = False) -> str | None:
     """Drop-in for ``transformers.trainer_utils.get_last_checkpoint``: the newest committed
     checkpoint of the current lineage, or None. Never a staging leftover, never an abandoned
@@ -75,7 +85,12 @@ def get_last_checkpoint(root: str | os.PathLike, *, storage_options: Mapping[str
 
     ``missing_ok=True`` (a script's first run and its restarts alike): None also for a root
     directory that does not exist yet, which the first save creates, as ``txckpt.resume(root)``
-    answers there. A missing bucket (container) still raises: no save can create one."""
+    answers there. A missing bucket (container) still raises: no save can create one.
+
+    A :class:`txckpt.TieredRoot`: the newest checkpoint of its current lineage committed on
+    either tier, by its fast-tier path while the fast tier holds it."""
+    if isinstance(root, TieredRoot):
+        return root.get_last_checkpoint()
     wait_for_root(root, storage_options)  # the state an async save of this root is changing
     r = open_root(root, storage_options)
     try:
@@ -102,7 +117,7 @@ def _on_rank0(fn, collective: bool | None, phase: str = "lineage change"):
 
 
 def resume(
-    root: str | os.PathLike,
+    root: str | os.PathLike | TieredRoot,
     step: int | None = None,
     *,
     path: str | os.PathLike | None = None,
@@ -127,7 +142,13 @@ def resume(
     Inside an initialised torch.distributed group every rank calls it: rank 0 changes the
     lineage once and every rank gets its answer (pass ``collective=False`` to call it from one
     rank alone).
+
+    A :class:`txckpt.TieredRoot` resumes on its fast tier (an empty one continues the durable
+    tier's lineage) and starts replicating what a previous process left pending.
     """
+    if isinstance(root, TieredRoot):
+        tiered = root
+        return _on_rank0(lambda: tiered.resume(step, path=path, on_damaged=on_damaged), collective)
     wait_for_root(root, storage_options)  # an async save of this root commits first
     return _on_rank0(lambda: open_root(root, storage_options).resume(step, path=path, on_damaged=on_damaged),
                      collective)
@@ -163,7 +184,7 @@ def verify_checkpoint(path: str | os.PathLike, *, storage_options: Mapping[str, 
 
 
 def load_checkpoint(
-    path: str | os.PathLike,
+    path: str | os.PathLike | TieredRoot,
     *,
     files: list[str] | None = None,
     map_location: Any = "cpu",
@@ -181,7 +202,13 @@ def load_checkpoint(
     anything is returned. No copy, and RAM only for the pages a tensor write touches; but the
     kernel may later read a hashed page from the disk again, and a file shortened under the
     mapping (txckpt never does: committed files are only unlinked) fails the process with SIGBUS
-    (docs/troubleshooting.md, "Loading with `mmap=True`"). Elsewhere (object stores) files are read."""
+    (docs/troubleshooting.md, "Loading with `mmap=True`"). Elsewhere (object stores) files are read.
+
+    ``path`` may be a :class:`txckpt.TieredRoot`: its newest checkpoint, read from the fast tier,
+    with any file missing or damaged there fetched from the durable tier first (docs/tiered.md)."""
+    if isinstance(path, TieredRoot):
+        return path.load(files=files, map_location=map_location, weights_only=weights_only,
+                         verify=verify, mmap=mmap)
     return reader.load(path, files=files, map_location=map_location, storage_options=storage_options,
                        weights_only=weights_only, verify=verify, mmap=mmap)
 

@@ -182,9 +182,10 @@ def describe_damaged(damaged: list[dict[str, Any]], naming: Naming = DEFAULT_NAM
 
 
 # ----- a save's phases that read or change the log (§8) ------------------------------------------
-def plan_save(root: Root, step: int) -> SavePlan:
+def plan_save(root: Root, step: int, *, txid: str | None = None) -> SavePlan:
     """Step 1: validate a save of ``step`` (checked by ``manifest.check_step`` already: the
-    transaction's first act) against the newest state; the plan the ranks share."""
+    transaction's first act) against the newest state; the plan the ranks share. ``txid``: a
+    tiered root's replica commits under the fast tier's txid (protocol §14), not a new one."""
     session = root.shared
     if session.writer_lineage is not None and session._known_state is not None:
         # This session holds a lineage: plan against the newest state it knows (its own last
@@ -219,7 +220,7 @@ def plan_save(root: Root, step: int) -> SavePlan:
             "with the step you restarted from; otherwise save a newer step."
         )
     parent = tip if tip is not None else info.parent
-    txid = new_txid(step, lineage)
+    txid = txid or new_txid(step, lineage)
     # The commit appends after this state without re-reading the log (§8); only the newest
     # plan is kept, so an aborted save leaves nothing behind.
     session._base_states = {txid: state}

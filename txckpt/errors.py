@@ -256,6 +256,16 @@ class AdoptionInProgressError(AdoptionError, ConcurrentWriterError):
     files changed between the two hashings). Wait for it to finish, then retry."""
 
 
+class ReplicationError(TxckptError):
+    """A tiered root's checkpoint could not be made durable (committed on the durable tier,
+    protocol §14). It stays committed on the fast tier, whose retention keeps it until it is
+    durable; the next save (or ``TieredRoot.wait_durable``) retries. ``txid``: the checkpoint,
+    where one is to blame; ``durable``: the durable tier's URL."""
+
+    txid: str | None
+    durable: str | None
+
+
 class LogCorruptError(TxckptError):
     """The root's commit log (``.txckpt/log``) is unreadable or inconsistent."""
 
@@ -460,6 +470,7 @@ __all__ = [
     "WeightsOnlyError",
     "AdoptionError", "AmbiguousCheckpointNameError", "AdoptionInProgressError",
     "LogCorruptError",
+    "ReplicationError",
     "TransactionAbortedError", "CoordinationTimeoutError",
     "StorageError", "TempFileRemovedError",
     "RemoteAccessError", "CredentialsError", "EndpointUnreachableError",

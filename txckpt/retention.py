@@ -277,17 +277,19 @@ def _read_metrics(root: Root, history: History, metric: str) -> dict[str, float]
 
 
 def plan_retention(root: Root, policy: RetentionPolicy, history: History | None = None,
-                   *, now: float | None = None) -> list[Checkpoint]:
-    """What ``policy`` lets go now, with leases, keep_best paths and metrics resolved."""
+                   *, now: float | None = None, protect: Iterable[str] = ()) -> list[Checkpoint]:
+    """What ``policy`` lets go now, with leases, keep_best paths and metrics resolved.
+    ``protect``: txids kept whatever the policy says (a tiered root's fast tier: the checkpoints
+    not yet durable, protocol §14)."""
     history = history or root.history()
     leased, _ = read_leases(root.storage, now)
-    protected = leased | _resolve_paths(root, policy.keep_best)
+    protected = leased | _resolve_paths(root, policy.keep_best) | set(protect)
     metrics = _read_metrics(root, history, policy.best_metric) if policy.best_metric else None
     return policy.decide(history, now=now, protected=protected, metrics=metrics, naming=root.publication.naming)
 
 
 def retire(root: Root, txids: Iterable[str], *, policy: RetentionPolicy | None = None,
-           decided_at: int | None = None, now: float | None = None) -> list[str]:
+           decided_at: int | None = None, now: float | None = None, protect: Iterable[str] = ()) -> list[str]:
     """Append one ``retire`` entry naming ``txids`` (phase one). Returns the txids it retired.
 
     The append validates against the newest state: a fork point or the head tip is never
@@ -305,7 +307,7 @@ def retire(root: Root, txids: Iterable[str], *, policy: RetentionPolicy | None =
         hist = root.history()  # incremental: reads only the entries appended since last time
         names = wanted
         if policy is not None and decided_at is not None and hist.state.seq != decided_at:
-            allowed = {c.txid for c in plan_retention(root, policy, hist, now=now)}
+            allowed = {c.txid for c in plan_retention(root, policy, hist, now=now, protect=protect)}
             names = [x for x in wanted if x in allowed]
         forbidden = protected_by_state(state) | protected_by_state(hist.state)
         chosen = [x for x in names if x in hist.checkpoints and x not in hist.retired and x not in forbidden]
@@ -349,17 +351,20 @@ def delete_checkpoint_data(root: Root, c: Checkpoint) -> list[str]:
 
 
 def apply_retention(root: Root, policy: RetentionPolicy, *, dry_run: bool = False,
-                    now: float | None = None) -> list[Any]:
+                    now: float | None = None, protect: Iterable[str] = ()) -> list[Any]:
     """Retire and delete what ``policy`` lets go; returns their :class:`~txckpt.CheckpointInfo`
     as it was before (state "current" or "abandoned"). ``dry_run`` only reports. Also finishes
-    the deletion of checkpoints retired earlier whose data a crash left behind."""
+    the deletion of checkpoints retired earlier whose data a crash left behind. ``protect``: as
+    :func:`plan_retention`'s."""
+    protect = set(protect)
     history = root.history(snapshot=not dry_run)
     decided_at = history.state.seq
-    going = plan_retention(root, policy, history, now=now)
+    going = plan_retention(root, policy, history, now=now, protect=protect)
     infos = {i.txid: i for i in root.describe(going, history=history)} if going else {}
     if dry_run:
         return [infos[c.txid] for c in going if c.txid in infos]
-    retired = set(retire(root, [c.txid for c in going], policy=policy, decided_at=decided_at, now=now))
+    retired = set(retire(root, [c.txid for c in going], policy=policy, decided_at=decided_at, now=now,
+                         protect=protect))
     finish_retired(root, now=now)
     ensure_reserve(root.storage, durable=root.durable)  # again, if a full disk used it up
     return [infos[c.txid] for c in going if c.txid in retired and c.txid in infos]

@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, BinaryIO, Iterable, Literal, Mapping
+from typing import Any, BinaryIO, Callable, Iterable, Literal, Mapping
 
 from . import errors, parts
 from .checksum import HashingWriter
@@ -23,7 +23,7 @@ from .claims import check_claims, claimed_names, hash_claimed
 from .coordination import Coordinator, GatheredElsewhere, current_coordinator, decide_on_rank0
 from .errors import CheckpointNotFoundError, InvalidArgumentError, TransactionAbortedError, storage_error
 from .commit import append_commit, clear_intent, committed_path, finish_commit, plan_save, snapshot_if_due
-from .incremental import Sharing
+from .incremental import Sharing, Source
 from .intents import reclaim_after_save, write_intent
 from .layout import checkpoint_name, intent_key
 from .manifest import (MANIFEST_NAME, FileEntry, Manifest, agree_files, check_file_name, check_new_file_name,
@@ -66,6 +66,7 @@ class Transaction:
         coordinator: Coordinator | None = None,
         local_dir: str | os.PathLike | None = None,
         incremental: bool = False,
+        txid: str | None = None,
     ):
         # Validated before anything formats it (a step of 5,000 digits cannot even be printed).
         step = check_step(step)
@@ -94,6 +95,7 @@ class Transaction:
         self._committer = False  # this rank commits (set by __enter__)
         self._manifest: Manifest | None = None
         self._claims: list[str] = []  # names and globs of tx.directory files this rank hashes itself
+        self._replica_txid = txid  # a tiered root's replica commits under its source's txid
 
     # ----- properties --------------------------------------------------------------------------
     @property
@@ -233,7 +235,7 @@ class Transaction:
         assert self._coord is not None
         try:
             try:
-                plan = plan_save(self._root, self.step)
+                plan = plan_save(self._root, self.step, txid=self._replica_txid)
                 # The intent carries this process's start time from /proc, which is what gc
                 # checks a local writer's liveness with (not this process's clock).
                 write_intent(self._root, plan, self._coord.world_size)
@@ -317,7 +319,7 @@ class Transaction:
     def save(self, name: str, obj: Any) -> None:
         """Write ``obj`` as file ``name`` by the rules of :func:`txckpt.save_checkpoint`; with
         ``incremental=True``, share it instead if a committed file has its bytes."""
-        if self._sharing is not None and self._share(name, obj):
+        if self._sharing is not None and self._share(name, lambda sharing: sharing.unchanged(name, obj)):
             return
         f: Any = self.open(name, "wb")  # a _TrackedWriter (kind, abort, sink_error), typed as a BinaryIO
         try:
@@ -340,14 +342,21 @@ class Transaction:
             f.abort()
             raise
 
-    def _share(self, name: str, obj: Any) -> bool:
-        """tx.save's incremental path (txckpt.incremental): True if ``obj`` is unchanged."""
+    def share_copy(self, name: str, entry: FileEntry) -> bool:
+        """A tiered root's replica (txckpt.tiered): share ``name`` if a committed file has the
+        size and checksum ``entry`` (its source's record) gives; False: the caller copies it."""
+        return self._sharing is not None and self._share(
+            name, lambda sharing: (s, entry.kind) if (s := sharing.matching(entry.size, entry.checksum)) else None)
+
+    def _share(self, name: str, find: Callable[[Sharing], tuple[Source, str] | None]) -> bool:
+        """The incremental path (txckpt.incremental): True if ``find`` names the committed file
+        (and the kind) that ``name`` shares."""
         assert self._sharing is not None
         self._require_open()
         check_new_file_name(name)
         if name in self._written or name in self._open_writers:
             raise InvalidArgumentError(f"{name!r} was already written in this transaction")
-        found = self._sharing.unchanged(name, obj)
+        found = find(self._sharing)
         if found is None:
             return False
         self._names.add(name, lambda n: n in self._written or n in self._open_writers, self._local_dir)
@@ -414,8 +423,7 @@ class Transaction:
         outcome = self._commit_or_abort(reports, decoded)
         if "error" in outcome:
             raise errors.decode_error(outcome["error"])
-        path: str = outcome["path"]
-        self.path = path
+        self.path = path = outcome["path"]
         reclaim_after_save(self._root)  # as __exit__: after the commit, never raises
         return path
 
