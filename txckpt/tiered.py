@@ -40,6 +40,7 @@ from .errors import (
     TxckptError,
 )
 from .fileio import fsync_dir, hash_file
+from .layout import tx_key
 from .lineage import Checkpoint, History
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest_at
 from .refs import ExternalParent, Ref
@@ -350,6 +351,10 @@ def _replicate_one(fast: CheckpointRoot, durable: CheckpointRoot, c: Checkpoint,
         raise ReplicationError(f"the manifest at {fast.storage.full_path(key)} is not the one the log "
                                f"committed for {c.txid}", txid=c.txid, durable=durable.url)
     _hold_lineage(durable, c.lineage, fast_hist)
+    # A replication of this txid that a crash interrupted left its staging (files, maybe a
+    # staged manifest): not committed (c is pending), and no other session can commit it now
+    # that this one holds the lineage, so it goes, and the save below starts from nothing.
+    durable.storage.delete_tree(tx_key(c.txid))
     try:
         with Transaction(durable, c.step, metadata=manifest.metadata, coordinator=SingleProcess(),
                          incremental=True, txid=c.txid) as tx:
