@@ -198,3 +198,38 @@ def test_the_durable_tier_shares_a_frozen_base_it_already_holds(tmp_path):
     d = [c.path for c in durable_root(t).checkpoints("current")]
     assert os.stat(os.path.join(d[0], "base.safetensors")).st_ino == os.stat(os.path.join(d[1], "base.safetensors")).st_ino
     assert os.stat(os.path.join(d[0], "adapter.safetensors")).st_ino != os.stat(os.path.join(d[1], "adapter.safetensors")).st_ino
+
+
+def test_an_async_save_and_a_transaction_on_a_tiered_root_become_durable(tiered):
+    future = txckpt.async_save(tiered, 1, files(1))
+    assert future.result().startswith(tiered.fast)
+    with txckpt.transaction(tiered, 2) as tx:
+        tx.save("optimizer.pt", {"step": 2})
+        with open(os.path.join(tx.directory, "config.json"), "w") as f:
+            f.write("{}")
+    tiered.wait_durable()
+    d = durable_root(tiered)
+    assert [c.step for c in d.checkpoints("current")] == [1, 2]
+    last = txckpt.get_last_checkpoint(tiered.durable, storage_options=tiered.storage_options)
+    assert set(txckpt.read_manifest(last, storage_options=tiered.storage_options).files) == {"optimizer.pt", "config.json"}
+
+
+def test_dcp_saves_through_a_tiered_root_and_loads_its_newest_checkpoint_repaired(tiered):
+    import torch.distributed.checkpoint as dcp
+
+    from txckpt.integrations.dcp import TransactionalReader, TransactionalWriter
+
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32), "b": torch.ones(8)}
+    dcp.save(state, storage_writer=TransactionalWriter(tiered, 1), no_dist=True)
+    tiered.wait_durable()
+    [c] = durable_root(tiered).checkpoints("current")
+    assert c.step == 1
+    path = txckpt.get_last_checkpoint(tiered)
+    shard = next(n for n in txckpt.read_manifest(path).files if n.endswith(".distcp"))
+    with open(os.path.join(path, shard), "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xff")
+    out = {"w": torch.zeros(1 << 16), "b": torch.zeros(8)}
+    dcp.load(out, storage_reader=TransactionalReader(tiered), no_dist=True)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+    assert list(tiered.last_fetched) == [shard]

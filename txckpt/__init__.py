@@ -11,6 +11,7 @@ tests/test_public_api.py checks both.
 """
 
 from .api import (
+    async_save,
     fetch_checkpoint,
     forget_roots,
     get_last_checkpoint,
@@ -24,7 +25,7 @@ from .api import (
     verify_checkpoint,
 )
 from . import preemption
-from .asyncsave import async_save, release_buffers, wait_for_saves
+from .asyncsave import release_buffers, wait_for_saves
 from .coordination import SingleProcess
 from .errors import TxckptError
 from .gc import collect_garbage

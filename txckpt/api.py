@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from . import reader
+import functools
+
+from . import asyncsave, reader
 from .asyncsave import wait_for_root
 from .coordination import SingleProcess, decide_on_rank0
 from .errors import RootNotFoundError
@@ -48,6 +50,21 @@ def save_checkpoint(
     wait_for_root(root, storage_options)  # an async save of this root commits first
     return open_root(root, storage_options).save(step, files, metadata=metadata, timeout=timeout,
                                                  incremental=incremental)
+
+
+@functools.wraps(asyncsave.async_save)
+def async_save(root: str | os.PathLike | TieredRoot, step: int, files: Mapping[str, Any], **kwargs: Any):
+    if isinstance(root, TieredRoot):  # on the fast tier; its commit wakes the replicator
+        root._continue_durable_lineage(step)
+        kwargs["storage_options"] = root.fast_storage_options or None
+        root = root.fast
+    return asyncsave.async_save(root, step, files, **kwargs)
+
+
+async_save.__doc__ = (asyncsave.async_save.__doc__ or "") + """
+    ``root`` may be a :class:`txckpt.TieredRoot`: the save commits on its fast tier, and its
+    durable tier receives it in the background after that (docs/tiered.md).
+    """
 
 
 def transaction(
@@ -214,5 +231,5 @@ def load_checkpoint(
 
 
 #: open_root and forget_roots are root.py's (the per-process root cache); re-exported here.
-__all__ = ["save_checkpoint", "transaction", "get_last_checkpoint", "resume", "new_lineage", "read_manifest",
+__all__ = ["save_checkpoint", "async_save", "transaction", "get_last_checkpoint", "resume", "new_lineage", "read_manifest",
            "verify_checkpoint", "load_checkpoint", "fetch_checkpoint", "open_root", "forget_roots"]

@@ -270,6 +270,11 @@ def finish_commit(root: Root, manifest: Manifest, entry: dict[str, Any]) -> str:
         raise where
     if where is None:  # pragma: no cover - the data was just written
         raise CheckpointNotFoundError(f"committed checkpoint {manifest.txid} vanished during publication")
+    for name, listener in list(root.shared.on_commit.items()):
+        try:
+            listener()
+        except Exception:  # committed is committed: a listener's failure is its own
+            log.warning("the %s listener of %s failed after commit %s", name, root.url, manifest.txid, exc_info=True)
     return storage.full_path(where)
 
 

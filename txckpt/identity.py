@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from typing import TYPE_CHECKING, Any, Generic, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, TypeVar
 
 from .layout import is_local_path
 from .storage import open_storage
@@ -154,6 +154,10 @@ class SessionState:
         #: commit (txckpt.rankparts): a save whose ranks report the same one commits without
         #: reading their parts (protocol §3a, the unchanged-structure fast path).
         self.part_structures: bytes | None = None
+        #: Called (no arguments, never raising) after each commit this process makes on the
+        #: root, by name: a tiered root's replicator is woken so (txckpt.tiered), whichever
+        #: path made the commit (a save, an async save, the DCP writer, an integration).
+        self.on_commit: dict[str, Callable[[], None]] = {}
 
 
 class Shared(Generic[T]):

@@ -54,6 +54,7 @@ class Session(Protocol):
     _known_state: "State | None"
     staging_reclaimed: bool
     part_structures: bytes | None
+    on_commit: "dict[str, Callable[[], None]]"
 
 
 class Root(Protocol):

@@ -76,6 +76,7 @@ class TieredRoot:
                  storage_options: Mapping[str, Any] | None = None, *,
                  fast_storage_options: Mapping[str, Any] | None = None):
         self.fast = os.fspath(fast)
+        self.fast_storage_options = dict(fast_storage_options or {})
         self.durable = os.fspath(durable)
         self.storage_options = dict(storage_options or {})
         #: The fast tier is the process's root for that directory (the functional API's too).
@@ -96,6 +97,10 @@ class TieredRoot:
         self._thread: threading.Thread | None = None
         #: name -> bytes fetched from the durable tier by the last :meth:`load` (its repairs).
         self.last_fetched: dict[str, int] = {}
+        # Every commit this process makes on the fast tier wakes the replicator, whatever made
+        # it (save, transaction, async_save, the DCP writer); the newest TieredRoot of a fast
+        # tier is the one that replicates it.
+        self.fast_root.shared.on_commit["tiered root"] = lambda: self._kick()
 
     def __repr__(self) -> str:
         return f"TieredRoot(fast={self.fast!r}, durable={self.durable!r})"
@@ -104,9 +109,7 @@ class TieredRoot:
     def save(self, step: int, files: Mapping[str, Any], **kwargs: Any) -> str:
         """:func:`txckpt.save_checkpoint` on the fast tier; replicated in the background."""
         self._continue_durable_lineage(step)
-        path = self.fast_root.save(step, files, **kwargs)
-        self._kick()
-        return path
+        return self.fast_root.save(step, files, **kwargs)  # its commit wakes the replicator
 
     @contextlib.contextmanager
     def transaction(self, step: int, **kwargs: Any) -> Iterator[Transaction]:
@@ -114,7 +117,6 @@ class TieredRoot:
         self._continue_durable_lineage(step)
         with self.fast_root.transaction(step, **kwargs) as tx:
             yield tx
-        self._kick()
 
     def _continue_durable_lineage(self, step: int | None = None) -> None:
         """An empty fast tier beside a durable tier with a log continues the durable tier's
@@ -336,6 +338,31 @@ def _pending(fast: CheckpointRoot, durable: CheckpointRoot) -> list[Checkpoint]:
                   key=lambda c: c.seq)
 
 
+# ----- for writers and readers that take a root (txckpt.integrations.dcp) -----------------------
+def save_target(root: Any, step: int, storage_options: Mapping[str, Any] | None) -> tuple[str, Mapping[str, Any] | None]:
+    """(path, storage_options) that a writer given ``root`` saves ``step`` to: a TieredRoot's
+    fast tier (its lineage continued first, §14; its commits wake the replicator), else ``root``."""
+    if isinstance(root, TieredRoot):
+        root._continue_durable_lineage(step)
+        return root.fast, root.fast_storage_options or None
+    return os.fspath(root), storage_options
+
+
+def load_source(path: Any, storage_options: Mapping[str, Any] | None) -> tuple[str, Mapping[str, Any] | None]:
+    """(path, storage_options) that a reader given ``path`` reads: a TieredRoot's newest
+    checkpoint (its fast copy repaired from the durable tier first, or its durable copy), else
+    ``path``."""
+    if not isinstance(path, TieredRoot):
+        return os.fspath(path), storage_options
+    where = path.get_last_checkpoint()
+    if where is None:
+        raise CheckpointNotFoundError(f"{path!r} has no committed checkpoint to load")
+    if path.fast_root.storage.key_of(where) is None:
+        return where, path.storage_options or None
+    path.repair(where)
+    return where, path.fast_storage_options or None
+
+
 # ----- one replication ----------------------------------------------------------------------------
 def _replicate_one(fast: CheckpointRoot, durable: CheckpointRoot, c: Checkpoint, fast_hist: History) -> str:
     """§14 steps 1-6 for fast checkpoint ``c``: its lineage on the durable tier (forked or
@@ -463,4 +490,4 @@ def _load_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["TieredRoot"]
+__all__ = ["TieredRoot", "save_target", "load_source"]

@@ -1,10 +1,9 @@
 """txckpt under torch.distributed.checkpoint (DCP): a StorageWriter that commits one txckpt
 checkpoint per ``dcp.save``, and a StorageReader that verifies what ``dcp.load`` reads.
 
-Save (docs/distributed.md, "DCP"): DCP plans on every rank, gathers the plans on its
-coordinator, scatters them back, lets every rank write, gathers the write results and calls
-``finish`` on the coordinator. The writer rides on exactly those collectives and adds none of its
-own, so it works on whatever group DCP uses and inside ``dcp.async_save``'s background thread:
+Save (docs/distributed.md, "DCP"): DCP plans on every rank, gathers the plans on its coordinator,
+scatters them back, lets every rank write, gathers the write results and calls ``finish`` on the
+coordinator. The writer adds no collective: it works on DCP's group and in ``dcp.async_save``:
 
 * ``prepare_local_plan`` (each rank) puts the step its writer was given in its plan;
 * ``prepare_global_plan`` (coordinator) refuses ranks that ask for another step, plans the txckpt
@@ -56,6 +55,7 @@ from ..manifest import FileEntry, kind_for_name, read_rank_files
 from ..rankparts import write_part
 from ..reader import Found, read_checked
 from ..root import open_root
+from ..tiered import TieredRoot, load_source, save_target
 from ..verify import FALLBACK_HINT, _wrong_checksum, verify_checkpoint_files
 from .dcp_compat import (  # torch's unpublished DCP names (DCP's own file format, item by item)
     CURRENT_DCP_VERSION,
@@ -157,10 +157,10 @@ class TransactionalWriter(StorageWriter):
     committed checkpoints is not written again; its file is shared (docs/incremental.md, "DCP").
     """
 
-    def __init__(self, root: str | os.PathLike, step: int, *, storage_options: Mapping[str, Any] | None = None,
+    def __init__(self, root: str | os.PathLike | TieredRoot, step: int, *, storage_options: Mapping[str, Any] | None = None,
                  metadata: Mapping[str, Any] | None = None, incremental: bool = False):
         super().__init__()
-        self.root = os.fspath(root)
+        self.root, storage_options = save_target(root, step, storage_options)  # a TieredRoot: its fast tier
         self.step = step
         self.incremental = incremental
         self.storage_options = dict(storage_options or {})
@@ -399,12 +399,12 @@ class TransactionalReader(StorageReader):
     an IntegrityError naming the file (inside DCP's CheckpointException, on every rank).
     """
 
-    def __init__(self, path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,
+    def __init__(self, path: str | os.PathLike | TieredRoot, *, storage_options: Mapping[str, Any] | None = None,
                  verify: str = "full"):
         super().__init__()
         if verify not in VERIFY_MODES:
             raise InvalidArgumentError(f"verify={verify!r}: choose one of {VERIFY_MODES}")
-        self.path = os.fspath(path)
+        self.path, storage_options = load_source(path, storage_options)  # a TieredRoot: its newest, repaired
         self.storage_options = dict(storage_options or {})
         self.verify = verify
         self._opened: tuple[Found, Metadata, dict[str, Any]] | None = None
