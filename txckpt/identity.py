@@ -158,6 +158,9 @@ class SessionState:
         #: root, by name: a tiered root's replicator is woken so (txckpt.tiered), whichever
         #: path made the commit (a save, an async save, the DCP writer, an integration).
         self.on_commit: dict[str, Callable[[], None]] = {}
+        #: By name: txids that retention of the root in this process must keep whatever its
+        #: policy says (a tiered root's fast tier: what is not durable yet), asked at each plan.
+        self.retention_guards: dict[str, Callable[[], set[str]]] = {}
 
 
 class Shared(Generic[T]):

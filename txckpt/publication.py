@@ -55,6 +55,7 @@ class Session(Protocol):
     staging_reclaimed: bool
     part_structures: bytes | None
     on_commit: "dict[str, Callable[[], None]]"
+    retention_guards: "dict[str, Callable[[], set[str]]]"
 
 
 class Root(Protocol):

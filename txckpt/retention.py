@@ -279,11 +279,13 @@ def _read_metrics(root: Root, history: History, metric: str) -> dict[str, float]
 def plan_retention(root: Root, policy: RetentionPolicy, history: History | None = None,
                    *, now: float | None = None, protect: Iterable[str] = ()) -> list[Checkpoint]:
     """What ``policy`` lets go now, with leases, keep_best paths and metrics resolved.
-    ``protect``: txids kept whatever the policy says (a tiered root's fast tier: the checkpoints
-    not yet durable, protocol §14)."""
+    ``protect``: txids kept whatever the policy says; so are those the root's session's
+    ``retention_guards`` name (a tiered root's fast tier: what is not durable yet, protocol §14)."""
     history = history or root.history()
     leased, _ = read_leases(root.storage, now)
     protected = leased | _resolve_paths(root, policy.keep_best) | set(protect)
+    for guard in list(root.shared.retention_guards.values()):
+        protected |= guard()
     metrics = _read_metrics(root, history, policy.best_metric) if policy.best_metric else None
     return policy.decide(history, now=now, protected=protected, metrics=metrics, naming=root.publication.naming)
 

@@ -101,6 +101,9 @@ class TieredRoot:
         # it (save, transaction, async_save, the DCP writer); the newest TieredRoot of a fast
         # tier is the one that replicates it.
         self.fast_root.shared.on_commit["tiered root"] = lambda: self._kick()
+        # And every retention of the fast tier in this process (the Trainer's save_total_limit
+        # too) keeps what is not durable yet.
+        self.fast_root.shared.retention_guards["tiered root"] = lambda: {c.txid for c in self.pending()}
 
     def __repr__(self) -> str:
         return f"TieredRoot(fast={self.fast!r}, durable={self.durable!r})"
@@ -218,6 +221,21 @@ class TieredRoot:
             fast_hist = self._source.history() if todo else History()
             return [_replicate_one(self._source, self._target, c, fast_hist) for c in todo]
 
+    def restore(self) -> str | None:
+        """Make an empty fast tier hold the durable tier's newest checkpoint of its current
+        lineage: copied (each file checked against the durable manifest) and committed on the
+        fast tier under the same txid and lineage id, so that code reading the fast directory as
+        a plain root (the Trainer) resumes from it locally. Returns its fast path; None if the
+        fast tier has a log already or the durable tier has no checkpoint. Call it on rank 0."""
+        if self.fast_root.state().seq >= 0 or not self._durable_exists():
+            return None
+        tip = self.durable_root.state().head_tip
+        if tip is None:
+            return None
+        self._adopt_lineage(None)  # the lineage, under the durable tier's id
+        history = self.durable_root.history()
+        return _replicate_one(self.durable_root, self.fast_root, history.checkpoints[tip.txid], history)
+
     # ----- lookup and lineage ---------------------------------------------------------------------
     def get_last_checkpoint(self) -> str | None:
         """The newest checkpoint of the current lineage committed on either tier: its fast path
@@ -272,8 +290,7 @@ class TieredRoot:
         """:func:`txckpt.apply_retention` on the fast tier, keeping every checkpoint that is not
         durable yet whatever ``policy`` says (§14). The durable tier's retention is its own:
         ``txckpt.apply_retention(txckpt.open_root(durable_url), policy)``."""
-        keep = {c.txid for c in self.pending()}
-        return retention.apply_retention(self.fast_root, policy, dry_run=dry_run, protect=keep)
+        return retention.apply_retention(self.fast_root, policy, dry_run=dry_run)  # guarded (__init__)
 
     # ----- loading --------------------------------------------------------------------------------
     def load(self, path: str | os.PathLike | None = None, **kwargs: Any) -> dict[str, Any]:

@@ -79,7 +79,7 @@ from .paths import (
 )
 from .rank_files import claim_rank_files
 from .remote_cache import RemoteCache
-from .resume import committed_step_path, resolve_on_rank0
+from .resume import committed_step_path, resolve_on_rank0, tiered_settings
 
 log = logging.getLogger("txckpt.transformers")
 
@@ -145,13 +145,14 @@ class TransactionalCheckpointMixin:
         super().__init_subclass__(**kwargs)
         _check_mro(cls)
 
-    def __init__(self, *args: Any, txckpt_root: str | os.PathLike | None = None,
+    def __init__(self, *args: Any, txckpt_root: str | os.PathLike | txckpt.TieredRoot | None = None,
                  txckpt_storage_options: dict[str, Any] | None = None,
                  txckpt_cache_dir: str | os.PathLike | None = None,
                  txckpt_timeout: float | None = None, txckpt_on_damaged: str | None = None,
                  txckpt_async_save: bool | str | None = None, txckpt_save_on_preemption: bool | float | None = None,
                  txckpt_incremental: bool | None = None, **kwargs: Any):
         _check_mro(type(self))
+        txckpt_root, txckpt_storage_options, self._txckpt_tiered = tiered_settings(txckpt_root, txckpt_storage_options)
         if txckpt_on_damaged is not None:
             check_on_damaged(txckpt_on_damaged)
         given = {"txckpt_on_damaged": txckpt_on_damaged, "txckpt_timeout": txckpt_timeout,

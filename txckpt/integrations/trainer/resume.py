@@ -17,6 +17,7 @@ from typing import Any, Callable
 import txckpt
 from txckpt import errors as _errors
 from txckpt.refs import ExternalParent
+from txckpt.tiered import TieredRoot
 
 from .paths import is_remote, is_url, is_within, named_step
 
@@ -41,6 +42,8 @@ def resolve_on_rank0(trainer: Any, resume: str | bool | None, root: str) -> str 
     Runs on rank 0 alone, which broadcasts the answer: lineage changes here are not collectives
     (collective=False), or the other ranks would be waited for twice."""
     so = trainer.txckpt_storage_options
+    if resume and getattr(trainer, "_txckpt_tiered", None) is not None:
+        trainer._txckpt_tiered.restore()  # an empty fast tier: the durable tip, committed there
     if resume is True:
         path = txckpt.open_root(root, so).resume(
             on_damaged=trainer.txckpt_on_damaged, verify=resume_check(trainer, root),
@@ -87,6 +90,20 @@ def resolve_on_rank0(trainer: Any, resume: str | bool | None, root: str) -> str 
         return txckpt.resume(root, local_step, storage_options=so, collective=False)
     txckpt.new_lineage(root, external_parent=path, storage_options=so, collective=False)
     return path if is_url(path) else os.fspath(resume)
+
+
+def tiered_settings(root: str | os.PathLike | TieredRoot | None, storage_options: dict | None
+                    ) -> tuple[str | os.PathLike | None, dict | None, TieredRoot | None]:
+    """``txckpt_root=TieredRoot(...)``: the Trainer saves to, and resumes from, its fast tier
+    as a plain root (its commits are replicated, its retention guarded: txckpt.tiered); a
+    restart on an empty fast tier first restores the durable tip there (``restore``)."""
+    if not isinstance(root, TieredRoot):
+        return root, storage_options, None
+    if storage_options is not None:
+        raise _errors.InvalidArgumentError(
+            "txckpt_storage_options with txckpt_root=TieredRoot(...): give the storage options to the "
+            "TieredRoot (storage_options= for its durable tier, fast_storage_options= for its fast one)")
+    return root.fast, root.fast_storage_options or None, root
 
 
 def committed_step_path(root: str, storage_options: dict | None, step: int) -> str | None:

@@ -1,0 +1,98 @@
+"""The Trainer on a TieredRoot (docs/tiered.md): ``txckpt_root=TieredRoot(fast, durable)`` saves
+to the fast tier and each commit becomes durable; ``save_total_limit`` never retires a
+checkpoint that is not durable; on a new node (the fast tier gone) ``resume_from_checkpoint=True``
+restores the durable tip onto the fast tier and continues exactly where the run stopped."""
+
+import shutil
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+import txckpt  # noqa: E402
+from txckpt.integrations.transformers import TransactionalTrainer  # noqa: E402
+from txckpt.root import forget_roots  # noqa: E402
+from tests.harness.tiny import Data, TinyConfig, TinyModel, make_args  # noqa: E402
+
+pytestmark = pytest.mark.trainer
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+class Begin(TrainerCallback):
+    step = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        type(self).step = state.global_step
+
+
+def train(tmp_path, root, steps, resume=None, **kw):
+    torch.manual_seed(0)
+    t = TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "out"), steps, **kw),
+                             train_dataset=Data(0), txckpt_root=root, callbacks=[Begin(), *kw.pop("cbs", [])])
+    t.train(resume_from_checkpoint=resume)
+    return t
+
+
+def tiered(tmp_path):
+    forget_roots()
+    return txckpt.TieredRoot(str(tmp_path / "fast"), str(tmp_path / "durable"))
+
+
+def test_the_trainer_saves_through_a_tiered_root_and_a_new_node_resumes_from_the_durable_tier(tmp_path):
+    root = tiered(tmp_path)
+    torch.manual_seed(0)
+    t = TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "out"), 6),
+                             train_dataset=Data(0), txckpt_root=root, callbacks=[StopAt(4)])
+    t.train()
+    root.wait_durable()
+    durable = txckpt.CheckpointRoot(root.durable)
+    assert [c.step for c in durable.checkpoints("current")] == [2, 4]
+    assert durable.state().head == root.fast_root.state().head
+
+    shutil.rmtree(root.fast)  # a new node
+    root = tiered(tmp_path)
+    torch.manual_seed(0)
+    t = TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "out"), 6),
+                             train_dataset=Data(0), txckpt_root=root, callbacks=[Begin()])
+    t.train(resume_from_checkpoint=True)
+    assert Begin.step == 4  # restored onto the fast tier, then resumed
+    root.wait_durable()
+    assert [c.step for c in txckpt.CheckpointRoot(root.durable).checkpoints("current")] == [2, 4, 6]
+    assert [c.step for c in root.fast_root.checkpoints("current")] == [4, 6]
+    # Exactly where a straight run of 6 steps ends.
+    torch.manual_seed(0)
+    TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "straight"), 6),
+                         train_dataset=Data(0)).train()
+    ref = txckpt.load_checkpoint(tmp_path / "straight" / "checkpoint-6", files=["model.safetensors"])
+    got = txckpt.load_checkpoint(root, files=["model.safetensors"])
+    for k, v in ref["model.safetensors"].items():
+        assert torch.equal(got["model.safetensors"][k], v), k
+
+
+def test_save_total_limit_keeps_what_is_not_durable_yet(tmp_path, monkeypatch):
+    monkeypatch.setattr(txckpt.TieredRoot, "_kick", lambda self: None)  # a durable tier that lags
+    root = tiered(tmp_path)
+    torch.manual_seed(0)
+    TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "out"), 6, save_total_limit=1),
+                         train_dataset=Data(0), txckpt_root=root).train()
+    assert [c.step for c in root.fast_root.checkpoints("current")] == [2, 4, 6]  # none durable: all kept
+    root.wait_durable()
+    assert [c.step for c in txckpt.CheckpointRoot(root.durable).checkpoints("current")] == [2, 4, 6]
+    assert [i.step for i in root.apply_retention(txckpt.RetentionPolicy(keep_last=1))] == [2, 4]
+
+
+def test_storage_options_belong_to_the_tiered_root(tmp_path):
+    with pytest.raises(txckpt.errors.InvalidArgumentError, match="give the storage options to the TieredRoot"):
+        TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "out"), 2),
+                             train_dataset=Data(0), txckpt_root=tiered(tmp_path), txckpt_storage_options={})
