@@ -128,13 +128,20 @@ class TransactionalAccelerator(Accelerator):
       on a local root, a server-side copy instead of an upload on an object store
       (docs/incremental.md). Saves into a root only (automatic naming, or ``<root>/<name>_<i>``);
       a directory of its own (``save_state(d)`` elsewhere) has no earlier checkpoint to share with.
+    * ``tiered``: a :class:`txckpt.TieredRoot`: automatic naming saves into its fast tier instead
+      of ``project_dir/checkpoints`` (each commit then replicated to its durable tier, retention
+      keeping what is not durable yet), and ``load_state()`` on an empty fast tier (a new node)
+      first restores the durable tier's newest checkpoint there (docs/tiered.md).
     """
 
     def __init__(self, *args: Any, txckpt_storage_options: Mapping[str, Any] | None = None,
                  txckpt_local_dir: str | os.PathLike | None = None, txckpt_timeout: float | None = None,
                  on_damaged: str = "raise", save_on_preemption: bool | float | None = False,
-                 incremental: bool = False, **kwargs: Any):
+                 incremental: bool = False, tiered: txckpt.TieredRoot | None = None, **kwargs: Any):
         check_on_damaged(on_damaged)
+        if tiered is not None and not isinstance(tiered, txckpt.TieredRoot):
+            raise InvalidArgumentError(f"tiered must be a txckpt.TieredRoot, not {type(tiered).__name__}")
+        self.txckpt_tiered = tiered
         save_on_preemption = False if save_on_preemption is None else save_on_preemption
         grace_s = _preemption_grace(save_on_preemption)
         self.txckpt_storage_options = dict(txckpt_storage_options or {})
@@ -153,7 +160,9 @@ class TransactionalAccelerator(Accelerator):
 
     # ----- where things go ---------------------------------------------------------------------
     def txckpt_root(self) -> str:
-        """The root of automatic naming: ``project_dir/checkpoints``."""
+        """The root of automatic naming: ``project_dir/checkpoints`` (``tiered``: its fast tier)."""
+        if self.txckpt_tiered is not None:
+            return self.txckpt_tiered.fast
         if self.project_dir is None:
             raise InvalidArgumentError(
                 "automatic_checkpoint_naming needs a project_dir (ProjectConfiguration(project_dir=...))")
@@ -349,6 +358,8 @@ class TransactionalAccelerator(Accelerator):
             if self.project_configuration.automatic_checkpoint_naming:
                 root = self.txckpt_root()
                 self._use_naming(root, ACCELERATE_NAMING)
+                if self.txckpt_tiered is not None:  # a new node: the durable tip, onto the fast tier
+                    decide_on_rank0(self.txckpt_tiered.restore, phase="tiered restore")
             elif self.project_dir is not None:
                 root = os.fspath(self.project_dir)  # save_state(f"{project_dir}/step_{n}")'s root
             else:
