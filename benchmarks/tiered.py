@@ -1,8 +1,9 @@
 """Tiered roots (issue 31 item 3; docs/tiered.md): what a fast local tier costs and saves.
 
 The durable tier is an S3 bucket (SeaweedFS when its `weed` binary is installed, else moto), the
-fast tier a local directory (fsync on). The checkpoint: 8 tensors of the size column's total in
-``model.safetensors``, a small ``optimizer.pt`` and ``trainer_state.json``. Rows, each from
+fast tier a local directory (fsync on). The checkpoint: 8 shards of the size column's total
+(``model-0000i-of-00008.safetensors``, one tensor each), a small ``optimizer.pt`` and
+``trainer_state.json``. Rows, each from
 interleaved rounds of its two methods (the order alternates):
 
 * *training-blocked time per save*: ``save_checkpoint(TieredRoot)`` (it returns once the fast
@@ -36,9 +37,9 @@ def _files(size: int, step: int) -> dict[str, Any]:
     import torch
 
     g = torch.Generator().manual_seed(step)
-    model = {f"layer{i}.w": torch.randn(size // 4 // 8, generator=g) for i in range(8)}
-    return {"model.safetensors": model, "optimizer.pt": {"step": step, "lr": 1e-4},
-            "trainer_state.json": {"global_step": step}}
+    shards = {f"model-{i + 1:05d}-of-00008.safetensors": {f"layer{i}.w": torch.randn(size // 4 // 8, generator=g)}
+              for i in range(8)}
+    return {**shards, "optimizer.pt": {"step": step, "lr": 1e-4}, "trainer_state.json": {"global_step": step}}
 
 
 def _rows(store: str, url: str, so: dict[str, Any], size: int, reps: int) -> list[dict[str, Any]]:
@@ -92,9 +93,9 @@ def _rows(store: str, url: str, so: dict[str, Any], size: int, reps: int) -> lis
         # Half the files deleted, one more flipped: exactly those bytes come back.
         path = txckpt.get_last_checkpoint(tiered)
         manifest = txckpt.read_manifest(path)
-        names = sorted(manifest.files, key=lambda n: manifest.files[n].size)
-        gone_names = names[::2]
-        flipped = names[1]
+        names = sorted(manifest.files)
+        gone_names = names[::2]  # half the files
+        flipped = names[1]  # and one more, one bit
         for n in gone_names:
             os.unlink(os.path.join(path, n))
         with open(os.path.join(path, flipped), "r+b") as f:

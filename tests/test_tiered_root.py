@@ -49,7 +49,8 @@ def files(step: int, base: torch.Tensor | None = None):
     }
 
 
-@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
+@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3),
+                        pytest.param("seaweedfs", marks=pytest.mark.seaweedfs)])
 def durable(request, tmp_path):
     """(url, storage_options) of an empty durable tier on each backend."""
     if request.param == "local":

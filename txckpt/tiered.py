@@ -356,7 +356,8 @@ def _pending(fast: CheckpointRoot, durable: CheckpointRoot) -> list[Checkpoint]:
 
 
 # ----- for writers and readers that take a root (txckpt.integrations.dcp) -----------------------
-def save_target(root: Any, step: int, storage_options: Mapping[str, Any] | None) -> tuple[str, Mapping[str, Any] | None]:
+def save_target(root: "str | os.PathLike[str] | TieredRoot", step: int,
+                storage_options: Mapping[str, Any] | None) -> tuple[str, Mapping[str, Any] | None]:
     """(path, storage_options) that a writer given ``root`` saves ``step`` to: a TieredRoot's
     fast tier (its lineage continued first, §14; its commits wake the replicator), else ``root``."""
     if isinstance(root, TieredRoot):
@@ -365,7 +366,8 @@ def save_target(root: Any, step: int, storage_options: Mapping[str, Any] | None)
     return os.fspath(root), storage_options
 
 
-def load_source(path: Any, storage_options: Mapping[str, Any] | None) -> tuple[str, Mapping[str, Any] | None]:
+def load_source(path: "str | os.PathLike[str] | TieredRoot",
+                storage_options: Mapping[str, Any] | None) -> tuple[str, Mapping[str, Any] | None]:
     """(path, storage_options) that a reader given ``path`` reads: a TieredRoot's newest
     checkpoint (its fast copy repaired from the durable tier first, or its durable copy), else
     ``path``."""
