@@ -12,6 +12,7 @@ promises (docs/tiered.md, "What a crash leaves"):
 
 import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -46,46 +47,51 @@ def durable_digests(root: str) -> dict[str, str]:
     return {c.txid: txckpt.read_manifest(c.path).digest for c in d.checkpoints("all") if c.path}
 
 
+def violations(fast: str, durable_url: str, so: dict, allowed: set[str], before: dict[str, str]) -> list[str]:
+    """protocol §14's promises after a crash, checked by a fresh process (module doc)."""
+    v: list[str] = []
+    durable = txckpt.CheckpointRoot(durable_url, so)
+    committed = {c.txid: c for c in durable.checkpoints("all")} if durable.state().seq >= 0 else {}
+    for c in committed.values():
+        if c.path is None:
+            if c.state != "retired":
+                v.append(f"durable checkpoint {c.txid} has no files")
+            continue
+        try:
+            txckpt.verify_checkpoint(c.path, storage_options=so)
+        except txckpt.TxckptError as e:
+            v.append(f"durable checkpoint {c.txid} fails verification: {e}")
+    for txid, digest in before.items():
+        c = committed.get(txid)
+        if c is None or c.path is None or txckpt.read_manifest(c.path, storage_options=so).digest != digest:
+            v.append(f"durable checkpoint {txid} is gone or changed")
+    fast_root = txckpt.CheckpointRoot(fast)
+    if fast_root.state().seq >= 0:
+        for txid in fast_root.history().retired:
+            if txid not in committed:
+                v.append(f"the fast tier retired {txid}, which is not durable")
+    txckpt.forget_roots()
+    t = TieredRoot(fast, durable_url, so)
+    last = txckpt.get_last_checkpoint(t)
+    if last is None:
+        v.append("lookup returned None")
+    else:
+        got = tags(t.load(last))
+        if len(got) != 1 or not got <= allowed:
+            v.append(f"lookup returned {last} with tags {sorted(got)}")
+    # A restart: resume, and everything pending becomes durable.
+    txckpt.forget_roots()
+    t = TieredRoot(fast, durable_url, so)
+    txckpt.resume(t)
+    t.wait_durable()
+    if t.pending():
+        v.append(f"still pending after a restart: {[c.txid for c in t.pending()]}")
+    return v
+
+
 def make_checker(allowed: set[str], before: dict[str, str]):
     def check(root: str, k: int, when: str) -> list[str]:
-        v: list[str] = []
-        durable = txckpt.CheckpointRoot(os.path.join(root, "durable"))
-        committed = {c.txid: c for c in durable.checkpoints("all")} if durable.state().seq >= 0 else {}
-        for c in committed.values():
-            if c.path is None:
-                if c.state != "retired":
-                    v.append(f"durable checkpoint {c.txid} has no files")
-                continue
-            try:
-                txckpt.verify_checkpoint(c.path)
-            except txckpt.TxckptError as e:
-                v.append(f"durable checkpoint {c.txid} fails verification: {e}")
-        for txid, digest in before.items():
-            c = committed.get(txid)
-            if c is None or c.path is None or txckpt.read_manifest(c.path).digest != digest:
-                v.append(f"durable checkpoint {txid} is gone or changed")
-        fast = txckpt.CheckpointRoot(os.path.join(root, "fast"))
-        if fast.state().seq >= 0:
-            hist = fast.history()
-            for txid in hist.retired:
-                if txid not in committed:
-                    v.append(f"the fast tier retired {txid}, which is not durable")
-        t = tiers(root)
-        last = txckpt.get_last_checkpoint(t)
-        if last is None:
-            v.append("lookup returned None")
-        else:
-            data = t.load(last)
-            got = tags(data)
-            if len(got) != 1 or not got <= allowed:
-                v.append(f"lookup returned {last} with tags {sorted(got)}")
-        # A restart: resume, and everything pending becomes durable.
-        t = tiers(root)
-        txckpt.resume(t)
-        t.wait_durable()
-        if t.pending():
-            v.append(f"still pending after a restart: {[c.txid for c in t.pending()]}")
-        return v
+        return violations(os.path.join(root, "fast"), os.path.join(root, "durable"), {}, allowed, before)
 
     return check
 
@@ -145,3 +151,91 @@ def test_sweep_tiered_restart_on_an_empty_fast_tier(tmp_path):
     result = sweep("tiered restart on an empty fast tier + save", template, str(tmp_path / "work"),
                    scenario, make_checker({"A-2", "A-3"}, before))
     report(result)
+
+
+@pytest.mark.seaweedfs
+def test_sweep_tiered_replication_to_seaweedfs_at_every_mutating_request(tmp_path, seaweedfs_cluster):
+    """The durable tier on SeaweedFS: SIGKILL before and after every mutating S3 request of a
+    tiered save's replication and the fast tier's retention (the fast tier's own file
+    operations are the local sweeps'). Each crash point gets a copy of the template's fast
+    directory and a server-side copy of its durable prefix."""
+    from tests.harness.backends import SEAWEEDFS_BUCKET
+    from tests.harness.procs import run_child
+    from tests.reliability.injectors import S3Injector
+    from tests.reliability.s3 import copy_prefix
+
+    so, client = seaweedfs_cluster.storage_options(), seaweedfs_cluster.boto3_client()
+    base = f"tiered-sweep-{os.getpid()}-{id(tmp_path) & 0xffff:x}"
+    url = lambda prefix: f"s3://{SEAWEEDFS_BUCKET}/{base}/{prefix}"  # noqa: E731
+    template_fast = str(tmp_path / "template-fast")
+
+    def build():  # in a child: the parent never starts s3fs's event loop before it forks
+        txckpt.forget_roots()
+        t = TieredRoot(template_fast, url("template"), so)
+        for s in (1, 2):
+            txckpt.save_checkpoint(t, s, files(f"A-{s}", s))
+        t.wait_durable()
+        d = txckpt.CheckpointRoot(url("template"), so)
+        return {c.txid: txckpt.read_manifest(c.path, storage_options=so).digest for c in d.checkpoints("all")}
+
+    code, out = run_child(build, timeout=300)
+    assert code == 0 and "ok" in out, out
+    before = out["ok"]
+
+    def scenario(fast: str, durable_url: str):
+        txckpt.forget_roots()
+        t = TieredRoot(fast, durable_url, so)
+        txckpt.save_checkpoint(t, 3, files("A-3", 3))
+        t.wait_durable()
+        t.apply_retention(txckpt.RetentionPolicy(keep_last=1))
+
+    def fresh(name: str) -> tuple[str, str]:
+        fast = str(tmp_path / f"{name}-fast")
+        shutil.copytree(template_fast, fast, symlinks=True)
+        copy_prefix(client, SEAWEEDFS_BUCKET, f"{base}/template", f"{base}/{name}")
+        return fast, url(name)
+
+    fast, durable_url = fresh("count")
+
+    def count():
+        inj = S3Injector(None, mode=None, root_prefix=f"{base}/count").install()
+        try:
+            scenario(fast, durable_url)
+        finally:
+            inj.uninstall()
+        return inj.records
+
+    code, out = run_child(count, timeout=300)
+    assert code == 0 and "ok" in out, out
+    ops = out["ok"]
+    points = [(k, when) for k in range(1, len(ops) + 1) for when in ("before", "after") if ops[k - 1]["mut"]]
+    found: list[str] = []
+    for k, when in points:
+        name = f"{k}-{when}"
+        fast, durable_url = fresh(name)
+
+        def child(fast=fast, durable_url=durable_url, name=name, k=k, when=when):
+            S3Injector(k, when=when, root_prefix=f"{base}/{name}").install()
+            scenario(fast, durable_url)
+            return "completed without reaching the crash point"
+
+        code, out = run_child(child, timeout=300)
+        op = ops[k - 1]["name"]
+        if code != -signal.SIGKILL:
+            found.append(f"{when} {op}: child was not killed: {code} {out}")
+            continue
+        code, verdict = run_child(lambda fast=fast, durable_url=durable_url: violations(
+            fast, durable_url, so, {"A-2", "A-3"}, before), timeout=300)
+        if code != 0:
+            found.append(f"{when} {op}: checker failed: {verdict}")
+        elif verdict["ok"]:
+            found += [f"{when} {op}: {v}" for v in verdict["ok"]]
+        shutil.rmtree(fast, ignore_errors=True)
+    line = (f"crash sweep [tiered replication to SeaweedFS]: {len(ops)} S3 requests "
+            f"({sum(1 for o in ops if o['mut'])} mutating), {len(points)} crash points "
+            f"(SIGKILL before and after each mutating one), {len(found)} violations")
+    from tests import conftest
+
+    conftest.SUMMARY_LINES.append(line)
+    print(line)
+    assert len(points) >= 10 and not found, "\n".join(found[:20])
