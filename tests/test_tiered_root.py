@@ -234,3 +234,22 @@ def test_dcp_saves_through_a_tiered_root_and_loads_its_newest_checkpoint_repaire
     dcp.load(out, storage_reader=TransactionalReader(tiered), no_dist=True)
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
     assert list(tiered.last_fetched) == [shard]
+
+
+@pytest.mark.distributed
+def test_two_ranks_save_through_a_tiered_root_and_rank_0_replicates_every_ranks_files(tmp_path):
+    from tests.children import dist_workers as dw
+    from tests.harness import launcher
+
+    fast, durable = str(tmp_path / "fast"), str(tmp_path / "durable")
+    run = launcher.launch(2, dw.tiered_save, str(tmp_path / "res"), fast=fast, durable=durable, steps=[1, 2])
+    assert all(r.exitcode == 0 and r.error is None for r in run.results), [(r.error, r.trace) for r in run.results]
+    assert run.results[0].ok["pending"] == []
+    d = txckpt.CheckpointRoot(durable)
+    assert [c.step for c in d.checkpoints("current")] == [1, 2]
+    for c in d.checkpoints("current"):
+        m = txckpt.verify_checkpoint(c.path)
+        assert set(m.files) == {f"rank{r}.{ext}" for r in (0, 1) for ext in ("pt", "bin")}
+        fast_m = txckpt.read_manifest(os.path.join(fast, f"checkpoint-{c.step}"))
+        assert m.txid == fast_m.txid and {n: e.checksum for n, e in m.files.items()} == \
+            {n: e.checksum for n, e in fast_m.files.items()}

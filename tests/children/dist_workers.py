@@ -295,3 +295,14 @@ def fallback_every_rank(rank: int, world: int, *, root: str) -> Any:
     step = txckpt.read_manifest(path).step
     saved = txckpt.save_checkpoint(root, step + 1, payload(rank, step + 1))
     return {"resumed": path, "saved": saved}
+
+
+def tiered_save(rank: int, world: int, *, fast: str, durable: str, steps: list[int]) -> Any:
+    """Saves of this rank's files through one TieredRoot per rank (tests/test_tiered_root.py):
+    only rank 0 replicates, so every rank's files must reach the durable tier through it."""
+    import txckpt
+
+    tiered = txckpt.TieredRoot(fast, durable)
+    paths = [txckpt.save_checkpoint(tiered, s, payload(rank, s)) for s in steps]
+    tiered.wait_durable()
+    return {"paths": paths, "pending": [c.step for c in tiered.pending()]}
