@@ -297,6 +297,18 @@ class Storage(abc.ABC):
     def open_read(self, key: str) -> BinaryIO:
         """A readable binary stream of ``key``. Raises FileNotFoundError."""
 
+    def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The bytes at each ``(offset, length)`` of ``key`` (fewer where the file ends first),
+        and no others: a remote store overrides it with one ranged request per range, where a
+        stream's read-ahead would fetch the rest of the file (a loading rank's Merkle proof,
+        protocol §3a, must not cost it the whole tree). Raises FileNotFoundError."""
+        out = []
+        with self.open_read(key) as f:
+            for offset, length in ranges:
+                f.seek(offset)
+                out.append(f.read(length))
+        return out
+
     @abc.abstractmethod
     def exists(self, key: str) -> bool:
         """Whether a file or directory exists at ``key``, fresh."""
