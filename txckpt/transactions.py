@@ -454,7 +454,8 @@ class Transaction:
                                         directory=self._local_dir is not None and not self._temp_root)
                 self._writes.wait()
             except OSError as e:
-                raise storage_error(e, "upload the checkpoint's files and this rank's part of the manifest") from e
+                raise storage_error(e, "upload the checkpoint's files" + (" and this rank's part of the manifest"
+                                                                          if not self._alone else "")) from e
             return {"rank": self.rank, "files": files, **({"record": record} if record else {})}
         except Exception as e:
             self._cancel_writes()
