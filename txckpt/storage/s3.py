@@ -14,7 +14,7 @@ from ..fileio import BufferRead, open_regular_file
 from .base import WriteBatch
 from .errors import log_retries
 from .fsspec import FsspecStorage
-from .s3_download import ranged_copy, ranged_read
+from .s3_download import ranged_copy, ranged_read, ranged_to_file
 from .s3_upload import _run, _S3Writer, _S3WriteBatch
 
 #: Multipart upload tuning for S3 (see docs/remote.md for the measurements behind them).
@@ -280,6 +280,13 @@ class S3Storage(FsspecStorage):
             return None  # one GET streamed is as fast, in one request
         return ranged_copy(self.fs, self.bucket, self._obj(key), size, write, part=S3_READ_PART,
                            in_flight=S3_READ_IN_FLIGHT)
+
+    def read_to_file(self, key: str, size: int, fd: int,
+                     progress: Callable[[int], Any] | None = None) -> tuple[int, str] | None:
+        if size <= S3_READ_PART:
+            return None  # one GET streamed is as fast, in one request
+        return ranged_to_file(self.fs, self.bucket, self._obj(key), size, fd, part=S3_READ_PART,
+                              in_flight=S3_READ_IN_FLIGHT, progress=progress)
 
     def _head(self, key: str) -> dict | None:
         obj = self._obj(key)

@@ -10,15 +10,21 @@ object's size: an object that is not ``size`` bytes is :class:`~txckpt.fileio.Si
 before the rest is read. Nothing here decides that the bytes are good: the caller compares the
 digest with the manifest before it hands out anything decoded from the buffer (txckpt.verify).
 
-``ranged_copy`` downloads the same way into a bounded window of part buffers and hands the
-parts, in order, to a writer (``S3Storage.read_through``: a fetch to local disk), hashing them.
+``ranged_to_file`` downloads the same way into a bounded window of part buffers and writes each
+part at its offset of a local file as it lands (``S3Storage.read_to_file``: a fetch to local
+disk), from a few threads; ``ranged_copy`` hands the parts, in order, to a writer (a fetch into
+another store), hashing them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import os
 import queue
+import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
 
 from ..checksum import new_hasher
@@ -79,10 +85,48 @@ async def _get_all(count: int, get: Callable[[int], Awaitable[None]], in_flight:
         raise
 
 
+#: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14): fault a range's pages in, writable, in one call.
+_MADV_POPULATE_WRITE = 23
+PREFAULT = os.environ.get("TXCKPT_S3_READ_PREFAULT", "1") == "1"
+_madvise: list[Any] = []  # libc's madvise, once looked up; [None]: not available here
+
+
+def _libc_madvise() -> Any:
+    if not _madvise:
+        fn = None
+        if sys.platform.startswith("linux"):
+            try:
+                fn = ctypes.CDLL(None, use_errno=True).madvise
+                fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+            except (OSError, AttributeError):
+                fn = None
+        _madvise.append(fn)
+    return _madvise[0]
+
+
+def _prefault(address: int, size: int, part: int) -> None:
+    """Fault in the pages of a new buffer, part by part, ahead of the downloads (a thread of its
+    own: ctypes releases the GIL). One call per part costs about half the CPU of the 4 KiB page
+    faults the download loop would otherwise take one by one while it copies the parts in
+    (256 MiB: ~55 ms against ~95 ms, measured here), and takes them off the loop's thread. The
+    contents are not touched, so a part that lands first loses nothing; on a kernel without it
+    the first call fails and the loop faults the pages in as before."""
+    madvise = _libc_madvise()
+    page = 4096
+    lo_end = (address + size) & ~(page - 1)
+    for a in range(address, address + size, part):
+        lo, hi = (a + page - 1) & ~(page - 1), min((a + part) & ~(page - 1), lo_end)
+        if hi > lo and madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
+            return
+
+
 def ranged_read(fs: Any, bucket: str, obj: str, size: int, *, hash: bool, part: int, in_flight: int) -> BufferRead:
     """Read object ``obj`` (``size`` bytes, ``size`` > 0) into a new uint8 tensor; returns once
     the last byte is in it, its hash possibly still finishing (:class:`~txckpt.fileio.BufferRead`)."""
     buf = new_buffer(size)
+    if PREFAULT and _libc_madvise() is not None:
+        threading.Thread(target=_prefault, args=(buf.data_ptr(), size, part), name="txckpt-prefault",
+                         daemon=True).start()
     view = memoryview(buf.numpy())
     hasher = new_hasher() if hash else None
     worker = HashWorker(hasher) if hasher is not None else None
@@ -181,4 +225,145 @@ def ranged_copy(fs: Any, bucket: str, obj: str, size: int, write: Callable[[memo
     return size, hasher.hexdigest()
 
 
-__all__ = ["ranged_copy", "ranged_read"]
+#: Threads writing a fetch's parts at their offsets (``os.pwrite`` releases the GIL: the page
+#: cache copy of one part runs beside the downloads and the other parts' copies).
+FILE_WRITERS = 4
+#: A fetch to a local file hashes the parts in order as they are written ("inline", holding a
+#: part until it is hashed as well) or re-reads the written file, still in the page cache,
+#: after the last part ("after"); benchmarks/s3load.py measured both (docs/remote.md).
+HASH_MODE = os.environ.get("TXCKPT_S3_FETCH_HASH", "inline")
+_pwrite = os.pwrite  # one name, so the tests can see which part is written when
+_HASH_BLOCK = 8 << 20  # the block the "after" hash re-reads the file in
+
+
+def _write_at(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):  # pwrite may write less than asked (a signal, a full pipe of a FUSE disk)
+        n = _pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _hash_file(fd: int, size: int, hasher: Any) -> None:
+    block = bytearray(min(size, _HASH_BLOCK))
+    view, pos = memoryview(block), 0
+    while pos < size:
+        n = os.preadv(fd, [view[:min(len(view), size - pos)]], pos)
+        if n <= 0:
+            raise SizeMismatch(pos)  # the file is shorter than written: truncated meanwhile
+        hasher.update(view[:n])
+        pos += n
+
+
+def ranged_to_file(fs: Any, bucket: str, obj: str, size: int, fd: int, *, part: int, in_flight: int,
+                   progress: Callable[[int], Any] | None = None, hash_mode: str | None = None,
+                   writers: int | None = None) -> tuple[int, str]:
+    """Copy object ``obj`` (``size`` bytes, ``size`` > 0) into the local file open for writing
+    at ``fd`` (written at offsets 0 .. ``size``), hashing it; returns ``(size, xxh3-128)``.
+
+    Parts download as for :func:`ranged_read`, each into a buffer of the window; as each lands
+    it is written at its offset by one of ``writers`` threads, whatever the order they land
+    in. A part starts only once a buffer of the window is free (``in_flight`` + 4 buffers, 192
+    MiB at the defaults, reused part after part), so the bytes held are bounded whatever the
+    object's size and however the parts arrive. The hash ("inline") follows the parts in order
+    on a thread of its own, a buffer freed once its part is written and hashed; or ("after")
+    re-reads the file once the last part is written. ``progress`` is called (on the download
+    loop) with each part's size once it is written. Returns only after every write has ended:
+    nothing writes to ``fd`` after this returns or raises. The caller compares the digest
+    with the manifest before it publishes the file."""
+    inline = (hash_mode or HASH_MODE) != "after"
+    hasher = new_hasher()
+    parts = [(a, min(a + part, size)) for a in range(0, size, part)]
+    window = min(len(parts), in_flight + 4)
+    pool = ThreadPoolExecutor(max(1, writers or FILE_WRITERS), thread_name_prefix="txckpt-pwrite")
+    loop = fs.loop
+    free: list[memoryview] = []  # part buffers of the window not in use, reused
+    owed: dict[int, int] = {}  # part -> how many of (written, hashed) it still waits for
+    landed: dict[int, tuple[memoryview, memoryview]] = {}  # landed, not yet hashed (out of order)
+    next_hash = 0
+    to_hash: "queue.SimpleQueue[tuple[int, memoryview, memoryview] | None]" = queue.SimpleQueue()
+    failed: list[BaseException] = []
+    sems: dict[str, Any] = {}  # made on the loop (run_all)
+
+    def done(i: int, buffer: memoryview) -> None:  # on the loop: part i's step finished
+        owed[i] -= 1
+        if owed[i] == 0:
+            del owed[i]
+            free.append(buffer)
+            sems["room"].release()
+
+    def hash_in_order() -> None:  # a thread: xxhash releases the GIL for large buffers
+        while (item := to_hash.get()) is not None:
+            i, data, buffer = item
+            if not failed:
+                try:
+                    hasher.update(data)
+                except BaseException as e:  # raised in the caller's thread at the end
+                    failed.append(e)
+            loop.call_soon_threadsafe(done, i, buffer)
+
+    async def one(i: int) -> None:
+        nonlocal next_hash
+        a, b = parts[i]
+        buffer = free.pop() if free else memoryview(bytearray(part))
+        data = buffer[:b - a]
+        try:
+            try:
+                await _get_part(fs, bucket, obj, size, a, data)
+            finally:
+                sems["gate"].release()
+        except BaseException:
+            free.append(buffer)
+            sems["room"].release()
+            raise
+        if i == 0:
+            sems["first"].set_result(None)
+        owed[i] = 2 if inline else 1
+        if inline:
+            landed[i] = (data, buffer)
+            while next_hash in landed:
+                to_hash.put((next_hash, *landed.pop(next_hash)))
+                next_hash += 1
+        await loop.run_in_executor(pool, _write_at, fd, data, a)
+        if progress is not None:
+            progress(b - a)
+        done(i, buffer)
+
+    async def run_all() -> None:
+        sems["room"], sems["gate"] = asyncio.Semaphore(window), asyncio.Semaphore(max(1, in_flight))
+        sems["first"] = first = loop.create_future()  # part 0 has landed
+        tasks: list[asyncio.Future] = []
+        try:
+            for i in range(len(parts)):
+                await sems["room"].acquire()  # a free buffer: the bound on bytes held
+                await sems["gate"].acquire()  # a free connection slot
+                tasks.append(asyncio.ensure_future(one(i)))
+                if i == 0:  # alone until it lands: its Content-Range says whether the size is right
+                    await asyncio.wait([first, tasks[0]], return_when=asyncio.FIRST_COMPLETED)
+                if failed or any(t.done() and not t.cancelled() and t.exception() for t in tasks[-in_flight:]):
+                    break
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        if failed:
+            raise failed[0]
+
+    thread = threading.Thread(target=hash_in_order, name="txckpt-fetch-hash", daemon=True) if inline else None
+    if thread is not None:
+        thread.start()
+    try:
+        _run(fs, run_all())
+    finally:
+        pool.shutdown(wait=True)  # no write lands after the caller closes or deletes the file
+        if thread is not None:
+            to_hash.put(None)
+            thread.join()
+    if failed:
+        raise failed[0]
+    if not inline:
+        _hash_file(fd, size, hasher)
+    return size, hasher.hexdigest()
+
+
+__all__ = ["ranged_copy", "ranged_read", "ranged_to_file"]
