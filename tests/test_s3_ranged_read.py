@@ -309,7 +309,7 @@ def test_prefaulting_a_buffer_keeps_what_already_landed_in_it():
     view = memoryview(buf.numpy())
     landed = bytes(range(256)) * (PART // 256)
     view[2 * PART + 7:3 * PART + 7] = landed  # a part that landed before its pages were faulted in
-    s3_download._prefault(buf.data_ptr(), size, PART)
+    s3_download._prefault(buf, size, PART)
     assert bytes(view[2 * PART + 7:3 * PART + 7]) == landed
     view[:] = b"\x01" * size  # every page writable
     assert bytes(view[size - 3:]) == b"\x01\x01\x01"

@@ -104,7 +104,7 @@ def _libc_madvise() -> Any:
     return _madvise[0]
 
 
-def _prefault(address: int, size: int, part: int) -> None:
+def _prefault(buffer: Any, size: int, part: int) -> None:
     """Fault in the pages of a new buffer, part by part, ahead of the downloads (a thread of its
     own: ctypes releases the GIL). One call per part costs about half the CPU of the 4 KiB page
     faults the download loop would otherwise take one by one while it copies the parts in
@@ -112,11 +112,12 @@ def _prefault(address: int, size: int, part: int) -> None:
     contents are not touched, so a part that lands first loses nothing; on a kernel without it
     the first call fails and the loop faults the pages in as before."""
     madvise = _libc_madvise()
-    page = 4096
-    lo_end = (address + size) & ~(page - 1)
-    for a in range(address, address + size, part):
-        lo, hi = (a + page - 1) & ~(page - 1), min((a + part) & ~(page - 1), lo_end)
-        if hi > lo and madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
+    address = buffer.data_ptr()  # the tensor is held till the end: never advise freed memory
+    end = address + size
+    # From the page holding the first byte: advising a page shared with other memory leaves its
+    # bytes as they are, as it does this buffer's.
+    for a in range(address & ~4095, end, part):
+        if madvise(a, min(part, end - a), _MADV_POPULATE_WRITE) != 0:
             return
 
 
@@ -125,7 +126,7 @@ def ranged_read(fs: Any, bucket: str, obj: str, size: int, *, hash: bool, part: 
     the last byte is in it, its hash possibly still finishing (:class:`~txckpt.fileio.BufferRead`)."""
     buf = new_buffer(size)
     if PREFAULT and _libc_madvise() is not None:
-        threading.Thread(target=_prefault, args=(buf.data_ptr(), size, part), name="txckpt-prefault",
+        threading.Thread(target=_prefault, args=(buf, size, part), name="txckpt-prefault",
                          daemon=True).start()
     view = memoryview(buf.numpy())
     hasher = new_hasher() if hash else None
