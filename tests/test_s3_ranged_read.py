@@ -178,9 +178,10 @@ def test_ranged_copy_holds_a_bounded_window_of_parts(s3_root, small_parts, monke
 
 
 # ----- fetch to a local file: parts written at their offsets as they land (S3Storage.read_to_file)
-@pytest.fixture(params=["inline", "after"])
+@pytest.fixture(params=["follow", "inline", "after"])
 def hash_mode(request, monkeypatch):
-    """Both ways a fetch hashes what it wrote: in order as parts land, or the file afterwards."""
+    """Each way a fetch hashes what it wrote: the file in order behind the writes, the part
+    buffers in order as they land, or the file once written."""
     from txckpt.storage import s3_download
 
     monkeypatch.setattr(s3_download, "HASH_MODE", request.param)

@@ -229,10 +229,12 @@ def ranged_copy(fs: Any, bucket: str, obj: str, size: int, write: Callable[[memo
 #: Threads writing a fetch's parts at their offsets (``os.pwrite`` releases the GIL: the page
 #: cache copy of one part runs beside the downloads and the other parts' copies).
 FILE_WRITERS = 4
-#: A fetch to a local file hashes the parts in order as they are written ("inline", holding a
-#: part until it is hashed as well) or re-reads the written file, still in the page cache,
-#: after the last part ("after"); benchmarks/s3load.py measured both (docs/remote.md).
-HASH_MODE = os.environ.get("TXCKPT_S3_FETCH_HASH", "inline")
+#: How a fetch to a local file hashes it: "follow" (a thread re-reads the file, still in the
+#: page cache, in order behind the parts written so far: a part's buffer is free once written);
+#: "inline" (the same thread hashes the part buffers in order, a buffer held until hashed as
+#: well: one part that lands late holds up the whole window); "after" (the file is re-read once
+#: the last part is written). benchmarks/s3load.py measures the three (docs/remote.md).
+HASH_MODE = os.environ.get("TXCKPT_S3_FETCH_HASH", "follow")
 _pwrite = os.pwrite  # one name, so the tests can see which part is written when
 _HASH_BLOCK = 8 << 20  # the block the "after" hash re-reads the file in
 
@@ -243,9 +245,10 @@ def _write_at(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
-def _hash_file(fd: int, size: int, hasher: Any) -> None:
-    block = bytearray(min(size, _HASH_BLOCK))
-    view, pos = memoryview(block), 0
+def _hash_file(fd: int, size: int, hasher: Any, pos: int = 0) -> None:
+    """Hash bytes ``pos`` .. ``size`` of the file at ``fd``, read back in blocks."""
+    block = bytearray(min(size - pos, _HASH_BLOCK))
+    view = memoryview(block)
     while pos < size:
         n = os.preadv(fd, [view[:min(len(view), size - pos)]], pos)
         if n <= 0:
@@ -264,13 +267,16 @@ def ranged_to_file(fs: Any, bucket: str, obj: str, size: int, fd: int, *, part: 
     it is written at its offset by one of ``writers`` threads, whatever the order they land
     in. A part starts only once a buffer of the window is free (``in_flight`` + 4 buffers, 192
     MiB at the defaults, reused part after part), so the bytes held are bounded whatever the
-    object's size and however the parts arrive. The hash ("inline") follows the parts in order
-    on a thread of its own, a buffer freed once its part is written and hashed; or ("after")
-    re-reads the file once the last part is written. ``progress`` is called (on the download
+    object's size and however the parts arrive. The hash (``hash_mode``, default
+    :data:`HASH_MODE`) runs on a thread of its own: "follow" re-reads the file in order behind
+    the parts written so far, "inline" hashes the part buffers in order (a buffer is freed
+    once written and hashed), "after" re-reads the file once the last part is written.
+    ``progress`` is called (on the download
     loop) with each part's size once it is written. Returns only after every write has ended:
     nothing writes to ``fd`` after this returns or raises. The caller compares the digest
     with the manifest before it publishes the file."""
-    inline = (hash_mode or HASH_MODE) != "after"
+    mode = hash_mode or HASH_MODE
+    inline, follow = mode == "inline", mode == "follow"
     hasher = new_hasher()
     parts = [(a, min(a + part, size)) for a in range(0, size, part)]
     window = min(len(parts), in_flight + 4)
@@ -281,6 +287,9 @@ def ranged_to_file(fs: Any, bucket: str, obj: str, size: int, fd: int, *, part: 
     landed: dict[int, tuple[memoryview, memoryview]] = {}  # landed, not yet hashed (out of order)
     next_hash = 0
     to_hash: "queue.SimpleQueue[tuple[int, memoryview, memoryview] | None]" = queue.SimpleQueue()
+    written: set[int] = set()  # "follow": parts written beyond the contiguous prefix
+    prefix = [0]  # "follow": parts 0 .. prefix[0] - 1 are all written
+    frontier: "queue.SimpleQueue[int | None]" = queue.SimpleQueue()  # "follow": bytes written in order
     failed: list[BaseException] = []
     sems: dict[str, Any] = {}  # made on the loop (run_all)
 
@@ -300,6 +309,16 @@ def ranged_to_file(fs: Any, bucket: str, obj: str, size: int, fd: int, *, part: 
                 except BaseException as e:  # raised in the caller's thread at the end
                     failed.append(e)
             loop.call_soon_threadsafe(done, i, buffer)
+
+    def follow_file() -> None:  # a thread: preadv and xxhash release the GIL
+        pos = 0
+        while (end := frontier.get()) is not None:
+            if not failed:
+                try:
+                    _hash_file(fd, end, hasher, pos)
+                    pos = end
+                except BaseException as e:  # raised in the caller's thread at the end
+                    failed.append(e)
 
     async def one(i: int) -> None:
         nonlocal next_hash
@@ -326,6 +345,13 @@ def ranged_to_file(fs: Any, bucket: str, obj: str, size: int, fd: int, *, part: 
         await loop.run_in_executor(pool, _write_at, fd, data, a)
         if progress is not None:
             progress(b - a)
+        if follow:
+            written.add(i)
+            while prefix[0] in written:
+                written.discard(prefix[0])
+                prefix[0] += 1
+            if prefix[0] > i:  # this part extended the prefix: the thread may hash up to its end
+                frontier.put(parts[prefix[0] - 1][1])
         done(i, buffer)
 
     async def run_all() -> None:
@@ -350,7 +376,8 @@ def ranged_to_file(fs: Any, bucket: str, obj: str, size: int, fd: int, *, part: 
         if failed:
             raise failed[0]
 
-    thread = threading.Thread(target=hash_in_order, name="txckpt-fetch-hash", daemon=True) if inline else None
+    target = hash_in_order if inline else follow_file if follow else None
+    thread = threading.Thread(target=target, name="txckpt-fetch-hash", daemon=True) if target else None
     if thread is not None:
         thread.start()
     try:
@@ -358,11 +385,11 @@ def ranged_to_file(fs: Any, bucket: str, obj: str, size: int, fd: int, *, part: 
     finally:
         pool.shutdown(wait=True)  # no write lands after the caller closes or deletes the file
         if thread is not None:
-            to_hash.put(None)
+            (to_hash if inline else frontier).put(None)
             thread.join()
     if failed:
         raise failed[0]
-    if not inline:
+    if mode == "after":
         _hash_file(fd, size, hasher)
     return size, hasher.hexdigest()
 
