@@ -229,11 +229,14 @@ def ranged_copy(fs: Any, bucket: str, obj: str, size: int, write: Callable[[memo
 #: Threads writing a fetch's parts at their offsets (``os.pwrite`` releases the GIL: the page
 #: cache copy of one part runs beside the downloads and the other parts' copies).
 FILE_WRITERS = 4
-#: How a fetch to a local file hashes it: "follow" (a thread re-reads the file, still in the
+#: How a fetch to a local file writes and hashes it: "loop" (the default, _to_file_on_loop: the
+#: download loop writes every chunk and hashes the file behind the writes, nothing handed to a
+#: thread), or parts written from threads out of a window of buffers and hashed by
+#: "follow" (a thread re-reads the file, still in the
 #: page cache, in order behind the parts written so far: a part's buffer is free once written);
 #: "inline" (the same thread hashes the part buffers in order, a buffer held until hashed as
 #: well: one part that lands late holds up the whole window); "after" (the file is re-read once
-#: the last part is written). benchmarks/s3load.py measures the three (docs/remote.md).
+#: the last part is written). benchmarks/s3load.py measures "loop" against "after" (docs/remote.md).
 HASH_MODE = os.environ.get("TXCKPT_S3_FETCH_HASH", "loop")
 _pwrite = os.pwrite  # one name, so the tests can see which part is written when
 _HASH_BLOCK = 8 << 20  # the block the "after" hash re-reads the file in
