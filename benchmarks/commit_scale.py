@@ -2,8 +2,9 @@
 W = 8 ... 10,240, on one local root; before (one file table gathered as objects, format /1) and
 after (per-rank manifest parts, format /2, protocol §3a).
 
-Each simulated rank has written one file into the shared staging directory (``__{r}_0.distcp``,
-one byte: the commit's cost does not depend on the data). Rank 0's part is timed as it runs in
+Each simulated rank has written what a rank of a real 2-rank DCP save writes (its shard
+``__{r}_0.distcp``, sparse: the commit checks sizes, not data), and rank 0 its own ``.metadata``
+and ``txckpt-dcp-ranges.json`` (sized per rank as that save's). Rank 0's part is timed as it runs in
 a real save, in process CPU seconds, after ``Transaction.begin_external(W)`` (plan, intent,
 staging) and the ranks' writes, untimed:
 
@@ -12,14 +13,16 @@ staging) and the ranks' writes, untimed:
   on names, list and check the staging, write the one manifest, append the commit entry, publish.
 * *after, first save*: each rank wrote its part (``txckpt-parts/<rank>.json``, through
   ``rankparts.write_part``, untimed, as the ranks do in parallel) and sends its 56-byte record;
-  ``commit_reports([], records)`` reads every part, checks it against its record, checks the
+  ``commit_reports([own], records)`` reads every part, checks it against its record, checks the
   staging, builds the Merkle tree, writes the tree and the /2 manifest, appends, publishes.
 * *after, unchanged structure*: the next save of the same ranks and names: the fast path (no
   part read, no staging listed).
 
 Also per W: the bytes rank 0 receives per rank, and the bytes a loading rank reads to know its
-own files, checked: the manifest, its own part and its proof path in the tree file (the last
-rank's, the longest path), against the whole /1 manifest before.
+own files, checked, as the storage calls returned them: the manifest, its own part and its
+proof path's nodes in the tree file (of the rank that reads most: the highest of those with
+the longest path),
+against the whole /1 manifest before.
 """
 
 from __future__ import annotations
@@ -35,8 +38,25 @@ from . import harness as h
 TITLE = "Commit at many ranks (simulated): per-rank manifest parts"
 
 
+#: A rank's files as a real 2-rank DCP save (tests/test_dcp.py's FSDP2 model + Adam through
+#: TransactionalWriter) wrote them: one shard per rank, ``__<rank>_0.distcp`` (50,028 B there),
+#: and the committer's own ``.metadata`` (8,533 B) and ``txckpt-dcp-ranges.json`` (2,137 B),
+#: which grow with the ranks (per rank: half of each). The bytes are sparse (the commit checks
+#: sizes, not data); the entries carry real xxh3-128 digests.
+SHARD_BYTES = 50_028
+METADATA_BYTES_PER_RANK = 8_533 // 2
+RANGES_BYTES_PER_RANK = 2_137 // 2
+
+
+def _sparse(path: str, size: int) -> None:
+    with open(path, "wb") as f:
+        f.truncate(size)
+
+
 def _staged(r: Any, step: int, w: int, parts: bool) -> tuple[Any, Any, list[Any], list[bytes]]:
-    """A transaction of ``w`` simulated ranks with their files (and parts) in its staging."""
+    """A transaction of ``w`` simulated DCP ranks with their shards (and parts) in its staging,
+    and the committer's own files; the reports (before: every rank's table and the committer's
+    own; after: the committer's own) and the records (after)."""
     from txckpt.checksum import digest_bytes
     from txckpt.rankparts import write_part
 
@@ -44,25 +64,58 @@ def _staged(r: Any, step: int, w: int, parts: bool) -> tuple[Any, Any, list[Any]
     plan = tx.begin_external(w)
     staging = r.storage.local_path(plan.key)
     assert staging is not None
-    digest = digest_bytes(b"x")
     reports, records = [], []
     for rank in range(w):
         name = f"__{rank}_0.distcp"
-        with open(os.path.join(staging, name), "wb") as f:
-            f.write(b"x")
-        files = {name: {"size": 1, "xxh3_128": digest, "kind": "bytes", "rank": rank}}
+        _sparse(os.path.join(staging, name), SHARD_BYTES)
+        digest = digest_bytes(f"{step} {name}".encode())
+        files = {name: {"size": SHARD_BYTES, "xxh3_128": digest, "kind": "bytes", "rank": rank}}
         if parts:
             records.append(write_part(r.storage, plan.key, rank, plan.txid, files, durable=False,
                                       directory=False).encode())
         else:
             reports.append({"rank": rank, "files": files})
+    own = {}
+    for name, per_rank, kind in ((".metadata", METADATA_BYTES_PER_RANK, "bytes"),
+                                 ("txckpt-dcp-ranges.json", RANGES_BYTES_PER_RANK, "json")):
+        _sparse(os.path.join(staging, name), per_rank * w)
+        own[name] = {"size": per_rank * w, "xxh3_128": digest_bytes(f"{step} {name}".encode()), "kind": kind, "rank": 0}
+    reports.append({"rank": 0, "files": own})  # DCP's finish: the committer's own files, as a report
     return tx, plan, reports, records
+
+
+def _load_read(storage: Any, key: str, path: str, rank: int) -> dict[str, int]:
+    """What a loading rank reads to know its own files (checked against the Merkle root), by
+    what the storage calls returned: the manifest, its part, its proof's tree nodes."""
+    from txckpt.manifest import MANIFEST_NAME, Manifest, read_rank_files
+
+    got = {"manifest": 0, "part": 0, "proof": 0}
+    real_bytes, real_ranges = storage.read_bytes, storage.read_ranges
+
+    def read_bytes(k: str) -> bytes:
+        data = real_bytes(k)
+        got["manifest" if k.endswith(MANIFEST_NAME) else "part"] += len(data)
+        return data
+
+    def read_ranges(k: str, ranges: Any) -> list[bytes]:
+        out = real_ranges(k, ranges)
+        got["proof"] += sum(len(b) for b in out)
+        return out
+
+    storage.read_bytes, storage.read_ranges = read_bytes, read_ranges
+    try:
+        manifest = Manifest.decode(storage.read_bytes(f"{key}/{MANIFEST_NAME}"))
+        files = read_rank_files(storage, key, manifest, rank, path)
+    finally:
+        del storage.read_bytes, storage.read_ranges
+    assert manifest.parts is not None and list(files) == [f"__{rank}_0.distcp"], files
+    return got
 
 
 def _one(w: int) -> dict[str, Any]:
     import txckpt
     from txckpt import parts as P
-    from txckpt.manifest import MANIFEST_NAME, Manifest, read_rank_files
+    from txckpt.manifest import MANIFEST_NAME
 
     root = h.fresh_dir(f"commit-{w}")
     out: dict[str, Any] = {}
@@ -70,27 +123,24 @@ def _one(w: int) -> dict[str, Any]:
         txckpt.save_checkpoint(root, 1, {"a.json": {"w": w}})  # the log and the lineage exist
         r = txckpt.CheckpointRoot(root)
         tx, _, reports, _ = _staged(r, 2, w, parts=False)
-        received = sum(len(json.dumps(rep)) for rep in reports)
+        received = sum(len(json.dumps(rep)) for rep in reports[:-1])
         t0 = time.process_time()
         path = tx.commit_reports(reports)
         out["before"] = time.process_time() - t0
         out["before_rx"] = received / w
         out["before_read"] = os.path.getsize(os.path.join(path, MANIFEST_NAME))
         for step, label in ((3, "first"), (4, "fast")):
-            tx, _, _, records = _staged(r, step, w, parts=True)
+            tx, _, reports, records = _staged(r, step, w, parts=True)
             t0 = time.process_time()
-            path = tx.commit_reports([], records)
+            path = tx.commit_reports(reports, records)
             out[label] = time.process_time() - t0
             out["rx"] = len(records[0])
-        with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
-            data = f.read()
-        manifest = Manifest.decode(data)
-        assert manifest.parts is not None and manifest.parts.count == w
-        rank = w - 1
-        files = read_rank_files(r.storage, r.storage.key_of(path) or "", manifest, rank, path)
-        assert list(files) == [f"__{rank}_0.distcp"]
-        out["read"] = (len(data) + os.path.getsize(os.path.join(path, P.part_name(rank)))
-                       + P.NODE_SIZE * len(P.proof_nodes(w, rank)))
+        # The rank that reads most: the longest proof path (a sibling at every level), and of
+        # those the highest rank (the most digits in its part).
+        rank = max(range(w), key=lambda i: (len(P.proof_nodes(w, i)), i))
+        got = _load_read(r.storage, r.storage.key_of(path) or "", path, rank)
+        out["read"] = sum(got.values())
+        out["read_parts"] = got
     finally:
         h.remove(root)
     return out
@@ -137,10 +187,12 @@ def run(quick: bool) -> dict[str, Any]:
 def curve_table(measured: dict[int, dict[str, Any]]) -> str:
     """Cost against W, as a markdown table (the figure's numbers)."""
     lines = ["| W | before: commit CPU | after: first save | after: fast path | received per rank (before → after) "
-             "| a loading rank reads (before → after) |", "|---|---|---|---|---|---|"]
+             "| a loading rank reads (before → after: manifest + part + proof) |", "|---|---|---|---|---|---|"]
     for w, m in sorted(measured.items()):
+        got = m.get("read_parts") or {}
+        split = f" ({got['manifest']} + {got['part']} + {got['proof']})" if got else ""
         lines.append(f"| {w} | {_ms(m['before'])} | {_ms(m['first'])} | {_ms(m['fast'])} | "
-                     f"{m['before_rx']:.0f} B → {m['rx']} B | {m['before_read']} B → {m['read']} B |")
+                     f"{m['before_rx']:.0f} B → {m['rx']} B | {m['before_read']} B → {m['read']} B{split} |")
     return "\n".join(lines)
 
 

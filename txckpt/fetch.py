@@ -4,6 +4,7 @@ remote root). It reads through the one read path (:func:`txckpt.reader.read_chec
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import tempfile
@@ -91,7 +92,7 @@ def _fetch_local(found: Found, dest: str, manifest_bytes: bytes | None, durable:
     def open_out(name: str):
         target = os.path.join(scratch, *name.split("/"))
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        return open(target, "wb")
+        return open(target, "w+b")  # read too: a fetch may hash the file it wrote (read_to_file)
 
     try:
         _copy_files(found, open_out, progress)
@@ -200,13 +201,18 @@ def _copy_parts(found: Found, open_out: Callable[[str], Any]) -> None:
 def _copy_one(src: Any, key: str, size: int, out: Any, progress: Callable[[int], Any] | None) -> tuple[int, str]:
     """Copy the file at ``key`` of ``src`` (``size`` bytes by its manifest) to ``out``, hashing:
     ``(size, xxh3-128)``. Through the storage's own fast read where it has one (S3: parallel
-    ranged GETs, :meth:`Storage.read_through`), else a stream of ``open_read``."""
+    ranged GETs, :meth:`Storage.read_to_file` written at their offsets into a local file,
+    :meth:`Storage.read_through` into another store), else a stream of ``open_read``."""
 
     def write(chunk: memoryview) -> None:
         out.write(chunk)
         if progress is not None:
             progress(len(chunk))
 
+    if isinstance(out, io.BufferedRandom):  # a new local file (a fetch to a local directory)
+        copied = src.read_to_file(key, size, out.fileno(), progress)
+        if copied is not None:
+            return copied
     copied = src.read_through(key, size, write)
     if copied is not None:
         return copied

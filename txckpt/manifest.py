@@ -333,8 +333,11 @@ def _digest(body: dict[str, Any]) -> str:
 # ----- format /2: the parts (protocol §3a) -------------------------------------------------------
 def encode_part(rank: int, txid: str, files_json: Mapping[str, Any]) -> bytes:
     """Rank ``rank``'s part of the manifest of ``txid``: its file table (the wire form of
-    :func:`written_to_json`). Its digest (``parts.node_digest`` of these bytes) is its leaf."""
-    body = {"format": PART_FORMAT, "rank": rank, "txid": txid, "files": dict(files_json)}
+    :func:`written_to_json`, less each entry's ``rank``: the part's own ``rank`` is every one
+    of its files', and what a loading rank reads should not grow with the rank's digits). Its
+    digest (``parts.node_digest`` of these bytes) is its leaf."""
+    files = {n: {k: v for k, v in e.items() if k != "rank"} for n, e in files_json.items()}
+    body = {"format": PART_FORMAT, "rank": rank, "txid": txid, "files": files}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -434,13 +437,12 @@ def read_rank_files(storage: Storage, key: str, manifest: Manifest, rank: int, w
     if not 0 <= rank < info.count:
         raise InvalidArgumentError(f"rank {rank}: {where} has parts of ranks 0..{info.count - 1}")
     blob = _read_part(storage, key, rank, where)
-    siblings, proof = [], parts.proof_nodes(info.count, rank)
-    try:
-        with storage.open_read(f"{key}/{parts.TREE_NAME}" if key else parts.TREE_NAME) as f:
-            for offset, _level in proof:
-                f.seek(offset)
-                siblings.append(f.read(parts.NODE_SIZE))
-    except (FileNotFoundError, NotADirectoryError):
+    siblings: list[bytes] = []
+    proof = parts.proof_nodes(info.count, rank)
+    try:  # exactly the proof's nodes (a remote store: ranged reads, not the tree file's rest)
+        siblings = storage.read_ranges(f"{key}/{parts.TREE_NAME}" if key else parts.TREE_NAME,
+                                       [(offset, parts.NODE_SIZE) for offset, _level in proof])
+    except OSError:  # missing (or a remote range past its end): the whole read below decides
         pass
     fits = len(siblings) == len(proof) and all(len(s) == parts.NODE_SIZE for s in siblings)
     if not fits or parts.root_from_proof(parts.node_digest(blob), info.count, rank, siblings).hex() != info.merkle_root:

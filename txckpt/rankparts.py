@@ -16,7 +16,7 @@ Also here, shared by both commits: :func:`staged_files`, protocol §8 step 7 on 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, BinaryIO, Callable, Mapping
 
 import xxhash
 
@@ -33,14 +33,16 @@ Relink = Callable[..., Any] | None
 
 # ----- a rank's side ---------------------------------------------------------------------------
 def write_part(storage: Storage, staging_key: str, rank: int, txid: str, files_json: Mapping[str, Any], *,
-               durable: bool, directory: bool) -> parts.Record:
+               durable: bool, directory: bool, open_write: Callable[..., BinaryIO] | None = None) -> parts.Record:
     """Write rank ``rank``'s part into the staging (durable when ``durable``, fsyncing the
     sub-directories its files are in: the committer may not list them) and return its record.
-    ``directory``: ``tx.directory`` was handed out on this rank (the committer must list)."""
+    ``directory``: ``tx.directory`` was handed out on this rank (the committer must list).
+    ``open_write``: the rank's write batch's (default: the storage's), so that the part's
+    fsync (or upload) is made with its files', complete when the batch's ``wait`` returns."""
     data = encode_part(rank, txid, files_json)
-    # A plain durable write (the file's bytes fsynced at its close): the committer's creation
-    # of the tree in the same directory fsyncs that directory once, for every rank's entry.
-    with storage.open_write(f"{staging_key}/{parts.part_name(rank)}", durable=durable) as f:
+    # A durable write (its bytes fsynced by its close, or with the batch's): the committer's
+    # creation of the tree in the same directory fsyncs that directory once, for every rank's entry.
+    with (open_write or storage.open_write)(f"{staging_key}/{parts.part_name(rank)}", durable=durable) as f:
         f.write(data)
     if durable:
         for sub in sorted({n.rsplit("/", 1)[0] for n in files_json if "/" in n}, key=len, reverse=True):

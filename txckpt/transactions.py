@@ -206,18 +206,8 @@ class Transaction:
     def _gather_parts(self, report: dict[str, Any]) -> dict[str, Any]:
         """This rank's part written and its record gathered; the committer's outcome (to
         broadcast), ``{"gather_errors": True}`` if a rank failed; {} on other ranks."""
-        assert self._coord is not None and self._plan is not None
-        record = parts.failed_record()
-        if "files" in report:
-            try:
-                record = write_part(self._root.storage, self._plan.key, self.rank, self._plan.txid,
-                                    report["files"], durable=self._root.durable,
-                                    directory=self._local_dir is not None and not self._temp_root)
-            except Exception as e:
-                if isinstance(e, OSError):
-                    e = storage_error(e, "write this rank's part of the manifest")
-                report.pop("files")
-                report["error"] = errors.encode_error(e, rank=self.rank)
+        assert self._coord is not None
+        record = report.pop("record", None) or parts.failed_record()  # written by _rank_report
         records = self._coord.gather_records(record.encode())
         if not self._committer:
             return {}
@@ -463,11 +453,18 @@ class Transaction:
                                           self._root.durable, self.rank, sharing.relink if sharing is not None else None))
             if sharing is not None:  # no code writes into the staging any more
                 sharing.place(self.staging_key, self._root.durable)
+            record = None
             try:
+                if not self._alone:  # this rank's part (protocol §3a), durable with its files in one wait
+                    assert self._plan is not None
+                    record = write_part(self._root.storage, self.staging_key, self.rank, self._plan.txid, files,
+                                        durable=self._root.durable, open_write=self._writes.open_write,
+                                        directory=self._local_dir is not None and not self._temp_root)
                 self._writes.wait()
             except OSError as e:
-                raise storage_error(e, "upload the checkpoint's files") from e
-            return {"rank": self.rank, "files": files}
+                raise storage_error(e, "upload the checkpoint's files" + (" and this rank's part of the manifest"
+                                                                          if not self._alone else "")) from e
+            return {"rank": self.rank, "files": files, **({"record": record} if record else {})}
         except Exception as e:
             self._cancel_writes()
             return {"rank": self.rank, "error": errors.encode_error(e, rank=self.rank)}

@@ -293,9 +293,32 @@ class Storage(abc.ABC):
         for each file it copies; S3 answers with parallel ranged GETs."""
         return None
 
+    def read_to_file(self, key: str, size: int, fd: int,
+                     progress: Callable[[int], Any] | None = None) -> tuple[int, str] | None:
+        """Copy the whole file at ``key``, which must hold ``size`` bytes, into the new local
+        file open for reading and writing at ``fd`` (bytes 0 .. ``size``, in any order),
+        hashing it; ``(size, xxh3-128)``; ``progress`` is called with the size of each block
+        written. Nothing writes to ``fd`` once this has returned or raised. Raises as
+        :meth:`read_through`; None where this backend has no faster way than that (the caller
+        uses :meth:`read_through`, then a stream). A fetch to a local directory (txckpt.fetch)
+        asks it first; S3 answers with parallel ranged GETs written at their offsets."""
+        return None
+
     @abc.abstractmethod
     def open_read(self, key: str) -> BinaryIO:
         """A readable binary stream of ``key``. Raises FileNotFoundError."""
+
+    def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The bytes at each ``(offset, length)`` of ``key`` (fewer where the file ends first),
+        and no others: a remote store overrides it with one ranged request per range, where a
+        stream's read-ahead would fetch the rest of the file (a loading rank's Merkle proof,
+        protocol §3a, must not cost it the whole tree). Raises FileNotFoundError."""
+        out = []
+        with self.open_read(key) as f:
+            for offset, length in ranges:
+                f.seek(offset)
+                out.append(f.read(length))
+        return out
 
     @abc.abstractmethod
     def exists(self, key: str) -> bool:

@@ -19,7 +19,7 @@ cache, because another process may have written since (see docs/remote.md).
 
 from __future__ import annotations
 
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator, Sequence
 
 from ..checksum import AbortOnError
 from .base import Storage
@@ -139,6 +139,12 @@ class FsspecStorage(Storage):
     def open_read(self, key: str) -> BinaryIO:
         self._fresh(key)
         return self.fs.open(self._p(key), "rb")
+
+    def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        # cat_file by range: a file object's read-ahead would fetch a block per range.
+        self._fresh(key)
+        path = self._p(key)
+        return [self.fs.cat_file(path, start=offset, end=offset + length) for offset, length in ranges]
 
     def exists(self, key: str) -> bool:
         self._fresh(key)

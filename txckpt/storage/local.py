@@ -7,7 +7,7 @@ import errno
 import os
 import shutil
 import stat
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterator, Sequence
 
 from ..checksum import AbortOnError
 from ..errors import TempFileRemovedError
@@ -20,6 +20,7 @@ from ..fileio import (
     fsync_dir,
     lies_within,
     makedirs_durable,
+    open_regular,
     open_regular_file,
     rename_noreplace,
     sync_file_range,
@@ -411,6 +412,14 @@ class LocalStorage(Storage):
 
     def open_read(self, key: str) -> BinaryIO:
         return open_regular_file(self._p(key), _WRITE_BUFFER)
+
+    def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        # pread: open_read's 1 MiB buffer would read that much per 16-byte proof node.
+        fd = open_regular(self._p(key))
+        try:
+            return [os.pread(fd, length, offset) for offset, length in ranges]
+        finally:
+            os.close(fd)
 
     def exists(self, key: str) -> bool:
         return os.path.lexists(self._p(key))

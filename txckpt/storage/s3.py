@@ -14,7 +14,7 @@ from ..fileio import BufferRead, open_regular_file
 from .base import WriteBatch
 from .errors import log_retries
 from .fsspec import FsspecStorage
-from .s3_download import ranged_copy, ranged_read
+from .s3_download import ranged_copy, ranged_read, ranged_to_file
 from .s3_upload import _run, _S3Writer, _S3WriteBatch
 
 #: Multipart upload tuning for S3 (see docs/remote.md for the measurements behind them).
@@ -248,6 +248,27 @@ class S3Storage(FsspecStorage):
         self._forget(key)
         return self.fs.open(self._p(key), "rb")
 
+    def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """One ranged GetObject per range, concurrently: s3fs's file read-ahead would fetch
+        from the first offset to the end of the object (a Merkle proof's 16-byte nodes are
+        spread over the whole tree file)."""
+        obj = self._obj(key)
+
+        async def _get(offset: int, length: int) -> bytes:
+            if length <= 0:
+                return b""
+            resp = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=obj,
+                                          Range=f"bytes={offset}-{offset + length - 1}")
+            try:
+                return await resp["Body"].read()
+            finally:
+                resp["Body"].close()
+
+        async def _all() -> list[bytes]:
+            return list(await asyncio.gather(*(_get(o, n) for o, n in ranges)))
+
+        return _run(self.fs, _all()) if ranges else []
+
     def start_read(self, key: str, size: int, *, hash: bool) -> BufferRead | None:
         if size <= S3_READ_PART:
             return None  # one GET (read_bytes) is as fast, in one request
@@ -259,6 +280,13 @@ class S3Storage(FsspecStorage):
             return None  # one GET streamed is as fast, in one request
         return ranged_copy(self.fs, self.bucket, self._obj(key), size, write, part=S3_READ_PART,
                            in_flight=S3_READ_IN_FLIGHT)
+
+    def read_to_file(self, key: str, size: int, fd: int,
+                     progress: Callable[[int], Any] | None = None) -> tuple[int, str] | None:
+        if size <= S3_READ_PART:
+            return None  # one GET streamed is as fast, in one request
+        return ranged_to_file(self.fs, self.bucket, self._obj(key), size, fd, part=S3_READ_PART,
+                              in_flight=S3_READ_IN_FLIGHT, progress=progress)
 
     def _head(self, key: str) -> dict | None:
         obj = self._obj(key)
