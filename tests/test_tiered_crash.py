@@ -15,21 +15,13 @@ import shutil
 import signal
 
 import pytest
-import torch
 
 import txckpt
 from tests.harness.crash_sweep import report, sweep
+from tests.test_crash_sweep import files  # a three-file checkpoint whose every file carries a tag
 from txckpt.tiered import TieredRoot
 
 pytestmark = pytest.mark.slow
-
-
-def files(tag: str, step: int):
-    return {
-        "model.safetensors": {"w": torch.full((64,), float(step)), "tag": torch.tensor(list(tag.encode()), dtype=torch.uint8)},
-        "optimizer.pt": {"state": torch.full((32,), float(step)), "tag": tag},
-        "trainer_state.json": {"global_step": step, "tag": tag},
-    }
 
 
 def tags(data) -> set[str]:
