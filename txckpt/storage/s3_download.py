@@ -39,8 +39,9 @@ def _total_of(response: dict[str, Any]) -> int | None:
     return int(total) if total.isdigit() else None
 
 
-async def _get_part(fs: Any, bucket: str, obj: str, size: int, a: int, into: memoryview) -> None:
-    """One ranged GET of bytes ``a`` .. ``a + len(into)`` of ``obj`` (``size`` bytes) into ``into``."""
+async def _get_part(fs: Any, bucket: str, obj: str, size: int, a: int, into: memoryview | _FileRange) -> None:
+    """One ranged GET of bytes ``a`` .. ``a + len(into)`` of ``obj`` (``size`` bytes) into ``into``
+    (a buffer, or a :class:`_FileRange`: the chunks written at their offsets of a file)."""
     b = a + len(into)
     resp = await fs._call_s3("get_object", Bucket=bucket, Key=obj, Range=f"bytes={a}-{b - 1}")
     try:
