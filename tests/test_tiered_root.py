@@ -253,3 +253,15 @@ def test_two_ranks_save_through_a_tiered_root_and_rank_0_replicates_every_ranks_
         fast_m = txckpt.read_manifest(os.path.join(fast, f"checkpoint-{c.step}"))
         assert m.txid == fast_m.txid and {n: e.checksum for n, e in m.files.items()} == \
             {n: e.checksum for n, e in fast_m.files.items()}
+
+
+def test_wait_durable_waits_for_an_async_save_in_flight_and_a_settled_save_decides_nothing(tiered, monkeypatch):
+    txckpt.async_save(tiered, 1, files(1))
+    tiered.wait_durable()  # the async save commits first, then it is replicated
+    assert [c.step for c in durable_root(tiered).checkpoints("current")] == [1]
+    calls = []
+    real = TieredRoot._adopt_lineage
+    monkeypatch.setattr(TieredRoot, "_adopt_lineage", lambda self, step: calls.append(step) or real(self, step))
+    txckpt.save_checkpoint(tiered, 2, files(2))  # learns that the fast lineage holds a checkpoint
+    txckpt.save_checkpoint(tiered, 3, files(3))  # and from then on decides nothing
+    assert calls == [2]

@@ -29,6 +29,7 @@ import threading
 from typing import Any, Iterator, Mapping
 
 from . import reader, retention
+from .asyncsave import wait_for_root
 from .checksum import copy_hashing
 from .commit import claim, fork, new_lineage
 from .coordination import SingleProcess, decide_on_rank0
@@ -97,6 +98,7 @@ class TieredRoot:
         self._thread: threading.Thread | None = None
         #: name -> bytes fetched from the durable tier by the last :meth:`load` (its repairs).
         self.last_fetched: dict[str, int] = {}
+        self._settled = False  # the fast tier's lineage holds a checkpoint (_continue_durable_lineage)
         # Every commit this process makes on the fast tier wakes the replicator, whatever made
         # it (save, transaction, async_save, the DCP writer); the newest TieredRoot of a fast
         # tier is the one that replicates it.
@@ -105,18 +107,25 @@ class TieredRoot:
         # too) keeps what is not durable yet.
         self.fast_root.shared.retention_guards["tiered root"] = lambda: {c.txid for c in self.pending()}
 
+    def _after_async_saves(self) -> None:
+        """As the functional API does for a root: an async save of the fast tier (``async_save``
+        with this TieredRoot) commits first, so a call never reads the state it is changing."""
+        wait_for_root(self.fast, self.fast_storage_options or None)
+
     def __repr__(self) -> str:
         return f"TieredRoot(fast={self.fast!r}, durable={self.durable!r})"
 
     # ----- saving --------------------------------------------------------------------------------
     def save(self, step: int, files: Mapping[str, Any], **kwargs: Any) -> str:
         """:func:`txckpt.save_checkpoint` on the fast tier; replicated in the background."""
+        self._after_async_saves()
         self._continue_durable_lineage(step)
         return self.fast_root.save(step, files, **kwargs)  # its commit wakes the replicator
 
     @contextlib.contextmanager
     def transaction(self, step: int, **kwargs: Any) -> Iterator[Transaction]:
         """:func:`txckpt.transaction` on the fast tier; replicated once it commits."""
+        self._after_async_saves()
         self._continue_durable_lineage(step)
         with self.fast_root.transaction(step, **kwargs) as tx:
             yield tx
@@ -125,24 +134,30 @@ class TieredRoot:
         """An empty fast tier beside a durable tier with a log continues the durable tier's
         current lineage under its id, with the durable tip as its external parent (§14), as a
         plain root's first save continues its head: never a new root lineage that would
-        abandon the durable tier's. Once per job, on rank 0."""
-        decide_on_rank0(lambda: self._adopt_lineage(step), phase="tiered root lineage")
+        abandon the durable tier's. Decided on rank 0 (every rank calls it) until the fast
+        tier's lineage holds a checkpoint; from then on there is nothing to decide, and a save
+        costs no collective and no log read for it."""
+        if not self._settled:
+            self._settled = bool(decide_on_rank0(lambda: self._adopt_lineage(step), phase="tiered root lineage"))
 
-    def _adopt_lineage(self, step: int | None) -> None:
+    def _adopt_lineage(self, step: int | None) -> bool:
+        """The decision above; True once the fast tier's current lineage holds a checkpoint."""
         fast = self.fast_root
         fstate = fast.state()
         if fstate.seq < 0:
             dstate = self.durable_root.state()
             if dstate.head is None:
-                return
+                return False
             tip = dstate.head_tip
             parent = (self.durable_root.locate(tip) if tip is not None else None) or self.durable_root.url
             new_lineage(fast, external_parent=parent, lineage_id=dstate.head)
             log.info("the fast tier %s was empty: it continues lineage %s of %s from %s",
                      fast.url, dstate.head, self.durable_root.url, parent)
             fstate = fast.state()
-        if step is None or fstate.head is None or fstate.head_tip is not None:
-            return
+        if fstate.head_tip is not None:
+            return True
+        if step is None or fstate.head is None:
+            return False
         # The lineage continues a durable checkpoint the fast tier never held: a step that is
         # not newer could be committed here but never on the durable tier.
         info = self.durable_root.state().lineages.get(fstate.head)
@@ -151,6 +166,7 @@ class TieredRoot:
                 f"cannot save step {step}: step {info.tip.step} is already committed in lineage "
                 f"{fstate.head} of {self.durable_root.url}, which {fast.url} continues; save a "
                 "newer step, or resume(root, step=K) to roll back")
+        return False
 
     # ----- replication ---------------------------------------------------------------------------
     def _kick(self) -> None:
@@ -185,10 +201,12 @@ class TieredRoot:
                 self._cond.notify_all()
 
     def wait_durable(self, timeout: float | None = None) -> list[str]:
-        """Wait until every checkpoint committed on the fast tier so far is committed on the
-        durable tier too; returns the durable paths of those replicated by this call's pass.
+        """Wait until every checkpoint committed on the fast tier so far (an async save in flight
+        first commits) is committed on the durable tier too; returns the durable paths of those
+        replicated by this call's pass.
         Raises :class:`ReplicationError` if replication failed (the checkpoints stay on the
         fast tier), ``TimeoutError`` after ``timeout`` seconds."""
+        self._after_async_saves()  # an async save in flight: committed (and so waited for) too
         if _rank() != 0:
             return []
         with self._cond:
@@ -240,6 +258,7 @@ class TieredRoot:
     def get_last_checkpoint(self) -> str | None:
         """The newest checkpoint of the current lineage committed on either tier: its fast path
         while the fast tier holds it, else its durable path."""
+        self._after_async_saves()
         fstate = self.fast_root.state()
         if fstate.seq < 0 or fstate.head is None:
             return self.durable_root.get_last_checkpoint() if self._durable_exists() else None
@@ -266,6 +285,7 @@ class TieredRoot:
         durable tier's lineage. ``on_damaged="fallback"`` counts a checkpoint whose damaged fast
         files the durable tier restores as intact. Replication of what a previous process left
         pending starts here."""
+        self._after_async_saves()
         self._adopt_lineage(None)
         if self.fast_root.state().seq < 0:
             return None
@@ -290,6 +310,7 @@ class TieredRoot:
         """:func:`txckpt.apply_retention` on the fast tier, keeping every checkpoint that is not
         durable yet whatever ``policy`` says (§14). The durable tier's retention is its own:
         ``txckpt.apply_retention(txckpt.open_root(durable_url), policy)``."""
+        self._after_async_saves()
         return retention.apply_retention(self.fast_root, policy, dry_run=dry_run)  # guarded (__init__)
 
     # ----- loading --------------------------------------------------------------------------------
@@ -298,6 +319,7 @@ class TieredRoot:
         A fast-tier checkpoint is read locally; if a file is missing or fails its checksum
         there, exactly those files are fetched from the durable tier's copy (same txid) into
         the fast tier (:attr:`last_fetched` says which, and how many bytes), then it is loaded."""
+        self._after_async_saves()
         self.last_fetched = {}
         where = os.fspath(path) if path is not None else self.get_last_checkpoint()
         if where is None:
