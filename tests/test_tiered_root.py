@@ -1,10 +1,19 @@
-"""Tiered roots (issue 31 item 3, protocol §14). So far: the seam the replicator needs, a fork
-appended under a given lineage id, so that one id names a lineage on both tiers."""
-import pytest
+"""Tiered roots (issue 31 item 3, protocol §14, docs/tiered.md): the seam the replicator
+needs (a fork appended under a given lineage id, so that one id names a lineage on both tiers),
+then TieredRoot on each kind of durable tier: replication under the same txid and lineage,
+rollbacks forked on both tiers, a lost fast tier, repairs that fetch exactly the damaged files,
+the retention guard, a restart's backlog, async saves, DCP, and two gloo ranks."""
+import contextlib
+import os
 
+import pytest
+import torch
+
+import txckpt
 from txckpt import commit, save_checkpoint
-from txckpt.errors import ConcurrentWriterError
-from txckpt.root import open_root
+from txckpt.errors import ConcurrentWriterError, ReplicationError, StepConflictError
+from txckpt.root import forget_roots, open_root
+from txckpt.tiered import TieredRoot
 
 
 def test_a_fork_repeated_under_the_fast_tiers_lineage_id_names_the_same_lineage(tmp_path):
@@ -28,14 +37,6 @@ def test_a_replicated_fork_is_appended_once(tmp_path):
 
 
 # ----- TieredRoot ---------------------------------------------------------------------------------
-import os  # noqa: E402
-
-import torch  # noqa: E402
-
-import txckpt  # noqa: E402
-from txckpt.errors import ReplicationError, StepConflictError  # noqa: E402
-from txckpt.root import forget_roots  # noqa: E402
-from txckpt.tiered import TieredRoot  # noqa: E402
 
 
 def files(step: int, base: torch.Tensor | None = None):
@@ -62,7 +63,11 @@ def durable(request, tmp_path):
 def tiered(tmp_path, durable):
     forget_roots()
     url, options = durable
-    yield TieredRoot(str(tmp_path / "fast"), url, options)
+    t = TieredRoot(str(tmp_path / "fast"), url, options)
+    yield t
+    # No replication outlives its test: the next test's server (or bucket) would receive it.
+    with contextlib.suppress(Exception):
+        t.wait_durable(timeout=120)
     forget_roots()
 
 
@@ -265,3 +270,4 @@ def test_wait_durable_waits_for_an_async_save_in_flight_and_a_settled_save_decid
     txckpt.save_checkpoint(tiered, 2, files(2))  # learns that the fast lineage holds a checkpoint
     txckpt.save_checkpoint(tiered, 3, files(3))  # and from then on decides nothing
     assert calls == [2]
+    tiered.wait_durable()
