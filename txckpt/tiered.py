@@ -227,9 +227,6 @@ class TieredRoot:
         """The fast tier's committed checkpoints that are not durable yet, oldest first."""
         return _pending(self.fast_root, self.durable_root)
 
-    def _durable_history(self) -> History:
-        return _history(self.durable_root)
-
     def replicate(self) -> list[str]:
         """One replication pass, on this thread: every checkpoint :meth:`pending` lists, in
         fast-log order (so a checkpoint's parent, and the fork that made its lineage, are on
@@ -267,7 +264,7 @@ class TieredRoot:
             key = self.fast_root.publication.locate(tip)
             if key is not None:
                 return self._fast_path(key)
-            durable = self._durable_history().checkpoints.get(tip.txid)
+            durable = _history(self.durable_root).checkpoints.get(tip.txid)
             return None if durable is None else self.durable_root.locate(durable.ref)
         info = self.durable_root.state().lineages.get(fstate.head)  # continuing a durable tip
         return None if info is None or info.tip is None else self.durable_root.locate(info.tip)
@@ -349,7 +346,7 @@ class TieredRoot:
                if not _verifies(fast.storage.local_path(f"{key}/{name}"), entry)]
         fetched: dict[str, int] = {}
         if bad:
-            durable = self._durable_history().checkpoints.get(manifest.txid)
+            durable = _history(self.durable_root).checkpoints.get(manifest.txid)
             dkey = None if durable is None else self.durable_root.publication.locate(durable.ref)
             if dkey is None:
                 raise IntegrityError(

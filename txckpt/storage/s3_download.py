@@ -80,10 +80,15 @@ async def _get_all(count: int, get: Callable[[int], Awaitable[None]], in_flight:
     try:
         await asyncio.gather(*tasks)
     except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel_all(tasks)
         raise
+
+
+async def _cancel_all(tasks: list[Any]) -> None:
+    """Cancel ``tasks`` and wait until every one has ended (a failed download's siblings)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 #: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14): fault a range's pages in, writable, in one call.
@@ -390,9 +395,7 @@ def ranged_to_file(fs: Any, bucket: str, obj: str, size: int, fd: int, *, part: 
                     break
             await asyncio.gather(*tasks)
         except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _cancel_all(tasks)
             raise
         if failed:
             raise failed[0]
