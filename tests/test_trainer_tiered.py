@@ -96,3 +96,33 @@ def test_storage_options_belong_to_the_tiered_root(tmp_path):
     with pytest.raises(txckpt.errors.InvalidArgumentError, match="give the storage options to the TieredRoot"):
         TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "out"), 2),
                              train_dataset=Data(0), txckpt_root=tiered(tmp_path), txckpt_storage_options={})
+
+
+def test_a_hyperparameter_search_trial_is_replicated_to_the_same_sub_path_of_the_durable_tier(tmp_path):
+    """A trial saves into ``<fast>/run-<id>`` (upstream's run directory under the root): that
+    sub-root is replicated to ``<durable>/run-<id>`` and its retention guarded, as the run's root."""
+    from transformers.trainer_utils import HPSearchBackend
+
+    class Trial:  # what Trainer._get_output_dir reads of an optuna trial
+        number = 3
+
+    root = tiered(tmp_path)
+    torch.manual_seed(0)
+    t = TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "out"), 2, save_total_limit=1),
+                             train_dataset=Data(0), txckpt_root=root)
+    t.hp_search_backend = HPSearchBackend.OPTUNA
+    t.create_optimizer_and_scheduler(num_training_steps=2)  # what train() makes before its saves
+    trial_root = t._txckpt_root(Trial())
+    assert trial_root == str(tmp_path / "fast" / "run-3")
+    sub = t._txckpt_tiered_trials[trial_root]
+    sub._kick = lambda: None  # a durable tier that lags: retention must keep what is not durable
+    for step in (1, 2):
+        t.state.global_step = step
+        t._save_checkpoint(t.model, Trial())
+    # save_total_limit=1 ran after each commit: nothing durable yet, so nothing retired
+    assert [c.step for c in txckpt.CheckpointRoot(trial_root).checkpoints("current")] == [1, 2]
+    sub.wait_durable()
+    durable = txckpt.CheckpointRoot(str(tmp_path / "durable" / "run-3"))
+    assert [c.step for c in durable.checkpoints("current")] == [1, 2]
+    assert txckpt.verify_checkpoint(durable.locate(durable.history().find(step=2).ref)) is not None
+    assert not txckpt.CheckpointRoot(root.durable).checkpoints("current")  # the run's own root: untouched

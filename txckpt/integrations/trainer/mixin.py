@@ -79,7 +79,7 @@ from .paths import (
 )
 from .rank_files import claim_rank_files
 from .remote_cache import RemoteCache
-from .resume import committed_step_path, resolve_on_rank0, tiered_settings
+from .resume import committed_step_path, resolve_on_rank0, tiered_for, tiered_settings
 
 log = logging.getLogger("txckpt.transformers")
 
@@ -207,6 +207,7 @@ class TransactionalCheckpointMixin:
         rel = os.path.relpath(run_dir, self.args.output_dir) if not is_url(run_dir) else "."
         if rel != ".":
             root = root.rstrip("/") + "/" + rel.replace(os.sep, "/") if is_url(root) else os.path.join(root, rel)
+            tiered_for(self, root)  # a trial under a TieredRoot: replicated as the run is
         return root if is_url(root) else os.path.abspath(root)
 
     def _get_output_dir(self, trial: Any = None) -> str:

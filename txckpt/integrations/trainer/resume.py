@@ -42,8 +42,9 @@ def resolve_on_rank0(trainer: Any, resume: str | bool | None, root: str) -> str 
     Runs on rank 0 alone, which broadcasts the answer: lineage changes here are not collectives
     (collective=False), or the other ranks would be waited for twice."""
     so = trainer.txckpt_storage_options
-    if resume and getattr(trainer, "_txckpt_tiered", None) is not None:
-        trainer._txckpt_tiered.restore()  # an empty fast tier: the durable tip, committed there
+    tiered = tiered_for(trainer, root)
+    if resume and tiered is not None:
+        tiered.restore()  # an empty fast tier: the durable tip, committed there
     if resume is True:
         path = txckpt.open_root(root, so).resume(
             on_damaged=trainer.txckpt_on_damaged, verify=resume_check(trainer, root),
@@ -104,6 +105,28 @@ def tiered_settings(root: str | os.PathLike | TieredRoot | None, storage_options
             "txckpt_storage_options with txckpt_root=TieredRoot(...): give the storage options to the "
             "TieredRoot (storage_options= for its durable tier, fast_storage_options= for its fast one)")
     return root.fast, root.fast_storage_options or None, root
+
+
+def tiered_for(trainer: Any, root: str) -> TieredRoot | None:
+    """The TieredRoot whose fast tier is ``root`` (None without ``txckpt_root=TieredRoot``).
+    A hyperparameter-search trial saves into its run directory's sub-path of the fast tier
+    (``<fast>/run-<id>``), a root of its own: it gets a TieredRoot of its own too, over the
+    same sub-path of the durable tier, made once, so that its commits are replicated and its
+    retention guarded as the run's are (a plain sub-root would never leave the node)."""
+    tiered: TieredRoot | None = getattr(trainer, "_txckpt_tiered", None)
+    root = os.path.abspath(root)  # the fast tier is a local directory
+    if tiered is None or root == os.path.abspath(tiered.fast):
+        return tiered
+    trials = trainer.__dict__.setdefault("_txckpt_tiered_trials", {})
+    if root not in trials:
+        rel = os.path.relpath(root, os.path.abspath(tiered.fast))
+        if rel == os.pardir or rel.startswith(os.pardir + os.sep):  # not under the fast tier
+            return None
+        durable = (tiered.durable.rstrip("/") + "/" + rel.replace(os.sep, "/") if is_url(tiered.durable)
+                   else os.path.join(tiered.durable, rel))
+        trials[root] = TieredRoot(root, durable, tiered.storage_options,
+                                  fast_storage_options=tiered.fast_storage_options)
+    return trials[root]
 
 
 def committed_step_path(root: str, storage_options: dict | None, step: int) -> str | None:
