@@ -85,16 +85,8 @@ def _aws_env(so: dict[str, Any]) -> dict[str, str]:
 
 def _with_env(env: dict[str, str], fn):
     def run(ctx):
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with _server_module().environ(env):
             return fn(ctx)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     return run
 
 

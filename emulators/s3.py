@@ -36,7 +36,7 @@ import urllib.parse
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 BUCKET = "txckpt-test"
 REGION = "us-east-1"
@@ -398,13 +398,14 @@ _REAL_AWS = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDP
 
 
 @contextlib.contextmanager
-def fake_aws_env() -> Iterator[None]:
-    """FAKE_ENV set and the real-account variables unset for the block, then everything as it
-    was (what pytest's MonkeyPatch did here; benchmarks run without pytest)."""
-    saved = {name: os.environ.get(name) for name in (*FAKE_ENV, *_REAL_AWS)}
+def environ(set: Mapping[str, str], unset: Iterable[str] = ()) -> Iterator[None]:
+    """``set`` in os.environ and ``unset`` removed from it for the block, then every one of
+    those variables as it was (what pytest's MonkeyPatch does; benchmarks run without pytest)."""
+    unset = tuple(unset)
+    saved = {name: os.environ.get(name) for name in (*set, *unset)}
     try:
-        os.environ.update(FAKE_ENV)
-        for name in _REAL_AWS:
+        os.environ.update(set)
+        for name in unset:
             os.environ.pop(name, None)
         yield
     finally:
@@ -413,6 +414,11 @@ def fake_aws_env() -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def fake_aws_env() -> contextlib.AbstractContextManager[None]:
+    """FAKE_ENV set and the real-account variables unset for the block, then as they were."""
+    return environ(FAKE_ENV, _REAL_AWS)
 
 
 @contextlib.contextmanager

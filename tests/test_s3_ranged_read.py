@@ -51,14 +51,19 @@ def _storage(url, so):
     return txckpt.CheckpointRoot(url, so).storage
 
 
-def test_a_flipped_byte_is_refused(s3_root, small_parts):
-    url, so = s3_root
-    path = txckpt.save_checkpoint(url, 1, _files(PART), storage_options=so)
+def _flip(url, so, path, offset, mask=1):
+    """Flip bits of the committed ``model.safetensors`` at ``offset`` on the store."""
     st = _storage(url, so)
     key = st.key_of(path) + "/model.safetensors"
     data = bytearray(st.read_bytes(key))
-    data[3 * PART + 17] ^= 1  # in the fourth part
+    data[offset] ^= mask
     st.replace(key, bytes(data))
+
+
+def test_a_flipped_byte_is_refused(s3_root, small_parts):
+    url, so = s3_root
+    path = txckpt.save_checkpoint(url, 1, _files(PART), storage_options=so)
+    _flip(url, so, path, 3 * PART + 17)  # in the fourth part
     with pytest.raises(IntegrityError, match="checksum"):
         txckpt.load_checkpoint(path, storage_options=so)
 
@@ -114,11 +119,7 @@ def test_a_fetch_copies_in_parts_exactly(s3_root, s3_requests, small_parts, tmp_
 def test_a_fetch_refuses_a_flipped_byte_and_leaves_no_copy(s3_root, small_parts, tmp_path):
     url, so = s3_root
     path = txckpt.save_checkpoint(url, 1, _files(PART), storage_options=so)
-    st = _storage(url, so)
-    key = st.key_of(path) + "/model.safetensors"
-    data = bytearray(st.read_bytes(key))
-    data[2 * PART + 5] ^= 1
-    st.replace(key, bytes(data))
+    _flip(url, so, path, 2 * PART + 5)
     with pytest.raises(IntegrityError, match="model.safetensors"):
         txckpt.fetch_checkpoint(path, str(tmp_path / "copy"), storage_options=so)
     assert not (tmp_path / "copy").exists() or not any((tmp_path / "copy").iterdir())
@@ -296,11 +297,7 @@ def test_a_fetch_of_a_damaged_object_publishes_nothing(s3_root, small_parts, has
     the scratch directory its parts were written into is left behind."""
     url, so = s3_root
     path = txckpt.save_checkpoint(url, 1, _files(PART * 2), storage_options=so)
-    st = _storage(url, so)
-    key = st.key_of(path) + "/model.safetensors"
-    data = bytearray(st.read_bytes(key))
-    data[6 * PART + 9] ^= 0x40
-    st.replace(key, bytes(data))
+    _flip(url, so, path, 6 * PART + 9, 0x40)
     with pytest.raises(IntegrityError, match="model.safetensors.*xxh3-128"):
         txckpt.fetch_checkpoint(path, str(tmp_path / "cache" / "copy"), storage_options=so)
     assert os.listdir(tmp_path / "cache") == []
