@@ -146,18 +146,21 @@ def test_sweep_tiered_restart_on_an_empty_fast_tier(tmp_path):
 
 
 @pytest.mark.seaweedfs
-def test_sweep_tiered_replication_to_seaweedfs_at_every_mutating_request(tmp_path, seaweedfs_cluster):
-    """The durable tier on SeaweedFS: SIGKILL before and after every mutating S3 request of a
-    tiered save's replication and the fast tier's retention (the fast tier's own file
-    operations are the local sweeps'). Each crash point gets a copy of the template's fast
-    directory and a server-side copy of its durable prefix."""
+@pytest.mark.parametrize("case", ["save", "restart"])
+def test_sweep_tiered_replication_to_seaweedfs_at_every_mutating_request(tmp_path, seaweedfs_cluster, case):
+    """The durable tier on SeaweedFS: SIGKILL before and after every mutating S3 request of
+    ``save``: a tiered save, its replication and the fast tier's retention; ``restart``: a new
+    node (an empty fast tier) resuming, which restores the durable tip onto the fast tier and
+    claims the lineage on the durable tier, then a save and its replication. (The fast tier's
+    own file operations are the local sweeps'.) Each crash point gets a copy of the template's
+    fast directory (``restart``: an empty one) and a server-side copy of its durable prefix."""
     from tests.harness.backends import SEAWEEDFS_BUCKET
     from tests.harness.procs import run_child
     from tests.reliability.injectors import S3Injector
     from tests.reliability.s3 import copy_prefix
 
     so, client = seaweedfs_cluster.storage_options(), seaweedfs_cluster.boto3_client()
-    base = f"tiered-sweep-{os.getpid()}-{id(tmp_path) & 0xffff:x}"
+    base = f"tiered-sweep-{case}-{os.getpid()}-{id(tmp_path) & 0xffff:x}"
     url = lambda prefix: f"s3://{SEAWEEDFS_BUCKET}/{base}/{prefix}"  # noqa: E731
     template_fast = str(tmp_path / "template-fast")
 
@@ -177,13 +180,17 @@ def test_sweep_tiered_replication_to_seaweedfs_at_every_mutating_request(tmp_pat
     def scenario(fast: str, durable_url: str):
         txckpt.forget_roots()
         t = TieredRoot(fast, durable_url, so)
+        if case == "restart":
+            txckpt.resume(t)
         txckpt.save_checkpoint(t, 3, files("A-3", 3))
         t.wait_durable()
-        t.apply_retention(txckpt.RetentionPolicy(keep_last=1))
+        if case == "save":
+            t.apply_retention(txckpt.RetentionPolicy(keep_last=1))
 
     def fresh(name: str) -> tuple[str, str]:
         fast = str(tmp_path / f"{name}-fast")
-        shutil.copytree(template_fast, fast, symlinks=True)
+        if case == "save":
+            shutil.copytree(template_fast, fast, symlinks=True)
         copy_prefix(client, SEAWEEDFS_BUCKET, f"{base}/template", f"{base}/{name}")
         return fast, url(name)
 
@@ -223,7 +230,7 @@ def test_sweep_tiered_replication_to_seaweedfs_at_every_mutating_request(tmp_pat
         elif verdict["ok"]:
             found += [f"{when} {op}: {v}" for v in verdict["ok"]]
         shutil.rmtree(fast, ignore_errors=True)
-    line = (f"crash sweep [tiered replication to SeaweedFS]: {len(ops)} S3 requests "
+    line = (f"crash sweep [tiered {case} to SeaweedFS]: {len(ops)} S3 requests "
             f"({sum(1 for o in ops if o['mut'])} mutating), {len(points)} crash points "
             f"(SIGKILL before and after each mutating one), {len(found)} violations")
     from tests import conftest
