@@ -3,26 +3,32 @@ W = 8 ... 10,240, on one local root; before (one file table gathered as objects,
 after (per-rank manifest parts, format /2, protocol §3a).
 
 Each simulated rank has written what a rank of a real 2-rank DCP save writes (its shard
-``__{r}_0.distcp``, sparse: the commit checks sizes, not data), and rank 0 its own ``.metadata``
-and ``txckpt-dcp-ranges.json`` (sized per rank as that save's). Rank 0's part is timed as it runs in
-a real save, in process CPU seconds, after ``Transaction.begin_external(W)`` (plan, intent,
-staging) and the ranks' writes, untimed:
+``__{r}_0.distcp``, sparse: the commit checks sizes, not data, and the digest of each of its
+items' byte ranges, shaped as that save's: :data:`RANGE_LENGTHS`), and rank 0 its own
+``.metadata`` (sized per rank as that save's). Rank 0's part is timed as it runs in a real save,
+in process CPU seconds, after ``Transaction.begin_external(W)`` (plan, intent, staging) and the
+ranks' writes, untimed:
 
 * *before*: every rank's report as it travelled to rank 0 until issue 33 (``{"rank", "files":
-  {name: {size, xxh3_128, kind, rank}}}``, a pickled object), fed to ``commit_reports``: agree
-  on names, list and check the staging, write the one manifest, append the commit entry, publish.
-* *after, first save*: each rank wrote its part (``txckpt-parts/<rank>.json``, through
-  ``rankparts.write_part``, untimed, as the ranks do in parallel) and sends its 56-byte record;
-  ``commit_reports([own], records)`` reads every part, checks it against its record, checks the
-  staging, builds the Merkle tree, writes the tree and the /2 manifest, appends, publishes.
+  {name: {size, xxh3_128, kind, rank}}, "ranges": {name: {offset: [length, xxh3_128]}}}``, a
+  pickled object), fed to ``commit_reports``: agree on names, list and check the staging, write
+  the one manifest, append the commit entry, publish; rank 0 wrote every rank's range digests
+  into ``txckpt-dcp-ranges.json`` (its own file, as a one-rank save still does).
+* *after, first save*: each rank wrote its part (``txckpt-parts/<rank>.json``: its files and
+  their range digests, through ``rankparts.write_part``, untimed, as the ranks do in parallel)
+  and sends its 56-byte record; ``commit_reports([own], records)`` reads every part, checks it
+  against its record, checks the staging, builds the Merkle tree, writes the tree and the /2
+  manifest, appends, publishes.
 * *after, unchanged structure*: the next save of the same ranks and names: the fast path (no
   part read, no staging listed).
 
-Also per W: the bytes rank 0 receives per rank, and the bytes a loading rank reads to know its
-own files, checked, as the storage calls returned them: the manifest, its own part and its
-proof path's nodes in the tree file (of the rank that reads most: the highest of those with
-the longest path),
-against the whole /1 manifest before.
+Also per W: the bytes rank 0 receives per rank, and the bytes a DCP loading rank reads to know
+its own files and their range digests (what ``TransactionalReader(verify="ranges")`` checks its
+reads against), checked, as the storage calls returned them: the manifest, its own part (with
+its ranges) and its proof path's nodes in the tree file (of the rank that reads most: the
+highest of those with the longest path); before: the whole /1 manifest, and, not in that
+figure, ``txckpt-dcp-ranges.json`` (``before_ranges``: every rank's digests), which a DCP load
+read too.
 """
 
 from __future__ import annotations
@@ -39,13 +45,19 @@ TITLE = "Commit at many ranks (simulated): per-rank manifest parts"
 
 
 #: A rank's files as a real 2-rank DCP save (tests/test_dcp.py's FSDP2 model + Adam through
-#: TransactionalWriter) wrote them: one shard per rank, ``__<rank>_0.distcp`` (50,028 B there),
-#: and the committer's own ``.metadata`` (8,533 B) and ``txckpt-dcp-ranges.json`` (2,137 B),
-#: which grow with the ranks (per rank: half of each). The bytes are sparse (the commit checks
-#: sizes, not data); the entries carry real xxh3-128 digests.
-SHARD_BYTES = 50_028
+#: TransactionalWriter) wrote them: one shard per rank, ``__<rank>_0.distcp``, and the
+#: committer's own ``.metadata`` (8,533 B), which grows with the ranks (per rank: half of it).
+#: The bytes are sparse (the commit checks sizes, not data); the entries carry real xxh3-128
+#: digests.
 METADATA_BYTES_PER_RANK = 8_533 // 2
-RANGES_BYTES_PER_RANK = 2_137 // 2
+#: The byte length of each item's range in that save's shard of the rank that records more
+#: ranges (rank 1's ``__1_0.distcp``: 28 ranges, 50,028 B; rank 0 records 12), in file order:
+#: a simulated rank records as many ranges, of these lengths, each with its own xxh3-128 digest,
+#: in its part (1,584 B there). They tile the shard.
+RANGE_LENGTHS: tuple[int, ...] = (1261,) * 11 + (1325, 3625, 1705, 2601, 1577, 1577, 3625, 3625, 1577, 1705, 1705,
+                                                 1577, 2601, 2601, 1577, 1577, 1577)
+SHARD_BYTES = sum(RANGE_LENGTHS)
+assert len(RANGE_LENGTHS) == 28 and SHARD_BYTES == 50_028
 
 
 def _sparse(path: str, size: int) -> None:
@@ -70,24 +82,41 @@ def _staged(r: Any, step: int, w: int, parts: bool) -> tuple[Any, Any, list[Any]
         _sparse(os.path.join(staging, name), SHARD_BYTES)
         digest = digest_bytes(f"{step} {name}".encode())
         files = {name: {"size": SHARD_BYTES, "xxh3_128": digest, "kind": "bytes", "rank": rank}}
+        ranges = {name: _ranges(step, name)}
         if parts:
             records.append(write_part(r.storage, plan.key, rank, plan.txid, files, durable=False,
-                                      directory=False).encode())
+                                      directory=False, ranges=ranges).encode())
         else:
-            reports.append({"rank": rank, "files": files})
+            reports.append({"rank": rank, "files": files, "ranges": ranges})
     own = {}
-    for name, per_rank, kind in ((".metadata", METADATA_BYTES_PER_RANK, "bytes"),
-                                 ("txckpt-dcp-ranges.json", RANGES_BYTES_PER_RANK, "json")):
-        _sparse(os.path.join(staging, name), per_rank * w)
-        own[name] = {"size": per_rank * w, "xxh3_128": digest_bytes(f"{step} {name}".encode()), "kind": kind, "rank": 0}
+    size = METADATA_BYTES_PER_RANK * w
+    _sparse(os.path.join(staging, ".metadata"), size)
+    own[".metadata"] = {"size": size, "xxh3_128": digest_bytes(f"{step} .metadata".encode()), "kind": "bytes", "rank": 0}
+    if not parts:  # until the ranges moved into the parts: every rank's, in one file of rank 0's
+        data = json.dumps({n: rg for rep in reports for n, rg in rep["ranges"].items()}, sort_keys=True).encode()
+        with open(os.path.join(staging, "txckpt-dcp-ranges.json"), "wb") as f:
+            f.write(data)
+        own["txckpt-dcp-ranges.json"] = {"size": len(data), "xxh3_128": digest_bytes(data), "kind": "json", "rank": 0}
     reports.append({"rank": 0, "files": own})  # DCP's finish: the committer's own files, as a report
     return tx, plan, reports, records
 
 
+def _ranges(step: int, name: str) -> dict[str, list[Any]]:
+    """A simulated rank's range digests of its shard: RANGE_LENGTHS' ranges, each its own digest."""
+    from txckpt.checksum import digest_bytes
+
+    out, offset = {}, 0
+    for length in RANGE_LENGTHS:
+        out[str(offset)] = [length, digest_bytes(f"{step} {name} {offset}".encode())]
+        offset += length
+    return out
+
+
 def _load_read(storage: Any, key: str, path: str, rank: int) -> dict[str, int]:
-    """What a loading rank reads to know its own files (checked against the Merkle root), by
-    what the storage calls returned: the manifest, its part, its proof's tree nodes."""
-    from txckpt.manifest import MANIFEST_NAME, Manifest, read_rank_files
+    """What a DCP loading rank reads to know its own files and their range digests (checked
+    against the Merkle root), by what the storage calls returned: the manifest, its part (with
+    its ranges), its proof's tree nodes: TransactionalReader's read (``read_rank_part``)."""
+    from txckpt.manifest import MANIFEST_NAME, Manifest, read_rank_part
 
     got = {"manifest": 0, "part": 0, "proof": 0}
     real_bytes, real_ranges = storage.read_bytes, storage.read_ranges
@@ -105,10 +134,13 @@ def _load_read(storage: Any, key: str, path: str, rank: int) -> dict[str, int]:
     storage.read_bytes, storage.read_ranges = read_bytes, read_ranges
     try:
         manifest = Manifest.decode(storage.read_bytes(f"{key}/{MANIFEST_NAME}"))
-        files = read_rank_files(storage, key, manifest, rank, path)
+        part = read_rank_part(storage, key, manifest, rank, path)
     finally:
         del storage.read_bytes, storage.read_ranges
-    assert manifest.parts is not None and list(files) == [f"__{rank}_0.distcp"], files
+    name = f"__{rank}_0.distcp"
+    assert manifest.parts is not None and list(part.files) == [name], part.files
+    assert list(manifest.files) == [".metadata"] and list(part.ranges) == [name], part.ranges  # no ranges file
+    assert len(part.ranges[name]) == len(RANGE_LENGTHS), part.ranges
     return got
 
 
@@ -125,10 +157,11 @@ def _one(w: int) -> dict[str, Any]:
         tx, _, reports, _ = _staged(r, 2, w, parts=False)
         received = sum(len(json.dumps(rep)) for rep in reports[:-1])
         t0 = time.process_time()
-        path = tx.commit_reports(reports)
+        path = tx.commit_reports([{"rank": rep["rank"], "files": rep["files"]} for rep in reports])
         out["before"] = time.process_time() - t0
         out["before_rx"] = received / w
         out["before_read"] = os.path.getsize(os.path.join(path, MANIFEST_NAME))
+        out["before_ranges"] = os.path.getsize(os.path.join(path, "txckpt-dcp-ranges.json"))
         for step, label in ((3, "first"), (4, "fast")):
             tx, _, reports, records = _staged(r, step, w, parts=True)
             t0 = time.process_time()
@@ -164,7 +197,8 @@ def run(quick: bool) -> dict[str, Any]:
                      "txckpt": m["first"], "other": m["before"], "ratio": m["first"] / m["before"],
                      "goal": None, "reps": 1,
                      "note": f"before: {m['before_rx']:.0f} B received per rank, {m['before_read']} B read by a "
-                             f"loading rank; after: {m['rx']} B per rank, {m['read']} B read"})
+                             f"loading rank (the /1 manifest; a DCP load also {m['before_ranges']} B of "
+                             f"txckpt-dcp-ranges.json); after: {m['rx']} B per rank, {m['read']} B read"})
     for w, m in measured.items():
         rows.append({"case": f"unchanged structure (fast path) ÷ first save, W={w}", "size": f"W={w}",
                      "txckpt": m["fast"], "other": m["first"], "ratio": m["fast"] / m["first"],
@@ -178,7 +212,8 @@ def run(quick: bool) -> dict[str, Any]:
                  "txckpt": last["read"], "other": first["read"], "ratio": last["read"] / first["read"],
                  "goal": 1.2 if at_scale else None, "reps": 1,
                  "note": f"before (/1, the whole manifest): {last['before_read']} B at W={wn}, "
-                         f"{first['before_read']} B at W={w0}"})
+                         f"{first['before_read']} B at W={w0}; a DCP load also read txckpt-dcp-ranges.json: "
+                         f"{last['before_ranges']} B at W={wn}, {first['before_ranges']} B at W={w0}"})
     return {"id": "commit-scale", "title": TITLE, "rows": rows, "measured": {str(k): v for k, v in measured.items()},
             "notes": [curve_table(measured)],
             "about": (__doc__ or "").split("\n\n", 1)[1].strip()}
@@ -187,12 +222,14 @@ def run(quick: bool) -> dict[str, Any]:
 def curve_table(measured: dict[int, dict[str, Any]]) -> str:
     """Cost against W, as a markdown table (the figure's numbers)."""
     lines = ["| W | before: commit CPU | after: first save | after: fast path | received per rank (before → after) "
-             "| a loading rank reads (before → after: manifest + part + proof) |", "|---|---|---|---|---|---|"]
+             "| a DCP loading rank reads (before: the /1 manifest, + txckpt-dcp-ranges.json → after: manifest + "
+             "part with its ranges + proof) |", "|---|---|---|---|---|---|"]
     for w, m in sorted(measured.items()):
         got = m.get("read_parts") or {}
         split = f" ({got['manifest']} + {got['part']} + {got['proof']})" if got else ""
         lines.append(f"| {w} | {_ms(m['before'])} | {_ms(m['first'])} | {_ms(m['fast'])} | "
-                     f"{m['before_rx']:.0f} B → {m['rx']} B | {m['before_read']} B → {m['read']} B{split} |")
+                     f"{m['before_rx']:.0f} B → {m['rx']} B | {m['before_read']} B + {m['before_ranges']} B → "
+                     f"{m['read']} B{split} |")
     return "\n".join(lines)
 
 
@@ -216,7 +253,9 @@ def plot(measured: dict[int, dict[str, Any]], path: str) -> None:
     cpu.set(xscale="log", yscale="log", xlabel="world size W (simulated ranks)", ylabel="rank 0's commit CPU (s)",
             title="Commit cost against W")
     read.plot(ws, [measured[w]["before_read"] for w in ws], marker="o", label="before: the whole manifest")
-    read.plot(ws, [measured[w]["read"] for w in ws], marker="o", label="parts: manifest + own part + proof")
+    read.plot(ws, [measured[w]["before_read"] + measured[w]["before_ranges"] for w in ws], marker="o",
+              label="before, DCP: + txckpt-dcp-ranges.json")
+    read.plot(ws, [measured[w]["read"] for w in ws], marker="o", label="parts: manifest + own part (its ranges) + proof")
     read.set(xscale="log", yscale="log", xlabel="world size W (simulated ranks)", ylabel="bytes",
              title="A loading rank's metadata read against W")
     for ax in (cpu, read):

@@ -36,8 +36,7 @@ def test_save_commits_one_checkpoint_with_each_shard_attributed_to_its_rank(save
     assert [o["returned"] for o in out] == [path, path]  # dcp.save's Metadata names it on every rank
     m = txckpt.read_manifest(path)
     assert m.step == 5 and m.world_size == 2 and m.metadata == {"by": "dcp"}
-    assert {n: e.rank for n, e in m.files.items()} == {
-        "__0_0.distcp": 0, "__1_0.distcp": 1, ".metadata": 0, "txckpt-dcp-ranges.json": 0}
+    assert {n: e.rank for n, e in m.files.items()} == {"__0_0.distcp": 0, "__1_0.distcp": 1, ".metadata": 0}
     txckpt.verify_checkpoint(path)
 
 
@@ -123,18 +122,106 @@ def test_damaged_shard_is_an_integrity_error_on_every_rank(saved, case):
         assert etype == kind and name in message and epath == f"{path}/{name}", errs
 
 
-def test_two_ranks_write_format_2_and_a_damaged_part_fails_the_load_naming_its_rank(saved):
-    """Protocol §3a: each rank's files are in its part; the manifest lists the coordinator's own."""
+def _part(path: str, rank: int) -> dict:
+    import json
+
+    with open(os.path.join(path, "txckpt-parts", f"{rank}.json")) as f:
+        return json.load(f)
+
+
+def test_two_ranks_write_format_2_with_each_ranks_range_digests_in_its_part(saved):
+    """Protocol §3a: each rank's files and their range digests are in its part (the coordinator
+    receives neither); the manifest lists only the coordinator's own .metadata: no
+    txckpt-dcp-ranges.json, whose size grew with the ranks."""
     from txckpt.manifest import MANIFEST_NAME, Manifest
 
     path = saved["out"][0]["path"]
     with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
         m = Manifest.decode(f.read())
-    assert m.parts is not None and m.parts.count == 2 and set(m.files) == {".metadata", "txckpt-dcp-ranges.json"}
-    bad = _damaged(saved, "part1", _flip("txckpt-parts/1.json", 0.3))
-    errs = _load_errors(saved, bad, "part1")
+    assert m.parts is not None and m.parts.count == 2 and set(m.files) == {".metadata"}
+    assert not os.path.exists(os.path.join(path, "txckpt-dcp-ranges.json"))
+    for rank in range(2):
+        part, name = _part(path, rank), f"__{rank}_0.distcp"
+        assert set(part["ranges"]) == set(part["files"]) == {name}, part
+        # The items' ranges tile the shard: each starts where the one before it ended.
+        spans = sorted((int(o), n) for o, (n, _digest) in part["ranges"][name].items())
+        assert len(spans) > 1 and [o for o, _ in spans] == [sum(n for _, n in spans[:i]) for i in range(len(spans))]
+        assert sum(n for _, n in spans) == part["files"][name]["size"]
+
+
+def _rewrite_range_digest(path: str) -> None:
+    """Rank 1's part, well-formed, with one range digest replaced (its leaf then differs)."""
+    import json
+
+    part = _part(path, 1)
+    table = part["ranges"]["__1_0.distcp"]
+    table[min(table, key=int)][1] = "0" * 32
+    with open(os.path.join(path, "txckpt-parts", "1.json"), "w") as f:
+        json.dump(part, f, sort_keys=True, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("case", [("part1", _flip("txckpt-parts/1.json", 0.3), "full"),
+                                  ("part1-range", _rewrite_range_digest, "ranges")], ids=lambda c: c[0])
+def test_a_damaged_part_fails_the_load_naming_its_rank(saved, case):
+    """A flipped byte of a part, or a rewritten range digest in it (the part still well-formed):
+    its leaf no longer fits the Merkle root, and both loading ranks name rank 1's part."""
+    tag, damage, verify = case
+    bad = _damaged(saved, tag, damage)
+    errs = _load_errors(saved, bad, tag, verify=verify)
     for _rank, (etype, message, epath) in errs.items():
         assert etype == "ManifestError" and "rank 1's part" in message and epath == f"{bad}/txckpt-parts/1.json", errs
+
+
+def _old_layout(saved, tag: str, ranges_file: bool = True) -> str:
+    """The saved checkpoint committed again, into a root of its own, as txckpt wrote /2 DCP
+    checkpoints before the range digests moved into the parts: parts of files only, and every
+    rank's digests in the coordinator's txckpt-dcp-ranges.json (listed by the manifest). The
+    real commit code, fed what that writer's finish fed it; ``ranges_file=False``: without it."""
+    import json
+    import shutil
+
+    from txckpt import rankparts
+    from txckpt.checksum import digest_bytes
+    from txckpt.manifest import kind_for_name
+
+    src = saved["out"][0]["path"]
+    root = txckpt.CheckpointRoot(str(saved["tmp"] / f"old-{tag}"))
+    tx = root.transaction(5)
+    plan = tx.begin_external(2)
+    staging = root.storage.local_path(plan.key)
+    records, ranges = [], {}
+    for rank in range(2):
+        part = _part(src, rank)
+        ranges.update(part["ranges"])
+        for name in part["files"]:
+            shutil.copyfile(os.path.join(src, name), os.path.join(staging, name))
+        records.append(rankparts.write_part(root.storage, plan.key, rank, plan.txid, part["files"],
+                                            durable=root.durable, directory=False).encode())
+    own = {".metadata": open(os.path.join(src, ".metadata"), "rb").read()}
+    if ranges_file:
+        own["txckpt-dcp-ranges.json"] = json.dumps(ranges, sort_keys=True).encode()
+    for name, data in own.items():
+        with open(os.path.join(staging, name), "wb") as f:
+            f.write(data)
+    files = {n: {"size": len(d), "xxh3_128": digest_bytes(d), "kind": kind_for_name(n), "rank": 0} for n, d in own.items()}
+    return tx.commit_reports([{"rank": 0, "files": files}], records)
+
+
+def test_a_checkpoint_of_the_old_layout_with_one_ranges_file_still_loads_with_verify_ranges(saved):
+    path = _old_layout(saved, "ranges-file")
+    m = txckpt.read_manifest(path)
+    assert m.parts is not None and set(m.own_files or {}) == {".metadata", "txckpt-dcp-ranges.json"}
+    assert all("ranges" not in _part(path, r) for r in range(2))
+    got = _ok(launcher.launch(2, cw.load, str(saved["tmp"] / "load-old-layout"), path=path, ref_file=saved["ref"],
+                              verify="ranges"))
+    assert all(g["tensors"] > 8 and g["different"] == [] for g in got), got
+    # Neither the parts nor a ranges file: verify="ranges" says where it looked, not only the file.
+    bare = _old_layout(saved, "no-ranges", ranges_file=False)
+    errs = _load_errors(saved, bare, "no-ranges", world=1, verify="ranges")
+    (etype, message, _epath), = {tuple(v) for v in errs.values()}
+    assert etype == "IntegrityError" and "no recorded range digests" in message, errs
+    assert "part of the manifest (txckpt-parts/0.json)" in message and 'verify="full"' in message, message
+
 
 
 def test_metadata_from_another_checkpoint_is_refused(saved):
@@ -289,7 +376,8 @@ def test_a_planner_replaying_a_cached_plan_is_refused_before_anything_is_staged(
     second = TransactionalWriter(root, 2)
     dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=second, no_dist=True)
     assert [c.step for c in txckpt.CheckpointRoot(root).checkpoints()] == [1, 2] and first.path != second.path
-    txckpt.verify_checkpoint(second.path)
+    m = txckpt.verify_checkpoint(second.path)
+    assert m.parts is None and "txckpt-dcp-ranges.json" in m.files  # one rank: format /1, the ranges in one file
 
 
 def test_async_save_commits(saved):

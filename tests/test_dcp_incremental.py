@@ -7,6 +7,7 @@ verify` names each; a fallback resume skips them all, onto a full save before th
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -83,6 +84,16 @@ def test_a_later_save_writes_only_the_files_of_changed_tensors(saved):
         # The changed tensors (their torch.save headers), the packed small items, DCP's metadata.
         assert changed < written < changed * 1.05 + 64 * 1024, (i, written, changed, names)
         assert txckpt.read_manifest(paths[i]).total_bytes - written > base  # the base, not written again
+        # Every file's range digests are in its rank's part; a shared file's one range is the whole
+        # file, its digest the committed one's (TransactionalReader(verify="ranges") checks it).
+        m = txckpt.read_manifest(paths[i])
+        assert "txckpt-dcp-ranges.json" not in m.files
+        for rank in range(2):
+            with open(os.path.join(paths[i], "txckpt-parts", f"{rank}.json")) as f:
+                part = json.load(f)
+            assert set(part["ranges"]) == set(part["files"]), rank
+            for name in shared & set(part["files"]):
+                assert part["ranges"][name] == {"0": [m.files[name].size, m.files[name].checksum]}, name
     # A file's name and its bytes agree with the first save's: shared by inode, not by copy.
     one, three = _inodes(paths[0]), _inodes(paths[2])
     assert sum(one[n] == three[n] for n in one if n in three) == 2 * len(BASE)

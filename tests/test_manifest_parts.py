@@ -20,7 +20,8 @@ from txckpt import errors, parts, rankparts
 from txckpt.checksum import digest_bytes
 from txckpt.cli.verify import run_verify
 from txckpt.errors import ManifestError
-from txckpt.manifest import FORMAT, FORMAT_V2, MANIFEST_NAME, Manifest, read_rank_files
+from txckpt.manifest import (FORMAT, FORMAT_V2, MANIFEST_NAME, Manifest, decode_part, encode_part, read_rank_files,
+                             read_rank_part)
 
 
 # ----- the tree and the record ----------------------------------------------------------------
@@ -59,8 +60,14 @@ def test_the_structure_digest_depends_on_names_and_kinds_only():
 
 
 # ----- a simulated multi-rank save ------------------------------------------------------------
-def _save(root: txckpt.CheckpointRoot, step: int, world: int, *, names=None, data=b"x") -> str:
-    """Rank 0's real commit of ``world`` simulated ranks, each with its file and its part."""
+def _ranges_of(rank: int, name: str) -> dict:
+    """A DCP-like range table of one rank's file: two items of (distinct) digests."""
+    return {name: {"0": [1, digest_bytes(b"a%d" % rank)], "1": [1, digest_bytes(b"b%d" % rank)]}}
+
+
+def _save(root: txckpt.CheckpointRoot, step: int, world: int, *, names=None, data=b"x", ranges=False) -> str:
+    """Rank 0's real commit of ``world`` simulated ranks, each with its file and its part
+    (``ranges``: with range digests of its file, as a DCP rank's)."""
     tx = root.transaction(step)
     plan = tx.begin_external(world)
     staging = root.storage.local_path(plan.key)
@@ -71,7 +78,7 @@ def _save(root: txckpt.CheckpointRoot, step: int, world: int, *, names=None, dat
             f.write(data + bytes([rank]))
         files = {name: {"size": len(data) + 1, "xxh3_128": digest_bytes(data + bytes([rank])), "kind": "bytes"}}
         records.append(rankparts.write_part(root.storage, plan.key, rank, plan.txid, files, durable=root.durable,
-                                            directory=False).encode())
+                                            directory=False, ranges=_ranges_of(rank, name) if ranges else None).encode())
     return tx.commit_reports([], records)
 
 
@@ -180,12 +187,13 @@ def test_a_part_that_differs_from_its_record_aborts_the_first_save(tmp_path):
 
 def test_a_fetched_copy_of_a_format_2_checkpoint_reads_like_the_original(tmp_path):
     root = txckpt.CheckpointRoot(str(tmp_path / "out"))
-    path = _save(root, 1, 3)
+    path = _save(root, 1, 3, ranges=True)
     copy = txckpt.fetch_checkpoint(path, str(tmp_path / "copy"))
     manifest = txckpt.read_manifest(copy)
     assert manifest.parts is not None and set(manifest.files) == {"r0.bin", "r1.bin", "r2.bin"}
     storage = txckpt.CheckpointRoot(copy).storage
     assert set(read_rank_files(storage, "", manifest, 2, copy)) == {"r2.bin"}
+    assert read_rank_part(storage, "", manifest, 2, copy).ranges == _ranges_of(2, "r2.bin")  # the parts' ranges too
 
 
 def test_a_format_1_manifest_of_many_ranks_still_reads(tmp_path):
@@ -273,3 +281,55 @@ def test_a_parts_entries_leave_the_rank_to_the_part_and_readers_record_it(tmp_pa
     manifest = Manifest.decode(open(os.path.join(path, MANIFEST_NAME), "rb").read())
     assert read_rank_files(root.storage, root.storage.key_of(path), manifest, 11, path)["r11.bin"].rank == 11
     assert txckpt.read_manifest(path).files["r11.bin"].rank == 11
+
+
+# ----- range digests in the parts (DCP, issue 33) -------------------------------------------
+def test_a_part_carries_its_ranges_and_refuses_ranges_of_a_file_it_does_not_hold():
+    files = {"__3_0.distcp": {"size": 2, "xxh3_128": digest_bytes(b"ab"), "kind": "bytes", "rank": 3}}
+    ranges = _ranges_of(3, "__3_0.distcp")
+    data = encode_part(3, "t", files, ranges)
+    part = decode_part(data, 3, "t", "p")
+    assert part.ranges == ranges and set(part.files) == {"__3_0.distcp"} and part.files["__3_0.distcp"].rank == 3
+    assert decode_part(encode_part(3, "t", files), 3, "t", "p").ranges == {}
+    assert b'"ranges"' not in encode_part(3, "t", files)  # a part without ranges leaves the key out
+    with pytest.raises(errors.InvalidArgumentError, match=r"'__0_0.distcp', which is not one of the part's files"):
+        encode_part(3, "t", files, {**ranges, **_ranges_of(0, "__0_0.distcp")})
+    # A part that names another file in its ranges, or holds a malformed range, is damaged.
+    body = json.loads(data)
+    for bad in ({"__0_0.distcp": {"0": [1, "00"]}}, {"__3_0.distcp": {"0": ["1", "00"]}},
+                {"__3_0.distcp": {"x": [1, "00"]}}, {"__3_0.distcp": [1, "00"]}, ["__3_0.distcp"]):
+        with pytest.raises(ManifestError, match=r"p's range digests .* the checkpoint is damaged"):
+            decode_part(json.dumps({**body, "ranges": bad}).encode(), 3, "t", "p")
+
+
+def test_a_loading_rank_gets_its_ranges_from_its_part_through_the_proof_or_the_whole_read(tmp_path):
+    root = txckpt.CheckpointRoot(str(tmp_path / "out"))
+    path = _save(root, 1, 5, ranges=True)
+    manifest = Manifest.decode(open(os.path.join(path, MANIFEST_NAME), "rb").read())
+    key = root.storage.key_of(path)
+    for rank in range(5):
+        part = read_rank_part(root.storage, key, manifest, rank, path)
+        assert set(part.files) == {f"r{rank}.bin"} and part.ranges == _ranges_of(rank, f"r{rank}.bin")
+    txckpt.verify_checkpoint(path)  # the whole-table readers read parts with ranges too
+    os.remove(os.path.join(path, parts.TREE_NAME))  # no proof: every part read and checked, then decoded
+    assert read_rank_part(root.storage, key, manifest, 2, path).ranges == _ranges_of(2, "r2.bin")
+
+
+def test_a_part_whose_range_digest_was_rewritten_no_longer_fits_the_root(tmp_path):
+    """The leaf covers the ranges: a rewritten range digest (the part still well-formed) is a
+    ManifestError naming the rank's part, through the proof and through the whole read."""
+    root = txckpt.CheckpointRoot(str(tmp_path / "out"))
+    path = _save(root, 1, 4, ranges=True)
+    part = os.path.join(path, parts.part_name(2))
+    with open(part) as f:
+        body = json.load(f)
+    body["ranges"]["r2.bin"]["1"][1] = digest_bytes(b"other bytes")
+    with open(part, "w") as f:
+        json.dump(body, f, sort_keys=True, separators=(",", ":"))
+    manifest = Manifest.decode(open(os.path.join(path, MANIFEST_NAME), "rb").read())
+    with pytest.raises(ManifestError, match=r"rank 2's part .* does not match the Merkle root") as e:
+        read_rank_part(root.storage, root.storage.key_of(path), manifest, 2, path)
+    assert e.value.path == f"{path}/{parts.part_name(2)}"
+    with pytest.raises(ManifestError, match=r"rank 2's part .* does not match the Merkle root"):
+        txckpt.read_manifest(path)
+    assert read_rank_part(root.storage, root.storage.key_of(path), manifest, 1, path).ranges  # the others read

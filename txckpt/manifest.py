@@ -331,22 +331,64 @@ def _digest(body: dict[str, Any]) -> str:
 
 
 # ----- format /2: the parts (protocol §3a) -------------------------------------------------------
-def encode_part(rank: int, txid: str, files_json: Mapping[str, Any]) -> bytes:
+#: One file's range digests, as a DCP save records them: ``{str(offset): [length, xxh3-128 hex]}``.
+RangeTable = dict[str, list[Any]]
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """One rank's part of a /2 manifest, decoded and checked: its files (each recorded with the
+    rank) and the range digests it records for them (``{name: RangeTable}``, DCP's per-item
+    digests; empty when the part has none)."""
+
+    files: dict[str, FileEntry]
+    ranges: dict[str, RangeTable] = field(default_factory=dict)
+
+
+def _ranges_problem(ranges: Any, names: Mapping[str, Any]) -> str | None:
+    """What is wrong with a part's ``ranges`` (None: nothing): a table per file of the part's
+    own, each ``{decimal offset: [length >= 0, digest]}``."""
+    if not isinstance(ranges, dict):
+        return f"are not an object ({type(ranges).__name__})"
+    for name, table in ranges.items():
+        if name not in names:
+            return f"name {name!r}, which is not one of the part's files"
+        if not isinstance(table, dict):
+            return f"of {name!r} are not an object"
+        for offset, entry in table.items():
+            if not (isinstance(offset, str) and offset.isascii() and offset.isdigit()
+                    and isinstance(entry, (list, tuple)) and len(entry) == 2 and type(entry[0]) is int
+                    and entry[0] >= 0 and isinstance(entry[1], str)):
+                return f"of {name!r} at offset {offset!r} are not [length, xxh3-128] ({entry!r})"
+    return None
+
+
+def encode_part(rank: int, txid: str, files_json: Mapping[str, Any],
+                ranges: Mapping[str, RangeTable] | None = None) -> bytes:
     """Rank ``rank``'s part of the manifest of ``txid``: its file table (the wire form of
     :func:`written_to_json`, less each entry's ``rank``: the part's own ``rank`` is every one
-    of its files', and what a loading rank reads should not grow with the rank's digits). Its
-    digest (``parts.node_digest`` of these bytes) is its leaf."""
+    of its files', and what a loading rank reads should not grow with the rank's digits) and,
+    given ``ranges`` (DCP), the range digests of its own files, so that a loading rank finds
+    them in its own share. Its digest (``parts.node_digest`` of these bytes) is its leaf: the
+    Merkle root commits to both."""
     files = {n: {k: v for k, v in e.items() if k != "rank"} for n, e in files_json.items()}
-    body = {"format": PART_FORMAT, "rank": rank, "txid": txid, "files": files}
+    body: dict[str, Any] = {"format": PART_FORMAT, "rank": rank, "txid": txid, "files": files}
+    if ranges:
+        problem = _ranges_problem(dict(ranges), files)
+        if problem is not None:
+            raise InvalidArgumentError(f"rank {rank}'s range digests {problem}: a part records ranges of its "
+                                       "own files only; pass each rank's ranges to that rank's part")
+        body["ranges"] = {n: dict(t) for n, t in ranges.items()}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def decode_part(data: bytes, rank: int, txid: str, where: str) -> dict[str, FileEntry]:
-    """The file table of rank ``rank``'s part (each file recorded with ``rank``), checked to be
-    that rank's part of ``txid`` (its bytes are checked against the tree by the caller)."""
+def decode_part(data: bytes, rank: int, txid: str, where: str) -> RankPart:
+    """Rank ``rank``'s part: its file table (each file recorded with ``rank``) and its range
+    digests, checked to be that rank's part of ``txid`` and to record ranges of its own files
+    only (its bytes are checked against the tree by the caller)."""
     try:
         body = json.loads(data)
-        files_raw = body["files"]
+        files_raw, ranges = body["files"], body.get("ranges", {})
         ok = body.get("format") == PART_FORMAT and body.get("rank") == rank and body.get("txid") == txid
     except (ValueError, UnicodeDecodeError, TypeError, KeyError, AttributeError) as e:
         raise ManifestError(f"{where} is not a txckpt manifest part ({e}); the checkpoint is damaged",
@@ -354,7 +396,12 @@ def decode_part(data: bytes, rank: int, txid: str, where: str) -> dict[str, File
     if not ok or not isinstance(files_raw, dict):
         raise ManifestError(f"{where} is not rank {rank}'s part of txid {txid}; the checkpoint is damaged",
                             path=where)
-    return _file_table(files_raw, where, rank)
+    files = _file_table(files_raw, where, rank)
+    problem = _ranges_problem(ranges, files)
+    if problem is not None:
+        raise ManifestError(f"{where}'s range digests {problem}; the checkpoint is damaged: resume from "
+                            "another one or restore it from a copy", path=where)
+    return RankPart(files, ranges)
 
 
 def _part_mismatch(where: str, rank: int | None) -> ManifestError:
@@ -386,20 +433,11 @@ def read_manifest_at(storage: Storage, key: str, manifest: Manifest, where: str)
     as it is; a /2 one with every part read and checked against its Merkle root (a part that
     does not fit raises ManifestError naming its rank). Every reader that needs the whole
     table (verify, gc, retention, incremental, fetch) comes here."""
-    info = manifest.parts
-    if info is None:
+    if manifest.parts is None:
         return manifest
-    blobs = storage.run_concurrently([
-        (lambda r=r: _read_part(storage, key, r, where)) for r in range(info.count)])  # type: ignore[misc]
-    for blob in blobs:
-        if isinstance(blob, BaseException):
-            raise blob
-    leaves = [parts.node_digest(b) for b in blobs]
-    if parts.tree_root(parts.build_tree(leaves)).hex() != info.merkle_root:
-        raise _part_mismatch(where, _bad_leaf(storage, key, info, leaves))
     files = dict(manifest.own_files or {})
-    for rank, blob in enumerate(blobs):
-        for name, entry in decode_part(blob, rank, manifest.txid, f"{where}/{parts.part_name(rank)}").items():
+    for rank, blob in enumerate(_read_checked_parts(storage, key, manifest, where)):
+        for name, entry in decode_part(blob, rank, manifest.txid, f"{where}/{parts.part_name(rank)}").files.items():
             if name in files:
                 raise ManifestError(f"{where} lists {name!r} twice (rank {files[name].rank} and rank {rank}); "
                                     "the checkpoint is damaged", path=where)
@@ -408,6 +446,22 @@ def read_manifest_at(storage: Storage, key: str, manifest: Manifest, where: str)
         raise ManifestError(f"{where}'s parts hold {len(files)} files, its manifest says {manifest.file_count}; "
                             "the checkpoint is damaged", path=where)
     return dataclasses.replace(manifest, files=files)
+
+
+def _read_checked_parts(storage: Storage, key: str, manifest: Manifest, where: str) -> list[bytes]:
+    """The bytes of every part of a /2 ``manifest``, in rank order, checked together against its
+    Merkle root (a part that does not fit raises ManifestError naming its rank)."""
+    info = manifest.parts
+    assert info is not None
+    blobs = storage.run_concurrently([
+        (lambda r=r: _read_part(storage, key, r, where)) for r in range(info.count)])  # type: ignore[misc]
+    for blob in blobs:
+        if isinstance(blob, BaseException):
+            raise blob
+    leaves = [parts.node_digest(b) for b in blobs]
+    if parts.tree_root(parts.build_tree(leaves)).hex() != info.merkle_root:
+        raise _part_mismatch(where, _bad_leaf(storage, key, info, leaves))
+    return blobs
 
 
 def _bad_leaf(storage: Storage, key: str, info: PartsInfo, leaves: list[bytes]) -> int | None:
@@ -426,14 +480,14 @@ def _bad_leaf(storage: Storage, key: str, info: PartsInfo, leaves: list[bytes]) 
     return None
 
 
-def read_rank_files(storage: Storage, key: str, manifest: Manifest, rank: int, where: str) -> dict[str, FileEntry]:
-    """A loading rank's narrow read (protocol §3a): the files of rank ``rank``'s part, checked
-    against the manifest's Merkle root through its proof path (log2 W sibling nodes of the tree
-    file, read by range). What it reads does not grow with the world size. A /1 manifest: the
-    files it records with that rank."""
+def read_rank_part(storage: Storage, key: str, manifest: Manifest, rank: int, where: str) -> RankPart:
+    """A loading rank's narrow read (protocol §3a): rank ``rank``'s part (its files and range
+    digests), checked against the manifest's Merkle root through its proof path (log2 W sibling
+    nodes of the tree file, read by range). What it reads does not grow with the world size. A
+    /1 manifest: the files it records with that rank, and no ranges."""
     info = manifest.parts
     if info is None:
-        return {n: e for n, e in manifest.files.items() if e.rank == rank}
+        return RankPart({n: e for n, e in manifest.files.items() if e.rank == rank})
     if not 0 <= rank < info.count:
         raise InvalidArgumentError(f"rank {rank}: {where} has parts of ranks 0..{info.count - 1}")
     blob = _read_part(storage, key, rank, where)
@@ -447,7 +501,12 @@ def read_rank_files(storage: Storage, key: str, manifest: Manifest, rank: int, w
     fits = len(siblings) == len(proof) and all(len(s) == parts.NODE_SIZE for s in siblings)
     if not fits or parts.root_from_proof(parts.node_digest(blob), info.count, rank, siblings).hex() != info.merkle_root:
         # The part or the tree (an index, not fsynced at commit: protocol §3a) does not fit:
-        # the whole read decides, and names the rank whose part is damaged.
-        whole = read_manifest_at(storage, key, manifest, where)
-        return {n: e for n, e in whole.files.items() if e.rank == rank and n not in (manifest.own_files or {})}
+        # every part is read and checked against the root (which names the rank whose part is
+        # damaged), and this rank's is decoded from the bytes that check passed.
+        blob = _read_checked_parts(storage, key, manifest, where)[rank]
     return decode_part(blob, rank, manifest.txid, f"{where}/{parts.part_name(rank)}")
+
+
+def read_rank_files(storage: Storage, key: str, manifest: Manifest, rank: int, where: str) -> dict[str, FileEntry]:
+    """The files of :func:`read_rank_part`: rank ``rank``'s share of the file table, checked."""
+    return read_rank_part(storage, key, manifest, rank, where).files

@@ -23,7 +23,7 @@ import xxhash
 from . import parts
 from .claims import hash_staged
 from .errors import InvalidArgumentError, TransactionAbortedError, UnsafePathError
-from .manifest import (MANIFEST_NAME, FileEntry, Manifest, PartsInfo, agree_files, check_file_name,
+from .manifest import (MANIFEST_NAME, FileEntry, Manifest, PartsInfo, RangeTable, agree_files, check_file_name,
                        check_name_tree, decode_part, encode_part)
 from .saveplan import SavePlan
 from .storage.base import Storage
@@ -33,13 +33,16 @@ Relink = Callable[..., Any] | None
 
 # ----- a rank's side ---------------------------------------------------------------------------
 def write_part(storage: Storage, staging_key: str, rank: int, txid: str, files_json: Mapping[str, Any], *,
-               durable: bool, directory: bool, open_write: Callable[..., BinaryIO] | None = None) -> parts.Record:
+               durable: bool, directory: bool, open_write: Callable[..., BinaryIO] | None = None,
+               ranges: Mapping[str, RangeTable] | None = None) -> parts.Record:
     """Write rank ``rank``'s part into the staging (durable when ``durable``, fsyncing the
     sub-directories its files are in: the committer may not list them) and return its record.
     ``directory``: ``tx.directory`` was handed out on this rank (the committer must list).
     ``open_write``: the rank's write batch's (default: the storage's), so that the part's
-    fsync (or upload) is made with its files', complete when the batch's ``wait`` returns."""
-    data = encode_part(rank, txid, files_json)
+    fsync (or upload) is made with its files', complete when the batch's ``wait`` returns.
+    ``ranges``: the range digests of this rank's files (DCP), recorded in its part, so that
+    the committer never receives them and a loading rank reads only its own."""
+    data = encode_part(rank, txid, files_json, ranges)
     # A durable write (its bytes fsynced by its close, or with the batch's): the committer's
     # creation of the tree in the same directory fsyncs that directory once, for every rank's entry.
     with (open_write or storage.open_write)(f"{staging_key}/{parts.part_name(rank)}", durable=durable) as f:
@@ -110,7 +113,7 @@ def _checked_parts(storage: Storage, key: str, txid: str, records: list[parts.Re
                 f"rank {rank}'s part of the manifest in the staging is missing or is not the one it reported "
                 f"({blob if isinstance(blob, BaseException) else 'digest differs'}): deleted or rewritten "
                 "by hand, or by a gc that took this writer for dead; nothing was committed")
-        files = decode_part(blob, rank, txid, f"{key}/{parts.part_name(rank)}")
+        files = decode_part(blob, rank, txid, f"{key}/{parts.part_name(rank)}").files
         reports.append({"rank": rank, "files": {n: e.to_json() for n, e in files.items()}})
     if own:
         reports.append({"rank": 0, "files": {n: e.to_json() for n, e in own.items()}})

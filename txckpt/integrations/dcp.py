@@ -22,8 +22,9 @@ coordinator. The writer adds no collective: it works on DCP's group and in ``dcp
 
 Files are DCP's own format (``__<rank>_<i>.distcp`` written with DCP's item writer, a pickled
 ``.metadata`` of DCP's classes), so plain ``FileSystemReader`` still reads a committed local
-checkpoint. The writer also records the digest of every item's byte range
-(``txckpt-dcp-ranges.json``), which lets :class:`TransactionalReader` check ranged reads.
+checkpoint. The writer also records the digest of every item's byte range (in each rank's part
+of the manifest; a one-rank save: ``txckpt-dcp-ranges.json``), which lets
+:class:`TransactionalReader` check ranged reads (:mod:`.dcp_ranges`).
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ from torch.futures import Future
 
 from .. import errors, fileio
 from ..asyncsave import wait_for_root
-from ..checksum import PIECE, HashingWriter, digest_bytes, new_hasher
+from ..checksum import HashingWriter, digest_bytes
 from ..errors import IntegrityError, InvalidArgumentError, ManifestError, TransactionAbortedError
 from ..layout import intent_key
-from ..manifest import FileEntry, kind_for_name, read_rank_files
+from ..manifest import FileEntry, RangeTable, kind_for_name, read_rank_part
 from ..rankparts import write_part
 from ..reader import Found, read_checked
 from ..root import open_root
@@ -67,11 +68,10 @@ from .dcp_compat import (  # torch's unpublished DCP names (DCP's own file forma
     narrow_tensor_by_index,
 )
 from .dcp_incremental import ITEMS_NAME, IncrementalShards
+from .dcp_ranges import RANGES_NAME, RangeHashingWriter, read_ranges, shard_rank
 
 #: DCP's metadata file (the name FileSystemReader reads).
 METADATA_NAME = ".metadata"
-#: name -> {offset: [length, xxh3-128]} of every item's bytes: what a ranged read checks.
-RANGES_NAME = "txckpt-dcp-ranges.json"
 #: The fqn of the extra WriteResult that carries a rank's report to the coordinator.
 _REPORT_FQN = "__txckpt_rank_report__"
 VERIFY_MODES = ("full", "ranges")
@@ -108,38 +108,6 @@ def _disagreement(what: str, rank: int, mine: Any, coordinator: int, planned: An
         f"ranks disagree on the {what}: rank {rank} saves {what} {mine}, the coordinator (rank {coordinator}) "
         f"saves {what} {planned}. Every rank must pass the same root and step to TransactionalWriter; "
         "nothing was committed")
-
-
-class _RangeHashingWriter(HashingWriter):
-    """A HashingWriter that also hashes each stretch between two ``tell()`` calls: DCP's item
-    writer calls ``tell()`` before and after every item, so each item's range gets its digest.
-    ``whole``: the file holds one item, whose range is the file (its digest, not hashed twice)."""
-
-    def __init__(self, sink: Any, whole: bool = False):
-        super().__init__(sink)
-        self._whole = whole
-        self._start = 0
-        self._range = new_hasher()
-        self.ranges: dict[str, list[Any]] = {}
-
-    def write(self, data: Any) -> int:
-        if self._whole:
-            return super().write(data)
-        view = memoryview(data).cast("B")
-        # Piece by piece, so the range hash, the file hash and the write all find the piece in
-        # the CPU cache (one pass over memory, as HashingWriter's own).
-        for start in range(0, len(view), PIECE):
-            piece = view[start:start + PIECE]
-            self._range.update(piece)
-            super().write(piece)
-        return len(view)
-
-    def tell(self) -> int:
-        if self.size != self._start and not self._whole:
-            self.ranges[str(self._start)] = [self.size - self._start, self._range.hexdigest()]
-            self._range.reset()
-            self._start = self.size
-        return self.size
 
 
 class TransactionalWriter(StorageWriter):
@@ -241,16 +209,16 @@ class TransactionalWriter(StorageWriter):
         self._check_assignment(a, root)
         storage = root.storage
         files: dict[str, Any] = {}
-        ranges: dict[str, Any] = {}
+        ranges: dict[str, RangeTable] = {}
         batch = storage.write_batch()
 
         # incremental: files shared by the tensors' keys, computed beside the writes (shards.writes)
         shards = IncrementalShards(root, a.prefix, plan.items, planner, self._rank) if self.incremental else None
 
         @contextlib.contextmanager
-        def create_stream(name: str, mode: str) -> Iterator[_RangeHashingWriter]:
+        def create_stream(name: str, mode: str) -> Iterator[RangeHashingWriter]:
             whole = shards is not None and name in shards.single
-            w = _RangeHashingWriter(batch.open_write(f"{a.key}/{name}", durable=a.durable), whole)
+            w = RangeHashingWriter(batch.open_write(f"{a.key}/{name}", durable=a.durable), whole)
             try:
                 yield w
             except BaseException:
@@ -285,11 +253,11 @@ class TransactionalWriter(StorageWriter):
                 shards.release()  # placed (or failed): a shared file is a file of its own now
         while not done.empty():
             results += done.get_nowait()
-        # In a group, this rank's part of the manifest (protocol §3a), durable in the staging: the
-        # coordinator gets its fixed-size record instead of the file table.
+        # In a group, this rank's part of the manifest (protocol §3a), durable in the staging, holds
+        # its files and their range digests: the coordinator gets its fixed-size record instead.
         report = {"rank": self._rank, "files": files, "ranges": ranges} if a.world < 2 else {
-            "rank": self._rank, "ranges": ranges,
-            "record": write_part(storage, a.key, self._rank, a.txid, files, durable=a.durable, directory=False).encode()}
+            "rank": self._rank, "record": write_part(storage, a.key, self._rank, a.txid, files, durable=a.durable,
+                                                     directory=False, ranges=ranges).encode()}
         if shards is not None:
             report["items"] = shards.keys
         return results, report
@@ -337,8 +305,10 @@ class TransactionalWriter(StorageWriter):
                 metadata.version = CURRENT_DCP_VERSION
                 metadata.storage_data = storage_md
                 metadata.storage_meta = StorageMeta(checkpoint_id=tx.final_path, save_id=self._save_id)
-                ranges = {n: rg for r in reports for n, rg in r.get("ranges", {}).items()}
-                own = {METADATA_NAME: pickle.dumps(metadata), RANGES_NAME: json.dumps(ranges, sort_keys=True).encode()}
+                own = {METADATA_NAME: pickle.dumps(metadata)}
+                if any("ranges" in r for r in reports):  # one rank (format /1): no part to hold them
+                    ranges = {n: rg for r in reports for n, rg in r.get("ranges", {}).items()}
+                    own[RANGES_NAME] = json.dumps(ranges, sort_keys=True).encode()
                 if any("items" in r for r in reports):  # an incremental save: the next one looks its keys up
                     items = {n: k for r in reports for n, k in r.get("items", {}).items()}
                     own[ITEMS_NAME] = json.dumps(items, sort_keys=True).encode()
@@ -371,16 +341,14 @@ class TransactionalWriter(StorageWriter):
         return False  # never chosen by DCP on its own: a txckpt save needs a step
 
 
-def _shard_rank(name: str) -> int | None:  # the rank of a shard __<rank>_<n>.distcp; None: not a shard
-    rank, _, rest = name[2:].partition("_")
-    return int(rank) if name.startswith("__") and rank.isdigit() and rest.endswith(DEFAULT_SUFFIX) else None
-
-
-def _need(found: Found, name: str) -> None:
-    """Put ``name``'s entry in ``found.manifest.files`` (/2: its rank's part, checked, read once)."""
-    manifest, rank = found.manifest, _shard_rank(name)
+def _need(found: Found, name: str, ranges: dict[str, RangeTable]) -> None:
+    """Put ``name``'s entry in ``found.manifest.files`` (/2: its rank's part, checked, read once,
+    whose range digests go into ``ranges``)."""
+    manifest, rank = found.manifest, shard_rank(name)
     if name not in manifest.files and manifest.parts is not None and rank is not None and rank < manifest.parts.count:
-        manifest.files.update(read_rank_files(found.storage, found.key, manifest, rank, found.path))
+        part = read_rank_part(found.storage, found.key, manifest, rank, found.path)
+        manifest.files.update(part.files)
+        ranges.update(part.ranges)
     if name not in manifest.files:
         raise IntegrityError(f"{found.path}/{METADATA_NAME} names {name!r}, which the manifest does not list: the "
                              f"checkpoint is damaged; {FALLBACK_HINT}", path=f"{found.path}/{METADATA_NAME}")
@@ -437,10 +405,12 @@ class TransactionalReader(StorageReader):
         # whose shards it loads (_need), each checked against the manifest's Merkle root.
         found, blobs = read_checked(self.path, self.storage_options or None, attempt, whole=False)
         metadata = pickle.loads(bytes(blobs[METADATA_NAME]))  # verified: the bytes the save wrote
+        # A one-rank save's ranges (and a /2 one's before they moved into the parts); a /2 rank's
+        # come with its part (_need).
         ranges = json.loads(bytes(blobs[RANGES_NAME])) if RANGES_NAME in blobs else {}
         for name in {info.relative_path for info in (metadata.storage_data or {}).values()}:
-            if found.manifest.parts is None or _shard_rank(name) is None:  # a rank's shard: checked when read
-                _need(found, name)
+            if found.manifest.parts is None or shard_rank(name) is None:  # a rank's shard: checked when read
+                _need(found, name, ranges)
         self._opened = (found, metadata, ranges)
         return self._opened
 
@@ -468,14 +438,14 @@ class TransactionalReader(StorageReader):
         for item in plan.items:
             per_file.setdefault(metadata.storage_data[item.storage_index].relative_path, []).append(item)
         for name in per_file:
-            _need(found, name)
+            _need(found, name, ranges)
         for name, reqs in sorted(per_file.items()):
             infos = [cast(_StorageInfo, metadata.storage_data[r.storage_index]) for r in reqs]
             blobs: list[Any]
             if self.verify == "full":
                 blobs = self._whole(found, name, infos)
             else:
-                blobs = self._ranges(found, ranges, name, infos)
+                blobs = read_ranges(found, ranges, name, infos)
             for req, blob in zip(reqs, blobs):
                 _load_item(req, blob, planner)
         fut: Future[None] = Future()
@@ -497,36 +467,6 @@ class TransactionalReader(StorageReader):
         elif digest_bytes(view) != entry.checksum:
             raise _wrong_checksum(path, name)
         return [view[i.offset:i.offset + i.length] for i in infos]
-
-    def _ranges(self, found: Found, ranges: dict[str, Any], name: str, infos: list[_StorageInfo]) -> list[bytes]:
-        storage, key = found.storage, found.file_key(name)
-        where, entry = f"{found.path}/{name}", found.manifest.files[name]
-        recorded = ranges.get(name)
-        if recorded is None:
-            raise IntegrityError(f"{where} has no recorded range digests ({RANGES_NAME}); load it with "
-                                 "verify=\"full\"", path=where)
-        if storage.is_symlink_escape(key):
-            raise errors.UnsafePathError(f"{where} is a symlink that leaves the root; refusing to read it")
-        try:
-            f = storage.open_read(key)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise IntegrityError(f"{where} is missing (the manifest lists it): the checkpoint is damaged; "
-                                 f"{FALLBACK_HINT}", path=where) from None
-        out = []
-        with f:
-            size = os.fstat(f.fileno()).st_size if storage.local_path(key) is not None else getattr(f, "size", None)
-            if size != entry.size:
-                raise IntegrityError(f"{where} has {size} bytes, the manifest says {entry.size} (truncated or "
-                                     f"rewritten): the checkpoint is damaged; {FALLBACK_HINT}", path=where)
-            for info in infos:
-                f.seek(info.offset)
-                blob = f.read(info.length)
-                if [len(blob), digest_bytes(blob)] != recorded.get(str(info.offset)):
-                    raise IntegrityError(
-                        f"{where} bytes {info.offset}..{info.offset + info.length} do not match their recorded "
-                        f"xxh3-128: the checkpoint is damaged; {FALLBACK_HINT}", path=where)
-                out.append(blob)
-        return out
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
