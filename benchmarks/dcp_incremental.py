@@ -16,7 +16,8 @@ writes everything) is not counted: saves 2..11 are.
   alternate (0.16, 0.10, 0.19, 0.11, ... in one run), and a median of 9 rounds gave one order 5;
 * bytes written per incremental save (the files whose inode no earlier checkpoint of its root
   holds, manifest included) ÷ (the bytes of the tensors that changed + the checkpoint's metadata
-  files: ``.metadata``, the range digests, the item keys, the manifest);
+  files: ``.metadata``, the item keys, the manifest and its parts in ``txckpt-parts/``, which
+  hold each rank's file table and range digests);
 * bytes written: incremental ÷ full save;
 * after the rounds: the disk use of the incremental root's 11 checkpoints (each inode counted
   once) ÷ (one base + 11 deltas);
@@ -61,11 +62,22 @@ def _state(rank: int, size: int, everything: bool = False) -> tuple[dict[str, An
 
 
 def _inodes(path: str) -> dict[int, int]:
+    """Every file of the checkpoint at ``path`` (its manifest parts in ``txckpt-parts/`` too),
+    by inode: a shared file is a hard link to an earlier checkpoint's inode."""
     out: dict[int, int] = {}
-    for name in os.listdir(path):
-        st = os.stat(os.path.join(path, name))
-        out[st.st_ino] = st.st_size
+    for top, _dirs, names in os.walk(path):
+        for name in names:
+            st = os.stat(os.path.join(top, name))
+            out[st.st_ino] = st.st_size
     return out
+
+
+def _metadata_bytes(path: str) -> int:
+    """The checkpoint's metadata files: DCP's, txckpt's, and (two or more ranks) the manifest
+    parts, each rank's file table with its range digests (protocol §3a)."""
+    parts = os.path.join(path, "txckpt-parts")
+    return (sum(os.path.getsize(os.path.join(path, n)) for n in METADATA if os.path.exists(os.path.join(path, n)))
+            + sum(os.path.getsize(os.path.join(parts, n)) for n in (os.listdir(parts) if os.path.isdir(parts) else ())))
 
 
 def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int, queue: Any,
@@ -110,8 +122,7 @@ def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int
                         times[method].append(max(t for t, _ in every))
                         written[method].append(new)
                         if method == INC:
-                            meta = sum(os.path.getsize(os.path.join(w.path, n)) for n in METADATA
-                                       if os.path.exists(os.path.join(w.path, n)))
+                            meta = _metadata_bytes(w.path)
                             expected.append(sum(c for _, c in every) + meta)
                     elif method == INC:  # the first save: the base's files are the ones kept since
                         base_bytes = new
