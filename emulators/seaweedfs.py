@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -66,8 +67,11 @@ def _server_env() -> dict[str, str]:
 class _Server:
     """One ``weed`` process: its command line (ports fixed, so a restart reuses them) and log."""
 
-    def __init__(self, name: str, args: list[str], probe: str, log_path: str):
+    def __init__(self, name: str, args: list[str], probe: str, log_path: str, grpc_port: int | None = None):
         self.name, self.args, self.probe, self.log_path = name, args, probe, log_path
+        #: Its gRPC port, which the servers started after it dial: weed serves HTTP before it
+        #: listens there (the filer logs "Start Seaweed Filer" and only then binds gRPC).
+        self.grpc_port = grpc_port
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -80,23 +84,35 @@ class _Server:
             log.close()
 
     def wait_ready(self, deadline: float) -> None:
-        """Poll ``probe`` until it answers (any HTTP status: the listener is up and serving)."""
+        """Poll ``probe`` until it answers (any HTTP status: the listener is up and serving), then
+        its gRPC port until it accepts a connection."""
         assert self.proc is not None
-        while True:
+        started = time.monotonic()
+        while not self._answers():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"SeaweedFS {self.name} exited with {self.proc.returncode} at start:\n"
                                    + self.log_tail())
-            try:
-                with urllib.request.urlopen(self.probe, timeout=2):
-                    return
-            except urllib.error.HTTPError:
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"SeaweedFS {self.name} did not answer {self.probe} within "
-                                       f"{START_TIMEOUT_S:.0f} s:\n" + self.log_tail()) from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"SeaweedFS {self.name} did not answer {self.probe} (and its gRPC port "
+                                   f"{self.grpc_port}) within {time.monotonic() - started:.0f} s:\n" + self.log_tail())
             # A short pause between probes (not a synchronisation: the probe is the condition).
             time.sleep(0.05)
+
+    def _answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.probe, timeout=2):
+                pass
+        except urllib.error.HTTPError:
+            pass
+        except OSError:
+            return False
+        if self.grpc_port is None:
+            return True
+        try:
+            with socket.create_connection(("127.0.0.1", self.grpc_port), timeout=2):
+                return True
+        except OSError:
+            return False
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -131,17 +147,42 @@ class SeaweedCluster:
         os.makedirs(path, exist_ok=True)
         return path
 
-    def _server(self, name: str, args: list[str], probe: str) -> _Server:
-        return _Server(name, [self.binary, *args], probe, os.path.join(self.workdir, f"{name}.log"))
+    def _server(self, name: str, args: list[str], probe: str, grpc_port: int | None = None) -> _Server:
+        return _Server(name, [self.binary, *args], probe, os.path.join(self.workdir, f"{name}.log"), grpc_port)
 
-    def start(self) -> "SeaweedCluster":
+    def start(self, attempts: int = 2) -> "SeaweedCluster":
+        """Start every server, each after the ones it dials answer; returns once a bucket can be
+        written. The ports are picked free just before (``free_port``), and weed cannot be told to
+        pick its own: another process may take one in between. A start that fails is therefore
+        tried again from nothing (every server killed, fresh ports and directories), at most
+        ``attempts`` times in all, each failure reported on stderr with every server's log."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once()
+            except RuntimeError as e:
+                report = f"{e}\n" + self._logs()
+                self.stop()
+                if attempt == attempts:
+                    raise RuntimeError(f"SeaweedFS did not start ({attempts} attempts); the last: {report}") from None
+                print(f"SeaweedFS start attempt {attempt} failed, trying again on fresh ports: {report}",
+                      file=sys.stderr, flush=True)
+                if self._own_dir:
+                    self.workdir = tempfile.mkdtemp(prefix="txckpt-seaweedfs-")
+                self.volumes = []
+        raise AssertionError("unreachable")
+
+    def _logs(self) -> str:
+        servers = [getattr(self, n, None) for n in ("master", "filer", "gateway")] + list(self.volumes)
+        return "".join(f"--- {s.name}.log (last 2,000 bytes) ---\n{s.log_tail(2000)}\n" for s in servers if s is not None)
+
+    def _start_once(self) -> "SeaweedCluster":
         ip = ["-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
         mport, mgrpc = free_port(), free_port()
         master = f"127.0.0.1:{mport}.{mgrpc}"  # weed's host:port.grpcPort
         self.master = self._server("master", [
             "master", *ip, f"-port={mport}", f"-port.grpc={mgrpc}", f"-mdir={self._dir('master')}",
             "-defaultReplication=001", "-volumeSizeLimitMB=64", "-volumePreallocate=false"],
-            f"http://127.0.0.1:{mport}/cluster/status")
+            f"http://127.0.0.1:{mport}/cluster/status", mgrpc)
         for i in range(self.VOLUMES):
             vport, vgrpc = free_port(), free_port()
             self.volumes.append(self._server(f"volume{i}", [
@@ -152,7 +193,7 @@ class SeaweedCluster:
         self.filer = self._server("filer", [
             "filer", *ip, f"-port={fport}", f"-port.grpc={fgrpc}", f"-master={master}",
             f"-defaultStoreDir={self._dir('filer')}", f"-localSocket={self.workdir}/filer.sock"],
-            f"http://127.0.0.1:{fport}/")
+            f"http://127.0.0.1:{fport}/", fgrpc)
         sport, sgrpc = free_port(), free_port()
         # The gateway also serves an Iceberg catalog (8181) and a Lance namespace (9101) by
         # default: fixed ports two clusters would collide on, and nothing the tests use.
@@ -162,18 +203,22 @@ class SeaweedCluster:
             f"http://127.0.0.1:{sport}/")
         self.endpoint_url = f"http://127.0.0.1:{sport}"
         try:
-            deadline = time.monotonic() + START_TIMEOUT_S
+            # Each server gets START_TIMEOUT_S of its own from its start (not a shared deadline,
+            # which the first servers could spend on a loaded machine).
             self.master.start()
-            self.master.wait_ready(deadline)
+            self.master.wait_ready(time.monotonic() + START_TIMEOUT_S)
             for v in self.volumes:
                 v.start()
+            deadline = time.monotonic() + START_TIMEOUT_S
             for v in self.volumes:
                 v.wait_ready(deadline)
             self.filer.start()
-            self.filer.wait_ready(deadline)
+            self.filer.wait_ready(time.monotonic() + START_TIMEOUT_S)
             self.gateway.start()
-            self.gateway.wait_ready(deadline)
-            self._wait_writable(deadline)
+            self.gateway.wait_ready(time.monotonic() + START_TIMEOUT_S)
+            self._wait_writable(time.monotonic() + START_TIMEOUT_S)
+        except RuntimeError:
+            raise  # start() reports it with every server's log, then stops the cluster
         except BaseException:
             self.stop()
             raise
