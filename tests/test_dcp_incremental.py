@@ -229,3 +229,51 @@ def test_a_damaged_shared_file_is_reported_for_every_holder_and_fallback_skips_t
     assert txckpt.get_last_checkpoint(root) == full
     assert all(f"{os.path.basename(p)}/__1_1.distcp failed" in warned for p in shared), warned  # each damaged one
     assert cw.frozen_load(0, 1, paths=[full]) == {full: {"different": []}}
+
+
+def test_a_changed_tensor_is_keyed_from_its_write_and_an_unchanged_one_hashed_whole(tmp_path, monkeypatch):
+    """A tensor whose first bytes begin no committed tensor is written at once and its key taken
+    from the pieces its file's digest hashes (no whole pass of its own); a frozen one is hashed
+    whole before it is shared. Every recorded key is the tensor's own (tensor_key), and one in a
+    bare-key file (an older save) still shares."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from txckpt.integrations import dcp_incremental as di
+    from txckpt.integrations.dcp import TransactionalWriter
+
+    whole = []
+    digest = di._digest
+    monkeypatch.setattr(di, "_digest", lambda t, limit: (whole.append(t.nbytes) if limit is None else None,
+                                                         digest(t, limit))[1])
+    g = torch.Generator().manual_seed(0)
+    base = {f"base{i}": torch.randn(300_000, generator=g) for i in range(3)}  # 1.1 MiB each
+    root = str(tmp_path / "root")
+
+    def save(step, state):
+        whole.clear()
+        dcp.save(state, storage_writer=TransactionalWriter(root, step, incremental=True), no_dist=True)
+        path = txckpt.get_last_checkpoint(root)
+        with open(os.path.join(path, ITEMS_NAME)) as f:
+            return path, json.load(f), list(whole)
+
+    state = {**base, "adapter": torch.randn(300_000, generator=g)}
+    first, items, hashed = save(1, state)
+    assert hashed == [] and len(items) == 4, (hashed, items)  # nothing committed: every tensor keyed as written
+    keys = {di.tensor_key(t) for t in state.values()}
+    assert {k for k, _p in items.values()} == keys
+
+    state = {**base, "adapter": state["adapter"] + 1}
+    path, items, hashed = save(2, state)
+    assert sorted(hashed) == [base["base0"].nbytes] * 3, hashed  # the base only: the adapter's prefix is new
+    assert {k for k, _p in items.values()} == {di.tensor_key(t) for t in state.values()}
+    shared = {n for n, ino in _inodes(path).items() if ino in set(_inodes(first).values())}
+    assert len(shared) == 3 and shared <= set(items), shared  # the base's three files
+
+    # An older save's items file (bare keys): no prefix rules a tensor out, so each is hashed whole.
+    monkeypatch.setattr(di, "_item_keys", lambda v: (v[0], None) if isinstance(v, list) else (v, None))
+    di._ITEMS.clear()
+    state = {**base, "adapter": state["adapter"] + 1}
+    path, items, hashed = save(3, state)
+    assert len(hashed) == 4, hashed
+    txckpt.verify_checkpoint(path)

@@ -218,7 +218,8 @@ class TransactionalWriter(StorageWriter):
         @contextlib.contextmanager
         def create_stream(name: str, mode: str) -> Iterator[RangeHashingWriter]:
             whole = shards is not None and name in shards.single
-            w = RangeHashingWriter(batch.open_write(f"{a.key}/{name}", durable=a.durable), whole)
+            key = shards.stream_key(name) if whole and shards is not None else None
+            w = RangeHashingWriter(batch.open_write(f"{a.key}/{name}", durable=a.durable), whole, key)
             try:
                 yield w
             except BaseException:
@@ -226,6 +227,8 @@ class TransactionalWriter(StorageWriter):
                 raise
             w.tell()  # closes the last range
             w.close()  # durable (or uploaded through the batch) from here
+            if key is not None and shards is not None:  # a changed tensor: its key from this write
+                shards.written(name, w.key_writes)
             files[name] = FileEntry(w.size, w.digest, kind_for_name(name), self._rank).to_json()
             ranges[name] = {"0": [w.size, w.digest]} if whole else w.ranges
 

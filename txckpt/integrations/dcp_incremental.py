@@ -15,6 +15,12 @@ local disk, a server-side copy on an object store) instead of writing it: its DC
 (offset 0, the file's length) and its txckpt range (the whole file, its manifest digest) are
 known without a byte serialized.
 
+A changed tensor is not hashed twice: each key records the digest of the tensor's first
+:data:`PREFIX_BYTES` too, so a tensor whose first bytes begin no committed file's tensor is known
+to be changed after hashing those; it is written at once, and its key is computed from the very
+pieces the writer hashes for the file's own digest (:class:`_Keying`), while they are in the CPU
+cache. Only a tensor whose beginning matches is hashed whole before the decision (a frozen one).
+
 Why keys of tensors rather than probing the serialized bytes as ``tx.save`` does: ``torch.save``
 computes a CRC-32 of every record (about 3x the cost of xxh3 on this CPU), so a probe through the
 serializer would cost more than half of a full save for an unchanged base; the key costs one
@@ -34,6 +40,7 @@ import queue
 import sys
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -47,8 +54,11 @@ from ..manifest import FileEntry, kind_for_name
 from ..publication import Root
 from .dcp_compat import DEFAULT_SUFFIX, _StorageInfo
 
-#: Each checkpoint's key of every one-item file: {file name: tensor key}.
+#: Each checkpoint's key of every one-item file: {file name: [tensor key, prefix key]} (a bare
+#: tensor key in files written before prefix keys: such a file's tensors are always hashed whole).
 ITEMS_NAME = "txckpt-dcp-items.json"
+#: A prefix key hashes what decides a file's bytes and the first this many bytes of the tensor.
+PREFIX_BYTES = 1 << 20
 #: Tensor items of at least this many bytes get a file of their own (and can be shared); smaller
 #: ones are packed into the rank's file 0, written every save (a frozen model's norms and
 #: biases are a small part of it).
@@ -56,7 +66,7 @@ OWN_FILE_BYTES = 1 << 20
 
 # Decoded ITEMS_NAME files by (root identity, txid, digest of the items file): committed files
 # never change. Bounded as incremental's manifest cache.
-_ITEMS: "OrderedDict[tuple[str, str, str], dict[str, str]]" = OrderedDict()
+_ITEMS: "OrderedDict[tuple[str, str, str], dict[str, tuple[str, str | None]]]" = OrderedDict()
 _ITEMS_KEPT = 32
 _ITEMS_LOCK = threading.Lock()
 
@@ -68,43 +78,81 @@ def tensor_key(tensor: torch.Tensor) -> str | None:
     bits; the torch release, byte order and ``torch.save`` settings) and of its storage's bytes.
     None for what it does not describe (a tensor subclass that stays one when detached, a sparse
     or quantized tensor): such an item is always written."""
+    t = _keyable(tensor)
+    return None if t is None else _digest(t, None)
+
+
+def _keyable(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor`` as DCP's loader hands it to ``torch.save``; None: not keyed (tensor_key)."""
     t = tensor.detach()  # first, as DCP's loader: an nn.Parameter is saved as the plain tensor
     if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized:
         return None
     t = t.cpu()
     if t.untyped_storage().size() != t.nbytes:  # as DCP's _SerialCpuLoader: saves a minimal copy
         t = t.clone()
+    return t
+
+
+def _header(t: torch.Tensor) -> Any:
+    """A hasher holding what decides the bytes of ``t``'s file besides its storage's bytes."""
     save = serialization_config.save
     hasher = new_hasher()
     hasher.update(repr(("txckpt-dcp-item/1", torch.__version__, sys.byteorder, save.compute_crc32,
                         save.storage_alignment, str(t.dtype), tuple(t.shape), t.stride(), t.storage_offset(),
                         t.is_conj(), t.is_neg())).encode())
+    return hasher
+
+
+def _digest(t: torch.Tensor, limit: int | None) -> str:
+    """The key of keyable ``t`` (``limit`` None), or its prefix key (the first ``limit`` bytes)."""
+    hasher = _header(t)
     storage = t.untyped_storage()
     if storage.size():
         raw = torch.empty(0, dtype=torch.uint8).set_(storage)  # the storage's bytes, not copied
-        hasher.update(raw.numpy().data)  # a uint8 array: its buffer is the bytes
+        data = raw.numpy().data  # a uint8 array: its buffer is the bytes
+        hasher.update(data if limit is None else data[:limit])
     return hasher.hexdigest()
 
 
-def committed_items(root: Root) -> dict[str, Source]:
-    """Tensor key -> the one-item file of that key in the newest committed checkpoints of
-    ``root`` (incremental.committed_files: any lineage, manifests verified), the newest first.
+@dataclass
+class Committed:
+    """The one-item files of the root's newest committed checkpoints, by tensor key, and the
+    prefix keys they recorded."""
+
+    by_key: dict[str, Source] = field(default_factory=dict)
+    prefixes: set[str] = field(default_factory=set)
+    #: some file's key came without a prefix key (an older save): no prefix rules a tensor out
+    unprefixed: bool = False
+
+    def may_hold(self, prefix: str) -> bool:
+        """Whether a tensor of this prefix key may equal a committed one (else: changed)."""
+        return self.unprefixed or prefix in self.prefixes
+
+
+def committed_items(root: Root) -> Committed:
+    """The one-item files of known key in the newest committed checkpoints of ``root``
+    (incremental.committed_files: any lineage, manifests verified), the newest first for a key.
     A checkpoint's ITEMS_NAME counts only when its bytes match its manifest entry."""
     by_checkpoint: "OrderedDict[str, dict[str, Source]]" = OrderedDict()
     for s in committed_files(root):
         by_checkpoint.setdefault(s.ref.txid, {})[s.name] = s
-    out: dict[str, Source] = {}
+    out = Committed()
     for files in by_checkpoint.values():
         listed = files.get(ITEMS_NAME)
         if listed is None:
             continue  # not saved incrementally through DCP: no file with a known key
-        for name, key in _items(root, listed).items():
-            if name in files and key not in out:
-                out[key] = files[name]
+        for name, (key, prefix) in _items(root, listed).items():
+            if name not in files:
+                continue
+            out.by_key.setdefault(key, files[name])
+            if prefix is None:
+                out.unprefixed = True
+            else:
+                out.prefixes.add(prefix)
     return out
 
 
-def _items(root: Root, listed: Source) -> dict[str, str]:
+def _items(root: Root, listed: Source) -> dict[str, tuple[str, str | None]]:
     cache_key = (root.storage.identity(), listed.ref.txid, listed.entry.checksum)
     with _ITEMS_LOCK:
         if cache_key in _ITEMS:
@@ -120,14 +168,24 @@ def _items(root: Root, listed: Source) -> dict[str, str]:
     if len(data) != listed.entry.size or digest_bytes(data) != listed.entry.checksum:
         return {}  # damaged: its keys are not trusted
     try:
-        items = {str(k): str(v) for k, v in json.loads(data).items()}
-    except (ValueError, AttributeError):
+        items = {str(k): _item_keys(v) for k, v in json.loads(data).items()}
+    except (ValueError, AttributeError, TypeError):
         return {}
     with _ITEMS_LOCK:
         _ITEMS[cache_key] = items
         while len(_ITEMS) > _ITEMS_KEPT:
             _ITEMS.popitem(last=False)
     return items
+
+
+def _item_keys(value: Any) -> tuple[str, str | None]:
+    """(key, prefix key) of an ITEMS_NAME entry: [key, prefix], or a bare key (older saves)."""
+    if isinstance(value, str):
+        return value, None
+    key, prefix = value  # a malformed entry raises: the file is not trusted (_items)
+    if not isinstance(key, str) or not isinstance(prefix, str):
+        raise TypeError(f"not a pair of keys: {value!r}")
+    return key, prefix
 
 
 def _item_bytes(item: WriteItem) -> int:
@@ -139,18 +197,32 @@ def _item_bytes(item: WriteItem) -> int:
     return n * item.tensor_data.properties.dtype.itemsize
 
 
+@dataclass
+class _Keying:
+    """A large item's keys as the keyer found them: ``key`` None when no committed tensor
+    begins with its first bytes, so it is written at once and keyed from the pieces the writer
+    hashes (``hasher``, set by :meth:`IncrementalShards.stream_key`)."""
+
+    prefix: str
+    key: str | None
+    tensor: torch.Tensor | None = None
+    hasher: Any = None
+
+
 class IncrementalShards:
     """One rank's files in an incremental DCP save: which to write (:meth:`writes`, for DCP's
     item writer, in the order they become known), which to share (decided here, placed by
-    :meth:`place` once this rank's writes are done), and every one-item file's key
+    :meth:`place` once this rank's writes are done), and every one-item file's keys
     (:attr:`keys`, for the coordinator's ITEMS_NAME). :meth:`release` stops the keying and
     returns the leases on the sources, whatever happened.
 
     The keys are computed on a thread of their own (xxh3 releases the GIL), smallest item
-    first, while this rank writes: the packed file first, then each changed item as soon as its
-    key is known. Smallest first because what a run trains (adapters, their optimizer state) is
-    usually smaller than what it freezes (the base): the writes start early and the hash of
-    the base runs beside them instead of before them."""
+    first, while this rank writes: the packed file first, then each changed item as soon as it
+    is known to be changed. Smallest first because what a run trains (adapters, their optimizer
+    state) is usually smaller than what it freezes (the base): the writes start early and the
+    hash of the base runs beside them instead of before them. An item whose prefix key no
+    committed file has is changed: the keyer hands it on after hashing its first bytes, and the
+    writer keys it as it writes it (:meth:`stream_key`, :meth:`written`)."""
 
     def __init__(self, root: Root, prefix: str, items: list[WriteItem], planner: SavePlanner, rank: int):
         self._root = root
@@ -165,9 +237,13 @@ class IncrementalShards:
                        for n, item in enumerate((i for i in items if _item_bytes(i) >= OWN_FILE_BYTES), 1)]
         #: the names of one-item files: their range is the whole file
         self.single: set[str] = {name for name, _ in self._large}
-        self.keys: dict[str, str] = {}
+        #: file name -> [tensor key, prefix key]
+        self.keys: dict[str, list[str]] = {}
         self.results: list[WriteResult] = []
-        self._keyed: "queue.Queue[tuple[str, WriteItem, str | None] | BaseException]" = queue.Queue()
+        self._keyed: "queue.Queue[tuple[str, WriteItem, _Keying | None] | BaseException]" = queue.Queue()
+        self._writing: dict[str, _Keying] = {}  # written before their key is known
+        self._candidates = Committed()
+        self._ready = threading.Event()  # the candidates are read (by the writing thread)
         self._stop = threading.Event()
         self._keyer: threading.Thread | None = None
         if self._large:
@@ -180,27 +256,42 @@ class IncrementalShards:
                 if self._stop.is_set():
                     return
                 data = self._planner.resolve_data(item)
-                self._keyed.put((name, item, tensor_key(data) if isinstance(data, torch.Tensor) else None))
+                t = _keyable(data) if isinstance(data, torch.Tensor) else None
+                if t is None:
+                    self._keyed.put((name, item, None))
+                    continue
+                prefix = _digest(t, PREFIX_BYTES)
+                self._ready.wait()
+                if self._stop.is_set():
+                    return
+                if self._candidates.may_hold(prefix):
+                    self._keyed.put((name, item, _Keying(prefix, _digest(t, None))))
+                else:
+                    self._keyed.put((name, item, _Keying(prefix, None, t)))
         except BaseException as e:  # handed to the writing thread, which raises it
             self._keyed.put(e)
 
     def writes(self) -> Iterator[tuple[str, list[WriteItem]]]:
         """(file name, its items) to write, in the order they are known: the packed file (always
         written), then each one-item file whose key no committed file has."""
+        if self._large:
+            self._candidates = committed_items(self._root)
+            self._ready.set()
         yield self._packed
-        candidates: dict[str, Source] | None = None
         for _ in self._large:
             got = self._keyed.get()
             if isinstance(got, BaseException):
                 raise got
-            name, item, key = got
-            if key is None:  # not a plain tensor: always written
+            name, item, keying = got
+            if keying is None:  # not a plain tensor: always written, no key
                 yield name, [item]
                 continue
-            self.keys[name] = key
-            if candidates is None:  # read once, on the first keyed item
-                candidates = committed_items(self._root)
-            source = candidates.get(key)
+            if keying.key is None:  # changed (its prefix is new): keyed while it is written
+                self._writing[name] = keying
+                yield name, [item]
+                continue
+            self.keys[name] = [keying.key, keying.prefix]
+            source = self._candidates.by_key.get(keying.key)
             if source is not None and self._sharing.lease(source):
                 self._sharing.pending[name] = source
                 size = source.entry.size
@@ -208,6 +299,25 @@ class IncrementalShards:
                                                 storage_data=_StorageInfo(name, 0, size)))
             else:
                 yield name, [item]
+
+    def stream_key(self, name: str) -> tuple[Any, int] | None:
+        """For the stream that writes ``name``: (a hasher, the tensor's storage bytes) when the
+        file's key is to be taken from its write (RangeHashingWriter's ``key``), else None."""
+        keying = self._writing.get(name)
+        if keying is None or keying.tensor is None:
+            return None
+        keying.hasher = _header(keying.tensor)
+        return keying.hasher, keying.tensor.untyped_storage().nbytes()
+
+    def written(self, name: str, key_writes: int) -> None:
+        """``name`` is written; ``key_writes``: how many writes its stream put into the hasher.
+        Exactly one is the whole storage (torch.save writes a record in one write); anything
+        else, and the key is hashed from the tensor after all."""
+        keying = self._writing.pop(name, None)
+        if keying is None or keying.tensor is None:
+            return
+        key = keying.hasher.hexdigest() if key_writes == 1 and keying.hasher is not None else _digest(keying.tensor, None)
+        self.keys[name] = [key, keying.prefix]
 
     def place(self, staging_key: str, durable: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         """Make every shared file a file of the staging (after this rank's writes are done):
@@ -223,9 +333,11 @@ class IncrementalShards:
     def release(self) -> None:
         """Stop the keying (after the item it is hashing) and return the leases."""
         self._stop.set()
+        self._ready.set()
         if self._keyer is not None:
             self._keyer.join()
+        self._writing.clear()
         self._sharing.release()
 
 
-__all__ = ["ITEMS_NAME", "OWN_FILE_BYTES", "IncrementalShards", "committed_items", "tensor_key"]
+__all__ = ["ITEMS_NAME", "OWN_FILE_BYTES", "PREFIX_BYTES", "Committed", "IncrementalShards", "committed_items", "tensor_key"]

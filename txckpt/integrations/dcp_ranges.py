@@ -35,17 +35,30 @@ RANGES_NAME = "txckpt-dcp-ranges.json"
 class RangeHashingWriter(HashingWriter):
     """A HashingWriter that also hashes each stretch between two ``tell()`` calls: DCP's item
     writer calls ``tell()`` before and after every item, so each item's range gets its digest.
-    ``whole``: the file holds one item, whose range is the file (its digest, not hashed twice)."""
+    ``whole``: the file holds one item, whose range is the file (its digest, not hashed twice).
 
-    def __init__(self, sink: Any, whole: bool = False):
+    ``key``: (a hasher, n): every write of exactly n bytes (``torch.save`` writes a tensor's
+    storage in one write) also goes into the hasher, piece by piece beside the file's hash;
+    :attr:`key_writes` counts them, so the caller can tell that the hasher saw that one write."""
+
+    def __init__(self, sink: Any, whole: bool = False, key: tuple[Any, int] | None = None):
         super().__init__(sink)
         self._whole = whole
         self._start = 0
         self._range = new_hasher()
         self.ranges: RangeTable = {}
+        self._key = key
+        self.key_writes = 0
 
     def write(self, data: Any) -> int:
         if self._whole:
+            if self._key is not None and memoryview(data).nbytes == self._key[1]:
+                self.key_writes += 1
+                self._also = self._key[0]
+                try:
+                    return super().write(data)
+                finally:
+                    self._also = None
             return super().write(data)
         view = memoryview(data).cast("B")
         # Piece by piece, so the range hash, the file hash and the write all find the piece in
