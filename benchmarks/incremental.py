@@ -14,7 +14,8 @@ adapter and its optimizer state change every step, the base never does.
   once) against one base plus one delta per checkpoint.
 
 The same frozen base saved through DCP by 2 ranks (``TransactionalWriter(incremental=True)``) is
-a second table, from benchmarks/dcp_incremental.py.
+a second table, from benchmarks/dcp_incremental.py; a Trainer saving a GPT-2 with a frozen base in
+shards (``txckpt_incremental=True``) a third, from benchmarks/trainer_incremental.py.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 from . import dcp_incremental  # the same frozen base through DCP, 2 ranks: a table of its own
 from . import harness as h
+from . import trainer_incremental  # a Trainer's save_pretrained shards, a frozen base: a third table
 
 TITLE = "Incremental save"
 INC = "save_checkpoint(incremental=True)"
@@ -149,7 +151,16 @@ def run(quick: bool) -> dict[str, Any]:
     reps = 2 if s.tiny else 6 if s.quick else 10  # even: as many rounds in each order
     h.log(f"incremental: {h.fmt_size(size)}, {reps} rounds")
     rows = _frozen_table(size, reps) + [_finetune_row(size, reps)]
-    return {"tables": [_files_table(rows), dcp_incremental.run(quick)]}
+    return {"tables": [_files_table(rows), dcp_incremental.run(quick), _trainer_table(quick)]}
+
+
+def _trainer_table(quick: bool) -> dict[str, Any]:
+    """The Trainer's table, or a failed table saying why: its checks raise (a checkpoint stock
+    transformers cannot load), and that must not take the two tables above with it."""
+    try:
+        return trainer_incremental.run(quick)
+    except Exception as e:
+        return h._failed(trainer_incremental.TITLE, e)
 
 
 def _files_table(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -38,6 +38,7 @@ def test_tiny_run_writes_report_and_plot(tmp_path):
                   "Trainer with txckpt_async_save: overhead per save",
                   "DCP: TransactionalWriter / TransactionalReader vs plain torch DCP, 2 ranks",
                   "Incremental save: frozen base + adapter (local disk, fsync on)",
+                  "Incremental save: the Trainer, a frozen base (local disk, fsync on)",
                   "S3 load: verified, against the unverified readers",
                   "Commit at many ranks (simulated): per-rank manifest parts",
                   "Tiered root: fast local tier + S3 durable tier"):
