@@ -231,49 +231,71 @@ def test_a_damaged_shared_file_is_reported_for_every_holder_and_fallback_skips_t
     assert cw.frozen_load(0, 1, paths=[full]) == {full: {"different": []}}
 
 
-def test_a_changed_tensor_is_keyed_from_its_write_and_an_unchanged_one_hashed_whole(tmp_path, monkeypatch):
-    """A tensor whose first bytes begin no committed tensor is written at once and its key taken
-    from the pieces its file's digest hashes (no whole pass of its own); a frozen one is hashed
-    whole before it is shared. Every recorded key is the tensor's own (tensor_key), and one in a
-    bare-key file (an older save) still shares."""
+def test_changed_tensors_are_packed_and_only_the_unchanged_are_hashed_whole(tmp_path, monkeypatch):
+    """Every save records each large tensor's prefix key (the first MiB). A tensor whose prefix
+    key no committed save recorded is changed: it is packed into the rank's file 0 (as a full
+    save writes it: one file), with no whole-tensor hash. One whose first MiB matches is hashed
+    whole, then shared or written alone, so that a tensor trained until now and frozen from now
+    on is written alone once and shared after. The root's first incremental save gives every
+    large tensor a file of its own, keyed from its write (no hash pass of its own). Every
+    checkpoint loads bit-exact."""
     import torch
     import torch.distributed.checkpoint as dcp
 
     from txckpt.integrations import dcp_incremental as di
-    from txckpt.integrations.dcp import TransactionalWriter
+    from txckpt.integrations.dcp import TransactionalReader, TransactionalWriter
 
     whole = []
     digest = di._digest
     monkeypatch.setattr(di, "_digest", lambda t, limit: (whole.append(t.nbytes) if limit is None else None,
                                                          digest(t, limit))[1])
     g = torch.Generator().manual_seed(0)
-    base = {f"base{i}": torch.randn(300_000, generator=g) for i in range(3)}  # 1.1 MiB each
+    nbytes = 300_000 * 4  # 1.1 MiB: a file of its own when alone
+    base = {f"base{i}": torch.randn(300_000, generator=g) for i in range(3)}
     root = str(tmp_path / "root")
 
     def save(step, state):
         whole.clear()
         dcp.save(state, storage_writer=TransactionalWriter(root, step, incremental=True), no_dist=True)
         path = txckpt.get_last_checkpoint(root)
-        with open(os.path.join(path, ITEMS_NAME)) as f:
-            return path, json.load(f), list(whole)
+        with open(os.path.join(path, ITEMS_NAME), "rb") as f:
+            files, packed = di.decode_items(f.read())
+        got = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(got, storage_reader=TransactionalReader(path), no_dist=True)
+        assert all(torch.equal(got[k], v) for k, v in state.items()), path
+        txckpt.verify_checkpoint(path)
+        return path, files, packed, sorted(whole)
+
+    def alone(path):  # the one-item files of a checkpoint
+        return {n for n in txckpt.read_manifest(path).files if n.endswith(".distcp") and not n.endswith("_0.distcp")}
 
     state = {**base, "adapter": torch.randn(300_000, generator=g)}
-    first, items, hashed = save(1, state)
-    assert hashed == [] and len(items) == 4, (hashed, items)  # nothing committed: every tensor keyed as written
-    keys = {di.tensor_key(t) for t in state.values()}
-    assert {k for k, _p in items.values()} == keys
+    first, files, packed, hashed = save(1, state)
+    assert hashed == [] and packed == [] and len(files) == 4 == len(alone(first)), (hashed, files)
+    assert {k for k, _p in files.values()} == {di.tensor_key(t) for t in state.values()}  # keyed as written
 
     state = {**base, "adapter": state["adapter"] + 1}
-    path, items, hashed = save(2, state)
-    assert sorted(hashed) == [base["base0"].nbytes] * 3, hashed  # the base only: the adapter's prefix is new
-    assert {k for k, _p in items.values()} == {di.tensor_key(t) for t in state.values()}
+    path, files, packed, hashed = save(2, state)
+    assert hashed == [nbytes] * 3, hashed  # the base only: the adapter's first MiB is new
+    assert len(packed) == 1 and len(files) == 3 == len(alone(path)), (packed, files)  # the adapter in file 0
     shared = {n for n, ino in _inodes(path).items() if ino in set(_inodes(first).values())}
-    assert len(shared) == 3 and shared <= set(items), shared  # the base's three files
+    assert shared == alone(path), shared  # the base's three files
 
-    # An older save's items file (bare keys): no prefix rules a tensor out, so each is hashed whole.
-    monkeypatch.setattr(di, "_item_keys", lambda v: (v[0], None) if isinstance(v, list) else (v, None))
+    # A full fine-tune: every tensor changed, every one packed into file 0, none hashed whole.
+    state = {k: v + 1 for k, v in state.items()}
+    path, files, packed, hashed = save(3, state)
+    assert hashed == [] and files == {} and len(packed) == 4 and alone(path) == set(), (hashed, files, packed)
+
+    # Frozen from now on: hashed whole (their first MiB was recorded), no file has their key,
+    # so each is written alone once; the next save shares them.
+    path, files, packed, hashed = save(4, state)
+    assert hashed == [nbytes] * 4 and len(files) == 4 and packed == [], (hashed, files, packed)
+    path5, files, packed, hashed = save(5, state)
+    assert hashed == [nbytes] * 4 and set(_inodes(path5).values()) >= set(_inodes(path)[n] for n in alone(path))
+
+    # An older save's items (bare keys): no prefix rules a tensor out, so each is hashed whole.
+    monkeypatch.setattr(di, "decode_items", lambda data: ({n: (k, None) for n, (k, _p) in json.loads(data)["files"].items()}, []))
     di._ITEMS.clear()
-    state = {**base, "adapter": state["adapter"] + 1}
-    path, items, hashed = save(3, state)
-    assert len(hashed) == 4, hashed
-    txckpt.verify_checkpoint(path)
+    state = {**state, "adapter": state["adapter"] + 1}
+    path, files, packed, hashed = save(6, state)
+    assert hashed == [nbytes] * 4 and len(files) == 4 and packed == [], (hashed, files, packed)

@@ -10,11 +10,13 @@ checkpoint but the retry (among them the ones that first held the bytes it share
 whole.
 
 Scenarios:
-* ``save``: steps 1, 2 committed; the killed job saves step 3 (the base shared with both, the
-  adapters written anew);
-* ``fork+retention``: steps 1, 2, 3 committed; the killed job rolls back to step 1 (a fork) and
-  re-saves step 2 with one adapter equal to the abandoned step 3's (shared with the lineage it
-  abandons) and one new; then its rank 0 retires every checkpoint but the new one (keep_last=1,
+* ``save``: steps 1, 2 committed; the killed job saves step 3 (the base shared with both,
+  adapter.0 changed: packed into each rank's file 0; adapter.1 equal to step 2's, which step 2
+  packed: written in a file of its own, to be shared from then on);
+* ``fork+retention``: steps 1, 2, 3 committed (step 3's adapter.1 equal to step 2's: a file of
+  its own); the killed job rolls back to step 1 (a fork) and re-saves step 2 with adapter.1
+  equal to the abandoned step 3's (its file shared with the lineage it abandons) and adapter.0
+  new; then its rank 0 retires every checkpoint but the new one (keep_last=1,
   abandoned ones at once), so the kill also lands inside that retention.
 
 The campaign samples each rank's points (a few spread over its operations, and every point around
@@ -48,13 +50,15 @@ SCENARIOS = {
     # first_holder: the template checkpoint (index among its steps) that first held bytes the save
     # shares, which the retention after the retry must be able to delete: step 1 (the base), or the
     # abandoned step 3 (adapter.1; retention keeps step 1 there, the new lineage's fork point).
-    "save": {"template": [1, 2], "step": 3, "seeds": {}, "prev": 2, "resume_step": None, "retention": False,
-             "shares": "checkpoint-2/", "first_holder": 0},
-    # adapter.0 of its own (the bytes of no committed step), adapter.1 the abandoned step 3's; the
-    # fork moved the abandoned checkpoints back to their homes (.txckpt/tx/<txid>/checkpoint-N).
-    "fork+retention": {"template": [1, 2, 3], "step": 2, "seeds": {"adapter.0": 20, "adapter.1": 3}, "prev": 1,
-                       "resume_step": 1, "retention": True, "shares": ".txckpt/tx/<id>/checkpoint-3/",
-                       "first_holder": -1},
+    # template_seeds: {step: seeds} of the template's saves.
+    "save": {"template": [1, 2], "template_seeds": {}, "step": 3, "seeds": {"adapter.1": 2}, "prev": 2,
+             "resume_step": None, "retention": False, "shares": "checkpoint-2/", "first_holder": 0},
+    # adapter.0 of its own (the bytes of no committed step), adapter.1 the abandoned step 3's (its
+    # file of its own there); the fork moved the abandoned checkpoints back to their homes
+    # (.txckpt/tx/<txid>/checkpoint-N).
+    "fork+retention": {"template": [1, 2, 3], "template_seeds": {"3": {"adapter.1": 2}}, "step": 2,
+                       "seeds": {"adapter.0": 20, "adapter.1": 2}, "prev": 1, "resume_step": 1, "retention": True,
+                       "shares": ".txckpt/tx/<id>/checkpoint-3/", "first_holder": -1},
 }
 
 
@@ -177,7 +181,7 @@ def _sweep(where: Root, scenario: str, backend: str, victims=(1, 0)) -> str:
     sc = SCENARIOS[scenario]
     template = where.url(f"template-{scenario}")
     launcher.launch(2, ic.saves, str(where.tmp / f"res-template-{scenario}"), root=template, steps=sc["template"],
-                    storage_options=where.so).oks()
+                    storage_options=where.so, seeds=sc["template_seeds"]).oks()
     where.before = [c.txid for c in ic._committed(template, where.so)]
     t0 = time.monotonic()
     points = unreached = commits = first_holder_deleted = 0
@@ -194,9 +198,10 @@ def _sweep(where: Root, scenario: str, backend: str, victims=(1, 0)) -> str:
         counted[victim] = f"{len(ops)} ops ({len(_points(ops, backend))} {'writes' if backend == 's3' else 'in the root'})"
         names = [name for name, _ in ops]
         # The save shares committed files: a link (local) or a server-side copy (S3) is among its ops;
-        # locally, it also writes a changed tensor's file of its own (not only the packed __<rank>_0).
+        # locally, the save scenario also writes a tensor's file of its own (adapter.1, which stopped
+        # changing), not only the packed __<rank>_0.
         assert any(n.startswith((f"link(<root>/{sc['shares']}", "CopyObject")) for n in names), names
-        assert backend == "s3" or any(n.startswith("open(<root>/.txckpt/tx/") and n.endswith(".distcp, wb)")
+        assert backend == "s3" or scenario != "save" or any(n.startswith("open(<root>/.txckpt/tx/") and n.endswith(".distcp, wb)")
                                       and "_0.distcp" not in n for n in names), names
         where.remove(root)
         for i, (point, when) in enumerate(_chosen(ops, victim, backend)):

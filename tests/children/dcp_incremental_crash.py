@@ -4,9 +4,11 @@ rollback abandoned), one rank SIGKILLed at one of its file operations (local fil
 then, in fresh ranks, the checks of the root it left and a retry of the save.
 
 The state is dcp_workers' frozen base + adapter + Adam moments, except that an adapter's bytes
-(and its moments') may be those of another step (``seeds``: {adapter name: step}), so that a fork
+(and its moments') may be those of another step (``seeds``: {adapter name: step}): an adapter
+equal to the previous step's is one that stopped changing, written in a file of its own (its
+first MiB matches what the previous save packed) and shared by the saves after; so a fork
 re-saving step 2 can share the adapter files of the abandoned lineage's step 3 while writing the
-other adapter anew. ``seeds`` is kept in each checkpoint's metadata: a check rebuilds the state
+other adapter anew (packed). ``seeds`` is kept in each checkpoint's metadata: a check rebuilds the state
 any committed checkpoint must hold from its manifest alone."""
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ def _save(root: str, step: int, seeds: dict[str, int], world: int, rank: int, so
 
 
 def saves(rank: int, world: int, *, root: str, steps: list[int], storage_options: dict | None = None,
-          full_first: bool = False) -> list[str]:
+          full_first: bool = False, seeds: dict[str, dict[str, int]] | None = None) -> list[str]:
     """The sweep's template: ``steps`` saved one after the other (incrementally, except the first
-    when ``full_first``), every adapter of its own step."""
+    when ``full_first``), every adapter of its own step but those ``seeds[str(step)]`` names."""
     from txckpt.integrations.dcp import TransactionalWriter
 
     paths = []
@@ -61,7 +63,7 @@ def saves(rank: int, world: int, *, root: str, steps: list[int], storage_options
             dcp.save(lineage_state(step, {}, world, rank), storage_writer=w)
             paths.append(w.path)  # None but on the coordinator
         else:
-            paths.append(_save(root, step, {}, world, rank, storage_options))
+            paths.append(_save(root, step, (seeds or {}).get(str(step), {}), world, rank, storage_options))
     return paths
 
 

@@ -67,7 +67,7 @@ from .dcp_compat import (  # torch's unpublished DCP names (DCP's own file forma
     _write_files_from_queue,
     narrow_tensor_by_index,
 )
-from .dcp_incremental import ITEMS_NAME, IncrementalShards
+from .dcp_incremental import ITEMS_NAME, IncrementalShards, encode_items
 from .dcp_ranges import RANGES_NAME, RangeHashingWriter, read_ranges, shard_rank
 
 #: DCP's metadata file (the name FileSystemReader reads).
@@ -262,7 +262,7 @@ class TransactionalWriter(StorageWriter):
             "rank": self._rank, "record": write_part(storage, a.key, self._rank, a.txid, files, durable=a.durable,
                                                      directory=False, ranges=ranges).encode()}
         if shards is not None:
-            report["items"] = shards.keys
+            report["items"], report["packed"] = shards.keys, shards.packed
         return results, report
 
     def _check_assignment(self, a: _Assignment, root: Any) -> None:
@@ -313,8 +313,8 @@ class TransactionalWriter(StorageWriter):
                     ranges = {n: rg for r in reports for n, rg in r.get("ranges", {}).items()}
                     own[RANGES_NAME] = json.dumps(ranges, sort_keys=True).encode()
                 if any("items" in r for r in reports):  # an incremental save: the next one looks its keys up
-                    items = {n: k for r in reports for n, k in r.get("items", {}).items()}
-                    own[ITEMS_NAME] = json.dumps(items, sort_keys=True).encode()
+                    own[ITEMS_NAME] = encode_items({n: k for r in reports for n, k in r.get("items", {}).items()},
+                                                   [p for r in reports for p in r.get("packed", [])])
                 own_files = self._write_own(tx, own)
         except Exception as e:
             reports.append({"rank": self._rank, "error": errors.encode_error(e, rank=self._rank)})

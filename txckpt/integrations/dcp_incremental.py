@@ -15,11 +15,17 @@ local disk, a server-side copy on an object store) instead of writing it: its DC
 (offset 0, the file's length) and its txckpt range (the whole file, its manifest digest) are
 known without a byte serialized.
 
-A changed tensor is not hashed twice: each key records the digest of the tensor's first
-:data:`PREFIX_BYTES` too, so a tensor whose first bytes begin no committed file's tensor is known
-to be changed after hashing those; it is written at once, and its key is computed from the very
-pieces the writer hashes for the file's own digest (:class:`_Keying`), while they are in the CPU
-cache. Only a tensor whose beginning matches is hashed whole before the decision (a frozen one).
+A changed tensor costs what a full save costs. Each item's first :data:`PREFIX_BYTES` are hashed
+too (its *prefix key*), and every save records the prefix keys of all its large items. A tensor
+whose prefix key no committed save recorded is changed, known after hashing one MiB of it: it
+is packed into the rank's file 0 with the small items, written as a full save writes it (one
+file, not one per tensor: on this VM a full fine-tune saved one file per tensor took 1.07-1.2x
+the time of one file, the cost of the file system's per-file work), and never shared. Only a
+tensor whose first MiB matches is hashed whole and, if its key is found, shared; otherwise it
+gets a file of its own, which the next save can share (a tensor trained until now and frozen
+from now on is written alone once, then shared). The first incremental save of a root (no
+recorded keys at all) gives every large item a file of its own, keyed from the very pieces the
+writer hashes for the file's own digest while they are in the CPU cache (:meth:`stream_key`).
 
 Why keys of tensors rather than probing the serialized bytes as ``tx.save`` does: ``torch.save``
 computes a CRC-32 of every record (about 3x the cost of xxh3 on this CPU), so a probe through the
@@ -54,9 +60,12 @@ from ..manifest import FileEntry, kind_for_name
 from ..publication import Root
 from .dcp_compat import DEFAULT_SUFFIX, _StorageInfo
 
-#: Each checkpoint's key of every one-item file: {file name: [tensor key, prefix key]} (a bare
-#: tensor key in files written before prefix keys: such a file's tensors are always hashed whole).
+#: Each incremental DCP save's keys: ``{"format": ITEMS_FORMAT, "files": {one-item file name:
+#: [tensor key, prefix key]}, "packed": [prefix keys of the large items packed into a file 0]}``.
+#: Saves before prefix keys wrote a flat ``{file name: tensor key}``: while one of those is a
+#: candidate, every large item is hashed whole.
 ITEMS_NAME = "txckpt-dcp-items.json"
+ITEMS_FORMAT = "txckpt-dcp-items/2"
 #: A prefix key hashes what decides a file's bytes and the first this many bytes of the tensor.
 PREFIX_BYTES = 1 << 20
 #: Tensor items of at least this many bytes get a file of their own (and can be shared); smaller
@@ -66,7 +75,7 @@ OWN_FILE_BYTES = 1 << 20
 
 # Decoded ITEMS_NAME files by (root identity, txid, digest of the items file): committed files
 # never change. Bounded as incremental's manifest cache.
-_ITEMS: "OrderedDict[tuple[str, str, str], dict[str, tuple[str, str | None]]]" = OrderedDict()
+_ITEMS: "OrderedDict[tuple[str, str, str], _Items]" = OrderedDict()
 _ITEMS_KEPT = 32
 _ITEMS_LOCK = threading.Lock()
 
@@ -117,12 +126,18 @@ def _digest(t: torch.Tensor, limit: int | None) -> str:
 @dataclass
 class Committed:
     """The one-item files of the root's newest committed checkpoints, by tensor key, and the
-    prefix keys they recorded."""
+    prefix keys their saves recorded."""
 
     by_key: dict[str, Source] = field(default_factory=dict)
     prefixes: set[str] = field(default_factory=set)
-    #: some file's key came without a prefix key (an older save): no prefix rules a tensor out
+    #: some save recorded keys without prefix keys (an older save): no prefix rules a tensor out
     unprefixed: bool = False
+
+    @property
+    def known(self) -> bool:
+        """Whether any committed save recorded keys (else this is the root's first incremental
+        DCP save: every large item gets a file of its own, to be shared later)."""
+        return bool(self.by_key or self.prefixes or self.unprefixed)
 
     def may_hold(self, prefix: str) -> bool:
         """Whether a tensor of this prefix key may equal a committed one (else: changed)."""
@@ -131,8 +146,9 @@ class Committed:
 
 def committed_items(root: Root) -> Committed:
     """The one-item files of known key in the newest committed checkpoints of ``root``
-    (incremental.committed_files: any lineage, manifests verified), the newest first for a key.
-    A checkpoint's ITEMS_NAME counts only when its bytes match its manifest entry."""
+    (incremental.committed_files: any lineage, manifests verified), the newest first for a key,
+    and every prefix key those saves recorded. A checkpoint's ITEMS_NAME counts only when its
+    bytes match its manifest entry."""
     by_checkpoint: "OrderedDict[str, dict[str, Source]]" = OrderedDict()
     for s in committed_files(root):
         by_checkpoint.setdefault(s.ref.txid, {})[s.name] = s
@@ -141,7 +157,9 @@ def committed_items(root: Root) -> Committed:
         listed = files.get(ITEMS_NAME)
         if listed is None:
             continue  # not saved incrementally through DCP: no file with a known key
-        for name, (key, prefix) in _items(root, listed).items():
+        keyed, packed = _items(root, listed)
+        out.prefixes.update(packed)
+        for name, (key, prefix) in keyed.items():
             if name not in files:
                 continue
             out.by_key.setdefault(key, files[name])
@@ -152,7 +170,12 @@ def committed_items(root: Root) -> Committed:
     return out
 
 
-def _items(root: Root, listed: Source) -> dict[str, tuple[str, str | None]]:
+_Items = tuple[dict[str, tuple[str, "str | None"]], list[str]]
+
+
+def _items(root: Root, listed: Source) -> "_Items":
+    """A committed ITEMS_NAME: ({one-item file: (key, prefix key or None)}, packed prefix keys);
+    nothing when it cannot be read or does not match its manifest entry."""
     cache_key = (root.storage.identity(), listed.ref.txid, listed.entry.checksum)
     with _ITEMS_LOCK:
         if cache_key in _ITEMS:
@@ -160,17 +183,17 @@ def _items(root: Root, listed: Source) -> dict[str, tuple[str, str | None]]:
             return _ITEMS[cache_key]
     home = root.publication.locate(listed.ref)
     if home is None:
-        return {}
+        return {}, []
     try:
         data = root.storage.read_bytes(f"{home}/{ITEMS_NAME}")
     except OSError:
-        return {}
+        return {}, []
     if len(data) != listed.entry.size or digest_bytes(data) != listed.entry.checksum:
-        return {}  # damaged: its keys are not trusted
+        return {}, []  # damaged: its keys are not trusted
     try:
-        items = {str(k): _item_keys(v) for k, v in json.loads(data).items()}
+        items = decode_items(data)
     except (ValueError, AttributeError, TypeError):
-        return {}
+        return {}, []
     with _ITEMS_LOCK:
         _ITEMS[cache_key] = items
         while len(_ITEMS) > _ITEMS_KEPT:
@@ -178,14 +201,28 @@ def _items(root: Root, listed: Source) -> dict[str, tuple[str, str | None]]:
     return items
 
 
-def _item_keys(value: Any) -> tuple[str, str | None]:
-    """(key, prefix key) of an ITEMS_NAME entry: [key, prefix], or a bare key (older saves)."""
-    if isinstance(value, str):
-        return value, None
-    key, prefix = value  # a malformed entry raises: the file is not trusted (_items)
-    if not isinstance(key, str) or not isinstance(prefix, str):
-        raise TypeError(f"not a pair of keys: {value!r}")
-    return key, prefix
+def encode_items(keys: dict[str, list[str]], packed: list[str]) -> bytes:
+    """ITEMS_NAME's bytes for a save's one-item files' keys and its packed items' prefix keys."""
+    return json.dumps({"format": ITEMS_FORMAT, "files": keys, "packed": sorted(set(packed))},
+                      sort_keys=True).encode()
+
+
+def decode_items(data: bytes) -> "_Items":
+    """ITEMS_NAME's content; a malformed one raises (ValueError, TypeError, AttributeError)."""
+    obj = json.loads(data)
+    if "format" not in obj:  # a save before prefix keys: {file name: tensor key}
+        return {str(k): (_str(v), None) for k, v in obj.items()}, []
+    if obj["format"] != ITEMS_FORMAT:
+        raise ValueError(f"unknown {ITEMS_NAME} format {obj['format']!r}")
+    files: dict[str, tuple[str, str | None]] = {str(k): (_str(v[0]), _str(v[1])) for k, v in obj["files"].items()
+                                                if len(v) == 2}
+    return files, [_str(p) for p in obj["packed"]]
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"not a key: {value!r}")
+    return value
 
 
 def _item_bytes(item: WriteItem) -> int:
@@ -212,17 +249,14 @@ class _Keying:
 class IncrementalShards:
     """One rank's files in an incremental DCP save: which to write (:meth:`writes`, for DCP's
     item writer, in the order they become known), which to share (decided here, placed by
-    :meth:`place` once this rank's writes are done), and every one-item file's keys
-    (:attr:`keys`, for the coordinator's ITEMS_NAME). :meth:`release` stops the keying and
-    returns the leases on the sources, whatever happened.
+    :meth:`place` once this rank's writes are done), every one-item file's keys (:attr:`keys`)
+    and the packed items' prefix keys (:attr:`packed`), for the coordinator's ITEMS_NAME.
+    :meth:`release` stops the keying and returns the leases on the sources, whatever happened.
 
-    The keys are computed on a thread of their own (xxh3 releases the GIL), smallest item
-    first, while this rank writes: the packed file first, then each changed item as soon as it
-    is known to be changed. Smallest first because what a run trains (adapters, their optimizer
-    state) is usually smaller than what it freezes (the base): the writes start early and the
-    hash of the base runs beside them instead of before them. An item whose prefix key no
-    committed file has is changed: the keyer hands it on after hashing its first bytes, and the
-    writer keys it as it writes it (:meth:`stream_key`, :meth:`written`)."""
+    The keys are computed on a thread of their own (xxh3 releases the GIL): first every large
+    item's prefix key, which sorts the changed items (packed into file 0, written at once) from
+    those that may be unchanged; then, smallest first, the whole key of each of those, while
+    this rank writes file 0 and then each item whose key no committed file has."""
 
     def __init__(self, root: Root, prefix: str, items: list[WriteItem], planner: SavePlanner, rank: int):
         self._root = root
@@ -231,16 +265,18 @@ class IncrementalShards:
         self._sharing = Sharing(root)
         small = [i for i in items if _item_bytes(i) < OWN_FILE_BYTES]
         self._packed = (f"{prefix}0{DEFAULT_SUFFIX}", small)
-        #: one-item files in the plan's item order: (name, item); the name does not depend on
-        #: the order in which keys are computed
+        #: large items in the plan's item order: (name of their file when alone, item); the name
+        #: does not depend on the order in which keys are computed
         self._large = [(f"{prefix}{n}{DEFAULT_SUFFIX}", item)
                        for n, item in enumerate((i for i in items if _item_bytes(i) >= OWN_FILE_BYTES), 1)]
         #: the names of one-item files: their range is the whole file
         self.single: set[str] = {name for name, _ in self._large}
-        #: file name -> [tensor key, prefix key]
+        #: one-item file name -> [tensor key, prefix key]
         self.keys: dict[str, list[str]] = {}
+        #: prefix keys of the large items packed into file 0
+        self.packed: list[str] = []
         self.results: list[WriteResult] = []
-        self._keyed: "queue.Queue[tuple[str, WriteItem, _Keying | None] | BaseException]" = queue.Queue()
+        self._keyed: "queue.Queue[Any]" = queue.Queue()
         self._writing: dict[str, _Keying] = {}  # written before their key is known
         self._candidates = Committed()
         self._ready = threading.Event()  # the candidates are read (by the writing thread)
@@ -252,41 +288,64 @@ class IncrementalShards:
 
     def _key_all(self) -> None:
         try:
+            prefixes: dict[str, str | None] = {}
+            for name, item in self._large:
+                if self._stop.is_set():
+                    return
+                t = self._keyable(item)
+                prefixes[name] = None if t is None else _digest(t, PREFIX_BYTES)
+            self._ready.wait()
+            if self._stop.is_set():
+                return
+            known = self._candidates.known
+            changed = [(item, p) for name, item in self._large
+                       if known and (p := prefixes[name]) is not None and not self._candidates.may_hold(p)]
+            self._keyed.put(changed)  # first: what file 0 holds beside the small items
+            packed = {id(item) for item, _ in changed}
             for name, item in sorted(self._large, key=lambda ni: _item_bytes(ni[1])):
                 if self._stop.is_set():
                     return
-                data = self._planner.resolve_data(item)
-                t = _keyable(data) if isinstance(data, torch.Tensor) else None
-                if t is None:
-                    self._keyed.put((name, item, None))
+                if id(item) in packed:
                     continue
-                prefix = _digest(t, PREFIX_BYTES)
-                self._ready.wait()
-                if self._stop.is_set():
-                    return
-                if self._candidates.may_hold(prefix):
+                prefix = prefixes[name]
+                t = None if prefix is None else self._keyable(item)
+                if t is None or prefix is None:  # not a plain tensor: always written, no key
+                    self._keyed.put((name, item, None))
+                elif known:
                     self._keyed.put((name, item, _Keying(prefix, _digest(t, None))))
-                else:
+                else:  # the root's first incremental save: keyed as it is written
                     self._keyed.put((name, item, _Keying(prefix, None, t)))
         except BaseException as e:  # handed to the writing thread, which raises it
             self._keyed.put(e)
 
+    def _keyable(self, item: WriteItem) -> torch.Tensor | None:
+        data = self._planner.resolve_data(item)
+        return _keyable(data) if isinstance(data, torch.Tensor) else None
+
+    def _next(self) -> Any:
+        got = self._keyed.get()
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
     def writes(self) -> Iterator[tuple[str, list[WriteItem]]]:
-        """(file name, its items) to write, in the order they are known: the packed file (always
-        written), then each one-item file whose key no committed file has."""
+        """(file name, its items) to write, in the order they are known: file 0 (the small
+        items and the changed large ones, always written), then each one-item file whose key no
+        committed file has."""
+        changed: list[tuple[WriteItem, str]] = []
         if self._large:
             self._candidates = committed_items(self._root)
             self._ready.set()
-        yield self._packed
-        for _ in self._large:
-            got = self._keyed.get()
-            if isinstance(got, BaseException):
-                raise got
-            name, item, keying = got
+            changed = self._next()
+            self.packed = [p for _, p in changed]
+        name0, small = self._packed
+        yield name0, small + [item for item, _ in changed]
+        for _ in range(len(self._large) - len(changed)):
+            name, item, keying = self._next()
             if keying is None:  # not a plain tensor: always written, no key
                 yield name, [item]
                 continue
-            if keying.key is None:  # changed (its prefix is new): keyed while it is written
+            if keying.key is None:  # the root's first incremental save: keyed while it is written
                 self._writing[name] = keying
                 yield name, [item]
                 continue
@@ -340,4 +399,5 @@ class IncrementalShards:
         self._sharing.release()
 
 
-__all__ = ["ITEMS_NAME", "OWN_FILE_BYTES", "PREFIX_BYTES", "Committed", "IncrementalShards", "committed_items", "tensor_key"]
+__all__ = ["ITEMS_NAME", "ITEMS_FORMAT", "OWN_FILE_BYTES", "PREFIX_BYTES", "Committed", "IncrementalShards",
+           "committed_items", "decode_items", "encode_items", "tensor_key"]
