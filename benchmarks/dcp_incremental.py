@@ -22,9 +22,9 @@ writes everything) is not counted: saves 2..11 are.
 * after the rounds: the disk use of the incremental root's 11 checkpoints (each inode counted
   once) ÷ (one base + 11 deltas);
 * full fine-tune, a second run of the same rounds in which every tensor (the base too) changes
-  every step: save time, incremental ÷ full. The incremental save then hashes every large tensor
-  from memory, finds no key, and writes everything as a full save does; the goal is that this
-  costs at most 3%.
+  every step: save time, incremental ÷ full. The incremental save then hashes the first MiB of
+  every large tensor, finds none its earlier saves recorded, and packs every tensor into the
+  rank's one file as a full save does; the goal is that this costs at most 3%.
 """
 
 from __future__ import annotations
