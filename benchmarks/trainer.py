@@ -30,6 +30,20 @@ def _config(s: h.Settings):
     return GPT2Config(n_positions=256, bos_token_id=0, eos_token_id=0, **dims)
 
 
+def quiet_durable_config() -> Any:
+    """What every Trainer benchmark starts from: transformers' logging and progress bars off,
+    the mixin's root durable (it is unless TXCKPT_DURABLE=0, a test setting: measure it durable),
+    torch seeded, and the GPT-2 config of the mode."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    os.environ["TXCKPT_DURABLE"] = "1"
+    torch.manual_seed(0)
+    return _config(h.settings())
+
+
 def run(quick: bool) -> dict[str, Any]:
     try:
         from txckpt.integrations.transformers import TransactionalCheckpointMixin
@@ -38,16 +52,10 @@ def run(quick: bool) -> dict[str, Any]:
                 "reason": f"`from txckpt.integrations.transformers import TransactionalCheckpointMixin` "
                           f"fails ({e}): the mixin is not written yet", "rows": []}
     import torch
-    import transformers
     from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
     s = h.settings()
-    # The mixin's root is durable unless TXCKPT_DURABLE=0 (a test setting): measure it durable.
-    os.environ["TXCKPT_DURABLE"] = "1"
-    torch.manual_seed(0)
-    cfg = _config(s)
+    cfg = quiet_durable_config()
     model = GPT2LMHeadModel(cfg)
     n_params = sum(p.numel() for p in model.parameters())
 

@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from . import harness as h
-from .trainer import _config
+from .trainer import quiet_durable_config
 
 TITLE = "Incremental save: the Trainer, a frozen base (local disk, fsync on)"
 INC, FULL = "Trainer + mixin, txckpt_incremental=True", "Trainer + mixin"
@@ -132,19 +132,13 @@ def _stock_resume(path: str, step: int, opt_step: float, cfg: Any) -> None:
 
 def run(quick: bool) -> dict[str, Any]:
     import torch
-    import transformers
     from transformers import Trainer, TrainingArguments
 
     import txckpt
     from txckpt.integrations.transformers import TransactionalCheckpointMixin
 
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
     s = h.settings()
-    # The mixin's root is durable unless TXCKPT_DURABLE=0 (a test setting): measure it durable.
-    os.environ["TXCKPT_DURABLE"] = "1"
-    torch.manual_seed(0)
-    cfg = _config(s)
+    cfg = quiet_durable_config()
     model = _frozen_gpt2(cfg)
     shard_bytes = model.shard_bytes
     n_params = sum(p.numel() for p in model.parameters())
