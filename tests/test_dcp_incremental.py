@@ -42,6 +42,15 @@ def test_a_tensor_key_follows_every_property_that_decides_the_saved_bytes():
     others = [changed, t.double(), t.reshape(4, 3), t.t().contiguous().t(), t.to(torch.bfloat16)]
     assert len({key} | {tensor_key(o) for o in others}) == 1 + len(others)
     assert tensor_key(t.to_sparse()) is None
+    # A prefix key is the minimal copy's, made or not (a contiguous view of a larger storage).
+    from txckpt.integrations import dcp_incremental as di
+
+    big = torch.randn(3 << 18)
+    for view in (big[1000:1000 + (1 << 18)], big[:600_000].reshape(600, 1000), big[:1000].reshape(10, 100).t()):
+        copy = view.clone()
+        assert copy.untyped_storage().size() == copy.nbytes
+        assert di.prefix_key(view) == di.prefix_key(copy) == di._digest(di._keyable(view), di.PREFIX_BYTES)
+    assert di.prefix_key(big) != di.prefix_key(big + 1) and di.prefix_key(t.to_sparse()) is None
 
 
 _ok = launcher.Run.oks  # every rank exited 0: their results

@@ -102,14 +102,32 @@ def _keyable(tensor: torch.Tensor) -> torch.Tensor | None:
     return t
 
 
-def _header(t: torch.Tensor) -> Any:
-    """A hasher holding what decides the bytes of ``t``'s file besides its storage's bytes."""
+def _header(t: torch.Tensor, storage_offset: int | None = None) -> Any:
+    """A hasher holding what decides the bytes of ``t``'s file besides its storage's bytes
+    (``storage_offset``: that of the minimal copy ``t`` stands for, when it is a view)."""
     save = serialization_config.save
     hasher = new_hasher()
+    offset = t.storage_offset() if storage_offset is None else storage_offset
     hasher.update(repr(("txckpt-dcp-item/1", torch.__version__, sys.byteorder, save.compute_crc32,
-                        save.storage_alignment, str(t.dtype), tuple(t.shape), t.stride(), t.storage_offset(),
+                        save.storage_alignment, str(t.dtype), tuple(t.shape), t.stride(), offset,
                         t.is_conj(), t.is_neg())).encode())
     return hasher
+
+
+def prefix_key(tensor: torch.Tensor) -> str | None:
+    """The prefix key of ``tensor``: :func:`tensor_key`'s description and the first
+    :data:`PREFIX_BYTES` of its minimal copy's bytes, without making the copy where the tensor
+    is a contiguous view of a larger storage (its bytes are the copy's, at offset 0 with the
+    same strides: what FSDP's padded shards are). None where tensor_key is None."""
+    t = tensor.detach()
+    if (type(t) is torch.Tensor and t.layout == torch.strided and not t.is_quantized and not t.is_conj()
+            and not t.is_neg() and t.is_contiguous() and t.numel()):
+        t = t.cpu()
+        hasher = _header(t, storage_offset=0)
+        hasher.update(t.reshape(-1).view(torch.uint8)[:PREFIX_BYTES].numpy().data)
+        return hasher.hexdigest()
+    keyable = _keyable(tensor)
+    return None if keyable is None else _digest(keyable, PREFIX_BYTES)
 
 
 def _digest(t: torch.Tensor, limit: int | None) -> str:
@@ -236,9 +254,9 @@ def _item_bytes(item: WriteItem) -> int:
 
 @dataclass
 class _Keying:
-    """A large item's keys as the keyer found them: ``key`` None when no committed tensor
-    begins with its first bytes, so it is written at once and keyed from the pieces the writer
-    hashes (``hasher``, set by :meth:`IncrementalShards.stream_key`)."""
+    """A large item's keys as the keyer found them: ``key`` None in the root's first
+    incremental save, where the item is written alone at once and keyed from the pieces the
+    writer hashes (``hasher``, set by :meth:`IncrementalShards.stream_key`)."""
 
     prefix: str
     key: str | None
@@ -292,8 +310,8 @@ class IncrementalShards:
             for name, item in self._large:
                 if self._stop.is_set():
                     return
-                t = self._keyable(item)
-                prefixes[name] = None if t is None else _digest(t, PREFIX_BYTES)
+                data = self._planner.resolve_data(item)
+                prefixes[name] = prefix_key(data) if isinstance(data, torch.Tensor) else None
             self._ready.wait()
             if self._stop.is_set():
                 return
@@ -366,7 +384,7 @@ class IncrementalShards:
         if keying is None or keying.tensor is None:
             return None
         keying.hasher = _header(keying.tensor)
-        return keying.hasher, keying.tensor.untyped_storage().nbytes()
+        return keying.hasher, keying.tensor.nbytes  # its own storage: _keyable made the minimal copy
 
     def written(self, name: str, key_writes: int) -> None:
         """``name`` is written; ``key_writes``: how many writes its stream put into the hasher.
@@ -400,4 +418,4 @@ class IncrementalShards:
 
 
 __all__ = ["ITEMS_NAME", "ITEMS_FORMAT", "OWN_FILE_BYTES", "PREFIX_BYTES", "Committed", "IncrementalShards",
-           "committed_items", "decode_items", "encode_items", "tensor_key"]
+           "committed_items", "decode_items", "encode_items", "prefix_key", "tensor_key"]
