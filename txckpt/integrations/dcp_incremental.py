@@ -19,8 +19,9 @@ A changed tensor costs what a full save costs. Each item's first :data:`PREFIX_B
 too (its *prefix key*), and every save records the prefix keys of all its large items. A tensor
 whose prefix key no committed save recorded is changed, known after hashing one MiB of it: it
 is packed into the rank's file 0 with the small items, written as a full save writes it (one
-file, not one per tensor: on this VM a full fine-tune saved one file per tensor took 1.07-1.2x
-the time of one file, the cost of the file system's per-file work), and never shared. Only a
+file per rank, not one per tensor: a full fine-tune then costs what a full save costs; A/B on 2
+ranks, 16 rounds: 1.011-1.023 against 1.167 with a file and a hash pass per tensor), and never
+shared. Only a
 tensor whose first MiB matches is hashed whole and, if its key is found, shared; otherwise it
 gets a file of its own, which the next save can share (a tensor trained until now and frozen
 from now on is written alone once, then shared). The first incremental save of a root (no
