@@ -14,6 +14,7 @@ import torch
 import txckpt
 from txckpt.errors import IntegrityError, StorageError
 from txckpt.storage import s3 as s3_storage
+from txckpt.storage import s3_download
 
 pytestmark = pytest.mark.s3
 
@@ -68,22 +69,34 @@ def test_a_flipped_byte_is_refused(s3_root, small_parts):
         txckpt.load_checkpoint(path, storage_options=so)
 
 
+class _Gets:
+    """In front of moto (S3Server.wrapped): the path of every GET."""
+
+    def __init__(self, app):
+        self.app, self.paths = app, []
+
+    def __call__(self, environ, start_response):
+        if environ.get("REQUEST_METHOD") == "GET":
+            self.paths.append(environ.get("PATH_INFO", ""))
+        return self.app(environ, start_response)
+
+
 @pytest.mark.parametrize("delta", [-1, 1])
-def test_an_object_of_another_size_is_refused_before_its_parts_are_read(s3_root, s3_requests, small_parts, delta):
+def test_an_object_of_another_size_is_refused_before_its_parts_are_read(s3_root, s3_server, small_parts, delta):
     url, so = s3_root
     path = txckpt.save_checkpoint(url, 1, _files(PART), storage_options=so)
     st = _storage(url, so)
     key = st.key_of(path) + "/model.safetensors"
     data = st.read_bytes(key)
     parts = -(-len(data) // PART)
-    s3_requests.reset()
-    txckpt.load_checkpoint(path, storage_options=so)
-    whole = s3_requests.ops["GetObject"]  # a good load: the metadata, every part, the small files
-    st.replace(key, data[:-1] if delta < 0 else data + b"x")
-    s3_requests.reset()
-    with pytest.raises(IntegrityError, match="bytes, the manifest says"):
+    with s3_server.wrapped(_Gets) as gets:
         txckpt.load_checkpoint(path, storage_options=so)
-    assert s3_requests.ops["GetObject"] <= whole - parts + 1, (whole, parts)  # the first part only
+    assert sum(p.endswith("/model.safetensors") for p in gets.paths) == parts  # a good load: every part
+    st.replace(key, data[:-1] if delta < 0 else data + b"x")
+    with s3_server.wrapped(_Gets) as gets:
+        with pytest.raises(IntegrityError, match="bytes, the manifest says"):
+            txckpt.load_checkpoint(path, storage_options=so)
+    assert sum(p.endswith("/model.safetensors") for p in gets.paths) == 1, gets.paths  # the first part only
 
 
 def test_a_part_that_fails_fails_the_load_typed(s3_root, s3_server, small_parts):
@@ -320,3 +333,15 @@ def test_prefaulting_a_buffer_keeps_what_already_landed_in_it():
     assert bytes(view[2 * PART + 7:3 * PART + 7]) == landed
     view[:] = b"\x01" * size  # every page writable
     assert bytes(view[size - 3:]) == b"\x01\x01\x01"
+
+
+@pytest.mark.parametrize("size", [1, s3_download.FIRST_PART, s3_download.FIRST_PART + 1, 5 * (16 << 20) + 7, 16 << 20])
+def test_parts_tile_the_object_with_a_small_first_part(size):
+    """Part 0 is read alone (its Content-Range checks the size): at most FIRST_PART bytes, so
+    that wait is a round trip, not a whole part; the rest tile the object in parts of 16 MiB."""
+    part = 16 << 20
+    parts = s3_download._parts(size, part)
+    assert parts[0] == (0, min(size, s3_download.FIRST_PART))
+    assert all(a == b for (_, b), (a, _) in zip(parts, parts[1:])) and parts[-1][1] == size
+    assert all(0 < b - a <= part for a, b in parts)
+    assert len(parts) == 1 + -(-(size - parts[0][1]) // part)
