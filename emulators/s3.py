@@ -29,8 +29,9 @@ Third fidelity fix: moto 5 answers a ranged GET by reading the whole object out 
 copying it, and slicing the range off the copy, so reading a 1 GiB object in 16 MiB ranges moves
 about 130 GiB through memory (minutes a read). Real S3, GCS and SeaweedFS read the range alone,
 which is what every parallel reader (boto3's transfer manager, s3fs ``cat_ranges``, txckpt's
-ranged load) is built on. The middleware answers a plain ranged GET (one ``bytes=a-b`` or
-``bytes=a-`` range inside the object, no query, no ``If-*`` header) itself from
+ranged load) is built on. A reader right in front of moto (behind the counting middleware and
+any ``wrapped`` app) answers a plain ranged GET (one ``bytes=a-b`` or ``bytes=a-`` range inside
+the object, no query, no ``If-*`` header) itself from
 moto's stored object, with moto's own headers for that object; everything else (a missing key,
 a range moto would reject, a conditional read, a version) goes to moto as before.
 ``TXCKPT_MOTO_RAW=1`` turns this off too.
@@ -215,12 +216,11 @@ class RequestCounter:
 class _Middleware:
     """Counts S3 requests and serialises conditional writes (see module docstring)."""
 
-    def __init__(self, app, stats: RequestStats, serialise_conditional: bool, ranges_read_alone: bool = True):
+    def __init__(self, app, stats: RequestStats, serialise_conditional: bool):
         self.app = app
         self.stats = stats
         self.serialise_conditional = serialise_conditional
-        self.ranges_read_alone = ranges_read_alone
-        self.ranges_answered = 0  # ranged GETs answered here rather than by moto (tests read it)
+        self.latency = 0.0  # seconds every request is held first: a network's round trip (benchmarks)
         self.conditional_lock = threading.Lock()
         self.faults: list[dict[str, Any]] = []
         self.faults_lock = threading.Lock()
@@ -238,6 +238,8 @@ class _Middleware:
             return self.app(environ, start_response)
         op = classify(environ)
         self.stats.record(op, _body_length(environ))
+        if self.latency:
+            time.sleep(self.latency)
         fault = self._take_fault(op, environ.get("PATH_INFO", ""))
         if fault is not None and fault.get("delay"):  # a slow request: answered normally, late
             time.sleep(fault["delay"])
@@ -253,11 +255,6 @@ class _Middleware:
         return self._dispatch(op, environ, start_response)
 
     def _dispatch(self, op: str, environ, start_response):
-        if op == "GetObject" and self.ranges_read_alone:
-            answer = _ranged_get(environ, start_response)
-            if answer is not None:
-                self.ranges_answered += 1
-                return answer
         conditional = op in ("PutObject", "CompleteMultipartUpload", "DeleteObject") and (
             environ.get("HTTP_IF_NONE_MATCH") or environ.get("HTTP_IF_MATCH")
         )
@@ -265,6 +262,24 @@ class _Middleware:
             with self.conditional_lock:
                 # moto builds the whole response inside the call; materialise it under the lock.
                 return list(self.app(environ, start_response))
+        return self.app(environ, start_response)
+
+
+class _RangeReader:
+    """In front of moto, behind everything else: answers plain ranged GETs itself (third
+    fidelity fix), passes every other request on."""
+
+    def __init__(self, app, enabled: bool):
+        self.app = app
+        self.enabled = enabled
+        self.answered = 0  # ranged GETs answered here rather than by moto (tests read it)
+
+    def __call__(self, environ, start_response):
+        if self.enabled and classify(environ) == "GetObject":
+            answer = _ranged_get(environ, start_response)
+            if answer is not None:
+                self.answered += 1
+                return answer
         return self.app(environ, start_response)
 
 
@@ -319,6 +334,7 @@ class S3Server:
         stats = self.stats
         owner = self
         self._app: _Middleware | None = None
+        self.ranges: _RangeReader | None = None  # the third fidelity fix, once started
 
         class _Handler(MotoRequestHandler):
             disable_nagle_algorithm = True  # TCP_NODELAY, as real S3 (second fidelity fix above)
@@ -335,10 +351,8 @@ class S3Server:
                     create_backend_app,
                 )
 
-                app = _Middleware(
-                    DomainDispatcherApplication(create_backend_app), stats, serialise_conditional,
-                    ranges_read_alone=not raw,
-                )
+                owner.ranges = _RangeReader(DomainDispatcherApplication(create_backend_app), enabled=not raw)
+                app = _Middleware(owner.ranges, stats, serialise_conditional)
                 owner._app = app
                 self._server = make_server(
                     self._ip_address, self._port, app, True, request_handler=_Handler
@@ -402,6 +416,13 @@ class S3Server:
         with self._app.faults_lock:
             self._app.faults.append({"op": op, "key": key, "after_apply": False,
                                      "status": "403 Forbidden", "code": "AccessDenied"})
+
+    def set_latency(self, seconds: float) -> None:
+        """Hold every request ``seconds`` before it is handled: what a real store's round trip
+        (~10-50 ms to S3 from EC2) adds to each request, which loopback does not (benchmarks
+        that count round trips: benchmarks/s3load.py's fresh loads)."""
+        assert self._app is not None, "start the server first"
+        self._app.latency = seconds
 
     def inject_delay(self, op: str, key: str, seconds: float) -> None:
         """Hold the next ``op`` request on a path ending in ``/key`` for ``seconds`` before moto

@@ -27,15 +27,15 @@ def _get(client, key, **kwargs):
 
 def _both(server, client, key, **kwargs):
     """(the middleware's answer, moto's answer, whether the middleware answered it itself)."""
-    app = server._app
-    app.ranges_read_alone, before = True, app.ranges_answered
+    ranges = server.ranges
+    ranges.enabled, before = True, ranges.answered
     ours = _get(client, key, **kwargs)
-    answered = app.ranges_answered - before
-    app.ranges_read_alone = False
+    answered = ranges.answered - before
+    ranges.enabled = False
     try:
         theirs = _get(client, key, **kwargs)
     finally:
-        app.ranges_read_alone = True
+        ranges.enabled = True
     return ours, theirs, answered
 
 
