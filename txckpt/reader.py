@@ -123,6 +123,7 @@ class RootContext:
         self.state = state  # its newest State, read when the context was opened
         self.storage_options = storage_options
         self._root: CheckpointRoot | None = None
+        self.prefetched_manifest: bytes | None = None  # the path's manifest, read beside the log
 
     @property
     def root(self) -> CheckpointRoot:
@@ -133,18 +134,30 @@ class RootContext:
 
     @classmethod
     def open(cls, path: str | os.PathLike, storage_options: Mapping[str, Any] | None, *,
-             check_name: bool = True) -> "RootContext | None":
+             check_name: bool = True, prefetch_manifest: bool = False) -> "RootContext | None":
         """The context of ``path``'s root, or None when ``path`` lies in none: no root shape, no
         log, or (``check_name``) not a home or a public name in the root's naming. Without
-        ``check_name`` the caller asks :meth:`names_a_checkpoint` itself, when it must."""
+        ``check_name`` the caller asks :meth:`names_a_checkpoint` itself, when it must.
+
+        ``prefetch_manifest``: where each read is a round trip (``Storage.overlap_requests``),
+        the path's manifest is read beside the log (:attr:`prefetched_manifest`, None if that
+        read failed: the caller's own read then says why). Which of the two lands first does
+        not matter: :meth:`check_committed` compares the manifest's digest with the log's."""
         where = parse(path)
         if where is None:
             return None
         storage = open_storage(where.root, storage_options)
-        state = commit_log.read_state(storage)
+        prefetch = prefetch_manifest and storage.overlap_requests and where.key
+        manifest = storage.start_concurrently(lambda: storage.read_bytes(join(where.key, MANIFEST_NAME))) \
+            if prefetch else None
+        try:
+            state = commit_log.read_state(storage)  # in this thread: it overlaps its own reads
+        finally:
+            prefetched = manifest() if manifest is not None else None  # ended, whatever happened
         if state.seq < 0:
             return None  # a directory of plain checkpoints, or a cache: no log to check against
         ctx = cls(where, storage, state, storage_options)
+        ctx.prefetched_manifest = prefetched if isinstance(prefetched, bytes) else None
         return ctx if not check_name or ctx.names_a_checkpoint() else None
 
     def names_a_checkpoint(self) -> bool:
@@ -213,14 +226,18 @@ class Found:
         return f"{self.key}/{name}" if self.key else name
 
 
-def read_own_manifest(storage: Storage, key: str, path: str, *, whole: bool = True) -> tuple[Manifest, bytes]:
+def read_own_manifest(storage: Storage, key: str, path: str, *, whole: bool = True,
+                      data: bytes | None = None) -> tuple[Manifest, bytes]:
     """The manifest of the checkpoint at ``key`` of ``storage`` (``path``, in messages), its own
     digest checked, and its bytes as stored. ``whole=False``: a /2 manifest's parts are left
-    unread (a loading rank reads its share with ``manifest.read_rank_files``)."""
+    unread (a loading rank reads its share with ``manifest.read_rank_files``). ``data``: its
+    bytes, already read from there (:attr:`RootContext.prefetched_manifest`)."""
     name = f"{key}/{MANIFEST_NAME}" if key else MANIFEST_NAME
     local = storage.local_path(name)
     try:
-        if local is not None:  # on a local disk, read as txckpt.verify reads the files
+        if data is not None:
+            pass
+        elif local is not None:  # on a local disk, read as txckpt.verify reads the files
             with fileio.open_regular_file(local) as f:
                 data = f.read()
         else:
@@ -266,16 +283,18 @@ def read_checked(path: str | os.PathLike, storage_options: Mapping[str, Any] | N
     path = os.fspath(path)
     # The root's naming is asked only if the read fails: a manifest the log committed is read
     # through the root whatever the directory's name.
-    ctx = RootContext.open(path, storage_options, check_name=False)
+    ctx = RootContext.open(path, storage_options, check_name=False, prefetch_manifest=True)
     if ctx is None:
         storage, key = open_storage(path, storage_options), ""
     else:
         storage, key = ctx.storage, ctx.where.key
     tried = {key}
+    prefetched = ctx.prefetched_manifest if ctx is not None else None
     while True:
         txid = None
         try:
-            manifest, data = read_own_manifest(storage, key, path, whole=whole)
+            given, prefetched = prefetched, None  # read at the path's first key: that try only
+            manifest, data = read_own_manifest(storage, key, path, whole=whole, data=given)
             txid = manifest.txid
             if ctx is not None:
                 ctx.check_committed(manifest, path)

@@ -300,9 +300,17 @@ def _stat_size(path: str) -> int:
     return fileio.regular_size(path)
 
 
-def _plan(manifest: Manifest, where: str, names: Iterable[str] | None, workers: int
-          ) -> tuple[list[str], bool, set[str]]:
-    """(names, read them one after the other?, the names whose hash gets a thread of its own)."""
+#: Files read at once from a store where every read is a round trip (``Storage.overlap_requests``):
+#: a checkpoint of many small files (a Trainer's config, scheduler, RNG and trainer states) then
+#: costs about one round trip rather than one per file. The hash threads stay as many as the
+#: cores allow (``_plan``): these readers mostly wait on the network.
+_REMOTE_READERS = 8
+
+
+def _plan(storage: Storage, manifest: Manifest, where: str, names: Iterable[str] | None, workers: int
+          ) -> tuple[list[str], int, set[str]]:
+    """(names, how many to read at once (1: one after the other, in this thread), the names
+    whose hash gets a thread of its own)."""
     names = sorted(manifest.files) if names is None else list(names)
     for n in names:
         if n not in manifest.files:
@@ -313,14 +321,17 @@ def _plan(manifest: Manifest, where: str, names: Iterable[str] | None, workers: 
     # (and a core freed by the others' readers); the others are hashed by their readers. Each
     # core beyond the readers takes the hash of one more file, largest first.
     # Small checkpoints are read in this thread: starting threads costs more than they save
-    # below a few MiB (a reader polling a root loads many small ones).
+    # below a few MiB (a reader polling a root loads many small ones), except where each read
+    # is a network round trip.
     total = sum(manifest.files[n].size for n in names)
-    sequential = workers <= 1 or len(names) <= 1 or total < _PARALLEL_MIN
+    remote = storage.overlap_requests
+    sequential = workers <= 1 or len(names) <= 1 or (total < _PARALLEL_MIN and not remote)
     readers = 1 if sequential else min(workers, len(names))
     spare = _cpus() - readers
     by_size = sorted(names, key=lambda n: -manifest.files[n].size)
     pipelined = set(by_size[:spare + 1]) if _cpus() > 1 else set()
-    return names, sequential, pipelined
+    at_once = 1 if sequential else min(max(workers, _REMOTE_READERS) if remote else workers, len(names))
+    return names, at_once, pipelined
 
 
 def verify_checkpoint_files(
@@ -338,16 +349,16 @@ def verify_checkpoint_files(
     content for :func:`txckpt.serialization.read_object`: ``bytes``, or for safetensors and torch
     files on a local disk a ``torch.uint8`` tensor holding the file. ``at``: the checkpoint's key
     in ``storage`` ("" when ``storage`` is the checkpoint's own; ``where`` names it in messages)."""
-    names, sequential, pipelined = _plan(manifest, where, names, workers)
+    names, at_once, pipelined = _plan(storage, manifest, where, names, workers)
     out: dict[str, Any] = {}
 
     def one(n: str):
         return _read_one(storage, manifest, where, n, keep_bytes, verify, pipeline=n in pipelined, at=at)
 
-    if sequential:
+    if at_once == 1:
         results = [one(n) for n in names]
     else:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
+        with ThreadPoolExecutor(max_workers=at_once) as pool:
             results = list(pool.map(one, names))
     for name, data in results:
         if keep_bytes:
@@ -381,14 +392,14 @@ def load_checkpoint_files(
     unrestricted pickle) is only handed back once checked, never decoded here. ``mmap``: local
     safetensors and torch files are mapped, not read (:func:`read_file`). ``at``: as
     :func:`verify_checkpoint_files`'s."""
-    names, sequential, pipelined = _plan(manifest, where, names, workers)
+    names, at_once, pipelined = _plan(storage, manifest, where, names, workers)
 
     def one(n: str) -> tuple[str, bool, Any]:
         return _load_one(storage, manifest, where, n, verify, n in pipelined, decode, early, mmap, at)
 
     results: dict[str, tuple[bool, Any]] = {}
     errors: dict[str, BaseException] = {}
-    if sequential:
+    if at_once == 1:
         for n in names:
             try:
                 results[n] = one(n)[1:]
@@ -398,7 +409,7 @@ def load_checkpoint_files(
     else:
         # Largest first: the file read longest starts first, and the others fill in beside it.
         order = sorted(names, key=lambda n: -manifest.files[n].size)
-        with ThreadPoolExecutor(max_workers=workers) as pool:
+        with ThreadPoolExecutor(max_workers=at_once) as pool:
             futures = {n: pool.submit(one, n) for n in order}
         _collect(futures, results, errors)
         futures.clear()

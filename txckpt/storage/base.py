@@ -115,6 +115,21 @@ def _outcome(call: Callable[[], Any]) -> Any:
         return e
 
 
+#: Set in the shared pool's threads while they run a call: a call that itself runs calls
+#: concurrently (a root's lookup inside a read beside it) runs them in its own thread, so that
+#: pool threads never wait for tasks queued behind them on the same pool (a deadlock once
+#: every thread of the pool waits).
+_IN_POOL = threading.local()
+
+
+def _pooled_outcome(call: Callable[[], Any]) -> Any:
+    _IN_POOL.active = True
+    try:
+        return _outcome(call)
+    finally:
+        _IN_POOL.active = False
+
+
 _POOL: list[concurrent.futures.ThreadPoolExecutor] = []
 _POOL_LOCK = threading.Lock()
 
@@ -172,11 +187,22 @@ class Storage(abc.ABC):
         Contract: the caller passes only operations that may complete in any order (no call
         depends on another's effect) and returns only after all of them finished. Backends
         with ``overlap_requests`` run them at once, on a small shared thread pool; others run
-        them one after the other, in the order given."""
-        if not self.overlap_requests or len(calls) < 2:
+        them one after the other, in the order given, and so does a call made from one of the
+        pool's own threads (nested: no pool thread ever waits on the pool)."""
+        if not self.overlap_requests or len(calls) < 2 or getattr(_IN_POOL, "active", False):
             return [_outcome(call) for call in calls]
         pool = _shared_pool()
-        return [f.result() for f in [pool.submit(_outcome, call) for call in calls]]
+        return [f.result() for f in [pool.submit(_pooled_outcome, call) for call in calls]]
+
+    def start_concurrently(self, call: Callable[[], Any]) -> Callable[[], Any]:
+        """Start one operation of this storage beside what the caller goes on to do; returns a
+        function that waits for it and returns its result or the exception it raised. Under
+        the same contract and on the same pool as :meth:`run_concurrently` (elsewhere, and from
+        the pool's own threads, it runs now, in this thread)."""
+        if not self.overlap_requests or getattr(_IN_POOL, "active", False):
+            outcome = _outcome(call)
+            return lambda: outcome
+        return _shared_pool().submit(_pooled_outcome, call).result
 
     # ----- addresses ---------------------------------------------------------------------------
     @abc.abstractmethod
