@@ -31,7 +31,8 @@ about 130 GiB through memory (minutes a read). Real S3, GCS and SeaweedFS read t
 which is what every parallel reader (boto3's transfer manager, s3fs ``cat_ranges``, txckpt's
 ranged load) is built on. A reader right in front of moto (behind the counting middleware and
 any ``wrapped`` app) answers a plain ranged GET (one ``bytes=a-b`` or ``bytes=a-`` range inside
-the object, no query, no ``If-*`` header) itself from
+the object, no query, no ``If-*`` header but an ``If-Match`` of the object's ETag, which boto3's
+transfer manager sends with every part) itself from
 moto's stored object, with moto's own headers for that object; everything else (a missing key,
 a range moto would reject, a conditional read, a version) goes to moto as before.
 ``TXCKPT_MOTO_RAW=1`` turns this off too.
@@ -287,8 +288,9 @@ def _ranged_get(environ, start_response) -> list[bytes] | None:
     """A plain ranged GetObject answered from the range alone (third fidelity fix), or None where
     moto must answer (anything but one in-object range of an existing key, read unconditionally)."""
     match = _PLAIN_RANGE.fullmatch(environ.get("HTTP_RANGE", ""))
+    conditions = {name for name in environ if name.startswith("HTTP_IF_")}
     if (match is None or environ.get("QUERY_STRING") or environ.get("HTTP_ORIGIN")  # CORS rules: moto's
-            or any(name.startswith("HTTP_IF_") for name in environ)):
+            or conditions - {"HTTP_IF_MATCH"}):
         return None
     bucket, _, name = environ.get("PATH_INFO", "").lstrip("/").partition("/")
     from moto.core import DEFAULT_ACCOUNT_ID
@@ -300,6 +302,8 @@ def _ranged_get(environ, start_response) -> list[bytes] | None:
         return None
     if not isinstance(key, FakeKey) or key.storage_class not in ("STANDARD", None):
         return None
+    if conditions and environ["HTTP_IF_MATCH"] != key.etag:
+        return None  # If-Match of another ETag: moto answers 412 (boto3's transfer manager sends If-Match)
     with key.lock:
         size = key.size
         first = int(match.group(1))
