@@ -190,8 +190,11 @@ ANALYSIS: dict[str, str] = {
         "a thread of its own with the GIL released. The page faults are now taken ahead of the "
         "downloads by one madvise(MADV_POPULATE_WRITE) per part; the copies are the same as the "
         "unverified readers' (only a client receiving into the buffer itself would remove one). "
-        "moto serves a ranged GET by copying the whole object, so every ranged reader is slow "
-        "there and the one GET is fastest. The fetch's parts written from threads "
+        "moto itself serves a ranged GET by copying the whole object; the test server reads the "
+        "range alone, as real stores do (emulators/s3.py, third fidelity fix), also for boto3's "
+        "parts, which carry If-Match. moto runs in the benchmark's own process: there every "
+        "reader shares the GIL with the server, and peak RSS counts moto's own copies, so the "
+        "RSS goal is judged on SeaweedFS. The fetch's parts written from threads "
         "(docs/remote.md) lost on a busy machine to the GIL's hand-overs; the fetch now writes "
         "and hashes on the download loop alone."
     ),

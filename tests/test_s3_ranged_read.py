@@ -14,7 +14,6 @@ import torch
 import txckpt
 from txckpt.errors import IntegrityError, StorageError
 from txckpt.storage import s3 as s3_storage
-from txckpt.storage import s3_download
 
 pytestmark = pytest.mark.s3
 
@@ -334,14 +333,3 @@ def test_prefaulting_a_buffer_keeps_what_already_landed_in_it():
     view[:] = b"\x01" * size  # every page writable
     assert bytes(view[size - 3:]) == b"\x01\x01\x01"
 
-
-@pytest.mark.parametrize("size", [1, s3_download.FIRST_PART, s3_download.FIRST_PART + 1, 5 * (16 << 20) + 7, 16 << 20])
-def test_parts_tile_the_object_with_a_small_first_part(size):
-    """Part 0 is read alone (its Content-Range checks the size): at most FIRST_PART bytes, so
-    that wait is a round trip, not a whole part; the rest tile the object in parts of 16 MiB."""
-    part = 16 << 20
-    parts = s3_download._parts(size, part)
-    assert parts[0] == (0, min(size, s3_download.FIRST_PART))
-    assert all(a == b for (_, b), (a, _) in zip(parts, parts[1:])) and parts[-1][1] == size
-    assert all(0 < b - a <= part for a, b in parts)
-    assert len(parts) == 1 + -(-(size - parts[0][1]) // part)

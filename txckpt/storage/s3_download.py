@@ -61,20 +61,6 @@ async def _get_part(fs: Any, bucket: str, obj: str, size: int, a: int, into: mem
         resp["Body"].close()
 
 
-#: Part 0 is read alone, before any other starts (its ``Content-Range`` says whether the object
-#: is the size the manifest says: a wrong one fails before the rest is read), so it is small: it
-#: costs one round trip, not a whole part's transfer with no other beside it
-#: (benchmarks/s3load.py measures it against a whole first part).
-FIRST_PART = 1 << 20
-
-
-def _parts(size: int, part: int) -> list[tuple[int, int]]:
-    """The byte ranges ``[a, b)`` an object of ``size`` bytes is read in: a first one of at most
-    :data:`FIRST_PART` bytes, then ``part`` bytes each (the last one shorter)."""
-    first = min(size, part, FIRST_PART)
-    return [(0, first)] + [(a, min(a + part, size)) for a in range(first, size, part)]
-
-
 async def _get_all(count: int, get: Callable[[int], Awaitable[None]], in_flight: int,
                    may_start: Callable[[int], Awaitable[None]] | None = None) -> None:
     """``get(i)`` for each part ``i``, at most ``in_flight`` at once, part 0 alone first (its
@@ -151,7 +137,7 @@ def ranged_read(fs: Any, bucket: str, obj: str, size: int, *, hash: bool, part: 
     view = memoryview(buf.numpy())
     hasher = new_hasher() if hash else None
     worker = HashWorker(hasher) if hasher is not None else None
-    parts = _parts(size, part)
+    parts = [(a, min(a + part, size)) for a in range(0, size, part)]
     landed = [False] * len(parts)
     next_part = 0  # the first part not handed to the hash yet
 
@@ -186,7 +172,7 @@ def ranged_copy(fs: Any, bucket: str, obj: str, size: int, write: Callable[[memo
     been written, so at most ``window`` parts are held at once (``in_flight`` + 4: 192 MiB at
     the defaults) whatever the object's size and however the parts arrive."""
     hasher = new_hasher()
-    parts = _parts(size, part)
+    parts = [(a, min(a + part, size)) for a in range(0, size, part)]
     window = in_flight + 4
     landed: dict[int, memoryview] = {}
     ready: "queue.SimpleQueue[memoryview | None]" = queue.SimpleQueue()
@@ -318,7 +304,7 @@ def ranged_to_file(fs: Any, bucket: str, obj: str, size: int, fd: int, *, part: 
         return _to_file_on_loop(fs, bucket, obj, size, fd, part=part, in_flight=in_flight, progress=progress)
     inline, follow = mode == "inline", mode == "follow"
     hasher = new_hasher()
-    parts = _parts(size, part)
+    parts = [(a, min(a + part, size)) for a in range(0, size, part)]
     window = min(len(parts), in_flight + 4)
     pool = ThreadPoolExecutor(max(1, writers or FILE_WRITERS), thread_name_prefix="txckpt-pwrite")
     loop = fs.loop
@@ -443,7 +429,7 @@ def _to_file_on_loop(fs: Any, bucket: str, obj: str, size: int, fd: int, *, part
     just released), and the threaded modes took 1.4-3.7x the time of this one's one-stream
     predecessor (docs/remote.md)."""
     hasher = new_hasher()
-    parts = _parts(size, part)
+    parts = [(a, min(a + part, size)) for a in range(0, size, part)]
     block = memoryview(bytearray(min(size, _HASH_BLOCK)))  # one re-read buffer, reused
     written: set[int] = set()
     state = {"prefix": 0, "hashed": 0}  # parts 0 .. prefix - 1 all written; bytes hashed
