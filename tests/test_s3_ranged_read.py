@@ -332,4 +332,3 @@ def test_prefaulting_a_buffer_keeps_what_already_landed_in_it():
     assert bytes(view[2 * PART + 7:3 * PART + 7]) == landed
     view[:] = b"\x01" * size  # every page writable
     assert bytes(view[size - 3:]) == b"\x01\x01\x01"
-
