@@ -324,7 +324,49 @@ def _ranged_get(environ, start_response) -> list[bytes] | None:
 # ---------------------------------------------------------------------------------------------
 # The server
 # ---------------------------------------------------------------------------------------------
-class S3Server:
+class _Endpoint:
+    """What a client needs of a server at ``endpoint_url``: options, a boto3 client, buckets."""
+
+    @property
+    def endpoint_url(self) -> str:
+        raise NotImplementedError
+
+    def storage_options(self, **extra: Any) -> dict[str, Any]:
+        """s3fs options for this server. ``skip_instance_cache`` makes every open_storage() call
+        a separate client with its own listing cache, like a separate process."""
+        options: dict[str, Any] = {
+            "key": FAKE_ENV["AWS_ACCESS_KEY_ID"],
+            "secret": FAKE_ENV["AWS_SECRET_ACCESS_KEY"],
+            "token": FAKE_ENV["AWS_SESSION_TOKEN"],
+            "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": REGION},
+            "skip_instance_cache": True,
+        }
+        options.update(extra)
+        return options
+
+    def boto3_client(self):
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name=REGION,
+            aws_access_key_id=FAKE_ENV["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=FAKE_ENV["AWS_SECRET_ACCESS_KEY"],
+            aws_session_token=FAKE_ENV["AWS_SESSION_TOKEN"],
+        )
+
+    def create_bucket(self, bucket: str = BUCKET) -> None:
+        self.boto3_client().create_bucket(Bucket=bucket)
+
+    def multipart_uploads(self, bucket: str = BUCKET, prefix: str = "") -> list[dict]:
+        """In-progress multipart uploads (what an abort must leave empty)."""
+        out = self.boto3_client().list_multipart_uploads(Bucket=bucket, Prefix=prefix)
+        return out.get("Uploads", [])
+
+
+
+class S3Server(_Endpoint):
     """moto's ThreadedMotoServer on 127.0.0.1 behind the counting middleware."""
 
     def __init__(self, serialise_conditional: bool | None = None):
@@ -440,40 +482,6 @@ class S3Server:
             with self._app.faults_lock:
                 self._app.faults.clear()
 
-    def storage_options(self, **extra: Any) -> dict[str, Any]:
-        """s3fs options for this server. ``skip_instance_cache`` makes every open_storage() call
-        a separate client with its own listing cache, like a separate process."""
-        options: dict[str, Any] = {
-            "key": FAKE_ENV["AWS_ACCESS_KEY_ID"],
-            "secret": FAKE_ENV["AWS_SECRET_ACCESS_KEY"],
-            "token": FAKE_ENV["AWS_SESSION_TOKEN"],
-            "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": REGION},
-            "skip_instance_cache": True,
-        }
-        options.update(extra)
-        return options
-
-    def boto3_client(self):
-        import boto3
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint_url,
-            region_name=REGION,
-            aws_access_key_id=FAKE_ENV["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=FAKE_ENV["AWS_SECRET_ACCESS_KEY"],
-            aws_session_token=FAKE_ENV["AWS_SESSION_TOKEN"],
-        )
-
-    def create_bucket(self, bucket: str = BUCKET) -> None:
-        self.boto3_client().create_bucket(Bucket=bucket)
-
-    def multipart_uploads(self, bucket: str = BUCKET, prefix: str = "") -> list[dict]:
-        """In-progress multipart uploads (what an abort must leave empty)."""
-        out = self.boto3_client().list_multipart_uploads(Bucket=bucket, Prefix=prefix)
-        return out.get("Uploads", [])
-
-
 #: Variables that would point a client at a real account or endpoint: unset while faking.
 _REAL_AWS = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
 
@@ -512,3 +520,54 @@ def running_s3_server(**kwargs: Any) -> Iterator[S3Server]:
         finally:
             server.stop()
 
+
+class S3ServerProcess(_Endpoint):
+    """The same server (middleware, fidelity fixes) in a Python process of its own: for a
+    benchmark whose client must have its CPU, its GIL and its RSS to itself (in process, moto's
+    threads share the client's GIL, and its copies of the objects count in the client's RSS)."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self._proc = subprocess.Popen([sys.executable, "-m", "emulators.s3"], cwd=here, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()  # the child prints its endpoint once it listens
+        if not line.startswith("http://127.0.0.1:"):
+            self.stop()
+            raise RuntimeError(f"the S3 server process did not start: {line!r}")
+        self._endpoint = line.strip()
+
+    @property
+    def endpoint_url(self) -> str:
+        return self._endpoint
+
+    def stop(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()  # the child stops its server when its stdin ends
+        try:
+            self._proc.wait(timeout=30)
+        except Exception:
+            self._proc.kill()
+            self._proc.wait()
+
+
+@contextlib.contextmanager
+def running_s3_server_process() -> Iterator[S3ServerProcess]:
+    """:func:`running_s3_server`, the server in a process of its own."""
+    with fake_aws_env():
+        server = S3ServerProcess()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":  # S3ServerProcess's child: serve until stdin ends
+    import sys
+
+    with running_s3_server() as _server:
+        print(_server.endpoint_url, flush=True)
+        sys.stdin.read()
