@@ -154,7 +154,7 @@ def read_latest(storage: Storage) -> dict[str, Any] | None:
     ahead: Any = _UNREAD
     if storage.overlap_requests:
         # A round trip each: the probe past the hinted entry goes out beside it (on a root at
-        # rest it finds nothing, so a lookup costs two round trips, not three). Entries are
+        # rest it finds nothing, so the newest entry costs two round trips, not three). Entries are
         # immutable and created in order, so reading them at once sees what reading them one
         # after the other would.
         entry, ahead = storage.run_concurrently([lambda: read_entry(storage, seq), lambda: read_entry(storage, seq + 1)])

@@ -235,12 +235,10 @@ def read_own_manifest(storage: Storage, key: str, path: str, *, whole: bool = Tr
     name = f"{key}/{MANIFEST_NAME}" if key else MANIFEST_NAME
     local = storage.local_path(name)
     try:
-        if data is not None:
-            pass
-        elif local is not None:  # on a local disk, read as txckpt.verify reads the files
+        if data is None and local is not None:  # on a local disk, read as txckpt.verify reads the files
             with fileio.open_regular_file(local) as f:
                 data = f.read()
-        else:
+        elif data is None:
             data = storage.read_bytes(name)
     except (FileNotFoundError, NotADirectoryError):
         if not storage.exists(key):
