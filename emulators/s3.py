@@ -32,9 +32,9 @@ which is what every parallel reader (boto3's transfer manager, s3fs ``cat_ranges
 ranged load) is built on. A reader right in front of moto (behind the counting middleware and
 any ``wrapped`` app) answers a plain ranged GET (one ``bytes=a-b`` or ``bytes=a-`` range inside
 the object, no query, no ``If-*`` header but an ``If-Match`` of the object's ETag, which boto3's
-transfer manager sends with every part) itself from
-moto's stored object, with moto's own headers for that object; everything else (a missing key,
-a range moto would reject, a conditional read, a version) goes to moto as before.
+transfer manager sends with every part) itself from moto's stored object, with moto's own
+headers for that object; everything else (a missing key, a range moto would reject, another
+conditional read, a version) goes to moto as before.
 ``TXCKPT_MOTO_RAW=1`` turns this off too.
 """
 
@@ -68,7 +68,7 @@ FAKE_ENV = {
 # The moto control plane (reset etc.) is not S3 traffic: not counted.
 _MOTO_API = "/moto-api"
 _App = TypeVar("_App")
-#: The ranged GETs the middleware answers itself (third fidelity fix): one range, from a byte on.
+#: The ranged GETs _RangeReader answers itself (third fidelity fix): one range, from a byte on.
 _PLAIN_RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 
 
@@ -365,7 +365,6 @@ class _Endpoint:
         return out.get("Uploads", [])
 
 
-
 class S3Server(_Endpoint):
     """moto's ThreadedMotoServer on 127.0.0.1 behind the counting middleware."""
 
@@ -481,6 +480,7 @@ class S3Server(_Endpoint):
         if self._app is not None:
             with self._app.faults_lock:
                 self._app.faults.clear()
+
 
 #: Variables that would point a client at a real account or endpoint: unset while faking.
 _REAL_AWS = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
