@@ -192,9 +192,9 @@ ANALYSIS: dict[str, str] = {
         "unverified readers' (only a client receiving into the buffer itself would remove one). "
         "moto itself serves a ranged GET by copying the whole object; the test server reads the "
         "range alone, as real stores do (emulators/s3.py, third fidelity fix), also for boto3's "
-        "parts, which carry If-Match. moto runs in the benchmark's own process: there every "
-        "reader shares the GIL with the server, and peak RSS counts moto's own copies, so the "
-        "RSS goal is judged on SeaweedFS. The fetch's parts written from threads "
+        "parts, which carry If-Match. moto runs in a process of its own, as SeaweedFS's servers "
+        "do: in the benchmark's process every reader shared the GIL with it, and peak RSS "
+        "counted moto's own copies. The fetch's parts written from threads "
         "(docs/remote.md) lost on a busy machine to the GIL's hand-overs; the fetch now writes "
         "and hashes on the download loop alone."
     ),

@@ -26,7 +26,7 @@ def _get(client, key, **kwargs):
 
 
 def _both(server, client, key, **kwargs):
-    """(the middleware's answer, moto's answer, whether the middleware answered it itself)."""
+    """(the range reader's answer, moto's answer, whether the range reader answered it itself)."""
     ranges = server.ranges
     ranges.enabled, before = True, ranges.answered
     ours = _get(client, key, **kwargs)
