@@ -159,7 +159,14 @@ def _copy_files(found: Found, open_out: Callable[[str], Any], progress: Callable
             abort() if abort is not None else out.close()  # an upload left unfinished
             if isinstance(e, SizeMismatch):
                 size, digest = e.actual, "(not read: wrong size)"
-            elif isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError)) and not src.exists(key):
+            elif isinstance(e, IsADirectoryError):
+                # A directory where the manifest lists a file is damage (what verify calls it),
+                # not an OSError for the caller to decode.
+                raise IntegrityError(
+                    f"{path}/{name} is a directory where the manifest lists a file of {entry.size} bytes: "
+                    f"the stored checkpoint is damaged; {FALLBACK_HINT}", path=f"{path}/{name}",
+                ) from None
+            elif isinstance(e, (FileNotFoundError, NotADirectoryError)) and not src.exists(key):
                 raise IntegrityError(
                     f"{path}/{name} is missing (the manifest lists it): the stored checkpoint is "
                     f"damaged; {FALLBACK_HINT}", path=f"{path}/{name}",

@@ -11,6 +11,7 @@ from typing import Sequence
 
 from .. import __version__
 from ..errors import InvalidArgumentError, MissingDependencyError, NotATxckptRootError, TxckptError
+from ..layout import MAX_STEP
 from .common import (EXIT_MISSING_DEPENDENCY, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, UsageError, configure_logging,
                      parse_storage_options)
 from .export import cmd_export
@@ -169,6 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             v = getattr(args, name, None)
             if v is not None and v < (0 if name == "step" else 1):
                 raise UsageError(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'step' else '>= 1'}, not {v}")
+        # A step is 0 <= step < 2**63 (protocol §3): a larger one names no checkpoint, and would
+        # otherwise reach the lookup as a problem found (exit 1), not the bad argument it is.
+        if getattr(args, "step", None) is not None and args.step >= MAX_STEP:
+            raise UsageError(f"--step must be 0 <= step < 2**63 (a step no checkpoint can have), not {args.step}")
         if getattr(args, "grace", 0) is not None and getattr(args, "grace", 0) < 0:
             raise UsageError("--grace must be >= 0")
         rc = int(args.func(args))
