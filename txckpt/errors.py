@@ -381,6 +381,26 @@ class RngStateError(InvalidArgumentError):
     process_layout: dict | None
 
 
+class FileNameConflictError(InvalidArgumentError):
+    """Two file names of one checkpoint of which one is a directory of the other (``a`` and
+    ``a/b``; protocol §3): no file system can hold both. Raised when one rank writes both, and
+    when two ranks do (the second to create its file finds the other's file, or directory, in
+    the shared staging). Nothing commits; rename one of them. ``name``: the name that would
+    have to be a directory; ``nested``: the name below it."""
+
+    name: str | None
+    nested: str | None
+
+
+class SignalNotCatchableError(InvalidArgumentError):
+    """``txckpt.preemption.install`` was given a signal no handler can replace (SIGKILL,
+    SIGSTOP: the kernel acts on them itself), or one this platform refuses. Install the signal
+    the scheduler sends before its SIGKILL (SIGTERM; SIGUSR1 with SLURM's ``--signal``).
+    ``signals``: the numbers refused."""
+
+    signals: list | None
+
+
 # ----- the cross-rank codec ---------------------------------------------------------------------
 # One rank's error travels to the others as plain data (an object collective pickles it, and a
 # rank must never unpickle arbitrary classes of another's): a txckpt error comes back as the same
@@ -457,7 +477,7 @@ def _this_module() -> Any:
 #: decode_error, reworded, is_txckpt_error) and storage_error are internal.
 __all__ = [
     "TxckptError",
-    "InvalidArgumentError", "NamingConflictError", "RngStateError",
+    "InvalidArgumentError", "NamingConflictError", "RngStateError", "FileNameConflictError", "SignalNotCatchableError",
     "NotATxckptRootError",
     "CheckpointNotFoundError", "CheckpointRetiredError", "LineageNotFoundError",
     "RootNotFoundError",

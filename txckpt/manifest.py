@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from . import checksum, parts
-from .errors import InvalidArgumentError, ManifestError, UnsafePathError
+from .errors import FileNameConflictError, InvalidArgumentError, ManifestError, UnsafePathError
 from .layout import MANIFEST_NAME  # every name under a root is layout's; importable from here as before
 from .refs import Parent, parent_from_json, parent_to_json
 from .storage.base import Storage, check_relative_key
@@ -162,10 +162,13 @@ def check_name_tree(names: Iterable[str]) -> None:
                 raise name_conflict(prefix, name)
 
 
-def name_conflict(file_name: str, nested: str) -> InvalidArgumentError:
-    return InvalidArgumentError(
-        f"file names {file_name!r} and {nested!r} in one checkpoint: {nested!r} needs {file_name!r} to be a "
-        "directory, but it is a file. Rename one of them; nothing was committed"
+def name_conflict(file_name: str, nested: str, *, ranks: bool = False) -> FileNameConflictError:
+    """``ranks``: the two names came from two ranks (the second found the other's in the staging)."""
+    return FileNameConflictError(
+        f"file names {file_name!r} and {nested!r} in one checkpoint"
+        f"{' (written by two ranks)' if ranks else ''}: {nested!r} needs {file_name!r} to be a "
+        "directory, but it is a file. Rename one of them; nothing was committed",
+        name=file_name, nested=nested,
     )
 
 

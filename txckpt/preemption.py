@@ -30,13 +30,15 @@ from typing import Any, Callable, NoReturn, Sequence
 from . import deps
 from .asyncsave import SaveFuture, mark_reported, recent_saves
 from .coordination import TorchDistributed, current_coordinator
-from .errors import CoordinationTimeoutError, InvalidArgumentError
+from .errors import CoordinationTimeoutError, InvalidArgumentError, SignalNotCatchableError
 
 log = logging.getLogger("txckpt")
 
 DEFAULT_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
 _SENTINEL = 0  # the byte uninstall writes: no signal has number 0
 _WAKE = 0xFF  # the byte _note writes: look at the deadline again (no signal has number 255)
+#: Signals no handler can replace: signal.signal raises EINVAL for them.
+_UNCATCHABLE = frozenset(int(s) for s in (signal.SIGKILL, signal.SIGSTOP))
 
 #: How the process ends when it cannot wait any longer (tests replace it).
 _exit: Callable[[int], Any] = os._exit
@@ -106,16 +108,25 @@ def install(signals: Sequence[int] = DEFAULT_SIGNALS, *, grace_s: float | None =
     if threading.current_thread() is not threading.main_thread():
         raise InvalidArgumentError("txckpt.preemption.install must be called from the main thread "
                                    "(Python runs signal handlers there only)")
+    uncatchable = [s for s in sigs if s in _UNCATCHABLE]
+    if uncatchable:
+        raise SignalNotCatchableError(
+            f"txckpt.preemption.install: {', '.join(_name(s) for s in uncatchable)} cannot be caught by any "
+            "process (the kernel ends it at once), so no save can follow it; install the signal the scheduler "
+            "sends first (SIGTERM, or SIGUSR1 with SLURM's --signal) and give grace_s a little less than "
+            "the time before its SIGKILL", signals=list(uncatchable))
     st = _Installed(sigs, None if grace_s is None else float(grace_s))
     try:
         for s in sigs:
-            st.previous[s] = signal.getsignal(s)
+            previous = signal.getsignal(s)
             signal.signal(s, _handler)
+            st.previous[s] = previous  # recorded once replaced: only those are restored below
     except (ValueError, OSError) as e:
-        for s, prev in st.previous.items():
-            signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+        for replaced, prev in st.previous.items():
+            signal.signal(replaced, prev if prev is not None else signal.SIG_DFL)
         _close(st)
-        raise InvalidArgumentError(f"txckpt.preemption.install: cannot handle signal {s}: {e}") from e
+        raise SignalNotCatchableError(f"txckpt.preemption.install: cannot handle signal {_name(s)}: {e}; "
+                                   "give signals a process may catch (SIGTERM, SIGUSR1, ...)", signals=[s]) from e
     _current, _agreed = st, 0
     st.thread = threading.Thread(target=_watch, args=(st,), name="txckpt-preemption", daemon=True)
     st.thread.start()

@@ -281,6 +281,8 @@ class Transaction:
             sink = self._writes.open_write(f"{self.staging_key}/{name}", durable=self._root.durable)
         except BaseException as e:
             self._rebuild_names()  # the name was not opened after all
+            if isinstance(e, (IsADirectoryError, NotADirectoryError, FileExistsError)):  # another rank's 'a' or 'a/'?
+                TxNames.raise_conflict_in_staging(name, self._root.storage.local_path(self.staging_key), e)
             if isinstance(e, OSError):
                 raise storage_error(e, f"create {name!r} in the staging directory") from e
             raise

@@ -64,6 +64,22 @@ class TxNames:
                 )
         self._opened(name, prefixes)
 
+    @staticmethod
+    def raise_conflict_in_staging(name: str, staging_dir: str | None, error: OSError) -> None:
+        """After creating ``name`` in the shared staging directory failed with ``error``: raise
+        the name conflict that explains it, if another rank's file or directory is in the way
+        (``a`` beside ``a/b``, which this rank's own bookkeeping cannot see); else return."""
+        if staging_dir is None:
+            return
+        for prefix in _prefixes(name):
+            p = os.path.join(staging_dir, *prefix.split("/"))
+            if os.path.lexists(p) and not os.path.isdir(p):
+                raise name_conflict(prefix, name, ranks=True) from error
+        p = os.path.join(staging_dir, *name.split("/"))
+        if os.path.isdir(p) and not os.path.islink(p):
+            below = sorted(os.listdir(p))
+            raise name_conflict(name, f"{name}/{below[0]}" if below else f"{name}/", ranks=True) from error
+
     def _opened(self, name: str, prefixes: list[str]) -> None:
         for prefix in prefixes:
             self._dirs.setdefault(prefix, name)
