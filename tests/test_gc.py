@@ -275,10 +275,13 @@ def test_policy_through_gc(any_root):
     dry = collect_garbage(r, dry_run=True, policy=RetentionPolicy(keep_last=1))
     assert [i.kind for i in dry.items] == ["policy", "policy"] and not any(i.done for i in dry.items)
     assert len(r.checkpoints()) == 3
+    # What gc frees of a checkpoint is all it deletes: its files and its manifest (issue 45 item 8).
+    manifests = sum(len(r.storage.read_bytes(f"{r.storage.key_of(c.path)}/txckpt-manifest.json"))
+                    for c in r.checkpoints() if c.step < 3)
     report = collect_garbage(r, policy=RetentionPolicy(keep_last=1))
     assert all(i.done for i in report.items) and len(report.items) == 2
     assert [c.step for c in fresh(any_root).checkpoints()] == [3]
-    assert report.bytes == 2 * 40
+    assert report.bytes == 2 * 40 + manifests == dry.bytes
 
 
 def test_completes_publication(tmp_path):

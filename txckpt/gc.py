@@ -23,6 +23,11 @@
 * on S3: multipart uploads under the root that were never completed, older than the grace
   period and not part of a live writer's staging (when the storage backend can list them).
 
+Each item's ``bytes`` is what removing it frees (:meth:`GcReport.measure`): a file whose other
+links (a live checkpoint's, on an incremental root) outlive the removal frees nothing, and is
+counted in ``held`` instead; each file is counted once. The storage says which files share
+their bytes (``Storage.file_links``); gc never asks which backend it has.
+
 It also completes publication (current checkpoints get their ``checkpoint-N`` names, others
 lose them). It never touches the log, a committed checkpoint that is not retired (an empty
 ``.txckpt/tx/<txid>`` left by publication belongs to a committed checkpoint and stays),
@@ -123,8 +128,10 @@ def collect_garbage(
         ensure_reserve(storage, durable=root.durable)  # made again once there is room for it
     counted = [i for i in report.items if i.kind not in ("publish", "unpublish") and (dry_run or i.done)]
     nbytes = sum(i.bytes for i in counted)
-    log.info("gc of %s: %d item(s), %s (%d bytes) %s in %.2fs", root.url, len(counted), progress.human(nbytes),
-             nbytes, "reclaimable" if dry_run else "reclaimed", time.perf_counter() - started,
+    log.info("gc of %s: %d item(s), %s (%d bytes) %s%s in %.2fs", root.url, len(counted), progress.human(nbytes),
+             nbytes, "reclaimable" if dry_run else "reclaimed",
+             f"; {progress.human(report.held)} ({report.held} bytes) of their files still held by live "
+             "checkpoints' links" if report.held else "", time.perf_counter() - started,
              extra={"txckpt_op": "gc", "txckpt_phase": "done", "txckpt_bytes": nbytes, "txckpt_files": len(counted)})
     return report
 
@@ -136,15 +143,24 @@ def _delete_retired(root: Root, report: GcReport, history: Any, leased: set[str]
     for c in retired_present(root, history):
         key = root.publication.locate(c.ref) or f"{TX_DIR}/{c.txid}"
         item = policy_items.get(c.txid)
-        if item is None:
-            item = GcItem("retired", key, f"step {c.step} of lineage {c.lineage} (txid {c.txid}) is "
-                          "retired; its data was not deleted yet", tree_bytes(storage, key))
-            report.items.append(item)
         if c.txid in leased:
-            report.items.remove(item)
+            if item is None:
+                item = GcItem("retired", key, f"step {c.step} of lineage {c.lineage} (txid {c.txid}) is "
+                              "retired; its data was not deleted yet", tree_bytes(storage, key))
+            else:
+                report.items.remove(item)
             item.reason += "; kept for now: a reader holds a lease on it"
             report.kept.append(item)
             continue
+        # Measured just before it goes (a policy's items too: the ones deleted before it may
+        # have dropped the other links of its shared files).
+        freed, held = report.measure(storage, key)
+        if item is None:
+            item = GcItem("retired", key, f"step {c.step} of lineage {c.lineage} (txid {c.txid}) is "
+                          "retired; its data was not deleted yet", freed, held=held)
+            report.items.append(item)
+        else:
+            item.bytes, item.held = freed, held
         if report.dry_run:
             continue
         try:
@@ -163,10 +179,11 @@ def _apply_policy(root: Root, report: GcReport, policy: RetentionPolicy, now: fl
     going = apply_retention(root, policy, dry_run=True, now=now)
     policy_items: dict[str, GcItem] = {}
     for info in going:
-        key = root.storage.key_of(info.path) if info.path else None
-        item = GcItem("policy", key or f"{TX_DIR}/{info.txid}",
-                      f"retention policy lets go of step {info.step} ({info.state}, lineage "
-                      f"{info.lineage}, txid {info.txid})", info.bytes)
+        key = (root.storage.key_of(info.path) if info.path else None) or f"{TX_DIR}/{info.txid}"
+        # A dry run measures here, in the order it would delete; a real run when it deletes.
+        freed, held = report.measure(root.storage, key) if report.dry_run else (info.bytes, 0)
+        item = GcItem("policy", key, f"retention policy lets go of step {info.step} ({info.state}, lineage "
+                      f"{info.lineage}, txid {info.txid})", freed, held=held)
         report.items.append(item)
         policy_items[info.txid] = item
     if report.dry_run or not going:

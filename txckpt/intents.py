@@ -39,9 +39,10 @@ class GcItem:
     kind: str  # staging | retired | policy | intent | lease | temp | upload | publish | unpublish | snapshot
     key: str  # root-relative key (an upload: its object key)
     reason: str
-    bytes: int = 0
+    bytes: int = 0  # what removing it frees (a removed item: freed); a kept item: its size
     done: bool = False  # removed (or, for publish/unpublish, renamed)
     error: str | None = None
+    held: int = 0  # bytes of its files that stay: other names (a live checkpoint's hard links) hold them
 
 
 @dataclass
@@ -53,6 +54,40 @@ class GcReport:
     kept: list[GcItem] = field(default_factory=list)
     #: Directories txckpt moved aside instead of overwriting; never deleted, listed for the operator.
     orphans: list[str] = field(default_factory=list)
+    # measure()'s ledger, by file identity (Storage.file_links): the links a dry run has not
+    # removed yet, and the size of the files measured as held by links outside what was collected.
+    _links_left: dict[Any, int] = field(default_factory=dict, repr=False)
+    _held: dict[Any, int] = field(default_factory=dict, repr=False)
+
+    def measure(self, storage: Storage, key: str) -> tuple[int, int]:
+        """(bytes that removing ``key`` frees, bytes of its files that other names still hold),
+        each file counted once: call it for each thing collected just before it is removed (a
+        dry run: in the order it would be). A file frees its size only with its last link, so
+        an incremental root's retired checkpoint whose files live checkpoints share frees
+        little; two collected items sharing a file free it once, with the second."""
+        names: dict[Any, list[int]] = {}  # identity -> [size, links, names of it under key]
+        for identity, size, links in storage.file_links(key):
+            names.setdefault(identity, [size, links, 0])[2] += 1
+        freed = held = 0
+        for identity, (size, links, here) in names.items():
+            # A real run reads each file's links as they are now (earlier removals already
+            # dropped theirs); a dry run removes nothing, so it counts down what it would.
+            left = (self._links_left.get(identity, links) if self.dry_run else links) - here
+            if self.dry_run:
+                self._links_left[identity] = left
+            if left <= 0:
+                freed += size
+                self._held.pop(identity, None)
+            else:
+                held += size
+                self._held[identity] = size
+        return freed, held
+
+    @property
+    def held(self) -> int:
+        """Bytes of what gc collected (a dry run: would collect) that stay on disk, held by the
+        links of what it keeps (a live checkpoint sharing the file); each file once."""
+        return sum(self._held.values())
 
     @property
     def errors(self) -> list[GcItem]:
@@ -68,7 +103,7 @@ class GcReport:
         return [i for i in self.items if i.kind == kind]
 
     def to_json(self) -> dict[str, Any]:
-        return {"root": self.root, "dry_run": self.dry_run, "bytes": self.bytes,
+        return {"root": self.root, "dry_run": self.dry_run, "bytes": self.bytes, "held_bytes": self.held,
                 "items": [asdict(i) for i in self.items], "kept": [asdict(i) for i in self.kept],
                 "orphans": list(self.orphans), "errors": len(self.errors)}
 
@@ -300,7 +335,8 @@ def reclaim_staging(root: Root, report: GcReport, history: Any, *, now: float, g
         key = f"{TX_DIR}/{txid}"
         step = staged_step(storage, key)
         desc = f"uncommitted staging{'' if step is None else f' of step {step}'}: {why}"
-        _remove(report, GcItem("staging", key, desc, tree_bytes(storage, key)), storage.delete_tree, key)
+        freed, held = report.measure(storage, key)
+        _remove(report, GcItem("staging", key, desc, freed, held=held), storage.delete_tree, key)
     staged = {t for t, _ in candidates}
     for txid in intents:
         if txid in live:

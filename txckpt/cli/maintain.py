@@ -33,6 +33,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         else:
             verb = verb_remove if (args.dry_run or item.done) else "FAILED to remove"
         size = f"  {human_bytes(item.bytes)}" if item.bytes else ""
+        if item.held:  # hard links of live checkpoints keep these bytes: removing the item frees none of them
+            size += f"{'' if size else '  0 B'} (+{human_bytes(item.held)} held by other links)"
         err = f"  [{item.error}]" if item.error else ""
         print(f"{verb:<16} {item.kind:<9} {item.key}{size}  ({item.reason}){err}")
     for item in report.kept:
@@ -47,7 +49,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         names = [f"{k} checkpoint name(s) {'would be ' if args.dry_run else ''}{kind}ed"
                  for kind in ("publish", "unpublish")
                  if (k := sum(i.kind == kind and (args.dry_run or i.done) for i in report.items))]
-        print(f"{n} item(s), {human_bytes(report.bytes)} {'reclaimable' if args.dry_run else 'reclaimed'}"
+        held = (f"; {human_bytes(report.held)} of their files {'would stay' if args.dry_run else 'stay'}, held by "
+                "live checkpoints' links") if report.held else ""
+        print(f"{n} item(s), {human_bytes(report.bytes)} {'reclaimable' if args.dry_run else 'reclaimed'}{held}"
               + "".join(f"; {x}" for x in names)
               + (f", {len(report.errors)} error(s)" if report.errors else ""))
     return EXIT_PROBLEM if report.errors else EXIT_OK

@@ -12,6 +12,8 @@ asks it:
 * uploads a crashed writer can leave behind (``list_incomplete_uploads`` /
   ``abort_incomplete_uploads``: S3 multipart uploads; none elsewhere): garbage collection
   (:mod:`txckpt.gc`) only,
+* which files share their bytes (``file_links``: hard links on a local disk, none on an object
+  store), so a deletion's freed bytes count each file once: garbage collection's report only,
 * whether space can be held back on the root's disk (``space_reserve_path``: local disks;
   object stores never fill up that way): :mod:`txckpt.reserve` only.
 
@@ -39,7 +41,7 @@ import concurrent.futures
 import os
 import posixpath
 import threading
-from typing import Any, BinaryIO, Callable, Iterator, Mapping, Sequence
+from typing import Any, BinaryIO, Callable, Hashable, Iterator, Mapping, Sequence
 
 from ..checksum import PIECE, copy_hashing
 from ..errors import UnsafePathError
@@ -364,6 +366,16 @@ class Storage(abc.ABC):
     def walk_files(self, key: str) -> Iterator[tuple[str, int]]:
         """Every file below ``key`` as (key relative to ``key``, size), fresh. Symlinks are
         reported by ``is_symlink_escape`` rather than followed."""
+
+    def file_links(self, key: str) -> Iterator[tuple[Hashable, int, int]]:
+        """Every file below ``key`` as (identity, size, links): its bytes are freed only when
+        every one of its ``links`` names is deleted. Files of one identity share their bytes
+        (a local disk's hard links: an incremental save's shared files, protocol §8a), so
+        deleting ``key`` frees a file's size only where no link is left outside it; gc counts
+        each identity once (txckpt.intents.GcReport.measure). An object store has no links:
+        each object is its own identity with one name (this default)."""
+        for rel, size in self.walk_files(key):
+            yield f"{key}/{rel}", max(0, size), 1
 
     def missing_root(self) -> str | None:
         """What of the root itself is missing (the local directory, the bucket), or None.

@@ -7,7 +7,7 @@ import errno
 import os
 import shutil
 import stat
-from typing import BinaryIO, Iterator, Sequence
+from typing import BinaryIO, Hashable, Iterator, Sequence
 
 from ..checksum import AbortOnError
 from ..errors import TempFileRemovedError
@@ -458,6 +458,17 @@ class LocalStorage(Storage):
                     size = -1  # a dangling symlink: reported, and refused by the manifest check
                 out.append((rel.replace(os.sep, "/"), size))
         return iter(out)
+
+    def file_links(self, key: str) -> Iterator[tuple[Hashable, int, int]]:
+        # (st_dev, st_ino) is the file: its hard links (an incremental save's shared files)
+        # report one identity and st_nlink names. lstat: a symlink is a file of its own.
+        base = self._p(key)
+        for rel, _ in self.walk_files(key):
+            try:
+                st = os.lstat(os.path.join(base, *rel.split("/")))
+            except FileNotFoundError:  # removed since the listing: nothing of it to free
+                continue
+            yield (st.st_dev, st.st_ino), st.st_size, st.st_nlink
 
     def is_symlink_escape(self, key: str) -> bool:
         path = self._p(key)
