@@ -140,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "changes: it prints where a restart continues.")
     sp.add_argument("root", metavar="ROOT")
     sp.add_argument("--step", type=int, default=None,
-                    help="committed step of the current lineage to continue from (default: the newest)")
+                    help="committed step of the current lineage to continue from (default: the newest); "
+                         "verified first: a step that fails verification is refused (exit 1)")
+    sp.add_argument("--no-verify", action="store_true",
+                    help="fork onto --step without verifying its files (says so)")
     sp.set_defaults(func=cmd_resume)
     return p
 

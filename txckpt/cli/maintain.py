@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from ..api import verify_checkpoint
+from ..errors import CheckpointNotFoundError, IntegrityError
 from ..gc import collect_garbage
+from ..lineage import History
+from ..manifest import Manifest
 from ..progress import bar as progress_bar, bar_wanted
 from ..retention import RetentionPolicy
+from ..root import CheckpointRoot
 from .common import EXIT_OK, EXIT_PROBLEM, human_bytes, open_root_arg, print_json
 
 
@@ -84,6 +89,12 @@ def cmd_resume(args: argparse.Namespace) -> int:
     head_before = before.state.head
     current_before = {c.txid: c for c in before.in_view(None)}
     tip = before.state.head_tip
+    verified = _verify_resume_point(root, before, args) if args.step is not None else None
+    if not args.json and args.step is not None:  # before the fork's warning (stderr) names what it abandons
+        print(f"verified step {args.step}: {len(verified.files)} file(s), {human_bytes(verified.total_bytes)}, "
+              "each against its checksum" if verified is not None else
+              f"step {args.step} was NOT verified (--no-verify): a damaged file shows only when a restart loads "
+              "it; `txckpt verify` checks it", flush=True)
     if args.step is None or (tip is not None and tip.step == args.step):
         # Nothing to roll back: only say where a restart continues. root.resume() would also
         # claim the lineage for this command's session, fencing off the job that is writing
@@ -98,6 +109,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     result = {
         "path": path, "head": after.state.head, "forked": forked, "previous_head": head_before,
         "abandoned": [{"step": c.step, "lineage": c.lineage, "txid": c.txid} for c in abandoned],
+        "verified": verified is not None,
     }
     if args.json:
         print_json(result)
@@ -112,3 +124,25 @@ def cmd_resume(args: argparse.Namespace) -> int:
     else:
         print(f"{path} is already the newest checkpoint of the current lineage {after.state.head}; nothing changed")
     return EXIT_OK
+
+
+def _verify_resume_point(root: CheckpointRoot, history: History, args: argparse.Namespace) -> Manifest | None:
+    """Verify the checkpoint ``--step`` names before anything forks onto it: a rollback onto a
+    damaged checkpoint makes it the current lineage's newest, which the restart then fails to
+    load. Its manifest, or None with ``--no-verify``. Raises what the lookup raises (missing,
+    retired) and IntegrityError for damage (exit 1), saying what to do."""
+    c = history.find(step=args.step)
+    if args.no_verify:
+        return None
+    key = root.publication.locate(c.ref)
+    if key is None:
+        raise CheckpointNotFoundError(
+            f"step {c.step} (txid {c.txid}) is committed but its data is missing; nothing was forked. Pick "
+            "another step (`txckpt ls`)")
+    try:
+        return verify_checkpoint(root.storage.full_path(key), storage_options=args.storage_options)
+    except IntegrityError as e:
+        raise IntegrityError(
+            f"refusing to resume at step {c.step}: it fails verification ({e}); nothing was forked. Pick "
+            "another step (`txckpt ls`, `txckpt verify ROOT`), or pass --no-verify to fork onto it anyway",
+            path=e.path) from e
