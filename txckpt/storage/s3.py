@@ -5,8 +5,9 @@ by :mod:`txckpt.storage.s3_upload`."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
-from typing import Any, BinaryIO, Callable, Iterator, Mapping, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from .. import deps
 from ..checksum import copy_hashing
@@ -14,8 +15,11 @@ from ..fileio import BufferRead, open_regular_file
 from .base import WriteBatch
 from .errors import log_retries
 from .fsspec import FsspecStorage
-from .s3_download import ranged_copy, ranged_read, ranged_to_file
+from .s3_download import RangeIgnored, _whole_object, ranged_copy, ranged_read, ranged_to_file
 from .s3_upload import _run, _S3Writer, _S3WriteBatch
+
+log = logging.getLogger("txckpt")
+_T = TypeVar("_T")
 
 #: Multipart upload tuning for S3 (see docs/remote.md for the measurements behind them).
 #: Memory held by one writer stays near ``part_size * (max_in_flight + 1)`` (see _S3Writer).
@@ -93,6 +97,8 @@ class S3Storage(FsspecStorage):
         self.multipart_threshold = max(S3_MULTIPART_THRESHOLD or self.part_size * self.max_in_flight,
                                        self.part_size)
         log_retries(fs)  # what botocore retries is logged while it retries (storage/errors.py)
+        # Set once a ranged GET came back 200 with the whole object (_ranged): read in one GET.
+        self._ranges_ignored = False
 
     def identity(self) -> str:
         # Every object is under bucket/prefix, the prefix stripped of slashes (``s3://b//a`` is ``s3://b/a``).
@@ -260,6 +266,8 @@ class S3Storage(FsspecStorage):
             resp = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=obj,
                                           Range=f"bytes={offset}-{offset + length - 1}")
             try:
+                if _whole_object(resp):  # a server that ignores Range (HTTP allows it): cut it out
+                    return (await resp["Body"].read())[offset:offset + length]
                 return await resp["Body"].read()
             finally:
                 resp["Body"].close()
@@ -270,23 +278,37 @@ class S3Storage(FsspecStorage):
         return _run(self.fs, _all()) if ranges else []
 
     def start_read(self, key: str, size: int, *, hash: bool) -> BufferRead | None:
-        if size <= S3_READ_PART:
+        if size <= S3_READ_PART or self._ranges_ignored:
             return None  # one GET (read_bytes) is as fast, in one request
-        return ranged_read(self.fs, self.bucket, self._obj(key), size, hash=hash, part=S3_READ_PART,
-                           in_flight=S3_READ_IN_FLIGHT)
+        return self._ranged(key, lambda: ranged_read(self.fs, self.bucket, self._obj(key), size, hash=hash,
+                                                     part=S3_READ_PART, in_flight=S3_READ_IN_FLIGHT))
 
     def read_through(self, key: str, size: int, write: Callable[[memoryview], Any]) -> tuple[int, str] | None:
-        if size <= S3_READ_PART:
+        if size <= S3_READ_PART or self._ranges_ignored:
             return None  # one GET streamed is as fast, in one request
-        return ranged_copy(self.fs, self.bucket, self._obj(key), size, write, part=S3_READ_PART,
-                           in_flight=S3_READ_IN_FLIGHT)
+        return self._ranged(key, lambda: ranged_copy(self.fs, self.bucket, self._obj(key), size, write,
+                                                     part=S3_READ_PART, in_flight=S3_READ_IN_FLIGHT))
 
     def read_to_file(self, key: str, size: int, fd: int,
                      progress: Callable[[int], Any] | None = None) -> tuple[int, str] | None:
-        if size <= S3_READ_PART:
+        if size <= S3_READ_PART or self._ranges_ignored:
             return None  # one GET streamed is as fast, in one request
-        return ranged_to_file(self.fs, self.bucket, self._obj(key), size, fd, part=S3_READ_PART,
-                              in_flight=S3_READ_IN_FLIGHT, progress=progress)
+        return self._ranged(key, lambda: ranged_to_file(self.fs, self.bucket, self._obj(key), size, fd,
+                                                        part=S3_READ_PART, in_flight=S3_READ_IN_FLIGHT,
+                                                        progress=progress))
+
+    def _ranged(self, key: str, read: Callable[[], _T]) -> _T | None:
+        """``read()``, a download in ranged parts; None (the caller reads the object in one plain
+        GET) where the server answered the first range with the whole object: its bytes are
+        not damaged, only unranged. From then on this storage asks for no range."""
+        try:
+            return read()
+        except RangeIgnored as e:
+            if not self._ranges_ignored:
+                log.warning("%s: %s; the server (or a proxy before it) ignores Range headers: reading "
+                            "each file of %s in one GET instead of parallel parts", self.url, e, self.url)
+            self._ranges_ignored = True
+            return None
 
     def _head(self, key: str) -> dict | None:
         obj = self._obj(key)

@@ -39,18 +39,45 @@ def _total_of(response: dict[str, Any]) -> int | None:
     return int(total) if total.isdigit() else None
 
 
+class RangeIgnored(Exception):
+    """The server answered the first ranged GET of an object with ``200`` and the whole object:
+    HTTP lets a server ignore ``Range`` (some proxies and gateways do). Nothing of the object
+    was written anywhere yet (the first part is always fetched alone); the caller reads it with
+    one plain GET instead (S3Storage does). Not damage: the bytes are fine, only unranged."""
+
+
+def _whole_object(resp: dict[str, Any]) -> bool:
+    """Whether a ranged GET's answer is the whole object: status 200, no ``Content-Range``."""
+    status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    return not resp.get("ContentRange") and status == 200
+
+
 async def _get_part(fs: Any, bucket: str, obj: str, size: int, a: int, into: memoryview | _FileRange) -> None:
     """One ranged GET of bytes ``a`` .. ``a + len(into)`` of ``obj`` (``size`` bytes) into ``into``
-    (a buffer, or a :class:`_FileRange`: the chunks written at their offsets of a file)."""
+    (a buffer, or a :class:`_FileRange`: the chunks written at their offsets of a file).
+
+    A ``200`` with the whole object instead of a ``206`` (the server ignored the range): for the
+    first part, :class:`RangeIgnored` (the caller reads the object in one GET: the other parts
+    would each bring the whole object again); for a later part (a server that honoured the first
+    range, then not this one) the part is taken from the body, after skipping ``a`` bytes."""
     b = a + len(into)
     resp = await fs._call_s3("get_object", Bucket=bucket, Key=obj, Range=f"bytes={a}-{b - 1}")
     try:
-        total = _total_of(resp)
+        whole = _whole_object(resp)
+        total = resp.get("ContentLength") if whole else _total_of(resp)
         if total is not None and total != size:
             raise SizeMismatch(total)
+        if whole and a == 0:
+            raise RangeIgnored(f"{bucket}/{obj}: a ranged GET was answered 200 with the whole object")
         # Each chunk as it comes off the connection, copied once into its place: read() would
         # join the chunks into one bytes object first (a second copy of the part).
         body, pos = resp["Body"], 0
+        skip = a if whole else 0
+        while skip:
+            chunk = await body.read(min(skip, 1 << 20))
+            if not chunk:  # shorter than the range: the object changed size meanwhile
+                raise SizeMismatch(a - skip)
+            skip -= len(chunk)
         while pos < len(into):
             chunk = await body.read(len(into) - pos)
             if not chunk:  # shorter than the range: the object changed size meanwhile
@@ -454,4 +481,4 @@ def _to_file_on_loop(fs: Any, bucket: str, obj: str, size: int, fd: int, *, part
     return size, hasher.hexdigest()
 
 
-__all__ = ["ranged_copy", "ranged_read", "ranged_to_file"]
+__all__ = ["RangeIgnored", "ranged_copy", "ranged_read", "ranged_to_file"]
