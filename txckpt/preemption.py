@@ -17,6 +17,7 @@ grace), logs which committed and which were abandoned, and raises SystemExit.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import logging
 import os
@@ -384,6 +385,29 @@ def _after_fork_in_child() -> None:
         pass
     _close(st)
 
+
+def _at_interpreter_exit() -> None:
+    """After a signal, keep the exit status 128 + signum through the interpreter's finalization.
+
+    Once the atexit hooks have run, the watchdog can no longer act on a second signal (a daemon
+    thread stops when it next needs the interpreter), and the finalization resets every Python
+    handler to SIG_DFL: a second SIGTERM landing there killed the process by the signal (-15 to
+    Popen and torchrun) instead of letting it end with the 143 that exit() raised. The process is
+    already exiting, so from here on the installed signals are ignored (SIG_IGN, which the
+    finalization keeps). Registered when this module is imported, so it runs after the atexit
+    hooks registered later (torch.distributed's, the script's): during those the watchdog
+    still exits at once on a second signal. Without a signal received, nothing changes."""
+    st = _current
+    if st is None or not (st.signum or _agreed):
+        return
+    for s in st.signals:
+        try:
+            signal.signal(s, signal.SIG_IGN)
+        except (ValueError, OSError):  # not the main thread's interpreter: nothing to keep
+            pass
+
+
+atexit.register(_at_interpreter_exit)
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
