@@ -40,6 +40,9 @@ def test_sigterm_saves_the_step_stops_and_the_restart_resumes_there(tmp_path, mo
     state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
     assert "preemption: saving step 3" in p.stderr
+    # The exit says what committed, for a synchronous save as for an async one (issue 45 item 11:
+    # a synchronous preemption save logged nothing of what it committed).
+    assert f"preemption (exit): committed {last}" in p.stderr, p.stderr[-3000:]
     # The restart continues from step 3 (not stopped by a restored control state) and finishes.
     r = run(out, 6, 0, "resume", env_extra=env)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -49,6 +49,7 @@ from txckpt import asyncsave, errors as _errors
 from txckpt.root import open_root
 
 from .patches import torch_save_into
+from .preempt import note_committed
 from .rank_files import rank_patterns
 from .paths import (STAGING_DIR_NAME, STAGING_ENV, TRAINER_NAMING, TRAINER_STATE_NAME, is_remote, is_within,
                            public_name)
@@ -321,6 +322,7 @@ class AsyncSaves:
             return
         committed, expected = job.future.result()
         t._txckpt_last_step = job.step
+        note_committed(t, job.step, committed)  # a preemption's save: its exit says what committed
         for state in (t.state, job.state):
             if state.best_model_checkpoint is not None and is_within(state.best_model_checkpoint, job.capture_root):
                 state.best_model_checkpoint = committed

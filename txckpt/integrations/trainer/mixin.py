@@ -64,7 +64,7 @@ from .patches import (
     remote_best_checkpoints_kept,
     torch_save_through,
 )
-from .preempt import PreemptionSave
+from .preempt import PreemptionSave, note_committed
 from .paths import (
     PREFIX_CHECKPOINT_DIR,
     check_save_on_each_node,
@@ -254,6 +254,7 @@ class TransactionalCheckpointMixin:
         committed = tx.path
         assert committed is not None
         self._txckpt_last_step = step
+        note_committed(self, step, committed)  # a preemption's save: its exit says what committed
         if committed != expected:
             if self.state.best_model_checkpoint == expected:
                 self.state.best_model_checkpoint = committed

@@ -47,19 +47,32 @@ class PreemptionSave:
         self._grace_s = grace_s
         self._callback = _SaveAndStop()
         self._installed_here = False
+        self._committed: str | None = None  # the preemption's step's checkpoint, once committed
         trainer.add_callback(self._callback)
 
     def begin(self) -> None:
         self._callback.step = None
+        self._committed = None
         if not preemption.installed():
             preemption.install(grace_s=self._grace_s)
             self._installed_here = True
+
+    def committed(self, step: int, path: str) -> None:
+        """The Trainer committed ``path`` (a synchronous save after its transaction; an async
+        one once the Trainer settled it): the preemption's own save, if it is that step, is
+        remembered for the exit's log line. ``preemption.exit`` reports only the async saves
+        still unreported when it runs, and the Trainer has settled (reported) its own by then."""
+        if self._callback.step is not None and step == self._callback.step:
+            self._committed = path
 
     def end(self, *, completed: bool) -> None:
         """After train(): a preempted run that saved exits (``preemption.exit``); otherwise the
         handlers this object installed are put back."""
         try:
             if completed and self._callback.step is not None:
+                if self._committed is not None:
+                    log.warning("txckpt: preemption (exit): committed %s (step %d)", self._committed,
+                                self._callback.step)
                 preemption.exit()  # raises SystemExit(128 + signum)
         finally:
             if self._installed_here:
@@ -67,4 +80,11 @@ class PreemptionSave:
                 preemption.uninstall()
 
 
-__all__ = ["PreemptionSave"]
+def note_committed(trainer: Any, step: int, path: str) -> None:
+    """The Trainer committed checkpoint ``step`` at ``path``: tell its PreemptionSave, if any."""
+    preempt = getattr(trainer, "_txckpt_preempt", None)
+    if preempt is not None:
+        preempt.committed(step, path)
+
+
+__all__ = ["PreemptionSave", "note_committed"]
