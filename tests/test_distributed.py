@@ -171,6 +171,19 @@ def test_ranks_disagreeing_on_the_step_fail_fast(tmp_path):
     assert txckpt.get_last_checkpoint(root) is None
 
 
+def test_two_ranks_writing_a_and_a_slash_b_get_a_typed_error(tmp_path):
+    """Rank 1 got a bare FileExistsError (issue 45 item 9); protocol §3 refuses the pair."""
+    root = str(tmp_path / "out")
+    run = launcher.launch(2, dw.nested_names, str(tmp_path / "res"), root=root, step=1,
+                          env={"TXCKPT_COORDINATION_TIMEOUT": "60"})
+    r0, r1 = run.results
+    assert r1.error_type == "FileNameConflictError", run.describe()
+    assert "'a' and 'a/b'" in r1.error and "written by two ranks" in r1.error and "Rename one" in r1.error
+    # Rank 0 gets the same typed error, naming the rank that found it (the cross-rank codec).
+    assert r0.error_type == "FileNameConflictError" and r0.error.startswith("rank 1: file names 'a' and 'a/b'")
+    assert txckpt.get_last_checkpoint(root, missing_ok=True) is None
+
+
 def test_ranks_without_a_shared_root_get_a_clear_error(tmp_path):
     """Node-local disks: each rank sees only its own directory at the root path."""
     roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]

@@ -128,6 +128,22 @@ def enter_mismatch(rank: int, world: int, *, root: str, step: int) -> Any:
     return txckpt.save_checkpoint(root, step + (rank == 1), payload(rank, step))
 
 
+def nested_names(rank: int, world: int, *, root: str, step: int) -> Any:
+    """Rank 0 writes 'a', then (after a barrier) rank 1 writes 'a/b' into the shared staging:
+    rank 1 finds rank 0's file where its directory must go (protocol §3 refuses the pair)."""
+    import torch.distributed as dist
+
+    import txckpt
+
+    with txckpt.transaction(root, step) as tx:
+        if rank == 0:
+            tx.save("a", b"rank 0")
+        dist.barrier()
+        if rank == 1:
+            tx.save("a/b", b"rank 1")
+    return tx.path
+
+
 @contextlib.contextmanager
 def spying_reads() -> Iterator[list[str]]:
     """Every path this process opens for reading (``open`` and ``os.open``) while inside."""
