@@ -1,0 +1,229 @@
+"""Issue 45 (items 1-3): an incremental save shares a committed file only once its bytes are known
+to match its manifest entry. A same-size write or a bit flip in a shared file, a truncation, a
+``torch.save`` over it: later saves of good state write the file instead of sharing the damaged
+one, commit, and verify; after a fallback the next restart resumes the newest checkpoint, not the
+old one. Local shares are clones where the file system can clone (an in-place write then
+changes one checkpoint only: tested on a real XFS image), else read-only hard links."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import txckpt
+from txckpt import incremental
+from txckpt.errors import IntegrityError
+
+MiB = 1 << 20
+FROZEN = {"w": torch.arange(3 * MiB // 4, dtype=torch.float32)}  # 3 MiB: past two prefix boundaries
+NAME = "frozen.safetensors"
+
+
+def files(step: int) -> dict:
+    return {NAME: FROZEN, "adapter.safetensors": {"a": torch.full((256,), float(step))},
+            "step.json": {"step": step}}
+
+
+def restart() -> None:
+    """What a new process knows: no root, no checked or damaged file (on b94973a: no root)."""
+    txckpt.forget_roots()
+    for cache in ("_CHECKED", "_DAMAGED", "_DISTRUSTED"):
+        getattr(incremental, cache, {}).clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_state():
+    restart()
+    yield
+    restart()
+
+
+def flip(path: str, offset: int = MiB + 4096) -> None:
+    """A same-size write in place (one bit), as `open("r+b")` or bit rot does it."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def damaged_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "does not match its manifest entry" in r.getMessage()]
+
+
+def full_then_incremental(root: str, steps=(2, 3, 4)) -> list[str]:
+    paths = [txckpt.save_checkpoint(root, 1, files(1))]
+    return paths + [txckpt.save_checkpoint(root, s, files(s), incremental=True) for s in steps]
+
+
+# ----- same-size damage: local, S3, DCP --------------------------------------------------------
+@pytest.mark.parametrize("restarted", [False, True], ids=["same process", "new process"])
+def test_a_same_size_write_into_a_shared_file_is_never_shared_into_later_checkpoints(root, restarted, caplog):
+    """The same process checked the file at steps 3 and 4, and sees its identity changed; a
+    new process has checked nothing and reads it once."""
+    caplog.set_level(logging.WARNING, logger="txckpt")
+    paths = full_then_incremental(root)
+    flip(os.path.join(paths[-1], NAME))  # checkpoints 2-4 hold these bytes
+    if restarted:
+        restart()
+    later = [txckpt.save_checkpoint(root, s, files(s), incremental=True) for s in (5, 6, 7)]
+    for p in later:
+        txckpt.verify_checkpoint(p)
+    warned = damaged_warnings(caplog)
+    assert len(warned) == 1 and "checkpoint step 4" in warned[0], warned  # once, naming the damaged checkpoint
+    # The good bytes written at step 5 are shared from then on.
+    assert len({os.stat(os.path.join(p, NAME)).st_ino for p in later}) == 1
+
+
+def test_after_a_fallback_new_checkpoints_are_whole_and_the_next_restart_resumes_the_newest(root, caplog):
+    """The issue's corpus shape: without the check every save after the fallback was born
+    damaged, and every restart fell back to step 1 again: all training after the fault lost."""
+    paths = full_then_incremental(root)
+    flip(os.path.join(paths[-1], NAME))
+    restart()
+    assert txckpt.resume(root, on_damaged="fallback") == paths[0]
+    saved = [txckpt.save_checkpoint(root, s, files(s), incremental=True) for s in (2, 3)]
+    for p in saved:
+        txckpt.verify_checkpoint(p)
+    restart()
+    assert txckpt.resume(root, on_damaged="fallback") == saved[-1]
+
+
+@pytest.mark.s3
+def test_a_same_size_overwrite_of_a_shared_object_is_never_copied_into_later_checkpoints(s3_root):
+    import fsspec
+
+    url, so = s3_root
+    txckpt.save_checkpoint(url, 1, files(1), storage_options=so)
+    three = [txckpt.save_checkpoint(url, s, files(s), storage_options=so, incremental=True) for s in (2, 3)][-1]
+    fs = fsspec.filesystem("s3", **so)
+    key = f"{three}/{NAME}"
+    data = bytearray(fs.cat_file(key))
+    data[MiB + 4096] ^= 1
+    fs.pipe_file(key, bytes(data))  # a new object of the same size (a tool that uploads over it)
+    with pytest.raises(IntegrityError):
+        txckpt.verify_checkpoint(three, storage_options=so)
+    for s in (4, 5):
+        txckpt.verify_checkpoint(txckpt.save_checkpoint(url, s, files(s), storage_options=so, incremental=True),
+                                 storage_options=so)
+
+
+def test_a_damaged_one_item_dcp_file_is_never_shared_into_later_checkpoints(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from txckpt.integrations.dcp import TransactionalWriter
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"base{i}": torch.randn(300_000, generator=g) for i in range(2)}  # 1.1 MiB each: a file each
+    root = str(tmp_path / "root")
+    paths = []
+    for step in (1, 2):
+        dcp.save(state, storage_writer=TransactionalWriter(root, step, incremental=True), no_dist=True)
+        paths.append(txckpt.get_last_checkpoint(root))
+    alone = sorted(n for n in txckpt.read_manifest(paths[1]).files
+                   if n.endswith(".distcp") and not n.endswith("_0.distcp"))
+    assert alone and os.stat(os.path.join(paths[1], alone[0])).st_ino == os.stat(os.path.join(paths[0], alone[0])).st_ino
+    flip(os.path.join(paths[1], alone[0]), offset=600_000)
+    for step in (3, 4):
+        dcp.save(state, storage_writer=TransactionalWriter(root, step, incremental=True), no_dist=True)
+        txckpt.verify_checkpoint(txckpt.get_last_checkpoint(root))
+
+
+# ----- size-changing damage --------------------------------------------------------------------
+def _truncate(path: str) -> None:
+    os.truncate(path, 1000)
+
+
+def _torch_save_over(path: str) -> None:
+    torch.save({"something": "else"}, path)  # opens the name for writing: the same inode, truncated
+
+
+def _append(path: str) -> None:
+    with open(path, "ab") as f:
+        f.write(b"tail")
+
+
+@pytest.mark.parametrize("damage", [_truncate, _torch_save_over, _append], ids=["truncate", "torch.save", "append"])
+def test_a_size_changing_write_into_a_shared_file_does_not_block_later_saves(root, damage, caplog):
+    caplog.set_level(logging.WARNING, logger="txckpt")
+    paths = full_then_incremental(root)
+    damage(os.path.join(paths[-1], NAME))
+    for s in (5, 6):
+        txckpt.verify_checkpoint(txckpt.save_checkpoint(root, s, files(s), incremental=True))
+    assert len(damaged_warnings(caplog)) == 1, damaged_warnings(caplog)
+
+
+def test_files_written_into_tx_directory_are_never_replaced_by_a_damaged_share(root):
+    """A Trainer writes its files into tx.directory; the save then replaces each one equal to a
+    committed file by a share of it. Through a damaged source that swapped the good file
+    written for the damaged inode."""
+    blob = os.urandom(2 * MiB)
+
+    def save(step: int) -> str:
+        with txckpt.transaction(root, step, incremental=True) as tx:
+            with open(os.path.join(tx.directory, "tokenizer.json"), "wb") as f:
+                f.write(blob)
+        return txckpt.get_last_checkpoint(root)
+
+    paths = [save(s) for s in (1, 2, 3)]
+    flip(os.path.join(paths[-1], "tokenizer.json"))
+    txckpt.verify_checkpoint(save(4))
+
+
+# ----- what a shared file is on the disk -------------------------------------------------------
+def test_a_hard_linked_shared_file_is_read_only(root):
+    """Where the file system cannot clone (ext4, tmpfs), a shared file is a hard link, and its
+    inode loses its write bits: an ordinary tool run by a user other than root gets EACCES
+    instead of changing every checkpoint that holds it."""
+    paths = full_then_incremental(root, steps=(2, 3))
+    shared = os.path.join(paths[-1], NAME)
+    if os.stat(shared).st_nlink == 1:
+        pytest.skip("this file system clones: a shared file is a file of its own")
+    assert os.stat(shared).st_nlink == 2
+    assert os.stat(shared).st_mode & 0o222 == 0
+    assert os.stat(os.path.join(paths[-1], "adapter.safetensors")).st_mode & 0o200  # written, not shared
+
+
+def _mount_xfs(tmp_path) -> str:
+    """A fresh XFS file system (reflink on, the mkfs default) loop-mounted at tmp_path/xfs."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting an XFS image needs root")
+    if shutil.which("mkfs.xfs") is None:
+        pytest.skip("mkfs.xfs is not installed (apt-get install xfsprogs)")
+    image, mnt = str(tmp_path / "xfs.img"), str(tmp_path / "xfs")
+    with open(image, "wb") as f:
+        f.truncate(512 * MiB)  # sparse: XFS wants 300 MiB at least
+    os.mkdir(mnt)
+    made = subprocess.run(["mkfs.xfs", "-q", "-m", "reflink=1", image], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"mkfs.xfs failed: {made.stderr.strip()}")
+    mounted = subprocess.run(["mount", "-o", "loop", image, mnt], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot loop-mount an XFS image here: {mounted.stderr.strip()}")
+    return mnt
+
+
+@pytest.mark.process
+def test_on_a_file_system_that_clones_an_in_place_write_damages_one_checkpoint_only(tmp_path):
+    mnt = _mount_xfs(tmp_path)
+    try:
+        root = os.path.join(mnt, "out")
+        paths = full_then_incremental(root)
+        inodes = {os.stat(os.path.join(p, NAME)).st_ino for p in paths[1:]}
+        assert len(inodes) == 3  # clones: a file of its own each
+        flip(os.path.join(paths[2], NAME))
+        with pytest.raises(IntegrityError):
+            txckpt.verify_checkpoint(paths[2])
+        for p in (paths[1], paths[3]):
+            txckpt.verify_checkpoint(p)
+        txckpt.verify_checkpoint(txckpt.save_checkpoint(root, 5, files(5), incremental=True))
+        restart()
+        assert txckpt.resume(root, on_damaged="fallback") == txckpt.get_last_checkpoint(root)
+    finally:
+        restart()
+        subprocess.run(["umount", mnt], check=True)
