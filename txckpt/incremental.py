@@ -14,7 +14,8 @@ docs/incremental.md is the user's page; protocol.md §3 (``prefixes``) and §8a 
    is pending.
 2. :meth:`Sharing.place`, at the rank's end of the transaction, after every writer of the
    staging directory is done: each pending file is made at its staging key by the storage's
-   ``share_file`` (a hard link on local disks, a server-side copy on object stores), or, where
+   ``share_file`` (a clone or a read-only hard link on local disks, a server-side copy on
+   object stores), once :meth:`Sharing.trusted` holds for it again, or, where
    the storage cannot, copied through this process and checked against the source's checksum.
    Placing late means no code writing into ``tx.directory`` can open a shared (hard-linked)
    file for writing: a name it wrote as well makes the placement fail, like any name written

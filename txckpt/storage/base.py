@@ -289,9 +289,10 @@ class Storage(abc.ABC):
         on False it is left as it was.
 
         Contract: afterwards ``dst`` is a file of its own: deleting either key never deletes the
-        other's bytes, so retention and gc need no reference counts. Local disks make a hard
-        link (the two names share one inode: committed files are never written again); object
-        stores a server-side copy. The bytes are as durable as ``src``'s; the caller makes the
+        other's bytes, so retention and gc need no reference counts. Local disks make a clone
+        where the file system can (copy-on-write: a later write into either name changes that
+        file only), else a hard link whose inode they make read-only (the two names share one
+        inode: txckpt never writes a committed file again); object stores a server-side copy. The bytes are as durable as ``src``'s; the caller makes the
         directory entry durable with ``sync_dir``, as for a written file. This default cannot."""
         return False
 
