@@ -227,3 +227,26 @@ def test_on_a_file_system_that_clones_an_in_place_write_damages_one_checkpoint_o
     finally:
         restart()
         subprocess.run(["umount", mnt], check=True)
+
+
+# ----- what the check costs ---------------------------------------------------------------------
+def test_a_shared_file_is_read_at_most_once_per_process(root, monkeypatch):
+    """The process that wrote a file hashed it as it wrote it: it shares it without reading it
+    back. A new process reads each shared inode once, then trusts its unchanged identity, until
+    RECHECK_EVERY shares have passed."""
+    reads: list[str] = []
+    hash_stored = incremental._hash_stored
+    monkeypatch.setattr(incremental, "_hash_stored",
+                        lambda storage, key, size: (reads.append(key.rsplit("/", 1)[-1]), hash_stored(storage, key, size))[1])
+    full_then_incremental(root, steps=(2, 3, 4, 5))
+    assert reads == []
+    restart()
+    for s in (6, 7, 8):
+        txckpt.save_checkpoint(root, s, files(s), incremental=True)
+    assert reads == [NAME], reads  # the frozen base: the one file unchanged since step 2
+    monkeypatch.setattr(incremental, "RECHECK_EVERY", 2)
+    restart()
+    reads.clear()
+    for s in (9, 10, 11, 12, 13):
+        txckpt.save_checkpoint(root, s, files(s), incremental=True)
+    assert reads == [NAME] * 2, reads  # read at step 9, trusted at 10 and 11, read again at 12

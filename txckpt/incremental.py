@@ -145,11 +145,13 @@ def _manifest(root: Root, c: Checkpoint) -> Manifest | None:
     return manifest
 
 
-def _remember(where: str, identity: Hashable | None, entry: FileEntry, left: int = RECHECK_EVERY) -> None:
+def _remember(where: str, identity: Hashable | None, entry: FileEntry, left: int | None = None) -> None:
+    """This process knows the file of ``identity`` holds ``entry``'s bytes, for ``left`` more
+    shares (RECHECK_EVERY: it has just read or written them)."""
     if identity is None:
         return
     with _CHECK_LOCK:
-        _CHECKED[(where, identity)] = [(entry.size, entry.checksum), left]
+        _CHECKED[(where, identity)] = [(entry.size, entry.checksum), RECHECK_EVERY if left is None else left]
         _CHECKED.move_to_end((where, identity))
         while len(_CHECKED) > _CHECKED_KEPT:
             _CHECKED.popitem(last=False)
@@ -399,15 +401,27 @@ class Sharing:
         except FileNotFoundError:  # pragma: no cover - leased, and dst is this save's
             return
         with _CHECK_LOCK:
-            left = _CHECKED.pop((storage.identity(), before), [None, RECHECK_EVERY])[1]
+            left = _CHECKED.pop((storage.identity(), before), [None, None])[1]
         for identity in {after, copy} - {None}:
             _remember(storage.identity(), identity, entry, left)
         if after is not None:
             self._identities[src] = after
 
-    def place(self, staging_key: str, durable: bool) -> None:
-        """Make every pending share a file of the staging directory (module doc, step 2)."""
+    def place(self, staging_key: str, durable: bool, written: dict[str, Any] | None = None) -> None:
+        """Make every pending share a file of the staging directory (module doc, step 2).
+        ``written``: name -> manifest entry (JSON) of the files this rank wrote and hashed as
+        it wrote them; on a local disk their identities are remembered as checked, so the next
+        save of this process shares them without reading them back."""
         storage = self._root.storage
+        # A stat there; a request per file on an object store, where a file's first share reads
+        # it once instead.
+        for name, entry in sorted((written or {}).items()):
+            if name not in self.pending and storage.local_path(staging_key) is not None:
+                try:
+                    _remember(storage.identity(), storage.file_identity(f"{staging_key}/{name}"),
+                              FileEntry.from_json(name, entry))
+                except (OSError, ManifestError):  # not the caller's to fail: read when first shared
+                    pass
         for name, source in sorted(self.pending.items()):
             home = self._root.publication.locate(source.ref)
             if home is None:  # pragma: no cover - the lease keeps it
