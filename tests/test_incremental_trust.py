@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -210,23 +211,75 @@ def _mount_xfs(tmp_path) -> str:
 
 @pytest.mark.process
 def test_on_a_file_system_that_clones_an_in_place_write_damages_one_checkpoint_only(tmp_path):
+    """On XFS a shared file is a clone: the stock tools that write in place (open r+b,
+    torch.save over the file, cp over it) each damage the checkpoint they write into, and no
+    other; the next save is whole and the next restart resumes it."""
     mnt = _mount_xfs(tmp_path)
     try:
         root = os.path.join(mnt, "out")
-        paths = full_then_incremental(root)
+        paths = full_then_incremental(root, steps=(2, 3, 4, 5, 6))
         inodes = {os.stat(os.path.join(p, NAME)).st_ino for p in paths[1:]}
-        assert len(inodes) == 3  # clones: a file of its own each
+        assert len(inodes) == 5  # clones: a file of its own each
+        other = str(tmp_path / "other")
+        with open(other, "wb") as f:
+            f.write(os.urandom(os.path.getsize(os.path.join(paths[1], NAME))))
         flip(os.path.join(paths[2], NAME))
-        with pytest.raises(IntegrityError):
-            txckpt.verify_checkpoint(paths[2])
-        for p in (paths[1], paths[3]):
+        _torch_save_over(os.path.join(paths[3], NAME))
+        subprocess.run(["cp", other, os.path.join(paths[4], NAME)], check=True)
+        for p in paths[2:5]:
+            with pytest.raises(IntegrityError):
+                txckpt.verify_checkpoint(p)
+        for p in (paths[0], paths[1], paths[5]):
             txckpt.verify_checkpoint(p)
-        txckpt.verify_checkpoint(txckpt.save_checkpoint(root, 5, files(5), incremental=True))
+        txckpt.verify_checkpoint(txckpt.save_checkpoint(root, 7, files(7), incremental=True))
         restart()
         assert txckpt.resume(root, on_damaged="fallback") == txckpt.get_last_checkpoint(root)
     finally:
         restart()
         subprocess.run(["umount", mnt], check=True)
+
+
+STOCK_WRITES = r"""
+import os, subprocess, sys, torch, txckpt
+root = sys.argv[1]
+base = {"w": torch.arange(3 << 18, dtype=torch.float32)}
+paths = [txckpt.save_checkpoint(root, s, {"frozen.safetensors": base, "step.json": {"step": s}},
+                                incremental=True) for s in (1, 2, 3)]
+target = os.path.join(paths[-1], "frozen.safetensors")
+print("LINKS", os.stat(target).st_nlink)
+refused = []
+for name, write in [("torch.save", lambda: torch.save({"x": 1}, target)),
+                    ("open r+b", lambda: open(target, "r+b").close()),
+                    ("truncate", lambda: os.truncate(target, 10))]:
+    try:
+        write()
+    except (PermissionError, RuntimeError) as e:  # torch.save's C++ writer: RuntimeError "... Permission denied"
+        if isinstance(e, PermissionError) or "Permission denied" in str(e):
+            refused.append(name)
+if subprocess.run(["cp", "/dev/null", target], capture_output=True).returncode != 0:
+    refused.append("cp")
+for p in paths:
+    txckpt.verify_checkpoint(p)
+print("REFUSED", ",".join(refused))
+"""
+
+
+def test_a_user_but_root_cannot_write_into_a_hard_linked_shared_file(tmp_path):
+    """On ext4/tmpfs (hard links) a shared inode is read-only: the stock calls that write in
+    place fail with EACCES for an ordinary user, and every checkpoint stays whole. Run as root
+    here, the child drops root's permission override (CAP_DAC_OVERRIDE) to be such a user."""
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("setpriv (util-linux) is needed to drop root's permission override")
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner"]
+    root = str(tmp_path / "out")
+    out = subprocess.run(prefix + [sys.executable, "-c", STOCK_WRITES, root], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(txckpt.__file__))})
+    if "LINKS 1\n" in out.stdout:  # pragma: no cover - a file system that clones
+        pytest.skip("this file system clones: shared files are files of their own")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("REFUSED ", 1)[1].strip() == "torch.save,open r+b,truncate,cp", out.stdout
 
 
 # ----- what the check costs ---------------------------------------------------------------------
