@@ -303,3 +303,23 @@ def test_a_shared_file_is_read_at_most_once_per_process(root, monkeypatch):
     for s in (9, 10, 11, 12, 13):
         txckpt.save_checkpoint(root, s, files(s), incremental=True)
     assert reads == [NAME] * 2, reads  # read at step 9, trusted at 10 and 11, read again at 12
+
+
+def test_a_checkpoint_a_load_found_damaged_is_never_shared_from(root, monkeypatch):
+    """Bit rot changes no file's identity: a process that checked the file before trusts it.
+    A load that finds the checkpoint damaged tells the process's later saves not to share
+    from it. (Identities here leave out mtime and ctime, as a bit flip on the medium would.)"""
+    from txckpt.storage.local import LocalStorage
+
+    def rot_blind(self, key):
+        st = os.lstat(self._p(key))
+        return (st.st_dev, st.st_ino, st.st_size)
+
+    monkeypatch.setattr(LocalStorage, "file_identity", rot_blind, raising=False)
+    monkeypatch.setattr(LocalStorage, "identity_after_share", lambda self, key, before: rot_blind(self, key),
+                        raising=False)
+    paths = full_then_incremental(root, steps=(2, 3))
+    flip(os.path.join(paths[-1], NAME))
+    with pytest.raises(IntegrityError):
+        txckpt.load_checkpoint(paths[-1])
+    txckpt.verify_checkpoint(txckpt.save_checkpoint(root, 4, files(4), incremental=True))

@@ -106,10 +106,10 @@ def _fall_back(root: Root, tip: Ref, first: IntegrityError, verify: Verify) -> s
             continue
         # An incremental save after this fork must not share their files: each new checkpoint
         # would be born damaged, and the next restart would fall back here again.
-        distrust(root, [d["txid"] for d in damaged])
+        distrust(root, [d["txid"] for d in damaged], [d["path"] for d in damaged])
         fork(root, c.ref, history, reason="fork", damaged=damaged)
         return used
-    distrust(root, [d["txid"] for d in damaged])
+    distrust(root, [d["txid"] for d in damaged], [d["path"] for d in damaged])
     listing = "; ".join(f"step {d['step']} (txid {d['txid']}): {d['path']}" for d in damaged)
     raise NoIntactCheckpointError(
         f"no checkpoint of the current lineage of {root.url} verifies, so there is nothing to fall "

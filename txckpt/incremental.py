@@ -99,11 +99,24 @@ _DISTRUSTED: set[tuple[str, str]] = set()
 _CHECK_LOCK = threading.Lock()
 
 
-def distrust(root: Root, txids: Sequence[str]) -> None:
-    """Never share a file of these checkpoints of ``root`` again in this process (a fallback
-    found them damaged: txckpt.fallback)."""
+def distrust(root: Root, txids: Sequence[str], paths: Sequence[str | None] = ()) -> None:
+    """Never share a file of these checkpoints of ``root`` again in this process, nor the
+    damaged files at ``paths`` (full paths) under any other checkpoint's name (a hard link is
+    one inode): a fallback or a load found them damaged (txckpt.fallback, txckpt.reader)."""
+    storage, where = root.storage, root.storage.identity()
+    damaged = []
+    for path in paths:
+        key = storage.key_of(path) if path else None
+        try:
+            damaged.append(storage.file_identity(key) if key is not None else None)
+        except OSError:  # gone, or unreadable: nothing of it to share anyway
+            pass
     with _CHECK_LOCK:
-        _DISTRUSTED.update((root.storage.identity(), txid) for txid in txids)
+        _DISTRUSTED.update((where, txid) for txid in txids)
+        for identity in damaged:
+            if identity is not None:
+                _DAMAGED.add((where, identity))
+                _CHECKED.pop((where, identity), None)
 
 
 def committed_files(root: Root, depth: int = DEPTH) -> list[Source]:
