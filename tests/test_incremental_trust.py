@@ -323,3 +323,18 @@ def test_a_checkpoint_a_load_found_damaged_is_never_shared_from(root, monkeypatc
     with pytest.raises(IntegrityError):
         txckpt.load_checkpoint(paths[-1])
     txckpt.verify_checkpoint(txckpt.save_checkpoint(root, 4, files(4), incremental=True))
+
+
+def test_a_source_written_over_while_the_save_runs_fails_that_save_only(root):
+    """The share is decided at tx.save and placed at the rank's end: a source written into in
+    between (its identity moved, its bytes changed) fails the save with IntegrityError naming
+    it, committing nothing; the next save writes the file and commits."""
+    paths = full_then_incremental(root, steps=(2, 3))
+    with pytest.raises(IntegrityError, match="changed while it saved") as raised:
+        with txckpt.transaction(root, 4, incremental=True) as tx:
+            for name, obj in files(4).items():
+                tx.save(name, obj)
+            flip(os.path.join(paths[-1], NAME))
+    assert raised.value.path == os.path.join(paths[-1], NAME)
+    assert txckpt.get_last_checkpoint(root) == paths[-1]
+    txckpt.verify_checkpoint(txckpt.save_checkpoint(root, 4, files(4), incremental=True))
