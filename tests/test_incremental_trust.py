@@ -338,3 +338,23 @@ def test_a_source_written_over_while_the_save_runs_fails_that_save_only(root):
     assert raised.value.path == os.path.join(paths[-1], NAME)
     assert txckpt.get_last_checkpoint(root) == paths[-1]
     txckpt.verify_checkpoint(txckpt.save_checkpoint(root, 4, files(4), incremental=True))
+
+
+def test_a_dcp_rank_shares_the_files_it_wrote_without_reading_them_back(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from txckpt.integrations.dcp import TransactionalWriter
+
+    reads: list[str] = []
+    hash_stored = incremental._hash_stored
+    monkeypatch.setattr(incremental, "_hash_stored",
+                        lambda storage, key, size: (reads.append(key), hash_stored(storage, key, size))[1])
+    g = torch.Generator().manual_seed(0)
+    state = {f"base{i}": torch.randn(300_000, generator=g) for i in range(2)}
+    root = str(tmp_path / "root")
+    for step in (1, 2, 3):
+        dcp.save(state, storage_writer=TransactionalWriter(root, step, incremental=True), no_dist=True)
+    assert reads == []
+    restart()
+    dcp.save(state, storage_writer=TransactionalWriter(root, 4, incremental=True), no_dist=True)
+    assert len(reads) == 2, reads  # a new process: each shared tensor file once

@@ -397,10 +397,13 @@ class IncrementalShards:
         key = keying.hasher.hexdigest() if key_writes == 1 and keying.hasher is not None else _digest(keying.tensor, None)
         self.keys[name] = [key, keying.prefix]
 
-    def place(self, staging_key: str, durable: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    def place(self, staging_key: str, durable: bool,
+              written: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """Make every shared file a file of the staging (after this rank's writes are done):
-        their manifest entries and txckpt ranges (one range: the whole file)."""
-        self._sharing.place(staging_key, durable)
+        their manifest entries and txckpt ranges (one range: the whole file). ``written``: the
+        entries of the files this rank wrote, trusted by the next save without a read back
+        (incremental.Sharing.place)."""
+        self._sharing.place(staging_key, durable, written)
         files, ranges = {}, {}
         for name, source in self._sharing.pending.items():
             e = source.entry
