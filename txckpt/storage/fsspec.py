@@ -139,6 +139,10 @@ class FsspecStorage(Storage):
         tag = next((info[f] for f in ("generation", "ETag", "etag") if info.get(f)), None)
         return None if tag is None else (self._p(key), str(tag), info.get("size"))
 
+    def identity_after_share(self, key: str, before: Hashable) -> Hashable | None:
+        # A server-side copy reads its source and changes nothing of it: no second HEAD.
+        return before
+
     # ----- reading -----------------------------------------------------------------------------
     def read_bytes(self, key: str) -> bytes:
         self._fresh(key)
