@@ -10,8 +10,10 @@ serialization settings that write it. :func:`tensor_key` hashes exactly those (x
 from the tensor's memory: no serialization, no second pass), and the coordinator records the key
 of every such file in ``txckpt-dcp-items.json``. The next incremental save computes each large
 item's key and, where one of the root's newest committed checkpoints (``incremental.DEPTH``, any
-lineage) holds a file of that key, shares that file (``Storage.share_file``: a hard link on a
-local disk, a server-side copy on an object store) instead of writing it: its DCP WriteResult
+lineage) holds a file of that key, shares that file (``Storage.share_file``: a clone or a read-only
+hard link on a local disk, a server-side copy on an object store) instead of writing it, once
+its bytes are known to match its manifest entry (``incremental.Sharing.lease`` checks them:
+read once per process, then trusted by the file's identity): its DCP WriteResult
 (offset 0, the file's length) and its txckpt range (the whole file, its manifest digest) are
 known without a byte serialized.
 
