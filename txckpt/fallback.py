@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .commit import claim, fork
 from .errors import IntegrityError, InvalidArgumentError, LookupRaceError, NoIntactCheckpointError
+from .incremental import distrust
 from .layout import home_key
 from .publication import LOOKUP_ATTEMPTS, Root
 from .refs import Ref, same_ref
@@ -103,8 +104,12 @@ def _fall_back(root: Root, tip: Ref, first: IntegrityError, verify: Verify) -> s
         except IntegrityError as e:
             damaged.append(_record(c.step, c.txid, e))
             continue
+        # An incremental save after this fork must not share their files: each new checkpoint
+        # would be born damaged, and the next restart would fall back here again.
+        distrust(root, [d["txid"] for d in damaged], [d["path"] for d in damaged])
         fork(root, c.ref, history, reason="fork", damaged=damaged)
         return used
+    distrust(root, [d["txid"] for d in damaged], [d["path"] for d in damaged])
     listing = "; ".join(f"step {d['step']} (txid {d['txid']}): {d['path']}" for d in damaged)
     raise NoIntactCheckpointError(
         f"no checkpoint of the current lineage of {root.url} verifies, so there is nothing to fall "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import queue
@@ -521,3 +522,55 @@ def lies_within(path: str, root: str) -> bool:
     paths: symlinks on the way of either are resolved."""
     real, root_real = os.path.realpath(path), os.path.realpath(root)
     return real == root_real or real.startswith(root_real.rstrip(os.sep) + os.sep)
+
+
+#: ioctl(2) FICLONE: make the open destination a copy-on-write clone of the open source (XFS,
+#: btrfs, bcachefs, OpenZFS block cloning). Not copy_file_range(2), which may copy the bytes.
+FICLONE = 0x40049409
+
+# Devices whose file system refused a clone: one refused ioctl per device and process, not one
+# per shared file.
+_CANNOT_CLONE: set[int] = set()
+
+
+def clone_file(source: str, target: str) -> bool:
+    """Make the new file ``target`` a clone of ``source`` (a file of its own, sharing the
+    source's blocks until either is written), durable when this returns; False, ``target``
+    not made, where the file system cannot clone."""
+    device = os.stat(source).st_dev
+    if device in _CANNOT_CLONE:
+        return False
+    src_fd = open_regular(source)
+    try:
+        dst_fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.ioctl(dst_fd, FICLONE, src_fd)
+            os.fsync(dst_fd)  # the clone's extent map: its bytes are the source's, durable already
+        except OSError as e:
+            os.close(dst_fd)
+            dst_fd = -1
+            os.unlink(target)
+            if e.errno == errno.EXDEV:  # two file systems: no clone for this pair only
+                return False
+            if e.errno in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOTTY, errno.EINVAL, errno.EPERM, errno.ENOSYS):
+                _CANNOT_CLONE.add(device)
+                return False
+            raise
+        finally:
+            if dst_fd >= 0:
+                os.close(dst_fd)
+    finally:
+        os.close(src_fd)
+    return True
+
+
+def make_read_only(path: str) -> None:
+    """Drop the write bits of a hard-linked shared file's inode, so that an ordinary tool that
+    opens one checkpoint's name for writing fails instead of changing every checkpoint holding
+    it (root ignores the mode: docs/incremental.md)."""
+    try:
+        mode = os.lstat(path).st_mode
+        if mode & 0o222:
+            os.chmod(path, stat.S_IMODE(mode) & ~0o222)  # a link this process just made: a regular file
+    except PermissionError:  # another user's file: it stays as it was
+        pass

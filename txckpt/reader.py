@@ -31,6 +31,7 @@ from .errors import (
     ManifestError,
     NotACheckpointError,
 )
+from .incremental import distrust
 from .layout import LOG_DIR, TX_DIR, is_url, parse_checkpoint_name
 from .lineage import State
 from .manifest import MANIFEST_NAME, Manifest, read_manifest_at
@@ -305,6 +306,10 @@ def read_checked(path: str | os.PathLike, storage_options: Mapping[str, Any] | N
                 continue
             moved = ctx.moved_to(txid, key) if ctx is not None else None
             if ctx is None or moved is None or moved in tried:
+                if ctx is not None and txid is not None and isinstance(e, IntegrityError):
+                    # Damaged where it is, not moved: no incremental save of this process
+                    # shares its files (a bit flip that changed no file's identity included).
+                    distrust(ctx.root, [txid], [e.path])
                 if ctx is not None and txid is None and isinstance(e, CheckpointNotFoundError):
                     # Nothing there: if retention retired what was, say so (not "no checkpoint").
                     raise retired_error_at(ctx.root, ctx.root.history(), key, path) or e

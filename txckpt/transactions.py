@@ -454,7 +454,7 @@ class Transaction:
                 files.update(hash_claimed(self._root.storage, self.staging_key, self._claims, set(files),
                                           self._root.durable, self.rank, sharing.relink if sharing is not None else None))
             if sharing is not None:  # no code writes into the staging any more
-                sharing.place(self.staging_key, self._root.durable)
+                sharing.place(self.staging_key, self._root.durable, files)
             record = None
             try:
                 if not self._alone:  # this rank's part (protocol §3a), durable with its files in one wait

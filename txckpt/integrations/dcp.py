@@ -244,7 +244,7 @@ class TransactionalWriter(StorageWriter):
                                         False, 1, SerializationFormat.TORCH_SAVE)
             batch.wait()  # every upload is complete before the report leaves this rank
             if shards is not None:  # after this rank's writes: a shared name is never opened for writing
-                shared_files, shared_ranges = shards.place(a.key, a.durable)
+                shared_files, shared_ranges = shards.place(a.key, a.durable, files)
                 files.update(shared_files)
                 ranges.update(shared_ranges)
                 results += shards.results

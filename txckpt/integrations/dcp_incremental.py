@@ -10,8 +10,10 @@ serialization settings that write it. :func:`tensor_key` hashes exactly those (x
 from the tensor's memory: no serialization, no second pass), and the coordinator records the key
 of every such file in ``txckpt-dcp-items.json``. The next incremental save computes each large
 item's key and, where one of the root's newest committed checkpoints (``incremental.DEPTH``, any
-lineage) holds a file of that key, shares that file (``Storage.share_file``: a hard link on a
-local disk, a server-side copy on an object store) instead of writing it: its DCP WriteResult
+lineage) holds a file of that key, shares that file (``Storage.share_file``: a clone or a read-only
+hard link on a local disk, a server-side copy on an object store) instead of writing it, once
+its bytes are known to match its manifest entry (``incremental.Sharing.lease`` checks them:
+read once per process, then trusted by the file's identity): its DCP WriteResult
 (offset 0, the file's length) and its txckpt range (the whole file, its manifest digest) are
 known without a byte serialized.
 
@@ -397,10 +399,13 @@ class IncrementalShards:
         key = keying.hasher.hexdigest() if key_writes == 1 and keying.hasher is not None else _digest(keying.tensor, None)
         self.keys[name] = [key, keying.prefix]
 
-    def place(self, staging_key: str, durable: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    def place(self, staging_key: str, durable: bool,
+              written: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """Make every shared file a file of the staging (after this rank's writes are done):
-        their manifest entries and txckpt ranges (one range: the whole file)."""
-        self._sharing.place(staging_key, durable)
+        their manifest entries and txckpt ranges (one range: the whole file). ``written``: the
+        entries of the files this rank wrote, trusted by the next save without a read back
+        (incremental.Sharing.place)."""
+        self._sharing.place(staging_key, durable, written)
         files, ranges = {}, {}
         for name, source in self._sharing.pending.items():
             e = source.entry

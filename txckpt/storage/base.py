@@ -291,11 +291,31 @@ class Storage(abc.ABC):
         on False it is left as it was.
 
         Contract: afterwards ``dst`` is a file of its own: deleting either key never deletes the
-        other's bytes, so retention and gc need no reference counts. Local disks make a hard
-        link (the two names share one inode: committed files are never written again); object
-        stores a server-side copy. The bytes are as durable as ``src``'s; the caller makes the
+        other's bytes, so retention and gc need no reference counts. Local disks make a clone
+        where the file system can (copy-on-write: a later write into either name changes that
+        file only), else a hard link whose inode they make read-only (the two names share one
+        inode: txckpt never writes a committed file again); object stores a server-side copy. The bytes are as durable as ``src``'s; the caller makes the
         directory entry durable with ``sync_dir``, as for a written file. This default cannot."""
         return False
+
+    def file_identity(self, key: str) -> Hashable | None:
+        """What changes whenever the bytes at ``key`` may have changed, read fresh: an
+        incremental save trusts a committed file it has hashed once while this stays the same
+        (docs/incremental.md, *What is checked*). Local disks give the inode with its size,
+        mtime and ctime (an in-place write moves mtime and ctime; a ``touch`` back or an
+        ``rsync --inplace`` that restores mtime still moves ctime; a rename over the name gives
+        another inode); object stores the object's ETag or generation (a new upload gives a new
+        one). Raises FileNotFoundError if ``key`` is missing. This default has none: None, and
+        the caller hashes the file each time it relies on it."""
+        return None
+
+    def identity_after_share(self, key: str, before: Hashable) -> Hashable | None:
+        """The identity of ``key`` after this process shared it (``share_file`` with ``key``
+        as the source), given the identity ``before`` it had when checked: the share itself may
+        move it (a hard link and the chmod to 0444 change the inode's ctime). None if the bytes
+        may have changed since (the caller then checks them again before it trusts them)."""
+        now = self.file_identity(key)
+        return now if now == before else None
 
     # ----- reading -----------------------------------------------------------------------------
     @abc.abstractmethod

@@ -19,7 +19,7 @@ cache, because another process may have written since (see docs/remote.md).
 
 from __future__ import annotations
 
-from typing import Any, BinaryIO, Iterator, Sequence
+from typing import Any, BinaryIO, Hashable, Iterator, Sequence
 
 from ..checksum import AbortOnError
 from .base import Storage
@@ -130,6 +130,18 @@ class FsspecStorage(Storage):
         self.fs.copy(self._p(src), self._p(dst))
         self._fresh(dst)
         return True
+
+    def file_identity(self, key: str) -> Hashable | None:
+        # A fresh HEAD (s3fs, adlfs: the ETag; gcsfs: the generation); the key is part of it, as
+        # an object store has no inode two names share. None where the backend reports neither.
+        self._fresh(key)
+        info = self.fs.info(self._p(key))
+        tag = next((info[f] for f in ("generation", "ETag", "etag") if info.get(f)), None)
+        return None if tag is None else (self._p(key), str(tag), info.get("size"))
+
+    def identity_after_share(self, key: str, before: Hashable) -> Hashable | None:
+        # A server-side copy reads its source and changes nothing of it: no second HEAD.
+        return before
 
     # ----- reading -----------------------------------------------------------------------------
     def read_bytes(self, key: str) -> bytes:

@@ -17,8 +17,10 @@ from ..errors import TempFileRemovedError
 # stay importable from here for the callers above storage/.
 from ..fileio import (
     SYNC_FILE_RANGE_WRITE,
+    clone_file,
     fsync_dir,
     lies_within,
+    make_read_only,
     makedirs_durable,
     open_regular,
     open_regular_file,
@@ -338,18 +340,22 @@ class LocalStorage(Storage):
         if not stat.S_ISREG(os.lstat(source).st_mode):
             return False  # only a regular file's inode is shared; the caller copies and checks the rest
         _ensure_dir(os.path.dirname(path), True)
-        # replace: the link is made under a temp name and renamed over the written file, so
-        # ``dst`` is never missing and a failed link leaves it as it was.
+        # replace: the share is made under a temp name and renamed over the written file, so
+        # ``dst`` is never missing and a failed share leaves it as it was.
         target = os.path.join(os.path.dirname(path), temp_name(os.path.basename(path), hidden=True)) \
             if replace else path
-        try:
-            os.link(source, target, follow_symlinks=False)
-        except OSError as e:
-            # A file system without hard links (some network and FUSE mounts), or the source's
-            # link count at its limit: the caller writes the bytes instead.
-            if e.errno in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
-                return False
-            raise
+        # A clone first (copy-on-write: a later in-place write into either name changes that
+        # file only); a hard link where the file system cannot clone.
+        if not clone_file(source, target):
+            try:
+                os.link(source, target, follow_symlinks=False)
+            except OSError as e:
+                # A file system without hard links (some network and FUSE mounts), or the
+                # source's link count at its limit: the caller writes the bytes instead.
+                if e.errno in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                    return False
+                raise
+            make_read_only(target)
         if replace:
             try:
                 os.replace(target, path)
@@ -357,6 +363,17 @@ class LocalStorage(Storage):
                 os.unlink(target)
                 raise
         return True
+
+    def file_identity(self, key: str) -> tuple[int, int, int, int, int]:
+        st = os.lstat(self._p(key))
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def identity_after_share(self, key: str, before: Hashable) -> Hashable | None:
+        # A hard link and the chmod to read-only move the inode's ctime, nothing else; a write
+        # moves mtime as well (one that sets mtime back in the instant between the share and
+        # this stat is the one change this cannot see).
+        now = self.file_identity(key)
+        return now if isinstance(before, tuple) and now[:4] == before[:4] else None
 
     def create_exclusive(self, key: str, data: bytes, *, durable: bool) -> None:
         path = self._p(key)
