@@ -1,0 +1,171 @@
+"""Tiered roots never resume older than their durable tier (issue 45 items 4-7, docs/tiered.md):
+a job requeued A -> B -> A over node-local fast directories resumes B's newest checkpoint (or
+follows B's rollback, with a warning), and nothing is ever committed on a stale fast tier; a
+rollback on a new node forks from a durable-only step; the README idiom
+``load_checkpoint(get_last_checkpoint(root))`` reads a tiered root's paths (repairs, new nodes)
+and a remote root's paths (their storage options); an outage of the durable tier degrades
+``pending()``, ``apply_retention()`` and the lag bound, and stops no save.
+"Nodes" are separate fast directories of one process (every root object forgotten between them)."""
+import logging
+import os
+import pickle
+
+import pytest
+import torch
+
+import txckpt
+from txckpt.errors import ReplicationError, StepConflictError
+from txckpt.root import forget_roots
+from txckpt.tiered import TieredRoot
+
+
+def files(step: int, tag: int | None = None):
+    return {"model.safetensors": {"w": torch.full((256,), float(step if tag is None else tag))},
+            "trainer_state.json": {"global_step": step, "tag": tag}}
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def durable(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "durable"), {}
+    return request.getfixturevalue("s3_root")
+
+
+def node(tmp_path, name: str, durable, **kw) -> TieredRoot:
+    """A job's process on node ``name``: a fresh process state over that node's fast directory."""
+    forget_roots()
+    url, options = durable
+    return TieredRoot(str(tmp_path / name), url, options, **kw)
+
+
+def run(root: TieredRoot, steps, tag=None) -> None:
+    for step in steps:
+        txckpt.save_checkpoint(root, step, files(step, tag))
+    root.wait_durable()
+
+
+def durable_steps(root: TieredRoot):
+    d = txckpt.CheckpointRoot(root.durable, root.storage_options)
+    return [c.step for c in d.checkpoints("current")], d.state().head
+
+
+def test_a_requeue_onto_a_stale_fast_tier_resumes_the_durable_tiers_newest_checkpoint(tmp_path, durable):
+    a = node(tmp_path, "a", durable)
+    run(a, (1, 2, 3))
+    b = node(tmp_path, "b", durable)  # requeued onto node B: an empty fast directory
+    assert txckpt.load_checkpoint(txckpt.resume(b))["trainer_state.json"]["global_step"] == 3
+    run(b, (4, 5, 6))
+
+    a = node(tmp_path, "a", durable)  # requeued onto node A again: its fast tier stops at step 3
+    last = txckpt.get_last_checkpoint(a)
+    assert last is not None and not last.startswith(a.fast)  # the durable tier's step 6
+    assert txckpt.resume(a) == last
+    assert txckpt.load_checkpoint(txckpt.get_last_checkpoint(a))["trainer_state.json"]["global_step"] == 6
+    fast_seq = a.fast_root.state().seq
+    with pytest.raises(StepConflictError, match="step 6 is already committed") as e:
+        txckpt.save_checkpoint(a, 4, files(4))  # retraining from the stale step 3
+    assert "Nothing was written" in str(e.value)
+    assert a.fast_root.state().seq == fast_seq  # 0 saves committed on the stale fast tier
+    run(a, (7,))
+    steps, head = durable_steps(a)
+    assert steps == [1, 2, 3, 4, 5, 6, 7] and head == a.fast_root.state().head
+    assert txckpt.get_last_checkpoint(a).startswith(a.fast)
+    assert a.pending() == []
+
+
+def test_a_requeue_after_a_rollback_on_another_node_follows_the_durable_fork_and_warns(tmp_path, durable, caplog):
+    a = node(tmp_path, "a", durable)
+    run(a, (1, 2, 3))
+    a_lineage = a.fast_root.state().head
+    b = node(tmp_path, "b", durable)
+    txckpt.resume(b, step=2)  # a durable-only step on node B: forked on the durable tier
+    run(b, (3,), tag=30)
+    b_lineage = durable_steps(b)[1]
+    assert b_lineage != a_lineage
+
+    a = node(tmp_path, "a", durable)
+    with caplog.at_level(logging.WARNING, logger="txckpt"):
+        last = txckpt.get_last_checkpoint(a)
+    moved = [r.getMessage() for r in caplog.records if "has moved to lineage" in r.getMessage()]
+    assert len(moved) == 1 and a_lineage in moved[0] and b_lineage in moved[0]
+    assert txckpt.load_checkpoint(last)["trainer_state.json"] == {"global_step": 3, "tag": 30}
+    fast_seq = a.fast_root.state().seq
+    with pytest.raises(StepConflictError):
+        txckpt.save_checkpoint(a, 3, files(3))
+    # Refused before the save: the fast tier only follows the durable lineage (no checkpoint).
+    assert [c.step for c in a.fast_root.checkpoints("all") if c.lineage == b_lineage] == []
+    assert a.fast_root.state().seq <= fast_seq + 1
+    run(a, (4,), tag=40)
+    steps, head = durable_steps(a)
+    assert steps == [1, 2, 3, 4] and head == b_lineage == a.fast_root.state().head
+    d = txckpt.CheckpointRoot(a.durable, a.storage_options)
+    assert txckpt.load_checkpoint(d.get_last_checkpoint(), storage_options=a.storage_options)[
+        "trainer_state.json"] == {"global_step": 4, "tag": 40}
+    assert [c.step for c in d.checkpoints("current")][:3] == [1, 2, 3]
+    assert txckpt.load_checkpoint(d.locate(d.history().find(step=3).ref), storage_options=a.storage_options)[
+        "trainer_state.json"]["tag"] == 30  # B's step 3, not A's abandoned one
+
+
+def test_a_rollback_on_a_new_node_forks_from_a_step_only_the_durable_tier_holds(tmp_path, durable):
+    a = node(tmp_path, "a", durable)
+    run(a, (1, 2, 3, 4))
+    old = durable_steps(a)[1]
+    c = node(tmp_path, "c", durable)  # a new node
+    at = txckpt.resume(c, step=2)
+    assert at is not None and not at.startswith(c.fast)
+    assert txckpt.load_checkpoint(at)["trainer_state.json"]["global_step"] == 2
+    assert txckpt.get_last_checkpoint(c) == at
+    run(c, (3,), tag=33)
+    steps, head = durable_steps(c)
+    assert steps == [1, 2, 3] and head != old and head == c.fast_root.state().head
+    d = txckpt.CheckpointRoot(c.durable, c.storage_options)
+    assert sorted(x.step for x in d.checkpoints("all")) == [1, 2, 3, 3, 4]  # nothing lost
+
+
+def test_the_readme_idiom_repairs_a_missing_fast_file_and_reads_a_new_nodes_durable_path(tmp_path, durable):
+    a = node(tmp_path, "a", durable)
+    run(a, (1, 2))
+    path = txckpt.get_last_checkpoint(a)
+    os.unlink(os.path.join(path, "model.safetensors"))
+    assert txckpt.load_checkpoint(txckpt.get_last_checkpoint(a))["trainer_state.json"]["global_step"] == 2
+    assert list(a.last_fetched) == ["model.safetensors"]
+    txckpt.verify_checkpoint(path)  # whole again on the fast tier
+    # The text alone (a copy of the string, as stock code makes) reads the same way.
+    os.unlink(os.path.join(path, "model.safetensors"))
+    assert txckpt.load_checkpoint(str(path))["model.safetensors"]["w"][0] == 2.0
+
+    b = node(tmp_path, "b", durable)  # a new node: the path is the durable tier's
+    last = txckpt.get_last_checkpoint(b)
+    assert txckpt.load_checkpoint(last)["trainer_state.json"]["global_step"] == 2
+    assert txckpt.verify_checkpoint(last).txid == txckpt.read_manifest(last).txid
+    # Still a plain str to users and stock code: a pickle (a broadcast) is a str.
+    assert isinstance(last, str) and type(pickle.loads(pickle.dumps(last))) is str
+
+
+@pytest.mark.s3
+def test_a_remote_roots_lookup_carries_its_storage_options(s3_root):
+    from txckpt.issued import CheckpointPath
+
+    url, options = s3_root
+    txckpt.save_checkpoint(url, 1, files(1), storage_options=options)
+    forget_roots()
+    last = txckpt.get_last_checkpoint(url, storage_options=options)
+    assert isinstance(last, CheckpointPath) and last.storage_options == options
+    assert txckpt.load_checkpoint(last)["trainer_state.json"]["global_step"] == 1
+    assert txckpt.read_manifest(str(last)).step == 1
+    assert txckpt.load_checkpoint(txckpt.resume(url, storage_options=options))["trainer_state.json"][
+        "global_step"] == 1
+
+
+def test_two_jobs_on_one_durable_root_say_which_owns_the_lineage(tmp_path):
+    durable = (str(tmp_path / "durable"), {})
+    a = node(tmp_path, "a", durable)
+    run(a, (1, 2))  # job A's saves compared the tiers once, then settled
+    b = node(tmp_path, "b", durable)  # job B starts on the same durable root
+    txckpt.resume(b)
+    run(b, (3,))
+    txckpt.save_checkpoint(a, 3, files(3))  # job A still runs: committed on its fast tier only
+    with pytest.raises(ReplicationError, match="another job owns lineage") as e:
+        a.wait_durable()
+    assert "txckpt.resume(root)" in str(e.value) and e.value.durable == a.durable_root.url
+    assert [c.step for c in a.pending()] == [3]
