@@ -6,6 +6,7 @@ rollback on a new node forks from a durable-only step; the README idiom
 and a remote root's paths (their storage options); an outage of the durable tier degrades
 ``pending()``, ``apply_retention()`` and the lag bound, and stops no save.
 "Nodes" are separate fast directories of one process (every root object forgotten between them)."""
+import contextlib
 import logging
 import os
 import pickle
@@ -169,3 +170,56 @@ def test_two_jobs_on_one_durable_root_say_which_owns_the_lineage(tmp_path):
         a.wait_durable()
     assert "txckpt.resume(root)" in str(e.value) and e.value.durable == a.durable_root.url
     assert [c.step for c in a.pending()] == [3]
+
+
+@contextlib.contextmanager
+def outage(tmp_path, monkeypatch, **kw):
+    """A TieredRoot whose durable tier (a moto server of its own) saved steps 1 and 2, then went
+    away (the server stopped: its port closed) for the rest of the block."""
+    pytest.importorskip("moto.server")
+    from emulators.s3 import running_s3_server
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's attempts: an outage answers at once
+    with running_s3_server() as server:
+        server.reset()  # moto's state is the process's: nothing of another test's server
+        server.create_bucket("outage")
+        forget_roots()
+        root = TieredRoot(str(tmp_path / "fast"), "s3://outage/run", server.storage_options(), **kw)
+        run(root, (1, 2))
+        server.stop()
+        yield root
+        with pytest.raises(ReplicationError):
+            root.wait_durable()  # no replication outlives the test; the fast tier keeps it all
+
+
+@pytest.mark.s3
+def test_an_unreachable_durable_tier_degrades_pending_retention_and_lookups_and_saves_go_on(
+        tmp_path, monkeypatch, caplog):
+    from txckpt.errors import EndpointUnreachableError
+
+    with outage(tmp_path, monkeypatch) as root, caplog.at_level(logging.WARNING, logger="txckpt"):
+        for step in (3, 4, 5):
+            txckpt.save_checkpoint(root, step, files(step))  # saves go on
+        assert [c.step for c in root.pending()] == [3, 4, 5]  # from what this process knows
+        assert isinstance(root.durable_unreachable, EndpointUnreachableError)
+        assert any("is unreachable" in r.getMessage() and "pending() answers" in r.getMessage()
+                   for r in caplog.records)
+        retired = root.apply_retention(txckpt.RetentionPolicy(keep_last=1))
+        assert sorted(i.step for i in retired) == [1, 2]  # the durable ones only
+        assert [c.step for c in root.fast_root.checkpoints("current")] == [3, 4, 5]
+        assert txckpt.get_last_checkpoint(root) == os.path.join(root.fast, "checkpoint-5")
+        txckpt.save_checkpoint(root, 6, files(6))
+        assert [c.step for c in root.pending()] == [3, 4, 5, 6]
+
+
+@pytest.mark.s3
+def test_max_pending_warns_once_when_replication_lags_behind_it(tmp_path, monkeypatch, caplog):
+    with outage(tmp_path, monkeypatch, max_pending=2) as root, caplog.at_level(logging.WARNING, logger="txckpt"):
+        assert root.pending() == []  # (a read of the durable tier fails: the outage is known)
+        for step in (3, 4, 5, 6):
+            txckpt.save_checkpoint(root, step, files(step))
+    lags = [r.getMessage() for r in caplog.records if "lags" in r.getMessage()]
+    assert len(lags) == 1 and "3 checkpoints" in lags[0] and "max_pending=2" in lags[0]
+    assert "unreachable" in lags[0] and root.lag == 4
+    with pytest.raises(txckpt.errors.InvalidArgumentError, match="max_pending"):
+        TieredRoot(str(tmp_path / "f"), str(tmp_path / "d"), max_pending=0)

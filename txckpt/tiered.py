@@ -112,6 +112,7 @@ class TieredRoot:
         self._durable_txids: set[str] = set()  # what this process saw committed on the durable tier
         self._durable_seen = False             # ... once it has read the durable tier's history
         self._lag_warned = False
+        self._outage_told: set[str] = set()
         self._moved_warned: set[tuple[str | None, str | None]] = set()
         self._settled = False  # a save compared the tiers and the fast lineage holds a checkpoint
         # Every commit this process makes on the fast tier wakes the replicator, whatever made
@@ -185,13 +186,15 @@ class TieredRoot:
         try:
             out = read()
         except (RemoteAccessError, OSError) as e:
-            if self.durable_unreachable is None:
+            if doing not in self._outage_told:  # once per outage for each thing it degrades
+                self._outage_told.add(doing)
                 log.warning("the durable tier %s is unreachable (%s); %s. Saves go on committing on the "
                             "fast tier, which keeps every checkpoint that is not durable; replication "
                             "retries with each save", self.durable_root.url, e, doing)
             self.durable_unreachable = e
             return default
         self.durable_unreachable = None
+        self._outage_told.clear()
         return out
 
     def _durable_state(self) -> State | None:
@@ -346,7 +349,11 @@ class TieredRoot:
                         raise error
                     raise ReplicationError(f"replication to {self.durable_root.url} failed: {error}",
                                            durable=self.durable_root.url) from error
-        return self.replicate()  # anything left (a restart's backlog): now, on this thread
+        try:
+            return self.replicate()  # anything left (a restart's backlog): now, on this thread
+        except (RemoteAccessError, OSError) as e:
+            raise ReplicationError(f"replication to {self.durable_root.url} failed: {e}; the fast tier "
+                                   "keeps every checkpoint that is not durable", durable=self.durable_root.url) from e
 
     def pending(self) -> list[Checkpoint]:
         """The fast tier's committed checkpoints that are not durable yet, oldest first. While the
@@ -428,9 +435,6 @@ class TieredRoot:
     def _fast_path(self, key: str) -> str:
         return os.path.join(self.fast, *key.split("/"))
 
-    def _durable_exists(self) -> bool:
-        return self.durable_root.storage.missing_root() is None
-
     def resume(self, step: int | None = None, *, path: str | os.PathLike | None = None,
                on_damaged: str = "raise") -> str | None:
         """:func:`txckpt.resume`: a restart continues the newest checkpoint of the current
@@ -444,12 +448,10 @@ class TieredRoot:
         self._after_async_saves()
         fstate, dstate, why = self._sight()
         if why is not None:
-            assert dstate is not None
-            self._follow(dstate)
+            self._follow(dstate)  # type: ignore[arg-type]  # (a verdict comes with a state)
         if step is None and path is None:
             if why is not None:
-                assert dstate is not None and dstate.head_tip is not None
-                found = self.durable_root.locate(dstate.head_tip)
+                found = self.durable_root.locate(dstate.head_tip)  # type: ignore[union-attr, arg-type]
             elif fstate.seq < 0:
                 if self.durable_unreachable is not None:
                     raise self.durable_unreachable
