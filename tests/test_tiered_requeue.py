@@ -223,3 +223,38 @@ def test_max_pending_warns_once_when_replication_lags_behind_it(tmp_path, monkey
     assert "unreachable" in lags[0] and root.lag == 4
     with pytest.raises(txckpt.errors.InvalidArgumentError, match="max_pending"):
         TieredRoot(str(tmp_path / "f"), str(tmp_path / "d"), max_pending=0)
+
+
+def test_ls_durable_shows_which_checkpoints_of_the_fast_tier_are_durable(tmp_path, monkeypatch, capsys):
+    import json
+
+    from txckpt import cli
+
+    root = node(tmp_path, "fast", (str(tmp_path / "durable"), {}))
+    run(root, (1,))
+    monkeypatch.setattr(TieredRoot, "_kick", lambda self: None)  # step 2: not replicated yet
+    txckpt.save_checkpoint(root, 2, files(2))
+    capsys.readouterr()
+    assert cli.main(["ls", root.fast, "--durable", root.durable, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["step"]: r["durable"] for r in rows} == {1: True, 2: False}
+    assert cli.main(["ls", root.fast, "--durable", root.durable]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = lines[0].index("DURABLE")  # a column of its own, between STATE and PATH
+    assert lines[0].index("STATE") < at < lines[0].index("PATH")
+    marks = {line.split()[0]: line[at:].split()[0] for line in lines[1:] if line[:1].isdigit()}
+    assert marks == {"1": "yes", "2": "no"}
+
+
+@pytest.mark.s3
+def test_ls_durable_says_when_the_durable_tier_cannot_be_read(tmp_path, closed_endpoint, monkeypatch, capsys):
+    from txckpt import cli
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    txckpt.save_checkpoint(str(tmp_path / "fast"), 1, files(1))
+    capsys.readouterr()
+    code = cli.main(["ls", str(tmp_path / "fast"), "--durable", "s3://bucket/run", "--durable-option",
+                     f'client_kwargs={{"endpoint_url": "{closed_endpoint}"}}', "--durable-option", "key=k",
+                     "--durable-option", "secret=s"])
+    out, err = capsys.readouterr()
+    assert code == 1 and "could not be read" in err and "?" in out.splitlines()[-1].split()
