@@ -258,3 +258,23 @@ def test_ls_durable_says_when_the_durable_tier_cannot_be_read(tmp_path, closed_e
                      "--durable-option", "secret=s"])
     out, err = capsys.readouterr()
     assert code == 1 and "could not be read" in err and "?" in out.splitlines()[-1].split()
+
+
+def test_a_checkpoint_the_durable_tier_abandoned_before_it_was_replicated_does_not_block_replication(
+        tmp_path, monkeypatch):
+    durable = (str(tmp_path / "durable"), {})
+    a = node(tmp_path, "a", durable)
+    run(a, (1, 2))
+    with monkeypatch.context() as m:
+        m.setattr(TieredRoot, "_kick", lambda self: None)  # node A is lost before replicating step 3
+        txckpt.save_checkpoint(a, 3, files(3))
+    b = node(tmp_path, "b", durable)
+    txckpt.resume(b, step=1)  # B rolls back: the durable tier abandons A's lineage
+    run(b, (2,), tag=20)
+
+    a = node(tmp_path, "a", durable)  # A again: its step 3 can never become durable
+    assert txckpt.load_checkpoint(txckpt.resume(a))["trainer_state.json"]["tag"] == 20
+    run(a, (3,), tag=30)
+    assert a.pending() == []
+    steps, head = durable_steps(a)
+    assert steps == [1, 2, 3] and head == a.fast_root.state().head

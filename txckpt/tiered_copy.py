@@ -38,10 +38,16 @@ def pending(fast: CheckpointRoot, durable: CheckpointRoot) -> tuple[list[Checkpo
     """The fast tier's committed checkpoints the durable tier does not hold, oldest first, and
     the txids the durable tier holds (what this process learnt by reading its log)."""
     fast_hist = history_of(fast)
-    done = history_of(durable).checkpoints
+    durable_hist = history_of(durable)
+    done = durable_hist.checkpoints
+    # A lineage that both tiers have left (the durable tier by another node's rollback, the fast
+    # tier by following it, §14) can take no commit on the durable tier: what the fast tier
+    # committed to it before it was replicated is abandoned there, not pending.
+    left = {lid for lid in durable_hist.state.lineages
+            if lid not in (durable_hist.state.head, fast_hist.state.head)}
     todo = sorted((c for c in fast_hist.checkpoints.values()
-                   if c.txid not in done and c.txid not in fast_hist.retired and not c.adopted),
-                  key=lambda c: c.seq)
+                   if c.txid not in done and c.txid not in fast_hist.retired and not c.adopted
+                   and c.lineage not in left), key=lambda c: c.seq)
     return todo, set(done)
 
 
@@ -102,6 +108,8 @@ def _owned_elsewhere(dst: CheckpointRoot, c: Checkpoint, src_hist: History, e: T
 def hold_lineage(durable: CheckpointRoot, lineage: str, fast_hist: History) -> None:
     """§14 steps 1-2: make ``lineage`` the durable tier's head, held by this session."""
     state = durable.state()
+    if lineage not in state.lineages and state.partial:  # a /2 entry holds the head's record only
+        state = durable.history().state
     if lineage not in state.lineages:
         parent = fast_hist.state.lineages[lineage].parent
         if isinstance(parent, Ref):
