@@ -278,3 +278,29 @@ def test_a_checkpoint_the_durable_tier_abandoned_before_it_was_replicated_does_n
     assert a.pending() == []
     steps, head = durable_steps(a)
     assert steps == [1, 2, 3] and head == a.fast_root.state().head
+
+
+@pytest.mark.process
+def test_a_requeue_a_b_a_in_separate_processes_resumes_the_newest_durable_checkpoint(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    durable = str(tmp_path / "durable")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def job(node_name: str, steps: str, *rollback: str) -> dict:
+        p = subprocess.run([sys.executable, "-m", "tests.children.tiered_node", str(tmp_path / node_name),
+                            durable, steps, *rollback], cwd=repo, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "PYTHONPATH": repo})
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    assert job("a", "1,2,3") == {"resumed": 0, "saved": [1, 2, 3], "refused": None, "pending": 0}
+    assert job("b", "4,5,6") == {"resumed": 3, "saved": [4, 5, 6], "refused": "StepConflictError", "pending": 0}
+    assert job("a", "7,8") == {"resumed": 6, "saved": [7, 8], "refused": "StepConflictError", "pending": 0}
+    assert job("b", "5", "4") == {"resumed": 4, "saved": [5], "refused": "StepConflictError", "pending": 0}
+    assert job("a", "6") == {"resumed": 5, "saved": [6], "refused": "StepConflictError", "pending": 0}
+    d = txckpt.CheckpointRoot(durable)
+    assert [c.step for c in d.checkpoints("current")] == [1, 2, 3, 4, 5, 6]
+    assert sorted(c.step for c in d.checkpoints("all")) == [1, 2, 3, 4, 5, 5, 6, 6, 7, 8]

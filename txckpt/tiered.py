@@ -165,19 +165,18 @@ class TieredRoot:
         if fstate.seq < 0 and dstate is None and self.durable_unreachable is not None:
             # A new node or a first run: only the durable tier knows which lineage to continue.
             raise self.durable_unreachable
-        if why is None:
-            return fstate.head_tip is not None
-        assert dstate is not None and dstate.head_tip is not None
-        self._follow(dstate)
-        tip = dstate.head_tip
-        if step is not None and step <= tip.step:
+        if why is not None:
+            self._follow(dstate)  # type: ignore[arg-type]  # (a verdict comes with a state)
+        head = self.fast_root.state().head
+        tip = dstate.head_tip if dstate is not None and dstate.head == head else None
+        if tip is not None and step is not None and step <= tip.step:
             raise StepConflictError(
                 f"cannot save step {step} on the fast tier {self.fast_root.url}: step {tip.step} is "
-                f"already committed in lineage {dstate.head} of {self.durable_root.url}, which the fast "
-                "tier is behind (another node continued it, or this is a new node). Nothing was "
-                "written. txckpt.resume(root) returns that checkpoint: load it and save a newer step; "
-                "or resume(root, step=K) to roll back")
-        return False
+                f"already committed in lineage {head} of {self.durable_root.url}, "
+                "which this fast tier continues (another node saved there, this is a new node, or the "
+                "lineage was forked there from that step). Nothing was written. txckpt.resume(root) "
+                "returns that checkpoint: load it and save a newer step; or resume(root, step=K) to roll back")
+        return why is None and fstate.head_tip is not None
 
     # ----- the two logs, compared -------------------------------------------------------------
     def _read_durable(self, doing: str, read: Callable[[], _T], default: _T) -> _T:
