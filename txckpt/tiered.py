@@ -166,7 +166,7 @@ class TieredRoot:
             # A new node or a first run: only the durable tier knows which lineage to continue.
             raise self.durable_unreachable
         if why is not None:
-            self._follow(dstate)  # type: ignore[arg-type]  # (a verdict comes with a state)
+            self._follow(dstate)
         head = self.fast_root.state().head
         tip = dstate.head_tip if dstate is not None and dstate.head == head else None
         if tip is not None and step is not None and step <= tip.step:
@@ -245,13 +245,13 @@ class TieredRoot:
             dtip.step if dtip else None, self.fast_root.url, fstate.head, ftip.step if ftip else None,
             dstate.head, fstate.head)
 
-    def _follow(self, dstate: State) -> None:
+    def _follow(self, dstate: State | None) -> None:
         """Make the durable tier's current lineage the fast tier's, under the same id, continuing
         the durable tip as its external parent (§14): a new node, or a fast tier whose lineage
         the durable tier left. Nothing to do if the fast tier's head is that lineage already."""
         fast = self.fast_root
         fstate = fast.state()
-        if fstate.head == dstate.head or dstate.head is None:
+        if dstate is None or dstate.head is None or fstate.head == dstate.head:
             return
         if fstate.seq >= 0 and dstate.head in fast.history().state.lineages:
             raise ReplicationError(
@@ -447,10 +447,10 @@ class TieredRoot:
         self._after_async_saves()
         fstate, dstate, why = self._sight()
         if why is not None:
-            self._follow(dstate)  # type: ignore[arg-type]  # (a verdict comes with a state)
+            self._follow(dstate)
         if step is None and path is None:
-            if why is not None:
-                found = self.durable_root.locate(dstate.head_tip)  # type: ignore[union-attr, arg-type]
+            if why is not None and dstate is not None and dstate.head_tip is not None:
+                found = self.durable_root.locate(dstate.head_tip)
             elif fstate.seq < 0:
                 if self.durable_unreachable is not None:
                     raise self.durable_unreachable
