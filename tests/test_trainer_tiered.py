@@ -139,10 +139,17 @@ def test_the_documented_restart_line_resumes_a_new_node_in_the_same_lineage(tmp_
         t.train(resume_from_checkpoint=txckpt.get_last_checkpoint(root, missing_ok=True))
 
     root = tiered(tmp_path)
-    line(root, [StopAt(4)])  # the first run: the lookup answers None
+    line(root, [StopAt(2)])  # the first run: the lookup answers None
     assert Begin.step == 0
     root.wait_durable()
     lineage = txckpt.CheckpointRoot(root.durable).state().head
+
+    root = tiered(tmp_path)  # a restart on the same node, one fast file lost meanwhile
+    (tmp_path / "fast" / "checkpoint-2" / "model.safetensors").unlink()
+    line(root, [StopAt(4)])
+    assert Begin.step == 2
+    assert list(root.last_fetched) == ["model.safetensors"]
+    root.wait_durable()
 
     shutil.rmtree(root.fast)  # a new node
     root = tiered(tmp_path)

@@ -10,6 +10,7 @@ txckpt (the mixin in txckpt.integrations.transformers broadcasts the answer with
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any, Callable
@@ -99,16 +100,25 @@ def _onto_fast_tier(tiered: TieredRoot, resume: str | bool) -> str | bool:
     (``restore``). A path of the durable tier (what ``txckpt.get_last_checkpoint(root)``
     answers there) becomes the fast path of the same checkpoint, so that the documented restart
     line resumes the lineage instead of forking from it as from an external checkpoint; an older
-    durable checkpoint is a rollback forked on the durable tier first (``TieredRoot.resume``)."""
+    durable checkpoint is a rollback forked on the durable tier first (``TieredRoot.resume``).
+    The fast checkpoint resumed is repaired from the durable tier first (``TieredRoot.repair``)."""
     tiered.restore()
     if isinstance(resume, bool) or tiered.durable_root.storage.key_of(os.fspath(resume)) is None:
-        return resume
-    local = tiered.local_path(resume)
-    if local is None:
-        tiered.resume(path=resume)
-        tiered.restore()
-        local = tiered.local_path(resume)
-    return local or resume
+        where = tiered.get_last_checkpoint() if resume is True else resume
+    else:
+        where = tiered.local_path(resume)
+        if where is None:
+            tiered.resume(path=resume)
+            tiered.restore()
+            where = tiered.local_path(resume)
+        resume = where or resume
+    if where and tiered.fast_root.storage.key_of(os.fspath(where)) is not None:
+        # Upstream reads the fast files itself: one missing or damaged there comes back from the
+        # durable copy first, as load_checkpoint(root) does (a checkpoint not durable yet is left
+        # to the restart's own check, which says what to do).
+        with contextlib.suppress(_errors.IntegrityError, _errors.CheckpointNotFoundError):
+            tiered.repair(where)
+    return resume
 
 
 def tiered_settings(root: str | os.PathLike | TieredRoot | None, storage_options: dict | None
