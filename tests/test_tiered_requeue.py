@@ -304,3 +304,13 @@ def test_a_requeue_a_b_a_in_separate_processes_resumes_the_newest_durable_checkp
     d = txckpt.CheckpointRoot(durable)
     assert [c.step for c in d.checkpoints("current")] == [1, 2, 3, 4, 5, 6]
     assert sorted(c.step for c in d.checkpoints("all")) == [1, 2, 3, 4, 5, 5, 6, 6, 7, 8]
+
+
+def test_max_pending_counts_no_durable_backlog_of_a_restart(tmp_path, caplog):
+    durable = (str(tmp_path / "durable"), {})
+    run(node(tmp_path, "a", durable), (1, 2, 3, 4))  # all durable
+    restarted = node(tmp_path, "a", durable, max_pending=2)
+    with caplog.at_level(logging.WARNING, logger="txckpt"):
+        txckpt.save_checkpoint(restarted, 5, files(5))  # before this process read the durable tier
+    assert restarted.lag == 1 and not [r for r in caplog.records if "lags" in r.getMessage()]
+    restarted.wait_durable()

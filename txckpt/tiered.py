@@ -13,10 +13,8 @@ Call sequence of one save (the training loop waits for 1 only):
 1. the fast tier's save, protocol §8, unchanged;
 2. :meth:`TieredRoot._kick` wakes the process's replicator thread (rank 0's, in a group);
 3. the replicator runs :meth:`TieredRoot.replicate`: every fast commit without a durable commit,
-   in fast-log order, through :func:`txckpt.tiered_copy.replicate_one` (the lineage repeated under its id, then
-   a durable :class:`~txckpt.transactions.Transaction` under the same txid whose files are
-   shared with a durable copy of the same bytes, or copied and checked against the fast
-   manifest's sizes and checksums).
+   in fast-log order, through :func:`txckpt.tiered_copy.replicate_one` (the lineage repeated
+   under its id, then a durable Transaction under the same txid, its files shared or copied).
 """
 
 from __future__ import annotations
@@ -111,6 +109,9 @@ class TieredRoot:
         self.lag = 0
         self._durable_txids: set[str] = set()  # what this process saw committed on the durable tier
         self._durable_seen = False             # ... once it has read the durable tier's history
+        self._start_seq = self.fast_root.state().seq if max_pending is not None else -1
+        self._lag_root = CheckpointRoot(self.fast, fast_storage_options)  # the lag's own fold
+        self._lag_lock = threading.Lock()
         self._lag_warned = False
         self._outage_told: set[str] = set()
         self._moved_warned: set[tuple[str | None, str | None]] = set()
@@ -148,14 +149,11 @@ class TieredRoot:
             yield tx
 
     def _continue_durable_lineage(self, step: int | None = None) -> None:
-        """Before this process's first save: the fast tier brought up to the durable tier's
-        lineage (§14). An empty fast tier, or one whose lineage the durable tier left, continues
-        the durable tier's current lineage under its id, with the durable tip as its external
-        parent; a step that the durable tier's lineage already holds is refused before anything
-        is written (a save on a stale fast tier could never become durable). Decided on rank 0
-        (every rank calls it) until a comparison found the fast lineage holding a checkpoint;
-        from then on a save costs no collective and no log read for it: this job's replicator
-        is the durable tier's only writer, and another job taking it over is a ReplicationError."""
+        """Before this process's first save, the fast tier follows the durable tier (§14: an
+        empty one, or one whose lineage the durable tier left), and a step the durable lineage
+        holds is refused before anything is written: it could never become durable. Decided on
+        rank 0 (every rank calls it) until settled; then a save costs no collective and no log
+        read: this job's replicator is the durable tier's writer (another job: ReplicationError)."""
         if not self._settled:
             self._settled = bool(decide_on_rank0(lambda: self._adopt_lineage(step), phase="tiered root lineage"))
 
@@ -289,10 +287,10 @@ class TieredRoot:
             self._cond.notify_all()
 
     def _check_lag(self) -> None:
-        """``max_pending``: warn once each time the checkpoints waiting for replication exceed it
-        (counted from the fast log and what this process saw durable: no durable read)."""
+        """``max_pending``: warn once each time the checkpoints waiting for replication exceed it."""
         assert self.max_pending is not None
-        self.lag = len(self._pending_known())
+        with self._lag_lock:  # the hook runs in the committing thread (an async saver's too)
+            self.lag = len(self._pending_known(self._lag_root, since=-1 if self._durable_seen else self._start_seq))
         if self.lag <= self.max_pending:
             self._lag_warned = False
         elif not self._lag_warned:
@@ -364,16 +362,18 @@ class TieredRoot:
             self._learn_durable(done)
             return todo
         found = self._read_durable("pending() answers from what this process knows", read, None)
-        return self._pending_known() if found is None else found
+        return self._pending_known(self.fast_root) if found is None else found
 
     def _learn_durable(self, txids: set[str]) -> None:
         self._durable_txids |= txids
         self._durable_seen = True
 
-    def _pending_known(self) -> list[Checkpoint]:
-        fast_hist = tiered_copy.history_of(self.fast_root)
+    def _pending_known(self, fast: CheckpointRoot, since: int = -1) -> list[Checkpoint]:
+        """The fast commits after log entry ``since`` this process has not seen durable (no durable
+        read; the lag counts only its own commits until it has read the durable tier)."""
+        fast_hist = tiered_copy.history_of(fast)
         return sorted((c for c in fast_hist.checkpoints.values()
-                       if c.txid not in self._durable_txids and c.txid not in fast_hist.retired
+                       if c.seq > since and c.txid not in self._durable_txids and c.txid not in fast_hist.retired
                        and not c.adopted), key=lambda c: c.seq)
 
     def replicate(self) -> list[str]:
