@@ -95,8 +95,7 @@ class TieredRoot:
         self._target = CheckpointRoot(self.durable, self.storage_options)
         self._lock = threading.Lock()        # one replication pass at a time
         self._cond = threading.Condition()   # the thread's requests and results
-        self._requested = 0
-        self._done = 0
+        self._requested = self._done = 0
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         #: name -> bytes fetched from the durable tier by the last :meth:`load` (its repairs).
@@ -112,7 +111,7 @@ class TieredRoot:
         self._start_seq = self.fast_root.state().seq if max_pending is not None else -1
         self._lag_root = CheckpointRoot(self.fast, fast_storage_options)  # the lag's own fold
         self._lag_lock = threading.Lock()
-        self._lag_warned = False
+        self._lag_warned = self._durable_found = False
         self._outage_told: set[str] = set()
         self._moved_warned: set[tuple[str | None, str | None]] = set()
         self._settled = False  # a save compared the tiers and the fast lineage holds a checkpoint
@@ -195,8 +194,10 @@ class TieredRoot:
         return out
 
     def _durable_state(self) -> State | None:
-        if self.durable_root.storage.missing_root() is not None:
-            return None
+        if not self._durable_found:  # a bucket, once found, stays: one HEAD per process, not per lookup
+            if self.durable_root.storage.missing_root() is not None:
+                return None
+            self._durable_found = True
         state = self.durable_root.state()
         return state if state.seq >= 0 else None
 
