@@ -49,8 +49,7 @@ _T = TypeVar("_T")
 
 
 def _rank() -> int:
-    """This process's rank in an initialised torch.distributed group, else 0 (torch is not
-    imported for it)."""
+    """This process's rank in an initialised torch.distributed group, else 0 (torch not imported)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
@@ -109,8 +108,9 @@ class TieredRoot:
         self._durable_txids: set[str] = set()  # what this process saw committed on the durable tier
         self._durable_seen = False             # ... once it has read the durable tier's history
         self._start_seq = self.fast_root.state().seq if max_pending is not None else -1
-        self._lag_root = CheckpointRoot(self.fast, fast_storage_options)  # the lag's own fold
-        self._lag_lock = threading.Lock()
+        # A fold of the fast log of its own, for questions asked from any thread (an async
+        # saver's commit hook, a lookup beside it): one thread at a time extends it.
+        self._fold_root, self._fold_lock = CheckpointRoot(self.fast, fast_storage_options), threading.Lock()
         self._lag_warned = self._durable_found = False
         self._outage_told: set[str] = set()
         self._moved_warned: set[tuple[str | None, str | None]] = set()
@@ -223,8 +223,9 @@ class TieredRoot:
             return None
         if fstate.seq < 0 or fstate.head is None:
             return "empty"
-        if tip.txid in self.fast_root.history().checkpoints:
-            return None
+        with self._fold_lock:
+            if tip.txid in tiered_copy.history_of(self._fold_root).checkpoints:
+                return None
         if fstate.head == dstate.head:
             ftip = fstate.head_tip
             return "ahead" if ftip is None or tip.step > ftip.step else None
@@ -265,8 +266,7 @@ class TieredRoot:
                  self.durable_root.url, parent)
 
     def issue(self, path: str | None) -> str | None:
-        """``path`` (of either tier) as a :class:`~txckpt.issued.CheckpointPath` that
-        ``txckpt.load_checkpoint`` reads through this root, with the tier's storage options."""
+        """``path`` (either tier's) as a CheckpointPath that load_checkpoint reads through this root."""
         if path is None:
             return None
         fast = self.fast_root.storage.key_of(os.fspath(path)) is not None
@@ -290,8 +290,8 @@ class TieredRoot:
     def _check_lag(self) -> None:
         """``max_pending``: warn once each time the checkpoints waiting for replication exceed it."""
         assert self.max_pending is not None
-        with self._lag_lock:  # the hook runs in the committing thread (an async saver's too)
-            self.lag = len(self._pending_known(self._lag_root, since=-1 if self._durable_seen else self._start_seq))
+        with self._fold_lock:  # the hook runs in the committing thread (an async saver's too)
+            self.lag = len(self._pending_known(self._fold_root, since=-1 if self._durable_seen else self._start_seq))
         if self.lag <= self.max_pending:
             self._lag_warned = False
         elif not self._lag_warned:
