@@ -314,3 +314,16 @@ def test_max_pending_counts_no_durable_backlog_of_a_restart(tmp_path, caplog):
         txckpt.save_checkpoint(restarted, 5, files(5))  # before this process read the durable tier
     assert restarted.lag == 1 and not [r for r in caplog.records if "lags" in r.getMessage()]
     restarted.wait_durable()
+
+
+def test_restore_brings_a_stale_fast_tier_up_to_the_durable_tip_under_the_same_txid(tmp_path):
+    durable = (str(tmp_path / "durable"), {})
+    run(node(tmp_path, "a", durable), (1, 2, 3))
+    run(node(tmp_path, "b", durable), (4, 5, 6))
+    a = node(tmp_path, "a", durable)
+    local = a.restore()  # what the Trainer and Accelerate do before reading the fast tier
+    assert local is not None and local.startswith(a.fast)
+    d = txckpt.CheckpointRoot(a.durable)
+    assert txckpt.read_manifest(local).txid == d.history().find(step=6).txid
+    assert txckpt.get_last_checkpoint(a) == local and a.restore() is None
+    assert [c.step for c in a.fast_root.checkpoints("current")] == [1, 2, 3, 6] and a.pending() == []
