@@ -126,3 +126,38 @@ def test_a_hyperparameter_search_trial_is_replicated_to_the_same_sub_path_of_the
     assert [c.step for c in durable.checkpoints("current")] == [1, 2]
     assert txckpt.verify_checkpoint(durable.locate(durable.history().find(step=2).ref)) is not None
     assert not txckpt.CheckpointRoot(root.durable).checkpoints("current")  # the run's own root: untouched
+
+
+def test_the_documented_restart_line_resumes_a_new_node_in_the_same_lineage(tmp_path, caplog):
+    """docs/trainer.md's one line for the first run, each restart and a new node:
+    ``train(resume_from_checkpoint=txckpt.get_last_checkpoint(root, missing_ok=True))``. On a new
+    node the lookup answers the durable tier's path; the Trainer resumes it, never forks from it."""
+    def line(root, cbs):
+        torch.manual_seed(0)
+        t = TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "out"), 6),
+                                 train_dataset=Data(0), txckpt_root=root, callbacks=[Begin(), *cbs])
+        t.train(resume_from_checkpoint=txckpt.get_last_checkpoint(root, missing_ok=True))
+
+    root = tiered(tmp_path)
+    line(root, [StopAt(2)])  # the first run: the lookup answers None
+    assert Begin.step == 0
+    root.wait_durable()
+    lineage = txckpt.CheckpointRoot(root.durable).state().head
+
+    root = tiered(tmp_path)  # a restart on the same node, one fast file lost meanwhile
+    (tmp_path / "fast" / "checkpoint-2" / "model.safetensors").unlink()
+    line(root, [StopAt(4)])
+    assert Begin.step == 2
+    assert list(root.last_fetched) == ["model.safetensors"]
+    root.wait_durable()
+
+    shutil.rmtree(root.fast)  # a new node
+    root = tiered(tmp_path)
+    with caplog.at_level("WARNING"):
+        line(root, [])
+    assert Begin.step == 4
+    assert not [r for r in caplog.records if "abandons" in r.getMessage()]
+    root.wait_durable()
+    durable = txckpt.CheckpointRoot(root.durable)
+    assert durable.state().head == lineage == root.fast_root.state().head  # no fork
+    assert [c.step for c in durable.checkpoints("current")] == [2, 4, 6]

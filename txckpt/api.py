@@ -14,6 +14,7 @@ from .asyncsave import wait_for_root
 from .coordination import SingleProcess, decide_on_rank0
 from .errors import RootNotFoundError
 from .fetch import fetch_checkpoint
+from .issued import issue, issued, options_for
 from .manifest import Manifest
 # The per-process root cache is root.py's; open_root/forget_roots stay importable from here.
 from .root import forget_roots, open_root
@@ -105,7 +106,11 @@ def get_last_checkpoint(root: str | os.PathLike | TieredRoot, *, storage_options
     answers there. A missing bucket (container) still raises: no save can create one.
 
     A :class:`txckpt.TieredRoot`: the newest checkpoint of its current lineage committed on
-    either tier, by its fast-tier path while the fast tier holds it."""
+    either tier, never older than the durable tier's (docs/tiered.md).
+
+    The path returned is a ``str`` that also carries what reading it needs (the root's storage
+    options, a tiered root's tier): ``load_checkpoint(get_last_checkpoint(root))`` reads it
+    whatever the root (txckpt/issued.py)."""
     if isinstance(root, TieredRoot):
         return root.get_last_checkpoint()
     wait_for_root(root, storage_options)  # the state an async save of this root is changing
@@ -120,8 +125,8 @@ def get_last_checkpoint(root: str | os.PathLike | TieredRoot, *, storage_options
         return None
     given = os.fspath(root)
     if isinstance(r.storage, LocalStorage) and not given.startswith("file://"):
-        return os.path.join(given, *key.split("/"))
-    return r.storage.full_path(key)
+        return issue(os.path.join(given, *key.split("/")), storage_options)
+    return issue(r.storage.full_path(key), storage_options)
 
 
 def _on_rank0(fn, collective: bool | None, phase: str = "lineage change"):
@@ -160,15 +165,18 @@ def resume(
     lineage once and every rank gets its answer (pass ``collective=False`` to call it from one
     rank alone).
 
-    A :class:`txckpt.TieredRoot` resumes on its fast tier (an empty one continues the durable
-    tier's lineage) and starts replicating what a previous process left pending.
+    A :class:`txckpt.TieredRoot` never resumes older than its durable tier: a fast tier that is
+    behind (a new node, or a requeue after another node continued or left the lineage) follows
+    the durable tier; a rollback to a step only the durable tier holds forks there. It starts
+    replicating what a previous process left pending (docs/tiered.md).
     """
     if isinstance(root, TieredRoot):
         tiered = root
-        return _on_rank0(lambda: tiered.resume(step, path=path, on_damaged=on_damaged), collective)
+        # Every rank gets the path with what reads it (the broadcast carries a plain str).
+        return tiered.issue(_on_rank0(lambda: tiered.resume(step, path=path, on_damaged=on_damaged), collective))
     wait_for_root(root, storage_options)  # an async save of this root commits first
-    return _on_rank0(lambda: open_root(root, storage_options).resume(step, path=path, on_damaged=on_damaged),
-                     collective)
+    return issue(_on_rank0(lambda: open_root(root, storage_options).resume(step, path=path, on_damaged=on_damaged),
+                           collective), storage_options)
 
 
 def new_lineage(
@@ -191,13 +199,13 @@ def read_manifest(path: str | os.PathLike, *, storage_options: Mapping[str, Any]
     """The manifest of the checkpoint at ``path``, with its own digest verified; and, when
     ``path`` lies in a txckpt root, checked against the digest the root's log committed (an
     edited, replaced or never-committed manifest raises IntegrityError / ManifestError)."""
-    return reader.read_manifest(path, storage_options=storage_options)
+    return reader.read_manifest(path, storage_options=options_for(path, storage_options))
 
 
 def verify_checkpoint(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:
     """Check every file's size and checksum (and, inside a root, the manifest against the log);
     raises IntegrityError (naming the file) on damage."""
-    return reader.verify_checkpoint(path, storage_options=storage_options)
+    return reader.verify_checkpoint(path, storage_options=options_for(path, storage_options))
 
 
 def load_checkpoint(
@@ -222,11 +230,21 @@ def load_checkpoint(
     (docs/troubleshooting.md, "Loading with `mmap=True`"). Elsewhere (object stores) files are read.
 
     ``path`` may be a :class:`txckpt.TieredRoot`: its newest checkpoint, read from the fast tier,
-    with any file missing or damaged there fetched from the durable tier first (docs/tiered.md)."""
+    with any file missing or damaged there fetched from the durable tier first (docs/tiered.md).
+    So is a path a tiered root's lookup returned; a path a lookup returned is read with the
+    storage options of its root unless ``storage_options`` is given (txckpt/issued.py)."""
+    owner: Any
+    path_of_owner: str | os.PathLike | None
     if isinstance(path, TieredRoot):
-        return path.load(files=files, map_location=map_location, weights_only=weights_only,
-                         verify=verify, mmap=mmap)
-    return reader.load(path, files=files, map_location=map_location, storage_options=storage_options,
+        owner, path_of_owner = path, None
+    else:
+        owner, path_of_owner = getattr(issued(path), "owner", None), path
+    if owner is not None and storage_options is None:  # a tiered root reads (and repairs) its paths
+        return owner.load(path_of_owner, files=files, map_location=map_location, weights_only=weights_only,
+                          verify=verify, mmap=mmap)
+    assert not isinstance(path, TieredRoot)
+    return reader.load(path, files=files, map_location=map_location,
+                       storage_options=options_for(path, storage_options),
                        weights_only=weights_only, verify=verify, mmap=mmap)
 
 

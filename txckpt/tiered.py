@@ -13,10 +13,8 @@ Call sequence of one save (the training loop waits for 1 only):
 1. the fast tier's save, protocol §8, unchanged;
 2. :meth:`TieredRoot._kick` wakes the process's replicator thread (rank 0's, in a group);
 3. the replicator runs :meth:`TieredRoot.replicate`: every fast commit without a durable commit,
-   in fast-log order, through :func:`_replicate_one` (the lineage repeated under its id, then
-   a durable :class:`~txckpt.transactions.Transaction` under the same txid whose files are
-   shared with a durable copy of the same bytes, or copied and checked against the fast
-   manifest's sizes and checksums).
+   in fast-log order, through :func:`txckpt.tiered_copy.replicate_one` (the lineage repeated
+   under its id, then a durable Transaction under the same txid, its files shared or copied).
 """
 
 from __future__ import annotations
@@ -26,36 +24,32 @@ import logging
 import os
 import sys
 import threading
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
-from . import reader, retention
+from . import reader, retention, tiered_copy
 from .asyncsave import wait_for_root
-from .checksum import copy_hashing
-from .commit import claim, fork, new_lineage
-from .coordination import SingleProcess, decide_on_rank0
+from .commit import claim, new_lineage
+from .coordination import decide_on_rank0
 from .errors import (
     CheckpointNotFoundError,
     IntegrityError,
+    InvalidArgumentError,
+    RemoteAccessError,
     ReplicationError,
     StepConflictError,
-    TxckptError,
 )
-from .fileio import fsync_dir, hash_file
-from .layout import tx_key
-from .lineage import Checkpoint, History
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest_at
-from .refs import ExternalParent, Ref
+from .issued import issue
+from .lineage import Checkpoint, History, State
 from .root import CheckpointRoot, open_root
 from .transactions import Transaction
 
 log = logging.getLogger("txckpt")
 
-_CHUNK = 8 << 20
+_T = TypeVar("_T")
 
 
 def _rank() -> int:
-    """This process's rank in an initialised torch.distributed group, else 0 (torch is not
-    imported for it)."""
+    """This process's rank in an initialised torch.distributed group, else 0 (torch not imported)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
@@ -67,19 +61,27 @@ class TieredRoot:
     ``durable`` (a directory or an fsspec URL, with ``storage_options``).
 
     A save commits on the fast tier, and the caller waits for that only; rank 0's replicator
-    thread then commits it on the durable tier under the same txid and lineage. Lookups pick the
-    newest checkpoint of the current lineage committed on either tier; a load reads the fast
-    copy and fetches from the durable tier exactly the files that are missing or damaged there.
-    A fast tier that is empty (a new node) continues the durable tier's current lineage.
+    thread then commits it on the durable tier under the same txid and lineage. Lookups read both
+    logs and never answer older than the durable tier: the fast tier's newest checkpoint while it
+    holds the durable tier's current tip (or is newer in its lineage), else the durable tier's
+    (a new node, or a requeue onto a node whose fast directory is stale: another node continued
+    or left the lineage since). A load reads the fast copy and fetches from the durable tier
+    exactly the files that are missing or damaged there. ``max_pending``: how many checkpoints
+    may wait for replication before a warning says replication lags (None: no bound).
     """
 
     def __init__(self, fast: str | os.PathLike, durable: str | os.PathLike,
                  storage_options: Mapping[str, Any] | None = None, *,
-                 fast_storage_options: Mapping[str, Any] | None = None):
+                 fast_storage_options: Mapping[str, Any] | None = None,
+                 max_pending: int | None = None):
+        if max_pending is not None and (isinstance(max_pending, bool) or not isinstance(max_pending, int)
+                                        or max_pending < 1):
+            raise InvalidArgumentError(f"max_pending must be a positive int or None, not {max_pending!r}")
         self.fast = os.fspath(fast)
         self.fast_storage_options = dict(fast_storage_options or {})
         self.durable = os.fspath(durable)
         self.storage_options = dict(storage_options or {})
+        self.max_pending = max_pending
         #: The fast tier is the process's root for that directory (the functional API's too).
         self.fast_root = open_root(self.fast, fast_storage_options)
         #: The durable tier as the caller's thread reads it (lookups, repairs).
@@ -92,13 +94,27 @@ class TieredRoot:
         self._target = CheckpointRoot(self.durable, self.storage_options)
         self._lock = threading.Lock()        # one replication pass at a time
         self._cond = threading.Condition()   # the thread's requests and results
-        self._requested = 0
-        self._done = 0
+        self._requested = self._done = 0
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         #: name -> bytes fetched from the durable tier by the last :meth:`load` (its repairs).
         self.last_fetched: dict[str, int] = {}
-        self._settled = False  # the fast tier's lineage holds a checkpoint (_continue_durable_lineage)
+        #: The error of the newest read of the durable tier, while it is unreachable (None once
+        #: a read succeeds): :meth:`pending` then answers from what this process knows.
+        self.durable_unreachable: BaseException | None = None
+        #: Checkpoints committed on the fast tier that this process does not know to be durable,
+        #: as of the newest commit (counted when ``max_pending`` is set).
+        self.lag = 0
+        self._durable_txids: set[str] = set()  # what this process saw committed on the durable tier
+        self._durable_seen = False             # ... once it has read the durable tier's history
+        self._start_seq = self.fast_root.state().seq if max_pending is not None else -1
+        # A fold of the fast log of its own, for questions asked from any thread (an async
+        # saver's commit hook, a lookup beside it): one thread at a time extends it.
+        self._fold_root, self._fold_lock = CheckpointRoot(self.fast, fast_storage_options), threading.Lock()
+        self._lag_warned = self._durable_found = False
+        self._outage_told: set[str] = set()
+        self._moved_warned: set[tuple[str | None, str | None]] = set()
+        self._settled = False  # a save compared the tiers and the fast lineage holds a checkpoint
         # Every commit this process makes on the fast tier wakes the replicator, whatever made
         # it (save, transaction, async_save, the DCP writer); the newest TieredRoot of a fast
         # tier is the one that replicates it.
@@ -120,7 +136,8 @@ class TieredRoot:
         """:func:`txckpt.save_checkpoint` on the fast tier; replicated in the background."""
         self._after_async_saves()
         self._continue_durable_lineage(step)
-        return self.fast_root.save(step, files, **kwargs)  # its commit wakes the replicator
+        path = self.fast_root.save(step, files, **kwargs)  # its commit wakes the replicator
+        return self.issue(path) or path
 
     @contextlib.contextmanager
     def transaction(self, step: int, **kwargs: Any) -> Iterator[Transaction]:
@@ -131,48 +148,137 @@ class TieredRoot:
             yield tx
 
     def _continue_durable_lineage(self, step: int | None = None) -> None:
-        """An empty fast tier beside a durable tier with a log continues the durable tier's
-        current lineage under its id, with the durable tip as its external parent (§14), as a
-        plain root's first save continues its head: never a new root lineage that would
-        abandon the durable tier's. Decided on rank 0 (every rank calls it) until the fast
-        tier's lineage holds a checkpoint; from then on there is nothing to decide, and a save
-        costs no collective and no log read for it."""
+        """Before this process's first save, the fast tier follows the durable tier (§14: an
+        empty one, or one whose lineage the durable tier left), and a step the durable lineage
+        holds is refused before anything is written: it could never become durable. Decided on
+        rank 0 (every rank calls it) until settled; then a save costs no collective and no log
+        read: this job's replicator is the durable tier's writer (another job: ReplicationError)."""
         if not self._settled:
             self._settled = bool(decide_on_rank0(lambda: self._adopt_lineage(step), phase="tiered root lineage"))
 
     def _adopt_lineage(self, step: int | None) -> bool:
-        """The decision above; True once the fast tier's current lineage holds a checkpoint."""
+        """The decision above; True once settled."""
+        fstate, dstate, why = self._sight()
+        if fstate.seq < 0 and dstate is None and self.durable_unreachable is not None:
+            # A new node or a first run: only the durable tier knows which lineage to continue.
+            raise self.durable_unreachable
+        if why is not None:
+            self._follow(dstate)
+        head = self.fast_root.state().head
+        tip = dstate.head_tip if dstate is not None and dstate.head == head else None
+        if tip is not None and step is not None and step <= tip.step:
+            raise StepConflictError(
+                f"cannot save step {step} on the fast tier {self.fast_root.url}: step {tip.step} is "
+                f"already committed in lineage {head} of {self.durable_root.url}, "
+                "which this fast tier continues (another node saved there, this is a new node, or the "
+                "lineage was forked there from that step). Nothing was written. txckpt.resume(root) "
+                "returns that checkpoint: load it and save a newer step; or resume(root, step=K) to roll back")
+        return why is None and fstate.head_tip is not None
+
+    # ----- the two logs, compared -------------------------------------------------------------
+    def _read_durable(self, doing: str, read: Callable[[], _T], default: _T) -> _T:
+        """``read()`` of the durable tier; ``default`` (and one warning per outage) while it is
+        unreachable, so that an outage degrades what needs the durable tier and stops nothing."""
+        try:
+            out = read()
+        except (RemoteAccessError, OSError) as e:
+            if doing not in self._outage_told:  # once per outage for each thing it degrades
+                self._outage_told.add(doing)
+                log.warning("the durable tier %s is unreachable (%s); %s. Saves go on committing on the "
+                            "fast tier, which keeps every checkpoint that is not durable; replication "
+                            "retries with each save", self.durable_root.url, e, doing)
+            self.durable_unreachable = e
+            return default
+        self.durable_unreachable = None
+        self._outage_told.clear()
+        return out
+
+    def _durable_state(self) -> State | None:
+        if not self._durable_found:  # a bucket, once found, stays: one HEAD per process, not per lookup
+            if self.durable_root.storage.missing_root() is not None:
+                return None
+            self._durable_found = True
+        state = self.durable_root.state()
+        return state if state.seq >= 0 else None
+
+    def _sight(self) -> tuple[State, State | None, str | None]:
+        """One look at both tiers (one log read each): the fast state, the durable state (None:
+        no log there, or unreachable: the fast tier answers alone) and :meth:`_behind`'s verdict."""
+        fstate = self.fast_root.state()
+        dstate = self._read_durable("lookups answer from the fast tier alone", self._durable_state, None)
+        why = self._behind(fstate, dstate)
+        if why == "moved":
+            assert dstate is not None
+            self._warn_moved(fstate, dstate)
+        return fstate, dstate, why
+
+    def _behind(self, fstate: State, dstate: State | None) -> str | None:
+        """Why the fast tier is older than the durable tier, or None if it is not (it holds the
+        durable tier's current tip, or is newer in the same lineage, or the durable tier has no
+        checkpoint): "empty" (no fast lineage: a new node), "ahead" (the durable tier continued
+        the fast tier's lineage past its tip), "moved" (the durable tier's current lineage is
+        another: a node resumed or rolled back there since)."""
+        tip = None if dstate is None else dstate.head_tip
+        if dstate is None or tip is None:
+            return None
+        if fstate.seq < 0 or fstate.head is None:
+            return "empty"
+        with self._fold_lock:
+            if tip.txid in tiered_copy.history_of(self._fold_root).checkpoints:
+                return None
+        if fstate.head == dstate.head:
+            ftip = fstate.head_tip
+            return "ahead" if ftip is None or tip.step > ftip.step else None
+        return "moved"
+
+    def _warn_moved(self, fstate: State, dstate: State) -> None:
+        if (fstate.head, dstate.head) in self._moved_warned:
+            return
+        self._moved_warned.add((fstate.head, dstate.head))
+        ftip, dtip = fstate.head_tip, dstate.head_tip
+        log.warning(
+            "the durable tier %s has moved to lineage %s (newest step %s) since this fast tier %s last "
+            "saw it; the fast tier's lineage %s (newest step %s) was abandoned there: another node "
+            "resumed or rolled back. Following the durable tier: lookups answer its checkpoint and "
+            "the next save continues lineage %s; the fast tier's checkpoints of %s stay on disk "
+            "(`txckpt ls`), never resumed again", self.durable_root.url, dstate.head,
+            dtip.step if dtip else None, self.fast_root.url, fstate.head, ftip.step if ftip else None,
+            dstate.head, fstate.head)
+
+    def _follow(self, dstate: State | None) -> None:
+        """Make the durable tier's current lineage the fast tier's, under the same id, continuing
+        the durable tip as its external parent (§14): a new node, or a fast tier whose lineage
+        the durable tier left. Nothing to do if the fast tier's head is that lineage already."""
         fast = self.fast_root
         fstate = fast.state()
-        if fstate.seq < 0:
-            dstate = self.durable_root.state()
-            if dstate.head is None:
-                return False
-            tip = dstate.head_tip
-            parent = (self.durable_root.locate(tip) if tip is not None else None) or self.durable_root.url
-            new_lineage(fast, external_parent=parent, lineage_id=dstate.head)
-            log.info("the fast tier %s was empty: it continues lineage %s of %s from %s",
-                     fast.url, dstate.head, self.durable_root.url, parent)
-            fstate = fast.state()
-        if fstate.head_tip is not None:
-            return True
-        if step is None or fstate.head is None:
-            return False
-        # The lineage continues a durable checkpoint the fast tier never held: a step that is
-        # not newer could be committed here but never on the durable tier.
-        info = self.durable_root.state().lineages.get(fstate.head)
-        if info is not None and info.tip is not None and step <= info.tip.step:
-            raise StepConflictError(
-                f"cannot save step {step}: step {info.tip.step} is already committed in lineage "
-                f"{fstate.head} of {self.durable_root.url}, which {fast.url} continues; save a "
-                "newer step, or resume(root, step=K) to roll back")
-        return False
+        if dstate is None or dstate.head is None or fstate.head == dstate.head:
+            return
+        if fstate.seq >= 0 and dstate.head in fast.history().state.lineages:
+            raise ReplicationError(
+                f"the fast tier {fast.url} left lineage {dstate.head}, which is the current lineage of "
+                f"{self.durable_root.url} again: the fast tier cannot follow it back. Remove the fast "
+                "directory (every durable checkpoint stays on the durable tier) and restart",
+                durable=self.durable_root.url)
+        tip = dstate.head_tip
+        parent = (self.durable_root.locate(tip) if tip is not None else None) or self.durable_root.url
+        new_lineage(fast, external_parent=parent, lineage_id=dstate.head)
+        log.info("the fast tier %s continues lineage %s of %s from %s", fast.url, dstate.head,
+                 self.durable_root.url, parent)
+
+    def issue(self, path: str | None) -> str | None:
+        """``path`` (either tier's) as a CheckpointPath that load_checkpoint reads through this root."""
+        if path is None:
+            return None
+        fast = self.fast_root.storage.key_of(os.fspath(path)) is not None
+        return issue(os.fspath(path), self.fast_storage_options if fast else self.storage_options, self)
 
     # ----- replication ---------------------------------------------------------------------------
     def _kick(self) -> None:
         """Ask the replicator thread for a pass (rank 0 only: the fast tier is shared)."""
         if _rank() != 0:
             return
+        if self.max_pending is not None:
+            self._check_lag()
         with self._cond:
             self._requested += 1
             if self._thread is None:
@@ -180,6 +286,24 @@ class TieredRoot:
                 self._thread = threading.Thread(target=self._run, name="txckpt-replicator")
                 self._thread.start()
             self._cond.notify_all()
+
+    def _check_lag(self) -> None:
+        """``max_pending``: warn once each time the checkpoints waiting for replication exceed it."""
+        assert self.max_pending is not None
+        with self._fold_lock:  # the hook runs in the committing thread (an async saver's too)
+            self.lag = len(self._pending_known(self._fold_root, since=-1 if self._durable_seen else self._start_seq))
+        if self.lag <= self.max_pending:
+            self._lag_warned = False
+        elif not self._lag_warned:
+            self._lag_warned = True
+            cause = (f"the durable tier is unreachable ({self.durable_unreachable})" if self.durable_unreachable
+                     else "replication is slower than saving")
+            log.warning(
+                "replication of %s to %s lags: %d checkpoints committed on the fast tier are not durable "
+                "yet (max_pending=%d): %s. Training goes on and the fast tier keeps every one of them, "
+                "but losing this node now loses them. Check the durable tier, save less often, or call "
+                "root.wait_durable() to let replication catch up", self.fast_root.url,
+                self.durable_root.url, self.lag, self.max_pending, cause)
 
     def _run(self) -> None:
         while True:
@@ -193,6 +317,8 @@ class TieredRoot:
                 self.replicate()
             except BaseException as e:  # kept for wait_durable; the fast commit stands
                 error = e
+                if isinstance(e, RemoteAccessError):
+                    self.durable_unreachable = e
                 log.warning("replicating %s to %s failed (the checkpoint stays committed on the "
                             "fast tier, which keeps it; the next save retries): %s",
                             self.fast_root.url, self.durable_root.url, e)
@@ -221,78 +347,171 @@ class TieredRoot:
                         raise error
                     raise ReplicationError(f"replication to {self.durable_root.url} failed: {error}",
                                            durable=self.durable_root.url) from error
-        return self.replicate()  # anything left (a restart's backlog): now, on this thread
+        try:
+            return self.replicate()  # anything left (a restart's backlog): now, on this thread
+        except (RemoteAccessError, OSError) as e:
+            raise ReplicationError(f"replication to {self.durable_root.url} failed: {e}; the fast tier "
+                                   "keeps every checkpoint that is not durable", durable=self.durable_root.url) from e
 
     def pending(self) -> list[Checkpoint]:
-        """The fast tier's committed checkpoints that are not durable yet, oldest first."""
-        return _pending(self.fast_root, self.durable_root)
+        """The fast tier's committed checkpoints that are not durable yet, oldest first. While the
+        durable tier is unreachable (:attr:`durable_unreachable` holds the error, and one warning
+        says so) it answers from what this process knows: every fast checkpoint it has not seen
+        committed on the durable tier."""
+        def read() -> list[Checkpoint]:
+            todo, done = tiered_copy.pending(self.fast_root, self.durable_root)
+            self._learn_durable(done)
+            return todo
+        found = self._read_durable("pending() answers from what this process knows", read, None)
+        return self._pending_known(self.fast_root) if found is None else found
+
+    def _learn_durable(self, txids: set[str]) -> None:
+        self._durable_txids |= txids
+        self._durable_seen = True
+
+    def _pending_known(self, fast: CheckpointRoot, since: int = -1) -> list[Checkpoint]:
+        """The fast commits after log entry ``since`` this process has not seen durable (no durable
+        read; the lag counts only its own commits until it has read the durable tier)."""
+        fast_hist = tiered_copy.history_of(fast)
+        return sorted((c for c in fast_hist.checkpoints.values()
+                       if c.seq > since and c.txid not in self._durable_txids and c.txid not in fast_hist.retired
+                       and not c.adopted), key=lambda c: c.seq)
 
     def replicate(self) -> list[str]:
         """One replication pass, on this thread: every checkpoint :meth:`pending` lists, in
         fast-log order (so a checkpoint's parent, and the fork that made its lineage, are on
         the durable tier before it). Idempotent; returns the durable paths committed."""
         with self._lock:
-            todo = _pending(self._source, self._target)
+            todo, done = tiered_copy.pending(self._source, self._target)
+            self._learn_durable(done)
             fast_hist = self._source.history() if todo else History()
-            return [_replicate_one(self._source, self._target, c, fast_hist) for c in todo]
+            out = []
+            for c in todo:
+                out.append(tiered_copy.replicate_one(self._source, self._target, c, fast_hist))
+                self._durable_txids.add(c.txid)
+            return out
 
     def restore(self) -> str | None:
-        """Make an empty fast tier hold the durable tier's newest checkpoint of its current
-        lineage: copied (each file checked against the durable manifest) and committed on the
-        fast tier under the same txid and lineage id, so that code reading the fast directory as
-        a plain root (the Trainer) resumes from it locally. Returns its fast path; None if the
-        fast tier has a log already or the durable tier has no checkpoint. Call it on rank 0."""
-        if self.fast_root.state().seq >= 0 or not self._durable_exists():
+        """Bring a fast tier that is behind the durable tier up to date (an empty one: a new
+        node; or one whose lineage another node continued or left): the durable tier's newest
+        checkpoint of its current lineage is copied (each file checked against the durable
+        manifest) and committed on the fast tier under the same txid and lineage id, so that code
+        reading the fast directory as a plain root (the Trainer) resumes from it locally.
+        Returns its fast path; None if the fast tier is not behind. Call it on rank 0."""
+        self._after_async_saves()
+        _, dstate, why = self._sight()
+        if why is None:
             return None
-        tip = self.durable_root.state().head_tip
-        if tip is None:
-            return None
-        self._adopt_lineage(None)  # the lineage, under the durable tier's id
+        assert dstate is not None and dstate.head_tip is not None
+        self._follow(dstate)  # the lineage, under the durable tier's id
+        claim(self.fast_root, self.fast_root.state())
         history = self.durable_root.history()
-        return _replicate_one(self.durable_root, self.fast_root, history.checkpoints[tip.txid], history)
+        tip = history.checkpoints[dstate.head_tip.txid]
+        return tiered_copy.replicate_one(self.durable_root, self.fast_root, tip, history, hold=False)
 
     # ----- lookup and lineage ---------------------------------------------------------------------
     def get_last_checkpoint(self) -> str | None:
-        """The newest checkpoint of the current lineage committed on either tier: its fast path
-        while the fast tier holds it, else its durable path."""
+        """The newest checkpoint of the current lineage: the fast tier's while it is not behind
+        the durable tier (its fast path while the fast tier holds its files, else its durable
+        path), else the durable tier's current tip by its durable path."""
         self._after_async_saves()
-        fstate = self.fast_root.state()
-        if fstate.seq < 0 or fstate.head is None:
-            return self.durable_root.get_last_checkpoint() if self._durable_exists() else None
+        fstate, dstate, why = self._sight()
+        if why is not None:
+            assert dstate is not None and dstate.head_tip is not None
+            return self.issue(self.durable_root.locate(dstate.head_tip))
         tip = fstate.head_tip
-        if tip is not None:
-            key = self.fast_root.publication.locate(tip)
-            if key is not None:
-                return self._fast_path(key)
-            durable = _history(self.durable_root).checkpoints.get(tip.txid)
-            return None if durable is None else self.durable_root.locate(durable.ref)
-        info = self.durable_root.state().lineages.get(fstate.head)  # continuing a durable tip
-        return None if info is None or info.tip is None else self.durable_root.locate(info.tip)
+        if tip is None:
+            if self.durable_unreachable is not None:
+                raise self.durable_unreachable  # a new node's answer is on the durable tier alone
+            return None
+        key = self.fast_root.publication.locate(tip)
+        if key is not None:
+            return self.issue(self._fast_path(key))
+        durable = self._read_durable("the fast tier's newest checkpoint has no files and cannot be fetched",
+                                     lambda: tiered_copy.history_of(self.durable_root).checkpoints.get(tip.txid),
+                                     None)
+        return None if durable is None else self.issue(self.durable_root.locate(durable.ref))
 
     def _fast_path(self, key: str) -> str:
         return os.path.join(self.fast, *key.split("/"))
 
-    def _durable_exists(self) -> bool:
-        return self.durable_root.storage.missing_root() is None
-
     def resume(self, step: int | None = None, *, path: str | os.PathLike | None = None,
                on_damaged: str = "raise") -> str | None:
-        """:func:`txckpt.resume` on the fast tier (a rollback forks there, and replication
-        repeats the fork on the durable tier). A restart on an empty fast tier continues the
-        durable tier's lineage. ``on_damaged="fallback"`` counts a checkpoint whose damaged fast
-        files the durable tier restores as intact. Replication of what a previous process left
-        pending starts here."""
+        """:func:`txckpt.resume`: a restart continues the newest checkpoint of the current
+        lineage (a fast tier that is behind the durable tier follows it first: its lineage, and
+        its tip by its durable path). A rollback forks on the fast tier when the fast tier is up
+        to date and holds the checkpoint (replication repeats the fork on the durable tier);
+        else (a durable-only checkpoint, a new node, a stale fast tier) it forks on the durable
+        tier, which the fast tier then follows. ``on_damaged="fallback"`` counts a checkpoint
+        whose damaged fast files the durable tier restores as intact. Replication of what a
+        previous process left pending starts here."""
         self._after_async_saves()
-        self._adopt_lineage(None)
-        if self.fast_root.state().seq < 0:
-            return None
-        if step is None and path is None and self.fast_root.state().head_tip is None:
-            found = self.get_last_checkpoint()  # a durable checkpoint the fast tier continues
+        fstate, dstate, why = self._sight()
+        if why is not None:
+            self._follow(dstate)
+        if step is None and path is None:
+            if why is not None and dstate is not None and dstate.head_tip is not None:
+                found = self.durable_root.locate(dstate.head_tip)
+            elif fstate.seq < 0:
+                if self.durable_unreachable is not None:
+                    raise self.durable_unreachable
+                return None
+            elif fstate.head_tip is None:
+                found = self.get_last_checkpoint()
+            else:
+                found = self.fast_root.resume(on_damaged=on_damaged,
+                                              verify=self._repair_then_verify if on_damaged == "fallback" else None)
+        elif why is None and self._fast_holds(step, path):
+            found = self.fast_root.resume(step, path=path, on_damaged=on_damaged)
         else:
-            found = self.fast_root.resume(step, path=path, on_damaged=on_damaged,
-                                          verify=self._repair_then_verify if on_damaged == "fallback" else None)
+            found = self._rollback_on_durable(step, path)
         self._kick()
+        return self.issue(found)
+
+    def _fast_holds(self, step: int | None, path: str | os.PathLike | None) -> bool:
+        """Does the fast tier's current view hold ``step`` (or is ``path`` on the fast tier)?"""
+        fast = self.fast_root
+        if path is not None:
+            return fast.storage.key_of(os.fspath(path)) is not None
+        if fast.state().seq < 0:
+            return False
+        try:
+            fast.history().find(step=step)
+        except CheckpointNotFoundError:
+            return False
+        return True
+
+    def _rollback_on_durable(self, step: int | None, path: str | os.PathLike | None) -> str | None:
+        """A rollback the fast tier cannot make: forked on the durable tier (which holds the
+        checkpoint), then followed by the fast tier under the new lineage's id."""
+        if path is not None and self.fast_root.storage.key_of(os.fspath(path)) is not None:
+            path = self._durable_copy_of(path)
+        found = self.durable_root.resume(step, path=path)
+        self._follow(self.durable_root.state())
         return found
+
+    def _durable_copy_of(self, path: str | os.PathLike) -> str:
+        """The durable path of the fast-tier checkpoint at ``path`` (a rollback on a stale fast tier)."""
+        c = self.fast_root._checkpoint_at_path(path, self.fast_root.history())
+        durable = tiered_copy.history_of(self.durable_root).checkpoints.get(c.txid)
+        where = None if durable is None else self.durable_root.locate(durable.ref)
+        if where is None:
+            raise CheckpointNotFoundError(
+                f"{os.fspath(path)} is not durable on {self.durable_root.url}, whose lineage moved on "
+                "since this fast tier saved it: roll back to a durable checkpoint (`txckpt ls "
+                f"{self.fast} --durable {self.durable}`)")
+        return where
+
+    def local_path(self, path: str | os.PathLike) -> str | None:
+        """The fast-tier path of the checkpoint whose durable copy is at ``path``, if the fast
+        tier holds it (after :meth:`restore`, the durable tip); else None."""
+        key = self.durable_root.storage.key_of(os.fspath(path))
+        if key is None or self.fast_root.state().seq < 0:
+            return None
+        txid = tiered_copy.read_manifest(self.durable_root, key).txid
+        c = self.fast_root.history().checkpoints.get(txid)
+        fkey = None if c is None else self.fast_root.publication.locate(c.ref)
+        return None if fkey is None else self._fast_path(fkey)
 
     def _repair_then_verify(self, path: str) -> str:
         self.repair(path)
@@ -305,7 +524,8 @@ class TieredRoot:
 
     def apply_retention(self, policy: retention.RetentionPolicy, *, dry_run: bool = False) -> list[Any]:
         """:func:`txckpt.apply_retention` on the fast tier, keeping every checkpoint that is not
-        durable yet whatever ``policy`` says (§14). The durable tier's retention is its own:
+        durable yet whatever ``policy`` says (§14; during an outage, every one this process has
+        not seen durable). The durable tier's retention is its own:
         ``txckpt.apply_retention(txckpt.open_root(durable_url), policy)``."""
         self._after_async_saves()
         return retention.apply_retention(self.fast_root, policy, dry_run=dry_run)  # guarded (__init__)
@@ -315,12 +535,14 @@ class TieredRoot:
         """:func:`txckpt.load_checkpoint` of ``path`` (default: :meth:`get_last_checkpoint`).
         A fast-tier checkpoint is read locally; if a file is missing or fails its checksum
         there, exactly those files are fetched from the durable tier's copy (same txid) into
-        the fast tier (:attr:`last_fetched` says which, and how many bytes), then it is loaded."""
+        the fast tier (:attr:`last_fetched` says which, and how many bytes), then it is loaded.
+        A durable path is read from the durable tier with its storage options."""
         self._after_async_saves()
         self.last_fetched = {}
         where = os.fspath(path) if path is not None else self.get_last_checkpoint()
         if where is None:
             raise CheckpointNotFoundError(f"{self!r} has no committed checkpoint to load")
+        where = str(where)
         if self.fast_root.storage.key_of(where) is None:  # a durable path
             return reader.load(where, **{**_load_defaults(kwargs), "storage_options": self.storage_options})
         try:
@@ -337,41 +559,8 @@ class TieredRoot:
         tier exactly those that are missing or damaged (each written to a temporary file,
         checked, fsynced and renamed over the fast copy). Returns name -> bytes fetched ({} if
         every file verifies). Raises IntegrityError if a file verifies on neither tier."""
-        fast = self.fast_root
-        key = fast.storage.key_of(os.fspath(path))
-        if key is None:
-            raise CheckpointNotFoundError(f"{os.fspath(path)} is not in the fast tier {fast.url}")
-        manifest = _read_manifest(fast, key)
-        bad = [name for name, entry in sorted(manifest.files.items())
-               if not _verifies(fast.storage.local_path(f"{key}/{name}"), entry)]
-        fetched: dict[str, int] = {}
-        if bad:
-            durable = _history(self.durable_root).checkpoints.get(manifest.txid)
-            dkey = None if durable is None else self.durable_root.publication.locate(durable.ref)
-            if dkey is None:
-                raise IntegrityError(
-                    f"{os.fspath(path)} has damaged or missing files ({', '.join(bad)}) and is not "
-                    f"durable on {self.durable_root.url} yet: nothing to restore them from; resume "
-                    "an older checkpoint (txckpt.resume(root, on_damaged='fallback'))",
-                    path=os.fspath(path))
-            for name in bad:
-                local = fast.storage.local_path(f"{key}/{name}")
-                assert local is not None  # the fast tier is a local directory
-                fetched[name] = _fetch(self.durable_root, f"{dkey}/{name}", local, manifest.files[name])
-        self.last_fetched = fetched
-        return fetched
-
-
-def _history(root: CheckpointRoot) -> History:
-    return History() if root.state().seq < 0 else root.history()
-
-
-def _pending(fast: CheckpointRoot, durable: CheckpointRoot) -> list[Checkpoint]:
-    fast_hist = _history(fast)
-    done = _history(durable).checkpoints
-    return sorted((c for c in fast_hist.checkpoints.values()
-                   if c.txid not in done and c.txid not in fast_hist.retired and not c.adopted),
-                  key=lambda c: c.seq)
+        self.last_fetched = tiered_copy.repair(self.fast_root, self.durable_root, path)
+        return self.last_fetched
 
 
 # ----- for writers and readers that take a root (txckpt.integrations.dcp) -----------------------
@@ -396,129 +585,9 @@ def load_source(path: "str | os.PathLike[str] | TieredRoot",
     if where is None:
         raise CheckpointNotFoundError(f"{path!r} has no committed checkpoint to load")
     if path.fast_root.storage.key_of(where) is None:
-        return where, path.storage_options or None
+        return str(where), path.storage_options or None
     path.repair(where)
-    return where, path.fast_storage_options or None
-
-
-# ----- one replication ----------------------------------------------------------------------------
-def _replicate_one(fast: CheckpointRoot, durable: CheckpointRoot, c: Checkpoint, fast_hist: History) -> str:
-    """§14 steps 1-6 for fast checkpoint ``c``: its lineage on the durable tier (forked or
-    claimed), then a durable transaction under ``c``'s txid and step whose files are shared or
-    copied and checked against the fast manifest; returns the durable path."""
-    key = fast.publication.locate(c.ref)
-    if key is None:
-        raise ReplicationError(
-            f"checkpoint step {c.step} (txid {c.txid}) is committed on {fast.url} but its files are gone "
-            "there, so it cannot be made durable; nothing else is affected", txid=c.txid, durable=durable.url)
-    manifest = _read_manifest(fast, key)
-    if manifest.txid != c.txid or manifest.digest != c.digest:
-        raise ReplicationError(f"the manifest at {fast.storage.full_path(key)} is not the one the log "
-                               f"committed for {c.txid}", txid=c.txid, durable=durable.url)
-    _hold_lineage(durable, c.lineage, fast_hist)
-    # A replication of this txid that a crash interrupted left its staging (files, maybe a
-    # staged manifest): not committed (c is pending), and no other session can commit it now
-    # that this one holds the lineage, so it goes, and the save below starts from nothing.
-    durable.storage.delete_tree(tx_key(c.txid))
-    try:
-        with Transaction(durable, c.step, metadata=manifest.metadata, coordinator=SingleProcess(),
-                         incremental=True, txid=c.txid) as tx:
-            for name, entry in sorted(manifest.files.items()):
-                if not tx.share_copy(name, entry):
-                    _copy_in(tx, fast, f"{key}/{name}", name, entry)
-    except (TxckptError, OSError) as e:
-        if isinstance(e, ReplicationError):
-            raise
-        raise ReplicationError(f"replicating step {c.step} (txid {c.txid}) to {durable.url} failed: {e}",
-                               txid=c.txid, durable=durable.url) from e
-    assert tx.path is not None
-    return tx.path
-
-
-def _hold_lineage(durable: CheckpointRoot, lineage: str, fast_hist: History) -> None:
-    """§14 steps 1-2: make ``lineage`` the durable tier's head, held by this session."""
-    state = durable.state()
-    if lineage not in state.lineages:
-        parent = fast_hist.state.lineages[lineage].parent
-        if isinstance(parent, Ref):
-            hist = durable.history()
-            at = hist.checkpoints.get(parent.txid)
-            if at is None:
-                raise ReplicationError(
-                    f"lineage {lineage} forks from txid {parent.txid}, which is not durable on "
-                    f"{durable.url} (retired on the fast tier before it was replicated)",
-                    txid=parent.txid, durable=durable.url)
-            fork(durable, at.ref, hist, reason="fork", announce=False, lineage_id=lineage)
-        else:
-            external = parent.path if isinstance(parent, ExternalParent) else None
-            new_lineage(durable, external_parent=external, lineage_id=lineage)
-        return
-    if state.head != lineage:
-        raise ReplicationError(
-            f"lineage {lineage} is no longer the current lineage of {durable.url} (its head is "
-            f"{state.head}: another job resumed there); the fast tier's checkpoints of {lineage} "
-            "stay where they are", durable=durable.url)
-    if durable.shared.writer_lineage != lineage:
-        claim(durable, state)
-
-
-def _copy_in(tx: Transaction, fast: CheckpointRoot, src_key: str, name: str, entry: FileEntry) -> None:
-    f: Any = tx.open(name, "wb")
-    try:
-        f.kind = entry.kind
-        with fast.storage.open_read(src_key) as src:
-            size, digest = copy_hashing(src, f, chunk=_CHUNK)
-        if (size, digest) != (entry.size, entry.checksum):
-            raise IntegrityError(
-                f"{fast.storage.full_path(src_key)} does not match its manifest (size {size}, xxh3-128 "
-                f"{digest}); run `txckpt verify` on {fast.url}", path=fast.storage.full_path(src_key))
-        f.close()
-    except BaseException:
-        f.abort()
-        raise
-
-
-# ----- helpers ------------------------------------------------------------------------------------
-def _read_manifest(root: CheckpointRoot, key: str) -> Manifest:
-    where = root.storage.full_path(key)
-    try:
-        data = root.storage.read_bytes(f"{key}/{MANIFEST_NAME}")
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{where} has no manifest") from None
-    return read_manifest_at(root.storage, key, Manifest.decode(data, where=key), where)
-
-
-def _verifies(local: str | None, entry: FileEntry) -> bool:
-    if local is None:
-        return False
-    try:
-        return hash_file(local) == (entry.size, entry.checksum)
-    except OSError:  # missing, or not a regular file
-        return False
-
-
-def _fetch(durable: CheckpointRoot, key: str, local: str, entry: FileEntry) -> int:
-    """The durable copy of one file into ``local``: checked before it replaces anything."""
-    tmp = f"{local}.txckpt-fetch-{os.getpid()}"
-    os.makedirs(os.path.dirname(local), exist_ok=True)
-    try:
-        with durable.storage.open_read(key) as src, open(tmp, "wb") as out:
-            size, digest = copy_hashing(src, out, chunk=_CHUNK)
-            out.flush()
-            os.fsync(out.fileno())
-        if (size, digest) != (entry.size, entry.checksum):
-            raise IntegrityError(
-                f"{durable.storage.full_path(key)} fails its checksum as well: the file verifies on "
-                "neither tier; resume an older checkpoint (txckpt.resume(root, on_damaged='fallback'))",
-                path=durable.storage.full_path(key))
-        # A rename, not a write into the old file: a damaged copy may be a hard link that other
-        # checkpoints share (incremental saves); each keeps its own until it is repaired.
-        os.replace(tmp, local)
-        fsync_dir(os.path.dirname(local))
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return size
+    return str(where), path.fast_storage_options or None
 
 
 def _load_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:

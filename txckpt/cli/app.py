@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "0: no limit)")
     sp.add_argument("--all", action="store_true",
                     help="every checkpoint, also those the retention policy retired (their data is deleted)")
+    sp.add_argument("--durable", default=None, metavar="URL",
+                    help="ROOT is a tiered root's fast tier and URL its durable tier: add a DURABLE column "
+                         "(yes: committed on URL too; no: not replicated yet)")
+    sp.add_argument("--durable-option", action="append", default=None, metavar="KEY=VALUE",
+                    help="fsspec storage option for the --durable URL (repeatable), as -o for ROOT")
     sp.set_defaults(func=cmd_ls)
 
     sp = sub.add_parser("show", parents=[common], help="a checkpoint's manifest, readable",

@@ -17,7 +17,8 @@ from ..layout import LOG_DIR, TX_DIR
 from ..reader import enclosing_root
 from ..refs import ExternalParent, Ref, parent_to_json
 from ..root import CheckpointRoot
-from .common import EXIT_OK, UsageError, human_bytes, human_time, is_url, open_root_arg, print_json, table
+from .common import (EXIT_OK, EXIT_PROBLEM, UsageError, human_bytes, human_time, is_url, open_root_arg,
+                     parse_storage_options, print_json, table)
 from .logview import build_graph, render_dot, render_text
 
 
@@ -125,6 +126,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "missing": info.path is None and info.state != "retired",
                 "shared_bytes": _shared_bytes_at(info.path),
             })
+    durable_error = _mark_durable(rows_json, args) if args.durable is not None else None
     if args.lineage is None:
         rows_json.extend(staged_leftovers(root, history))
     rows_json.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["time"] or 0))
@@ -141,7 +143,28 @@ def cmd_ls(args: argparse.Namespace) -> int:
         _print_ls_table(rows_json)
     if note:
         print(note, file=sys.stderr)
+    if durable_error is not None:
+        print(f"txckpt ls: the durable tier {args.durable} could not be read ({durable_error}): "
+              "DURABLE shows '?'", file=sys.stderr)
+        return EXIT_PROBLEM
     return EXIT_OK
+
+
+def _mark_durable(rows_json: list[dict[str, Any]], args: argparse.Namespace) -> TxckptError | OSError | None:
+    """``ls --durable URL``: each row's ``durable`` (True: its txid is committed, and not retired,
+    on the durable tier, the tiered root's definition of durable, docs/tiered.md §14; None: the
+    durable tier could not be read, whose error is returned)."""
+    try:
+        durable = CheckpointRoot(args.durable, parse_storage_options(args.durable_option))
+        state = durable.state()
+        hist = durable.history() if state.seq >= 0 else None
+    except (TxckptError, OSError) as e:
+        for r in rows_json:
+            r["durable"] = None
+        return e
+    for r in rows_json:
+        r["durable"] = hist is not None and r["txid"] in hist.checkpoints and r["txid"] not in hist.retired
+    return None
 
 
 def _print_ls_table(rows_json: list[dict[str, Any]]) -> None:
@@ -156,6 +179,11 @@ def _print_ls_table(rows_json: list[dict[str, Any]]) -> None:
         rows.append([str(r["step"] if r["step"] is not None else "?"), r["lineage"], human_bytes(r["bytes"]),
                      human_bytes(r.get("shared_bytes") or 0), human_time(r["time"]), state, where])
     headers = ["STEP", "LINEAGE", "SIZE", "SHARED", "TIME", "STATE", "PATH"]
+    if any("durable" in r for r in rows_json):  # ls --durable: a tiered root's fast tier
+        for row, r in zip(rows, rows_json):
+            mark = r.get("durable")
+            row.insert(6, ("?" if mark is None else "yes" if mark else "no") if "durable" in r else "")
+        headers.insert(6, "DURABLE")
     if not any(r.get("shared_bytes") for r in rows_json):  # no incremental save: no column
         rows = [row[:3] + row[4:] for row in rows]
         headers.remove("SHARED")

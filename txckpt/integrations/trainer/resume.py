@@ -10,6 +10,7 @@ txckpt (the mixin in txckpt.integrations.transformers broadcasts the answer with
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any, Callable
@@ -44,7 +45,7 @@ def resolve_on_rank0(trainer: Any, resume: str | bool | None, root: str) -> str 
     so = trainer.txckpt_storage_options
     tiered = tiered_for(trainer, root)
     if resume and tiered is not None:
-        tiered.restore()  # an empty fast tier: the durable tip, committed there
+        resume = _onto_fast_tier(tiered, resume)
     if resume is True:
         path = txckpt.open_root(root, so).resume(
             on_damaged=trainer.txckpt_on_damaged, verify=resume_check(trainer, root),
@@ -91,6 +92,33 @@ def resolve_on_rank0(trainer: Any, resume: str | bool | None, root: str) -> str 
         return txckpt.resume(root, local_step, storage_options=so, collective=False)
     txckpt.new_lineage(root, external_parent=path, storage_options=so, collective=False)
     return path if is_url(path) else os.fspath(resume)
+
+
+def _onto_fast_tier(tiered: TieredRoot, resume: str | bool) -> str | bool:
+    """A TieredRoot's fast tier brought up to date before the Trainer reads it as a plain root:
+    one that is behind the durable tier (a new node, a stale requeue) holds the durable tip
+    (``restore``). A path of the durable tier (what ``txckpt.get_last_checkpoint(root)``
+    answers there) becomes the fast path of the same checkpoint, so that the documented restart
+    line resumes the lineage instead of forking from it as from an external checkpoint; an older
+    durable checkpoint is a rollback forked on the durable tier first (``TieredRoot.resume``).
+    The fast checkpoint resumed is repaired from the durable tier first (``TieredRoot.repair``)."""
+    tiered.restore()
+    if isinstance(resume, bool) or tiered.durable_root.storage.key_of(os.fspath(resume)) is None:
+        where = tiered.get_last_checkpoint() if resume is True else resume
+    else:
+        where = tiered.local_path(resume)
+        if where is None:
+            tiered.resume(path=resume)
+            tiered.restore()
+            where = tiered.local_path(resume)
+        resume = where or resume
+    if where and tiered.fast_root.storage.key_of(os.fspath(where)) is not None:
+        # Upstream reads the fast files itself: one missing or damaged there comes back from the
+        # durable copy first, as load_checkpoint(root) does (a checkpoint not durable yet is left
+        # to the restart's own check, which says what to do).
+        with contextlib.suppress(_errors.IntegrityError, _errors.CheckpointNotFoundError):
+            tiered.repair(where)
+    return resume
 
 
 def tiered_settings(root: str | os.PathLike | TieredRoot | None, storage_options: dict | None
