@@ -146,11 +146,11 @@ class TransactionalCheckpointIO(CheckpointIO):
         if not is_local(r):
             return
         path = os.path.abspath(os.path.expanduser(path))
-        if not os.path.isdir(os.path.dirname(path)):
-            return
         result = saved.result
 
         def publish(where: str) -> None:
+            if not os.path.isdir(os.path.dirname(path)):  # a root elsewhere, and no dirpath here
+                return
             try:
                 link_name(os.path.join(where, saved.name), path, durable=r.durable)
             except OSError as e:  # the bytes are committed; only the link is missing
@@ -235,9 +235,12 @@ class TransactionalCheckpointIO(CheckpointIO):
             os.unlink(os.fspath(path))
         if found is None or is_last(name):
             return
-        if is_local(r) and names_in(os.path.dirname(os.path.abspath(os.fspath(path))),
-                                    os.path.join(found.checkpoint, found.file), besides=name):
-            return  # another name (last.ckpt, a second callback's) still holds these bytes
+        others = names_in(os.path.dirname(os.path.abspath(os.fspath(path))),
+                          os.path.join(found.checkpoint, found.file), besides=name) if is_local(r) else []
+        if [n for n in others if not is_last(n)]:
+            return  # a second callback's name still holds these bytes
+        # A last*.ckpt name does not keep a checkpoint: it follows the newest, which is never
+        # retired (ModelCheckpoint removes the old top-k before it moves last.ckpt on).
         if retire(r, [found.record.txid]):
             finish_retired(r)
 
