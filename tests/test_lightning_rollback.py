@@ -111,3 +111,34 @@ def _walk(top: str):
     for base, dirs, files in os.walk(top):
         for n in dirs + files:
             yield os.path.join(base, n)
+
+
+@pytest.mark.s3
+def test_sigkill_inside_a_save_on_s3(tmp_path, s3_root, caplog):
+    """The same story on an S3 root (moto): B is SIGKILLed inside its save of step 15, after its
+    object and manifest were uploaded and before the commit entry; C's "last" is step 10 of B's
+    lineage, and every committed checkpoint verifies."""
+    url, options = s3_root
+    dirpath = str(tmp_path / "names")
+
+    def plugins() -> list:
+        return [TransactionalCheckpointIO(url, storage_options=options)]
+
+    a = run_child(lambda: fit(dirpath, seed=0, max_steps=20, ckpt_path=None, plugins=plugins()), timeout=240)
+    assert a[0] == 0, a
+
+    def run_b() -> None:
+        die_committing(15)
+        fit(dirpath, seed=1, max_steps=20, ckpt_path=os.path.join(dirpath, "epoch=0-step=10.ckpt"), plugins=plugins())
+
+    code, _ = run_child(run_b, timeout=240)
+    assert code == -signal.SIGKILL, code
+    txckpt.forget_roots()  # what a fresh process knows of the root: nothing
+    with caplog.at_level(logging.WARNING, logger="txckpt"):
+        c = fit(dirpath, seed=1, max_steps=25, ckpt_path="last", plugins=plugins())
+    assert c["resumed"] == 10 and "/.txckpt/tx/" in c["ckpt_path"]
+    assert "abandoned by a rollback" in caplog.text
+    root = txckpt.open_root(url, options)
+    history = root.history()
+    for x in history.checkpoints.values():
+        assert txckpt.verify_checkpoint(root.locate(x.ref), storage_options=options).txid == x.txid
