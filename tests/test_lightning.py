@@ -144,3 +144,36 @@ def test_last_on_memory_root(tmp_path, memory_root):
 def test_last_on_s3_root(tmp_path, s3_root):
     url, options = s3_root
     _last_on(url, options, tmp_path)
+
+
+def test_standalone_pytorch_lightning_package(tmp_path):
+    """``pytorch_lightning`` (the same Trainer under its old package name) takes the plugin too."""
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, index):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    d = str(tmp_path / "pl")
+    loader = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=2)
+
+    def run(max_steps: int, ckpt_path):
+        t = pl.Trainer(max_steps=max_steps, plugins=[TransactionalCheckpointIO()], logger=False,
+                       enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                       callbacks=[ModelCheckpoint(dirpath=d, every_n_train_steps=4, save_top_k=-1, save_last=True)])
+        t.fit(Tiny(), loader, ckpt_path=ckpt_path)
+        return t
+
+    run(8, None)
+    assert [c.step for c in txckpt.open_root(d).checkpoints()] == [4, 8]
+    t = run(12, "last")
+    assert "/checkpoint-8/" in str(t.ckpt_path) and t.global_step == 12

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
@@ -23,6 +22,13 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.cloud_io import _load as lightning_load
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+try:  # the standalone packages: pytorch_lightning's Trainer checks lightning_fabric's CheckpointIO
+    import lightning_fabric.plugins.io.checkpoint_io as standalone_io
+    import pytorch_lightning.callbacks as standalone_callbacks
+    import pytorch_lightning.trainer.connectors.checkpoint_connector as standalone_connector
+except ImportError:  # only `lightning` installed: the usual case
+    standalone_io = standalone_callbacks = standalone_connector = None  # type: ignore[assignment]
 
 from .. import deps
 from ..api import async_save as txckpt_async_save
@@ -76,7 +82,6 @@ class TransactionalCheckpointIO(CheckpointIO):
         self.storage_options = dict(storage_options) if storage_options else None
         self.async_save = bool(async_save)
         self.incremental = bool(incremental)
-        self._lock = threading.Lock()
         self._loaded: dict[str, Resolved] = {}  # root url -> what was loaded since its last save
         self._saved: dict[str, _Saved] = {}  # root url -> this plugin's newest save there
         self._pending: list[Future] = []
@@ -272,18 +277,19 @@ class TransactionalCheckpointIO(CheckpointIO):
         self.wait()
 
 
-def _parse_ckpt_path(original: Callable[..., Any]) -> Callable[..., Any]:
+def _parse_ckpt_path(original: Callable[..., Any], checkpoint_class: type) -> Callable[..., Any]:
     """``ckpt_path="last"`` read from the log where the strategy's CheckpointIO is ours, instead
     of Lightning's newest-mtime ``last*.ckpt`` of the dirpaths (stock behaviour otherwise)."""
 
-    def parse(self: _CheckpointConnector, state_fn: Any, ckpt_path: Any, model_provided: bool,
-              model_connected: bool) -> Any:
+    def parse(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
         io = getattr(self.trainer.strategy, "checkpoint_io", None)
         if ckpt_path == "last" and isinstance(io, TransactionalCheckpointIO):
             roots = []
             for cb in self.trainer.checkpoint_callbacks:
-                if isinstance(cb, ModelCheckpoint):
-                    dirpath = cb.dirpath or cb._ModelCheckpoint__resolve_ckpt_dir(self.trainer)  # type: ignore[attr-defined]
+                if isinstance(cb, checkpoint_class):
+                    # dirpath=None: Lightning's own default (default_root_dir/.../checkpoints),
+                    # as its _find_last_checkpoints resolves it.
+                    dirpath = getattr(cb, "dirpath", None) or getattr(cb, "_ModelCheckpoint__resolve_ckpt_dir")(self.trainer)
                     roots.append(os.fspath(dirpath))
             found = io.last_checkpoint_path(roots)
             if found is not None:
@@ -294,7 +300,16 @@ def _parse_ckpt_path(original: Callable[..., Any]) -> Callable[..., Any]:
     return parse
 
 
-if not hasattr(_CheckpointConnector._parse_ckpt_path, "__wrapped__"):
-    _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path(_CheckpointConnector._parse_ckpt_path)  # type: ignore[method-assign]
+def _install(connector: Any, checkpoint_class: type) -> None:
+    if not hasattr(connector._parse_ckpt_path, "__wrapped__"):  # once per process
+        connector._parse_ckpt_path = _parse_ckpt_path(connector._parse_ckpt_path, checkpoint_class)
+
+
+_install(_CheckpointConnector, ModelCheckpoint)
+if standalone_io is not None:
+    # pytorch_lightning 2.x is the same code under other module names: its Trainer accepts a
+    # plugin that is an instance of lightning_fabric's CheckpointIO (an ABC: register ours).
+    standalone_io.CheckpointIO.register(TransactionalCheckpointIO)
+    _install(standalone_connector._CheckpointConnector, standalone_callbacks.ModelCheckpoint)
 
 __all__ = ["TransactionalCheckpointIO"]
