@@ -85,6 +85,28 @@ def test_rotation_never_retires_another_lineages_checkpoint(tmp_path):
             assert os.path.exists(os.path.join(d, name)), name
 
 
+def test_validate_from_an_older_checkpoint_changes_no_lineage_and_a_fresh_run_starts_one(tmp_path, caplog):
+    from tests.children.lightning_run import data, trainer
+
+    d = str(tmp_path / "run")
+    fit(d, seed=0, max_steps=20, ckpt_path=None, plugins=[TransactionalCheckpointIO()])
+    root = txckpt.open_root(d)
+    before = root.state()
+    t, _ = trainer(d, 20, [TransactionalCheckpointIO()])
+    t.validate(TinyModule(), data(0), ckpt_path=os.path.join(d, "epoch=0-step=10.ckpt"))
+    after = root.state()
+    assert (after.head, after.head_tip) == (before.head, before.head_tip), "a load alone forks nothing"
+    # fit with no ckpt_path into the same dirpath: a run from scratch, a new lineage (logged);
+    # "last" is then that run's newest, and A's checkpoints all stay.
+    with caplog.at_level("WARNING", logger="txckpt"):
+        fit(d, seed=1, max_steps=10, ckpt_path=None, plugins=[TransactionalCheckpointIO()])
+    assert "starts a new lineage" in caplog.text
+    fresh = root.state()
+    assert fresh.head != before.head and fresh.head_tip.step == 10
+    assert {c.step for c in root.checkpoints(lineage=before.head)} == {5, 10, 15, 20}
+    assert fit(d, seed=1, max_steps=12, ckpt_path="last", plugins=[TransactionalCheckpointIO()])["resumed"] == 10
+
+
 def test_fabric_save_and_load(tmp_path):
     d = str(tmp_path / "fabric")
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[TransactionalCheckpointIO()])

@@ -27,6 +27,10 @@ class TinyModule(L.LightningModule):
         self.log("train_loss", loss)
         return loss
 
+    def validation_step(self, batch: Any, index: int) -> None:
+        x, y = batch
+        self.log("val_loss", ((self.layer(x) - y) ** 2).mean())
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.05)
 

@@ -217,7 +217,8 @@ class TransactionalCheckpointIO(CheckpointIO):
         if newer:
             top = max(newer, key=lambda c: c.step)
             log.warning('ckpt_path="last" resumes step %d, the newest checkpoint of the current lineage of %s; '
-                        "step %d (lineage %s) is newer but was abandoned by a rollback (`txckpt log %s`)",
+                        "step %d (lineage %s) is newer but not of the current lineage: a rollback or a run "
+                        "from scratch abandoned it (`txckpt log %s`)",
                         found.record.step, r.url, top.step, top.lineage, r.url)
         return f"{found.checkpoint.rstrip('/')}/{found.file}"
 

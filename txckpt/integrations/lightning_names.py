@@ -27,7 +27,7 @@ from ..fileio import fsync_dir
 from ..layout import MANIFEST_NAME, is_url, temp_name
 from ..lineage import Checkpoint, History
 from ..manifest import Manifest
-from ..reader import enclosing_root
+from ..reader import parse
 from ..root import CheckpointRoot, open_root
 from ..storage.local import LocalStorage
 
@@ -174,10 +174,10 @@ def _inside_checkpoint(p: str, storage_options: Mapping[str, Any] | None) -> Res
     head, _, name = p.rstrip("/").rpartition("/")
     if not is_url(p):
         head, name = os.path.split(os.path.abspath(os.path.expanduser(p)))
-    root_path = enclosing_root(head) if head else None
-    if not root_path:
+    where = parse(head) if head else None  # checkpoint-N/ or a home: the shape alone, no I/O
+    if where is None:
         return None
-    r = open_root(root_path, storage_options)
+    r = open_root(where.root, storage_options)
     key = r.storage.key_of(head)
     if key is None:
         return None
