@@ -199,3 +199,17 @@ def test_standalone_pytorch_lightning_package(tmp_path):
     assert [c.step for c in txckpt.open_root(d).checkpoints()] == [4, 8]
     t = run(12, "last")
     assert "/checkpoint-8/" in str(t.ckpt_path) and t.global_step == 12
+
+
+def test_resume_from_last_equals_the_uninterrupted_run(tmp_path):
+    """An epoch-boundary checkpoint resumed by ckpt_path="last" continues bit for bit: the final
+    weights equal those of one uninterrupted run (32 steps an epoch, unshuffled data, SGD)."""
+    straight = fit(str(tmp_path / "straight"), seed=0, max_steps=64, ckpt_path=None,
+                   plugins=[TransactionalCheckpointIO()], every_n_train_steps=32)
+    d = str(tmp_path / "resumed")
+    fit(d, seed=0, max_steps=32, ckpt_path=None, plugins=[TransactionalCheckpointIO(async_save=True)],
+        every_n_train_steps=32)
+    resumed = fit(d, seed=0, max_steps=64, ckpt_path="last", plugins=[TransactionalCheckpointIO(async_save=True)],
+                  every_n_train_steps=32)
+    assert resumed["resumed"] == 32
+    assert resumed["weight"] == straight["weight"]
