@@ -62,7 +62,7 @@ def test_round_trip_names_resume_and_verification(tmp_path):
         TransactionalCheckpointIO().load_checkpoint(os.path.join(d, "last.ckpt"))
 
 
-def test_rotation_never_retires_another_lineages_checkpoint(tmp_path):
+def test_rotation_never_retires_another_lineages_checkpoint(tmp_path, caplog):
     d = str(tmp_path / "run")
     fit(d, seed=0, max_steps=20, ckpt_path=None, plugins=[TransactionalCheckpointIO()])
     a_names = _ckpts(d)
@@ -73,8 +73,10 @@ def test_rotation_never_retires_another_lineages_checkpoint(tmp_path):
     io = TransactionalCheckpointIO()
     real = io.remove_checkpoint
     io.remove_checkpoint = lambda path: (removed.append(path), real(path))[1]  # type: ignore[method-assign]
-    fit(d, seed=1, max_steps=30, ckpt_path=os.path.join(d, "epoch=0-step=10.ckpt"), plugins=[io],
-        save_top_k=1, monitor="train_loss")
+    with caplog.at_level("WARNING", logger="txckpt"):
+        fit(d, seed=1, max_steps=30, ckpt_path=os.path.join(d, "epoch=0-step=10.ckpt"), plugins=[io],
+            save_top_k=1, monitor="train_loss")
+    assert "rolling back to step 10" in caplog.text and "abandons 2 checkpoint(s)" in caplog.text
     assert removed, "B's rotation removed checkpoints"
     history = txckpt.open_root(d).history()
     assert history.retired, "B's rotation retired its own checkpoints through txckpt"
