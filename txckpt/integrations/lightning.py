@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -51,7 +51,6 @@ class _Saved:
     step: int
     name: str
     result: "str | Future[str]"
-    links: list[str] = field(default_factory=list)
 
 
 def _step_of(checkpoint: Mapping[str, Any]) -> int | None:
@@ -101,11 +100,11 @@ class TransactionalCheckpointIO(CheckpointIO):
         loaded = self._loaded.pop(r.url, None)
         if loaded is None and previous is not None and step == previous.step:
             # A second name for the step just saved (last.ckpt, a second ModelCheckpoint): the
-            # same committed bytes, never a second write (docs/lightning.md, "Names").
+            # same committed bytes, never a second write (docs/lightning.md, "Layout").
             self._add_name(r, previous, os.fspath(path))
             return
         wait_for_root(root_path, self.storage_options)  # the lineage an async save is changing
-        self._choose_lineage(r, loaded, previous, step)
+        self._choose_lineage(r, loaded, previous is not None and (step is None or step > previous.step))
         if step is None:
             tip = r.state().head_tip
             step = 0 if tip is None else tip.step + 1
@@ -125,19 +124,19 @@ class TransactionalCheckpointIO(CheckpointIO):
         self._saved[r.url] = saved
         self._add_name(r, saved, os.fspath(path))
 
-    def _choose_lineage(self, r: CheckpointRoot, loaded: Resolved | None, previous: _Saved | None,
-                        step: int | None) -> None:
+    def _choose_lineage(self, r: CheckpointRoot, loaded: Resolved | None, continuing: bool) -> None:
         """Which lineage this save continues. After a load: the loaded checkpoint's (a rollback
         forks and warns; one of another root becomes the external parent of a new lineage).
-        The first save of a run that loaded nothing, into a root with checkpoints: a new
-        lineage (a run from scratch continues nothing; what is there stays)."""
+        ``continuing``: this plugin saved an older step here since: the same lineage. Otherwise
+        (a first save, or a step counter that went back: a run from scratch), into a root with
+        checkpoints: a new lineage (it continues nothing; what is there stays)."""
         if loaded is not None:
             if loaded.root == r.url:
                 r.resume(path=loaded.checkpoint)
             else:
                 r.new_lineage(external_parent=loaded.checkpoint)
             return
-        if previous is not None:
+        if continuing:
             return
         state = r.state() if r.storage.exists(".txckpt") else None
         if state is not None and state.head_tip is not None:
