@@ -215,3 +215,35 @@ def test_resume_from_last_equals_the_uninterrupted_run(tmp_path):
                   every_n_train_steps=32)
     assert resumed["resumed"] == 32
     assert resumed["weight"] == straight["weight"]
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_rotation_keeps_the_best_and_the_newest(tmp_path, request, kind):
+    """save_top_k=1 with save_last: what stock keeps (the best and last.ckpt) is what stays
+    committed; the rest is retired through the log: top-k's removals, and the checkpoints saved
+    under last.ckpt alone once a newer one took the name (stock overwrites that file)."""
+    dirpath = str(tmp_path / "names")
+    if kind == "memory":
+        url, options = request.getfixturevalue("memory_root")
+        io = TransactionalCheckpointIO(url, storage_options=options or None)
+        root = txckpt.open_root(url, options or None)
+    else:
+        io = TransactionalCheckpointIO()
+        root = txckpt.open_root(dirpath)
+    fit(dirpath, seed=0, max_steps=30, ckpt_path=None, plugins=[io], monitor="train_loss", save_top_k=1)
+    assert root.history().retired, "rotation retired what it let go"
+    kept = root.checkpoints()
+    assert 30 in {c.step for c in kept} and len(kept) <= 2, [c.step for c in kept]
+    if kind == "local":
+        names = _ckpts(dirpath)
+        assert len(names) == 2 and "last.ckpt" in names, names
+        for n in names:  # every name left is a committed checkpoint's
+            assert torch.load(os.path.join(dirpath, n), weights_only=False)["global_step"] in {c.step for c in kept}
+
+
+def test_a_file_txckpt_did_not_commit_loads_as_lightning_loads_it_with_a_warning(tmp_path, caplog):
+    path = str(tmp_path / "stock.ckpt")
+    torch.save({"global_step": 7, "state_dict": {"w": torch.ones(2)}}, path)
+    with caplog.at_level("WARNING", logger="txckpt"):
+        state = TransactionalCheckpointIO().load_checkpoint(path)
+    assert state["global_step"] == 7 and "unverified" in caplog.text

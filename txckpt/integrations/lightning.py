@@ -85,6 +85,9 @@ class TransactionalCheckpointIO(CheckpointIO):
         self._saved: dict[str, _Saved] = {}  # root url -> this plugin's newest save there
         self._pending: list[Future] = []
         self._errors: list[BaseException] = []
+        # root url -> this plugin's saves committed under a last*.ckpt name, with the directory
+        # of that name: stock Lightning overwrites last.ckpt, so one superseded here is retired.
+        self._last_named: dict[str, list[tuple[_Saved, str]]] = {}
 
     # ----- save ---------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
@@ -104,6 +107,7 @@ class TransactionalCheckpointIO(CheckpointIO):
             self._add_name(r, previous, os.fspath(path))
             return
         wait_for_root(root_path, self.storage_options)  # the lineage an async save is changing
+        self._retire_superseded(r)
         self._choose_lineage(r, loaded, previous is not None and (step is None or step > previous.step))
         if step is None:
             tip = r.state().head_tip
@@ -115,14 +119,50 @@ class TransactionalCheckpointIO(CheckpointIO):
             future = txckpt_async_save(root_path, step, files, storage_options=self.storage_options,
                                        metadata=metadata, incremental=self.incremental)
             saved = _Saved(step, name, future)
-            self._saved[r.url] = saved
             self._pending.append(future)
-            self._add_name(r, saved, os.fspath(path))
-            return
-        where = r.save(step, files, metadata=metadata, incremental=self.incremental, coordinator=SingleProcess())
-        saved = _Saved(step, name, where)
+        else:
+            where = r.save(step, files, metadata=metadata, incremental=self.incremental,
+                           coordinator=SingleProcess())
+            saved = _Saved(step, name, where)
         self._saved[r.url] = saved
+        if is_last(name):
+            self._last_named.setdefault(r.url, []).append((saved, os.path.dirname(os.path.abspath(os.fspath(path)))))
         self._add_name(r, saved, os.fspath(path))
+
+    def _retire_superseded(self, r: CheckpointRoot) -> None:
+        """Retire this plugin's checkpoints that were committed under a ``last*.ckpt`` name and
+        are no longer the newest, where nothing else names them: what stock Lightning's
+        overwrite of last.ckpt frees. Only this process's own saves: the checkpoint a run
+        resumed from stays (as Lightning keeps it), and so do fork points and other lineages'."""
+        entries = self._last_named.get(r.url)
+        if not entries:
+            return
+        state = r.state()
+        tip = state.head_tip
+        keep: list[tuple[_Saved, str]] = []
+        going: list[str] = []
+        for saved, directory in entries:
+            result = saved.result
+            if isinstance(result, Future):
+                if not result.done():
+                    keep.append((saved, directory))
+                    continue
+                if result.cancelled() or result.exception() is not None:
+                    continue  # never committed
+                result = result.result()
+            found = resolve(f"{result.rstrip('/')}/{saved.name}", None, self.storage_options)
+            if found is None or found.record.lineage != state.head:
+                continue
+            if tip is not None and found.record.txid == tip.txid:
+                keep.append((saved, directory))
+                continue
+            if is_local(r) and [n for n in names_in(directory, os.path.join(found.checkpoint, found.file))
+                                if not is_last(n)]:
+                continue  # a top-k name holds it: ModelCheckpoint's rotation decides
+            going.append(found.record.txid)
+        self._last_named[r.url] = keep
+        if going and retire(r, going):
+            finish_retired(r)
 
     def _choose_lineage(self, r: CheckpointRoot, loaded: Resolved | None, continuing: bool) -> None:
         """Which lineage this save continues. After a load: the loaded checkpoint's (a rollback
@@ -260,6 +300,11 @@ class TransactionalCheckpointIO(CheckpointIO):
                 self._errors.append(e)
         self._raise_failures()
 
+    def teardown(self) -> None:
+        self.wait()
+        for url in list(self._last_named):
+            self._retire_superseded(open_root(url, self.storage_options))
+
     def _raise_failures(self) -> None:
         still = []
         for f in self._pending:
@@ -272,9 +317,6 @@ class TransactionalCheckpointIO(CheckpointIO):
         if self._errors:
             first, self._errors = self._errors[0], []
             raise first
-
-    def teardown(self) -> None:
-        self.wait()
 
 
 def _parse_ckpt_path(original: Callable[..., Any], checkpoint_class: type) -> Callable[..., Any]:
