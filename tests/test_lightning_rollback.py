@@ -142,3 +142,32 @@ def test_sigkill_inside_a_save_on_s3(tmp_path, s3_root, caplog):
     history = root.history()
     for x in history.checkpoints.values():
         assert txckpt.verify_checkpoint(root.locate(x.ref), storage_options=options).txid == x.txid
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # ~60 s on two cores (two spawned ranks, twice): the campaign tier
+def test_ddp_two_ranks_save_from_rank0_and_resume_last(tmp_path):
+    """Lightning's DDP (two CPU ranks, ddp_spawn): the plugin saves from global rank 0 alone
+    (no collective of txckpt's to hang on), and both ranks resume ckpt_path="last" from the log."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.children.lightning_run import TinyModule, data
+
+    d = str(tmp_path / "ddp")
+
+    def run(steps: int, ckpt_path):
+        cb = ModelCheckpoint(dirpath=d, every_n_train_steps=4, save_top_k=2, monitor="train_loss", save_last=True)
+        t = L.Trainer(max_steps=steps, accelerator="cpu", devices=2, strategy="ddp_spawn", callbacks=[cb],
+                      plugins=[TransactionalCheckpointIO()], logger=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+        t.fit(TinyModule(), data(0), ckpt_path=ckpt_path)
+        return t
+
+    run(8, None)
+    run(12, "last")  # the ranks are spawned: the resume is read from the log below, not t.ckpt_path
+    root = txckpt.open_root(d)
+    steps = [c.step for c in root.checkpoints()]
+    assert 12 in steps and set(steps) <= {4, 8, 12}, steps  # the top 2 by train_loss and the newest
+    assert len({c.lineage for c in root.checkpoints()}) == 1, "the resume continued the lineage"
+    assert torch.load(os.path.join(d, "last.ckpt"), weights_only=False)["global_step"] == 12
