@@ -247,3 +247,16 @@ def test_a_file_txckpt_did_not_commit_loads_as_lightning_loads_it_with_a_warning
     with caplog.at_level("WARNING", logger="txckpt"):
         state = TransactionalCheckpointIO().load_checkpoint(path)
     assert state["global_step"] == 7 and "unverified" in caplog.text
+
+
+def test_a_crashed_links_leftover_goes_with_the_next_link_and_teardown_retires_the_superseded_last(tmp_path):
+    d = str(tmp_path / "run")
+    io = TransactionalCheckpointIO()
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(2)}, os.path.join(d, "last.ckpt"))
+    # What a crash between os.link and the rename leaves: a temp link of the same name.
+    os.link(os.path.join(d, "last.ckpt"), os.path.join(d, ".last.ckpt.0123456789ab.tmp"))
+    io.save_checkpoint({"global_step": 2, "w": torch.full((2,), 2.0)}, os.path.join(d, "last.ckpt"))
+    assert sorted(n for n in os.listdir(d) if n.endswith(".tmp")) == []
+    io.teardown()  # step 1 was saved under last.ckpt alone, and step 2 holds the name now
+    assert [c.step for c in txckpt.open_root(d).checkpoints()] == [2]
+    assert torch.equal(torch.load(os.path.join(d, "last.ckpt"))["w"], torch.full((2,), 2.0))

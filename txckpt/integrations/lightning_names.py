@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping
 
 from ..errors import CheckpointNotFoundError
 from ..fileio import fsync_dir
-from ..layout import MANIFEST_NAME, is_url, temp_name
+from ..layout import MANIFEST_NAME, is_url, temp_name, temp_target
 from ..lineage import Checkpoint, History
 from ..manifest import Manifest
 from ..reader import parse
@@ -206,6 +206,7 @@ def link_name(committed: str, path: str, *, durable: bool) -> None:
     the new ones, never a partial name. Whatever ``path`` named before keeps its bytes where they
     are committed (another lineage's checkpoint loses a name, never data)."""
     directory, name = os.path.split(path)
+    _remove_leftover_links(directory, name)
     tmp = os.path.join(directory, temp_name(name, hidden=True))
     os.link(committed, tmp)
     try:
@@ -215,6 +216,20 @@ def link_name(committed: str, path: str, *, durable: bool) -> None:
         raise
     if durable:
         fsync_dir(directory)
+
+
+def _remove_leftover_links(directory: str, name: str) -> None:
+    """A crash between the link and the rename leaves ``.<name>.<12 hex>.tmp``: one more link to
+    committed bytes (never a partial file). Only this plugin links ``name`` (one writer per root),
+    so the next link of the same name removes it."""
+    prefix = "." + name + "."
+    with os.scandir(directory) as it:
+        leftovers = [e.path for e in it if e.name.startswith(prefix) and temp_target(e.name) == name]
+    for p in leftovers:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
 
 
 def names_in(directory: str, committed: str, *, besides: str | None = None) -> list[str]:
