@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
@@ -85,6 +86,9 @@ class TransactionalCheckpointIO(CheckpointIO):
         self._saved: dict[str, _Saved] = {}  # root url -> this plugin's newest save there
         self._pending: list[Future] = []
         self._errors: list[BaseException] = []
+        # An async save's name is linked by a done-callback, which runs after the future's
+        # result is visible: whoever reads names (rotation, the next save) waits for these too.
+        self._linking: list[tuple[Future, threading.Event]] = []
         # root url -> this plugin's saves committed under a last*.ckpt name, with the directory
         # of that name: stock Lightning overwrites last.ckpt, so one superseded here is retired.
         self._last_named: dict[str, list[tuple[_Saved, str]]] = {}
@@ -107,6 +111,7 @@ class TransactionalCheckpointIO(CheckpointIO):
             self._add_name(r, previous, os.fspath(path))
             return
         wait_for_root(root_path, self.storage_options)  # the lineage an async save is changing
+        self._wait_links()
         self._retire_superseded(r)
         self._choose_lineage(r, loaded, previous is not None and (step is None or step > previous.step))
         if step is None:
@@ -202,9 +207,15 @@ class TransactionalCheckpointIO(CheckpointIO):
                             "through the plugin (the log), not with torch.load", path, where, e)
 
         if isinstance(result, Future):
+            linked = threading.Event()
+            self._linking.append((result, linked))
+
             def when_done(f: Future) -> None:
-                if not f.cancelled() and f.exception() is None:
-                    publish(f.result())
+                try:
+                    if not f.cancelled() and f.exception() is None:
+                        publish(f.result())
+                finally:
+                    linked.set()
             result.add_done_callback(when_done)
         else:
             publish(result)
@@ -298,12 +309,24 @@ class TransactionalCheckpointIO(CheckpointIO):
                 f.result()
             except BaseException as e:  # reported below, once
                 self._errors.append(e)
+        self._wait_links()
         self._raise_failures()
 
     def teardown(self) -> None:
         self.wait()
         for url in list(self._last_named):
             self._retire_superseded(open_root(url, self.storage_options))
+
+    def _wait_links(self) -> None:
+        """Wait for the name links of the async saves that have finished (their callbacks run
+        right after); those still saving keep theirs for later."""
+        still = []
+        for future, linked in self._linking:
+            if future.done():
+                linked.wait()
+            else:
+                still.append((future, linked))
+        self._linking = still
 
     def _raise_failures(self) -> None:
         still = []
