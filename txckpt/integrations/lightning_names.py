@@ -108,9 +108,9 @@ def read_manifest_of(r: CheckpointRoot, c: Checkpoint) -> tuple[str, Manifest] |
 def _candidates(history: History, name: str) -> Iterator[Checkpoint]:
     """Every live committed checkpoint, the current lineage's first, newest first; those whose
     step the name spells (``step=N``) before all others, so the usual lookup reads one manifest."""
-    current = [c for c in history.in_view(None)]
-    rest = [c for c in history.checkpoints.values() if c.txid not in {x.txid for x in current}
-            and c.txid not in history.retired]
+    current = list(history.in_view(None))
+    seen = {c.txid for c in current}
+    rest = [c for c in history.checkpoints.values() if c.txid not in seen and c.txid not in history.retired]
     ordered = sorted(current, key=lambda c: -c.step) + sorted(rest, key=lambda c: -c.step)
     step = _step_hint(name)
     if step is not None:
