@@ -262,8 +262,8 @@ class TransactionalCheckpointIO(CheckpointIO):
         if not candidates:
             return None
         found, r = max(candidates, key=lambda fr: fr[0].record.time)
-        newer = [c for c in r.history().checkpoints.values()
-                 if c.step > found.record.step and c.txid not in r.history().retired]
+        history = r.history()
+        newer = [c for c in history.checkpoints.values() if c.step > found.record.step and c.txid not in history.retired]
         if newer:
             top = max(newer, key=lambda c: c.step)
             log.warning('ckpt_path="last" resumes step %d, the newest checkpoint of the current lineage of %s; '
