@@ -24,7 +24,7 @@ MAX_FUNCTION_IMPORTS = 30
 #: imports these on first use (torch brings torch.distributed), and the frameworks are the
 #: integrations' (docs/architecture.md).
 DEFERRED = ("torch", "safetensors", "fsspec", "s3fs", "boto3", "botocore", "aiobotocore", "gcsfs", "adlfs", "tqdm")
-FRAMEWORKS = ("transformers", "accelerate", "deepspeed")
+FRAMEWORKS = ("transformers", "accelerate", "deepspeed", "lightning")
 
 
 def _modules() -> dict[str, str]:

@@ -41,7 +41,8 @@ def test_tiny_run_writes_report_and_plot(tmp_path):
                   "Incremental save: the Trainer, a frozen base (local disk, fsync on)",
                   "S3 load: verified, against the unverified readers",
                   "Commit at many ranks (simulated): per-rank manifest parts",
-                  "Tiered root: fast local tier + S3 durable tier"):
+                  "Tiered root: fast local tier + S3 durable tier",
+                  "Lightning: time a save blocks the loop"):
         assert title in md, title
     assert "**failed**" not in md, md[md.find("**failed**") - 400:][:2000]
     # The write benchmarks cleaned up after themselves.

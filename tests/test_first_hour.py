@@ -158,7 +158,7 @@ def _install_section() -> str:
     return m.group(1)
 
 
-USER_EXTRAS = ("transformers", "accelerate", "s3", "gcs", "azure", "deepspeed")
+USER_EXTRAS = ("transformers", "accelerate", "lightning", "s3", "gcs", "azure", "deepspeed")
 
 
 def test_readme_names_every_user_extra_and_what_it_brings():

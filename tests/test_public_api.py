@@ -35,10 +35,12 @@ PUBLIC_MODULES = (
     "txckpt.integrations.transformers",
     "txckpt.integrations.accelerate",
     "txckpt.integrations.dcp",
+    "txckpt.integrations.lightning",
 )
 #: What a public module needs that a core install may lack.
-NEEDS = {"txckpt.integrations.transformers": "transformers", "txckpt.integrations.accelerate": "accelerate"}
-FRAMEWORKS = ("transformers", "accelerate", "deepspeed")
+NEEDS = {"txckpt.integrations.transformers": "transformers", "txckpt.integrations.accelerate": "accelerate",
+         "txckpt.integrations.lightning": "lightning"}
+FRAMEWORKS = ("transformers", "accelerate", "deepspeed", "lightning")
 #: User documents whose inline code is checked too (api.md and architecture.md name internal
 #: modules on purpose; docs/dev/ is for maintainers).
 USER_DOCS = sorted([os.path.join(HERE, "README.md")] + glob.glob(os.path.join(HERE, "docs", "*.md")))

@@ -1,0 +1,262 @@
+"""TransactionalCheckpointIO with the real Lightning Trainer and Fabric, in-process (CPU, a
+linear model, a few steps): every published name loads with stock tools, "last" and an explicit
+path resume, a flipped byte raises IntegrityError, save_top_k rotation retires only the current
+lineage's checkpoints, Fabric saves and loads; async saves snapshot the state before returning;
+ckpt_path="last" on memory:// and s3:// roots reads the log."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+import txckpt  # noqa: E402
+from tests.children.lightning_run import TinyModule, fit  # noqa: E402
+from txckpt.errors import IntegrityError  # noqa: E402
+from txckpt.integrations.lightning import TransactionalCheckpointIO  # noqa: E402
+
+pytestmark = pytest.mark.trainer
+
+
+def _ckpts(d: str) -> list[str]:
+    return sorted(n for n in os.listdir(d) if n.endswith(".ckpt"))
+
+
+def test_round_trip_names_resume_and_verification(tmp_path):
+    d = str(tmp_path / "run")
+    a = fit(d, seed=0, max_steps=20, ckpt_path=None, plugins=[TransactionalCheckpointIO()],
+            monitor="train_loss", save_top_k=2)
+    names = _ckpts(d)
+    assert "last.ckpt" in names and len(names) == 3, names  # top 2 by train_loss, and last
+    for name in names:  # stock tools read every published name
+        state = torch.load(os.path.join(d, name), weights_only=False)
+        assert state["global_step"] in (5, 10, 15, 20)
+        TinyModule.load_from_checkpoint(os.path.join(d, name))
+    assert torch.load(a["last"], weights_only=False)["global_step"] == 20
+    assert os.path.samefile(a["last"], os.path.join(txckpt.get_last_checkpoint(d), "epoch=0-step=20.ckpt"))
+    assert TinyModule.load_from_checkpoint(a["best"]).layer.weight.shape == (1, 4)
+    # Rotation retired what top-k let go (the current lineage's own): 2 best + the newest stay.
+    kept = {c.step for c in txckpt.open_root(d).checkpoints()}
+    assert len(kept) <= 3 and 20 in kept
+
+    b = fit(d, seed=0, max_steps=25, ckpt_path="last", plugins=[TransactionalCheckpointIO()])
+    assert b["resumed"] == 20 and b["global_step"] == 25
+    c = fit(d, seed=0, max_steps=25, ckpt_path=a["best"], plugins=[TransactionalCheckpointIO()],
+            monitor="train_loss", save_top_k=1)
+    assert c["resumed"] == torch.load(a["best"], weights_only=False)["global_step"]
+
+    # A flipped byte in the committed file (every name is the same inode) fails the load, typed.
+    newest = txckpt.get_last_checkpoint(d)
+    (file,) = txckpt.read_manifest(newest).files  # run c's name, a "-v1" version of run b's
+    victim = os.path.join(newest, file)
+    with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(IntegrityError):
+        TransactionalCheckpointIO().load_checkpoint(os.path.join(d, "last.ckpt"))
+
+
+def test_rotation_never_retires_another_lineages_checkpoint(tmp_path, caplog):
+    d = str(tmp_path / "run")
+    fit(d, seed=0, max_steps=20, ckpt_path=None, plugins=[TransactionalCheckpointIO()])
+    a_names = _ckpts(d)
+    a_steps = {c.txid: c.step for c in txckpt.open_root(d).checkpoints()}
+    # Run B rolls back to step 10 and keeps only its best (save_top_k=1): its rotation retires its
+    # own checkpoints as it goes, in the dirpath that holds A's; none of A's checkpoints or names goes.
+    removed = []
+    io = TransactionalCheckpointIO()
+    real = io.remove_checkpoint
+    io.remove_checkpoint = lambda path: (removed.append(path), real(path))[1]  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="txckpt"):
+        fit(d, seed=1, max_steps=30, ckpt_path=os.path.join(d, "epoch=0-step=10.ckpt"), plugins=[io],
+            save_top_k=1, monitor="train_loss")
+    assert "rolling back to step 10" in caplog.text and "abandons 2 checkpoint(s)" in caplog.text
+    assert removed, "B's rotation removed checkpoints"
+    history = txckpt.open_root(d).history()
+    assert history.retired, "B's rotation retired its own checkpoints through txckpt"
+    for txid in a_steps:
+        assert txid in history.checkpoints and txid not in history.retired, a_steps[txid]
+    for name in a_names:
+        if name != "last.ckpt":
+            assert os.path.exists(os.path.join(d, name)), name
+
+
+def test_validate_from_an_older_checkpoint_changes_no_lineage_and_a_fresh_run_starts_one(tmp_path, caplog):
+    from tests.children.lightning_run import data, trainer
+
+    d = str(tmp_path / "run")
+    fit(d, seed=0, max_steps=20, ckpt_path=None, plugins=[TransactionalCheckpointIO()])
+    root = txckpt.open_root(d)
+    before = root.state()
+    t, _ = trainer(d, 20, [TransactionalCheckpointIO()])
+    t.validate(TinyModule(), data(0), ckpt_path=os.path.join(d, "epoch=0-step=10.ckpt"))
+    after = root.state()
+    assert (after.head, after.head_tip) == (before.head, before.head_tip), "a load alone forks nothing"
+    # fit with no ckpt_path into the same dirpath: a run from scratch, a new lineage (logged);
+    # "last" is then that run's newest, and A's checkpoints all stay.
+    with caplog.at_level("WARNING", logger="txckpt"):
+        fit(d, seed=1, max_steps=10, ckpt_path=None, plugins=[TransactionalCheckpointIO()])
+    assert "starts a new lineage" in caplog.text
+    fresh = root.state()
+    assert fresh.head != before.head and fresh.head_tip.step == 10
+    assert {c.step for c in root.checkpoints(lineage=before.head)} == {5, 10, 15, 20}
+    assert fit(d, seed=1, max_steps=12, ckpt_path="last", plugins=[TransactionalCheckpointIO()])["resumed"] == 10
+
+
+def test_fabric_save_and_load(tmp_path):
+    d = str(tmp_path / "fabric")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[TransactionalCheckpointIO()])
+    model = torch.nn.Linear(4, 2)
+    for step in (1, 2):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        fabric.save(os.path.join(d, "state.ckpt"), {"model": model, "step": step})
+    assert [c.step for c in txckpt.open_root(d).checkpoints()] == [1, 2]
+    assert torch.load(os.path.join(d, "state.ckpt"), weights_only=False)["step"] == 2
+    fresh = torch.nn.Linear(4, 2)
+    rest = fabric.load(os.path.join(d, "state.ckpt"), {"model": fresh})
+    assert rest == {"step": 2} and torch.equal(fresh.weight, torch.full((2, 4), 2.0))
+
+
+def test_async_saves_snapshot_before_returning(tmp_path):
+    """Weights mutated in place right after save_checkpoint returns: every one of 32 committed
+    checkpoints equals the state at its save (0 torn)."""
+    d = str(tmp_path / "async")
+    io = TransactionalCheckpointIO(async_save=True)
+    weights = torch.zeros(256, 64)
+    for step in range(1, 33):
+        weights.fill_(float(step))
+        io.save_checkpoint({"state_dict": {"w": weights}, "global_step": step, "epoch": 0},
+                           os.path.join(d, f"step={step}.ckpt"))
+        weights.add_(1000.0)  # in place, while the background may still be writing
+    io.teardown()
+    reader = TransactionalCheckpointIO()
+    for step in range(1, 33):
+        state = reader.load_checkpoint(os.path.join(d, f"step={step}.ckpt"))
+        assert state["global_step"] == step and torch.equal(state["state_dict"]["w"], torch.full((256, 64), float(step)))
+        assert torch.equal(torch.load(os.path.join(d, f"step={step}.ckpt"))["state_dict"]["w"],
+                           torch.full((256, 64), float(step)))
+
+
+def _last_on(root: str, storage_options, tmp_path) -> None:
+    local = str(tmp_path / "names")  # the ModelCheckpoint's dirpath: names only, the root is remote
+    io = lambda: TransactionalCheckpointIO(root, storage_options=storage_options)  # noqa: E731
+    fit(local, seed=0, max_steps=10, ckpt_path=None, plugins=[io()])
+    fit(local, seed=0, max_steps=20, ckpt_path="last", plugins=[io()])
+    c = fit(local, seed=0, max_steps=25, ckpt_path="last", plugins=[io()])
+    assert c["resumed"] == 20 and "/.txckpt/tx/" in c["ckpt_path"], "the committed file, at its home"
+    assert c["ckpt_path"].endswith("/checkpoint-20/epoch=0-step=20.ckpt")
+    # Nothing local at all: no copy, no symlink; the names live in the log.
+    assert not os.path.exists(local) or os.listdir(local) == []
+    # Any name resolves through the log, with no file behind it.
+    state = io().load_checkpoint(os.path.join(local, "epoch=0-step=10.ckpt"))
+    assert state["global_step"] == 10
+
+
+def test_last_on_memory_root(tmp_path, memory_root):
+    url, options = memory_root
+    _last_on(url, options or None, tmp_path)
+
+
+@pytest.mark.s3
+def test_last_on_s3_root(tmp_path, s3_root):
+    url, options = s3_root
+    _last_on(url, options, tmp_path)
+
+
+def test_standalone_pytorch_lightning_package(tmp_path):
+    """``pytorch_lightning`` (the same Trainer under its old package name) takes the plugin too."""
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, index):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    d = str(tmp_path / "pl")
+    loader = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=2)
+
+    def run(max_steps: int, ckpt_path):
+        t = pl.Trainer(max_steps=max_steps, plugins=[TransactionalCheckpointIO()], logger=False,
+                       enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                       callbacks=[ModelCheckpoint(dirpath=d, every_n_train_steps=4, save_top_k=-1, save_last=True)])
+        t.fit(Tiny(), loader, ckpt_path=ckpt_path)
+        return t
+
+    run(8, None)
+    assert [c.step for c in txckpt.open_root(d).checkpoints()] == [4, 8]
+    t = run(12, "last")
+    assert "/checkpoint-8/" in str(t.ckpt_path) and t.global_step == 12
+
+
+def test_resume_from_last_equals_the_uninterrupted_run(tmp_path):
+    """An epoch-boundary checkpoint resumed by ckpt_path="last" continues bit for bit: the final
+    weights equal those of one uninterrupted run (32 steps an epoch, unshuffled data, SGD)."""
+    straight = fit(str(tmp_path / "straight"), seed=0, max_steps=64, ckpt_path=None,
+                   plugins=[TransactionalCheckpointIO()], every_n_train_steps=32)
+    d = str(tmp_path / "resumed")
+    fit(d, seed=0, max_steps=32, ckpt_path=None, plugins=[TransactionalCheckpointIO(async_save=True)],
+        every_n_train_steps=32)
+    resumed = fit(d, seed=0, max_steps=64, ckpt_path="last", plugins=[TransactionalCheckpointIO(async_save=True)],
+                  every_n_train_steps=32)
+    assert resumed["resumed"] == 32
+    assert resumed["weight"] == straight["weight"]
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_rotation_keeps_the_best_and_the_newest(tmp_path, request, kind):
+    """save_top_k=1 with save_last: what stock keeps (the best and last.ckpt) is what stays
+    committed; the rest is retired through the log: top-k's removals, and the checkpoints saved
+    under last.ckpt alone once a newer one took the name (stock overwrites that file)."""
+    dirpath = str(tmp_path / "names")
+    if kind == "memory":
+        url, options = request.getfixturevalue("memory_root")
+        io = TransactionalCheckpointIO(url, storage_options=options or None)
+        root = txckpt.open_root(url, options or None)
+    else:
+        io = TransactionalCheckpointIO()
+        root = txckpt.open_root(dirpath)
+    fit(dirpath, seed=0, max_steps=30, ckpt_path=None, plugins=[io], monitor="train_loss", save_top_k=1)
+    assert root.history().retired, "rotation retired what it let go"
+    kept = root.checkpoints()
+    assert 30 in {c.step for c in kept} and len(kept) <= 2, [c.step for c in kept]
+    if kind == "local":
+        names = _ckpts(dirpath)
+        assert len(names) == 2 and "last.ckpt" in names, names
+        for n in names:  # every name left is a committed checkpoint's
+            assert torch.load(os.path.join(dirpath, n), weights_only=False)["global_step"] in {c.step for c in kept}
+
+
+def test_a_file_txckpt_did_not_commit_loads_as_lightning_loads_it_with_a_warning(tmp_path, caplog):
+    path = str(tmp_path / "stock.ckpt")
+    torch.save({"global_step": 7, "state_dict": {"w": torch.ones(2)}}, path)
+    with caplog.at_level("WARNING", logger="txckpt"):
+        state = TransactionalCheckpointIO().load_checkpoint(path)
+    assert state["global_step"] == 7 and "unverified" in caplog.text
+
+
+def test_a_crashed_links_leftover_goes_with_the_next_link_and_teardown_retires_the_superseded_last(tmp_path):
+    d = str(tmp_path / "run")
+    io = TransactionalCheckpointIO()
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(2)}, os.path.join(d, "last.ckpt"))
+    # What a crash between os.link and the rename leaves: a temp link of the same name.
+    os.link(os.path.join(d, "last.ckpt"), os.path.join(d, ".last.ckpt.0123456789ab.tmp"))
+    io.save_checkpoint({"global_step": 2, "w": torch.full((2,), 2.0)}, os.path.join(d, "last.ckpt"))
+    assert sorted(n for n in os.listdir(d) if n.endswith(".tmp")) == []
+    io.teardown()  # step 1 was saved under last.ckpt alone, and step 2 holds the name now
+    assert [c.step for c in txckpt.open_root(d).checkpoints()] == [2]
+    assert torch.equal(torch.load(os.path.join(d, "last.ckpt"))["w"], torch.full((2,), 2.0))

@@ -1,0 +1,380 @@
+"""PyTorch Lightning and Fabric: every checkpoint save is one txckpt transaction.
+
+``Trainer(plugins=[TransactionalCheckpointIO()])`` (or ``Fabric(plugins=[...])``): each
+``save_checkpoint(checkpoint, path)`` commits checkpoint ``checkpoint["global_step"]`` of the
+current lineage of the root (the plugin's ``root``, else ``path``'s directory, the
+ModelCheckpoint's ``dirpath``), holding the one file Lightning writes, under its name; the
+user-facing ``path`` is a published name of those committed bytes (lightning_names.py). Loading
+verifies every byte; ``ckpt_path="last"`` is the current lineage's newest committed checkpoint,
+read from the log; resuming from an older checkpoint forks a lineage at the next save and warns.
+docs/lightning.md is the user's page.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.cloud_io import _load as lightning_load
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+try:  # the standalone packages: pytorch_lightning's Trainer checks lightning_fabric's CheckpointIO
+    import lightning_fabric.plugins.io.checkpoint_io as standalone_io
+    import pytorch_lightning.callbacks as standalone_callbacks
+    import pytorch_lightning.trainer.connectors.checkpoint_connector as standalone_connector
+except ImportError:  # only `lightning` installed: the usual case
+    standalone_io = standalone_callbacks = standalone_connector = None  # type: ignore[assignment]
+
+from .. import deps
+from ..api import async_save as txckpt_async_save
+from ..api import load_checkpoint as txckpt_load
+from ..asyncsave import wait_for_root
+from ..coordination import SingleProcess
+from ..errors import InvalidArgumentError
+from ..retention import finish_retired, retire
+from ..root import CheckpointRoot, open_root
+from .lightning_names import Resolved, is_last, is_local, link_name, names_in, newest, resolve, split
+
+log = logging.getLogger("txckpt")
+
+
+@dataclass
+class _Saved:
+    """This plugin's newest save into one root: its step, and its committed path (or the future
+    of it, for an async save), so that a second name for the same step links to it."""
+
+    step: int
+    name: str
+    result: "str | Future[str]"
+
+
+def _step_of(checkpoint: Mapping[str, Any]) -> int | None:
+    # Lightning's Trainer: global_step; Fabric's state: whatever the user put in, "step" commonly.
+    for k in ("global_step", "step"):
+        v = checkpoint.get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            return v
+    return None
+
+
+class TransactionalCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` whose saves are txckpt transactions (docs/lightning.md).
+
+    ``root``: the txckpt root (a local path or any fsspec URL); None (the default): the directory
+    of each path Lightning saves to, the ModelCheckpoint's ``dirpath``. ``storage_options`` go to
+    fsspec. ``async_save=True``: the state is snapshotted before ``save_checkpoint`` returns and
+    committed in the background (txckpt.async_save); ``teardown()`` waits for it, and a failure
+    is raised by the next save or the teardown. ``incremental=True``: a file already committed
+    byte for byte is shared, not written (docs/incremental.md).
+    """
+
+    def __init__(self, root: str | os.PathLike | None = None, *,
+                 storage_options: Mapping[str, Any] | None = None,
+                 async_save: bool = False, incremental: bool = False) -> None:
+        super().__init__()
+        self.root = os.fspath(root) if root is not None else None
+        self.storage_options = dict(storage_options) if storage_options else None
+        self.async_save = bool(async_save)
+        self.incremental = bool(incremental)
+        self._loaded: dict[str, Resolved] = {}  # root url -> what was loaded since its last save
+        self._saved: dict[str, _Saved] = {}  # root url -> this plugin's newest save there
+        self._pending: list[Future] = []
+        self._errors: list[BaseException] = []
+        # An async save's name is linked by a done-callback, which runs after the future's
+        # result is visible: whoever reads names (rotation, the next save) waits for these too.
+        self._linking: list[tuple[Future, threading.Event]] = []
+        # root url -> this plugin's saves committed under a last*.ckpt name, with the directory
+        # of that name: stock Lightning overwrites last.ckpt, so one superseded here is retired.
+        self._last_named: dict[str, list[tuple[_Saved, str]]] = {}
+
+    # ----- save ---------------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise InvalidArgumentError(
+                "TransactionalCheckpointIO takes its storage_options once, at construction "
+                "(TransactionalCheckpointIO(storage_options=...)), not per save")
+        self._raise_failures()
+        root_path, name = split(path, self.root)
+        r = open_root(root_path, self.storage_options)
+        step = _step_of(checkpoint)
+        previous = self._saved.get(r.url)
+        loaded = self._loaded.pop(r.url, None)
+        if loaded is None and previous is not None and step == previous.step:
+            # A second name for the step just saved (last.ckpt, a second ModelCheckpoint): the
+            # same committed bytes, never a second write (docs/lightning.md, "Layout").
+            self._add_name(r, previous, os.fspath(path))
+            return
+        wait_for_root(root_path, self.storage_options)  # the lineage an async save is changing
+        self._wait_links()
+        self._retire_superseded(r)
+        self._choose_lineage(r, loaded, previous is not None and (step is None or step > previous.step))
+        if step is None:
+            tip = r.state().head_tip
+            step = 0 if tip is None else tip.step + 1
+        files = {name: checkpoint}
+        metadata = {"lightning": {"name": name, "epoch": checkpoint.get("epoch"), "global_step": step}}
+        if self.async_save:
+            self._check_single_process()
+            future = txckpt_async_save(root_path, step, files, storage_options=self.storage_options,
+                                       metadata=metadata, incremental=self.incremental)
+            saved = _Saved(step, name, future)
+            self._pending.append(future)
+        else:
+            where = r.save(step, files, metadata=metadata, incremental=self.incremental,
+                           coordinator=SingleProcess())
+            saved = _Saved(step, name, where)
+        self._saved[r.url] = saved
+        if is_last(name):
+            self._last_named.setdefault(r.url, []).append((saved, os.path.dirname(os.path.abspath(os.fspath(path)))))
+        self._add_name(r, saved, os.fspath(path))
+
+    def _retire_superseded(self, r: CheckpointRoot) -> None:
+        """Retire this plugin's checkpoints that were committed under a ``last*.ckpt`` name and
+        are no longer the newest, where nothing else names them: what stock Lightning's
+        overwrite of last.ckpt frees. Only this process's own saves: the checkpoint a run
+        resumed from stays (as Lightning keeps it), and so do fork points and other lineages'."""
+        entries = self._last_named.get(r.url)
+        if not entries:
+            return
+        state = r.state()
+        tip = state.head_tip
+        keep: list[tuple[_Saved, str]] = []
+        going: list[str] = []
+        for saved, directory in entries:
+            result = saved.result
+            if isinstance(result, Future):
+                if not result.done():
+                    keep.append((saved, directory))
+                    continue
+                if result.cancelled() or result.exception() is not None:
+                    continue  # never committed
+                result = result.result()
+            found = resolve(f"{result.rstrip('/')}/{saved.name}", None, self.storage_options)
+            if found is None or found.record.lineage != state.head:
+                continue
+            if tip is not None and found.record.txid == tip.txid:
+                keep.append((saved, directory))
+                continue
+            if is_local(r) and [n for n in names_in(directory, os.path.join(found.checkpoint, found.file))
+                                if not is_last(n)]:
+                continue  # a top-k name holds it: ModelCheckpoint's rotation decides
+            going.append(found.record.txid)
+        self._last_named[r.url] = keep
+        if going and retire(r, going):
+            finish_retired(r)
+
+    def _choose_lineage(self, r: CheckpointRoot, loaded: Resolved | None, continuing: bool) -> None:
+        """Which lineage this save continues. After a load: the loaded checkpoint's (a rollback
+        forks and warns; one of another root becomes the external parent of a new lineage).
+        ``continuing``: this plugin saved an older step here since: the same lineage. Otherwise
+        (a first save, or a step counter that went back: a run from scratch), into a root with
+        checkpoints: a new lineage (it continues nothing; what is there stays)."""
+        if loaded is not None:
+            if loaded.root == r.url:
+                r.resume(path=loaded.checkpoint)
+            else:
+                r.new_lineage(external_parent=loaded.checkpoint)
+            return
+        if continuing:
+            return
+        state = r.state() if r.storage.exists(".txckpt") else None
+        if state is not None and state.head_tip is not None:
+            log.warning("%s: this run loaded no checkpoint, so it starts a new lineage; the checkpoints "
+                        "already there stay (`txckpt log %s`)", r.url, r.url)
+            r.new_lineage()
+
+    def _add_name(self, r: CheckpointRoot, saved: _Saved, path: str) -> None:
+        """Publish ``path`` as a name of ``saved``'s committed file: now, or when its async save
+        commits. Object stores have no links: there the name is resolved through the log."""
+        if not is_local(r):
+            return
+        path = os.path.abspath(os.path.expanduser(path))
+        result = saved.result
+
+        def publish(where: str) -> None:
+            if not os.path.isdir(os.path.dirname(path)):  # a root elsewhere, and no dirpath here
+                return
+            try:
+                link_name(os.path.join(where, saved.name), path, durable=r.durable)
+            except OSError as e:  # the bytes are committed; only the link is missing
+                log.warning("could not link %s to committed checkpoint %s (%s); it still loads "
+                            "through the plugin (the log), not with torch.load", path, where, e)
+
+        if isinstance(result, Future):
+            linked = threading.Event()
+            self._linking.append((result, linked))
+
+            def when_done(f: Future) -> None:
+                try:
+                    if not f.cancelled() and f.exception() is None:
+                        publish(f.result())
+                finally:
+                    linked.set()
+            result.add_done_callback(when_done)
+        else:
+            publish(result)
+
+    def _check_single_process(self) -> None:
+        dist = deps.torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise InvalidArgumentError(
+                "TransactionalCheckpointIO(async_save=True) saves from rank 0 alone, which "
+                "txckpt's background saver cannot do inside a process group yet; use "
+                "async_save=False with multi-process strategies (docs/lightning.md)")
+
+    # ----- load ---------------------------------------------------------------------------------
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        self.wait()
+        found = resolve(path, self.root, self.storage_options)
+        if found is None:
+            log.warning("%s is not a checkpoint committed by txckpt (no log, or a file written "
+                        "without it): loaded as Lightning loads it, unverified", path)
+            return lightning_load(path, map_location=map_location, weights_only=weights_only)
+        state = txckpt_load(found.checkpoint, files=[found.file], storage_options=self.storage_options,
+                            map_location=map_location if map_location is not None else "cpu",
+                            weights_only=True if weights_only is None else weights_only)
+        self._loaded[found.root] = found
+        return state[found.file]
+
+    def last_checkpoint_path(self, roots: list[str]) -> str | None:
+        """``ckpt_path="last"``: the newest committed checkpoint of the current lineage of
+        ``roots`` (the ModelCheckpoints' dirpaths, or the plugin's root), newest commit first,
+        as the path of its file; None if none has one. Warns if another lineage holds a newer step."""
+        candidates = []
+        for root_path in dict.fromkeys([self.root] if self.root is not None else roots):
+            r = open_root(root_path, self.storage_options)
+            wait_for_root(root_path, self.storage_options)
+            try:
+                if not r.storage.exists(".txckpt") or r.state().seq < 0:
+                    continue
+            except FileNotFoundError:
+                continue
+            found = newest(r)
+            if found is not None:
+                candidates.append((found, r))
+        if not candidates:
+            return None
+        found, r = max(candidates, key=lambda fr: fr[0].record.time)
+        history = r.history()
+        newer = [c for c in history.checkpoints.values() if c.step > found.record.step and c.txid not in history.retired]
+        if newer:
+            top = max(newer, key=lambda c: c.step)
+            log.warning('ckpt_path="last" resumes step %d, the newest checkpoint of the current lineage of %s; '
+                        "step %d (lineage %s) is newer but not of the current lineage: a rollback or a run "
+                        "from scratch abandoned it (`txckpt log %s`)",
+                        found.record.step, r.url, top.step, top.lineage, r.url)
+        return f"{found.checkpoint.rstrip('/')}/{found.file}"
+
+    # ----- remove -------------------------------------------------------------------------------
+    def remove_checkpoint(self, path: Any) -> None:
+        """ModelCheckpoint's rotation: the name goes, and the checkpoint is retired through
+        txckpt when nothing else names it and it is the current lineage's own: another
+        lineage's checkpoint keeps its name and data, a leased one is deleted when its reader is
+        done, the newest and fork points are never retired (protocol §11)."""
+        self.wait()
+        root_path, name = split(path, self.root)
+        r = open_root(root_path, self.storage_options)
+        found = resolve(path, self.root, self.storage_options)
+        if found is not None and found.record.lineage != r.state().head:
+            log.info("%s names a checkpoint of lineage %s, not the current one: kept", path, found.record.lineage)
+            return
+        local = is_local(r) and found is not None and found.checkpoint.rstrip("/") != os.path.dirname(
+            os.path.abspath(os.fspath(path)))
+        if local and os.path.isfile(os.fspath(path)):
+            os.unlink(os.fspath(path))
+        if found is None or is_last(name):
+            return
+        others = names_in(os.path.dirname(os.path.abspath(os.fspath(path))),
+                          os.path.join(found.checkpoint, found.file), besides=name) if is_local(r) else []
+        if [n for n in others if not is_last(n)]:
+            return  # a second callback's name still holds these bytes
+        # A last*.ckpt name does not keep a checkpoint: it follows the newest, which is never
+        # retired (ModelCheckpoint removes the old top-k before it moves last.ckpt on).
+        if retire(r, [found.record.txid]):
+            finish_retired(r)
+
+    # ----- teardown -----------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Wait for this plugin's async saves; raise the first failure not reported yet."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            try:
+                f.result()
+            except BaseException as e:  # reported below, once
+                self._errors.append(e)
+        self._wait_links()
+        self._raise_failures()
+
+    def teardown(self) -> None:
+        self.wait()
+        for url in list(self._last_named):
+            self._retire_superseded(open_root(url, self.storage_options))
+
+    def _wait_links(self) -> None:
+        """Wait for the name links of the async saves that have finished (their callbacks run
+        right after); those still saving keep theirs for later."""
+        still = []
+        for future, linked in self._linking:
+            if future.done():
+                linked.wait()
+            else:
+                still.append((future, linked))
+        self._linking = still
+
+    def _raise_failures(self) -> None:
+        still = []
+        for f in self._pending:
+            if f.done():
+                if f.exception() is not None:
+                    self._errors.append(f.exception())  # type: ignore[arg-type]
+            else:
+                still.append(f)
+        self._pending = still
+        if self._errors:
+            first, self._errors = self._errors[0], []
+            raise first
+
+
+def _parse_ckpt_path(original: Callable[..., Any], checkpoint_class: type) -> Callable[..., Any]:
+    """``ckpt_path="last"`` read from the log where the strategy's CheckpointIO is ours, instead
+    of Lightning's newest-mtime ``last*.ckpt`` of the dirpaths (stock behaviour otherwise)."""
+
+    def parse(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
+        io = getattr(self.trainer.strategy, "checkpoint_io", None)
+        if ckpt_path == "last" and isinstance(io, TransactionalCheckpointIO):
+            roots = []
+            for cb in self.trainer.checkpoint_callbacks:
+                if isinstance(cb, checkpoint_class):
+                    # dirpath=None: Lightning's own default (default_root_dir/.../checkpoints),
+                    # as its _find_last_checkpoints resolves it.
+                    dirpath = getattr(cb, "dirpath", None) or getattr(cb, "_ModelCheckpoint__resolve_ckpt_dir")(self.trainer)
+                    roots.append(os.fspath(dirpath))
+            found = io.last_checkpoint_path(roots)
+            if found is not None:
+                return found
+        return original(self, state_fn, ckpt_path, model_provided, model_connected)
+
+    parse.__wrapped__ = original  # type: ignore[attr-defined]
+    return parse
+
+
+def _install(connector: Any, checkpoint_class: type) -> None:
+    if not hasattr(connector._parse_ckpt_path, "__wrapped__"):  # once per process
+        connector._parse_ckpt_path = _parse_ckpt_path(connector._parse_ckpt_path, checkpoint_class)
+
+
+_install(_CheckpointConnector, ModelCheckpoint)
+if standalone_io is not None:
+    # pytorch_lightning 2.x is the same code under other module names: its Trainer accepts a
+    # plugin that is an instance of lightning_fabric's CheckpointIO (an ABC: register ours).
+    standalone_io.CheckpointIO.register(TransactionalCheckpointIO)
+    _install(standalone_connector._CheckpointConnector, standalone_callbacks.ModelCheckpoint)
+
+__all__ = ["TransactionalCheckpointIO"]
