@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import txckpt
-from tests.children import async_workers, dist_workers
+from tests.children import async_workers
 from tests.harness import launcher
 from tests.harness.crash_sweep import report, sweep
 from tests.test_crash_sweep import files as tagged_files

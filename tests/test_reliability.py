@@ -13,7 +13,6 @@ the mark and the KNOWN entry are removed.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import select
 import shutil

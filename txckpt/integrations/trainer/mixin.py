@@ -523,7 +523,7 @@ class TransactionalCheckpointMixin:
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
         if "model_path" in kwargs:  # transformers 4.x's deprecated alias
-            warnings.warn("`model_path` is deprecated; use `resume_from_checkpoint`", FutureWarning)
+            warnings.warn("`model_path` is deprecated; use `resume_from_checkpoint`", FutureWarning, stacklevel=2)
             resume_from_checkpoint = kwargs.pop("model_path")
         check_save_on_each_node(self.args)
         resolved = self._txckpt_resolve_resume(resume_from_checkpoint, trial)
