@@ -27,7 +27,7 @@ def profile_call(label: str, fn: Callable[[Any], Any], setup: Callable[[], Any] 
             cleanup(ctx)
     st = pstats.Stats(prof)
     entries = []
-    for (filename, line, func), (cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+    for (filename, line, func), (_cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
         entries.append((tt, ct, nc, _where(filename, line, func)))
     entries.sort(reverse=True)
     lines = [f"Profile: {label} — {wall:.3f} s wall (cProfile; own time per function, top {top})", "",

@@ -12,7 +12,6 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-from tests.children import dist_workers as dw  # noqa: E402
 from tests.harness import launcher
 from tests.children.accelerate_workers import job  # noqa: E402
 

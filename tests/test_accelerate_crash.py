@@ -2,7 +2,13 @@
 ``TransactionalAccelerator.save_state`` (accelerate's own writes included: they are routed
 through Python's ``open`` so the harness sees each one), after a rollback, with total_limit's
 retention; after each crash a fresh process checks docs/protocol.md §12's invariants and that a
-restart loads one whole checkpoint and saves past it."""
+restart loads one whole checkpoint and saves past it.
+
+In the campaign each sweep tries every point around an operation that flips what a reader sees
+(a manifest, log entry or `latest` put in place, a publication) and a seeded 40% of the others;
+the seed is in the summary line (`TXCKPT_SWEEP_SEED=<seed>` repeats a draw) and varies per run,
+so the runs cover every point between them; `TXCKPT_FULL_SWEEP=1` tries every point
+(tests/harness/sampling.py)."""
 
 from __future__ import annotations
 
@@ -117,6 +123,6 @@ def test_sweep_save_state_after_rollback(tmp_path):
         return v
 
     result = sweep("TransactionalAccelerator.save_state after a rollback", template, str(tmp_path / "work"),
-                   scenario, check)
+                   scenario, check, sampled=True)
     assert any("optimizer.bin" in op for op in result.ops), result.ops  # accelerate's writes are crash points
     report(result)

@@ -10,7 +10,6 @@ import pytest
 
 import txckpt
 from tests.children import claim_workers as cw
-from tests.children import dist_workers as dw
 from tests.harness import launcher
 from txckpt.claims import claimed_names, matches
 

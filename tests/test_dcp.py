@@ -11,7 +11,6 @@ import pytest
 
 import txckpt
 from tests.children import dcp_workers as cw
-from tests.children import dist_workers as dw
 from tests.harness import launcher
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]

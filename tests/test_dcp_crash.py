@@ -3,9 +3,11 @@ its file operations during a dcp.save through TransactionalWriter; a fresh proce
 that a restart sees the previous checkpoint or the new one (never a mix, nothing before its
 commit), loads it verified, and can save on.
 
-CI samples the points deterministically (every rank-1 point, and rank 0's points spread over its
-save plus every point around the manifest, the commit entry and the publication);
-``TXCKPT_DCP_FULL_SWEEP=1`` runs every point of both ranks."""
+CI samples the points (tests/harness/sampling.py): of rank 0, every point around the manifest, the
+commit entry and the publication, its first and last, and 4 drawn from the others; of rank 1, its
+first and last and a drawn 40% of the others. The draw is seeded (the seed is in the summary line,
+``TXCKPT_SWEEP_SEED=<seed>`` repeats it) and varies per run, so runs together reach every point;
+``TXCKPT_DCP_FULL_SWEEP=1`` or ``TXCKPT_FULL_SWEEP=1`` runs every point of both ranks."""
 
 from __future__ import annotations
 
@@ -19,12 +21,12 @@ import pytest
 from tests import conftest
 from tests.children import dcp_workers as cw
 from tests.children import dist_workers as dw
-from tests.harness import launcher
+from tests.harness import launcher, sampling
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-FULL = os.environ.get("TXCKPT_DCP_FULL_SWEEP") == "1"
-#: Rank 0's points in CI besides the commit-critical ones (spread evenly over its operations).
+FULL = os.environ.get("TXCKPT_DCP_FULL_SWEEP") == "1" or sampling.FULL
+#: Rank 0's points in CI besides the commit-critical ones (drawn from its other operations).
 SAMPLED = 4
 #: The ops around which the outcome flips: the manifest, the commit entry, the publication.
 CRITICAL = ("link(<root>/.txckpt/tx/<id>/checkpoint-2/txckpt-manifest", "link(<root>/.txckpt/log/",
@@ -82,12 +84,12 @@ def _crash_once(tmp_path, base: str, victim: int, point: tuple[str, int], when: 
 
 def _chosen(ops: list[str], victim: int) -> list[tuple[tuple[str, int], str]]:
     points = dw.occurrences(ops)
-    every = [(p, w) for p in points for w in ("before", "after")]
-    if FULL or victim == 1:
-        return every
-    idx = set(range(0, len(points), max(1, len(points) // SAMPLED))) | {len(points) - 1}
-    idx |= {i for i, p in enumerate(points) if p[0].startswith(CRITICAL)}
-    return [(points[i], w) for i in sorted(idx) for w in ("before", "after")]
+    if victim == 1:  # nothing rank 1 does commits: no point of its is critical
+        chosen = sampling.sample("DCP rank 1", points, full=FULL)
+    else:
+        chosen = sampling.sample("DCP rank 0", points, lambda p: p[0].startswith(CRITICAL), full=FULL, share=0,
+                                 at_least=SAMPLED)
+    return [(p, w) for p in chosen for w in ("before", "after")]
 
 
 def test_dcp_crash_sweep_two_ranks(tmp_path):
@@ -99,11 +101,14 @@ def test_dcp_crash_sweep_two_ranks(tmp_path):
     slowest = 0.0
     violations: list[str] = []
     counted = {}
+    tried = total = 0
     for victim in (1, 0):
         ops = _count(tmp_path, base, victim)
         counted[victim] = len(ops)
         assert ops, "the counting run saw no file operation"
-        for i, (point, when) in enumerate(_chosen(ops, victim)):
+        chosen = _chosen(ops, victim)
+        tried, total = tried + len(chosen), total + 2 * len(dw.occurrences(ops))
+        for i, (point, when) in enumerate(chosen):
             out = _crash_once(tmp_path, base, victim, point, when, f"{victim}-{i}-{when}")
             if out["unreached"]:
                 unreached += 1
@@ -112,7 +117,7 @@ def test_dcp_crash_sweep_two_ranks(tmp_path):
             commits += bool(out["committed"])
             slowest = max(slowest, out["survivor_s"])
             violations += [f"rank {victim} {when} {point[0]} #{point[1]}: {p}" for p in out["problems"]]
-    line = (f"DCP crash sweep, 2 ranks ({'full' if FULL else 'CI sample'}): rank 1 {counted[1]} ops, rank 0 "
+    line = (f"DCP crash sweep, 2 ranks ({sampling.describe(tried, total, full=FULL)}): rank 1 {counted[1]} ops, rank 0 "
             f"{counted[0]} ops; {points} crash points ({unreached} not reached in 3 runs), {commits} left the "
             f"new checkpoint committed, {len(violations)} violations, slowest survivor error {slowest:.1f} s, "
             f"{time.monotonic() - t0:.0f} s")

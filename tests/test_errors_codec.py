@@ -213,7 +213,6 @@ def resume_nothing_intact(rank: int, world: int, *, root: str):
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_rank_0s_no_intact_checkpoint_error_reaches_rank_1_with_its_fields(tmp_path):
-    from tests.children import dist_workers as dw
     from tests.harness import launcher
 
     root = str(tmp_path / "out")

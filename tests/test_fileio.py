@@ -2,8 +2,6 @@
 it: verification reads each decoded file once, into the buffer its tensors live in."""
 import io
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch

@@ -196,7 +196,6 @@ def log_a_save(rank: int, world: int, *, root: str, step: int) -> list[list]:
 
 
 def test_in_a_process_group_the_summary_is_logged_once_by_rank_0_with_every_ranks_bytes(tmp_path):
-    from tests.children import dist_workers as dw
     from tests.harness import launcher
 
     root = str(tmp_path / "out")

@@ -3,7 +3,10 @@
 ``test_campaign_case[<case>]``: the whole quick campaign runs once (a module fixture, < 6 minutes on
 the 2-core dev machine; ``python -m tests.reliability`` is the full one, which writes
 docs/reliability.md); each case then fails on any violation that no known issue explains, or on a
-harness error. Violations explained by a known issue are listed in the test log.
+harness error. Violations explained by a known issue are listed in the test log. The quick mode's
+samples (crash points past a case's cap, flipped bytes, power-loss states, soak cycles) are drawn
+from the run's sweep seed (tests/harness/sampling.py): printed in the summary line, varied per run
+so that runs together cover more, repeated with ``TXCKPT_SWEEP_SEED=<seed>``.
 
 ``test_<reproducer>``: one deterministic test per known issue (tests/reliability/known.py), marked
 ``xfail(strict=True)``: CI stays green while the defect is open and fails the day it is fixed, until
@@ -13,7 +16,6 @@ the mark and the KNOWN entry are removed.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import select
 import shutil
@@ -24,6 +26,7 @@ import pytest
 
 import txckpt
 from tests import conftest
+from tests.harness import sampling
 from tests.harness.procs import run_child
 from tests.reliability.core import payload
 from tests.reliability.known import KNOWN
@@ -50,16 +53,17 @@ def campaign(tmp_path_factory):
     from tests.reliability.report import render
 
     lines: list[str] = []
-    results, wall, info = run(quick=True, progress=lines.append)
+    seed = sampling.sweep_seed()
+    results, wall, info = run(quick=True, progress=lines.append, seed=seed)
     out = tmp_path_factory.mktemp("reliability") / "reliability-quick.md"
     out.write_text(render(results, info, quick=True, wall=wall, command="pytest tests/test_reliability.py"))
     new = sum(len(r.violations) for r in results)
     known = sum(len(r.known_violations) for r in results)
     errors = sum(1 for r in results if r.error)
     points = sum(r.points for r in results)
-    line = (f"reliability campaign (quick): {len(results)} cases, {points} crash points/states/probes/cycles, "
-            f"{new} unexplained violations, {errors} harness errors, {known} violations of "
-            f"{len({k for r in results for k in r.known})} known issues; {wall:.0f} s; scorecard: {out}")
+    line = (f"reliability campaign (quick, seed {seed}: TXCKPT_SWEEP_SEED={seed} repeats it): {len(results)} cases, "
+            f"{points} crash points/states/probes/cycles, {new} unexplained violations, {errors} harness errors, "
+            f"{known} violations of {len({k for r in results for k in r.known})} known issues; {wall:.0f} s; scorecard: {out}")
     conftest.SUMMARY_LINES.append(line)
     print(line)
     return {r.id: r for r in results}

@@ -13,7 +13,6 @@
 import errno
 import json
 import os
-import sys
 import threading
 from pathlib import Path
 

@@ -5,8 +5,6 @@ eval/save strategy of transformers' own test_best_model_checkpoint_behavior (and
 best in every saved trainer_state.json, and txckpt's current lineage is exactly those names."""
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 

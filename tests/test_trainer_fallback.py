@@ -2,7 +2,6 @@
 Trainer (tiny model, CPU), on a local output_dir and on an S3 root (moto server)."""
 import logging
 import os
-import sys
 from pathlib import Path
 
 import fsspec

@@ -2,9 +2,7 @@
 import json
 import logging
 import os
-import sys
 import types
-from pathlib import Path
 
 import pytest
 
@@ -15,7 +13,6 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint as hf_get_last_checkpoint  # noqa: E402
 
 import txckpt  # noqa: E402
-from txckpt.integrations.trainer import mixin as integ  # noqa: E402
 from txckpt.integrations.transformers import TransactionalCheckpointMixin, TransactionalTrainer  # noqa: E402
 from txckpt.refs import ExternalParent  # noqa: E402
 

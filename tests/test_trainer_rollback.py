@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 import txckpt  # noqa: E402
 
 HERE = Path(__file__).parent / "children"
-from tests.harness.tiny import FILES, digests  # noqa: E402
+from tests.harness.tiny import digests  # noqa: E402
 from tests.harness.zygote import run_python  # noqa: E402
 
 pytestmark = pytest.mark.trainer

@@ -5,6 +5,7 @@ reads through txckpt.reader (the read path's owner), fetches through txckpt.fetc
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager
 from typing import Any, Mapping
 
 import functools
@@ -20,6 +21,7 @@ from .manifest import Manifest
 from .root import forget_roots, open_root
 from .storage import LocalStorage
 from .tiered import TieredRoot
+from .transactions import Transaction
 
 def save_checkpoint(
     root: str | os.PathLike | TieredRoot,
@@ -77,7 +79,7 @@ def transaction(
     timeout: float | None = None,
     local_dir: str | os.PathLike | None = None,
     incremental: bool = False,
-):
+) -> AbstractContextManager[Transaction]:
     """A context manager for writers that need file handles or a directory; see
     :class:`txckpt.transactions.Transaction`. Commits on a clean exit, aborts on an exception.
     ``local_dir``: where a remote root's local scratch directory (``tx.directory``) goes.

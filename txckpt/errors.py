@@ -9,7 +9,7 @@ import builtins
 import errno as _errno
 import pickle
 import sys
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 
 class TxckptError(Exception):
@@ -44,16 +44,16 @@ class TxckptError(Exception):
         return _restore, (type(self), _full_args(self), dict(self.__dict__))
 
 
-def _restore(cls: type, args: tuple, state: dict) -> BaseException:
+def _restore(cls: type, args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
     """An error of class ``cls`` with ``args`` and attributes ``state``, built without calling
     the class's own constructor (which may compute a message or take keywords only)."""
-    e = cls.__new__(cls, *args)
+    e: BaseException = cls.__new__(cls, *args)
     (OSError if issubclass(cls, OSError) else BaseException).__init__(e, *args)
     e.__dict__.update(state)
     return e
 
 
-def _full_args(e: BaseException) -> tuple:
+def _full_args(e: BaseException) -> tuple[Any, ...]:
     """What rebuilds ``e``'s base: its args, and for an OSError its file names too (OSError keeps
     only errno and strerror in args once a file name is given)."""
     if isinstance(e, OSError) and e.errno is not None and (e.filename is not None or e.filename2 is not None):
@@ -200,10 +200,10 @@ class NoIntactCheckpointError(IntegrityError):
     ``txckpt.new_lineage``)."""
 
     root: str | None
-    damaged: list[dict]
+    damaged: list[dict[str, Any]]
 
     def __init__(self, message: str = "", *, path: str | None = None, root: str | None = None,
-                 damaged: list[dict] | tuple = ()):
+                 damaged: list[dict[str, Any]] | tuple[dict[str, Any], ...] = ()):
         super().__init__(message, path=path, root=root, damaged=list(damaged))
 
 
@@ -377,8 +377,8 @@ class RngStateError(InvalidArgumentError):
     generators both have. ``state_layout``, ``process_layout``: what each has (``{"version":
     1, "numpy": True, "cuda": 2}``)."""
 
-    state_layout: dict | None
-    process_layout: dict | None
+    state_layout: dict[str, Any] | None
+    process_layout: dict[str, Any] | None
 
 
 class FileNameConflictError(InvalidArgumentError):
@@ -398,7 +398,7 @@ class SignalNotCatchableError(InvalidArgumentError):
     the scheduler sends before its SIGKILL (SIGTERM; SIGUSR1 with SLURM's ``--signal``).
     ``signals``: the numbers refused."""
 
-    signals: list | None
+    signals: list[int] | None
 
 
 # ----- the cross-rank codec ---------------------------------------------------------------------
@@ -415,7 +415,7 @@ def encode_error(e: BaseException, *, rank: int | None = None) -> dict[str, Any]
     None/{} when only the message travels) and ``rank`` (where it was raised, None if unknown)."""
     for cls in type(e).__mro__:
         if getattr(_this_module(), cls.__name__, None) is cls and issubclass(cls, TxckptError):
-            args: tuple | None = _full_args(e)
+            args: tuple[Any, ...] | None = _full_args(e)
             state = {k: v for k, v in vars(e).items() if k != "__notes__"}
             try:
                 pickle.dumps((args, state))
@@ -465,7 +465,7 @@ def is_txckpt_error(d: dict[str, Any]) -> bool:
 def _nearest_builtin(cls: type) -> type:
     for c in cls.__mro__:
         if getattr(builtins, c.__name__, None) is c and issubclass(c, Exception) and c is not Exception:
-            return c
+            return cast(type, c)  # `is` against getattr's Any made c Any to the checker
     return RuntimeError
 
 

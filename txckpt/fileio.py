@@ -398,7 +398,7 @@ def _start_writeback(fd: int) -> None:
 # ----- low-level local file operations (what storage.local builds on) ------------------------------
 def walk_relative(base: str) -> Iterator[tuple[str, int]]:
     """Every file under local directory ``base``: (its '/'-separated path relative to ``base``, its size)."""
-    for dirpath, dirnames, filenames in os.walk(base):
+    for dirpath, _dirnames, filenames in os.walk(base):
         for n in sorted(filenames):
             full = os.path.join(dirpath, n)
             yield os.path.relpath(full, base).replace(os.sep, "/"), os.path.getsize(full)

@@ -150,7 +150,7 @@ def proof_nodes(count: int, index: int) -> list[tuple[int, int]]:
 def root_from_proof(leaf: bytes, count: int, index: int, siblings: Sequence[bytes]) -> bytes:
     """The root that leaf ``index`` with these ``siblings`` (in :func:`proof_nodes` order) makes."""
     node, at = leaf, 0
-    for level, n in enumerate(level_sizes(count)[:-1]):
+    for n in level_sizes(count)[:-1]:
         if (index ^ 1) < n:
             sibling = siblings[at]
             at += 1

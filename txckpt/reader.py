@@ -312,7 +312,8 @@ def read_checked(path: str | os.PathLike, storage_options: Mapping[str, Any] | N
                     distrust(ctx.root, [txid], [e.path])
                 if ctx is not None and txid is None and isinstance(e, CheckpointNotFoundError):
                     # Nothing there: if retention retired what was, say so (not "no checkpoint").
-                    raise retired_error_at(ctx.root, ctx.root.history(), key, path) or e
+                    # Not `from e` (B904): `or e` re-raises e itself, which would become its own cause.
+                    raise retired_error_at(ctx.root, ctx.root.history(), key, path) or e  # noqa: B904
                 raise
             tried.add(moved)
             key, path = moved, storage.full_path(moved)

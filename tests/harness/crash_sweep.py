@@ -5,7 +5,9 @@ a tracer that counts every file operation txckpt performs (open-for-write, write
 rename, replace, unlink, mkdir, rmdir), then, for every operation k, runs it again on a fresh
 copy of the root in a child that SIGKILLs itself immediately before op k, and once more
 immediately after it. A *checker* then runs in another fresh process and returns the
-violations it found.
+violations it found. A sweep called with ``sampled=True`` (the campaign's) tries every point
+around an operation that flips what a reader sees (:func:`flips_visibility`) and a seeded share
+of the others; ``TXCKPT_FULL_SWEEP=1`` tries them all (tests/harness/sampling.py).
 
 Children are forked from the test process (which has imported torch and txckpt already), so a
 crash point costs milliseconds; each child starts with no txckpt state of its own (the parent
@@ -21,6 +23,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tests.harness import sampling
 from tests.harness.procs import run_child
 from tests.harness.tracer import Tracer
 
@@ -29,8 +32,9 @@ from tests.harness.tracer import Tracer
 class SweepResult:
     name: str
     ops: list[str]
-    crash_points: int = 0
+    crash_points: int = 0  # the points tried: all 2 * len(ops) unless the sweep was sampled
     violations: list[str] = field(default_factory=list)
+    sampled: bool = False
 
 
 def count_ops(template: str, workdir: str, scenario: Callable[[str], Any]) -> list[str]:
@@ -52,39 +56,59 @@ def count_ops(template: str, workdir: str, scenario: Callable[[str], Any]) -> li
     return result["ok"]
 
 
+#: The names in an operation that a reader's view of the root hangs on: a manifest, a log entry,
+#: the `latest` hint.
+_VISIBLE = ("txckpt-manifest", "/log/", "latest")
+
+
+def flips_visibility(op: str) -> bool:
+    """Whether ``op`` is one of the atomic steps that change what a reader sees: the link, rename
+    or replace that puts a manifest, a log entry (the commit point) or `latest` in place, or the
+    rename that publishes a checkpoint. The outcome of a crash flips across these; the writes and
+    fsyncs between two of them leave the state the crash just before the next one leaves."""
+    if op.startswith("rename_noreplace("):
+        return True
+    return op.startswith(("link(", "rename(", "replace(")) and any(v in op for v in _VISIBLE)
+
+
 def sweep(
     name: str,
     template: str,
     workdir: str,
     scenario: Callable[[str], Any],
     check: Callable[[str, int, str], list[str]],
+    *,
+    sampled: bool = False,
 ) -> SweepResult:
     """Crash ``scenario`` before and after each of its file operations; ``check(root, k, when)``
-    runs in a fresh process and returns violations."""
+    runs in a fresh process and returns violations. ``sampled``: only the points that
+    :func:`tests.harness.sampling.sample` draws (all of them under ``TXCKPT_FULL_SWEEP=1``)."""
     ops = count_ops(template, workdir, scenario)
-    result = SweepResult(name, ops)
-    for k in range(1, len(ops) + 1):
-        for when in ("before", "after"):
-            root = os.path.join(workdir, f"{k}-{when}")
-            shutil.copytree(template, root, symlinks=True)
+    result = SweepResult(name, ops, sampled=sampled)
+    points = [(k, when) for k in range(1, len(ops) + 1) for when in ("before", "after")]
+    if sampled:
+        points = sampling.sample(name, points, lambda p: flips_visibility(ops[p[0] - 1]))
+    for k, when in points:
+        root = os.path.join(workdir, f"{k}-{when}")
+        shutil.copytree(template, root, symlinks=True)
 
-            def child(root=root, k=k, when=when):
-                tracer = Tracer(kill_at=k, when=when)
-                tracer.install()
-                scenario(root)
-                return "completed without reaching the crash point"
+        def child(root=root, k=k, when=when):
+            tracer = Tracer(kill_at=k, when=when)
+            tracer.install()
+            scenario(root)
+            return "completed without reaching the crash point"
 
-            code, out = run_child(child)
-            result.crash_points += 1
-            if code != -signal.SIGKILL:
-                result.violations.append(f"{when} op {k} ({ops[k - 1]}): child was not killed: {code} {out}")
-                continue
-            code, verdict = run_child(lambda root=root, k=k, when=when: check(root, k, when))
-            if code != 0:
-                result.violations.append(f"{when} op {k} ({ops[k - 1]}): checker failed: {verdict}")
-            elif verdict and verdict["ok"]:
-                result.violations.extend(f"{when} op {k} ({ops[k - 1]}): {v}" for v in verdict["ok"])
-            shutil.rmtree(root, ignore_errors=True)
+        code, out = run_child(child)
+        result.crash_points += 1
+        if code != -signal.SIGKILL:
+            result.violations.append(f"{when} op {k} ({ops[k - 1]}): child was not killed: {code} {out}")
+            continue
+        code, verdict = run_child(lambda root=root, k=k, when=when: check(root, k, when))
+        if code != 0:
+            result.violations.append(f"{when} op {k} ({ops[k - 1]}): checker failed: {verdict}")
+        elif verdict and verdict["ok"]:
+            result.violations.extend(f"{when} op {k} ({ops[k - 1]}): {v}" for v in verdict["ok"])
+        shutil.rmtree(root, ignore_errors=True)
     return result
 
 
@@ -93,9 +117,9 @@ def report(result: "SweepResult") -> None:
     violation: the tail every crash-sweep test shares."""
     from tests import conftest
 
-    line = (f"crash sweep [{result.name}]: {len(result.ops)} file operations, "
-            f"{result.crash_points} crash points (SIGKILL before and after each), "
-            f"{len(result.violations)} violations")
+    tried = sampling.describe(result.crash_points, 2 * len(result.ops), full=not result.sampled)
+    line = (f"crash sweep [{result.name}]: {len(result.ops)} file operations, crash points (SIGKILL before "
+            f"or after an op): {tried}, {len(result.violations)} violations")
     conftest.SUMMARY_LINES.append(line)
     print(line)
     assert not result.violations, "\n".join(result.violations[:20])

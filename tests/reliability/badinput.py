@@ -23,7 +23,6 @@ A typed error, or a fallback with a warning, passes.
 from __future__ import annotations
 
 import base64
-import errno
 import hashlib
 import json
 import os
@@ -532,7 +531,7 @@ def hostile_manifests(ctx: Ctx, case: Case, result: Result) -> None:
         def victim_intact(url, so, attempt):
             return []
 
-        res = c.run("a symlink out of the root under .txckpt/tx (gc must not follow it)", symlink_staging)
+        c.run("a symlink out of the root under .txckpt/tx (gc must not follow it)", symlink_staging)
         if not os.path.exists(os.path.join(outside, "victim", "keep.bin")):
             c.found.append("[deleted] gc followed a symlink out of the root and deleted what it points to")
         if not os.path.exists(secret):
@@ -562,7 +561,7 @@ def by_hand(ctx: Ctx, case: Case, result: Result) -> None:
             return {k for k in c.info["before"] if k.startswith(key + "/")}
         return f
 
-    res = c.run("the newest checkpoint's directory deleted by hand", rm_tree(keys["B-4"]), want="A-2")
+    c.run("the newest checkpoint's directory deleted by hand", rm_tree(keys["B-4"]), want="A-2")
     c.run("an abandoned checkpoint's directory deleted by hand", rm_tree(keys["A-6"]))
     c.run("the fork point (checkpoint-2) deleted by hand", rm_tree(keys["A-2"]))
     if local:
@@ -579,8 +578,6 @@ def by_hand(ctx: Ctx, case: Case, result: Result) -> None:
                          os.rename(d._path("x"), d._path("checkpoint-4")), set())[-1], want="A-2")
 
     def edit_head(d: Damage) -> set[str]:
-        from txckpt.log import LOG_DIR
-
         key = c.info["targets"]["log/newest"]
         body = json.loads(d.read(key))
         body["head"]["id"] = "0badc0de"
@@ -607,7 +604,7 @@ def by_hand(ctx: Ctx, case: Case, result: Result) -> None:
         return f
 
     res10 = c.run("a stock Trainer's checkpoint-10 (no manifest) among txckpt's", add_legacy(10))
-    res3 = c.run("a stock Trainer's checkpoint-3 (no manifest) among txckpt's", add_legacy(3))
+    c.run("a stock Trainer's checkpoint-3 (no manifest) among txckpt's", add_legacy(3))
     note = ""
     if res10 is not None:
         note = ("lookup with a newer legacy checkpoint-10 present: "
@@ -637,7 +634,7 @@ def clock(ctx: Ctx, case: Case, result: Result) -> None:
                                 if c.state != "retired"], "list")
     if sorted(gone) != [4, 5, 6]:
         found.append(f"[clock] keep_last=3 under a backwards clock kept steps {sorted(gone)}, not [4, 5, 6]")
-    g = child_value(lambda: [[i.kind, i.key] for i in __import__("txckpt.gc", fromlist=["x"]).collect_garbage(
+    child_value(lambda: [[i.kind, i.key] for i in __import__("txckpt.gc", fromlist=["x"]).collect_garbage(
         __import__("txckpt").root.CheckpointRoot(root)).items if i.kind not in ("retired",)], "gc")
     # (b) The writer's clock is an hour behind while gc runs beside its save.
     root2 = os.path.join(ctx.workdir, "clock2", "root")
@@ -687,7 +684,7 @@ def readonly(ctx: Ctx, case: Case, result: Result) -> None:
     """A read-only root: a real read-only bind mount in a private mount namespace (``unshare
     -rm``) when the machine allows it, else EROFS simulated at every mutating file operation."""
     base = os.path.join(ctx.workdir, "ro", "root")
-    info = child_value(lambda: build_base(base, None), "base")
+    child_value(lambda: build_base(base, None), "base")
     code = r"""
 import json, os, sys, hashlib, logging
 logging.getLogger("txckpt").addHandler(logging.NullHandler()); logging.getLogger("txckpt").propagate = False
@@ -724,7 +721,7 @@ print(json.dumps(out))
     how = "a read-only bind mount (unshare -rm)"
     env = dict(os.environ, PYTHONPATH=REPO)
     cmd = ["unshare", "-rm", "sh", "-c",
-           f'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && exec "$2" -c "$3" "$1"',
+           'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && exec "$2" -c "$3" "$1"',
            "sh", base, sys.executable, code]
     proc = None
     try:

@@ -225,7 +225,7 @@ def run_cases(cases: list[Case], base_ctx: Ctx, *, workers: int = 2, budget: flo
                 results[case.id] = r
                 progress(f"  {case.id}: KILLED (case limit)")
             if not ready and deadline is not None and now >= deadline:  # the campaign's budget ran out
-                for pid, (case, out, t0) in list(running.items()):
+                for pid, (case, _out, t0) in list(running.items()):
                     _kill_case(pid)
                     r = Result(case.id, case.campaign, case.title, case.backend)
                     r.error = f"killed: the campaign's time budget ({budget:.0f} s) ran out"

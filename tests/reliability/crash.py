@@ -201,7 +201,6 @@ def trainer_sweep(ctx: Ctx, case: Case, result: Result) -> None:
     save_total_limit=1 (so retention runs after the commit), crashed at each file operation; the
     child is forked from this process, which imported transformers and built the Trainer once."""
     import shutil
-    import sys
 
     import torch
 

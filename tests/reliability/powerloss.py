@@ -528,7 +528,7 @@ class StateSpace:
                 if len(o) > 1:
                     combos.append(({**hi[0], k: o[0]}, hi[1]))
                     combos.append(({**lo[0], k: o[-1]}, lo[1]))
-            for k, o in data_opts:
+            for k, _o in data_opts:
                 combos.append((hi[0], {**hi[1], k: 0}))
                 combos.append((hi[0], {**hi[1], k: -1}))
             for _ in range(cap):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from .core import Result
 from .known import FIXED, KNOWN
@@ -186,7 +185,6 @@ def render(results: list[Result], info: dict[str, str], *, quick: bool, wall: fl
             w("")
             continue
         seen = [r for r in results if kid in r.known]
-        n = sum(1 for r in seen for v in r.known_violations if kid in r.known)
         example = next((v for r in seen for v in r.known_violations), "")
         w(f"### {kid}: {k.title}")
         w("")

@@ -107,7 +107,8 @@ def _preemption_grace(save_on_preemption: Any) -> float | None:
     return grace_s
 
 
-class TransactionalAccelerator(Accelerator):
+# accelerate ships no annotations mypy reads: its Accelerator is Any to the checker.
+class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
     """``accelerate.Accelerator`` whose checkpoints are txckpt transactions (module doc).
 
     Keywords besides accelerate's:
@@ -135,7 +136,7 @@ class TransactionalAccelerator(Accelerator):
     """
 
     def __init__(self, *args: Any, txckpt_storage_options: Mapping[str, Any] | None = None,
-                 txckpt_local_dir: str | os.PathLike | None = None, txckpt_timeout: float | None = None,
+                 txckpt_local_dir: str | os.PathLike[str] | None = None, txckpt_timeout: float | None = None,
                  on_damaged: str = "raise", save_on_preemption: bool | float | None = False,
                  incremental: bool = False, tiered: txckpt.TieredRoot | None = None, **kwargs: Any):
         check_on_damaged(on_damaged)
@@ -264,7 +265,7 @@ class TransactionalAccelerator(Accelerator):
         write_epoch_starts(self._dataloaders, self.process_index, directory)
 
     # ----- save --------------------------------------------------------------------------------
-    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
+    def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> str:
         """Save everything accelerate saves as one committed checkpoint; returns its path."""
         auto = bool(self.project_configuration.automatic_checkpoint_naming)
@@ -324,7 +325,7 @@ class TransactionalAccelerator(Accelerator):
         no ``txckpt.preemption.install()``), still collectively."""
         return preemption.requested()
 
-    def save_state_if_preempted(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
+    def save_state_if_preempted(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True,
                                 **save_model_func_kwargs: Any) -> None:
         """The step boundary of a preemptible loop, in one call on every process: returns at
         once (after the one collective of :meth:`preemption_requested`) while no process has been
@@ -349,7 +350,7 @@ class TransactionalAccelerator(Accelerator):
             preemption.uninstall()
 
     # ----- load --------------------------------------------------------------------------------
-    def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
+    def load_state(self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None,
                    **load_model_func_kwargs: Any) -> str:
         """``None``: the newest committed checkpoint of the current lineage (a restart). A path:
         that committed checkpoint; an older one forks a new lineage (a rollback). Returns the

@@ -125,8 +125,9 @@ class TransactionalWriter(StorageWriter):
     committed checkpoints is not written again; its file is shared (docs/incremental.md, "DCP").
     """
 
-    def __init__(self, root: str | os.PathLike | TieredRoot, step: int, *, storage_options: Mapping[str, Any] | None = None,
-                 metadata: Mapping[str, Any] | None = None, incremental: bool = False):
+    def __init__(self, root: str | os.PathLike[str] | TieredRoot, step: int, *,
+                 storage_options: Mapping[str, Any] | None = None, metadata: Mapping[str, Any] | None = None,
+                 incremental: bool = False):
         super().__init__()
         self.root, storage_options = save_target(root, step, storage_options)  # a TieredRoot: its fast tier
         self.step = step
@@ -148,7 +149,7 @@ class TransactionalWriter(StorageWriter):
         return open_root(self.root, self.storage_options or None)
 
     # ----- StorageWriter -----------------------------------------------------------------------
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.root:
             raise InvalidArgumentError(
                 f"TransactionalWriter saves into its root {self.root!r}, not checkpoint_id={os.fspath(checkpoint_id)!r}: "
@@ -234,11 +235,11 @@ class TransactionalWriter(StorageWriter):
 
         buckets = shards.writes() if shards is not None else [
             (f"{a.prefix}{i}{DEFAULT_SUFFIX}", b) for i, b in enumerate(_split_by_size_and_type(1, plan.items))]
-        done: queue.Queue = queue.Queue()
+        done: queue.Queue[Any] = queue.Queue()
         results: list[WriteResult] = []
         try:
             for name, bucket in buckets:
-                todo: queue.Queue = queue.Queue()
+                todo: queue.Queue[Any] = queue.Queue()
                 todo.put((name, name, bucket))
                 _write_files_from_queue(create_stream, todo, done, planner, _StorageWriterTransforms(), 10_000_000,
                                         False, 1, SerializationFormat.TORCH_SAVE)
@@ -340,7 +341,7 @@ class TransactionalWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self.root, save_id=self._save_id)
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False  # never chosen by DCP on its own: a txckpt save needs a step
 
 
@@ -370,7 +371,7 @@ class TransactionalReader(StorageReader):
     an IntegrityError naming the file (inside DCP's CheckpointException, on every rank).
     """
 
-    def __init__(self, path: str | os.PathLike | TieredRoot, *, storage_options: Mapping[str, Any] | None = None,
+    def __init__(self, path: str | os.PathLike[str] | TieredRoot, *, storage_options: Mapping[str, Any] | None = None,
                  verify: str = "full"):
         super().__init__()
         if verify not in VERIFY_MODES:
@@ -385,7 +386,7 @@ class TransactionalReader(StorageReader):
         # this raises the IntegrityError itself, on every rank that makes a reader.
         self._open()
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
         self._opened, self._load_id = None, uuid.uuid4().hex
@@ -472,7 +473,7 @@ class TransactionalReader(StorageReader):
         return [view[i.offset:i.offset + i.length] for i in infos]
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False  # chosen explicitly: DCP's FileSystemReader stays the default for plain paths
 
 

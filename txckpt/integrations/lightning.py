@@ -354,7 +354,7 @@ def _parse_ckpt_path(original: Callable[..., Any], checkpoint_class: type) -> Ca
                 if isinstance(cb, checkpoint_class):
                     # dirpath=None: Lightning's own default (default_root_dir/.../checkpoints),
                     # as its _find_last_checkpoints resolves it.
-                    dirpath = getattr(cb, "dirpath", None) or getattr(cb, "_ModelCheckpoint__resolve_ckpt_dir")(self.trainer)
+                    dirpath = getattr(cb, "dirpath", None) or getattr(cb, "_ModelCheckpoint__resolve_ckpt_dir")(self.trainer)  # noqa: B009  (name-mangled private method)
                     roots.append(os.fspath(dirpath))
             found = io.last_checkpoint_path(roots)
             if found is not None:

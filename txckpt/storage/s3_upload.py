@@ -329,7 +329,9 @@ class _S3Writer(AbortOnError, io.RawIOBase):
             return
         abort = _abort_upload(self._fs, self._st.bucket, self._obj, upload_id, inflight)
         if _on_loop_thread(self._fs):  # a writer collected by the event loop thread itself
-            asyncio.ensure_future(abort)
+            # No reference kept (RUF006): the loop holds tasks weakly, so this abort may be collected
+            # unfinished; the upload is then left to Storage.abort_incomplete_uploads.
+            asyncio.ensure_future(abort)  # noqa: RUF006
         else:
             _run(self._fs, abort, timeout=timeout)
 

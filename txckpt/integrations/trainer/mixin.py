@@ -165,7 +165,7 @@ class TransactionalCheckpointMixin:
             if value is not None:
                 setattr(self, name, value)
         # Set before Trainer.__init__: it may call overridden methods (e.g. _get_output_dir).
-        self._txckpt_tx = None
+        self._txckpt_tx: Any = None
         #: Files of the open transaction written through it by _save_optimizer_and_scheduler.
         self._txckpt_streamed: set[str] = set()
         self._txckpt_pending_push: tuple[tuple, dict] | None = None
@@ -222,7 +222,7 @@ class TransactionalCheckpointMixin:
     def _save_checkpoint(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
         if self._txckpt_tx is not None:
             # Called again from inside a save (a subclass's override): join the open transaction.
-            return super()._save_checkpoint(model, trial, *args, **kwargs)
+            return super()._save_checkpoint(model, trial, *args, **kwargs)  # type: ignore[misc]
         check_save_on_each_node(self.args)
         follow_transformers_verbosity(self.args)  # the save's records show at transformers' verbosity
         warn_inexact_resume_once(self)
@@ -288,7 +288,7 @@ class TransactionalCheckpointMixin:
                 or not same_dir(output_dir, tx.directory):
             return super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)  # type: ignore[misc]
         with torch_save_through(tx, self._txckpt_streamed):
-            return super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)
+            return super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)  # type: ignore[misc]
 
     def _txckpt_plain_optimizer_save(self) -> bool:
         """Whether upstream's _save_optimizer_and_scheduler takes its plain branch (the same
@@ -524,7 +524,7 @@ class TransactionalCheckpointMixin:
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
         if "model_path" in kwargs:  # transformers 4.x's deprecated alias
-            warnings.warn("`model_path` is deprecated; use `resume_from_checkpoint`", FutureWarning)
+            warnings.warn("`model_path` is deprecated; use `resume_from_checkpoint`", FutureWarning, stacklevel=2)
             resume_from_checkpoint = kwargs.pop("model_path")
         check_save_on_each_node(self.args)
         resolved = self._txckpt_resolve_resume(resume_from_checkpoint, trial)

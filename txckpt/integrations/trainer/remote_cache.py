@@ -62,12 +62,12 @@ class RemoteCache:
         user chose, put it in the run's cache, next to output_dir, not in a possibly small /tmp
         (and where the next run's start removes what a hard kill left)."""
         if os.environ.get(STAGING_ENV):
-            tx.directory
+            _ = tx.directory  # reading the property creates the directory
             return
         base = os.path.join(self.directory, STAGING_DIR_NAME)
         os.makedirs(base, exist_ok=True)
         with env_var(STAGING_ENV, base):
-            tx.directory
+            _ = tx.directory  # created now, while the variable names the run's cache
 
     def clean_staging(self) -> None:
         """Remove scratch directories that a hard-killed save left in the cache's staging dir.
