@@ -35,4 +35,20 @@ test) from :func:`benchmarks.harness.settings`.
 
 #: Case modules, in the order of the report. ``ranks`` and ``s3`` are written by their issues'
 #: owners; until they exist the report lists them as pending.
-CASES = ["save", "load", "memory", "lookup", "trainer", "ranks", "s3", "s3load", "asyncsave", "trainer_async", "dcp", "incremental", "commit_scale", "tiered", "lightning"]
+CASES = [
+    "save",
+    "load",
+    "memory",
+    "lookup",
+    "trainer",
+    "ranks",
+    "s3",
+    "s3load",
+    "asyncsave",
+    "trainer_async",
+    "dcp",
+    "incremental",
+    "commit_scale",
+    "tiered",
+    "lightning",
+]

@@ -15,7 +15,11 @@ from . import harness as h
 
 def _size(text: str) -> int:
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().rstrip("ib").rstrip("b") if text.strip().lower().endswith(("ib", "b")) else text.strip().lower()
+    t = (
+        text.strip().lower().rstrip("ib").rstrip("b")
+        if text.strip().lower().endswith(("ib", "b"))
+        else text.strip().lower()
+    )
     if t and t[-1] in units:
         return int(float(t[:-1]) * units[t[-1]])
     return int(t)
@@ -30,34 +34,48 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--tiny", action="store_true", help="smoke test: tiny sizes, measures nothing")
     r.add_argument("--cases", help=f"comma-separated subset of {','.join(CASES)}")
     r.add_argument("--sizes", help="comma-separated sizes, e.g. 64M,256M (default by mode)")
-    r.add_argument("--out", help="directory for benchmarks.md/.png (default docs/; for a --cases subset, "
-                                  "<scratch>/partial-<cases>/, so that a partial run never replaces "
-                                  "docs/benchmarks.md: fold it in with `render --merge`)")
+    r.add_argument(
+        "--out",
+        help="directory for benchmarks.md/.png (default docs/; for a --cases subset, "
+        "<scratch>/partial-<cases>/, so that a partial run never replaces "
+        "docs/benchmarks.md: fold it in with `render --merge`)",
+    )
     r.add_argument("--scratch", help="directory for written files (default .bench-tmp; never tmpfs)")
-    rr = sub.add_parser("render", help="rewrite benchmarks.md/.png from the last run's saved results "
-                                         "(after editing benchmarks/analysis.py or report.py; measures nothing)")
+    rr = sub.add_parser(
+        "render",
+        help="rewrite benchmarks.md/.png from the last run's saved results "
+        "(after editing benchmarks/analysis.py or report.py; measures nothing)",
+    )
     rr.add_argument("--results", help="results.json of a run (default: <scratch>/results.json)")
     rr.add_argument("--out", default=os.path.join(here, "docs"))
     rr.add_argument("--scratch", help="the run's scratch directory (default .bench-tmp)")
-    rr.add_argument("--merge", action="append", default=[], metavar="RESULTS",
-                    help="results of a later run of some cases (`run --cases s3` writes "
-                         "<scratch>/results.s3.json): "
-                         "its tables replace the same tables of --results, the machine table records "
-                         "when and at which commit and load they were measured, and the merged "
-                         "results are written to <scratch>/results.json (repeatable)")
+    rr.add_argument(
+        "--merge",
+        action="append",
+        default=[],
+        metavar="RESULTS",
+        help="results of a later run of some cases (`run --cases s3` writes "
+        "<scratch>/results.s3.json): "
+        "its tables replace the same tables of --results, the machine table records "
+        "when and at which commit and load they were measured, and the merged "
+        "results are written to <scratch>/results.json (repeatable)",
+    )
     a = p.parse_args(argv)
     if a.cmd == "render":
         return render(a)
 
-    s = h.configure(quick=a.quick, tiny=a.tiny, scratch=a.scratch,
-                    sizes=[_size(x) for x in a.sizes.split(",")] if a.sizes else None)
+    s = h.configure(
+        quick=a.quick, tiny=a.tiny, scratch=a.scratch, sizes=[_size(x) for x in a.sizes.split(",")] if a.sizes else None
+    )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cases = a.cases.split(",") if a.cases else CASES
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         p.error(f"unknown case(s) {unknown}; known: {CASES}")
-    h.log(f"mode={'tiny' if s.tiny else 'quick' if s.quick else 'full'} sizes={[h.fmt_size(x) for x in s.sizes]} "
-          f"scratch={s.scratch}")
+    h.log(
+        f"mode={'tiny' if s.tiny else 'quick' if s.quick else 'full'} sizes={[h.fmt_size(x) for x in s.sizes]} "
+        f"scratch={s.scratch}"
+    )
     t0 = time.perf_counter()
     tables = []
     for c in cases:
@@ -84,12 +102,18 @@ def main(argv: list[str] | None = None) -> int:
         machine["Command"] += f" --cases {a.cases}"
     write_markdown(md, tables, machine, png if have_png else None, elapsed)
     with open(results, "w") as f:
-        json.dump({"mode": {"quick": s.quick, "tiny": s.tiny}, "machine": machine, "elapsed": elapsed,
-                   "tables": tables}, f, indent=1, default=str)
+        json.dump(
+            {"mode": {"quick": s.quick, "tiny": s.tiny}, "machine": machine, "elapsed": elapsed, "tables": tables},
+            f,
+            indent=1,
+            default=str,
+        )
     h.log(f"wrote {md}{' and ' + png if have_png else ''} in {elapsed:.0f} s; raw results in {results}")
     if partial:
-        h.log(f"a partial run: to update docs/benchmarks.md with it, `python -m benchmarks render "
-              f"--merge {results}` (the other sections stay those of {os.path.join(s.scratch, 'results.json')})")
+        h.log(
+            f"a partial run: to update docs/benchmarks.md with it, `python -m benchmarks render "
+            f"--merge {results}` (the other sections stay those of {os.path.join(s.scratch, 'results.json')})"
+        )
     failed = [t["title"] for t in tables if t.get("status") == "failed"]
     if failed:
         h.log(f"failed cases: {failed}")
@@ -134,7 +158,8 @@ def _merge(saved: dict, other_path: str) -> dict:
     machine = dict(saved["machine"])
     machine[f"Re-measured: {titles}"] = (
         f"`{m.get('Command')}` ({other['elapsed'] / 60:.1f} min) on {m.get('Date')}, txckpt "
-        f"{m.get('txckpt')}, load average {m.get('Load average')}")
+        f"{m.get('txckpt')}, load average {m.get('Load average')}"
+    )
     return {**saved, "machine": machine, "tables": tables}
 
 

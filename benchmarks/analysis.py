@@ -149,7 +149,7 @@ ANALYSIS: dict[str, str] = {
         "0.66 and 0.28 of the stock readers at 64 MiB, 256 MiB, 1 GiB and 4 GiB (goal met at "
         "every size). It is not the default: a hashed page may later be read from the disk "
         "again, and a file shortened under the mapping is SIGBUS (docs/troubleshooting.md, "
-        "\"Loading with `mmap=True`\"); the default gives a copy the file cannot change."
+        '"Loading with `mmap=True`"); the default gives a copy the file cannot change.'
     ),
     "asyncsave": (
         "Copy-first cannot meet the goal against `dcp.async_save` (≤ 0.6): DCP's reused stager "
@@ -173,7 +173,7 @@ ANALYSIS: dict[str, str] = {
         "`txckpt_async_save=True` takes the lazy snapshot here (AdamW: parameters change only in "
         "its step): 0.026 × the synchronous save's cost (rounds 0.00-0.13; the goal ≤ 0.3 met), "
         "`_save_checkpoint` blocked 0.007 ×, the next optimizer step's wait for the copy 0.000 s "
-        "(median). Copy-first (`\"copy\"`, what `True` meant before, and what `True` still "
+        '(median). Copy-first (`"copy"`, what `True` meant before, and what `True` still '
         "takes for the layer-wise and LOMO optimizers) costs 0.382 × (rounds 0.32-0.65): it "
         "copies the 1.2 GiB in the training thread (0.23 s blocked per save), and the steps "
         "beside its background run 0.2-0.5 s slower each (with the single torch thread of "
@@ -184,7 +184,7 @@ ANALYSIS: dict[str, str] = {
     "s3load": (
         "**Where the time goes.** The servers (gateway, filer, three volume servers) share the "
         "client's two cores, so every reader is CPU-bound and runs beside other jobs. Profiled "
-        "in one process (docs/remote.md, \"Verified loads in parallel parts\"), txckpt's load "
+        'in one process (docs/remote.md, "Verified loads in parallel parts"), txckpt\'s load '
         "spent its client CPU on the kernel's copy into aiohttp's chunks, the copy into the "
         "buffer and the buffer's first-touch page faults; the hash (~25 ms per 256 MiB) runs on "
         "a thread of its own with the GIL released. The page faults are now taken ahead of the "
@@ -213,12 +213,12 @@ ANALYSIS: dict[str, str] = {
         "fine-tune (0.99, goal 1.03: a changed file is told within its first MiB) are met."
     ),
     "dcp-incremental": (
-        '**The frozen base: hashing it from memory is the floor.** Each rank decides that its '
-        '512 MiB of base tensors are unchanged by hashing them (xxh3-128, the tensor keys of '
+        "**The frozen base: hashing it from memory is the floor.** Each rank decides that its "
+        "512 MiB of base tensors are unchanged by hashing them (xxh3-128, the tensor keys of "
         'docs/incremental.md, "DCP"); nothing of the base is serialised or written. Two ranks '
-        'hashing at once read about 12.8 GB/s together on this VM, ~84 ms of a ~100-130 ms save, '
-        'against 0.6-1.3 s for the full save on this disk: the ratio sits near the 0.15 goal '
-        '(0.096-0.158 in the runs of 2026-12-05). Hashing fewer bytes would mean trusting '
+        "hashing at once read about 12.8 GB/s together on this VM, ~84 ms of a ~100-130 ms save, "
+        "against 0.6-1.3 s for the full save on this disk: the ratio sits near the 0.15 goal "
+        "(0.096-0.158 in the runs of 2026-12-05). Hashing fewer bytes would mean trusting "
         "something other than a tensor's bytes (its version counter, its data pointer), which a "
         "tensor changed behind autograd's back defeats; the writer does not. **The full "
         "fine-tune** (goal 1.03): since 2026-12-05 a changed tensor is known by its first MiB and "

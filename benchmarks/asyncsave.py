@@ -78,8 +78,9 @@ def methods(weights: dict[str, Any], optim: dict[str, Any], root: str) -> tuple[
     def dcp_run(ctx):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ctx["future"] = dcp.async_save({"model": weights, "optim": optim},
-                                           storage_writer=dcp.FileSystemWriter(ctx["dir"]), async_stager=stager)
+            ctx["future"] = dcp.async_save(
+                {"model": weights, "optim": optim}, storage_writer=dcp.FileSystemWriter(ctx["dir"]), async_stager=stager
+            )
 
     def dcp_done(ctx):
         ctx["future"].result()
@@ -110,8 +111,7 @@ def methods(weights: dict[str, Any], optim: dict[str, Any], root: str) -> tuple[
         fb[into].append(time.perf_counter() - t0)
 
     def lazy(ctx):
-        files = {"model.safetensors": {n: p.detach() for n, p in zip(names, params)},
-                 "optimizer.pt": opt.state_dict()}
+        files = {"model.safetensors": {n: p.detach() for n, p in zip(names, params)}, "optimizer.pt": opt.state_dict()}
         gate = asyncsave.step_gate(opt)
         t0 = time.perf_counter()
         ctx["future"] = txckpt.async_save(root, next(steps), files, optimizer=opt)
@@ -152,8 +152,7 @@ def _s3_table() -> dict[str, Any]:
 
     missing = [m for m in ("moto", "s3fs") if importlib.util.find_spec(m) is None]
     if missing:
-        return {"title": title, "status": "skipped", "reason": f"needs s3fs and moto[server] ({missing})",
-                "rows": []}
+        return {"title": title, "status": "skipped", "reason": f"needs s3fs and moto[server] ({missing})", "rows": []}
     import txckpt
     from txckpt import asyncsave
 
@@ -177,16 +176,21 @@ def _s3_table() -> dict[str, Any]:
             txckpt.save_checkpoint(url, next(steps), files, storage_options=so)
 
         try:
-            times = h.interleave([h.Method(TX, tx, dict, lambda ctx: ctx["future"].result()),
-                                  h.Method(SYNC, sync, dict)], reps, warmup=1)
+            times = h.interleave(
+                [h.Method(TX, tx, dict, lambda ctx: ctx["future"].result()), h.Method(SYNC, sync, dict)], reps, warmup=1
+            )
         finally:
             asyncsave.release_buffers(url, so)
     row = h.compare("txckpt.async_save blocked ÷ txckpt.save_checkpoint (moto S3)", size, times, TX, SYNC, 0.10)
-    return {"id": "asyncsave-s3", "title": title, "rows": [row],
-            "about": "The same state saved to an S3 root on the local moto server "
-                     "(`emulators/s3.py`): the time `async_save` blocks against the whole synchronous "
-                     "save (the upload). One warm-up round, then interleaved rounds; each async save is "
-                     "waited for, untimed, before the next method runs."}
+    return {
+        "id": "asyncsave-s3",
+        "title": title,
+        "rows": [row],
+        "about": "The same state saved to an S3 root on the local moto server "
+        "(`emulators/s3.py`): the time `async_save` blocks against the whole synchronous "
+        "save (the upload). One warm-up round, then interleaved rounds; each async save is "
+        "waited for, untimed, before the next method runs.",
+    }
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -206,33 +210,63 @@ def run(quick: bool) -> dict[str, Any]:
             asyncsave.release_buffers(root)
             h.remove(root)
         note = f"{h.fmt_size(state_bytes(weights, optim))} of tensors"
-        rows.append(h.compare("txckpt.async_save blocked ÷ a plain copy into preallocated buffers", size,
-                              times, TX, COPY, 1.5, note))
-        rows.append(h.compare("txckpt.async_save blocked ÷ dcp.async_save blocked (stager reused)", size,
-                              times, TX, DCP, 0.6))
-        rows.append(h.compare("txckpt.async_save blocked ÷ txckpt.save_checkpoint (local, fsync on)", size,
-                              times, TX, SYNC, None))
+        rows.append(
+            h.compare(
+                "txckpt.async_save blocked ÷ a plain copy into preallocated buffers", size, times, TX, COPY, 1.5, note
+            )
+        )
+        rows.append(
+            h.compare("txckpt.async_save blocked ÷ dcp.async_save blocked (stager reused)", size, times, TX, DCP, 0.6)
+        )
+        rows.append(
+            h.compare(
+                "txckpt.async_save blocked ÷ txckpt.save_checkpoint (local, fsync on)", size, times, TX, SYNC, None
+            )
+        )
         timed = calls[-reps:]  # the warm-up round's first
         lazy_fb, plain_fb = fb[LAZY][-reps:], fb[STEP][-reps:]
-        lazy_note = (f"the call {h.median([c for c, _ in timed]):.4f} s, the next step's wait for the copy "
-                     f"{h.median([w for _, w in timed]):.4f} s (medians); the forward and backward beside the "
-                     f"background copy {h.median(lazy_fb):.3f} s, with no save in flight {h.median(plain_fb):.3f} s "
-                     f"(slowdown {h.median(lazy_fb) - h.median(plain_fb):+.3f} s)")
-        rows.append(h.compare("txckpt.async_save(optimizer=) blocked ÷ a plain copy into preallocated buffers",
-                              size, times, LAZY, COPY, 1.5, lazy_note))
-        rows.append(h.compare("txckpt.async_save(optimizer=) blocked ÷ dcp.async_save blocked (stager reused)",
-                              size, times, LAZY, DCP, 0.6))
+        lazy_note = (
+            f"the call {h.median([c for c, _ in timed]):.4f} s, the next step's wait for the copy "
+            f"{h.median([w for _, w in timed]):.4f} s (medians); the forward and backward beside the "
+            f"background copy {h.median(lazy_fb):.3f} s, with no save in flight {h.median(plain_fb):.3f} s "
+            f"(slowdown {h.median(lazy_fb) - h.median(plain_fb):+.3f} s)"
+        )
+        rows.append(
+            h.compare(
+                "txckpt.async_save(optimizer=) blocked ÷ a plain copy into preallocated buffers",
+                size,
+                times,
+                LAZY,
+                COPY,
+                1.5,
+                lazy_note,
+            )
+        )
+        rows.append(
+            h.compare(
+                "txckpt.async_save(optimizer=) blocked ÷ dcp.async_save blocked (stager reused)",
+                size,
+                times,
+                LAZY,
+                DCP,
+                0.6,
+            )
+        )
         del weights, optim, ms
-    local = {"id": "asyncsave", "title": "Async save: time the training loop is blocked", "rows": rows,
-            "about": "State: the synthetic state of the save benchmarks (1/3 weights in "
-                     "`model.safetensors`, 2/3 AdamW state in `optimizer.pt`). *Blocked* is the time "
-                     "until the call returns (txckpt: the snapshot; DCP: its staging). One warm-up "
-                     "round, then interleaved rounds; each save's background work is waited for, "
-                     "untimed, before the next method runs. The floor copies every tensor into "
-                     "buffers allocated and touched beforehand. The `optimizer=` rows: the same "
-                     "tensors as the parameters of a `torch.optim.AdamW` that holds the optimizer "
-                     "state; each round saves lazily, runs a forward and backward through every "
-                     "weight (one torch thread), then `optimizer.step()`; blocked is the call plus "
-                     "the step's wait for the background copy (the note has both, and the forward "
-                     "and backward with and without the copy beside them)."}
+    local = {
+        "id": "asyncsave",
+        "title": "Async save: time the training loop is blocked",
+        "rows": rows,
+        "about": "State: the synthetic state of the save benchmarks (1/3 weights in "
+        "`model.safetensors`, 2/3 AdamW state in `optimizer.pt`). *Blocked* is the time "
+        "until the call returns (txckpt: the snapshot; DCP: its staging). One warm-up "
+        "round, then interleaved rounds; each save's background work is waited for, "
+        "untimed, before the next method runs. The floor copies every tensor into "
+        "buffers allocated and touched beforehand. The `optimizer=` rows: the same "
+        "tensors as the parameters of a `torch.optim.AdamW` that holds the optimizer "
+        "state; each round saves lazily, runs a forward and backward through every "
+        "weight (one torch thread), then `optimizer.step()`; blocked is the call plus "
+        "the step's wait for the background copy (the note has both, and the forward "
+        "and backward with and without the copy beside them).",
+    }
     return {"tables": [local, _s3_table()]}

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-_WORKER = r'''
+_WORKER = r"""
 import json, os, sys, time
 import torch, torch.distributed as dist
 
@@ -50,7 +50,7 @@ if __name__ == "__main__":
     import torch.multiprocessing as mp
     a = sys.argv[1:]
     mp.spawn(main, args=(int(a[0]), a[1], a[2], a[3], int(a[4]), int(a[5])), nprocs=int(a[0]))
-'''
+"""
 
 
 def _one(impl: str, world: int, saves: int, mib: int) -> list[float]:
@@ -61,8 +61,21 @@ def _one(impl: str, world: int, saves: int, mib: int) -> list[float]:
         with open(worker, "w") as f:
             f.write(_WORKER)
         env = {**os.environ, "PYTHONPATH": impl, "TXCKPT_AB_EXPECT": impl}
-        subprocess.run([sys.executable, worker, str(world), os.path.join(d, "store"), os.path.join(d, "root"), out,
-                        str(saves), str(mib)], env=env, check=True, timeout=600)
+        subprocess.run(
+            [
+                sys.executable,
+                worker,
+                str(world),
+                os.path.join(d, "store"),
+                os.path.join(d, "root"),
+                out,
+                str(saves),
+                str(mib),
+            ],
+            env=env,
+            check=True,
+            timeout=600,
+        )
         with open(out) as f:
             return [float(t) for t in json.load(f)]
     finally:
@@ -87,16 +100,19 @@ def main(argv: list[str] | None = None) -> int:
         first: dict[str, list[float]] = {k: [] for k in impls}
         ratios = []
         for r in range(a.rounds):
-            for k in (list(impls) if r % 2 == 0 else list(impls)[::-1]):
+            for k in list(impls) if r % 2 == 0 else list(impls)[::-1]:
                 t = _one(impls[k], world, a.saves, a.mib)
                 first[k].append(t[0])
                 later[k].append(statistics.median(t[1:]))
             ratios.append(later["candidate"][-1] / later["base"][-1])
         med = {k: statistics.median(v) for k, v in later.items()}
-        print(f"W={world}: saves 2..{a.saves}: candidate {med['candidate'] * 1e3:.1f} ms, base {med['base'] * 1e3:.1f} ms; "
-              f"per-round ratio median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}, "
-              f"{a.rounds} rounds); first save: ratio of medians "
-              f"{statistics.median(first['candidate']) / statistics.median(first['base']):.3f}", flush=True)
+        print(
+            f"W={world}: saves 2..{a.saves}: candidate {med['candidate'] * 1e3:.1f} ms, base {med['base'] * 1e3:.1f} ms; "
+            f"per-round ratio median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}, "
+            f"{a.rounds} rounds); first save: ratio of medians "
+            f"{statistics.median(first['candidate']) / statistics.median(first['base']):.3f}",
+            flush=True,
+        )
     return 0
 
 

@@ -54,8 +54,25 @@ METADATA_BYTES_PER_RANK = 8_533 // 2
 #: ranges (rank 1's ``__1_0.distcp``: 28 ranges, 50,028 B; rank 0 records 12), in file order:
 #: a simulated rank records as many ranges, of these lengths, each with its own xxh3-128 digest,
 #: in its part (1,584 B there). They tile the shard.
-RANGE_LENGTHS: tuple[int, ...] = (1261,) * 11 + (1325, 3625, 1705, 2601, 1577, 1577, 3625, 3625, 1577, 1705, 1705,
-                                                 1577, 2601, 2601, 1577, 1577, 1577)
+RANGE_LENGTHS: tuple[int, ...] = (1261,) * 11 + (
+    1325,
+    3625,
+    1705,
+    2601,
+    1577,
+    1577,
+    3625,
+    3625,
+    1577,
+    1705,
+    1705,
+    1577,
+    2601,
+    2601,
+    1577,
+    1577,
+    1577,
+)
 SHARD_BYTES = sum(RANGE_LENGTHS)
 assert len(RANGE_LENGTHS) == 28 and SHARD_BYTES == 50_028
 
@@ -84,14 +101,22 @@ def _staged(r: Any, step: int, w: int, parts: bool) -> tuple[Any, Any, list[Any]
         files = {name: {"size": SHARD_BYTES, "xxh3_128": digest, "kind": "bytes", "rank": rank}}
         ranges = {name: _ranges(step, name)}
         if parts:
-            records.append(write_part(r.storage, plan.key, rank, plan.txid, files, durable=False,
-                                      directory=False, ranges=ranges).encode())
+            records.append(
+                write_part(
+                    r.storage, plan.key, rank, plan.txid, files, durable=False, directory=False, ranges=ranges
+                ).encode()
+            )
         else:
             reports.append({"rank": rank, "files": files, "ranges": ranges})
     own = {}
     size = METADATA_BYTES_PER_RANK * w
     _sparse(os.path.join(staging, ".metadata"), size)
-    own[".metadata"] = {"size": size, "xxh3_128": digest_bytes(f"{step} .metadata".encode()), "kind": "bytes", "rank": 0}
+    own[".metadata"] = {
+        "size": size,
+        "xxh3_128": digest_bytes(f"{step} .metadata".encode()),
+        "kind": "bytes",
+        "rank": 0,
+    }
     if not parts:  # until the ranges moved into the parts: every rank's, in one file of rank 0's
         data = json.dumps({n: rg for rep in reports for n, rg in rep["ranges"].items()}, sort_keys=True).encode()
         with open(os.path.join(staging, "txckpt-dcp-ranges.json"), "wb") as f:
@@ -193,43 +218,97 @@ def run(quick: bool) -> dict[str, Any]:
     w0, wn = min(measured), max(measured)
     at_scale = wn >= 10240  # issue 33's goals are stated at W = 10,240 (quick/tiny runs: report only)
     for w, m in measured.items():
-        rows.append({"case": f"rank 0's commit CPU, first save ÷ before (/1), W={w}", "size": f"W={w}",
-                     "txckpt": m["first"], "other": m["before"], "ratio": m["first"] / m["before"],
-                     "goal": None, "reps": 1,
-                     "note": f"before: {m['before_rx']:.0f} B received per rank, {m['before_read']} B read by a "
-                             f"loading rank (the /1 manifest; a DCP load also {m['before_ranges']} B of "
-                             f"txckpt-dcp-ranges.json); after: {m['rx']} B per rank, {m['read']} B read"})
+        rows.append(
+            {
+                "case": f"rank 0's commit CPU, first save ÷ before (/1), W={w}",
+                "size": f"W={w}",
+                "txckpt": m["first"],
+                "other": m["before"],
+                "ratio": m["first"] / m["before"],
+                "goal": None,
+                "reps": 1,
+                "note": f"before: {m['before_rx']:.0f} B received per rank, {m['before_read']} B read by a "
+                f"loading rank (the /1 manifest; a DCP load also {m['before_ranges']} B of "
+                f"txckpt-dcp-ranges.json); after: {m['rx']} B per rank, {m['read']} B read",
+            }
+        )
     for w, m in measured.items():
-        rows.append({"case": f"unchanged structure (fast path) ÷ first save, W={w}", "size": f"W={w}",
-                     "txckpt": m["fast"], "other": m["first"], "ratio": m["fast"] / m["first"],
-                     "goal": 0.1 if w == wn and at_scale else None, "reps": 1})
+        rows.append(
+            {
+                "case": f"unchanged structure (fast path) ÷ first save, W={w}",
+                "size": f"W={w}",
+                "txckpt": m["fast"],
+                "other": m["first"],
+                "ratio": m["fast"] / m["first"],
+                "goal": 0.1 if w == wn and at_scale else None,
+                "reps": 1,
+            }
+        )
     last, first = measured[wn], measured[w0]
-    rows.append({"case": f"rank 0's commit CPU, first save, W={wn} ÷ the 1 s goal", "size": f"W={wn}",
-                 "txckpt": last["first"], "other": 1.0, "ratio": last["first"], "goal": 1.0 if at_scale else None, "reps": 1})
-    rows.append({"case": f"bytes received by rank 0 per rank, W={wn} ÷ 64 B", "size": f"W={wn}", "unit": "bytes",
-                 "txckpt": last["rx"], "other": 64, "ratio": last["rx"] / 64, "goal": 1.0 if at_scale else None, "reps": 1})
-    rows.append({"case": f"a loading rank's metadata read, W={wn} ÷ W={w0}", "size": f"W={wn}", "unit": "bytes",
-                 "txckpt": last["read"], "other": first["read"], "ratio": last["read"] / first["read"],
-                 "goal": 1.2 if at_scale else None, "reps": 1,
-                 "note": f"before (/1, the whole manifest): {last['before_read']} B at W={wn}, "
-                         f"{first['before_read']} B at W={w0}; a DCP load also read txckpt-dcp-ranges.json: "
-                         f"{last['before_ranges']} B at W={wn}, {first['before_ranges']} B at W={w0}"})
-    return {"id": "commit-scale", "title": TITLE, "rows": rows, "measured": {str(k): v for k, v in measured.items()},
-            "notes": [curve_table(measured)],
-            "about": (__doc__ or "").split("\n\n", 1)[1].strip()}
+    rows.append(
+        {
+            "case": f"rank 0's commit CPU, first save, W={wn} ÷ the 1 s goal",
+            "size": f"W={wn}",
+            "txckpt": last["first"],
+            "other": 1.0,
+            "ratio": last["first"],
+            "goal": 1.0 if at_scale else None,
+            "reps": 1,
+        }
+    )
+    rows.append(
+        {
+            "case": f"bytes received by rank 0 per rank, W={wn} ÷ 64 B",
+            "size": f"W={wn}",
+            "unit": "bytes",
+            "txckpt": last["rx"],
+            "other": 64,
+            "ratio": last["rx"] / 64,
+            "goal": 1.0 if at_scale else None,
+            "reps": 1,
+        }
+    )
+    rows.append(
+        {
+            "case": f"a loading rank's metadata read, W={wn} ÷ W={w0}",
+            "size": f"W={wn}",
+            "unit": "bytes",
+            "txckpt": last["read"],
+            "other": first["read"],
+            "ratio": last["read"] / first["read"],
+            "goal": 1.2 if at_scale else None,
+            "reps": 1,
+            "note": f"before (/1, the whole manifest): {last['before_read']} B at W={wn}, "
+            f"{first['before_read']} B at W={w0}; a DCP load also read txckpt-dcp-ranges.json: "
+            f"{last['before_ranges']} B at W={wn}, {first['before_ranges']} B at W={w0}",
+        }
+    )
+    return {
+        "id": "commit-scale",
+        "title": TITLE,
+        "rows": rows,
+        "measured": {str(k): v for k, v in measured.items()},
+        "notes": [curve_table(measured)],
+        "about": (__doc__ or "").split("\n\n", 1)[1].strip(),
+    }
 
 
 def curve_table(measured: dict[int, dict[str, Any]]) -> str:
     """Cost against W, as a markdown table (the figure's numbers)."""
-    lines = ["| W | before: commit CPU | after: first save | after: fast path | received per rank (before → after) "
-             "| a DCP loading rank reads (before: the /1 manifest, + txckpt-dcp-ranges.json → after: manifest + "
-             "part with its ranges + proof) |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| W | before: commit CPU | after: first save | after: fast path | received per rank (before → after) "
+        "| a DCP loading rank reads (before: the /1 manifest, + txckpt-dcp-ranges.json → after: manifest + "
+        "part with its ranges + proof) |",
+        "|---|---|---|---|---|---|",
+    ]
     for w, m in sorted(measured.items()):
         got = m.get("read_parts") or {}
         split = f" ({got['manifest']} + {got['part']} + {got['proof']})" if got else ""
-        lines.append(f"| {w} | {_ms(m['before'])} | {_ms(m['first'])} | {_ms(m['fast'])} | "
-                     f"{m['before_rx']:.0f} B → {m['rx']} B | {m['before_read']} B + {m['before_ranges']} B → "
-                     f"{m['read']} B{split} |")
+        lines.append(
+            f"| {w} | {_ms(m['before'])} | {_ms(m['first'])} | {_ms(m['fast'])} | "
+            f"{m['before_rx']:.0f} B → {m['rx']} B | {m['before_read']} B + {m['before_ranges']} B → "
+            f"{m['read']} B{split} |"
+        )
     return "\n".join(lines)
 
 
@@ -246,18 +325,37 @@ def plot(measured: dict[int, dict[str, Any]], path: str) -> None:
 
     ws = sorted(measured)
     fig, (cpu, read) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=110)
-    for key, label in (("before", "before: one table (/1)"), ("first", "parts (/2): first save"),
-                       ("fast", "parts (/2): unchanged structure")):
+    for key, label in (
+        ("before", "before: one table (/1)"),
+        ("first", "parts (/2): first save"),
+        ("fast", "parts (/2): unchanged structure"),
+    ):
         cpu.plot(ws, [measured[w][key] for w in ws], marker="o", label=label)
     cpu.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="goal at W=10,240: 1 s")
-    cpu.set(xscale="log", yscale="log", xlabel="world size W (simulated ranks)", ylabel="rank 0's commit CPU (s)",
-            title="Commit cost against W")
+    cpu.set(
+        xscale="log",
+        yscale="log",
+        xlabel="world size W (simulated ranks)",
+        ylabel="rank 0's commit CPU (s)",
+        title="Commit cost against W",
+    )
     read.plot(ws, [measured[w]["before_read"] for w in ws], marker="o", label="before: the whole manifest")
-    read.plot(ws, [measured[w]["before_read"] + measured[w]["before_ranges"] for w in ws], marker="o",
-              label="before, DCP: + txckpt-dcp-ranges.json")
-    read.plot(ws, [measured[w]["read"] for w in ws], marker="o", label="parts: manifest + own part (its ranges) + proof")
-    read.set(xscale="log", yscale="log", xlabel="world size W (simulated ranks)", ylabel="bytes",
-             title="A loading rank's metadata read against W")
+    read.plot(
+        ws,
+        [measured[w]["before_read"] + measured[w]["before_ranges"] for w in ws],
+        marker="o",
+        label="before, DCP: + txckpt-dcp-ranges.json",
+    )
+    read.plot(
+        ws, [measured[w]["read"] for w in ws], marker="o", label="parts: manifest + own part (its ranges) + proof"
+    )
+    read.set(
+        xscale="log",
+        yscale="log",
+        xlabel="world size W (simulated ranks)",
+        ylabel="bytes",
+        title="A loading rank's metadata read against W",
+    )
     for ax in (cpu, read):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)

@@ -101,7 +101,7 @@ def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int
 
         for r in range(warmup + rounds):
             plain = os.path.join(base, f"plain-{r}")
-            for method in (["tx", "plain"] if r % 2 == 0 else ["plain", "tx"]):
+            for method in ["tx", "plain"] if r % 2 == 0 else ["plain", "tx"]:
                 if method == "tx":
                     w = TransactionalWriter(root, r + 1)
                     timed(TX_SAVE, r, lambda: dcp.save(state, storage_writer=w))
@@ -114,7 +114,7 @@ def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int
                 _read_through(paths[0])
                 _read_through(plain)
             dist.barrier()
-            for method in (["plain", "tx"] if r % 2 == 0 else ["tx", "plain"]):
+            for method in ["plain", "tx"] if r % 2 == 0 else ["tx", "plain"]:
                 if method == "tx":
                     timed(TX_LOAD, r, lambda: dcp.load(target, storage_reader=TransactionalReader(paths[0])))
                 else:
@@ -141,10 +141,18 @@ def measure(size: int, rounds: int, warmup: int = 1, deadline: float = 1800.0) -
 def _row(times: dict[str, list[float]], tx: str, other: str, size: int, goal: float, note: str) -> dict[str, Any]:
     paired = [a / b for a, b in zip(times[tx], times[other]) if b > 0]
     a, b = statistics.median(times[tx]), statistics.median(times[other])
-    return {"case": f"{tx} ÷ {other}", "size": size, "txckpt": a, "other": b, "ratio": statistics.median(paired),
-            "goal": goal, "reps": len(paired), "paired": paired,
-            "note": f"{WORLD} ranks × {size // MiB} MiB; ratio = median of per-round ratios (ratio of medians "
-                    f"{a / b:.2f}){note}"}
+    return {
+        "case": f"{tx} ÷ {other}",
+        "size": size,
+        "txckpt": a,
+        "other": b,
+        "ratio": statistics.median(paired),
+        "goal": goal,
+        "reps": len(paired),
+        "paired": paired,
+        "note": f"{WORLD} ranks × {size // MiB} MiB; ratio = median of per-round ratios (ratio of medians "
+        f"{a / b:.2f}){note}",
+    }
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -155,10 +163,18 @@ def run(quick: bool) -> dict[str, Any]:
     rounds = 1 if tiny else 5 if quick else 7
     result = measure(size, rounds, warmup=0 if tiny else 1)
     times = result["times"]
-    rows = [_row(times, TX_SAVE, DCP_SAVE, size, SAVE_GOAL, ""),
-            _row(times, TX_LOAD, DCP_LOAD, size, LOAD_GOAL, "; verify=\"full\" (every shard hashed before use)")]
-    return {"id": "dcp", "title": TITLE, "rows": rows, "about": __doc__.split("\n\n", 1)[1].strip(),
-            "save_ratio": rows[0]["ratio"], "load_ratio": rows[1]["ratio"]}
+    rows = [
+        _row(times, TX_SAVE, DCP_SAVE, size, SAVE_GOAL, ""),
+        _row(times, TX_LOAD, DCP_LOAD, size, LOAD_GOAL, '; verify="full" (every shard hashed before use)'),
+    ]
+    return {
+        "id": "dcp",
+        "title": TITLE,
+        "rows": rows,
+        "about": __doc__.split("\n\n", 1)[1].strip(),
+        "save_ratio": rows[0]["ratio"],
+        "load_ratio": rows[1]["ratio"],
+    }
 
 
 if __name__ == "__main__":  # python -m benchmarks.dcp [--quick]

@@ -78,12 +78,14 @@ def _metadata_bytes(path: str) -> int:
     """The checkpoint's metadata files: DCP's, txckpt's, and (two or more ranks) the manifest
     parts, each rank's file table with its range digests (protocol §3a)."""
     parts = os.path.join(path, "txckpt-parts")
-    return (sum(os.path.getsize(os.path.join(path, n)) for n in METADATA if os.path.exists(os.path.join(path, n)))
-            + sum(os.path.getsize(os.path.join(parts, n)) for n in (os.listdir(parts) if os.path.isdir(parts) else ())))
+    return sum(os.path.getsize(os.path.join(path, n)) for n in METADATA if os.path.exists(os.path.join(path, n))) + sum(
+        os.path.getsize(os.path.join(parts, n)) for n in (os.listdir(parts) if os.path.isdir(parts) else ())
+    )
 
 
-def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int, queue: Any,
-            everything: bool = False) -> None:
+def _worker(
+    rank: int, port: int, base: str, size: int, rounds: int, warmup: int, queue: Any, everything: bool = False
+) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -105,7 +107,7 @@ def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int
                 if name in changing:
                     state[name].add_(0.001)
             state["step"].fill_(step)
-            for method in ([INC, FULL] if r % 2 == 0 else [FULL, INC]):
+            for method in [INC, FULL] if r % 2 == 0 else [FULL, INC]:
                 if rank == 0:
                     os.sync()  # untimed: no write-back of the previous phase is charged to this one
                 dist.barrier()
@@ -137,8 +139,16 @@ def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int
                 dist.barrier()
         if rank == 0:
             on_disk = sum(s for ino, s in _all_inodes(roots[INC]).items())
-            queue.put({"times": times, "written": written, "expected": expected, "on_disk": on_disk,
-                       "base_bytes": base_bytes, "saves": warmup + rounds})
+            queue.put(
+                {
+                    "times": times,
+                    "written": written,
+                    "expected": expected,
+                    "on_disk": on_disk,
+                    "base_bytes": base_bytes,
+                    "saves": warmup + rounds,
+                }
+            )
 
 
 def _all_inodes(root: str) -> dict[int, int]:
@@ -149,8 +159,9 @@ def _all_inodes(root: str) -> dict[int, int]:
     return out
 
 
-def measure(size: int, rounds: int, warmup: int = 1, deadline: float = 1800.0,
-            everything: bool = False) -> dict[str, Any]:
+def measure(
+    size: int, rounds: int, warmup: int = 1, deadline: float = 1800.0, everything: bool = False
+) -> dict[str, Any]:
     import functools
 
     from .ranks import launch_ranks
@@ -166,9 +177,16 @@ def _finetune_row(size: int, rounds: int) -> dict[str, Any]:
     res = measure(size, rounds, everything=True)
     times, written = res["times"], res["written"]
     vs_full = [a / b for a, b in zip(written[INC], written[FULL]) if b > 0]
-    return h.compare(f"incremental ÷ full save time, full fine-tune (every tensor changes), saves 2..{res['saves']}",
-                     size, times, INC, FULL, 1.03, alternating=True,
-                     note=f"bytes written incremental ÷ full {statistics.median(vs_full):.3f}")
+    return h.compare(
+        f"incremental ÷ full save time, full fine-tune (every tensor changes), saves 2..{res['saves']}",
+        size,
+        times,
+        INC,
+        FULL,
+        1.03,
+        alternating=True,
+        note=f"bytes written incremental ÷ full {statistics.median(vs_full):.3f}",
+    )
 
 
 def table(size: int, rounds: int) -> dict[str, Any]:
@@ -183,19 +201,46 @@ def table(size: int, rounds: int) -> dict[str, Any]:
     base_plus = res["base_bytes"] - delta + res["saves"] * delta  # the first save = base + its delta
     med = statistics.median
     rows = [
-        {**h.compare(f"incremental ÷ full save time, saves 2..{res['saves']}", size, times, INC, FULL, 0.15,
-                     alternating=True),
-         "note": f"ratio of medians {med(times[INC]) / med(times[FULL]):.3f}; per round "
-                 f"{min(paired):.2f}-{max(paired):.2f}"},
-        {"case": "bytes written per incremental save ÷ (changed tensor bytes + metadata)", "size": size,
-         "txckpt": med(written[INC]), "other": med(expected), "ratio": med(per_save), "goal": 1.05,
-         "reps": len(per_save), "unit": "bytes", "paired": per_save},
-        {"case": "bytes written per save, incremental ÷ full", "size": size, "txckpt": med(written[INC]),
-         "other": med(written[FULL]), "ratio": med(vs_full), "goal": 0.1, "reps": len(vs_full), "unit": "bytes",
-         "note": f"{1 / med(vs_full):.0f}x fewer"},
-        {"case": f"disk use of the incremental root's {res['saves']} checkpoints ÷ (one base + "
-                 f"{res['saves']} deltas)", "size": size, "txckpt": res["on_disk"], "other": base_plus,
-         "ratio": res["on_disk"] / base_plus, "goal": 1.2, "reps": 1, "unit": "bytes"},
+        {
+            **h.compare(
+                f"incremental ÷ full save time, saves 2..{res['saves']}", size, times, INC, FULL, 0.15, alternating=True
+            ),
+            "note": f"ratio of medians {med(times[INC]) / med(times[FULL]):.3f}; per round "
+            f"{min(paired):.2f}-{max(paired):.2f}",
+        },
+        {
+            "case": "bytes written per incremental save ÷ (changed tensor bytes + metadata)",
+            "size": size,
+            "txckpt": med(written[INC]),
+            "other": med(expected),
+            "ratio": med(per_save),
+            "goal": 1.05,
+            "reps": len(per_save),
+            "unit": "bytes",
+            "paired": per_save,
+        },
+        {
+            "case": "bytes written per save, incremental ÷ full",
+            "size": size,
+            "txckpt": med(written[INC]),
+            "other": med(written[FULL]),
+            "ratio": med(vs_full),
+            "goal": 0.1,
+            "reps": len(vs_full),
+            "unit": "bytes",
+            "note": f"{1 / med(vs_full):.0f}x fewer",
+        },
+        {
+            "case": f"disk use of the incremental root's {res['saves']} checkpoints ÷ (one base + "
+            f"{res['saves']} deltas)",
+            "size": size,
+            "txckpt": res["on_disk"],
+            "other": base_plus,
+            "ratio": res["on_disk"] / base_plus,
+            "goal": 1.2,
+            "reps": 1,
+            "unit": "bytes",
+        },
         _finetune_row(size, rounds),
     ]
     return {"id": "dcp-incremental", "title": TITLE, "rows": rows, "about": __doc__.split("\n\n", 1)[1].strip()}

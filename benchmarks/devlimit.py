@@ -60,7 +60,7 @@ def aligned_copy(tensors: list[Any], nbytes: int) -> mmap.mmap:
             break
         raw = t.reshape(-1).view(torch.uint8).numpy().data
         n = min(len(raw), nbytes - off)
-        m[off:off + n] = raw[:n]
+        m[off : off + n] = raw[:n]
         off += n
     return m  # the rest is zero: a fresh anonymous mapping
 
@@ -90,7 +90,7 @@ def write_odirect(path: str, buf: mmap.mmap, nbytes: int, write_size: int) -> No
     try:
         off = 0
         while off < padded:
-            off += os.write(fd, view[off:min(padded, off + write_size)])
+            off += os.write(fd, view[off : min(padded, off + write_size)])
         if padded != nbytes:
             os.ftruncate(fd, nbytes)  # the last block was written whole; the file is nbytes long
         os.fsync(fd)
@@ -167,10 +167,12 @@ def write_variants(buf: mmap.mmap, nbytes: int, directory: str) -> dict[str, Cal
             out[f"O_DIRECT, {ws} MiB writes"] = lambda p, ws=ws: write_odirect(p, buf, nbytes, ws * h.MiB)
     for c in BUFFERED_CHUNKS:
         if _sync_file_range() is not None:
-            out[f"buffered, sync_file_range behind, {c} MiB chunks"] = (
-                lambda p, c=c: write_behind(p, buf, nbytes, c * h.MiB))
-        out[f"buffered, fdatasync thread behind, {c} MiB chunks"] = (
-            lambda p, c=c: write_thread_behind(p, buf, nbytes, c * h.MiB))
+            out[f"buffered, sync_file_range behind, {c} MiB chunks"] = lambda p, c=c: write_behind(
+                p, buf, nbytes, c * h.MiB
+            )
+        out[f"buffered, fdatasync thread behind, {c} MiB chunks"] = lambda p, c=c: write_thread_behind(
+            p, buf, nbytes, c * h.MiB
+        )
     return out
 
 
@@ -191,7 +193,7 @@ def read_odirect(files: list[str], buf: mmap.mmap, read_size: int) -> int:
                 padded = -(-size // ALIGN) * ALIGN
                 off = 0
                 while off < padded:
-                    n = os.readv(fd, [view[off:min(padded, off + read_size)]])
+                    n = os.readv(fd, [view[off : min(padded, off + read_size)]])
                     if n <= 0:
                         break
                     off += n
@@ -214,7 +216,7 @@ def read_buffered(files: list[str], buf: mmap.mmap, chunk: int = 8 * h.MiB) -> i
                 size = os.fstat(fd).st_size
                 off = 0
                 while off < size:
-                    n = os.readv(fd, [view[off:min(size, off + chunk)]])
+                    n = os.readv(fd, [view[off : min(size, off + chunk)]])
                     if n <= 0:
                         break
                     off += n

@@ -73,8 +73,9 @@ def configure(quick: bool, tiny: bool = False, scratch: str | None = None, sizes
     chosen = tuple(sizes or default_sizes)
     for s in chosen:
         reps.setdefault(s, 2 if tiny else 5)
-    _settings = Settings(quick=quick or tiny, tiny=tiny, scratch=scratch, cache=os.path.join(scratch, "cache"),
-                         sizes=chosen, reps=reps)
+    _settings = Settings(
+        quick=quick or tiny, tiny=tiny, scratch=scratch, cache=os.path.join(scratch, "cache"), sizes=chosen, reps=reps
+    )
     os.makedirs(_settings.scratch, exist_ok=True)
     os.makedirs(_settings.cache, exist_ok=True)
     return _settings
@@ -133,6 +134,7 @@ def fmt_size(n: Any) -> str:
 
 # ----- interleaved timing ----------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Method:
     """One side of a comparison. ``setup()`` prepares (untimed) and returns a context, ``run(ctx)``
@@ -186,8 +188,13 @@ def gloo_rank(rank: int, world: int, port: int, queue: Any, timeout_s: float = 6
     and the group is destroyed at the end, whatever happened."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     try:
         yield
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -213,8 +220,17 @@ def order_balanced(paired: list[float]) -> list[float]:
     return [math.sqrt(paired[i] * paired[i + 1]) for i in range(0, len(paired) - 1, 2)]
 
 
-def compare(case: str, size: Any, times: dict[str, list[float]], a: str, b: str, goal: float | None,
-            note: str = "", *, alternating: bool = False) -> dict[str, Any]:
+def compare(
+    case: str,
+    size: Any,
+    times: dict[str, list[float]],
+    a: str,
+    b: str,
+    goal: float | None,
+    note: str = "",
+    *,
+    alternating: bool = False,
+) -> dict[str, Any]:
     """A table row: method ``a`` (txckpt) against ``b`` from the same interleaved rounds
     (``alternating``: the two ran in an order that alternates from round to round)."""
     ta, tb = times[a], times[b]
@@ -225,14 +241,21 @@ def compare(case: str, size: Any, times: dict[str, list[float]], a: str, b: str,
     # taken separately can pair a quiet round of one with a busy round of the other.
     headline = order_balanced(paired) if alternating and len(paired) >= 2 else paired
     return {
-        "case": case, "size": size, "txckpt": ma, "other": mb,
+        "case": case,
+        "size": size,
+        "txckpt": ma,
+        "other": mb,
         "ratio": median(headline) if headline else float("nan"),
-        "ratio_of_medians": ma / mb if mb > 0 else float("nan"), "goal": goal, "reps": len(ta),
-        "paired": paired, "note": note,
+        "ratio_of_medians": ma / mb if mb > 0 else float("nan"),
+        "goal": goal,
+        "reps": len(ta),
+        "paired": paired,
+        "note": note,
     }
 
 
 # ----- running the cases -----------------------------------------------------------------------
+
 
 def run_case(name: str, quick: bool) -> list[dict[str, Any]]:
     """Import ``benchmarks.<name>`` and run it. Never raises: a missing module is pending, an
@@ -267,11 +290,17 @@ def run_case(name: str, quick: bool) -> list[dict[str, Any]]:
 
 def _failed(title: str, e: BaseException) -> dict[str, Any]:
     tb = traceback.format_exception(type(e), e, e.__traceback__)
-    return {"title": title, "status": "failed", "reason": f"{type(e).__name__}: {e}",
-            "traceback": "".join(tb[-6:]), "rows": []}
+    return {
+        "title": title,
+        "status": "failed",
+        "reason": f"{type(e).__name__}: {e}",
+        "traceback": "".join(tb[-6:]),
+        "rows": [],
+    }
 
 
 # ----- the machine -----------------------------------------------------------------------------
+
 
 def host() -> dict[str, str]:
     """CPU, RAM, kernel and Python of this machine: the head of every report's machine table
@@ -319,8 +348,11 @@ def machine() -> dict[str, str]:
     except Exception:
         pass
     info["Date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    info["Command"] = "python -m benchmarks run" + (" --quick" if settings().quick and not settings().tiny else "") + (
-        " --tiny" if settings().tiny else "")
+    info["Command"] = (
+        "python -m benchmarks run"
+        + (" --quick" if settings().quick and not settings().tiny else "")
+        + (" --tiny" if settings().tiny else "")
+    )
     return info
 
 
@@ -342,10 +374,12 @@ def _disk(path: str) -> str:
 def _git_rev() -> str:
     try:
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--", "txckpt"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--", "txckpt"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         return f"git {rev}{' + uncommitted changes in txckpt/' if dirty else ''}"
     except Exception:
         return "git unknown"

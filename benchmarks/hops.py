@@ -47,8 +47,10 @@ class Trace:
     into_storage: int = 0  # hops whose callee is a txckpt.storage.* module
 
     def summary(self, what: str) -> str:
-        return (f"{what}: {self.hops} hops, {self.into_storage} of them into txckpt.storage.*; "
-                f"storage opened {self.storage_opens} times ({self.open_storage_calls} open_storage calls)")
+        return (
+            f"{what}: {self.hops} hops, {self.into_storage} of them into txckpt.storage.*; "
+            f"storage opened {self.storage_opens} times ({self.open_storage_calls} open_storage calls)"
+        )
 
 
 def _txckpt_module(frame: Any) -> str | None:
@@ -102,8 +104,10 @@ def trace(operation: Callable[[], Any]) -> Trace:
 def _state(step: int) -> dict[str, Any]:
     from txckpt import deps
 
-    return {FILES_NAMES[0]: {"weight": deps.torch.arange(16, dtype=deps.torch.float32) + step},
-            FILES_NAMES[1]: {"global_step": step}}
+    return {
+        FILES_NAMES[0]: {"weight": deps.torch.arange(16, dtype=deps.torch.float32) + step},
+        FILES_NAMES[1]: {"global_step": step},
+    }
 
 
 def trace_save(root: str) -> Trace:
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("mode", choices=sorted(MODES) + ["both"])
     p.add_argument("--edges", action="store_true", help="print each edge (caller -> callee) with its count")
     args = p.parse_args(argv)
-    for mode in (["save", "load"] if args.mode == "both" else [args.mode]):
+    for mode in ["save", "load"] if args.mode == "both" else [args.mode]:
         t = measure(mode)
         print(t.summary(mode))
         if args.edges:

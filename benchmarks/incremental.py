@@ -44,10 +44,16 @@ def _state(size: int) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def _files(base: dict[str, Any], adapter: dict[str, Any], step: int) -> dict[str, Any]:
     a = {k: v + step for k, v in adapter.items()}
-    return {"base.safetensors": base, "adapter.safetensors": a,
-            "optimizer.pt": {"exp_avg": {k: v * 0.5 for k, v in a.items()}, "exp_avg_sq": {k: v * v for k, v in a.items()},
-                             "step": step},
-            "config.json": {"layers": 8, "frozen": True}}
+    return {
+        "base.safetensors": base,
+        "adapter.safetensors": a,
+        "optimizer.pt": {
+            "exp_avg": {k: v * 0.5 for k, v in a.items()},
+            "exp_avg_sq": {k: v * v for k, v in a.items()},
+            "step": step,
+        },
+        "config.json": {"layers": 8, "frozen": True},
+    }
 
 
 def _new_bytes(path: str, before: set[int]) -> int:
@@ -108,15 +114,30 @@ def _frozen_table(size: int, reps: int) -> list[dict[str, Any]]:
             h.remove(r)
     inc_written = h.median(written[INC][1:])  # the first save writes the base
     rows = [
-        h.compare("incremental ÷ full save time, frozen base + adapter", size, times, INC, FULL, 0.15, alternating=True),
-        {"case": "bytes written per incremental save ÷ bytes that changed", "size": size,
-         "txckpt": inc_written, "other": delta, "ratio": inc_written / delta if delta else float("nan"),
-         "goal": 1.05, "reps": saves - 1, "unit": "bytes",
-         "note": f"a full save writes {h.fmt_size(full_one)} ({full_one / max(inc_written, 1):.0f}x)"},
-        {"case": f"disk use of the incremental root's {saves} checkpoints ÷ (one full + {saves - 1} deltas)",
-         "size": size, "txckpt": on_disk, "other": one_plus_deltas,
-         "ratio": on_disk / one_plus_deltas if one_plus_deltas else float("nan"), "goal": 1.2, "reps": 1,
-         "unit": "bytes"},
+        h.compare(
+            "incremental ÷ full save time, frozen base + adapter", size, times, INC, FULL, 0.15, alternating=True
+        ),
+        {
+            "case": "bytes written per incremental save ÷ bytes that changed",
+            "size": size,
+            "txckpt": inc_written,
+            "other": delta,
+            "ratio": inc_written / delta if delta else float("nan"),
+            "goal": 1.05,
+            "reps": saves - 1,
+            "unit": "bytes",
+            "note": f"a full save writes {h.fmt_size(full_one)} ({full_one / max(inc_written, 1):.0f}x)",
+        },
+        {
+            "case": f"disk use of the incremental root's {saves} checkpoints ÷ (one full + {saves - 1} deltas)",
+            "size": size,
+            "txckpt": on_disk,
+            "other": one_plus_deltas,
+            "ratio": on_disk / one_plus_deltas if one_plus_deltas else float("nan"),
+            "goal": 1.2,
+            "reps": 1,
+            "unit": "bytes",
+        },
     ]
     return rows
 
@@ -141,8 +162,15 @@ def _finetune_row(size: int, reps: int) -> dict[str, Any]:
     finally:
         for r in roots.values():
             h.remove(r)
-    return h.compare("incremental ÷ full save time, full fine-tune (every byte changes)", size, times, INC, FULL, 1.03,
-                     alternating=True)  # two methods: h.interleave alternates their order
+    return h.compare(
+        "incremental ÷ full save time, full fine-tune (every byte changes)",
+        size,
+        times,
+        INC,
+        FULL,
+        1.03,
+        alternating=True,
+    )  # two methods: h.interleave alternates their order
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -164,11 +192,14 @@ def _trainer_table(quick: bool) -> dict[str, Any]:
 
 
 def _files_table(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"id": "incremental", "title": "Incremental save: frozen base + adapter (local disk, fsync on)",
-            "rows": rows,
-            "about": "A frozen base (8 tensors, the size column) in `base.safetensors`, an adapter of 1/64 of "
-                     "it in `adapter.safetensors` and its Adam state in `optimizer.pt`, and a small "
-                     "`config.json`; each method saves the next step of its own root, interleaved rounds "
-                     "after one warm-up round. The adapter and its state change every step. *Bytes written*: "
-                     "the files of a checkpoint whose inode no earlier checkpoint holds. The full fine-tune "
-                     "row changes every tensor every step. docs/incremental.md explains the method."}
+    return {
+        "id": "incremental",
+        "title": "Incremental save: frozen base + adapter (local disk, fsync on)",
+        "rows": rows,
+        "about": "A frozen base (8 tensors, the size column) in `base.safetensors`, an adapter of 1/64 of "
+        "it in `adapter.safetensors` and its Adam state in `optimizer.pt`, and a small "
+        "`config.json`; each method saves the next step of its own root, interleaved rounds "
+        "after one warm-up round. The adapter and its state change every step. *Bytes written*: "
+        "the files of a checkpoint whose inode no earlier checkpoint holds. The full fine-tune "
+        "row changes every tensor every step. docs/incremental.md explains the method.",
+    }

@@ -66,16 +66,23 @@ def methods(weights: dict[str, Any], optim: dict[str, Any], root: str, plain: st
     def lightning_done(ctx):
         stock.teardown()  # waits for its thread; a fresh one starts at the next save
 
-    return [h.Method(TX, tx, dict, tx_done), h.Method(LIGHTNING, lightning, dict, lightning_done),
-            h.Method(SYNC, sync, dict)], None
+    return [
+        h.Method(TX, tx, dict, tx_done),
+        h.Method(LIGHTNING, lightning, dict, lightning_done),
+        h.Method(SYNC, sync, dict),
+    ], None
 
 
 def run(quick: bool) -> dict[str, Any]:
     try:
         import lightning  # noqa: F401
     except ImportError:
-        return {"title": "Lightning: time a save blocks the loop", "status": "skipped",
-                "reason": "lightning is not installed (pip install 'txckpt[lightning]')", "rows": []}
+        return {
+            "title": "Lightning: time a save blocks the loop",
+            "status": "skipped",
+            "reason": "lightning is not installed (pip install 'txckpt[lightning]')",
+            "rows": [],
+        }
     from txckpt import asyncsave
 
     s = h.settings()
@@ -92,15 +99,35 @@ def run(quick: bool) -> dict[str, Any]:
             asyncsave.release_buffers(root)
             h.remove(root)
             h.remove(plain)
-        rows.append(h.compare("TransactionalCheckpointIO(async_save=True) blocked ÷ AsyncCheckpointIO blocked",
-                              size, times, TX, LIGHTNING, 1.0))
-        rows.append(h.compare("TransactionalCheckpointIO(async_save=True) blocked ÷ its sync save (fsync on)",
-                              size, times, TX, SYNC, None))
+        rows.append(
+            h.compare(
+                "TransactionalCheckpointIO(async_save=True) blocked ÷ AsyncCheckpointIO blocked",
+                size,
+                times,
+                TX,
+                LIGHTNING,
+                1.0,
+            )
+        )
+        rows.append(
+            h.compare(
+                "TransactionalCheckpointIO(async_save=True) blocked ÷ its sync save (fsync on)",
+                size,
+                times,
+                TX,
+                SYNC,
+                None,
+            )
+        )
         del weights, optim, ms
-    return {"id": "lightning", "title": "Lightning: time a save blocks the loop", "rows": rows,
-            "about": "The dict a Lightning Trainer hands its `CheckpointIO`: the synthetic state (1/3 "
-                     "weights as `state_dict`, 2/3 AdamW state as `optimizer_states`). *Blocked* is the "
-                     "time until `save_checkpoint` returns: txckpt's snapshot into reused buffers, "
-                     "Lightning's `AsyncCheckpointIO` cloning every tensor on the caller's thread. One "
-                     "warm-up round, then interleaved rounds; each background write is waited for, "
-                     "untimed, before the next method runs."}
+    return {
+        "id": "lightning",
+        "title": "Lightning: time a save blocks the loop",
+        "rows": rows,
+        "about": "The dict a Lightning Trainer hands its `CheckpointIO`: the synthetic state (1/3 "
+        "weights as `state_dict`, 2/3 AdamW state as `optimizer_states`). *Blocked* is the "
+        "time until `save_checkpoint` returns: txckpt's snapshot into reused buffers, "
+        "Lightning's `AsyncCheckpointIO` cloning every tensor on the caller's thread. One "
+        "warm-up round, then interleaved rounds; each background write is waited for, "
+        "untimed, before the next method runs.",
+    }

@@ -60,6 +60,7 @@ def _steal_ticks() -> int:
 def _counted(fn, into: dict[str, list[dict[str, int]]], name: str):
     """``fn`` that records the kernel counters' change over each call under ``name``, with its
     CPU time and the hypervisor's steal ticks."""
+
     def run(ctx):
         before, cpu, steal = _vmstat(), time.process_time(), _steal_ticks()
         try:
@@ -68,15 +69,19 @@ def _counted(fn, into: dict[str, list[dict[str, int]]], name: str):
             cpu = time.process_time() - cpu
             steal = _steal_ticks() - steal
             after = _vmstat()
-            into.setdefault(name, []).append({**{k: after[k] - before.get(k, 0) for k in after},
-                                              "cpu_us": int(cpu * 1e6), "steal": steal})
+            into.setdefault(name, []).append(
+                {**{k: after[k] - before.get(k, 0) for k in after}, "cpu_us": int(cpu * 1e6), "steal": steal}
+            )
+
     return run
 
 
 def _stalls(rounds: list[dict[str, int]], warmup: int) -> str:
     """Compaction and direct-reclaim stalls per timed round (the warm-up rounds dropped)."""
-    per = [r.get("compact_stall", 0) + r.get("allocstall_normal", 0) + r.get("allocstall_movable", 0)
-           for r in rounds[warmup:]]
+    per = [
+        r.get("compact_stall", 0) + r.get("allocstall_normal", 0) + r.get("allocstall_movable", 0)
+        for r in rounds[warmup:]
+    ]
     return "/".join(str(x) for x in per)
 
 
@@ -113,6 +118,7 @@ def trace_load(path: str) -> str:
                 e = time.perf_counter()
                 with lock:
                     events.append((s - t0, e - t0, threading.current_thread().name, label, name_of(a)))
+
         return wrapper
 
     real = (fileio.start_read_into_buffer, api.read_object, verify.Deferred.check)
@@ -129,9 +135,13 @@ def trace_load(path: str) -> str:
         setattr(verify.Deferred, "check", real[2])
     after = _vmstat()
     counters = ", ".join(f"{k} {after[k] - before.get(k, 0)}" for k in after)
-    lines = [f"Where the time goes: one load_checkpoint(verify=True) of {path.rsplit('/', 2)[-2]}, warm — "
-             f"{wall:.3f} s wall; kernel counters over it: {counters}", "",
-             "| thread | step | file | start s | end s | seconds |", "|---|---|---|---:|---:|---:|"]
+    lines = [
+        f"Where the time goes: one load_checkpoint(verify=True) of {path.rsplit('/', 2)[-2]}, warm — "
+        f"{wall:.3f} s wall; kernel counters over it: {counters}",
+        "",
+        "| thread | step | file | start s | end s | seconds |",
+        "|---|---|---|---:|---:|---:|",
+    ]
     last_file = {}
     for s_, e_, thread, label, name in sorted(events):
         name = name or last_file.get(thread, "")
@@ -166,8 +176,14 @@ def _memory(path: str, verify: bool) -> dict[str, Any]:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-m", "benchmarks.load", path, "1" if verify else "0"],
-                         capture_output=True, text=True, env=env, timeout=1800, cwd=here)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.load", path, "1" if verify else "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+        cwd=here,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"load memory child failed: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -202,15 +218,19 @@ def run(quick: bool) -> dict[str, Any]:
             evict(path)
 
         counters: dict[str, list[dict[str, int]]] = {}
-        warm = [h.Method(V_WARM, _counted(load(True), counters, V_WARM), settle=False),
-                h.Method(N_WARM, _counted(load(False), counters, N_WARM), settle=False),
-                h.Method(STOCK_WARM, _counted(stock, counters, STOCK_WARM), settle=False),
-                h.Method(M_WARM, _counted(load(True, True), counters, M_WARM), settle=False),
-                h.Method(N_WARM_AA, _counted(load(False), counters, N_WARM_AA), settle=False)]
-        colds = [h.Method(V_COLD, _counted(load(True), counters, V_COLD), cold, settle=False),
-                 h.Method(N_COLD, _counted(load(False), counters, N_COLD), cold, settle=False),
-                 h.Method(M_COLD, _counted(load(True, True), counters, M_COLD), cold, settle=False),
-                 h.Method(N_COLD_AA, _counted(load(False), counters, N_COLD_AA), cold, settle=False)]
+        warm = [
+            h.Method(V_WARM, _counted(load(True), counters, V_WARM), settle=False),
+            h.Method(N_WARM, _counted(load(False), counters, N_WARM), settle=False),
+            h.Method(STOCK_WARM, _counted(stock, counters, STOCK_WARM), settle=False),
+            h.Method(M_WARM, _counted(load(True, True), counters, M_WARM), settle=False),
+            h.Method(N_WARM_AA, _counted(load(False), counters, N_WARM_AA), settle=False),
+        ]
+        colds = [
+            h.Method(V_COLD, _counted(load(True), counters, V_COLD), cold, settle=False),
+            h.Method(N_COLD, _counted(load(False), counters, N_COLD), cold, settle=False),
+            h.Method(M_COLD, _counted(load(True, True), counters, M_COLD), cold, settle=False),
+            h.Method(N_COLD_AA, _counted(load(False), counters, N_COLD_AA), cold, settle=False),
+        ]
         # The device's read limit: every variant in the same cold rounds (each cheap next to a
         # save); per round the fastest of them.
         readers, read_buf = dl.read_variants(path)
@@ -222,11 +242,21 @@ def run(quick: bool) -> dict[str, Any]:
         times.update(h.interleave(colds, reps, warmup=0))
         times[READ_LIMIT] = dl.elementwise_min(*(times[name] for name in readers))
         nbytes = sum(os.path.getsize(os.path.join(dp, n)) for dp, _d, ns in os.walk(path) for n in ns)
-        limit_notes.append(f"{h.fmt_size(size)} ({nbytes:,} bytes of files): " + dl.sweep_note(
-            {name: h.median(times[name]) for name in readers}, nbytes))
+        limit_notes.append(
+            f"{h.fmt_size(size)} ({nbytes:,} bytes of files): "
+            + dl.sweep_note({name: h.median(times[name]) for name in readers}, nbytes)
+        )
         for name, verify in ((V_COLD, "True"), (N_COLD, "False"), (M_COLD, "True, mmap=True")):
-            limit_rows.append(h.compare(f"load_checkpoint(verify={verify}), cold ÷ the device's read limit",
-                                        size, times, name, READ_LIMIT, None))
+            limit_rows.append(
+                h.compare(
+                    f"load_checkpoint(verify={verify}), cold ÷ the device's read limit",
+                    size,
+                    times,
+                    name,
+                    READ_LIMIT,
+                    None,
+                )
+            )
         read_buf.close()
 
         cold_names = {m.name for m in colds}
@@ -236,88 +266,187 @@ def run(quick: bool) -> dict[str, Any]:
             # machine the wall-clock ratio approaches the CPU ratio, on a quiet one it hides.
             w = 0 if a in cold_names else 1  # the cold rounds have no warm-up round
             ca, cb = _cpu(counters[a], w), _cpu(counters[b], w)
-            return (f"CPU (all threads, median): {a} {ca:.3f} s, {b} {cb:.3f} s, ratio {ca / cb:.2f}; "
-                    f"memory-compaction/reclaim stalls per round: {a} {_stalls(counters[a], w)}, "
-                    f"{b} {_stalls(counters[b], w)}; hypervisor steal ticks per round: "
-                    f"{a} {_steal(counters[a], w)}, {b} {_steal(counters[b], w)}")
+            return (
+                f"CPU (all threads, median): {a} {ca:.3f} s, {b} {cb:.3f} s, ratio {ca / cb:.2f}; "
+                f"memory-compaction/reclaim stalls per round: {a} {_stalls(counters[a], w)}, "
+                f"{b} {_stalls(counters[b], w)}; hypervisor steal ticks per round: "
+                f"{a} {_steal(counters[a], w)}, {b} {_steal(counters[b], w)}"
+            )
 
-        v_warm = h.compare("load_checkpoint(verify=True) ÷ (verify=False), warm cache", size, times,
-                           V_WARM, N_WARM, 1.05, note=note(V_WARM, N_WARM))
-        v_cold = h.compare("load_checkpoint(verify=True) ÷ (verify=False), cold cache", size, times,
-                           V_COLD, N_COLD, 1.05, note=note(V_COLD, N_COLD))
-        v_stock = h.compare("load_checkpoint(verify=True) ÷ safetensors load_file + torch.load, warm",
-                            size, times, V_WARM, STOCK_WARM, 1.10, note=note(V_WARM, STOCK_WARM))
+        v_warm = h.compare(
+            "load_checkpoint(verify=True) ÷ (verify=False), warm cache",
+            size,
+            times,
+            V_WARM,
+            N_WARM,
+            1.05,
+            note=note(V_WARM, N_WARM),
+        )
+        v_cold = h.compare(
+            "load_checkpoint(verify=True) ÷ (verify=False), cold cache",
+            size,
+            times,
+            V_COLD,
+            N_COLD,
+            1.05,
+            note=note(V_COLD, N_COLD),
+        )
+        v_stock = h.compare(
+            "load_checkpoint(verify=True) ÷ safetensors load_file + torch.load, warm",
+            size,
+            times,
+            V_WARM,
+            STOCK_WARM,
+            1.10,
+            note=note(V_WARM, STOCK_WARM),
+        )
         warm_rows.append(v_warm)
         cold_rows.append(v_cold)
-        warm_rows.append(h.compare("A/A control: load_checkpoint(verify=False) ÷ the same call, warm (report)",
-                                   size, times, N_WARM_AA, N_WARM, None, note=note(N_WARM_AA, N_WARM)))
-        cold_rows.append(h.compare("A/A control: load_checkpoint(verify=False) ÷ the same call, cold (report)",
-                                   size, times, N_COLD_AA, N_COLD, None, note=note(N_COLD_AA, N_COLD)))
-        warm_rows.append(h.compare("load_checkpoint(verify=True, mmap=True) ÷ (verify=False), warm (report)", size,
-                                   times, M_WARM, N_WARM, None, note=note(M_WARM, N_WARM)))
-        cold_rows.append(h.compare("load_checkpoint(verify=True, mmap=True) ÷ (verify=False), cold (report)", size,
-                                   times, M_COLD, N_COLD, None, note=note(M_COLD, N_COLD)))
+        warm_rows.append(
+            h.compare(
+                "A/A control: load_checkpoint(verify=False) ÷ the same call, warm (report)",
+                size,
+                times,
+                N_WARM_AA,
+                N_WARM,
+                None,
+                note=note(N_WARM_AA, N_WARM),
+            )
+        )
+        cold_rows.append(
+            h.compare(
+                "A/A control: load_checkpoint(verify=False) ÷ the same call, cold (report)",
+                size,
+                times,
+                N_COLD_AA,
+                N_COLD,
+                None,
+                note=note(N_COLD_AA, N_COLD),
+            )
+        )
+        warm_rows.append(
+            h.compare(
+                "load_checkpoint(verify=True, mmap=True) ÷ (verify=False), warm (report)",
+                size,
+                times,
+                M_WARM,
+                N_WARM,
+                None,
+                note=note(M_WARM, N_WARM),
+            )
+        )
+        cold_rows.append(
+            h.compare(
+                "load_checkpoint(verify=True, mmap=True) ÷ (verify=False), cold (report)",
+                size,
+                times,
+                M_COLD,
+                N_COLD,
+                None,
+                note=note(M_COLD, N_COLD),
+            )
+        )
         stock_rows.append(v_stock)
-        stock_rows.append(h.compare("load_checkpoint(verify=True, mmap=True) ÷ safetensors load_file + torch.load, warm",
-                                    size, times, M_WARM, STOCK_WARM, 1.10, note=note(M_WARM, STOCK_WARM)))
+        stock_rows.append(
+            h.compare(
+                "load_checkpoint(verify=True, mmap=True) ÷ safetensors load_file + torch.load, warm",
+                size,
+                times,
+                M_WARM,
+                STOCK_WARM,
+                1.10,
+                note=note(M_WARM, STOCK_WARM),
+            )
+        )
         if size == s.sizes[-1] and not s.tiny:
             profiles.append(trace_load(path))
             missed = [r for r in (v_warm, v_cold, v_stock) if r["ratio"] > r["goal"]]
             if missed:
-                profiles.append(profiling.profile_call(
-                    f"one load_checkpoint(verify=True) of {h.fmt_size(size)}, warm", load(True)))
+                profiles.append(
+                    profiling.profile_call(f"one load_checkpoint(verify=True) of {h.fmt_size(size)}, warm", load(True))
+                )
         if size >= h.GiB or size == s.sizes[-1]:
             v, n = _memory(path, True), _memory(path, False)
-            mem_rows.append({
-                "size": size, "ratio": (v["peak"] - v["base"]) / v["bytes"], "goal": 1.10, "reps": 1,
-                "unverified": (n["peak"] - n["base"]) / n["bytes"],
-                "v_over_n": (v["peak"] - v["base"]) / max(1, n["peak"] - n["base"]),
-                "extra_mib": (v["peak"] - v["base"] - v["bytes"]) / h.MiB,
-                "note": "" if v["peak_reset"] else "peak could not be reset: it includes the imports",
-            })
+            mem_rows.append(
+                {
+                    "size": size,
+                    "ratio": (v["peak"] - v["base"]) / v["bytes"],
+                    "goal": 1.10,
+                    "reps": 1,
+                    "unverified": (n["peak"] - n["base"]) / n["bytes"],
+                    "v_over_n": (v["peak"] - v["base"]) / max(1, n["peak"] - n["base"]),
+                    "extra_mib": (v["peak"] - v["base"] - v["bytes"]) / h.MiB,
+                    "note": "" if v["peak_reset"] else "peak could not be reset: it includes the imports",
+                }
+            )
         h.remove(d)
-    about = ("A checkpoint written by `txckpt.save_checkpoint` (1/3 safetensors weights, 2/3 torch.save "
-             "optimizer state), loaded with `txckpt.load_checkpoint(path, verify=...)`. Warm: the files are "
-             "in the page cache (the worst case for the ratio: hashing is all the difference). Cold: every "
-             "file's pages are dropped (`posix_fadvise(DONTNEED)`, untimed) before each load. The note "
-             "gives, per timed round, the kernel's memory-compaction and direct-reclaim stalls during each "
-             "side (`/proc/vmstat`): a fresh buffer on transparent huge pages that finds no free huge page "
-             "compacts memory synchronously (the multi-second outliers of an earlier run); and the "
-             "hypervisor's steal ticks (`/proc/stat`): on this KVM guest a fresh page the host has "
-             "taken back (free page reporting) is found again by the host, and a load that draws many "
-             "such pages is slower whichever side of the comparison it is.")
-    return {"tables": [
-        {"id": "load-warm", "title": "Load with verification, warm cache", "rows": warm_rows, "about": about,
-         "profiles": profiles},
-        {"id": "load-cold", "title": "Load with verification, cold cache", "rows": cold_rows, "about": about},
-        {"id": "load-stock", "title": "Load: txckpt vs the stock readers", "rows": stock_rows,
-         "about": "`load_checkpoint(verify=True)` against `safetensors.torch.load_file` + "
-                  "`torch.load(weights_only=True)` of the same files, warm cache (the stock readers verify "
-                  "nothing). `load_file` maps the file (safetensors' default `mmap` backend): it returns "
-                  "before a byte of tensor data is read, and its tensors are the page cache's pages. "
-                  "`load_checkpoint(mmap=True)` does the same with txckpt's check: each file mapped "
-                  "copy-on-write and every page hashed before anything is returned; the default "
-                  "(`mmap=False`) reads each file into memory of the process's own."},
-        {"id": "load-memory", "title": "Memory: peak RSS of a verified load ÷ checkpoint size", "rows": mem_rows,
-         "columns": [
-             ["size", "size"], ["ratio", "verify=True: peak − baseline, ÷ checkpoint bytes"],
-             ["unverified", "verify=False, ÷ checkpoint bytes"], ["v_over_n", "verified ÷ unverified peak"],
-             ["extra_mib", "verified above one copy (MiB)"], ["goal", "goal"], ["verdict", "met?"],
-             ["note", "note"]],
-         "about": "Each load runs in a fresh subprocess: import torch and txckpt, note VmRSS (the baseline), "
-                  "reset the peak (`/proc/self/clear_refs` = 5), load, read VmHWM while the result is held. "
-                  "1.0 is one copy of the checkpoint (the loaded tensors are views of the buffer each file is "
-                  "read into, so that copy is the result itself); the goal ≤ 1.10 allows no second copy."},
-        {"id": "load-device", "title": "Load, cold cache: txckpt vs the device's read limit (report)",
-         "rows": limit_rows,
-         "about": "The cold loads above against the device's read limit in the same rounds "
-                  "(`benchmarks/devlimit.py`): every file of the checkpoint read in order into one "
-                  "page-aligned buffer, with O_DIRECT reads of 16 or 64 MiB, and buffered with "
-                  "`readinto` of 8 MiB chunks after the same untimed `posix_fadvise(DONTNEED)`; per "
-                  "round the fastest of the three. The limit neither decodes nor hashes: what is "
-                  "left is txckpt's (and torch's) own cost.",
-         "notes": ["Read limits in this run (medians): " + "; ".join(limit_notes)] if limit_notes else []},
-    ]}
+    about = (
+        "A checkpoint written by `txckpt.save_checkpoint` (1/3 safetensors weights, 2/3 torch.save "
+        "optimizer state), loaded with `txckpt.load_checkpoint(path, verify=...)`. Warm: the files are "
+        "in the page cache (the worst case for the ratio: hashing is all the difference). Cold: every "
+        "file's pages are dropped (`posix_fadvise(DONTNEED)`, untimed) before each load. The note "
+        "gives, per timed round, the kernel's memory-compaction and direct-reclaim stalls during each "
+        "side (`/proc/vmstat`): a fresh buffer on transparent huge pages that finds no free huge page "
+        "compacts memory synchronously (the multi-second outliers of an earlier run); and the "
+        "hypervisor's steal ticks (`/proc/stat`): on this KVM guest a fresh page the host has "
+        "taken back (free page reporting) is found again by the host, and a load that draws many "
+        "such pages is slower whichever side of the comparison it is."
+    )
+    return {
+        "tables": [
+            {
+                "id": "load-warm",
+                "title": "Load with verification, warm cache",
+                "rows": warm_rows,
+                "about": about,
+                "profiles": profiles,
+            },
+            {"id": "load-cold", "title": "Load with verification, cold cache", "rows": cold_rows, "about": about},
+            {
+                "id": "load-stock",
+                "title": "Load: txckpt vs the stock readers",
+                "rows": stock_rows,
+                "about": "`load_checkpoint(verify=True)` against `safetensors.torch.load_file` + "
+                "`torch.load(weights_only=True)` of the same files, warm cache (the stock readers verify "
+                "nothing). `load_file` maps the file (safetensors' default `mmap` backend): it returns "
+                "before a byte of tensor data is read, and its tensors are the page cache's pages. "
+                "`load_checkpoint(mmap=True)` does the same with txckpt's check: each file mapped "
+                "copy-on-write and every page hashed before anything is returned; the default "
+                "(`mmap=False`) reads each file into memory of the process's own.",
+            },
+            {
+                "id": "load-memory",
+                "title": "Memory: peak RSS of a verified load ÷ checkpoint size",
+                "rows": mem_rows,
+                "columns": [
+                    ["size", "size"],
+                    ["ratio", "verify=True: peak − baseline, ÷ checkpoint bytes"],
+                    ["unverified", "verify=False, ÷ checkpoint bytes"],
+                    ["v_over_n", "verified ÷ unverified peak"],
+                    ["extra_mib", "verified above one copy (MiB)"],
+                    ["goal", "goal"],
+                    ["verdict", "met?"],
+                    ["note", "note"],
+                ],
+                "about": "Each load runs in a fresh subprocess: import torch and txckpt, note VmRSS (the baseline), "
+                "reset the peak (`/proc/self/clear_refs` = 5), load, read VmHWM while the result is held. "
+                "1.0 is one copy of the checkpoint (the loaded tensors are views of the buffer each file is "
+                "read into, so that copy is the result itself); the goal ≤ 1.10 allows no second copy.",
+            },
+            {
+                "id": "load-device",
+                "title": "Load, cold cache: txckpt vs the device's read limit (report)",
+                "rows": limit_rows,
+                "about": "The cold loads above against the device's read limit in the same rounds "
+                "(`benchmarks/devlimit.py`): every file of the checkpoint read in order into one "
+                "page-aligned buffer, with O_DIRECT reads of 16 or 64 MiB, and buffered with "
+                "`readinto` of 8 MiB chunks after the same untimed `posix_fadvise(DONTNEED)`; per "
+                "round the fastest of the three. The limit neither decodes nor hashes: what is "
+                "left is txckpt's (and torch's) own cost.",
+                "notes": ["Read limits in this run (medians): " + "; ".join(limit_notes)] if limit_notes else [],
+            },
+        ]
+    }
 
 
 if __name__ == "__main__":

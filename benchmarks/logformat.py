@@ -33,8 +33,12 @@ def _build(path: str, commits: int, lineages: int) -> dict:
     import txckpt.log as commit_log
 
     stamp_path = path + ".json"
-    want = {"commits": commits, "lineages": lineages, "log": commit_log.FORMAT,
-            "snapshot": getattr(commit_log, "SNAPSHOT_FORMAT", None)}
+    want = {
+        "commits": commits,
+        "lineages": lineages,
+        "log": commit_log.FORMAT,
+        "snapshot": getattr(commit_log, "SNAPSHOT_FORMAT", None),
+    }
     if os.path.exists(stamp_path):
         with open(stamp_path) as f:
             stamp = json.load(f)
@@ -66,8 +70,10 @@ def _fresh(code: str) -> float:
 
 def _measure(path: str, stamp: dict, reps: int, scratch: str) -> dict:
     ls = f"import sys; from txckpt.cli import main; sys.exit(main(['ls', {path!r}]))"
-    fold = ("import time, txckpt; r = txckpt.CheckpointRoot(%r); t = time.perf_counter(); r.history(); "
-            "open(%r, 'a').write(f'{time.perf_counter() - t}\\n')")
+    fold = (
+        "import time, txckpt; r = txckpt.CheckpointRoot(%r); t = time.perf_counter(); r.history(); "
+        "open(%r, 'a').write(f'{time.perf_counter() - t}\\n')"
+    )
     out: dict = {"ls": [], "resume": [], "fold": []}
     fold_file = os.path.join(scratch, "fold.txt")
     step = max(1, stamp["tip"] - 3)  # an older step of the current lineage: resume forks
@@ -81,9 +87,12 @@ def _measure(path: str, stamp: dict, reps: int, scratch: str) -> dict:
         copy = os.path.join(scratch, "copy")
         shutil.rmtree(copy, ignore_errors=True)
         shutil.copytree(path, copy, symlinks=True)
-        out["resume"].append(_fresh(
-            f"import logging, txckpt; logging.getLogger('txckpt').setLevel(logging.ERROR); "
-            f"txckpt.resume({copy!r}, step={step})"))
+        out["resume"].append(
+            _fresh(
+                f"import logging, txckpt; logging.getLogger('txckpt').setLevel(logging.ERROR); "
+                f"txckpt.resume({copy!r}, step={step})"
+            )
+        )
         shutil.rmtree(copy, ignore_errors=True)
     return {k: statistics.median(v) for k, v in out.items()}
 
@@ -115,8 +124,12 @@ def _soak(cycles: int, scratch: str) -> tuple[float, float, float, float]:
     # first rollback happened; medians, as other processes share the disk.
     k = max(1, cycles // 20)
     first, last = slice(k // 2, k // 2 + k), slice(-k, None)
-    return (statistics.median(times[first]), statistics.median(times[last]),
-            statistics.median(cpu[first]), statistics.median(cpu[last]))
+    return (
+        statistics.median(times[first]),
+        statistics.median(times[last]),
+        statistics.median(cpu[first]),
+        statistics.median(cpu[last]),
+    )
 
 
 def main() -> int:
@@ -136,20 +149,28 @@ def main() -> int:
         stamp = _build(path, commits, lineages)
         rows[label] = (_log_sizes(path), _measure(path, stamp, args.reps, args.scratch))
     print(f"txckpt {commit_log.FORMAT}, medians of {args.reps} fresh processes\n")
-    print("| root | entries | largest entry | newest entry | log | `txckpt ls` | `resume(step=K)` | fold (in process) |")
+    print(
+        "| root | entries | largest entry | newest entry | log | `txckpt ls` | `resume(step=K)` | fold (in process) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for label, ((n, big, new, total), t) in rows.items():
-        print(f"| {label} | {n:,} | {big / 1024:.2f} KiB | {new / 1024:.2f} KiB | {total / 2**20:.2f} MiB | "
-              f"{t['ls']:.2f} s | {t['resume']:.2f} s | {1e3 * t['fold']:.1f} ms |")
+        print(
+            f"| {label} | {n:,} | {big / 1024:.2f} KiB | {new / 1024:.2f} KiB | {total / 2**20:.2f} MiB | "
+            f"{t['ls']:.2f} s | {t['resume']:.2f} s | {1e3 * t['fold']:.1f} ms |"
+        )
     (_, a), (_, b) = rows.values()
-    print(f"| ratio (10,000 ÷ 50) | | | | | {a['ls'] / b['ls']:.2f}× | {a['resume'] / b['resume']:.2f}× | "
-          f"{a['fold'] / b['fold']:.1f}× |")
+    print(
+        f"| ratio (10,000 ÷ 50) | | | | | {a['ls'] / b['ls']:.2f}× | {a['resume'] / b['resume']:.2f}× | "
+        f"{a['fold'] / b['fold']:.1f}× |"
+    )
     if args.cycles:
         first, last, cfirst, clast = _soak(args.cycles, args.scratch)
         k = max(1, args.cycles // 20)
-        print(f"\nsoak-like loop, {args.cycles} cycles (save + retention keep_last=3, a rollback every 20), "
-              f"median of cycles {k // 2}-{k // 2 + k - 1} vs the last {k}: wall {1e3 * first:.1f} -> {1e3 * last:.1f} ms "
-              f"({last / first:.2f}×), CPU {1e3 * cfirst:.1f} -> {1e3 * clast:.1f} ms ({clast / cfirst:.2f}×)")
+        print(
+            f"\nsoak-like loop, {args.cycles} cycles (save + retention keep_last=3, a rollback every 20), "
+            f"median of cycles {k // 2}-{k // 2 + k - 1} vs the last {k}: wall {1e3 * first:.1f} -> {1e3 * last:.1f} ms "
+            f"({last / first:.2f}×), CPU {1e3 * cfirst:.1f} -> {1e3 * clast:.1f} ms ({clast / cfirst:.2f}×)"
+        )
     return 0
 
 

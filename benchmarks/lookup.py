@@ -32,8 +32,13 @@ def _stamp(commits: int, lineages: int) -> dict[str, Any]:
 
     # The snapshot format too: a root built before txckpt-snapshot/3 has no snapshot every
     # SNAPSHOT_EVERY commits, and would measure the old writer, not the reader.
-    return {"commits": commits, "lineages": lineages, "log": commit_log.FORMAT, "manifest": manifest.FORMAT,
-            "snapshot": commit_log.SNAPSHOT_FORMAT}
+    return {
+        "commits": commits,
+        "lineages": lineages,
+        "log": commit_log.FORMAT,
+        "manifest": manifest.FORMAT,
+        "snapshot": commit_log.SNAPSHOT_FORMAT,
+    }
 
 
 def build_root(path: str, commits: int, lineages: int) -> dict[str, Any]:
@@ -95,8 +100,9 @@ def _fresh_process(code: list[str]) -> None:
     checkout's txckpt: imports included, as a user at a shell sees it."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, *code], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env=env, cwd=here)
+    subprocess.run(
+        [sys.executable, *code], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=here
+    )
 
 
 def _history_rows(big: str, big_stamp: dict[str, Any], label: str, reps: int) -> list[dict[str, Any]]:
@@ -118,22 +124,42 @@ def _history_rows(big: str, big_stamp: dict[str, Any], label: str, reps: int) ->
             h.remove(copy)
             shutil.copytree(root, copy, symlinks=True)
 
-        code = ("import logging, txckpt; logging.getLogger('txckpt').setLevel(logging.ERROR); "
-                f"txckpt.resume({copy!r}, step={stamp['tip'] - 3})")
-        return h.Method(root, lambda _ctx: _fresh_process(["-c", code]), setup=setup,
-                        cleanup=lambda _ctx: h.remove(copy), settle=False)
+        code = (
+            "import logging, txckpt; logging.getLogger('txckpt').setLevel(logging.ERROR); "
+            f"txckpt.resume({copy!r}, step={stamp['tip'] - 3})"
+        )
+        return h.Method(
+            root,
+            lambda _ctx: _fresh_process(["-c", code]),
+            setup=setup,
+            cleanup=lambda _ctx: h.remove(copy),
+            settle=False,
+        )
 
     ls_times = h.interleave([ls(big), ls(small)], reps, warmup=1)
     resume_times = h.interleave([resume(big, big_stamp), resume(small, small_stamp)], reps, warmup=1)
     h.remove(scratch)
     against = f"{label} ÷ 50 commits / 1 lineage"
     return [
-        h.compare("`txckpt ls ROOT` in a fresh process: this root ÷ a root of 50 commits", against,
-                  ls_times, big, small, 1.5,
-                  note=f"the same command on both: the {LS_DEFAULT_COUNT} most recently committed checkpoints "
-                       "(`--all` lists every one)"),
-        h.compare("`txckpt.resume(root, step=tip-3)` (a rollback) in a fresh process: this root ÷ 50 commits",
-                  against, resume_times, big, small, 1.5, note="a fresh copy of the root each time, copied untimed"),
+        h.compare(
+            "`txckpt ls ROOT` in a fresh process: this root ÷ a root of 50 commits",
+            against,
+            ls_times,
+            big,
+            small,
+            1.5,
+            note=f"the same command on both: the {LS_DEFAULT_COUNT} most recently committed checkpoints "
+            "(`--all` lists every one)",
+        ),
+        h.compare(
+            "`txckpt.resume(root, step=tip-3)` (a rollback) in a fresh process: this root ÷ 50 commits",
+            against,
+            resume_times,
+            big,
+            small,
+            1.5,
+            note="a fresh copy of the root each time, copied untimed",
+        ),
     ]
 
 
@@ -170,32 +196,49 @@ def run(quick: bool) -> dict[str, Any]:
         CheckpointRoot(root, durable=False).history()
 
     reps = 5 if s.tiny else (15 if s.quick else 41)
-    times = h.interleave([h.Method("txckpt", tx, settle=False), h.Method("transformers", hf, settle=False)],
-                         reps, warmup=2)
-    fold_times = h.interleave([h.Method("fold", fold, settle=False), h.Method("transformers", hf, settle=False)],
-                              3 if s.quick else 5, warmup=1)
+    times = h.interleave(
+        [h.Method("txckpt", tx, settle=False), h.Method("transformers", hf, settle=False)], reps, warmup=2
+    )
+    fold_times = h.interleave(
+        [h.Method("fold", fold, settle=False), h.Method("transformers", hf, settle=False)],
+        3 if s.quick else 5,
+        warmup=1,
+    )
     label = f"{commits:,} commits / {lineages} lineages"
     rows = [
-        h.compare("txckpt.get_last_checkpoint ÷ transformers get_last_checkpoint", label, times,
-                  "txckpt", "transformers", 2.0),
-        {**h.compare("CheckpointRoot.history() (fold of every log entry) ÷ transformers get_last_checkpoint",
-                     label, fold_times, "fold", "transformers", None),
-         "note": "report only: what `resume(step=...)`, `txckpt ls` and retention read"},
+        h.compare(
+            "txckpt.get_last_checkpoint ÷ transformers get_last_checkpoint", label, times, "txckpt", "transformers", 2.0
+        ),
+        {
+            **h.compare(
+                "CheckpointRoot.history() (fold of every log entry) ÷ transformers get_last_checkpoint",
+                label,
+                fold_times,
+                "fold",
+                "transformers",
+                None,
+            ),
+            "note": "report only: what `resume(step=...)`, `txckpt ls` and retention read",
+        },
     ]
     rows += _history_rows(root, stamp, label, 3 if s.tiny else (5 if s.quick else 7))
     log_dir = os.path.join(root, ".txckpt", "log")
     entries = sorted(os.listdir(log_dir))
     log_bytes = sum(os.path.getsize(os.path.join(log_dir, e)) for e in entries)
     largest = max(os.path.getsize(os.path.join(log_dir, e)) for e in entries)
-    rows[1]["note"] += (f"; the log holds {len(entries):,} entries, {log_bytes / h.MiB:.1f} MiB: each entry carries "
-                        f"what its action changed and the head lineage's record ({largest / 1024:.1f} KiB the largest,"
-                        f" {os.path.getsize(os.path.join(log_dir, entries[-1])) / 1024:.1f} KiB the newest), and the "
-                        "fold starts from the newest history snapshot (protocol §4a)")
+    rows[1]["note"] += (
+        f"; the log holds {len(entries):,} entries, {log_bytes / h.MiB:.1f} MiB: each entry carries "
+        f"what its action changed and the head lineage's record ({largest / 1024:.1f} KiB the largest,"
+        f" {os.path.getsize(os.path.join(log_dir, entries[-1])) / 1024:.1f} KiB the newest), and the "
+        "fold starts from the newest history snapshot (protocol §4a)"
+    )
     snap_dir = os.path.join(root, ".txckpt", "snapshots")
     snaps = sorted(os.listdir(snap_dir)) if os.path.isdir(snap_dir) else []  # (none under 100 entries)
     if snaps:
-        rows[1]["note"] += (f"; the newest snapshot (txckpt-snapshot/3, one column per field) is "
-                            f"{os.path.getsize(os.path.join(root, '.txckpt', 'snapshots', snaps[-1])) / h.MiB:.2f} MiB")
+        rows[1]["note"] += (
+            f"; the newest snapshot (txckpt-snapshot/3, one column per field) is "
+            f"{os.path.getsize(os.path.join(root, '.txckpt', 'snapshots', snaps[-1])) / h.MiB:.2f} MiB"
+        )
     built = "reused from the cache" if stamp.get("cached") else "built in this run"
     about = (
         f"The txckpt root holds {commits:,} commits across {lineages} lineages, {built} through the real "

@@ -54,12 +54,20 @@ def child(size: int, method: str, directory: str) -> dict[str, Any]:
     elif method == "dcp":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.save({"model": weights, "optim": optim}, storage_writer=dcp.FileSystemWriter(os.path.join(directory, "dcp")))
+            dcp.save(
+                {"model": weights, "optim": optim}, storage_writer=dcp.FileSystemWriter(os.path.join(directory, "dcp"))
+            )
     else:
         raise ValueError(method)
     peak = h.proc_status("VmHWM")
-    return {"base": base, "with_state": with_state, "peak": peak, "state": nbytes, "peak_reset": reset,
-            "peak_before_save": before_peak}
+    return {
+        "base": base,
+        "with_state": with_state,
+        "peak": peak,
+        "state": nbytes,
+        "peak_reset": reset,
+        "peak_before_save": before_peak,
+    }
 
 
 def measure(size: int, method: str) -> dict[str, Any]:
@@ -68,8 +76,14 @@ def measure(size: int, method: str) -> dict[str, Any]:
         env = dict(os.environ)
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
-        out = subprocess.run([sys.executable, "-m", "benchmarks.memory", str(size), method, d],
-                             capture_output=True, text=True, env=env, timeout=1800, cwd=here)
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.memory", str(size), method, d],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=1800,
+            cwd=here,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"memory child {method} {size} failed: {out.stderr[-2000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -92,23 +106,38 @@ def run(quick: bool) -> dict[str, Any]:
 
         tx = res["txckpt"]
         note = "" if tx["peak_reset"] else "peak could not be reset; it includes creating the state"
-        rows.append({
-            "size": size, "ratio": over_base(tx), "goal": 1.10, "reps": 1,
-            "tx_extra": extra(tx), "stock": over_base(res["stock"]), "stock_extra": extra(res["stock"]),
-            "dcp": over_base(res["dcp"]), "dcp_extra": extra(res["dcp"]),
-            "tx_extra_mib": (tx["peak"] - tx["with_state"]) / h.MiB, "note": note,
-        })
+        rows.append(
+            {
+                "size": size,
+                "ratio": over_base(tx),
+                "goal": 1.10,
+                "reps": 1,
+                "tx_extra": extra(tx),
+                "stock": over_base(res["stock"]),
+                "stock_extra": extra(res["stock"]),
+                "dcp": over_base(res["dcp"]),
+                "dcp_extra": extra(res["dcp"]),
+                "tx_extra_mib": (tx["peak"] - tx["with_state"]) / h.MiB,
+                "note": note,
+            }
+        )
     return {
-        "id": "memory", "title": "Memory: peak RSS of a save ÷ state size", "rows": rows,
+        "id": "memory",
+        "title": "Memory: peak RSS of a save ÷ state size",
+        "rows": rows,
         "columns": [
-            ["size", "size"], ["ratio", "txckpt peak − baseline, ÷ state"],
-            ["tx_extra", "txckpt peak above state, ÷ state"], ["tx_extra_mib", "txckpt above state (MiB)"],
-            ["stock", "save_file + torch.save, ÷ state"], ["dcp", "DCP, ÷ state"],
-            ["goal", "goal"], ["verdict", "met?"],
+            ["size", "size"],
+            ["ratio", "txckpt peak − baseline, ÷ state"],
+            ["tx_extra", "txckpt peak above state, ÷ state"],
+            ["tx_extra_mib", "txckpt above state (MiB)"],
+            ["stock", "save_file + torch.save, ÷ state"],
+            ["dcp", "DCP, ÷ state"],
+            ["goal", "goal"],
+            ["verdict", "met?"],
         ],
         "about": __doc__.strip().split("\n\n", 1)[1].replace("\n", " ")
         + " Baseline: VmRSS after importing torch/txckpt and creating the root, before the state exists; "
-          "1.0 is the state itself, so the goal ≤ 1.1 allows 10% of the state's size as buffers.",
+        "1.0 is the state itself, so the goal ≤ 1.1 allows 10% of the state's size as buffers.",
     }
 
 

@@ -9,8 +9,13 @@ import time
 from typing import Any, Callable
 
 
-def profile_call(label: str, fn: Callable[[Any], Any], setup: Callable[[], Any] | None = None,
-                 cleanup: Callable[[Any], None] | None = None, top: int = 12) -> str:
+def profile_call(
+    label: str,
+    fn: Callable[[Any], Any],
+    setup: Callable[[], Any] | None = None,
+    cleanup: Callable[[Any], None] | None = None,
+    top: int = 12,
+) -> str:
     """Run ``fn(setup())`` under cProfile; return a markdown block of the functions with the most
     own time (I/O shows as the builtin that blocks: ``posix.fsync``, ``write``, ``read``)."""
     ctx = setup() if setup else None
@@ -30,8 +35,12 @@ def profile_call(label: str, fn: Callable[[Any], Any], setup: Callable[[], Any] 
     for (filename, line, func), (_cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
         entries.append((tt, ct, nc, _where(filename, line, func)))
     entries.sort(reverse=True)
-    lines = [f"Profile: {label} — {wall:.3f} s wall (cProfile; own time per function, top {top})", "",
-             "| own s | % of wall | cumulative s | calls | function |", "|---:|---:|---:|---:|---|"]
+    lines = [
+        f"Profile: {label} — {wall:.3f} s wall (cProfile; own time per function, top {top})",
+        "",
+        "| own s | % of wall | cumulative s | calls | function |",
+        "|---:|---:|---:|---:|---|",
+    ]
     for tt, ct, nc, where in entries[:top]:
         lines.append(f"| {tt:.3f} | {100 * tt / wall:.0f}% | {ct:.3f} | {nc} | `{where}` |")
     return "\n".join(lines)
@@ -48,8 +57,13 @@ def _where(filename: str, line: int, func: str) -> str:
     return f"{parts[-1]}:{line}:{func}"
 
 
-def fsync_census(label: str, fn: Callable[[Any], Any], setup: Callable[[], Any] | None = None,
-                 cleanup: Callable[[Any], None] | None = None, root_of: Callable[[Any], str] | None = None) -> str:
+def fsync_census(
+    label: str,
+    fn: Callable[[Any], Any],
+    setup: Callable[[], Any] | None = None,
+    cleanup: Callable[[Any], None] | None = None,
+    root_of: Callable[[Any], str] | None = None,
+) -> str:
     """Run ``fn(setup())`` once with ``os.fsync`` wrapped (in this process only) and return a
     markdown table of every fsync: what it synced and how long it blocked."""
     ctx = setup() if setup else None
@@ -78,8 +92,13 @@ def fsync_census(label: str, fn: Callable[[Any], Any], setup: Callable[[], Any] 
         if cleanup:
             cleanup(ctx)
     total = sum(c[0] for c in calls)
-    lines = [f"fsync census: {label} — {wall:.3f} s wall, {len(calls)} fsync calls blocking {total:.3f} s "
-             f"({100 * total / wall:.0f}% of wall)", "", "| # | blocked | what |", "|---:|---:|---|"]
+    lines = [
+        f"fsync census: {label} — {wall:.3f} s wall, {len(calls)} fsync calls blocking {total:.3f} s "
+        f"({100 * total / wall:.0f}% of wall)",
+        "",
+        "| # | blocked | what |",
+        "|---:|---:|---|",
+    ]
     for i, (dt, path) in enumerate(calls, 1):
         shown = path.replace(root, "<root>") if root else path
         if os.path.isdir(path) or not os.path.splitext(path)[1]:

@@ -69,9 +69,11 @@ def _make_state(size: int, seed: int) -> tuple[dict[str, Any], dict[str, Any], l
     while left > 0:
         n = min(left, 4 << 20)
         weights[f"layers.{i}.weight"] = torch.empty(n).uniform_(-1, 1, generator=g)
-        state[i] = {"step": torch.tensor(1.0),
-                    "exp_avg": torch.empty(n).uniform_(-1e-3, 1e-3, generator=g),
-                    "exp_avg_sq": torch.empty(n).uniform_(0, 1e-6, generator=g)}
+        state[i] = {
+            "step": torch.tensor(1.0),
+            "exp_avg": torch.empty(n).uniform_(-1e-3, 1e-3, generator=g),
+            "exp_avg_sq": torch.empty(n).uniform_(0, 1e-6, generator=g),
+        }
         left -= n
         i += 1
     optim = {"state": state, "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.999), "params": list(state)}]}
@@ -152,8 +154,9 @@ def _worker(rank: int, port: int, base: str, size: int, rounds: int, warmup: int
             queue.put({"times": times, "nbytes": nbytes})
 
 
-def launch_ranks(worker: Any, tag: str, world: int, size: int, rounds: int, warmup: int,
-                 deadline: float) -> dict[str, Any]:
+def launch_ranks(
+    worker: Any, tag: str, world: int, size: int, rounds: int, warmup: int, deadline: float
+) -> dict[str, Any]:
     """Run ``worker(rank, port, base, size, rounds, warmup, queue)`` in ``world`` spawned
     processes (a gloo group on a free loopback port, a scratch directory ``base`` they share) and
     return what rank 0 puts on the queue; a rank's error is raised here."""
@@ -164,8 +167,9 @@ def launch_ranks(worker: Any, tag: str, world: int, size: int, rounds: int, warm
     os.makedirs(base)
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, base, size, rounds, warmup, queue), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=worker, args=(r, port, base, size, rounds, warmup, queue), daemon=True) for r in range(world)
+    ]
     try:
         for p in procs:
             p.start()
@@ -199,24 +203,46 @@ def run(quick: bool) -> dict[str, Any]:
     tx_med, raw_med = statistics.median(times[TX]), statistics.median(times[RAW])
     best = min(times[TX]) / min(times[RAW])
     row = {
-        "case": "txckpt ÷ slowest rank's raw write + fsync", "size": size, "txckpt": tx_med, "other": raw_med,
-        "ratio": ratio, "goal": GOAL, "reps": len(paired), "paired": paired,
+        "case": "txckpt ÷ slowest rank's raw write + fsync",
+        "size": size,
+        "txckpt": tx_med,
+        "other": raw_med,
+        "ratio": ratio,
+        "goal": GOAL,
+        "reps": len(paired),
+        "paired": paired,
         "note": f"{WORLD} ranks × {size // MiB} MiB state ({result['nbytes'] / size:.3f}x on disk per rank); "
-                f"ratio = median of per-round ratios (ratio of medians {tx_med / raw_med:.2f}, of the "
-                f"fastest rounds {best:.2f}); load average {load_before} before, {load_after} after" + (
-                    "; quick mode: the fixed cost of a commit (~0.1 s of small fsyncs on rank 0) weighs "
-                    "on 32 MiB, the goal is for 256 MiB" if quick else ""),
+        f"ratio = median of per-round ratios (ratio of medians {tx_med / raw_med:.2f}, of the "
+        f"fastest rounds {best:.2f}); load average {load_before} before, {load_after} after"
+        + (
+            "; quick mode: the fixed cost of a commit (~0.1 s of small fsyncs on rank 0) weighs "
+            "on 32 MiB, the goal is for 256 MiB"
+            if quick
+            else ""
+        ),
     }
     return {
-        "id": "ranks", "title": TITLE, "rows": [row],
+        "id": "ranks",
+        "title": TITLE,
+        "rows": [row],
         "about": __doc__.split("\n\n", 1)[1].strip(),
         # The numbers themselves, for callers that want them without the table.
-        "world_size": WORLD, "bytes_per_rank": size, "rounds": len(paired), "ratio": ratio, "goal": GOAL,
-        "met": ratio <= GOAL, "paired_ratios": paired, "ratio_of_medians": tx_med / raw_med,
-        "ratio_of_fastest": best, "txckpt_s": times[TX], "raw_slowest_s": times[RAW],
-        "txckpt_median_s": tx_med, "raw_slowest_median_s": raw_med,
+        "world_size": WORLD,
+        "bytes_per_rank": size,
+        "rounds": len(paired),
+        "ratio": ratio,
+        "goal": GOAL,
+        "met": ratio <= GOAL,
+        "paired_ratios": paired,
+        "ratio_of_medians": tx_med / raw_med,
+        "ratio_of_fastest": best,
+        "txckpt_s": times[TX],
+        "raw_slowest_s": times[RAW],
+        "txckpt_median_s": tx_med,
+        "raw_slowest_median_s": raw_med,
         # 4 ranks share this machine's cores: other jobs' load moves the ratio (docs/distributed.md).
-        "load_before": load_before, "load_after": load_after,
+        "load_before": load_before,
+        "load_after": load_after,
     }
 
 

@@ -9,9 +9,17 @@ from typing import Any
 from . import harness as h
 
 DEFAULT_COLUMNS = [
-    ["case", "comparison"], ["size", "size"], ["txckpt", "txckpt (median)"], ["other", "other (median)"],
-    ["ratio", "ratio"], ["ratio_of_medians", "median ÷ median"], ["paired", "per-round range"], ["goal", "goal"], ["verdict", "met?"],
-    ["reps", "rounds"], ["note", "note"],
+    ["case", "comparison"],
+    ["size", "size"],
+    ["txckpt", "txckpt (median)"],
+    ["other", "other (median)"],
+    ["ratio", "ratio"],
+    ["ratio_of_medians", "median ÷ median"],
+    ["paired", "per-round range"],
+    ["goal", "goal"],
+    ["verdict", "met?"],
+    ["reps", "rounds"],
+    ["note", "note"],
 ]
 
 
@@ -61,8 +69,11 @@ def _table(t: dict[str, Any]) -> list[str]:
     cols = t.get("columns") or DEFAULT_COLUMNS
     rows = t.get("rows") or []
     # Leave out columns that no row fills (except the essential ones).
-    keep = [c for c in cols if c[0] in ("case", "ratio", "goal", "verdict") or any(
-        r.get(c[0]) not in (None, "", []) for r in rows)]
+    keep = [
+        c
+        for c in cols
+        if c[0] in ("case", "ratio", "goal", "verdict") or any(r.get(c[0]) not in (None, "", []) for r in rows)
+    ]
     out = ["| " + " | ".join(c[1] for c in keep) + " |", "|" + "|".join("---" for _ in keep) + "|"]
     for r in rows:
         out.append("| " + " | ".join(_cell(c[0], r) for c in keep) + " |")
@@ -71,8 +82,11 @@ def _table(t: dict[str, Any]) -> list[str]:
 
 def _busy(machine: dict[str, str]) -> str:
     try:
-        loads = [float(x) for x in machine.get("Load average", "").replace(",", " ").split()
-                 if x.replace(".", "", 1).isdigit()]
+        loads = [
+            float(x)
+            for x in machine.get("Load average", "").replace(",", " ").split()
+            if x.replace(".", "", 1).isdigit()
+        ]
     except ValueError:
         return ""
     cores = os.cpu_count() or 1
@@ -87,8 +101,9 @@ def _analysis(table_id: str) -> str | None:
     return ANALYSIS.get(table_id)
 
 
-def write_markdown(path: str, tables: list[dict[str, Any]], machine: dict[str, str], png: str | None,
-                   elapsed: float) -> None:
+def write_markdown(
+    path: str, tables: list[dict[str, Any]], machine: dict[str, str], png: str | None, elapsed: float
+) -> None:
     s = h.settings()
     mode = "tiny (smoke test)" if s.tiny else ("quick" if s.quick else "full")
     L: list[str] = [
@@ -109,8 +124,11 @@ def write_markdown(path: str, tables: list[dict[str, Any]], machine: dict[str, s
         "Write benchmarks use the project disk (not tmpfs), a fresh directory per save, and sync "
         "dirty pages (untimed) before each timed save.",
         "",
-        *(["**Smoke-test output (tiny mode): sizes far too small for the numbers to mean anything.**", ""]
-          if s.tiny else []),
+        *(
+            ["**Smoke-test output (tiny mode): sizes far too small for the numbers to mean anything.**", ""]
+            if s.tiny
+            else []
+        ),
         "## Machine",
         "",
         "| | |",
@@ -119,9 +137,12 @@ def write_markdown(path: str, tables: list[dict[str, Any]], machine: dict[str, s
     L += [f"| {k} | {v} |" for k, v in machine.items()]
     busy = _busy(machine)
     if busy:
-        L += ["", f"**The machine was busy during this run** ({busy}): other processes competed for "
-              "the CPUs and the disk, so per-round ratios spread widely; read the ratios with their "
-              "ranges, and regenerate on a quiet machine for tighter numbers."]
+        L += [
+            "",
+            f"**The machine was busy during this run** ({busy}): other processes competed for "
+            "the CPUs and the disk, so per-round ratios spread widely; read the ratios with their "
+            "ranges, and regenerate on a quiet machine for tighter numbers.",
+        ]
     L += ["", "## Summary", "", "| case | size | ratio | goal | met? |", "|---|---|---|---|---|"]
     for t in tables:
         if t.get("status", "ok") != "ok":
@@ -130,8 +151,7 @@ def write_markdown(path: str, tables: list[dict[str, Any]], machine: dict[str, s
         for r in t["rows"]:
             if r.get("goal") is None:
                 continue
-            L.append(f"| {t['title']} | {_cell('size', r)} | {_cell('ratio', r)} | {_cell('goal', r)} | "
-                     f"{verdict(r)} |")
+            L.append(f"| {t['title']} | {_cell('size', r)} | {_cell('ratio', r)} | {_cell('goal', r)} | {verdict(r)} |")
     if png:
         L += ["", "## Save time against checkpoint size", "", f"![save time against size]({os.path.basename(png)})"]
     for t in tables:

@@ -73,6 +73,7 @@ def _defaults() -> tuple[int, int]:
 
 # ----- what reached the server ---------------------------------------------------------------
 
+
 class _Recorder:
     """A WSGI wrapper inside the test server's counting middleware, around the moto app: one event
     per request (start, end, CPU time moto spent on it in its handler thread, operation, key,
@@ -99,8 +100,14 @@ class _Recorder:
         try:
             return self.app(environ, start_response)  # moto builds the whole response in the call
         finally:
-            ev = (t0, time.perf_counter(), time.thread_time() - c0, op, environ.get("PATH_INFO", ""),
-                  self._length(environ) if op in ("PutObject", "UploadPart") else 0)
+            ev = (
+                t0,
+                time.perf_counter(),
+                time.thread_time() - c0,
+                op,
+                environ.get("PATH_INFO", ""),
+                self._length(environ) if op in ("PutObject", "UploadPart") else 0,
+            )
             with self.lock:
                 self.events.append(ev)
 
@@ -168,6 +175,7 @@ class _Tuning:
 
 # ----- the save ------------------------------------------------------------------------------------
 
+
 class _SaveBench:
     """Methods for harness.interleave; each timed call leaves a record of what the server saw."""
 
@@ -188,12 +196,20 @@ class _SaveBench:
         cpu0, t0 = time.process_time(), time.perf_counter()
         fn()
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-        ctx["record"] = {"method": name, "t0": t0, "wall": wall, "cpu": cpu, "ops": counter.ops,
-                         "uploaded": counter.uploaded_bytes, "events": self.rec.since(mark),
-                         "prefix": ctx["prefix"]}
+        ctx["record"] = {
+            "method": name,
+            "t0": t0,
+            "wall": wall,
+            "cpu": cpu,
+            "ops": counter.ops,
+            "uploaded": counter.uploaded_bytes,
+            "events": self.rec.since(mark),
+            "prefix": ctx["prefix"],
+        }
 
-    def txckpt_method(self, name: str, files: dict[str, Any], part_size: int | None = None,
-                      in_flight: int | None = None) -> h.Method:
+    def txckpt_method(
+        self, name: str, files: dict[str, Any], part_size: int | None = None, in_flight: int | None = None
+    ) -> h.Method:
         import txckpt
 
         def setup():
@@ -208,12 +224,14 @@ class _SaveBench:
         def run(ctx):
             def save():
                 ctx["path"] = txckpt.save_checkpoint(ctx["url"], 1, files, storage_options=self.opts)
+
             self._measure(name, save, ctx)
 
         return h.Method(name, run, setup, self._cleanup, settle=False)
 
-    def pipe_method(self, name: str, blobs: dict[str, bytes], chunksize: int | None = None,
-                    concurrency: int | None = None) -> h.Method:
+    def pipe_method(
+        self, name: str, blobs: dict[str, bytes], chunksize: int | None = None, concurrency: int | None = None
+    ) -> h.Method:
         kwargs: dict[str, Any] = {}
         if chunksize:
             kwargs["chunksize"] = chunksize
@@ -227,6 +245,7 @@ class _SaveBench:
             def put():
                 for fname, data in blobs.items():
                     self.fs.pipe_file(f"{BUCKET}/{ctx['prefix']}/{fname}", data, **kwargs)
+
             self._measure(name, put, ctx)
 
         return h.Method(name, run, setup, self._cleanup, settle=False)
@@ -275,7 +294,7 @@ def _reference_files(files: dict[str, Any]) -> tuple[dict[str, bytes], dict[str,
 def _kind(path: str, prefix: str, data_names: set[str]) -> str:
     """What an object of a save is, from its request path ``/bucket/prefix/...``."""
     key = path.split(f"/{BUCKET}/", 1)[-1]
-    rel = key[len(prefix) + 1:] if key.startswith(prefix + "/") else key
+    rel = key[len(prefix) + 1 :] if key.startswith(prefix + "/") else key
     name = rel.rsplit("/", 1)[-1]
     if name in data_names and (rel.startswith(".txckpt/tx/") or rel == name):
         return "data"
@@ -306,30 +325,57 @@ def _bytes_rows(size: int, recs: list[dict[str, Any]], manifest_files: dict[str,
     totals = sorted({r["uploaded"] for r in recs})
     copies = sum(r["ops"].get("CopyObject", 0) + r["ops"].get("UploadPartCopy", 0) for r in recs)
     ops = recs[0]["ops"]
-    data_ops = Counter({k: v for k, v in ops.items() if k in (
-        "PutObject", "UploadPart", "CreateMultipartUpload", "CompleteMultipartUpload")})
+    data_ops = Counter(
+        {
+            k: v
+            for k, v in ops.items()
+            if k in ("PutObject", "UploadPart", "CreateMultipartUpload", "CompleteMultipartUpload")
+        }
+    )
     files_desc = ", ".join(f"`{n}` {e.size:,}" for n, e in sorted(manifest_files.items()))
     same = "the same in every save" if len(datas) == 1 else f"varied between saves: {datas}"
     added = kinds[0]
-    return [{
-        "case": "data files: bytes uploaded ÷ checkpoint bytes", "size": size,
-        "uploaded": f"{datas[-1]:,}", "expected": f"{ckpt:,}", "ratio": datas[-1] / ckpt, "goal": 1.0,
-        "reps": len(recs), "ops": _fmt_ops(data_ops) + " (all requests, data and small files)",
-        "note": f"checkpoint bytes: the manifest's file sizes ({files_desc}); {same}",
-    }, {
-        "case": "server-side copies (CopyObject + UploadPartCopy), all saves", "size": size,
-        "uploaded": "–", "expected": "–", "ratio": copies, "goal": 0.0, "reps": len(recs),
-        "ops": _fmt_ops(ops),
-        "note": "every request of one save, by operation: nothing is renamed or copied",
-    }, {
-        "case": "whole save: bytes uploaded ÷ checkpoint bytes (report)", "size": size,
-        "uploaded": f"{totals[-1]:,}", "expected": f"{ckpt:,}", "ratio": totals[-1] / ckpt, "goal": None,
-        "reps": len(recs),
-        "note": "txckpt's small files on top: " + ", ".join(
-            f"{k} {added[k]:,} B" for k in ("manifest", "log entry", "latest hint", "intent", "other")
-            if k != "other" or added.get(k)) + " (the intent is deleted at the commit; ids and clock "
+    return [
+        {
+            "case": "data files: bytes uploaded ÷ checkpoint bytes",
+            "size": size,
+            "uploaded": f"{datas[-1]:,}",
+            "expected": f"{ckpt:,}",
+            "ratio": datas[-1] / ckpt,
+            "goal": 1.0,
+            "reps": len(recs),
+            "ops": _fmt_ops(data_ops) + " (all requests, data and small files)",
+            "note": f"checkpoint bytes: the manifest's file sizes ({files_desc}); {same}",
+        },
+        {
+            "case": "server-side copies (CopyObject + UploadPartCopy), all saves",
+            "size": size,
+            "uploaded": "–",
+            "expected": "–",
+            "ratio": copies,
+            "goal": 0.0,
+            "reps": len(recs),
+            "ops": _fmt_ops(ops),
+            "note": "every request of one save, by operation: nothing is renamed or copied",
+        },
+        {
+            "case": "whole save: bytes uploaded ÷ checkpoint bytes (report)",
+            "size": size,
+            "uploaded": f"{totals[-1]:,}",
+            "expected": f"{ckpt:,}",
+            "ratio": totals[-1] / ckpt,
+            "goal": None,
+            "reps": len(recs),
+            "note": "txckpt's small files on top: "
+            + ", ".join(
+                f"{k} {added[k]:,} B"
+                for k in ("manifest", "log entry", "latest hint", "intent", "other")
+                if k != "other" or added.get(k)
+            )
+            + " (the intent is deleted at the commit; ids and clock "
             "digits make these vary by a few bytes between saves)",
-    }]
+        },
+    ]
 
 
 def _breakdown(recs: list[dict[str, Any]], names: set[str], nbytes: int) -> dict[str, float]:
@@ -356,25 +402,41 @@ def _breakdown(recs: list[dict[str, Any]], names: set[str], nbytes: int) -> dict
                 proto_wall += t1 - t0
                 n_proto += 1
         moto = data + complete + proto
-        rows.append({"wall": r["wall"], "cpu": r["cpu"] * 1e3 / mib, "data": data * 1e3 / mib,
-                     "complete": complete * 1e3 / mib, "proto": proto * 1e3 / mib,
-                     "client": (r["cpu"] - moto) * 1e3 / mib, "n_proto": n_proto, "proto_wall": proto_wall,
-                     "before": first - r["t0"], "after": r["t0"] + r["wall"] - last})
+        rows.append(
+            {
+                "wall": r["wall"],
+                "cpu": r["cpu"] * 1e3 / mib,
+                "data": data * 1e3 / mib,
+                "complete": complete * 1e3 / mib,
+                "proto": proto * 1e3 / mib,
+                "client": (r["cpu"] - moto) * 1e3 / mib,
+                "n_proto": n_proto,
+                "proto_wall": proto_wall,
+                "before": first - r["t0"],
+                "after": r["t0"] + r["wall"] - last,
+            }
+        )
     return {k: h.median([x[k] for x in rows]) for k in rows[0]}
 
 
 def _timeline(label: str, rec: dict[str, Any], names: set[str]) -> str:
-    lines = [f"Request timeline: {label}, {rec['wall']:.3f} s (server side: when moto's app got the "
-             "request and when it returned, ms from the start of the call, and moto's CPU time in it)",
-             "", "| start | end | moto CPU | request | object |", "|---:|---:|---:|---|---|"]
+    lines = [
+        f"Request timeline: {label}, {rec['wall']:.3f} s (server side: when moto's app got the "
+        "request and when it returned, ms from the start of the call, and moto's CPU time in it)",
+        "",
+        "| start | end | moto CPU | request | object |",
+        "|---:|---:|---:|---|---|",
+    ]
     for t0, t1, cpu, op, path, nbytes in sorted(rec["events"]):
         key = path.split(f"/{BUCKET}/", 1)[-1]
-        key = key[len(rec["prefix"]) + 1:] if key.startswith(rec["prefix"] + "/") else key
+        key = key[len(rec["prefix"]) + 1 :] if key.startswith(rec["prefix"] + "/") else key
         if "/.txckpt/tx/" in "/" + key:
             key = ".txckpt/tx/<txid>/" + key.split("/", 3)[-1]
         size = f" ({h.fmt_size(nbytes)})" if nbytes else ""
-        lines.append(f"| {1e3 * (t0 - rec['t0']):.0f} | {1e3 * (t1 - rec['t0']):.0f} | {1e3 * cpu:.0f} ms | "
-                     f"{op}{size} | `{key}` |")
+        lines.append(
+            f"| {1e3 * (t0 - rec['t0']):.0f} | {1e3 * (t1 - rec['t0']):.0f} | {1e3 * cpu:.0f} ms | "
+            f"{op}{size} | `{key}` |"
+        )
     return "\n".join(lines)
 
 
@@ -401,11 +463,19 @@ def _save_tables(server, rec: _Recorder) -> tuple[dict[str, Any], dict[str, Any]
         h.log(f"s3: {h.fmt_size(size)}, sweeping the parallel-UploadPart limit")
         sweep_reps = 1 if h.settings().quick else 2
         (best_part, best_n), sweep_medians = s3limit.sweep(server, BUCKET, blobs, sweep_reps, _delete_prefix)
-        limit_sweeps.append(f"{h.fmt_size(size)}: " + "; ".join(
-            f"{k.split(', ', 1)[1]} {_mibs(nbytes, v)}" for k, v in sorted(sweep_medians.items(), key=lambda kv: kv[1])))
-        methods = [bench.txckpt_method(TX, files), bench.pipe_method(PIPE, blobs),
-                   bench.pipe_method(PIPE_MP, blobs, part, in_flight),
-                   bench.limit_method(LIMIT, blobs, best_part * h.MiB, best_n)]
+        limit_sweeps.append(
+            f"{h.fmt_size(size)}: "
+            + "; ".join(
+                f"{k.split(', ', 1)[1]} {_mibs(nbytes, v)}"
+                for k, v in sorted(sweep_medians.items(), key=lambda kv: kv[1])
+            )
+        )
+        methods = [
+            bench.txckpt_method(TX, files),
+            bench.pipe_method(PIPE, blobs),
+            bench.pipe_method(PIPE_MP, blobs, part, in_flight),
+            bench.limit_method(LIMIT, blobs, best_part * h.MiB, best_n),
+        ]
         # Both sides' clients are warm before their timed call (txckpt's: from the untimed
         # new_lineage; pipe_file's: above); full mode still discards one whole round first.
         times = h.interleave(methods, reps, warmup=1 if i == 0 and not h.settings().quick else 0)
@@ -413,27 +483,41 @@ def _save_tables(server, rec: _Recorder) -> tuple[dict[str, Any], dict[str, Any]
         bytes_rows += _bytes_rows(size, recs[TX], mfiles)
         for other, goal, label in (
             (PIPE, round(1 / THROUGHPUT_GOAL, 4), "txckpt.save_checkpoint ÷ s3fs pipe_file (time)"),
-            (PIPE_MP, None, f"txckpt.save_checkpoint ÷ pipe_file in {part // h.MiB} MiB parts × "
-                            f"{in_flight} (time, report)"),
-            (LIMIT, None, f"txckpt.save_checkpoint ÷ parallel UploadParts, {best_part} MiB parts × {best_n} "
-                          "(the limit; time, report)"),
+            (
+                PIPE_MP,
+                None,
+                f"txckpt.save_checkpoint ÷ pipe_file in {part // h.MiB} MiB parts × {in_flight} (time, report)",
+            ),
+            (
+                LIMIT,
+                None,
+                f"txckpt.save_checkpoint ÷ parallel UploadParts, {best_part} MiB parts × {best_n} "
+                "(the limit; time, report)",
+            ),
         ):
             row = h.compare(label, size, times, TX, other, goal)
-            row.update({
-                "tx_tput": _mibs(nbytes, h.median(times[TX])), "other_tput": _mibs(nbytes, h.median(times[other])),
-                "tput_ratio": f"{1 / row['ratio']:.2f}" if row["ratio"] == row["ratio"] else "n/a",
-                "note": f"requests per save: txckpt {sum(recs[TX][0]['ops'].values())}, "
-                        f"the other {sum(recs[other][0]['ops'].values())} ({_fmt_ops(recs[other][0]['ops'])})",
-            })
+            row.update(
+                {
+                    "tx_tput": _mibs(nbytes, h.median(times[TX])),
+                    "other_tput": _mibs(nbytes, h.median(times[other])),
+                    "tput_ratio": f"{1 / row['ratio']:.2f}" if row["ratio"] == row["ratio"] else "n/a",
+                    "note": f"requests per save: txckpt {sum(recs[TX][0]['ops'].values())}, "
+                    f"the other {sum(recs[other][0]['ops'].values())} ({_fmt_ops(recs[other][0]['ops'])})",
+                }
+            )
             if other == LIMIT:
-                row["note"] = ("the same bytes as multipart uploads, all parts of both files through one "
-                               "pool of boto3 threads, at the fastest setting of the sweep below the "
-                               "table (nothing serialised or hashed); " + row["note"])
+                row["note"] = (
+                    "the same bytes as multipart uploads, all parts of both files through one "
+                    "pool of boto3 threads, at the fastest setting of the sweep below the "
+                    "table (nothing serialised or hashed); " + row["note"]
+                )
             if other == PIPE_MP:
-                row["note"] = (f"the same part size and concurrency on both sides (s3fs still sends a file "
-                               f"below two parts, {2 * part // h.MiB} MiB, as one `PutObject`): what is "
-                               "left is mostly txckpt's own cost (serialising, hashing, its small "
-                               "files); " + row["note"])
+                row["note"] = (
+                    f"the same part size and concurrency on both sides (s3fs still sends a file "
+                    f"below two parts, {2 * part // h.MiB} MiB, as one `PutObject`): what is "
+                    "left is mostly txckpt's own cost (serialising, hashing, its small "
+                    "files); " + row["note"]
+                )
             rows.append(row)
         bd = {name: _breakdown(recs[name], names, nbytes) for name in (TX, PIPE, PIPE_MP)}
         tx_b, pipe_b = bd[TX], bd[PIPE]
@@ -444,13 +528,15 @@ def _save_tables(server, rec: _Recorder) -> tuple[dict[str, Any], dict[str, Any]
             f"`CompleteMultipartUpload` costs {tx_b['complete'] * nbytes / h.MiB:.0f} ms of CPU on "
             f"txckpt's side (pipe_file's {pipe_b['complete'] * nbytes / h.MiB:.0f} ms); the client's CPU is "
             f"{tx_b['client']:.1f} against {pipe_b['client']:.1f} ms per MiB (serialising and hashing on "
-            "txckpt's side).")
+            "txckpt's side)."
+        )
         for name, b in bd.items():
             cpu_lines.append(
                 f"| {h.fmt_size(size)} | {name} | {b['wall']:.2f} s | {b['cpu']:.1f} | {b['data']:.1f} | "
                 f"{b['complete']:.1f} | {b['proto']:.1f} ({b['n_proto']:.0f} requests, "
                 f"{1e3 * b['proto_wall']:.0f} ms in moto) | {b['client']:.1f} | "
-                f"{1e3 * b['before']:.0f} ms + {1e3 * b['after']:.0f} ms |")
+                f"{1e3 * b['before']:.0f} ms + {1e3 * b['after']:.0f} ms |"
+            )
         if i == len(sizes) - 1:
             for name in (TX, PIPE):
                 mid = sorted(recs[name], key=lambda r: r["wall"])[len(recs[name]) // 2]
@@ -463,9 +549,9 @@ def _save_tables(server, rec: _Recorder) -> tuple[dict[str, Any], dict[str, Any]
         "as the concurrency), interleaved; the fastest setting then runs in every timed round. "
         "Sweep medians: " + " — ".join(limit_sweeps),
         "Where the time goes (medians over the timed rounds, milliseconds of CPU per MiB of data files; "
-        "the process runs both the client and moto, so \"CPU\" is both; the moto columns are CPU "
+        'the process runs both the client and moto, so "CPU" is both; the moto columns are CPU '
         "time inside moto's app, split into data requests (`PutObject`/`UploadPart` of the data "
-        "files), `CompleteMultipartUpload`, and every other request; \"client\" is the rest: "
+        'files), `CompleteMultipartUpload`, and every other request; "client" is the rest: '
         "serialising, hashing, botocore's payload signing over plain HTTP, HTTP on both sides; the "
         "last column is wall time outside the data upload: before the first request of a data file "
         "reached the server (txckpt: reading the log, the intent, serialising the first parts; both: "
@@ -510,32 +596,56 @@ def _save_tables(server, rec: _Recorder) -> tuple[dict[str, Any], dict[str, Any]
         "deleted (untimed) after each round."
     )
     bytes_table = {
-        "id": "s3-bytes", "title": "S3: bytes uploaded per save", "rows": bytes_rows,
+        "id": "s3-bytes",
+        "title": "S3: bytes uploaded per save",
+        "rows": bytes_rows,
         "about": common + " Bytes are the bodies of `PutObject` and `UploadPart` requests as the "
-                          "server received them, attributed per key (data files, manifest, log "
-                          "entry, hint, intent).",
-        "columns": [["case", "comparison"], ["size", "state"], ["uploaded", "bytes uploaded"],
-                    ["expected", "checkpoint bytes"], ["ratio", "ratio"], ["goal", "goal"],
-                    ["verdict", "met?"], ["ops", "requests of one save"], ["reps", "saves"], ["note", "note"]],
+        "server received them, attributed per key (data files, manifest, log "
+        "entry, hint, intent).",
+        "columns": [
+            ["case", "comparison"],
+            ["size", "state"],
+            ["uploaded", "bytes uploaded"],
+            ["expected", "checkpoint bytes"],
+            ["ratio", "ratio"],
+            ["goal", "goal"],
+            ["verdict", "met?"],
+            ["ops", "requests of one save"],
+            ["reps", "saves"],
+            ["note", "note"],
+        ],
     }
     save_table = {
-        "id": "s3-save", "title": "S3: save throughput against pipe_file", "rows": rows,
+        "id": "s3-save",
+        "title": "S3: save throughput against pipe_file",
+        "rows": rows,
         "columns": _TPUT_COLUMNS,
         "about": common + f" Goal: txckpt's throughput at least {THROUGHPUT_GOAL} × pipe_file's, i.e. "
-                          "the time ratio (txckpt ÷ pipe_file, the `ratio` of every table here) "
-                          f"≤ 1/{THROUGHPUT_GOAL} ≈ {1 / THROUGHPUT_GOAL:.2f}; the throughput ratio "
-                          "column is its inverse. txckpt's side includes serialising and hashing "
-                          "the state; pipe_file's starts from the finished bytes.",
-        "notes": notes, "profiles": profiles,
+        "the time ratio (txckpt ÷ pipe_file, the `ratio` of every table here) "
+        f"≤ 1/{THROUGHPUT_GOAL} ≈ {1 / THROUGHPUT_GOAL:.2f}; the throughput ratio "
+        "column is its inverse. txckpt's side includes serialising and hashing "
+        "the state; pipe_file's starts from the finished bytes.",
+        "notes": notes,
+        "profiles": profiles,
     }
     return bytes_table, save_table
 
 
 _TPUT_COLUMNS = [
-    ["case", "comparison"], ["size", "state"], ["txckpt", "txckpt (median)"], ["other", "other (median)"],
-    ["tx_tput", "txckpt throughput"], ["other_tput", "other throughput"], ["tput_ratio", "throughput ratio"],
-    ["ratio", "time ratio"], ["ratio_of_medians", "median ÷ median"], ["paired", "per-round range"],
-    ["goal", "goal (time ratio)"], ["verdict", "met?"], ["reps", "rounds"], ["note", "note"],
+    ["case", "comparison"],
+    ["size", "state"],
+    ["txckpt", "txckpt (median)"],
+    ["other", "other (median)"],
+    ["tx_tput", "txckpt throughput"],
+    ["other_tput", "other throughput"],
+    ["tput_ratio", "throughput ratio"],
+    ["ratio", "time ratio"],
+    ["ratio_of_medians", "median ÷ median"],
+    ["paired", "per-round range"],
+    ["goal", "goal (time ratio)"],
+    ["verdict", "met?"],
+    ["reps", "rounds"],
+    ["note", "note"],
 ]
 
 
@@ -543,8 +653,13 @@ def _sweep_table(server, rec: _Recorder) -> dict[str, Any]:
     title = "S3: multipart part size × parts in flight"
     s = h.settings()
     if s.quick:
-        return {"id": "s3-sweep", "title": title, "status": "skipped", "rows": [],
-                "reason": "full mode only (the quick run measures the defaults, in the table above)"}
+        return {
+            "id": "s3-sweep",
+            "title": title,
+            "status": "skipped",
+            "rows": [],
+            "reason": "full mode only (the quick run measures the defaults, in the table above)",
+        }
     bench = _SaveBench(server, rec)
     default = _defaults()
     points = [(8, 4), (16, 2), (16, 4), (16, 8), (32, 4), (64, 2)]
@@ -557,39 +672,52 @@ def _sweep_table(server, rec: _Recorder) -> dict[str, Any]:
         files = files_of(weights, optim)
         blobs, _ = _reference_files(files)
         nbytes = sum(len(b) for b in blobs.values())
-        names = {p: f"{p[0]} MiB parts × {p[1]}" + (" (default)" if (p[0] * h.MiB, p[1]) == default else "")
-                 for p in points}
+        names = {
+            p: f"{p[0]} MiB parts × {p[1]}" + (" (default)" if (p[0] * h.MiB, p[1]) == default else "") for p in points
+        }
         methods = [bench.txckpt_method(names[p], files, p[0] * h.MiB, p[1]) for p in points]
         methods.append(bench.pipe_method(PIPE, blobs))
         times = h.interleave(methods, reps, warmup=0)
         for p in points:
             row = h.compare(f"txckpt, {names[p]} ÷ pipe_file (time)", size, times, names[p], PIPE, None)
             recs = bench.records(names[p], reps)
-            row.update({"tx_tput": _mibs(nbytes, h.median(times[names[p]])),
-                        "other_tput": _mibs(nbytes, h.median(times[PIPE])),
-                        "tput_ratio": f"{1 / row['ratio']:.2f}",
-                        "note": f"{sum(recs[0]['ops'].values())} requests per save; at most "
-                                f"{h.fmt_size(p[0] * h.MiB * (p[1] + 1))} buffered per file"})
+            row.update(
+                {
+                    "tx_tput": _mibs(nbytes, h.median(times[names[p]])),
+                    "other_tput": _mibs(nbytes, h.median(times[PIPE])),
+                    "tput_ratio": f"{1 / row['ratio']:.2f}",
+                    "note": f"{sum(recs[0]['ops'].values())} requests per save; at most "
+                    f"{h.fmt_size(p[0] * h.MiB * (p[1] + 1))} buffered per file",
+                }
+            )
             rows.append(row)
         best = min(points, key=lambda p: h.median(times[names[p]]))
         best_notes.append(f"{h.fmt_size(size)}: {names[best]} ({_mibs(nbytes, h.median(times[names[best]]))})")
         del weights, optim, files, blobs
     return {
-        "id": "s3-sweep", "title": title, "rows": rows, "columns": _TPUT_COLUMNS,
-        "about": ("`txckpt.save_checkpoint` of each state with `S3Storage`'s part size "
-                  "(`TXCKPT_S3_PART_SIZE`) and parts in flight (`TXCKPT_S3_MAX_IN_FLIGHT`, capped by "
-                  "s3fs's `max_concurrency`, 10) set per root, against `pipe_file` (s3fs defaults) "
-                  f"as the reference; all {len(points) + 1} methods interleaved, {reps} rounds each, "
-                  "same setup as the throughput table. Report only: a writer buffers at most "
-                  "part size × (in flight + 1) per file, and what is fastest against moto (CPU-bound, "
-                  "in-process, where a multipart object costs the server its bytes twice) need not "
-                  "be fastest against S3."),
-        "notes": ["Fastest in this run: " + "; ".join(best_notes) + ". Differences within the per-round "
-                  "ranges are noise on this machine."],
+        "id": "s3-sweep",
+        "title": title,
+        "rows": rows,
+        "columns": _TPUT_COLUMNS,
+        "about": (
+            "`txckpt.save_checkpoint` of each state with `S3Storage`'s part size "
+            "(`TXCKPT_S3_PART_SIZE`) and parts in flight (`TXCKPT_S3_MAX_IN_FLIGHT`, capped by "
+            "s3fs's `max_concurrency`, 10) set per root, against `pipe_file` (s3fs defaults) "
+            f"as the reference; all {len(points) + 1} methods interleaved, {reps} rounds each, "
+            "same setup as the throughput table. Report only: a writer buffers at most "
+            "part size × (in flight + 1) per file, and what is fastest against moto (CPU-bound, "
+            "in-process, where a multipart object costs the server its bytes twice) need not "
+            "be fastest against S3."
+        ),
+        "notes": [
+            "Fastest in this run: " + "; ".join(best_notes) + ". Differences within the per-round "
+            "ranges are noise on this machine."
+        ],
     }
 
 
 # ----- lookup ----------------------------------------------------------------------------------
+
 
 def _local_root(commits: int, lineages: int) -> tuple[str, dict[str, Any]]:
     """The lookup case's cached root (built through the real API, durable=False), rebuilt if the
@@ -685,8 +813,15 @@ def _count_lookups(server, url: str, n: int) -> tuple[list[int], Counter, list[f
 def _lookup_row(case: str, totals: list[int], ops: Counter, times: list[float], note: str) -> dict[str, Any]:
     if len(set(totals)) > 1:
         note += f"; counts varied between lookups: {totals}"
-    return {"case": case, "ratio": max(totals), "goal": float(LOOKUP_GOAL), "reps": len(totals),
-            "ops": _fmt_ops(ops), "txckpt": h.median(times), "note": note}
+    return {
+        "case": case,
+        "ratio": max(totals),
+        "goal": float(LOOKUP_GOAL),
+        "reps": len(totals),
+        "ops": _fmt_ops(ops),
+        "txckpt": h.median(times),
+        "note": note,
+    }
 
 
 def _lookup_table(server) -> dict[str, Any]:
@@ -705,8 +840,15 @@ def _lookup_table(server) -> dict[str, Any]:
     totals, ops, times, path = _count_lookups(server, f"s3://{BUCKET}/lookup-native", n)
     if not path.endswith(f"/checkpoint-{small}"):
         raise AssertionError(f"lookup returned {path}, not checkpoint-{small}")
-    rows.append(_lookup_row(f"{small} commits, 1 lineage, built on S3", totals, ops, times,
-                            f"built commit by commit on S3 in {build_s:.1f} s; returns step {small}"))
+    rows.append(
+        _lookup_row(
+            f"{small} commits, 1 lineage, built on S3",
+            totals,
+            ops,
+            times,
+            f"built commit by commit on S3 in {build_s:.1f} s; returns step {small}",
+        )
+    )
     _delete_prefix(server.boto3_client(), "lookup-native/")
 
     for commits, lineages in ((small, 1), (big_commits, big_lineages)):
@@ -724,21 +866,33 @@ def _lookup_table(server) -> dict[str, Any]:
         totals, ops, times, path = _count_lookups(server, f"s3://{BUCKET}/{prefix}", n)
         remote = txckpt.verify_checkpoint(path, storage_options=server.storage_options())
         if (remote.step, remote.txid) != (local_manifest.step, local_manifest.txid):
-            raise AssertionError(f"S3 lookup found step {remote.step} ({remote.txid}), the local root "
-                                 f"step {local_manifest.step} ({local_manifest.txid})")
+            raise AssertionError(
+                f"S3 lookup found step {remote.step} ({remote.txid}), the local root "
+                f"step {local_manifest.step} ({local_manifest.txid})"
+            )
         built = "reused from the cache" if stamp.get("cached") else f"built in {stamp.get('build_s', 0):.0f} s"
-        rows.append(_lookup_row(
-            f"{commits:,} commits, {lineages} lineage{'s' if lineages > 1 else ''}, built locally, uploaded",
-            totals, ops, times,
-            f"local root {built}; {len(plan):,} objects uploaded in {up_s:.0f} s; returns step "
-            f"{remote.step} (the same txid as on the local root); `verify_checkpoint` of it on S3 passes"))
+        rows.append(
+            _lookup_row(
+                f"{commits:,} commits, {lineages} lineage{'s' if lineages > 1 else ''}, built locally, uploaded",
+                totals,
+                ops,
+                times,
+                f"local root {built}; {len(plan):,} objects uploaded in {up_s:.0f} s; returns step "
+                f"{remote.step} (the same txid as on the local root); `verify_checkpoint` of it on S3 passes",
+            )
+        )
         if commits == small:
             h.remove(local)
         _delete_prefix(server.boto3_client(), prefix + "/")
-    rows.append({
-        "case": f"requests with {big_commits:,} commits ÷ with {small} commits", "ratio": rows[-1]["ratio"] / rows[0]["ratio"],
-        "goal": 1.0, "reps": n, "note": "the same count: a lookup does not depend on how many commits or lineages the root holds",
-    })
+    rows.append(
+        {
+            "case": f"requests with {big_commits:,} commits ÷ with {small} commits",
+            "ratio": rows[-1]["ratio"] / rows[0]["ratio"],
+            "goal": 1.0,
+            "reps": n,
+            "note": "the same count: a lookup does not depend on how many commits or lineages the root holds",
+        }
+    )
     about = (
         "`txckpt.get_last_checkpoint(url)` on an S3 root, requests counted on the server "
         "(`RequestCounter` of `emulators/s3.py`). Before each lookup `txckpt.forget_roots()` and "
@@ -758,13 +912,26 @@ def _lookup_table(server) -> dict[str, Any]:
         "not change the count. On S3, `verify_checkpoint` of the checkpoint found passes, and it "
         "is the one (step and txid) that lookup finds on the local root."
     )
-    return {"id": "s3-lookup", "title": "S3: get_last_checkpoint requests", "rows": rows, "about": about,
-            "columns": [["case", "root"], ["ratio", "requests"], ["goal", "goal"], ["verdict", "met?"],
-                        ["ops", "by operation"], ["txckpt", "time (median)"], ["reps", "lookups"],
-                        ["note", "note"]]}
+    return {
+        "id": "s3-lookup",
+        "title": "S3: get_last_checkpoint requests",
+        "rows": rows,
+        "about": about,
+        "columns": [
+            ["case", "root"],
+            ["ratio", "requests"],
+            ["goal", "goal"],
+            ["verdict", "met?"],
+            ["ops", "by operation"],
+            ["txckpt", "time (median)"],
+            ["reps", "lookups"],
+            ["note", "note"],
+        ],
+    }
 
 
 # ----- the case --------------------------------------------------------------------------------
+
 
 def run(quick: bool) -> dict[str, Any]:
     try:

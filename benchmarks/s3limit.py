@@ -27,8 +27,11 @@ def client(server: Any, pool: int) -> Any:
     from emulators.s3 import FAKE_ENV, REGION
 
     return boto3.client(
-        "s3", endpoint_url=server.endpoint_url, region_name=REGION,
-        aws_access_key_id=FAKE_ENV["AWS_ACCESS_KEY_ID"], aws_secret_access_key=FAKE_ENV["AWS_SECRET_ACCESS_KEY"],
+        "s3",
+        endpoint_url=server.endpoint_url,
+        region_name=REGION,
+        aws_access_key_id=FAKE_ENV["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=FAKE_ENV["AWS_SECRET_ACCESS_KEY"],
         aws_session_token=FAKE_ENV["AWS_SESSION_TOKEN"],
         config=Config(max_pool_connections=pool, retries={"max_attempts": 1}),
     )
@@ -37,32 +40,37 @@ def client(server: Any, pool: int) -> Any:
 def upload_parts(c: Any, bucket: str, prefix: str, blobs: dict[str, bytes], part: int, in_flight: int) -> None:
     """Every blob as a multipart upload of ``part``-byte parts, all parts of all blobs through one
     pool of ``in_flight`` threads; each upload completed once its parts are in."""
-    uploads = {name: c.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/{name}")["UploadId"]
-               for name in blobs}
+    uploads = {name: c.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/{name}")["UploadId"] for name in blobs}
     views = {name: memoryview(data) for name, data in blobs.items()}
 
     def put(name: str, number: int, off: int) -> tuple[str, dict[str, Any]]:
-        body = views[name][off:off + part].tobytes()
-        r = c.upload_part(Bucket=bucket, Key=f"{prefix}/{name}", UploadId=uploads[name], PartNumber=number,
-                          Body=body)
+        body = views[name][off : off + part].tobytes()
+        r = c.upload_part(Bucket=bucket, Key=f"{prefix}/{name}", UploadId=uploads[name], PartNumber=number, Body=body)
         return name, {"PartNumber": number, "ETag": r["ETag"]}
 
-    jobs = [(name, i + 1, off) for name, data in blobs.items() for i, off in enumerate(range(0, max(len(data), 1), part))]
+    jobs = [
+        (name, i + 1, off) for name, data in blobs.items() for i, off in enumerate(range(0, max(len(data), 1), part))
+    ]
     parts: dict[str, list[dict[str, Any]]] = {name: [] for name in blobs}
     with ThreadPoolExecutor(in_flight) as ex:
         for name, p in ex.map(lambda j: put(*j), jobs):
             parts[name].append(p)
     for name, ps in parts.items():
-        c.complete_multipart_upload(Bucket=bucket, Key=f"{prefix}/{name}", UploadId=uploads[name],
-                                    MultipartUpload={"Parts": sorted(ps, key=lambda p: p["PartNumber"])})
+        c.complete_multipart_upload(
+            Bucket=bucket,
+            Key=f"{prefix}/{name}",
+            UploadId=uploads[name],
+            MultipartUpload={"Parts": sorted(ps, key=lambda p: p["PartNumber"])},
+        )
 
 
 def setting_name(part_mib: int, in_flight: int) -> str:
     return f"parallel UploadPart, {part_mib} MiB parts x {in_flight}"
 
 
-def sweep(server: Any, bucket: str, blobs: dict[str, bytes], reps: int,
-          delete_prefix: Callable[[Any, str], None]) -> tuple[tuple[int, int], dict[str, float]]:
+def sweep(
+    server: Any, bucket: str, blobs: dict[str, bytes], reps: int, delete_prefix: Callable[[Any, str], None]
+) -> tuple[tuple[int, int], dict[str, float]]:
     """Every (part MiB, in flight) setting ``reps`` times, interleaved; returns the fastest
     setting and each one's median time."""
     c = client(server, max(CONCURRENCY))
@@ -72,8 +80,13 @@ def sweep(server: Any, bucket: str, blobs: dict[str, bytes], reps: int,
         def setup():
             return f"limit-{uuid.uuid4().hex[:10]}"
 
-        return h.Method(setting_name(p, n), lambda prefix: upload_parts(c, bucket, prefix, blobs, p * h.MiB, n),
-                        setup, lambda prefix: delete_prefix(c, prefix + "/"), settle=False)
+        return h.Method(
+            setting_name(p, n),
+            lambda prefix: upload_parts(c, bucket, prefix, blobs, p * h.MiB, n),
+            setup,
+            lambda prefix: delete_prefix(c, prefix + "/"),
+            settle=False,
+        )
 
     times = h.interleave([method(p, n) for p, n in settings], reps, warmup=0)
     medians = {k: h.median(v) for k, v in times.items()}

@@ -69,15 +69,21 @@ def _peak_tracked(name: str, run):
             return run(ctx)
         run(ctx)  # its result dropped before the peak is read: the peak already counted it
         PEAKS[name] = max(PEAKS.get(name, 0), h.proc_status("VmHWM") - before)
+
     return tracked
 
 
 def _aws_env(so: dict[str, Any]) -> dict[str, str]:
     """The environment the CRT- and C++-based readers take their credentials and endpoint from."""
-    env = {"AWS_ACCESS_KEY_ID": so["key"], "AWS_SECRET_ACCESS_KEY": so["secret"],
-           "AWS_ENDPOINT_URL": so["client_kwargs"]["endpoint_url"], "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
-           "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
+    env = {
+        "AWS_ACCESS_KEY_ID": so["key"],
+        "AWS_SECRET_ACCESS_KEY": so["secret"],
+        "AWS_ENDPOINT_URL": so["client_kwargs"]["endpoint_url"],
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+    }
     if so.get("token"):
         env["AWS_SESSION_TOKEN"] = so["token"]
     return env
@@ -87,6 +93,7 @@ def _with_env(env: dict[str, str], fn):
     def run(ctx):
         with _server_module().environ(env):
             return fn(ctx)
+
     return run
 
 
@@ -101,8 +108,12 @@ def _third_party(so: dict[str, Any], bucket: str, obj: str) -> list[h.Method]:
         from s3torchconnector import S3ClientConfig
         from s3torchconnector._s3client import S3Client
 
-        client = _with_env(env, lambda ctx: S3Client(region="us-east-1", endpoint=endpoint,
-                                                     s3client_config=S3ClientConfig(force_path_style=True)))(None)
+        client = _with_env(
+            env,
+            lambda ctx: S3Client(
+                region="us-east-1", endpoint=endpoint, s3client_config=S3ClientConfig(force_path_style=True)
+            ),
+        )(None)
 
         def s3t(ctx):
             client.get_object(bucket, obj).read()
@@ -196,6 +207,7 @@ def _methods(url: str, so: dict[str, Any], path: str, client: Any, bucket: str, 
                 txckpt.fetch_checkpoint(path, f"{ctx}/copy", storage_options=so)
             finally:
                 s3_download.HASH_MODE = saved
+
         return run
 
     def fetch_one(ctx):
@@ -211,26 +223,36 @@ def _methods(url: str, so: dict[str, Any], path: str, client: Any, bucket: str, 
 
     no_settle = {"settle": False}  # reads: no dirty pages to push first
     to_disk = {"setup": scratch, "cleanup": lambda ctx: shutil.rmtree(ctx, ignore_errors=True)}
-    methods = [h.Method(TX, tx, **no_settle), h.Method(TX_ONE, tx_one, **no_settle), h.Method(CAT, cat, **no_settle),
-               h.Method(RANGES, ranges, **no_settle), h.Method(BOTO, boto, **no_settle),
-               h.Method(BOTO16, boto16, **no_settle),
-               h.Method(FETCH, fetch, **to_disk), h.Method(FETCH_AFTER, fetch_mode("after"), **to_disk),
-               h.Method(FETCH_ONE, fetch_one, **to_disk), h.Method(BOTO_FILE, boto_file, **to_disk)]
+    methods = [
+        h.Method(TX, tx, **no_settle),
+        h.Method(TX_ONE, tx_one, **no_settle),
+        h.Method(CAT, cat, **no_settle),
+        h.Method(RANGES, ranges, **no_settle),
+        h.Method(BOTO, boto, **no_settle),
+        h.Method(BOTO16, boto16, **no_settle),
+        h.Method(FETCH, fetch, **to_disk),
+        h.Method(FETCH_AFTER, fetch_mode("after"), **to_disk),
+        h.Method(FETCH_ONE, fetch_one, **to_disk),
+        h.Method(BOTO_FILE, boto_file, **to_disk),
+    ]
     methods += _third_party(so, bucket, obj)
     for m in methods:
         m.run = _peak_tracked(m.name, m.run)
     return methods
 
 
-def _rows(store: str, size: int, reps: int, url: str, so: dict[str, Any], client: Any, bucket: str) -> list[dict[str, Any]]:
+def _rows(
+    store: str, size: int, reps: int, url: str, so: dict[str, Any], client: Any, bucket: str
+) -> list[dict[str, Any]]:
     import torch
 
     import txckpt
 
     g = torch.Generator().manual_seed(0)
     txckpt.forget_roots()  # a root of this URL that a previous size's store held is gone
-    path = txckpt.save_checkpoint(url, 1, {"model.safetensors": {"w": torch.randn(size // 4, generator=g)}},
-                                  storage_options=so)
+    path = txckpt.save_checkpoint(
+        url, 1, {"model.safetensors": {"w": torch.randn(size // 4, generator=g)}}, storage_options=so
+    )
     storage = txckpt.CheckpointRoot(url, so).storage
     key = storage.key_of(path) + "/model.safetensors"
     obj = storage.full_path(key).split("/", 3)[3]
@@ -239,22 +261,39 @@ def _rows(store: str, size: int, reps: int, url: str, so: dict[str, Any], client
     warmup = int(os.environ.get("TXCKPT_BENCH_S3LOAD_WARMUP", 1))
     times = h.interleave(_methods(url, so, path, client, bucket, obj, nbytes), reps, warmup=warmup)
     best = min((m for m in UNVERIFIED if m in times), key=lambda m: h.median(times[m]))
-    mibs = {m: f"{nbytes / h.MiB / h.median(t):.0f} MiB/s, peak RSS {PEAKS.get(m, 0) / nbytes:.2f}x"
-            for m, t in times.items()}
+    mibs = {
+        m: f"{nbytes / h.MiB / h.median(t):.0f} MiB/s, peak RSS {PEAKS.get(m, 0) / nbytes:.2f}x"
+        for m, t in times.items()
+    }
     note = "; ".join(f"{m}: {v}" for m, v in mibs.items())
     if SKIPPED:
         note += "; left out: " + "; ".join(SKIPPED)
         SKIPPED.clear()
     return [
-        h.compare(f"{store}: txckpt verified ÷ the fastest unverified reader ({best})", nbytes, times, TX, best,
-                  1.05, note),
-        h.compare(f"{store}: txckpt verified, ranged GETs ÷ one GET then verify (before)", nbytes, times, TX, TX_ONE,
-                  0.5),
-        h.compare(f"{store}: txckpt fetch to local disk, verified ÷ boto3 download_file (unverified)", nbytes, times,
-                  FETCH, BOTO_FILE, 1.05),
+        h.compare(
+            f"{store}: txckpt verified ÷ the fastest unverified reader ({best})", nbytes, times, TX, best, 1.05, note
+        ),
+        h.compare(
+            f"{store}: txckpt verified, ranged GETs ÷ one GET then verify (before)", nbytes, times, TX, TX_ONE, 0.5
+        ),
+        h.compare(
+            f"{store}: txckpt fetch to local disk, verified ÷ boto3 download_file (unverified)",
+            nbytes,
+            times,
+            FETCH,
+            BOTO_FILE,
+            1.05,
+        ),
         h.compare(f"{store}: txckpt fetch, ranged GETs ÷ one stream (before)", nbytes, times, FETCH, FETCH_ONE, 0.5),
-        h.compare(f"{store}: txckpt fetch, written and hashed by the download loop ÷ parts written from threads, "
-                  "hashed afterwards", nbytes, times, FETCH, FETCH_AFTER, None),
+        h.compare(
+            f"{store}: txckpt fetch, written and hashed by the download loop ÷ parts written from threads, "
+            "hashed afterwards",
+            nbytes,
+            times,
+            FETCH,
+            FETCH_AFTER,
+            None,
+        ),
     ]
 
 
@@ -268,8 +307,11 @@ def run(quick: bool) -> dict[str, Any]:
     s = h.settings()
     # TXCKPT_BENCH_S3LOAD_SIZES=256M,1G / _STORES=seaweedfs,moto / _ROUNDS=N / _WARMUP=N: one store, size or
     # round count at a time (moto's ranged GETs copy the whole object: 1 GiB there takes minutes).
-    sizes = [int(float(x[:-1]) * (h.GiB if x[-1] in "gG" else h.MiB)) for x in
-             os.environ.get("TXCKPT_BENCH_S3LOAD_SIZES", "").split(",") if x]
+    sizes = [
+        int(float(x[:-1]) * (h.GiB if x[-1] in "gG" else h.MiB))
+        for x in os.environ.get("TXCKPT_BENCH_S3LOAD_SIZES", "").split(",")
+        if x
+    ]
     sizes = sizes or [list(s.sizes)[-1] if s.tiny else 256 * h.MiB if s.quick else 1 * h.GiB]
     stores = os.environ.get("TXCKPT_BENCH_S3LOAD_STORES", "seaweedfs,moto").split(",")
     reps = int(os.environ.get("TXCKPT_BENCH_S3LOAD_ROUNDS", 0)) or (2 if s.tiny else 3 if s.quick else 5)
@@ -277,8 +319,13 @@ def run(quick: bool) -> dict[str, Any]:
     notes: list[str] = []
     for size in sizes:
         rows += _stores(s3emu, sw, stores, size, reps, notes)
-    return {"id": "s3load", "title": "S3 load: verified, against the unverified readers", "rows": rows,
-            "notes": notes, "about": (__doc__ or "").split("\n\n", 1)[1].strip()}
+    return {
+        "id": "s3load",
+        "title": "S3 load: verified, against the unverified readers",
+        "rows": rows,
+        "notes": notes,
+        "about": (__doc__ or "").split("\n\n", 1)[1].strip(),
+    }
 
 
 def _stores(s3emu: Any, sw: Any, stores: list[str], size: int, reps: int, notes: list[str]) -> list[dict[str, Any]]:
@@ -293,8 +340,9 @@ def _stores(s3emu: Any, sw: Any, stores: list[str], size: int, reps: int, notes:
         cluster = sw.SeaweedCluster(weed).start()
         try:
             cluster.create_bucket("bench")
-            rows += _rows("SeaweedFS", size, reps, "s3://bench/load", cluster.storage_options(), cluster.boto3_client(),
-                          "bench")
+            rows += _rows(
+                "SeaweedFS", size, reps, "s3://bench/load", cluster.storage_options(), cluster.boto3_client(), "bench"
+            )
         finally:
             cluster.stop()
     if "moto" in stores:
@@ -303,6 +351,13 @@ def _stores(s3emu: Any, sw: Any, stores: list[str], size: int, reps: int, notes:
         # share the readers' GIL, and its copies of the object would count in their peak RSS.
         with s3emu.running_s3_server_process() as server:
             server.create_bucket(s3emu.BUCKET)
-            rows += _rows("moto", size, reps, f"s3://{s3emu.BUCKET}/load", server.storage_options(),
-                          server.boto3_client(), s3emu.BUCKET)
+            rows += _rows(
+                "moto",
+                size,
+                reps,
+                f"s3://{s3emu.BUCKET}/load",
+                server.storage_options(),
+                server.boto3_client(),
+                s3emu.BUCKET,
+            )
     return rows

@@ -47,9 +47,15 @@ print("RESULT " + json.dumps({"file": txckpt.__file__, "times": times}))
 def _process(tree: str, root: str, size: int, first: int, saves: int) -> list[float]:
     """Seconds of each save of steps first .. first+saves-1, in a new process on ``root``."""
     env = {**os.environ, "PYTHONPATH": tree}
-    out = subprocess.run([sys.executable, "-c", CHILD, root, str(size), str(first), str(saves)],
-                         env=env, cwd=tree, capture_output=True, text=True, check=True).stdout
-    result = json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, root, str(size), str(first), str(saves)],
+        env=env,
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    result = json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[len("RESULT ") :])
     assert result["file"].startswith(os.path.abspath(tree)), (result["file"], tree)
     return result["times"]
 
@@ -81,12 +87,17 @@ def main() -> None:
         first.append(a["first_share"] / b["first_share"])
         steady.append(statistics.median(a["steady"]) / statistics.median(b["steady"]))
         restart.append(a["restart"] / b["restart"])
-        print(f"round {r}: first share {a['first_share'] * 1e3:.0f} ms vs {b['first_share'] * 1e3:.0f} ms "
-              f"({first[-1]:.3f}); steady median {statistics.median(a['steady']) * 1e3:.1f} ms vs "
-              f"{statistics.median(b['steady']) * 1e3:.1f} ms ({steady[-1]:.3f}); first save after a restart "
-              f"{a['restart'] * 1e3:.0f} ms vs {b['restart'] * 1e3:.0f} ms ({restart[-1]:.3f})", flush=True)
-    print(f"median of per-round ratios (this/other): first share {statistics.median(first):.3f}, "
-          f"steady {statistics.median(steady):.3f}, first after a restart {statistics.median(restart):.3f}")
+        print(
+            f"round {r}: first share {a['first_share'] * 1e3:.0f} ms vs {b['first_share'] * 1e3:.0f} ms "
+            f"({first[-1]:.3f}); steady median {statistics.median(a['steady']) * 1e3:.1f} ms vs "
+            f"{statistics.median(b['steady']) * 1e3:.1f} ms ({steady[-1]:.3f}); first save after a restart "
+            f"{a['restart'] * 1e3:.0f} ms vs {b['restart'] * 1e3:.0f} ms ({restart[-1]:.3f})",
+            flush=True,
+        )
+    print(
+        f"median of per-round ratios (this/other): first share {statistics.median(first):.3f}, "
+        f"steady {statistics.median(steady):.3f}, first after a restart {statistics.median(restart):.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -48,11 +48,24 @@ def make_state(total_bytes: int, seed: int = 0) -> tuple[dict[str, Any], dict[st
             "exp_avg": torch.empty(shape).uniform_(-1e-3, 1e-3, generator=g),
             "exp_avg_sq": torch.empty(shape).uniform_(0, 1e-6, generator=g),
         }
-    optim = {"state": state, "param_groups": [{
-        "lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False,
-        "foreach": None, "maximize": False, "capturable": False, "differentiable": False,
-        "fused": None, "params": list(state),
-    }]}
+    optim = {
+        "state": state,
+        "param_groups": [
+            {
+                "lr": 1e-4,
+                "betas": (0.9, 0.999),
+                "eps": 1e-8,
+                "weight_decay": 0.01,
+                "amsgrad": False,
+                "foreach": None,
+                "maximize": False,
+                "capturable": False,
+                "differentiable": False,
+                "fused": None,
+                "params": list(state),
+            }
+        ],
+    }
     return weights, optim
 
 

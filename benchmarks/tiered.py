@@ -37,8 +37,10 @@ def _files(size: int, step: int) -> dict[str, Any]:
     import torch
 
     g = torch.Generator().manual_seed(step)
-    shards = {f"model-{i + 1:05d}-of-00008.safetensors": {f"layer{i}.w": torch.randn(size // 4 // 8, generator=g)}
-              for i in range(8)}
+    shards = {
+        f"model-{i + 1:05d}-of-00008.safetensors": {f"layer{i}.w": torch.randn(size // 4 // 8, generator=g)}
+        for i in range(8)
+    }
     return {**shards, "optimizer.pt": {"step": step, "lr": 1e-4}, "trainer_state.json": {"global_step": step}}
 
 
@@ -65,8 +67,17 @@ def _rows(store: str, url: str, so: dict[str, Any], size: int, reps: int) -> lis
     rows = []
     try:
         times = h.interleave([save(TIERED), save(LOCAL)], reps, warmup=1)
-        rows.append(h.compare(f"training-blocked time per save ÷ local-only save ({store})", size, times,
-                              TIERED, LOCAL, 1.05, alternating=True))
+        rows.append(
+            h.compare(
+                f"training-blocked time per save ÷ local-only save ({store})",
+                size,
+                times,
+                TIERED,
+                LOCAL,
+                1.05,
+                alternating=True,
+            )
+        )
 
         def load(name: str, root: Any) -> h.Method:
             def run(ctx):
@@ -78,16 +89,34 @@ def _rows(store: str, url: str, so: dict[str, Any], size: int, reps: int) -> lis
             return h.Method(name, run, settle=False)
 
         times = h.interleave([load(TIERED, tiered), load(LOCAL, fast)], reps, warmup=1)
-        rows.append(h.compare(f"restart, fast tier intact: load ÷ local verified load ({store})", size, times,
-                              TIERED, LOCAL, 1.10, alternating=True))
+        rows.append(
+            h.compare(
+                f"restart, fast tier intact: load ÷ local verified load ({store})",
+                size,
+                times,
+                TIERED,
+                LOCAL,
+                1.10,
+                alternating=True,
+            )
+        )
 
         # A new node: an empty fast tier beside the same durable tier.
         gone = h.fresh_dir("tier-gone")
         txckpt.forget_roots()
         fresh = txckpt.TieredRoot(gone, url, so)
         times = h.interleave([load(TIERED, fresh), load(REMOTE, url)], reps, warmup=1)
-        rows.append(h.compare(f"restart, fast tier gone: load ÷ remote verified load ({store})", size, times,
-                              TIERED, REMOTE, 1.10, alternating=True))
+        rows.append(
+            h.compare(
+                f"restart, fast tier gone: load ÷ remote verified load ({store})",
+                size,
+                times,
+                TIERED,
+                REMOTE,
+                1.10,
+                alternating=True,
+            )
+        )
         h.remove(gone)
 
         # Half the files deleted, one more flipped: exactly those bytes come back.
@@ -106,10 +135,19 @@ def _rows(store: str, url: str, so: dict[str, Any], size: int, reps: int) -> lis
         txckpt.load_checkpoint(tiered)
         fetched = sum(tiered.last_fetched.values())
         expected = sum(manifest.files[n].size for n in [*gone_names, flipped])
-        rows.append({"case": f"repair: bytes fetched from the durable tier ÷ bytes of the damaged files ({store})",
-                     "size": size, "txckpt": fetched, "other": expected, "ratio": fetched / expected,
-                     "goal": 1.0, "reps": 1, "unit": "bytes",
-                     "note": f"{len(gone_names)} of {len(names)} files deleted, 1 flipped: {sorted(tiered.last_fetched)}"})
+        rows.append(
+            {
+                "case": f"repair: bytes fetched from the durable tier ÷ bytes of the damaged files ({store})",
+                "size": size,
+                "txckpt": fetched,
+                "other": expected,
+                "ratio": fetched / expected,
+                "goal": 1.0,
+                "reps": 1,
+                "unit": "bytes",
+                "note": f"{len(gone_names)} of {len(names)} files deleted, 1 flipped: {sorted(tiered.last_fetched)}",
+            }
+        )
     finally:
         tiered.wait_durable()
         h.remove(fast)
@@ -149,5 +187,10 @@ def run(quick: bool) -> dict[str, Any]:
         with s3emu.running_s3_server() as server:
             server.create_bucket(s3emu.BUCKET)
             rows = _rows("moto", f"s3://{s3emu.BUCKET}/tiered", server.storage_options(), size, reps)
-    return {"id": "tiered", "title": TITLE, "rows": rows, "notes": notes,
-            "about": (__doc__ or "").split("\n\n", 1)[1].strip()}
+    return {
+        "id": "tiered",
+        "title": TITLE,
+        "rows": rows,
+        "notes": notes,
+        "about": (__doc__ or "").split("\n\n", 1)[1].strip(),
+    }

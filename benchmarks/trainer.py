@@ -48,9 +48,14 @@ def run(quick: bool) -> dict[str, Any]:
     try:
         from txckpt.integrations.transformers import TransactionalCheckpointMixin
     except ImportError as e:
-        return {"id": "trainer", "title": "Trainer _save_checkpoint", "status": "pending",
-                "reason": f"`from txckpt.integrations.transformers import TransactionalCheckpointMixin` "
-                          f"fails ({e}): the mixin is not written yet", "rows": []}
+        return {
+            "id": "trainer",
+            "title": "Trainer _save_checkpoint",
+            "status": "pending",
+            "reason": f"`from txckpt.integrations.transformers import TransactionalCheckpointMixin` "
+            f"fails ({e}): the mixin is not written yet",
+            "rows": [],
+        }
     import torch
     from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -63,8 +68,15 @@ def run(quick: bool) -> dict[str, Any]:
         pass
 
     def make(cls, out: str, optimizers=(None, None)):
-        args = TrainingArguments(output_dir=out, report_to=[], use_cpu=True, save_strategy="no",
-                                 logging_strategy="no", disable_tqdm=True, seed=0)
+        args = TrainingArguments(
+            output_dir=out,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+        )
         return cls(model=model, args=args, optimizers=optimizers)
 
     # One optimizer step, so AdamW's exp_avg / exp_avg_sq exist (2x the weights).
@@ -86,6 +98,7 @@ def run(quick: bool) -> dict[str, Any]:
             t = make(cls, d, optimizers)
             t.state.global_step = step
             return d, t
+
         return inner
 
     def cleanup(ctx):
@@ -106,31 +119,57 @@ def run(quick: bool) -> dict[str, Any]:
 
     reps = 2 if s.tiny else (3 if s.quick else 5)
     h.log(f"trainer: {n_params / 1e6:.1f}M parameters, {h.fmt_size(size)} checkpoint, {reps} rounds")
-    times = h.interleave([
-        h.Method(TX, save, setup(TxTrainer), cleanup),
-        h.Method(STOCK, save_fsync, setup(Trainer), cleanup),
-        h.Method(STOCK_ND, save, setup(Trainer), cleanup),
-    ], reps, warmup=1)
+    times = h.interleave(
+        [
+            h.Method(TX, save, setup(TxTrainer), cleanup),
+            h.Method(STOCK, save_fsync, setup(Trainer), cleanup),
+            h.Method(STOCK_ND, save, setup(Trainer), cleanup),
+        ],
+        reps,
+        warmup=1,
+    )
     profiles = []
     if h.median(times[TX]) > 1.05 * h.median(times[STOCK]) and not s.tiny:
-        profiles.append(profiling.fsync_census("one Trainer+mixin _save_checkpoint", save, setup(TxTrainer),
-                                               cleanup, root_of=lambda ctx: ctx[0]))
+        profiles.append(
+            profiling.fsync_census(
+                "one Trainer+mixin _save_checkpoint", save, setup(TxTrainer), cleanup, root_of=lambda ctx: ctx[0]
+            )
+        )
         profiles.append(profiling.profile_call("one Trainer+mixin _save_checkpoint", save, setup(TxTrainer), cleanup))
     label = f"{n_params / 1e6:.{0 if n_params >= 1e7 else 1}f}M params, {h.fmt_size(size)}"
     rows = [
-        h.compare("Trainer+mixin _save_checkpoint ÷ stock _save_checkpoint + fsync of every file", label,
-                  times, TX, STOCK, 1.05),
-        h.compare("Trainer+mixin _save_checkpoint ÷ stock _save_checkpoint, no fsync", label, times, TX,
-                  STOCK_ND, None, "report only: what users have today"),
+        h.compare(
+            "Trainer+mixin _save_checkpoint ÷ stock _save_checkpoint + fsync of every file",
+            label,
+            times,
+            TX,
+            STOCK,
+            1.05,
+        ),
+        h.compare(
+            "Trainer+mixin _save_checkpoint ÷ stock _save_checkpoint, no fsync",
+            label,
+            times,
+            TX,
+            STOCK_ND,
+            None,
+            "report only: what users have today",
+        ),
     ]
     return {
-        "id": "trainer", "title": "Trainer _save_checkpoint", "rows": rows,
-        "about": (f"GPT-2 from a config (random init), {n_params / 1e6:.1f}M parameters, AdamW state "
-                  "materialised by one optimizer step. `_save_checkpoint(model, trial=None)` at global step "
-                  f"{step}, each into a fresh output_dir, the three methods interleaved. The stock side's "
-                  "fsync covers every file and directory it wrote (`checkpoint-N` and its parent)."),
+        "id": "trainer",
+        "title": "Trainer _save_checkpoint",
+        "rows": rows,
+        "about": (
+            f"GPT-2 from a config (random init), {n_params / 1e6:.1f}M parameters, AdamW state "
+            "materialised by one optimizer step. `_save_checkpoint(model, trial=None)` at global step "
+            f"{step}, each into a fresh output_dir, the three methods interleaved. The stock side's "
+            "fsync covers every file and directory it wrote (`checkpoint-N` and its parent)."
+        ),
         "profiles": profiles,
-        "series": {f"{TX} (GPT-2)": [[size, h.median(times[TX])]],
-                   f"{STOCK} (GPT-2)": [[size, h.median(times[STOCK])]],
-                   f"{STOCK_ND} (GPT-2)": [[size, h.median(times[STOCK_ND])]]},
+        "series": {
+            f"{TX} (GPT-2)": [[size, h.median(times[TX])]],
+            f"{STOCK} (GPT-2)": [[size, h.median(times[STOCK])]],
+            f"{STOCK_ND} (GPT-2)": [[size, h.median(times[STOCK_ND])]],
+        },
     }

@@ -29,8 +29,12 @@ from . import harness as h
 
 TITLE = "Trainer async save"
 
-NONE, SYNC, ASYNC, COPY = ("no saves", "Trainer + mixin, sync save", "Trainer + mixin, txckpt_async_save=True",
-                           'Trainer + mixin, txckpt_async_save="copy"')
+NONE, SYNC, ASYNC, COPY = (
+    "no saves",
+    "Trainer + mixin, sync save",
+    "Trainer + mixin, txckpt_async_save=True",
+    'Trainer + mixin, txckpt_async_save="copy"',
+)
 
 
 def _config(s: h.Settings):
@@ -94,15 +98,30 @@ def _overhead(s: h.Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     def setup(mode: str):
         def inner():
             out = h.fresh_dir("trainer-async")
-            args = TrainingArguments(output_dir=out, report_to=[], use_cpu=True, max_steps=steps,
-                                     save_strategy="no" if mode == NONE else "steps", save_steps=every,
-                                     logging_strategy="no", disable_tqdm=True, seed=0,
-                                     per_device_train_batch_size=1, dataloader_num_workers=0)
+            args = TrainingArguments(
+                output_dir=out,
+                report_to=[],
+                use_cpu=True,
+                max_steps=steps,
+                save_strategy="no" if mode == NONE else "steps",
+                save_steps=every,
+                logging_strategy="no",
+                disable_tqdm=True,
+                seed=0,
+                per_device_train_batch_size=1,
+                dataloader_num_workers=0,
+            )
             clock = Clock()
-            t = Timed(model=model, args=args, train_dataset=Tokens(), callbacks=[clock],
-                      txckpt_async_save={ASYNC: True, COPY: "copy"}.get(mode, False))
+            t = Timed(
+                model=model,
+                args=args,
+                train_dataset=Tokens(),
+                callbacks=[clock],
+                txckpt_async_save={ASYNC: True, COPY: "copy"}.get(mode, False),
+            )
             t.saves = {}
             return {"out": out, "trainer": t, "clock": clock}
+
         return inner
 
     windows: dict[str, list[float]] = {NONE: [], SYNC: [], ASYNC: [], COPY: []}
@@ -124,6 +143,7 @@ def _overhead(s: h.Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
                     waits[mode].extend(b - a for a, b, _c in mid)
                 if mode == ASYNC:
                     copy_waits.extend(t._txckpt_async.copy_waits[1:])  # after the window's saves (2K .. S-K)
+
         return inner
 
     def cleanup(ctx):
@@ -138,8 +158,10 @@ def _overhead(s: h.Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         size = sum(os.path.getsize(os.path.join(r, f)) for r, _d, fs in os.walk(last) for f in fs)
     finally:
         cleanup(probe)
-    h.log(f"trainer_async: {n_params / 1e6:.1f}M parameters, {h.fmt_size(size)} checkpoint, save every "
-          f"{every} of {steps} steps, {reps} rounds")
+    h.log(
+        f"trainer_async: {n_params / 1e6:.1f}M parameters, {h.fmt_size(size)} checkpoint, save every "
+        f"{every} of {steps} steps, {reps} rounds"
+    )
     try:
         h.interleave([h.Method(m, run(m), setup(m), cleanup) for m in (NONE, SYNC, ASYNC, COPY)], reps, warmup=0)
     finally:
@@ -149,23 +171,50 @@ def _overhead(s: h.Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     label = f"{n_params / 1e6:.{0 if n_params >= 1e7 else 1}f}M params, {h.fmt_size(size)}"
     times = {m: [max(x, 0.0) for x in v] for m, v in per_save.items()}
     rows = [
-        h.compare("training-time overhead per save: async (True: lazy) ÷ sync", label, times, ASYNC, SYNC, 0.3,
-                  f"{saves} saves per window; a negative overhead (noise) counts as 0"),
-        h.compare('training-time overhead per save: async ("copy": copy-first) ÷ sync', label, times, COPY, SYNC,
-                  None),
-        h.compare("time _save_checkpoint blocks: async (True: lazy) ÷ sync", label, blocked, ASYNC, SYNC, None,
-                  f"plus the next optimizer step's wait for the copy, median {h.median(copy_waits):.3f} s; "
-                  f"not counted: its wait for the previous save, median {h.median(waits[ASYNC]):.3f} s"),
-        h.compare('time _save_checkpoint blocks: async ("copy": copy-first) ÷ sync', label, blocked, COPY, SYNC,
-                  None, f"not counted: its wait for the previous save, median {h.median(waits[COPY]):.3f} s"),
+        h.compare(
+            "training-time overhead per save: async (True: lazy) ÷ sync",
+            label,
+            times,
+            ASYNC,
+            SYNC,
+            0.3,
+            f"{saves} saves per window; a negative overhead (noise) counts as 0",
+        ),
+        h.compare('training-time overhead per save: async ("copy": copy-first) ÷ sync', label, times, COPY, SYNC, None),
+        h.compare(
+            "time _save_checkpoint blocks: async (True: lazy) ÷ sync",
+            label,
+            blocked,
+            ASYNC,
+            SYNC,
+            None,
+            f"plus the next optimizer step's wait for the copy, median {h.median(copy_waits):.3f} s; "
+            f"not counted: its wait for the previous save, median {h.median(waits[ASYNC]):.3f} s",
+        ),
+        h.compare(
+            'time _save_checkpoint blocks: async ("copy": copy-first) ÷ sync',
+            label,
+            blocked,
+            COPY,
+            SYNC,
+            None,
+            f"not counted: its wait for the previous save, median {h.median(waits[COPY]):.3f} s",
+        ),
     ]
     series = {f"{m} overhead per save": [[size, h.median(times[m])]] for m in (SYNC, ASYNC, COPY)}
-    return rows, {"label": label, "size": size, "every": every, "steps": steps, "series": series,
-                  "step_time": h.median(windows[NONE]) / (steps - 2 * every),
-                  "windows": ", ".join(f"{m}: {' / '.join(f'{w:.1f}' for w in windows[m])} s" for m in windows)}
+    return rows, {
+        "label": label,
+        "size": size,
+        "every": every,
+        "steps": steps,
+        "series": series,
+        "step_time": h.median(windows[NONE]) / (steps - 2 * every),
+        "windows": ", ".join(f"{m}: {' / '.join(f'{w:.1f}' for w in windows[m])} s" for m in windows),
+    }
 
 
 # ----- memory over 100 async saves (a subprocess) ----------------------------------------------
+
 
 def child(size: int, saves: int, directory: str) -> dict[str, Any]:
     import torch
@@ -201,8 +250,14 @@ def _memory(s: h.Settings) -> list[dict[str, Any]]:
         env = dict(os.environ)
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
-        p = subprocess.run([sys.executable, "-m", "benchmarks.trainer_async", str(size), str(saves), d],
-                           capture_output=True, text=True, env=env, timeout=1800, cwd=here)
+        p = subprocess.run(
+            [sys.executable, "-m", "benchmarks.trainer_async", str(size), str(saves), d],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=1800,
+            cwd=here,
+        )
         if p.returncode != 0:
             raise RuntimeError(f"memory child failed: {p.stderr[-2000:]}")
         r = json.loads(p.stdout.strip().splitlines()[-1])
@@ -212,10 +267,22 @@ def _memory(s: h.Settings) -> list[dict[str, Any]]:
     peak = (r["peak"] - r["with_state"]) / r["state"]
     growth = (rss[max(rss)] - rss[min(rss)]) / r["state"]
     return [
-        {"case": f"peak RSS above the state ÷ state, over {saves} async saves", "size": size, "ratio": peak,
-         "goal": 1.10, "reps": 1, "note": "one snapshot copy is 1.0"},
-        {"case": f"RSS growth from save {min(rss)} to save {max(rss)} ÷ state", "size": size, "ratio": growth,
-         "goal": 0.05, "reps": 1, "note": "growth would mean snapshot buffers are not reused"},
+        {
+            "case": f"peak RSS above the state ÷ state, over {saves} async saves",
+            "size": size,
+            "ratio": peak,
+            "goal": 1.10,
+            "reps": 1,
+            "note": "one snapshot copy is 1.0",
+        },
+        {
+            "case": f"RSS growth from save {min(rss)} to save {max(rss)} ÷ state",
+            "size": size,
+            "ratio": growth,
+            "goal": 0.05,
+            "reps": 1,
+            "note": "growth would mean snapshot buffers are not reused",
+        },
     ]
 
 
@@ -224,18 +291,22 @@ def run(quick: bool) -> dict[str, Any]:
     rows, info = _overhead(s)
     rows += _memory(s)
     return {
-        "id": "trainer-async", "title": "Trainer with txckpt_async_save: overhead per save", "rows": rows,
-        "about": (f"GPT-2 from a config (random init), {info['label']}, AdamW, batch 1, one torch thread "
-                  f"(step ≈ {info['step_time']:.2f} s). `Trainer.train()` for {info['steps']} steps, a save every "
-                  f"{info['every']}, four runs interleaved per round: no saves, synchronous saves, async "
-                  "saves with `txckpt_async_save=True` (the lazy snapshot: the parameters and AdamW "
-                  "state copied by the background, the next optimizer step waiting for it), async "
-                  'saves with `"copy"` (copy-first). '
-                  "The overhead of a save is the run's window (from the end of step "
-                  f"{2 * info['every']} to the settling of the last save) minus the same window without "
-                  "saves, divided by the saves in it: the time the loop is blocked plus the slowdown of "
-                  "the steps the background save runs beside. The last row: 100 `txckpt.async_save` "
-                  "calls of the synthetic state in a subprocess (VmHWM, RSS)."),
+        "id": "trainer-async",
+        "title": "Trainer with txckpt_async_save: overhead per save",
+        "rows": rows,
+        "about": (
+            f"GPT-2 from a config (random init), {info['label']}, AdamW, batch 1, one torch thread "
+            f"(step ≈ {info['step_time']:.2f} s). `Trainer.train()` for {info['steps']} steps, a save every "
+            f"{info['every']}, four runs interleaved per round: no saves, synchronous saves, async "
+            "saves with `txckpt_async_save=True` (the lazy snapshot: the parameters and AdamW "
+            "state copied by the background, the next optimizer step waiting for it), async "
+            'saves with `"copy"` (copy-first). '
+            "The overhead of a save is the run's window (from the end of step "
+            f"{2 * info['every']} to the settling of the last save) minus the same window without "
+            "saves, divided by the saves in it: the time the loop is blocked plus the slowdown of "
+            "the steps the background save runs beside. The last row: 100 `txckpt.async_save` "
+            "calls of the synthetic state in a subprocess (VmHWM, RSS)."
+        ),
         "notes": [f"Windows per round: {info['windows']}."],
         "series": info["series"],
     }

@@ -115,17 +115,26 @@ def _stock_resume(path: str, step: int, opt_step: float, cfg: Any) -> None:
     data = [{"input_ids": ids[i], "labels": ids[i]} for i in range(len(ids))]
     out = h.fresh_dir("trinc-resume")
     try:
-        args = TrainingArguments(output_dir=out, max_steps=step + 1, per_device_train_batch_size=BATCH,
-                                 save_strategy="no", report_to=[], use_cpu=True, logging_strategy="no",
-                                 disable_tqdm=True, seed=0)
+        args = TrainingArguments(
+            output_dir=out,
+            max_steps=step + 1,
+            per_device_train_batch_size=BATCH,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            logging_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+        )
         stock = Trainer(model=model, args=args, train_dataset=data)
         stock.remove_callback(PrinterCallback)  # it prints the run's metrics to stdout
         stock.train(resume_from_checkpoint=path)
         if stock.state.global_step != step + 1:
             raise AssertionError(f"stock resume from {path} ended at step {stock.state.global_step}, not {step + 1}")
         if _adam_step(stock.optimizer) != opt_step + 1:  # AdamW's state came from optimizer.pt
-            raise AssertionError(f"stock resume from {path}: AdamW at step {_adam_step(stock.optimizer)}, "
-                                 f"saved at {opt_step}")
+            raise AssertionError(
+                f"stock resume from {path}: AdamW at step {_adam_step(stock.optimizer)}, saved at {opt_step}"
+            )
     finally:
         h.remove(out)
 
@@ -149,8 +158,16 @@ def run(quick: bool) -> dict[str, Any]:
         pass
 
     def args(out: str) -> Any:
-        return TrainingArguments(output_dir=out, report_to=[], use_cpu=True, save_strategy="no",
-                                 logging_strategy="no", disable_tqdm=True, seed=0, per_device_train_batch_size=BATCH)
+        return TrainingArguments(
+            output_dir=out,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+            per_device_train_batch_size=BATCH,
+        )
 
     # AdamW over the trainable parameters, as the Trainer builds it, shared by both Trainers: each
     # saves the same optimizer state, only the txckpt setting differs.
@@ -161,9 +178,10 @@ def run(quick: bool) -> dict[str, Any]:
     assert optimizer is not None and scheduler is not None
     h.remove(init_dir)
     roots = {INC: h.fresh_dir("trinc-inc"), FULL: h.fresh_dir("trinc-full")}
-    trainers = {INC: TxTrainer(model=model, args=args(roots[INC]), optimizers=(optimizer, scheduler),
-                               txckpt_incremental=True),
-                FULL: TxTrainer(model=model, args=args(roots[FULL]), optimizers=(optimizer, scheduler))}
+    trainers = {
+        INC: TxTrainer(model=model, args=args(roots[INC]), optimizers=(optimizer, scheduler), txckpt_incremental=True),
+        FULL: TxTrainer(model=model, args=args(roots[FULL]), optimizers=(optimizer, scheduler)),
+    }
     for t in trainers.values():
         # What train() records before its first save: a stock resume reads it back.
         t.state.train_batch_size = t.args.train_batch_size
@@ -222,8 +240,10 @@ def run(quick: bool) -> dict[str, Any]:
         return h.Method(name, save, setup, done)
 
     rounds = 2 if s.tiny else 4 if s.quick else 8  # even: as many rounds in each order
-    h.log(f"trainer-incremental: {n_params / 1e6:.1f}M parameters ({n_trainable / 1e6:.2f}M trainable), "
-          f"shards of {h.fmt_size(shard_bytes)}, {rounds} rounds")
+    h.log(
+        f"trainer-incremental: {n_params / 1e6:.1f}M parameters ({n_trainable / 1e6:.2f}M trainable), "
+        f"shards of {h.fmt_size(shard_bytes)}, {rounds} rounds"
+    )
     try:
         # Round 0 (warm-up) is each root's first save, which writes every file.
         times = h.interleave([method(INC), method(FULL)], rounds, warmup=1)
@@ -241,21 +261,46 @@ def run(quick: bool) -> dict[str, Any]:
     inc_sent, full_sent = h.median(sent[INC][1:]), h.median(sent[FULL][1:])
     delta = h.median(changed[INC][1:])
     label = f"{n_params / 1e6:.{0 if n_params >= 1e7 else 1}f}M params, {h.fmt_size(ckpt_bytes)}"
-    odd = (f"; frozen-only shards that changed: {', '.join(sorted(frozen_changed))}" if frozen_changed
-           else "; no frozen-only shard changed")
+    odd = (
+        f"; frozen-only shards that changed: {', '.join(sorted(frozen_changed))}"
+        if frozen_changed
+        else "; no frozen-only shard changed"
+    )
     rows = [
-        {"case": "bytes sent to the disk per incremental Trainer save ÷ the changed files' bytes", "size": label,
-         "txckpt": inc_sent, "other": delta, "ratio": h.median(per_save), "goal": 1.05, "reps": len(per_save),
-         "unit": "bytes", "paired": per_save,
-         "note": f"a full save sends {h.fmt_size(full_sent)} ({full_sent / max(inc_sent, 1):.0f}x); changed "
-                 f"in the last save: {', '.join(last_changed)} of {n_shards} shards ({n_frozen} frozen-only){odd}"},
-        h.compare("incremental ÷ full Trainer _save_checkpoint time", label, times, INC, FULL, None,
-                  "report only: the incremental save hashes the frozen shards it does not write",
-                  alternating=True),
-        {"case": "stock transformers loads every incremental checkpoint-N", "size": label,
-         "txckpt": f"{len(paths)}/{len(paths)}", "other": None, "ratio": None, "goal": None, "reps": len(paths),
-         "note": f"GPT2LMHeadModel.from_pretrained of each, equal to the model as saved; a stock Trainer "
-                 f"resumed from checkpoint-{last_step} and trained step {last_step + 1}"},
+        {
+            "case": "bytes sent to the disk per incremental Trainer save ÷ the changed files' bytes",
+            "size": label,
+            "txckpt": inc_sent,
+            "other": delta,
+            "ratio": h.median(per_save),
+            "goal": 1.05,
+            "reps": len(per_save),
+            "unit": "bytes",
+            "paired": per_save,
+            "note": f"a full save sends {h.fmt_size(full_sent)} ({full_sent / max(inc_sent, 1):.0f}x); changed "
+            f"in the last save: {', '.join(last_changed)} of {n_shards} shards ({n_frozen} frozen-only){odd}",
+        },
+        h.compare(
+            "incremental ÷ full Trainer _save_checkpoint time",
+            label,
+            times,
+            INC,
+            FULL,
+            None,
+            "report only: the incremental save hashes the frozen shards it does not write",
+            alternating=True,
+        ),
+        {
+            "case": "stock transformers loads every incremental checkpoint-N",
+            "size": label,
+            "txckpt": f"{len(paths)}/{len(paths)}",
+            "other": None,
+            "ratio": None,
+            "goal": None,
+            "reps": len(paths),
+            "note": f"GPT2LMHeadModel.from_pretrained of each, equal to the model as saved; a stock Trainer "
+            f"resumed from checkpoint-{last_step} and trained step {last_step + 1}",
+        },
     ]
     about = (
         f"GPT-2 from a config (random init), {n_params / 1e6:.1f}M parameters, every one frozen except the "

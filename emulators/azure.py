@@ -19,10 +19,13 @@ AZURITE_KEY = (  # Azurite's published well-known development key, not a secret
 
 
 #: Where .ci/run installs Azurite (npm --prefix .ci/node).
-AZURITE_CI_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                               ".ci", "node", "node_modules", ".bin", "azurite-blob")
-AZURITE_HOWTO = ("npm install --prefix .ci/node azurite@3.37.0 && export "
-                 "AZURITE_BLOB=$PWD/.ci/node/node_modules/.bin/azurite-blob (as .ci/run does; docs/remote.md)")
+AZURITE_CI_PATH = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".ci", "node", "node_modules", ".bin", "azurite-blob"
+)
+AZURITE_HOWTO = (
+    "npm install --prefix .ci/node azurite@3.37.0 && export "
+    "AZURITE_BLOB=$PWD/.ci/node/node_modules/.bin/azurite-blob (as .ci/run does; docs/remote.md)"
+)
 
 
 def azurite_binary() -> str | None:
@@ -48,9 +51,19 @@ class AzuriteServer:
         import subprocess
 
         self.proc = subprocess.Popen(
-            [self.binary, "--blobHost", "127.0.0.1", "--blobPort", "0", "--inMemoryPersistence",
-             "--skipApiVersionCheck", "--loose"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                self.binary,
+                "--blobHost",
+                "127.0.0.1",
+                "--blobPort",
+                "0",
+                "--inMemoryPersistence",
+                "--skipApiVersionCheck",
+                "--loose",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         lines = []
         for line in self.proc.stdout:  # blocks until Azurite reports where it listens
@@ -72,8 +85,10 @@ class AzuriteServer:
 
     @property
     def connection_string(self) -> str:
-        return (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
-                f"AccountKey={AZURITE_KEY};BlobEndpoint={self.endpoint_url}/{AZURITE_ACCOUNT};")
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
+            f"AccountKey={AZURITE_KEY};BlobEndpoint={self.endpoint_url}/{AZURITE_ACCOUNT};"
+        )
 
     def storage_options(self) -> dict[str, Any]:
         return {"connection_string": self.connection_string, "skip_instance_cache": True}

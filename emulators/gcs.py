@@ -48,9 +48,22 @@ class GCSServer:
         port = free_port()  # fake-gcs-server cannot report a port it picked itself (it logs ":0")
         self.endpoint_url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
-            [self.binary, "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
-             "-port", str(port), "-external-url", self.endpoint_url],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            [
+                self.binary,
+                "-scheme",
+                "http",
+                "-backend",
+                "memory",
+                "-host",
+                "127.0.0.1",
+                "-port",
+                str(port),
+                "-external-url",
+                self.endpoint_url,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         lines = []
         for line in self.proc.stderr:  # it logs this once its listener is up
@@ -69,8 +82,12 @@ class GCSServer:
             self.proc.wait()
 
     def storage_options(self) -> dict[str, Any]:
-        return {"endpoint_url": self.endpoint_url, "token": "anon", "project": "txckpt-test",
-                "skip_instance_cache": True}
+        return {
+            "endpoint_url": self.endpoint_url,
+            "token": "anon",
+            "project": "txckpt-test",
+            "skip_instance_cache": True,
+        }
 
     def create_bucket(self, name: str) -> None:
         import gcsfs

@@ -247,10 +247,12 @@ class _Middleware:
             return self._dispatch(op, environ, start_response)
         if fault is not None:
             if fault["after_apply"]:  # moto applies the request; the client never hears of it
-                list(self._dispatch(op, environ, lambda *a, **k: (lambda data: None)))
+                list(self._dispatch(op, environ, lambda *a, **k: lambda data: None))
             status, code = fault.get("status", "500 Internal Server Error"), fault.get("code", "InternalError")
-            body = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
-                    "<Message>injected by emulators/s3.py</Message></Error>").encode()
+            body = (
+                f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
+                "<Message>injected by emulators/s3.py</Message></Error>"
+            ).encode()
             start_response(status, [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
             return [body]
         return self._dispatch(op, environ, start_response)
@@ -289,8 +291,12 @@ def _ranged_get(environ, start_response) -> list[bytes] | None:
     moto must answer (anything but one in-object range of an existing key, read unconditionally)."""
     match = _PLAIN_RANGE.fullmatch(environ.get("HTTP_RANGE", ""))
     conditions = {name for name in environ if name.startswith("HTTP_IF_")}
-    if (match is None or environ.get("QUERY_STRING") or environ.get("HTTP_ORIGIN")  # CORS rules: moto's
-            or conditions - {"HTTP_IF_MATCH"}):
+    if (
+        match is None
+        or environ.get("QUERY_STRING")
+        or environ.get("HTTP_ORIGIN")  # CORS rules: moto's
+        or conditions - {"HTTP_IF_MATCH"}
+    ):
         return None
     bucket, _, name = environ.get("PATH_INFO", "").lstrip("/").partition("/")
     from moto.core import DEFAULT_ACCOUNT_ID
@@ -315,8 +321,14 @@ def _ranged_get(environ, start_response) -> list[bytes] | None:
         key._value_buffer.seek(first)
         body = key._value_buffer.read(last - first + 1)
     # moto's server adds Access-Control-Allow-Origin to every response (its flask app's CORS).
-    headers = {**key.response_dict, **key.metadata, "Accept-Ranges": "bytes", "Access-Control-Allow-Origin": "*",
-               "content-range": f"bytes {first}-{last}/{size}", "content-length": str(len(body))}
+    headers = {
+        **key.response_dict,
+        **key.metadata,
+        "Accept-Ranges": "bytes",
+        "Access-Control-Allow-Origin": "*",
+        "content-range": f"bytes {first}-{last}/{size}",
+        "content-length": str(len(body)),
+    }
     start_response("206 Partial Content", [(k, str(v)) for k, v in headers.items()])
     return [body]
 
@@ -399,9 +411,7 @@ class S3Server(_Endpoint):
                 owner.ranges = _RangeReader(DomainDispatcherApplication(create_backend_app), enabled=not raw)
                 app = _Middleware(owner.ranges, stats, serialise_conditional)
                 owner._app = app
-                self._server = make_server(
-                    self._ip_address, self._port, app, True, request_handler=_Handler
-                )
+                self._server = make_server(self._ip_address, self._port, app, True, request_handler=_Handler)
                 self._server_ready_event.set()
                 self._server.serve_forever()
 
@@ -459,8 +469,9 @@ class S3Server(_Endpoint):
         without applying it (not retried: s3fs raises PermissionError)."""
         assert self._app is not None, "start() the server first"
         with self._app.faults_lock:
-            self._app.faults.append({"op": op, "key": key, "after_apply": False,
-                                     "status": "403 Forbidden", "code": "AccessDenied"})
+            self._app.faults.append(
+                {"op": op, "key": key, "after_apply": False, "status": "403 Forbidden", "code": "AccessDenied"}
+            )
 
     def set_latency(self, seconds: float) -> None:
         """Hold every request ``seconds`` before it is handled: what a real store's round trip
@@ -531,8 +542,9 @@ class S3ServerProcess(_Endpoint):
         import sys
 
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        self._proc = subprocess.Popen([sys.executable, "-m", "emulators.s3"], cwd=here, stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, text=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "emulators.s3"], cwd=here, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         assert self._proc.stdout is not None
         line = self._proc.stdout.readline()  # the child prints its endpoint once it listens
         if not line.startswith("http://127.0.0.1:"):

@@ -78,8 +78,14 @@ class _Server:
         log = open(self.log_path, "ab")
         try:
             # Its own session, so that a Ctrl-C of the test run does not reach it before stop().
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=_server_env(),
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=_server_env(),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         finally:
             log.close()
 
@@ -90,11 +96,14 @@ class _Server:
         started = time.monotonic()
         while not self._answers():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"SeaweedFS {self.name} exited with {self.proc.returncode} at start:\n"
-                                   + self.log_tail())
+                raise RuntimeError(
+                    f"SeaweedFS {self.name} exited with {self.proc.returncode} at start:\n" + self.log_tail()
+                )
             if time.monotonic() > deadline:
-                raise RuntimeError(f"SeaweedFS {self.name} did not answer {self.probe} (and its gRPC port "
-                                   f"{self.grpc_port}) within {time.monotonic() - started:.0f} s:\n" + self.log_tail())
+                raise RuntimeError(
+                    f"SeaweedFS {self.name} did not answer {self.probe} (and its gRPC port "
+                    f"{self.grpc_port}) within {time.monotonic() - started:.0f} s:\n" + self.log_tail()
+                )
             # A short pause between probes (not a synchronisation: the probe is the condition).
             time.sleep(0.05)
 
@@ -164,8 +173,11 @@ class SeaweedCluster:
                 self.stop()
                 if attempt == attempts:
                     raise RuntimeError(f"SeaweedFS did not start ({attempts} attempts); the last: {report}") from None
-                print(f"SeaweedFS start attempt {attempt} failed, trying again on fresh ports: {report}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"SeaweedFS start attempt {attempt} failed, trying again on fresh ports: {report}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if self._own_dir:
                     self.workdir = tempfile.mkdtemp(prefix="txckpt-seaweedfs-")
                 self.volumes = []
@@ -173,34 +185,80 @@ class SeaweedCluster:
 
     def _logs(self) -> str:
         servers = [getattr(self, n, None) for n in ("master", "filer", "gateway")] + list(self.volumes)
-        return "".join(f"--- {s.name}.log (last 2,000 bytes) ---\n{s.log_tail(2000)}\n" for s in servers if s is not None)
+        return "".join(
+            f"--- {s.name}.log (last 2,000 bytes) ---\n{s.log_tail(2000)}\n" for s in servers if s is not None
+        )
 
     def _start_once(self) -> "SeaweedCluster":
         ip = ["-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
         mport, mgrpc = free_port(), free_port()
         master = f"127.0.0.1:{mport}.{mgrpc}"  # weed's host:port.grpcPort
-        self.master = self._server("master", [
-            "master", *ip, f"-port={mport}", f"-port.grpc={mgrpc}", f"-mdir={self._dir('master')}",
-            "-defaultReplication=001", "-volumeSizeLimitMB=64", "-volumePreallocate=false"],
-            f"http://127.0.0.1:{mport}/cluster/status", mgrpc)
+        self.master = self._server(
+            "master",
+            [
+                "master",
+                *ip,
+                f"-port={mport}",
+                f"-port.grpc={mgrpc}",
+                f"-mdir={self._dir('master')}",
+                "-defaultReplication=001",
+                "-volumeSizeLimitMB=64",
+                "-volumePreallocate=false",
+            ],
+            f"http://127.0.0.1:{mport}/cluster/status",
+            mgrpc,
+        )
         for i in range(self.VOLUMES):
             vport, vgrpc = free_port(), free_port()
-            self.volumes.append(self._server(f"volume{i}", [
-                "volume", *ip, f"-port={vport}", f"-port.grpc={vgrpc}", f"-mserver={master}",
-                f"-dir={self._dir(f'volume{i}')}", "-max=100", "-dataCenter=dc1", "-rack=rack1"],
-                f"http://127.0.0.1:{vport}/status"))
+            self.volumes.append(
+                self._server(
+                    f"volume{i}",
+                    [
+                        "volume",
+                        *ip,
+                        f"-port={vport}",
+                        f"-port.grpc={vgrpc}",
+                        f"-mserver={master}",
+                        f"-dir={self._dir(f'volume{i}')}",
+                        "-max=100",
+                        "-dataCenter=dc1",
+                        "-rack=rack1",
+                    ],
+                    f"http://127.0.0.1:{vport}/status",
+                )
+            )
         fport, fgrpc = free_port(), free_port()
-        self.filer = self._server("filer", [
-            "filer", *ip, f"-port={fport}", f"-port.grpc={fgrpc}", f"-master={master}",
-            f"-defaultStoreDir={self._dir('filer')}", f"-localSocket={self.workdir}/filer.sock"],
-            f"http://127.0.0.1:{fport}/", fgrpc)
+        self.filer = self._server(
+            "filer",
+            [
+                "filer",
+                *ip,
+                f"-port={fport}",
+                f"-port.grpc={fgrpc}",
+                f"-master={master}",
+                f"-defaultStoreDir={self._dir('filer')}",
+                f"-localSocket={self.workdir}/filer.sock",
+            ],
+            f"http://127.0.0.1:{fport}/",
+            fgrpc,
+        )
         sport, sgrpc = free_port(), free_port()
         # The gateway also serves an Iceberg catalog (8181) and a Lance namespace (9101) by
         # default: fixed ports two clusters would collide on, and nothing the tests use.
-        self.gateway = self._server("s3", [
-            "s3", "-ip.bind=127.0.0.1", f"-port={sport}", f"-port.grpc={sgrpc}", "-port.iceberg=0",
-            "-port.lance=0", f"-filer=127.0.0.1:{fport}.{fgrpc}", f"-localSocket={self.workdir}/s3.sock"],
-            f"http://127.0.0.1:{sport}/")
+        self.gateway = self._server(
+            "s3",
+            [
+                "s3",
+                "-ip.bind=127.0.0.1",
+                f"-port={sport}",
+                f"-port.grpc={sgrpc}",
+                "-port.iceberg=0",
+                "-port.lance=0",
+                f"-filer=127.0.0.1:{fport}.{fgrpc}",
+                f"-localSocket={self.workdir}/s3.sock",
+            ],
+            f"http://127.0.0.1:{sport}/",
+        )
         self.endpoint_url = f"http://127.0.0.1:{sport}"
         try:
             # Each server gets START_TIMEOUT_S of its own from its start (not a shared deadline,
@@ -241,8 +299,9 @@ class SeaweedCluster:
                 return
             except Exception:  # noqa: BLE001 - no writable volume yet
                 if time.monotonic() > deadline:
-                    raise RuntimeError("SeaweedFS accepted no write within the start timeout:\n"
-                                       + self.master.log_tail()) from None
+                    raise RuntimeError(
+                        "SeaweedFS accepted no write within the start timeout:\n" + self.master.log_tail()
+                    ) from None
             time.sleep(0.1)  # between probes; the probe is the condition
 
     # ----- faults ---------------------------------------------------------------------------
@@ -269,8 +328,16 @@ class SeaweedCluster:
 
     # ----- clients --------------------------------------------------------------------------
     def stop(self) -> None:
-        servers = [s for s in [getattr(self, "gateway", None), getattr(self, "filer", None), *self.volumes,
-                               getattr(self, "master", None)] if s is not None]
+        servers = [
+            s
+            for s in [
+                getattr(self, "gateway", None),
+                getattr(self, "filer", None),
+                *self.volumes,
+                getattr(self, "master", None),
+            ]
+            if s is not None
+        ]
         # SIGKILL, all at once: the data goes with the cluster, and on SIGTERM each server waits
         # for its peers (seconds each).
         for server in servers:
@@ -281,7 +348,8 @@ class SeaweedCluster:
     def storage_options(self, **extra: Any) -> dict[str, Any]:
         """s3fs options for the gateway (a client of its own per open_storage call)."""
         options: dict[str, Any] = {
-            "key": KEY, "secret": SECRET,
+            "key": KEY,
+            "secret": SECRET,
             "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": REGION},
             "skip_instance_cache": True,
         }
@@ -292,9 +360,14 @@ class SeaweedCluster:
         import boto3
         from botocore.config import Config
 
-        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name=REGION,
-                            aws_access_key_id=KEY, aws_secret_access_key=SECRET,
-                            config=Config(retries={"max_attempts": 2, "mode": "standard"}))
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name=REGION,
+            aws_access_key_id=KEY,
+            aws_secret_access_key=SECRET,
+            config=Config(retries={"max_attempts": 2, "mode": "standard"}),
+        )
 
     def create_bucket(self, bucket: str) -> None:
         self.boto3_client().create_bucket(Bucket=bucket)

@@ -10,8 +10,9 @@ import txckpt
 pytest_plugins = ["tests.harness.backends", "tests.harness.tiers"]
 
 
-def count_reads(monkeypatch, root: txckpt.CheckpointRoot, under: str = "",
-                methods: tuple[str, ...] = ("read_bytes",)) -> list[str]:
+def count_reads(
+    monkeypatch, root: txckpt.CheckpointRoot, under: str = "", methods: tuple[str, ...] = ("read_bytes",)
+) -> list[str]:
     """The keys under ``under`` (a prefix inside the root) that ``root`` reads from now on
     through ``methods`` of its storage; a ``list_dir`` also adds ``<key>/<name>`` for every name
     it returns (what a listing costs grows with them)."""

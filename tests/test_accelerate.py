@@ -54,9 +54,19 @@ class Runs:
         pid_dir = d / "pids"
         os.makedirs(pid_dir)
         kind = kw.pop("kind", self.kind)
-        run = launcher.launch(self.world, job, str(d / "results"), deadline=120.0, kind=kind,
-                        project=kw.pop("project", self.path("proj")), ops=ops, pid_dir=str(pid_dir),
-                        storage_options=self.options, local_dir=str(d / "scratch"), **kw)
+        run = launcher.launch(
+            self.world,
+            job,
+            str(d / "results"),
+            deadline=120.0,
+            kind=kind,
+            project=kw.pop("project", self.path("proj")),
+            ops=ops,
+            pid_dir=str(pid_dir),
+            storage_options=self.options,
+            local_dir=str(d / "scratch"),
+            **kw,
+        )
         if crash:
             assert all(r.killed for r in run.results), run.describe()
             return []
@@ -154,10 +164,14 @@ def test_explicit_dir_resave_after_rollback_and_crash_never_mixes(runs):
     project = runs.path("out")  # out is the user's root: its step_N are one lineage's checkpoints
     out = runs(ops, auto=False, project=project)
     assert all(isinstance(p, str) for p in out[1::2]), out
-    runs([["load", runs.path("out/step_3")], ["train", 54], ["save", runs.path("out/step_4")]],
-         auto=False, project=project, crash=True, crash_file="optimizer.bin")
-    after = runs([["load", runs.path("out/step_4")], ["load", runs.path("out/step_3")]], auto=False,
-                 project=project)
+    runs(
+        [["load", runs.path("out/step_3")], ["train", 54], ["save", runs.path("out/step_4")]],
+        auto=False,
+        project=project,
+        crash=True,
+        crash_file="optimizer.bin",
+    )
+    after = runs([["load", runs.path("out/step_4")], ["load", runs.path("out/step_3")]], auto=False, project=project)
     assert isinstance(after[0], dict) and after[0].get("error") == "CheckpointNotFoundError", after[0]
     _loaded(after[1], 13)
 
@@ -174,16 +188,23 @@ def test_load_state_without_a_path_resumes_the_newest_checkpoint_of_project_dir(
     restart = runs([["load", None]], auto=False, project=project)
     _loaded(restart[0], 13)
     # After a rollback to step_1, the restart follows the new lineage, not the highest name.
-    runs([["load", runs.path("out/step_1")], ["train", 21], ["save", runs.path("out/step_2")]],
-         auto=False, project=project)
+    runs(
+        [["load", runs.path("out/step_1")], ["train", 21], ["save", runs.path("out/step_2")]],
+        auto=False,
+        project=project,
+    )
     again = runs([["load", None]], auto=False, project=project)
     _loaded(again[0], 21)
 
 
 def _txckpt_entries(base: str) -> list[str]:
     """Every name txckpt owns under ``base``: ``.txckpt`` and private ``.<name>.txckpt-<hex>``."""
-    return sorted(os.path.relpath(os.path.join(d, n), base) for d, dirs, files in os.walk(base)
-                  for n in dirs + files if n == ".txckpt" or ".txckpt-" in n)
+    return sorted(
+        os.path.relpath(os.path.join(d, n), base)
+        for d, dirs, files in os.walk(base)
+        for n in dirs + files
+        if n == ".txckpt" or ".txckpt-" in n
+    )
 
 
 def test_save_state_into_directories_of_their_own_never_makes_a_root_outside_project_dir(local_runs):
@@ -199,13 +220,26 @@ def test_save_state_into_directories_of_their_own_never_makes_a_root_outside_pro
     os.makedirs(tmp)
     digits = tempfile.mkdtemp(dir=tmp, suffix="12")  # like tempfile.mkdtemp(): the dir exists, empty
     nested = os.path.join(base, "a", "b", "state")
-    saves = [["chdir", cwd], ["train", 11], ["save", "initial"], ["train", 12], ["save", digits],
-             ["train", 13], ["save", nested], ["train", 14], ["save", "initial"]]
+    saves = [
+        ["chdir", cwd],
+        ["train", 11],
+        ["save", "initial"],
+        ["train", 12],
+        ["save", digits],
+        ["train", 13],
+        ["save", nested],
+        ["train", 14],
+        ["save", "initial"],
+    ]
     out = runs(saves, auto=False, project=None)
     assert out[2] == out[8] == os.path.join(cwd, "initial") and out[4] == digits and out[6] == nested, out
     for kind in ("txckpt", "stock"):
-        loads = runs([["chdir", cwd], ["load", "initial"], ["load", digits], ["load", nested]],
-                     auto=False, project=None, kind=kind)
+        loads = runs(
+            [["chdir", cwd], ["load", "initial"], ["load", digits], ["load", nested]],
+            auto=False,
+            project=None,
+            kind=kind,
+        )
         _loaded(loads[1], 14)
         _loaded(loads[2], 12)
         _loaded(loads[3], 13)
@@ -215,13 +249,25 @@ def test_save_state_into_directories_of_their_own_never_makes_a_root_outside_pro
     # a step-named directory elsewhere and a name without a step inside it are directories of their own.
     project = os.path.join(base, "proj")
     elsewhere = tempfile.mkdtemp(dir=tmp, prefix="step_", suffix="7")
-    out = runs([["train", 21], ["save", os.path.join(project, "step_1")], ["train", 22],
-                ["save", os.path.join(project, "final")], ["train", 23], ["save", elsewhere],
-                ["train", 24], ["save", os.path.join(base, "other", "step_5")]], auto=False, project=project)
+    out = runs(
+        [
+            ["train", 21],
+            ["save", os.path.join(project, "step_1")],
+            ["train", 22],
+            ["save", os.path.join(project, "final")],
+            ["train", 23],
+            ["save", elsewhere],
+            ["train", 24],
+            ["save", os.path.join(base, "other", "step_5")],
+        ],
+        auto=False,
+        project=project,
+    )
     assert all(isinstance(p, str) for p in out[1::2]), out
     assert _txckpt_entries(base) == ["proj/.txckpt"], _txckpt_entries(base)
-    loads = runs([["load", None], ["load", os.path.join(project, "final")], ["load", elsewhere]],
-                 auto=False, project=project)
+    loads = runs(
+        [["load", None], ["load", os.path.join(project, "final")], ["load", elsewhere]], auto=False, project=project
+    )
     _loaded(loads[0], 21)
     _loaded(loads[1], 22)
     _loaded(loads[2], 23)
@@ -241,8 +287,9 @@ def test_crash_mid_save_of_a_directory_of_its_own_leaves_its_previous_content_wh
     for kind in ("txckpt", "stock"):
         after = runs([["load", state]], auto=False, project=None, kind=kind)
         _loaded(after[0], 11)
-    out = runs([["train", 44], ["save", state], ["save", fresh], ["load", state], ["load", fresh]],
-               auto=False, project=None)
+    out = runs(
+        [["train", 44], ["save", state], ["save", fresh], ["load", state], ["load", fresh]], auto=False, project=None
+    )
     _loaded(out[3], 44)
     _loaded(out[4], 44)
     assert sorted(os.listdir(runs.base)) == ["fresh", "state"], os.listdir(runs.base)

@@ -31,8 +31,10 @@ def _accelerator(project: str):
 
     from txckpt.integrations.accelerate import TransactionalAccelerator
 
-    return TransactionalAccelerator(cpu=True, project_config=ProjectConfiguration(
-        project_dir=project, automatic_checkpoint_naming=True, total_limit=2))
+    return TransactionalAccelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True, total_limit=2),
+    )
 
 
 def _route_writes_through_open() -> None:
@@ -122,7 +124,13 @@ def test_sweep_save_state_after_rollback(tmp_path):
             v.append("the restart's save is not what lookup returns")
         return v
 
-    result = sweep("TransactionalAccelerator.save_state after a rollback", template, str(tmp_path / "work"),
-                   scenario, check, sampled=True)
+    result = sweep(
+        "TransactionalAccelerator.save_state after a rollback",
+        template,
+        str(tmp_path / "work"),
+        scenario,
+        check,
+        sampled=True,
+    )
     assert any("optimizer.bin" in op for op in result.ops), result.ops  # accelerate's writes are crash points
     report(result)

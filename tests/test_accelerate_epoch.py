@@ -23,8 +23,11 @@ def _accelerator(project, stock: bool):
     from txckpt.integrations.accelerate import TransactionalAccelerator
 
     config = ProjectConfiguration(project_dir=str(project))
-    return Accelerator(cpu=True, project_config=config) if stock else TransactionalAccelerator(
-        cpu=True, project_config=config)
+    return (
+        Accelerator(cpu=True, project_config=config)
+        if stock
+        else TransactionalAccelerator(cpu=True, project_config=config)
+    )
 
 
 def _prepared(acc):

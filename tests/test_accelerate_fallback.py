@@ -75,6 +75,10 @@ def test_load_state_falls_back_past_a_damaged_newest_checkpoint(tmp_path):
     (warning,) = [w for w in fell_back["warnings"] if "failed verification" in w]
     assert weights in warning
     # Nothing deleted: the damaged bytes are still on disk, under the abandoned lineage.
-    homes = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(project, "checkpoints")) for f in fs
-             if f == os.path.basename(weights)]
+    homes = [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(os.path.join(project, "checkpoints"))
+        for f in fs
+        if f == os.path.basename(weights)
+    ]
     assert any(open(h, "rb").read() == damaged_bytes for h in homes)

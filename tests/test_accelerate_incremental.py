@@ -29,8 +29,11 @@ def fresh_state():
 
 def _run(project: str, incremental: bool):
     torch.manual_seed(0)
-    acc = TransactionalAccelerator(cpu=True, incremental=incremental, project_config=ProjectConfiguration(
-        project_dir=project, automatic_checkpoint_naming=True))
+    acc = TransactionalAccelerator(
+        cpu=True,
+        incremental=incremental,
+        project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True),
+    )
     head, encoder = nn.Linear(8, 1), nn.Linear(512, 512)  # the encoder: 1 MiB, never trained
     encoder.requires_grad_(False)
     opt = torch.optim.Adam(head.parameters(), lr=1e-2)

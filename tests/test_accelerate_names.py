@@ -23,8 +23,7 @@ def _accelerate_root(path: str, steps: int) -> list[str]:
     r = open_root(path)
     record_naming(r.storage, Naming("checkpoint_"), durable=False)
     r.publication.naming = Naming("checkpoint_")
-    return [txckpt.save_checkpoint(path, i, {"w.safetensors": {"w": torch.full((2,), float(i))}})
-            for i in range(steps)]
+    return [txckpt.save_checkpoint(path, i, {"w.safetensors": {"w": torch.full((2,), float(i))}}) for i in range(steps)]
 
 
 def _default_names(text: str) -> list[str]:

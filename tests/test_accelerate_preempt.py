@@ -7,6 +7,7 @@ restart's ``load_state()`` resumes there; without the option SIGTERM kills and n
 a second SIGTERM exits at once leaving the previous checkpoint whole; on two ranks (gloo) a
 signal to rank 1 alone makes both save the same step. The parent polls files with a deadline and
 never sleeps to synchronise."""
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,9 @@ class Child(HandshakeChild):
         self._dirs(tmp_path, rank, name)
         env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", TXCKPT_COORDINATION_TIMEOUT="120")
         with open(self.log, "w") as out:
-            self.proc = popen_python([LOOP, "--hs", self.hs, *args, "--rank", str(rank)], env=env,
-                                     stdout=out, stderr=out)
+            self.proc = popen_python(
+                [LOOP, "--hs", self.hs, *args, "--rank", str(rank)], env=env, stdout=out, stderr=out
+            )
 
 
 def _newest(project: str) -> tuple[str, txckpt.Manifest]:
@@ -72,8 +74,9 @@ def test_sigterm_at_a_random_step_saves_that_boundary_exits_143_and_the_restart_
     out = child.output()
     assert "received SIGTERM" in out and f"txckpt: preemption: saved {path}" in out, out
     # The restart (the same script, as a scheduler requeues it) loads that step and goes on.
-    restart = Child(tmp_path, "--project", project, "--every", "10", "--resume", "--max-steps", str(stopped + 2),
-                    name="-restart")
+    restart = Child(
+        tmp_path, "--project", project, "--every", "10", "--resume", "--max-steps", str(stopped + 2), name="-restart"
+    )
     assert restart.finish() == 0, restart.output()
     resumed = restart.json("resumed-rank{r}.json")
     assert resumed["path"] == path
@@ -125,8 +128,12 @@ def test_a_second_sigterm_during_the_preemption_save_exits_at_once_leaving_the_p
 @pytest.mark.distributed
 def test_two_ranks_sigterm_on_rank_1_only_both_save_the_same_step(tmp_path):
     project, store = str(tmp_path / "run"), str(tmp_path / "store")
-    ranks = [Child(tmp_path, "--project", project, "--every", "10", "--grace", "120", "--world", "2",
-                   "--store", store, rank=r) for r in range(2)]
+    ranks = [
+        Child(
+            tmp_path, "--project", project, "--every", "10", "--grace", "120", "--world", "2", "--store", store, rank=r
+        )
+        for r in range(2)
+    ]
     at = random.Random().randint(3, 30)
     ranks[1].wait_for("step-rank{r}", at_least=at)
     ranks[1].signal(signal.SIGTERM)

@@ -31,8 +31,13 @@ def fresh_state():
 def _accelerator(tmp_path, tiered, **config):
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    acc = TransactionalAccelerator(cpu=True, tiered=tiered, project_config=ProjectConfiguration(
-        project_dir=str(tmp_path / "project"), automatic_checkpoint_naming=True, **config))
+    acc = TransactionalAccelerator(
+        cpu=True,
+        tiered=tiered,
+        project_config=ProjectConfiguration(
+            project_dir=str(tmp_path / "project"), automatic_checkpoint_naming=True, **config
+        ),
+    )
     torch.manual_seed(0)
     model = nn.Linear(8, 2)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)

@@ -60,8 +60,9 @@ def assert_adopted_intact(root: str, legacy: dict[str, bytes], steps: list[int])
     last = txckpt.get_last_checkpoint(root)
     assert last is not None and txckpt.read_manifest(last).step == steps[-1]
     assert txckpt.load_checkpoint(last)["w.bin"]["w"].shape == (4,)
-    p = subprocess.run([sys.executable, "-m", "txckpt", "verify", root], capture_output=True, text=True,
-                       cwd=REPO, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "txckpt", "verify", root], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert p.returncode == 0, p.stdout + p.stderr
 
 
@@ -110,8 +111,9 @@ def test_the_losing_first_save_continues_against_the_winners_state(tmp_path):
     legacy = make_legacy(root)
     a, b = CheckpointRoot(root), CheckpointRoot(root)
     done = _run_first_when_b_writes_a_manifest(b, lambda: a.save(40, {"w.bin": torch.ones(4)}))
-    with pytest.raises((txckpt.errors.StaleLineageError, txckpt.errors.ConcurrentWriterError,
-                        txckpt.errors.StepConflictError)):
+    with pytest.raises(
+        (txckpt.errors.StaleLineageError, txckpt.errors.ConcurrentWriterError, txckpt.errors.StepConflictError)
+    ):
         b.save(40, {"w.bin": torch.zeros(4)})
     assert done
     hist = CheckpointRoot(root).history()
@@ -235,7 +237,9 @@ def test_zero_padded_names_are_adopted_where_they_are(tmp_path):
     assert not os.path.exists(os.path.join(root, "checkpoint-500"))
     hist = CheckpointRoot(root).history()
     assert {c.step: (c.key, c.files) for c in hist.checkpoints.values()} == {
-        500: ("checkpoint-00500", 2), 1000: ("checkpoint-01000", 2)}
+        500: ("checkpoint-00500", 2),
+        1000: ("checkpoint-01000", 2),
+    }
     for rel, data in legacy.items():
         if rel.startswith("checkpoint-00500/"):
             assert open(os.path.join(root, rel), "rb").read() == data
@@ -253,8 +257,9 @@ def test_zero_padded_names_lookup_and_load_after_adoption(tmp_path):
     last = txckpt.get_last_checkpoint(root)
     assert last == os.path.join(root, "checkpoint-01000")
     assert txckpt.load_checkpoint(last)["w.bin"]["w"].tolist() == [1.0] * 4
-    p = subprocess.run([sys.executable, "-m", "txckpt", "verify", root], capture_output=True, text=True,
-                       cwd=REPO, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "txckpt", "verify", root], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert p.returncode == 0, p.stdout + p.stderr
 
 
@@ -262,9 +267,11 @@ def test_two_names_for_one_step_are_a_typed_error(tmp_path):
     root = str(tmp_path / "out")
     make_legacy(root, ("checkpoint-500", "checkpoint-0500", "checkpoint-600"))
     both = [os.path.join(root, "checkpoint-0500"), os.path.join(root, "checkpoint-500")]
-    for attempt in (lambda: CheckpointRoot(root).adopt(),
-                    lambda: txckpt.save_checkpoint(root, 700, {"w.bin": torch.ones(1)}),
-                    lambda: txckpt.get_last_checkpoint(root)):
+    for attempt in (
+        lambda: CheckpointRoot(root).adopt(),
+        lambda: txckpt.save_checkpoint(root, 700, {"w.bin": torch.ones(1)}),
+        lambda: txckpt.get_last_checkpoint(root),
+    ):
         txckpt.forget_roots()
         with pytest.raises(AmbiguousCheckpointNameError) as e:
             attempt()

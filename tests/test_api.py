@@ -32,12 +32,21 @@ def test_save_returns_published_dir_readable_by_plain_tools(root):
     # Plain tools read the files: the safetensors stream is byte-compatible.
     assert torch.equal(load_file(os.path.join(path, "model.safetensors"))["w"], torch.full((4, 4), 2.0))
     assert json.load(open(os.path.join(path, "trainer_state.json")))["global_step"] == 2
-    assert sorted(os.listdir(path)) == ["model.safetensors", "optimizer.pt", "trainer_state.json", "txckpt-manifest.json"]
+    assert sorted(os.listdir(path)) == [
+        "model.safetensors",
+        "optimizer.pt",
+        "trainer_state.json",
+        "txckpt-manifest.json",
+    ]
 
 
 def test_load_round_trip_and_kinds(root):
-    files = {"a.safetensors": {"x": torch.randn(5, dtype=torch.bfloat16)}, "b.pt": {"y": [1, 2]},
-             "c.json": [1, "two"], "d.bin": b"\x00raw"}
+    files = {
+        "a.safetensors": {"x": torch.randn(5, dtype=torch.bfloat16)},
+        "b.pt": {"y": [1, 2]},
+        "c.json": [1, "two"],
+        "d.bin": b"\x00raw",
+    }
     path = txckpt.save_checkpoint(root, 1, files, metadata={"note": "hi"})
     out = txckpt.load_checkpoint(path)
     assert torch.equal(out["a.safetensors"]["x"], files["a.safetensors"]["x"])
@@ -81,8 +90,11 @@ def test_saving_an_old_step_without_resume_is_refused(root):
             txckpt.save_checkpoint(root, bad, state(bad, "B"))
     assert txckpt.read_manifest(os.path.join(root, "checkpoint-4")).digest == before
     # Nothing was left behind by the refused saves.
-    assert os.listdir(os.path.join(root, ".txckpt", "tx")) == [d for d in os.listdir(os.path.join(root, ".txckpt", "tx"))
-                                                               if not os.listdir(os.path.join(root, ".txckpt", "tx", d))]
+    assert os.listdir(os.path.join(root, ".txckpt", "tx")) == [
+        d
+        for d in os.listdir(os.path.join(root, ".txckpt", "tx"))
+        if not os.listdir(os.path.join(root, ".txckpt", "tx", d))
+    ]
 
 
 def test_rollback_forks_warns_and_keeps_the_abandoned(root, txlog):
@@ -106,7 +118,14 @@ def test_rollback_forks_warns_and_keeps_the_abandoned(root, txlog):
     assert sorted(c.txid for c in abandoned) == sorted([a[4].txid, a[6].txid])
     for c in abandoned:
         assert txckpt.load_checkpoint(c.path)["optimizer.pt"]["tag"] == "A"  # intact, verified
-        assert txckpt.read_manifest(c.path).digest == txckpt.read_manifest(a[c.step].path if os.path.exists(a[c.step].path) and txckpt.read_manifest(a[c.step].path).txid == c.txid else c.path).digest
+        assert (
+            txckpt.read_manifest(c.path).digest
+            == txckpt.read_manifest(
+                a[c.step].path
+                if os.path.exists(a[c.step].path) and txckpt.read_manifest(a[c.step].path).txid == c.txid
+                else c.path
+            ).digest
+        )
 
 
 def test_resume_none_continues_the_current_lineage(root):

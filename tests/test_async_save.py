@@ -35,12 +35,16 @@ def state(step: float):
     opt.step()
     with torch.no_grad():
         model.weight.fill_(step)
-    return model, opt, {
-        "model.safetensors": model.state_dict(),
-        "optimizer.pt": opt.state_dict(),
-        "trainer_state.json": {"global_step": step, "log": [{"loss": 1.0}]},
-        "rng.bin": bytearray(b"rng-%d" % step),
-    }
+    return (
+        model,
+        opt,
+        {
+            "model.safetensors": model.state_dict(),
+            "optimizer.pt": opt.state_dict(),
+            "trainer_state.json": {"global_step": step, "log": [{"loss": 1.0}]},
+            "rng.bin": bytearray(b"rng-%d" % step),
+        },
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -101,8 +105,9 @@ def test_the_path_and_files_equal_a_synchronous_save(tmp_path):
     assert os.path.relpath(path, str(tmp_path / "async")) == os.path.relpath(sync, str(tmp_path / "sync"))
     a, b = txckpt.read_manifest(sync), txckpt.read_manifest(path)
     # The same bytes: tensors, nesting, OrderedDict metadata and storage sharing all kept.
-    assert {n: (e.size, e.checksum) for n, e in a.files.items()} == \
-        {n: (e.size, e.checksum) for n, e in b.files.items()}
+    assert {n: (e.size, e.checksum) for n, e in a.files.items()} == {
+        n: (e.size, e.checksum) for n, e in b.files.items()
+    }
     assert txckpt.get_last_checkpoint(str(tmp_path / "async")) == path
 
 
@@ -126,14 +131,17 @@ def test_buffers_are_reused_no_growth_over_100_saves(root, monkeypatch):
             model.weight.fill_(float(step))
         f = txckpt.async_save(root, step, files)
         pool = asyncsave._savers[asyncsave.root_key(root, None)].pool
-        seen.append((pool.buffer_count, pool.buffer_bytes,
-                     frozenset(b.data_ptr() for b in pool._buffers.values())))
+        seen.append((pool.buffer_count, pool.buffer_bytes, frozenset(b.data_ptr() for b in pool._buffers.values())))
     f.result()
     assert len(set(seen)) == 1, "the pool allocated new buffers after the first save"
     count, nbytes, _ = seen[0]
     state_bytes = sum(t.untyped_storage().nbytes() for t in model.state_dict().values())
-    state_bytes += sum(t.untyped_storage().nbytes() for s in opt.state_dict()["state"].values()
-                       for t in s.values() if isinstance(t, torch.Tensor))
+    state_bytes += sum(
+        t.untyped_storage().nbytes()
+        for s in opt.state_dict()["state"].values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
     assert nbytes == state_bytes  # one copy of the state, no more
     last = txckpt.load_checkpoint(txckpt.get_last_checkpoint(root))
     assert float(last["model.safetensors"]["weight"][0, 0]) == 100.0
@@ -245,6 +253,7 @@ def test_s3_root_commits_and_a_missing_bucket_is_the_typed_error(s3_root):
 
 # ----- lazy snapshots: async_save(..., optimizer=) -------------------------------------------
 
+
 @pytest.fixture
 def held_copy(monkeypatch):
     """The lazy snapshot's background half (SnapshotPool.snapshot with ``only``) first waits
@@ -266,8 +275,9 @@ def held_copy(monkeypatch):
     go.set()
 
 
-def test_lazy_the_next_step_waits_for_the_copy_and_the_checkpoint_is_the_state_at_the_call(root, held_copy,
-                                                                                            monkeypatch):
+def test_lazy_the_next_step_waits_for_the_copy_and_the_checkpoint_is_the_state_at_the_call(
+    root, held_copy, monkeypatch
+):
     go, order = held_copy
     model, opt, files = state(3.0)
     files["extra.pt"] = {"buffer": torch.full((4,), 1.0)}  # not the optimizer's: copied at the call
@@ -305,6 +315,7 @@ def test_lazy_the_next_step_waits_for_the_copy_and_the_checkpoint_is_the_state_a
 
 class _CountsCopies:
     """A non-tensor object that counts how often it is deep-copied."""
+
     copies = 0
 
     def __deepcopy__(self, memo):
@@ -451,8 +462,14 @@ def test_sigkill_during_the_background_save_leaves_the_old_or_the_new_checkpoint
         files["optimizer.pt"]["tag"] = "ZZZ"
         return future.result()
 
-    result = sweep("async save" + (" (lazy)" if lazy else ""), template, str(tmp_path / "work"), scenario,
-                   make_checker({"A-2", "A-4"}, before, "R"), sampled=True)
+    result = sweep(
+        "async save" + (" (lazy)" if lazy else ""),
+        template,
+        str(tmp_path / "work"),
+        scenario,
+        make_checker({"A-2", "A-4"}, before, "R"),
+        sampled=True,
+    )
     assert len(result.ops) >= 20
     report(result)
 
@@ -462,13 +479,15 @@ def _run_script(body: str, *args: str) -> subprocess.CompletedProcess:
     # A real interpreter, not the zygote (tests/harness/zygote.py): these tests are about what
     # txckpt does at interpreter exit (threading's exit hooks, atexit, the exit status), which a
     # zygote child only imitates (threading._shutdown, atexit, os._exit).
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(body), *args], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(body), *args], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_a_pending_save_is_finished_at_interpreter_exit(tmp_path):
     root = str(tmp_path / "out")
-    done = _run_script("""
+    done = _run_script(
+        """
         import sys, threading, torch, txckpt
         from txckpt import transactions
         main_returned = threading.Event()
@@ -482,7 +501,9 @@ def test_a_pending_save_is_finished_at_interpreter_exit(tmp_path):
         main()
         main_returned.set()
         print("main returned", txckpt.get_last_checkpoint.__module__)
-    """, root)
+    """,
+        root,
+    )
     assert done.returncode == 0, done.stderr
     txckpt.forget_roots()
     path = txckpt.get_last_checkpoint(root)
@@ -492,11 +513,14 @@ def test_a_pending_save_is_finished_at_interpreter_exit(tmp_path):
 
 def test_a_failed_save_nobody_waited_for_is_logged_at_exit(tmp_path):
     root = str(tmp_path / "out")
-    done = _run_script("""
+    done = _run_script(
+        """
         import sys, txckpt
         txckpt.save_checkpoint(sys.argv[1], 3, {"a.bin": b"3"})
         txckpt.async_save(sys.argv[1], 3, {"a.bin": b"again"})
-    """, root)
+    """,
+        root,
+    )
     # Issue 29 item 6: an error nobody retrieved also fails the exit status (was 0: invisible to a
     # scheduler); tests/test_async_shutdown.py has the rest of the rule.
     assert done.returncode == asyncsave.UNRETRIEVED_EXIT_STATUS, done.stderr
@@ -506,8 +530,9 @@ def test_a_failed_save_nobody_waited_for_is_logged_at_exit(tmp_path):
 @pytest.mark.parametrize("lazy", [False, True], ids=["copy-first", "lazy"])
 def test_two_ranks_on_gloo_beside_the_jobs_own_collectives(tmp_path, lazy):
     root = str(tmp_path / "out")
-    run = launcher.launch(2, async_workers.async_saves_beside_training, str(tmp_path / "res"),
-                              root=root, steps=[1, 2, 3], lazy=lazy)
+    run = launcher.launch(
+        2, async_workers.async_saves_beside_training, str(tmp_path / "res"), root=root, steps=[1, 2, 3], lazy=lazy
+    )
     assert all(r.exitcode == 0 and r.ok for r in run.results), run.describe()
     paths = [r.ok["paths"] for r in run.results]
     assert paths[0] == paths[1] == [os.path.join(root, f"checkpoint-{s}") for s in (1, 2, 3)]
@@ -521,8 +546,14 @@ def test_two_ranks_on_gloo_beside_the_jobs_own_collectives(tmp_path, lazy):
 
 def test_a_dead_rank_fails_the_survivors_background_save(tmp_path):
     root = str(tmp_path / "out")
-    run = launcher.launch(2, async_workers.async_save_with_dead_rank, str(tmp_path / "res"),
-                              root=root, victim=1, env={"TXCKPT_COORDINATION_TIMEOUT": "20"})
+    run = launcher.launch(
+        2,
+        async_workers.async_save_with_dead_rank,
+        str(tmp_path / "res"),
+        root=root,
+        victim=1,
+        env={"TXCKPT_COORDINATION_TIMEOUT": "20"},
+    )
     survivor, victim = run.results
     assert victim.exitcode == -9, run.describe()
     assert not survivor.hung and survivor.error_type == "CoordinationTimeoutError", run.describe()

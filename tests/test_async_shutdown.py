@@ -34,8 +34,9 @@ def _run_script(body: str, *args: str) -> subprocess.CompletedProcess:
     # A real interpreter, not the zygote (tests/harness/zygote.py): these tests are about what
     # txckpt does at interpreter exit (threading's exit hooks, atexit, the exit status), which a
     # zygote child only imitates (threading._shutdown, atexit, os._exit).
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(body), *args], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(body), *args], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def _committed(root: str) -> tuple[str, dict]:
@@ -59,7 +60,8 @@ def test_async_save_from_an_atexit_handler_commits_before_the_process_exits(tmp_
     threading's exit hooks (concurrent.futures refuses new work, txckpt's hook has run when an
     earlier save registered it). The save runs in the handler and is committed on exit."""
     root = str(tmp_path / "out")
-    done = _run_script("""
+    done = _run_script(
+        """
         import atexit, sys, torch, txckpt
         root, earlier, lazy = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
         model = torch.nn.Linear(4, 2)
@@ -77,7 +79,11 @@ def test_async_save_from_an_atexit_handler_commits_before_the_process_exits(tmp_
                 model.weight.fill_(-1.0)  # after the call: must not reach the checkpoint
             print("committed", f.result(), flush=True)
         atexit.register(final_save)
-    """, root, "1" if earlier else "0", "1" if lazy else "0")
+    """,
+        root,
+        "1" if earlier else "0",
+        "1" if lazy else "0",
+    )
     assert done.returncode == 0, done.stderr
     assert "cannot schedule" not in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert "final save returned done=True" in done.stdout, done.stdout
@@ -91,7 +97,8 @@ def test_async_save_at_shutdown_that_fails_raises_the_typed_error_at_the_call(tm
     """Nobody looks at a future after the process exits: at shutdown the save's own error
     (here a step conflict) is raised by async_save, as save_checkpoint raises it."""
     root = str(tmp_path / "out")
-    done = _run_script("""
+    done = _run_script(
+        """
         import atexit, sys, txckpt
         from txckpt.errors import StepConflictError
         root = sys.argv[1]
@@ -104,7 +111,9 @@ def test_async_save_at_shutdown_that_fails_raises_the_typed_error_at_the_call(tm
             else:
                 print("returned", flush=True)
         atexit.register(final_save)
-    """, root)
+    """,
+        root,
+    )
     assert "raised at the call: StepConflictError" in done.stdout, (done.stdout, done.stderr)
     assert done.returncode == 0, done.stderr  # raised and handled: nothing left to report
 
@@ -114,7 +123,8 @@ def test_async_save_from_a_threading_exit_hook_after_txckpts_own_is_synchronous(
     order), while concurrent.futures still takes work: handed to the worker, the save's error
     would be reported by nobody. It runs in the hook and raises there."""
     root = str(tmp_path / "out")
-    done = _run_script("""
+    done = _run_script(
+        """
         import sys, threading, txckpt
         from txckpt.errors import StepConflictError
         root = sys.argv[1]
@@ -127,7 +137,9 @@ def test_async_save_from_a_threading_exit_hook_after_txckpts_own_is_synchronous(
                 print("raised at the call:", type(e).__name__, flush=True)
         threading._register_atexit(late_hook)
         txckpt.async_save(root, 2, {"a.bin": b"2"})  # registers txckpt's hook, after late_hook
-    """, root)
+    """,
+        root,
+    )
     assert done.returncode == 0, done.stderr
     assert f"6 done at return: True {os.path.join(root, 'checkpoint-6')}" in done.stdout, (done.stdout, done.stderr)
     assert "raised at the call: StepConflictError" in done.stdout, (done.stdout, done.stderr)
@@ -139,7 +151,8 @@ def test_a_thread_saving_while_the_exit_hook_runs_saves_synchronously(tmp_path):
     hook is waiting for the pending saves: its save commits in that thread (the interpreter joins
     it) and a failure raises there, instead of landing on a future nobody will read."""
     root = str(tmp_path / "out")
-    done = _run_script("""
+    done = _run_script(
+        """
         import sys, threading, txckpt
         from txckpt import asyncsave
         from txckpt.errors import StepConflictError
@@ -154,7 +167,9 @@ def test_a_thread_saving_while_the_exit_hook_runs_saves_synchronously(tmp_path):
                 print("raised in the thread:", type(e).__name__, flush=True)
         txckpt.async_save(root, 3, {"a.bin": b"3"}).result()
         threading.Thread(target=trainer).start()
-    """, root)
+    """,
+        root,
+    )
     assert done.returncode == 0, done.stderr
     assert "8 done at return: True" in done.stdout, (done.stdout, done.stderr)
     assert "raised in the thread: StepConflictError" in done.stdout, (done.stdout, done.stderr)
@@ -204,7 +219,8 @@ def test_a_timed_out_result_retrieves_nothing(tmp_path, monkeypatch):
 
 def test_an_error_retrieved_through_its_future_is_not_logged_at_exit(tmp_path):
     root = str(tmp_path / "out")
-    done = _run_script("""
+    done = _run_script(
+        """
         import sys, txckpt
         from txckpt.errors import StepConflictError
         txckpt.save_checkpoint(sys.argv[1], 3, {"a.bin": b"3"})
@@ -213,7 +229,9 @@ def test_an_error_retrieved_through_its_future_is_not_logged_at_exit(tmp_path):
             f.result()
         except StepConflictError:
             print("handled", flush=True)
-    """, root)
+    """,
+        root,
+    )
     assert "handled" in done.stdout, done.stderr
     assert "never" not in done.stderr and "StepConflictError" not in done.stderr, done.stderr
     assert done.returncode == 0, done.stderr
@@ -221,13 +239,16 @@ def test_an_error_retrieved_through_its_future_is_not_logged_at_exit(tmp_path):
 
 def test_a_failed_save_nobody_retrieved_is_logged_and_fails_the_exit_status(tmp_path):
     root = str(tmp_path / "out")
-    done = _run_script("""
+    done = _run_script(
+        """
         import atexit, sys, txckpt
         txckpt.save_checkpoint(sys.argv[1], 3, {"a.bin": b"3"})
         txckpt.async_save(sys.argv[1], 3, {"a.bin": b"again"})
         atexit.register(lambda: print("atexit handlers still run", flush=True))
         print("main returned", flush=True)
-    """, root)
+    """,
+        root,
+    )
     assert "StepConflictError" in done.stderr and "never retrieved" in done.stderr, done.stderr
     assert done.returncode == UNRETRIEVED_STATUS, (done.returncode, done.stderr)
     assert "main returned" in done.stdout and "atexit handlers still run" in done.stdout  # nothing cut short
@@ -236,10 +257,13 @@ def test_a_failed_save_nobody_retrieved_is_logged_and_fails_the_exit_status(tmp_
 
 def test_a_successful_save_nobody_waited_for_leaves_the_exit_status_0(tmp_path):
     root = str(tmp_path / "out")
-    done = _run_script("""
+    done = _run_script(
+        """
         import sys, txckpt
         txckpt.async_save(sys.argv[1], 4, {"a.bin": b"4"})
-    """, root)
+    """,
+        root,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stderr == "", done.stderr
     assert _committed(root)[0] == os.path.join(root, "checkpoint-4")
@@ -247,7 +271,8 @@ def test_a_successful_save_nobody_waited_for_leaves_the_exit_status_0(tmp_path):
 
 def test_an_error_raised_by_wait_for_saves_is_not_reported_again_at_exit(tmp_path):
     root = str(tmp_path / "out")
-    done = _run_script("""
+    done = _run_script(
+        """
         import sys, txckpt
         from txckpt.errors import StepConflictError
         txckpt.save_checkpoint(sys.argv[1], 3, {"a.bin": b"3"})
@@ -256,6 +281,8 @@ def test_an_error_raised_by_wait_for_saves_is_not_reported_again_at_exit(tmp_pat
             txckpt.wait_for_saves()
         except StepConflictError:
             print("handled", flush=True)
-    """, root)
+    """,
+        root,
+    )
     assert "handled" in done.stdout, done.stderr
     assert done.returncode == 0 and "StepConflictError" not in done.stderr, done.stderr

@@ -13,11 +13,15 @@ from txckpt.errors import IntegrityError, LogCorruptError, ManifestError, Unsafe
 
 
 def make(root):
-    return txckpt.save_checkpoint(root, 2, {
-        "model.safetensors": {"w": torch.arange(100, dtype=torch.float32)},
-        "optimizer.pt": {"m": torch.ones(50)},
-        "trainer_state.json": {"global_step": 2},
-    })
+    return txckpt.save_checkpoint(
+        root,
+        2,
+        {
+            "model.safetensors": {"w": torch.arange(100, dtype=torch.float32)},
+            "optimizer.pt": {"m": torch.ones(50)},
+            "trainer_state.json": {"global_step": 2},
+        },
+    )
 
 
 def tree(root):
@@ -265,11 +269,13 @@ def test_fileio_never_blocks_on_a_fifo(tmp_path):
 
     p = str(tmp_path / "fifo")
     os.mkfifo(p)
-    code = ("import sys; from txckpt import fileio\n"
-            "for f in (lambda: fileio.hash_file(sys.argv[1]), lambda: fileio.read_into_buffer(sys.argv[1], 0, hash=True),\n"
-            "          lambda: fileio.open_regular(sys.argv[1])):\n"
-            "    try: f(); print('read')\n"
-            "    except Exception as e: print(type(e).__name__)\n")
+    code = (
+        "import sys; from txckpt import fileio\n"
+        "for f in (lambda: fileio.hash_file(sys.argv[1]), lambda: fileio.read_into_buffer(sys.argv[1], 0, hash=True),\n"
+        "          lambda: fileio.open_regular(sys.argv[1])):\n"
+        "    try: f(); print('read')\n"
+        "    except Exception as e: print(type(e).__name__)\n"
+    )
     out = run_python(["-c", code, p], timeout=120)
     assert out.stdout.split() == ["SpecialFileError"] * 3, out.stderr
     with pytest.raises(SpecialFileError) as e:
@@ -284,7 +290,8 @@ def _staging_empty(root):
     intents = os.path.join(root, ".txckpt", "intents")
     committed = set(txckpt.CheckpointRoot(root).history().checkpoints) if os.path.isdir(tx_dir) else set()
     return (not os.path.isdir(tx_dir) or set(os.listdir(tx_dir)) <= committed) and (
-        not os.path.isdir(intents) or os.listdir(intents) == [])
+        not os.path.isdir(intents) or os.listdir(intents) == []
+    )
 
 
 @pytest.mark.parametrize("first,second", [("a", "a/b"), ("a/b", "a"), ("d/a", "d/a/b/c")])
@@ -330,8 +337,9 @@ def test_a_name_over_the_file_system_limit_is_refused(root, name):
     txckpt.save_checkpoint(root, 1, {"x" * 255: b"x"})  # the limit itself is fine
 
 
-@pytest.mark.parametrize("step", [10**300, 10**5000, 2**63, -1, 1.5, True],
-                         ids=["1e300", "1e5000", "2**63", "-1", "1.5", "True"])
+@pytest.mark.parametrize(
+    "step", [10**300, 10**5000, 2**63, -1, 1.5, True], ids=["1e300", "1e5000", "2**63", "-1", "1.5", "True"]
+)
 def test_steps_outside_0_to_2_63_are_typed_errors(root, step):
     from txckpt.errors import InvalidArgumentError
 
@@ -427,10 +435,12 @@ def test_fifo_log_entry_hint_lease_and_intent_are_handled_without_blocking(root)
     os.unlink(os.path.join(meta, "latest"))
     for rel in ("latest", "readers/x.0000.json", "intents/9-abc-0000.json"):
         os.mkfifo(os.path.join(meta, rel))
-    code = ("import sys, txckpt\nfrom txckpt.gc import collect_garbage\n"
-            "r = sys.argv[1]\nprint(txckpt.get_last_checkpoint(r))\n"
-            "rep = collect_garbage(txckpt.CheckpointRoot(r), grace_seconds=0)\n"
-            "print(sorted(i.kind for i in rep.items if i.done))\n")
+    code = (
+        "import sys, txckpt\nfrom txckpt.gc import collect_garbage\n"
+        "r = sys.argv[1]\nprint(txckpt.get_last_checkpoint(r))\n"
+        "rep = collect_garbage(txckpt.CheckpointRoot(r), grace_seconds=0)\n"
+        "print(sorted(i.kind for i in rep.items if i.done))\n"
+    )
     out = run_python(["-c", code, root], timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

@@ -19,7 +19,11 @@ def test_tiny_run_writes_report_and_plot(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "run", "--tiny", "--out", str(out), "--scratch", str(scratch)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=540,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     md = (out / "benchmarks.md").read_text()
@@ -27,31 +31,43 @@ def test_tiny_run_writes_report_and_plot(tmp_path):
     assert "![save time against size](benchmarks.png)" in md
     assert "## Machine" in md and "## Summary" in md
     # Every case module shows up, as a table or as pending/skipped; none crashed the run.
-    for title in ("Save, fsync on: txckpt vs the device's limit",
-                  "Save, fsync on: txckpt vs one sequential write + fsync", "Save, fsync on: txckpt vs torch DCP",
-                  "Save, durability off", "Load with verification", "Memory", "get_last_checkpoint",
-                  "Load, cold cache: txckpt vs the device's read limit",
-                  "S3: bytes uploaded per save", "S3: save throughput against pipe_file",
-                  "÷ parallel UploadParts",
-                  "S3: get_last_checkpoint requests", "Async save: time the training loop is blocked",
-                  "Async save on S3: blocked time against the synchronous save",
-                  "Trainer with txckpt_async_save: overhead per save",
-                  "DCP: TransactionalWriter / TransactionalReader vs plain torch DCP, 2 ranks",
-                  "Incremental save: frozen base + adapter (local disk, fsync on)",
-                  "Incremental save: the Trainer, a frozen base (local disk, fsync on)",
-                  "S3 load: verified, against the unverified readers",
-                  "Commit at many ranks (simulated): per-rank manifest parts",
-                  "Tiered root: fast local tier + S3 durable tier",
-                  "Lightning: time a save blocks the loop"):
+    for title in (
+        "Save, fsync on: txckpt vs the device's limit",
+        "Save, fsync on: txckpt vs one sequential write + fsync",
+        "Save, fsync on: txckpt vs torch DCP",
+        "Save, durability off",
+        "Load with verification",
+        "Memory",
+        "get_last_checkpoint",
+        "Load, cold cache: txckpt vs the device's read limit",
+        "S3: bytes uploaded per save",
+        "S3: save throughput against pipe_file",
+        "÷ parallel UploadParts",
+        "S3: get_last_checkpoint requests",
+        "Async save: time the training loop is blocked",
+        "Async save on S3: blocked time against the synchronous save",
+        "Trainer with txckpt_async_save: overhead per save",
+        "DCP: TransactionalWriter / TransactionalReader vs plain torch DCP, 2 ranks",
+        "Incremental save: frozen base + adapter (local disk, fsync on)",
+        "Incremental save: the Trainer, a frozen base (local disk, fsync on)",
+        "S3 load: verified, against the unverified readers",
+        "Commit at many ranks (simulated): per-rank manifest parts",
+        "Tiered root: fast local tier + S3 durable tier",
+        "Lightning: time a save blocks the loop",
+    ):
         assert title in md, title
-    assert "**failed**" not in md, md[md.find("**failed**") - 400:][:2000]
+    assert "**failed**" not in md, md[md.find("**failed**") - 400 :][:2000]
     # The write benchmarks cleaned up after themselves.
     assert not (scratch / "run").exists()
     # `render` rebuilds the page from the saved results without measuring.
     (out / "benchmarks.md").unlink()
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "render", "--out", str(out), "--scratch", str(scratch)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (out / "benchmarks.md").read_text() == md

@@ -2,6 +2,7 @@
 section for the version installed (which pyproject.toml and ``txckpt.__version__`` agree on), says
 when the version changes, and names every on-disk format string the package writes or reads, so a
 new format cannot land without its line. In-process, fast tier."""
+
 import os
 import re
 
@@ -32,7 +33,7 @@ def test_changelog_opens_with_unreleased_then_the_installed_version():
 
 def test_changelog_states_the_versioning_policy():
     text = _read("CHANGELOG.md")
-    policy = text[text.index("## Versions"):text.index("## Unreleased")]
+    policy = text[text.index("## Versions") : text.index("## Unreleased")]
     for word in ("**patch**", "**minor**", "**major**", "format", "reader", "docs/api.md", "Breaking"):
         assert word in policy, word
 

@@ -29,8 +29,10 @@ def test_each_rank_hashes_and_records_what_it_claims(tmp_path):
     assert run[1].ok["path"] == path == os.path.join(root, "checkpoint-3")
     manifest = txckpt.verify_checkpoint(path)
     assert {n: e.rank for n, e in manifest.files.items()} == {
-        _shard(3, 0): 0, "model/__0_0.distcp": 0,
-        _shard(3, 1): 1, "model/__1_0.distcp": 1,
+        _shard(3, 0): 0,
+        "model/__0_0.distcp": 0,
+        _shard(3, 1): 1,
+        "model/__1_0.distcp": 1,
         "config.json": 0,  # claimed by no one: rank 0 hashes it at commit, as before claims
     }
     assert manifest.files[_shard(3, 1)].size == 4097
@@ -64,7 +66,9 @@ def test_bad_claims_commit_nothing_on_any_rank(tmp_path, case):
     assert len({r.error for r in run.results}) == 1, "every rank raises the same error"
     txckpt.forget_roots()
     assert txckpt.get_last_checkpoint(root) is None
-    assert not os.path.exists(os.path.join(root, ".txckpt", "tx")) or os.listdir(os.path.join(root, ".txckpt", "tx")) == []
+    assert (
+        not os.path.exists(os.path.join(root, ".txckpt", "tx")) or os.listdir(os.path.join(root, ".txckpt", "tx")) == []
+    )
 
 
 def test_claim_rules():

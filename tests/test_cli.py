@@ -35,7 +35,9 @@ def run(*args: str, check: int | None = 0) -> subprocess.CompletedProcess:
 
 def save_steps(root: str, steps, tag: str = "a") -> None:
     for s in steps:
-        txckpt.save_checkpoint(root, s, {"weights.bin": f"{tag}{s}".encode() * 50, "state.json": {"step": s, "tag": tag}})
+        txckpt.save_checkpoint(
+            root, s, {"weights.bin": f"{tag}{s}".encode() * 50, "state.json": {"step": s, "tag": tag}}
+        )
 
 
 @pytest.fixture
@@ -85,15 +87,16 @@ def test_log_shows_both_lineages_fork_point_and_abandoned(rolled):
     fork = lines[joint + 1]
     assert fork.startswith("*") and "step 2" in fork and a in fork and f"fork point of {b}" in fork
     # The legend lists both lineages, the head, and the abandoned steps.
-    legend = lines[lines.index("lineages:") + 1:]
+    legend = lines[lines.index("lineages:") + 1 :]
     assert any(l.split()[0] == b and "HEAD" in l and "steps: 4" in l for l in legend)
     assert any(l.split()[0] == a and "steps: 2, 4*, 6*" in l for l in legend)
 
 
 def test_log_json_and_python_m(rolled):
     root, a, b = rolled
-    p = subprocess.run([sys.executable, "-m", "txckpt", "log", root, "--json"], capture_output=True,
-                       text=True, env=ENV, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "txckpt", "log", root, "--json"], capture_output=True, text=True, env=ENV, timeout=120
+    )
     assert p.returncode == 0, p.stderr
     data = json.loads(p.stdout)
     assert data["head"] == b
@@ -174,7 +177,7 @@ def _dot_parts(text: str):
 
     nodes = dict(re.findall(r'^\s+(n\d+) \[label="([^"]*)"', text, re.M))
     styles = dict(re.findall(r'^\s+(n\d+) \[label="[^"]*", style="(\w+)"', text, re.M))
-    edges = re.findall(r'^\s+(\w+) -> (n\d+)(?: \[([^\]]*)\])?;', text, re.M)
+    edges = re.findall(r"^\s+(\w+) -> (n\d+)(?: \[([^\]]*)\])?;", text, re.M)
     clusters = re.findall(r'subgraph (cluster_\d+) \{\n\s+label="([^"]*)"', text)
     return nodes, styles, edges, clusters
 
@@ -189,9 +192,16 @@ def test_log_format_dot_draws_steps_forks_abandoned_and_retired(rolled):
     assert text.count("{") == text.count("}")
     nodes, styles, edges, clusters = _dot_parts(text)
     label = {v.replace("\\n", " "): k for k, v in nodes.items()}
-    assert sorted(label) == sorted([
-        "step 8 current", "step 6 retired", "step 4 retired", "step 6 abandoned", "step 4 abandoned",
-        "step 2 current fork point"])
+    assert sorted(label) == sorted(
+        [
+            "step 8 current",
+            "step 6 retired",
+            "step 4 retired",
+            "step 6 abandoned",
+            "step 4 abandoned",
+            "step 2 current fork point",
+        ]
+    )
     assert {styles[label["step 6 abandoned"]], styles[label["step 4 abandoned"]]} == {"dashed"}
     assert styles[label["step 6 retired"]] == "dotted" and styles[label["step 8 current"]] == "filled"
     assert sorted(c[1].split("\\n")[0] for c in clusters) == sorted([f"lineage {b} (HEAD)", f"lineage {a}"])
@@ -205,7 +215,11 @@ def test_log_format_dot_draws_steps_forks_abandoned_and_retired(rolled):
     nodes, styles, edges, clusters = _dot_parts(run("log", root, "--format", "dot").stdout)
     label = {v.replace("\\n", " "): k for k, v in nodes.items()}
     assert not any("retired" in k for k in label)
-    assert (label["step 2 current fork point"], label["step 8 current"], 'label="fork", style="bold", color="#1f5f99"') in edges
+    assert (
+        label["step 2 current fork point"],
+        label["step 8 current"],
+        'label="fork", style="bold", color="#1f5f99"',
+    ) in edges
     assert run("log", root, "--format", "dot", "--json", check=2).returncode == 2
     if shutil.which("dot"):  # render it when Graphviz is installed (the test needs no Graphviz)
         p = subprocess.run(["dot", "-Tsvg"], input=text, capture_output=True, text=True, timeout=60)
@@ -256,8 +270,9 @@ def test_ls_states_and_staged_leftover(rolled):
     crash_save(root, 6)
     rows = json.loads(run("ls", root, "--json").stdout)
     got = sorted((r["step"], r["lineage"], r["state"]) for r in rows)
-    assert got == sorted([(2, a, "current"), (4, a, "abandoned"), (4, b, "current"), (6, a, "abandoned"),
-                          (6, b, "staged-leftover")])
+    assert got == sorted(
+        [(2, a, "current"), (4, a, "abandoned"), (4, b, "current"), (6, a, "abandoned"), (6, b, "staged-leftover")]
+    )
     text = run("ls", root).stdout
     assert text.splitlines()[0].split() == ["STEP", "LINEAGE", "SIZE", "TIME", "STATE", "PATH"]
     assert "staged-leftover" in text and "checkpoint-4" in text
@@ -372,8 +387,11 @@ def test_gc_dry_run_lists_crash_leftover_then_gc_removes_it_and_nothing_else(rol
     root, a, b = rolled
     crash_save(root, 6)
     txckpt.forget_roots()
-    (leftover,) = [n for n in os.listdir(os.path.join(root, ".txckpt", "tx"))
-                   if n not in {c.txid for c in txckpt.CheckpointRoot(root).checkpoints("all")}]
+    (leftover,) = [
+        n
+        for n in os.listdir(os.path.join(root, ".txckpt", "tx"))
+        if n not in {c.txid for c in txckpt.CheckpointRoot(root).checkpoints("all")}
+    ]
     assert leftover.startswith(f"6-{b}-")
     before = tree(root)
     p = run("gc", root, "--dry-run")
@@ -387,7 +405,8 @@ def test_gc_dry_run_lists_crash_leftover_then_gc_removes_it_and_nothing_else(rol
     gone = set(before) - set(after)
     staging = os.path.join(".txckpt", "tx", leftover)
     assert gone == {k for k in before if k == staging or k.startswith(staging + os.sep)} | {
-        os.path.join(".txckpt", "intents", f"{leftover}.json")}
+        os.path.join(".txckpt", "intents", f"{leftover}.json")
+    }
     assert {k: v for k, v in before.items() if k in after} == after  # nothing else changed
     run("verify", root)
     assert run("gc", root).stdout.strip() == "nothing to collect"
@@ -408,8 +427,9 @@ def test_gc_keeps_a_live_writers_staging(rolled):
             sys.stdin.readline()
         print(tx.path, flush=True)
     """)
-    child = subprocess.Popen([sys.executable, "-c", code], env=ENV, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline().strip() == "staged"
         p = run("gc", root, "--grace", "0")
@@ -538,8 +558,9 @@ def test_rollback_warning_is_a_short_line_and_an_indented_list(tmp_path):
     lines = p.stderr.splitlines()
     h = txckpt.CheckpointRoot(root).history()
     (old,) = [l for l in h.state.lineages if l != h.state.head]
-    assert lines[0] == (f"WARNING:txckpt:rolling back to step 2 of lineage {old}: new lineage "
-                        f"{h.state.head} abandons 12 checkpoint(s)")
+    assert lines[0] == (
+        f"WARNING:txckpt:rolling back to step 2 of lineage {old}: new lineage {h.state.head} abandons 12 checkpoint(s)"
+    )
     assert "txckpt:txckpt:" not in p.stderr and all(l.startswith("  ") for l in lines[1:])
     assert max(len(l) for l in lines if root not in l) < 120 and lines[1] == f"  root: {root}"
     listed = [l.split()[0] for l in lines if l.startswith("    checkpoint-")]
@@ -591,8 +612,12 @@ def test_every_subcommand_help_opens_with_what_it_does():
 
 
 def test_storage_options_parse_json():
-    assert cli.parse_storage_options(["anon=true", "n=3", "name=bucket", "d={\"a\": 1}"]) == {
-        "anon": True, "n": 3, "name": "bucket", "d": {"a": 1}}
+    assert cli.parse_storage_options(["anon=true", "n=3", "name=bucket", 'd={"a": 1}']) == {
+        "anon": True,
+        "n": 3,
+        "name": "bucket",
+        "d": {"a": 1},
+    }
 
 
 def test_memory_root_in_process(capsys):
@@ -668,9 +693,12 @@ def test_cli_on_s3(s3_root, s3_server):
     """)
     # TXCKPT_S3_PENDING_FILES=0: tx.save returns once w.bin is uploaded (by default its upload
     # may still be on the wire at the kill, and then no staged file is left behind to show).
-    p = subprocess.run([sys.executable, "-c", code],
-                       env={**os.environ, "TXCKPT_DURABLE": "0", "TXCKPT_S3_PENDING_FILES": "0"},
-                       capture_output=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "TXCKPT_DURABLE": "0", "TXCKPT_S3_PENDING_FILES": "0"},
+        capture_output=True,
+        timeout=120,
+    )
     assert p.returncode == -signal.SIGKILL, p.stderr
     opt = ["-o", "client_kwargs=" + json.dumps(options["client_kwargs"])]
     r = txckpt.CheckpointRoot(url, options)
@@ -699,8 +727,9 @@ def test_cli_on_s3(s3_root, s3_server):
     before = sorted(k for k, _ in r.storage.walk_files(""))
     run("gc", url, *opt)
     after = sorted(k for k, _ in r.storage.walk_files(""))
-    assert set(before) - set(after) == {k for k in before if k.startswith(f".txckpt/tx/{staged[0]}/")
-                                        or k == f".txckpt/intents/{staged[0]}.json"}
+    assert set(before) - set(after) == {
+        k for k in before if k.startswith(f".txckpt/tx/{staged[0]}/") or k == f".txckpt/intents/{staged[0]}.json"
+    }
     assert set(after) <= set(before)
 
 
@@ -832,11 +861,21 @@ def _in_tiny_tmpfs(tmp_path, code, size="4m"):
     namespace (unshare -rm); skip where the machine does not allow one."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    cmd = ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "$1" && exec "$2" -c "$3" "$1"',
-           "sh", str(mnt), sys.executable, code]
+    cmd = [
+        "unshare",
+        "-rm",
+        "sh",
+        "-c",
+        f'mount -t tmpfs -o size={size} tmpfs "$1" && exec "$2" -c "$3" "$1"',
+        "sh",
+        str(mnt),
+        sys.executable,
+        code,
+    ]
     try:
-        p = subprocess.run(["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=64k tmpfs "{mnt}"'],
-                           capture_output=True, timeout=60)
+        p = subprocess.run(
+            ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=64k tmpfs "{mnt}"'], capture_output=True, timeout=60
+        )
     except (OSError, subprocess.TimeoutExpired):
         p = None
     if p is None or p.returncode != 0:
@@ -897,8 +936,9 @@ def test_weights_only_refusal_names_the_file_and_the_global(tmp_path, monkeypatc
     import torch
 
     root = str(tmp_path / "out")
-    path = txckpt.save_checkpoint(root, 1, {"args.pt": {"args": argparse.Namespace(lr=0.1)},
-                                            "w.pt": {"w": torch.ones(1)}})
+    path = txckpt.save_checkpoint(
+        root, 1, {"args.pt": {"args": argparse.Namespace(lr=0.1)}, "w.pt": {"w": torch.ones(1)}}
+    )
     with pytest.raises(txckpt.errors.WeightsOnlyError) as e:
         txckpt.load_checkpoint(path)
     err = e.value
@@ -934,8 +974,10 @@ def test_the_new_errors_pickle_with_their_fields():
     for e, fields in [
         (errors.LineageNotFoundError("m", lineage="x", known=["a", "b"]), {"lineage": "x", "known": ["a", "b"]}),
         (errors.NotACheckpointError("m", path="/r"), {"path": "/r"}),
-        (errors.WeightsOnlyError("m", path="/r/a.pt", global_name="argparse.Namespace"),
-         {"path": "/r/a.pt", "global_name": "argparse.Namespace"}),
+        (
+            errors.WeightsOnlyError("m", path="/r/a.pt", global_name="argparse.Namespace"),
+            {"path": "/r/a.pt", "global_name": "argparse.Namespace"},
+        ),
     ]:
         back = pickle.loads(pickle.dumps(e))
         assert type(back) is type(e) and str(back) == "m"

@@ -22,7 +22,10 @@ pytestmark = pytest.mark.slow
 def files(tag: str, step: int):
     """A three-file checkpoint whose every file carries ``tag``, so a mix is detectable."""
     return {
-        "model.safetensors": {"w": torch.full((64,), float(step)), "tag": torch.tensor(list(tag.encode()), dtype=torch.uint8)},
+        "model.safetensors": {
+            "w": torch.full((64,), float(step)),
+            "tag": torch.tensor(list(tag.encode()), dtype=torch.uint8),
+        },
         "optimizer.pt": {"state": torch.full((32,), float(step)), "tag": tag},
         "trainer_state.json": {"global_step": step, "tag": tag},
     }
@@ -106,9 +109,14 @@ def test_sweep_three_file_save(tmp_path):
     template = str(tmp_path / "template")
     txckpt.save_checkpoint(template, 2, files("A-2", 2))
     before = snapshot(template)
-    result = sweep("save", template, str(tmp_path / "work"),
-                   lambda root: txckpt.save_checkpoint(root, 4, files("A-4", 4)),
-                   make_checker({"A-2", "A-4"}, before, "R"), sampled=True)
+    result = sweep(
+        "save",
+        template,
+        str(tmp_path / "work"),
+        lambda root: txckpt.save_checkpoint(root, 4, files("A-4", 4)),
+        make_checker({"A-2", "A-4"}, before, "R"),
+        sampled=True,
+    )
     assert len(result.ops) >= 20  # three files, fsyncs, manifest, log entry, publication
     report(result)
 
@@ -125,17 +133,28 @@ def test_sweep_fork_and_resave(tmp_path):
         txckpt.resume(root, step=2)
         txckpt.save_checkpoint(root, 4, files("B-4", 4))
 
-    result = sweep("fork + re-save + publish over another lineage", template, str(tmp_path / "work"),
-                   scenario, make_checker({"A-6", "A-2", "B-4"}, before, "R"), sampled=True)
+    result = sweep(
+        "fork + re-save + publish over another lineage",
+        template,
+        str(tmp_path / "work"),
+        scenario,
+        make_checker({"A-6", "A-2", "B-4"}, before, "R"),
+        sampled=True,
+    )
     report(result)
 
 
 def test_sweep_first_save_on_new_root(tmp_path):
     template = str(tmp_path / "template")
     os.makedirs(template)
-    result = sweep("first save on an empty root", template, str(tmp_path / "work"),
-                   lambda root: txckpt.save_checkpoint(root, 2, files("A-2", 2)),
-                   make_checker({None, "A-2"}, {}, "R"), sampled=True)
+    result = sweep(
+        "first save on an empty root",
+        template,
+        str(tmp_path / "work"),
+        lambda root: txckpt.save_checkpoint(root, 2, files("A-2", 2)),
+        make_checker({None, "A-2"}, {}, "R"),
+        sampled=True,
+    )
     report(result)
 
 
@@ -158,9 +177,14 @@ def test_sweep_adoption_of_a_legacy_root(tmp_path):
         for name in os.listdir(d):
             legacy[f"checkpoint-{s}/{name}"] = open(os.path.join(d, name), "rb").read()
 
-    result = sweep("adoption of a legacy root + save", template, str(tmp_path / "work"),
-                   lambda root: txckpt.save_checkpoint(root, 6, files("A-6", 6)),
-                   make_checker({"L-4", "A-6"}, {}, "R", legacy=legacy), sampled=True)
+    result = sweep(
+        "adoption of a legacy root + save",
+        template,
+        str(tmp_path / "work"),
+        lambda root: txckpt.save_checkpoint(root, 6, files("A-6", 6)),
+        make_checker({"L-4", "A-6"}, {}, "R", legacy=legacy),
+        sampled=True,
+    )
     report(result)
 
 
@@ -173,9 +197,14 @@ def test_sweep_incremental_save_that_shares_a_file(tmp_path):
     txckpt.save_checkpoint(template, 2, {**files("A-2", 2), **frozen}, incremental=True)
     txckpt.forget_roots()
     before = snapshot(template)
-    result = sweep("incremental save sharing a file", template, str(tmp_path / "work"),
-                   lambda root: txckpt.save_checkpoint(root, 4, {**files("A-4", 4), **frozen}, incremental=True),
-                   make_checker({"A-2", "A-4"}, before, "R"), sampled=True)
+    result = sweep(
+        "incremental save sharing a file",
+        template,
+        str(tmp_path / "work"),
+        lambda root: txckpt.save_checkpoint(root, 4, {**files("A-4", 4), **frozen}, incremental=True),
+        make_checker({"A-2", "A-4"}, before, "R"),
+        sampled=True,
+    )
     assert any(op.startswith("link") for op in result.ops), result.ops  # the share is one of them
     report(result)
 
@@ -200,7 +229,13 @@ def test_sweep_incremental_file_written_into_the_directory(tmp_path):
     save(template, 2, "A-2")
     txckpt.forget_roots()
     before = snapshot(template)
-    result = sweep("incremental save of a file written into tx.directory", template, str(tmp_path / "work"),
-                   lambda root: save(root, 4, "A-4"), make_checker({"A-2", "A-4"}, before, "R"), sampled=True)
+    result = sweep(
+        "incremental save of a file written into tx.directory",
+        template,
+        str(tmp_path / "work"),
+        lambda root: save(root, 4, "A-4"),
+        make_checker({"A-2", "A-4"}, before, "R"),
+        sampled=True,
+    )
     assert any(op.startswith("link") for op in result.ops), result.ops  # the share is one of them
     report(result)

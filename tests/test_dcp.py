@@ -83,6 +83,7 @@ def _flip(name: str, where: float = 0.5):
             b = fh.read(1)
             fh.seek(at)
             fh.write(bytes([b[0] ^ 0x40]))
+
     return damage
 
 
@@ -90,6 +91,7 @@ def _truncate(name: str):
     def damage(path: str) -> None:
         f = os.path.join(path, name)
         os.truncate(f, os.path.getsize(f) - 7)
+
     return damage
 
 
@@ -98,20 +100,27 @@ def _remove(name: str):
 
 
 def _load_errors(saved, path: str, tag: str, world: int = 2, verify: str = "full") -> dict:
-    got = _ok(launcher.launch(world, cw.load, str(saved["tmp"] / f"load-{tag}"), path=path, ref_file=saved["ref"],
-                        verify=verify))
+    got = _ok(
+        launcher.launch(
+            world, cw.load, str(saved["tmp"] / f"load-{tag}"), path=path, ref_file=saved["ref"], verify=verify
+        )
+    )
     for g in got:
         assert "errors" in g, f"{tag}: loaded without an error: {g}"
     assert all(g == got[0] for g in got), got  # every rank sees the same failures
     return got[0]["errors"]
 
 
-@pytest.mark.parametrize("case", [
-    ("flip0", _flip("__0_0.distcp"), "__0_0.distcp", "IntegrityError"),
-    ("flip1", _flip("__1_0.distcp", 0.9), "__1_0.distcp", "IntegrityError"),
-    ("truncated", _truncate("__1_0.distcp"), "__1_0.distcp", "IntegrityError"),
-    ("missing", _remove("__0_0.distcp"), "__0_0.distcp", "IntegrityError"),
-], ids=lambda c: c[0])
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("flip0", _flip("__0_0.distcp"), "__0_0.distcp", "IntegrityError"),
+        ("flip1", _flip("__1_0.distcp", 0.9), "__1_0.distcp", "IntegrityError"),
+        ("truncated", _truncate("__1_0.distcp"), "__1_0.distcp", "IntegrityError"),
+        ("missing", _remove("__0_0.distcp"), "__0_0.distcp", "IntegrityError"),
+    ],
+    ids=lambda c: c[0],
+)
 def test_damaged_shard_is_an_integrity_error_on_every_rank(saved, case):
     tag, damage, name, kind = case
     path = _damaged(saved, tag, damage)
@@ -159,8 +168,11 @@ def _rewrite_range_digest(path: str) -> None:
         json.dump(part, f, sort_keys=True, separators=(",", ":"))
 
 
-@pytest.mark.parametrize("case", [("part1", _flip("txckpt-parts/1.json", 0.3), "full"),
-                                  ("part1-range", _rewrite_range_digest, "ranges")], ids=lambda c: c[0])
+@pytest.mark.parametrize(
+    "case",
+    [("part1", _flip("txckpt-parts/1.json", 0.3), "full"), ("part1-range", _rewrite_range_digest, "ranges")],
+    ids=lambda c: c[0],
+)
 def test_a_damaged_part_fails_the_load_naming_its_rank(saved, case):
     """A flipped byte of a part, or a rewritten range digest in it (the part still well-formed):
     its leaf no longer fits the Merkle root, and both loading ranks name rank 1's part."""
@@ -194,15 +206,20 @@ def _old_layout(saved, tag: str, ranges_file: bool = True) -> str:
         ranges.update(part["ranges"])
         for name in part["files"]:
             shutil.copyfile(os.path.join(src, name), os.path.join(staging, name))
-        records.append(rankparts.write_part(root.storage, plan.key, rank, plan.txid, part["files"],
-                                            durable=root.durable, directory=False).encode())
+        records.append(
+            rankparts.write_part(
+                root.storage, plan.key, rank, plan.txid, part["files"], durable=root.durable, directory=False
+            ).encode()
+        )
     own = {".metadata": open(os.path.join(src, ".metadata"), "rb").read()}
     if ranges_file:
         own["txckpt-dcp-ranges.json"] = json.dumps(ranges, sort_keys=True).encode()
     for name, data in own.items():
         with open(os.path.join(staging, name), "wb") as f:
             f.write(data)
-    files = {n: {"size": len(d), "xxh3_128": digest_bytes(d), "kind": kind_for_name(n), "rank": 0} for n, d in own.items()}
+    files = {
+        n: {"size": len(d), "xxh3_128": digest_bytes(d), "kind": kind_for_name(n), "rank": 0} for n, d in own.items()
+    }
     return tx.commit_reports([{"rank": 0, "files": files}], records)
 
 
@@ -211,21 +228,24 @@ def test_a_checkpoint_of_the_old_layout_with_one_ranges_file_still_loads_with_ve
     m = txckpt.read_manifest(path)
     assert m.parts is not None and set(m.own_files or {}) == {".metadata", "txckpt-dcp-ranges.json"}
     assert all("ranges" not in _part(path, r) for r in range(2))
-    got = _ok(launcher.launch(2, cw.load, str(saved["tmp"] / "load-old-layout"), path=path, ref_file=saved["ref"],
-                              verify="ranges"))
+    got = _ok(
+        launcher.launch(
+            2, cw.load, str(saved["tmp"] / "load-old-layout"), path=path, ref_file=saved["ref"], verify="ranges"
+        )
+    )
     assert all(g["tensors"] > 8 and g["different"] == [] for g in got), got
     # Neither the parts nor a ranges file: verify="ranges" says where it looked, not only the file.
     bare = _old_layout(saved, "no-ranges", ranges_file=False)
     errs = _load_errors(saved, bare, "no-ranges", world=1, verify="ranges")
-    (etype, message, _epath), = {tuple(v) for v in errs.values()}
+    ((etype, message, _epath),) = {tuple(v) for v in errs.values()}
     assert etype == "IntegrityError" and "no recorded range digests" in message, errs
     assert "part of the manifest (txckpt-parts/0.json)" in message and 'verify="full"' in message, message
 
 
-
 def test_metadata_from_another_checkpoint_is_refused(saved):
-    other = _ok(launcher.launch(2, cw.save, str(saved["tmp"] / "save-other"), root=str(saved["tmp"] / "other"),
-                          step=5, seed=77))[0]["path"]
+    other = _ok(
+        launcher.launch(2, cw.save, str(saved["tmp"] / "save-other"), root=str(saved["tmp"] / "other"), step=5, seed=77)
+    )[0]["path"]
 
     def swap(path: str) -> None:
         import shutil
@@ -245,8 +265,16 @@ def test_ranged_reads_check_what_they_read(saved, verify):
     errs = _load_errors(saved, path, f"ranges-{verify}", world=1, verify=verify)
     assert [e[0] for e in errs.values()] == ["IntegrityError"] and "__1_0.distcp" in list(errs.values())[0][1]
     if verify == "ranges":  # "full" reshards intact checkpoints in test_load_reshards_to_equal_tensors
-        intact = _ok(launcher.launch(4, cw.load, str(saved["tmp"] / "load-ranges-ok"),
-                               path=saved["out"][0]["path"], ref_file=saved["ref"], verify=verify))
+        intact = _ok(
+            launcher.launch(
+                4,
+                cw.load,
+                str(saved["tmp"] / "load-ranges-ok"),
+                path=saved["out"][0]["path"],
+                ref_file=saved["ref"],
+                verify=verify,
+            )
+        )
         assert all(g["different"] == [] for g in intact), intact
 
 
@@ -283,9 +311,11 @@ def test_step_conflict_and_rollback_fork_through_the_writer(saved):
 
 def _staged(root: str) -> tuple[list[str], list[str]]:
     """The intents and the transaction homes (``.txckpt/tx/<txid>``) under ``root``."""
+
     def ls(d: str) -> list[str]:
         d = os.path.join(root, ".txckpt", d)
         return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
     return ls("intents"), ls("tx")
 
 
@@ -301,8 +331,10 @@ def test_dcp_ranks_that_disagree_on_the_step_root_or_lineage_commit_nothing(save
     root, other = str(saved["tmp"] / f"disagree-{what}"), str(saved["tmp"] / f"disagree-{what}-other")
     shutil.copytree(saved["root"], root, symlinks=True)
     txckpt.forget_roots()
-    kw: dict = {"roots": [root, other] if what == "root" else [root, root],
-                "steps": [6, 7] if what.startswith("step") else [6, 6]}
+    kw: dict = {
+        "roots": [root, other] if what == "root" else [root, root],
+        "steps": [6, 7] if what.startswith("step") else [6, 6],
+    }
     if what == "step-planner-drops-storage-data":
         kw["planner"] = "drops-storage-data"
     if what == "lineage":  # rank 1 starts a lineage, then rank 0 does: the head is rank 0's
@@ -310,7 +342,7 @@ def test_dcp_ranks_that_disagree_on_the_step_root_or_lineage_commit_nothing(save
     errs = _ok(launcher.launch(2, cw.expect_error_per_rank, str(saved["tmp"] / f"disagree-{what}-run"), seed=6, **kw))
     assert errs[0] is not None and errs[1] is not None, f"both ranks returned: {errs}"
     assert errs[0] == errs[1], errs  # the same failures, on every rank
-    (etype, message), = {tuple(v) for v in errs[0].values()}
+    ((etype, message),) = {tuple(v) for v in errs[0].values()}
     assert etype == "TransactionAbortedError", errs
     assert f"ranks disagree on the {what.split('-')[0]}" in message and "rank 1" in message, message
     if what.startswith("step"):
@@ -333,7 +365,9 @@ def test_dcp_ranks_that_disagree_on_the_step_root_or_lineage_commit_nothing(save
     assert [o["returned"] for o in out] == [os.path.join(root, "checkpoint-6")] * 2
     m = txckpt.verify_checkpoint(out[0]["path"])
     assert m.step == 6 and {n: e.rank for n, e in m.files.items() if n.endswith(".distcp")} == {
-        "__0_0.distcp": 0, "__1_0.distcp": 1}
+        "__0_0.distcp": 0,
+        "__1_0.distcp": 1,
+    }
 
 
 def test_a_planner_replaying_a_cached_plan_is_refused_before_anything_is_staged(tmp_path):
@@ -353,6 +387,7 @@ def test_a_planner_replaying_a_cached_plan_is_refused_before_anything_is_staged(
 
     class Replays(DefaultSavePlanner):
         """Caches on its own: every save gets the first save's finished plan, said usable."""
+
         kept: list = []
 
         def finish_plan(self, new_plan):  # type: ignore[no-untyped-def]
@@ -362,13 +397,18 @@ def test_a_planner_replaying_a_cached_plan_is_refused_before_anything_is_staged(
     root = str(tmp_path / "root")
     first = TransactionalWriter(root, 1)
     dcp.save({"w": torch.ones(4)}, storage_writer=first, planner=Cached(enable_plan_caching=True), no_dist=True)
-    dcp.save({"w": torch.ones(4)}, storage_writer=TransactionalWriter(str(tmp_path / "other"), 1),
-             planner=Replays(), no_dist=True)  # the plan Replays keeps
+    dcp.save(
+        {"w": torch.ones(4)},
+        storage_writer=TransactionalWriter(str(tmp_path / "other"), 1),
+        planner=Replays(),
+        no_dist=True,
+    )  # the plan Replays keeps
     for planner, says in ((Cached(enable_plan_caching=True), "plan caching"), (Replays(), "an earlier save")):
         with pytest.raises(CheckpointException) as got:
-            dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=TransactionalWriter(root, 2), planner=planner,
-                     no_dist=True)
-        (err, _tb), = got.value.failures.values()
+            dcp.save(
+                {"w": torch.full((4,), 2.0)}, storage_writer=TransactionalWriter(root, 2), planner=planner, no_dist=True
+            )
+        ((err, _tb),) = got.value.failures.values()
         assert isinstance(err, InvalidArgumentError) and says in str(err), err
         stray = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, ".txckpt", "tx")) for f in fs]
         assert _staged(root)[0] == [] and stray == [], stray
@@ -382,7 +422,9 @@ def test_a_planner_replaying_a_cached_plan_is_refused_before_anything_is_staged(
 def test_async_save_commits(saved):
     root = str(saved["tmp"] / "async")
     ref = str(saved["tmp"] / "ref-async.pt")
-    out = _ok(launcher.launch(2, cw.save, str(saved["tmp"] / "async-save"), root=root, step=3, ref_file=ref, mode="async"))
+    out = _ok(
+        launcher.launch(2, cw.save, str(saved["tmp"] / "async-save"), root=root, step=3, ref_file=ref, mode="async")
+    )
     path = out[0]["path"]
     assert path and txckpt.get_last_checkpoint(root) == path and out[1]["returned"] == path
     got = _ok(launcher.launch(1, cw.load, str(saved["tmp"] / "async-load"), path=path, ref_file=ref))
@@ -404,16 +446,26 @@ def test_process_based_async_save_commits_each_save_in_order(saved):
     p = torchrun(script, root, "3,4", refs, timeout=600)
     results = [json.loads(line.split(" ", 2)[2]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     assert sorted((r["step"], r["path"]) for r in results) == sorted(
-        (s, os.path.join(root, f"checkpoint-{s}")) for s in (3, 4) for _rank in range(2)), p.stdout
+        (s, os.path.join(root, f"checkpoint-{s}")) for s in (3, 4) for _rank in range(2)
+    ), p.stdout
     txckpt.forget_roots()
     assert [c.step for c in txckpt.CheckpointRoot(root).checkpoints()] == [3, 4]
     for step in (3, 4):
         path = os.path.join(root, f"checkpoint-{step}")
         m = txckpt.verify_checkpoint(path)
-        assert {n: e.rank for n, e in m.files.items() if n.endswith(".distcp")} == {"__0_0.distcp": 0,
-                                                                                 "__1_0.distcp": 1}
-        got = _ok(launcher.launch(1, cw.load, str(saved["tmp"] / f"async-process-load-{step}"), path=path,
-                            ref_file=str(refs / f"ref-{step}.pt")))
+        assert {n: e.rank for n, e in m.files.items() if n.endswith(".distcp")} == {
+            "__0_0.distcp": 0,
+            "__1_0.distcp": 1,
+        }
+        got = _ok(
+            launcher.launch(
+                1,
+                cw.load,
+                str(saved["tmp"] / f"async-process-load-{step}"),
+                path=path,
+                ref_file=str(refs / f"ref-{step}.pt"),
+            )
+        )
         assert got[0]["different"] == []
 
 
@@ -421,16 +473,26 @@ def test_process_based_async_save_commits_each_save_in_order(saved):
 def test_s3_root_round_trip(saved, s3_root):
     url, opts = s3_root
     ref = str(saved["tmp"] / "ref-s3.pt")
-    out = _ok(launcher.launch(2, cw.save, str(saved["tmp"] / "s3-save"), root=url, step=4, ref_file=ref,
-                        storage_options=opts))
+    out = _ok(
+        launcher.launch(2, cw.save, str(saved["tmp"] / "s3-save"), root=url, step=4, ref_file=ref, storage_options=opts)
+    )
     path = out[0]["path"]
     assert path.startswith("s3://") and "/.txckpt/tx/" in path  # an object store's home: no rename
     assert txckpt.get_last_checkpoint(url, storage_options=opts) == path
     m = txckpt.read_manifest(path, storage_options=opts)
     assert {n: e.rank for n, e in m.files.items() if n.endswith(".distcp")} == {"__0_0.distcp": 0, "__1_0.distcp": 1}
     for verify, world in (("full", 1), ("ranges", 2)):
-        got = _ok(launcher.launch(world, cw.load, str(saved["tmp"] / f"s3-load-{verify}"), path=path, ref_file=ref,
-                            storage_options=opts, verify=verify))
+        got = _ok(
+            launcher.launch(
+                world,
+                cw.load,
+                str(saved["tmp"] / f"s3-load-{verify}"),
+                path=path,
+                ref_file=ref,
+                storage_options=opts,
+                verify=verify,
+            )
+        )
         assert all(g["different"] == [] for g in got), got
 
 
@@ -458,14 +520,20 @@ def _unpublished_torch_imports(path: str) -> list[str]:
     out = []
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.Import):
-            out += [a.name for a in node.names
-                    if a.name.startswith("torch.distributed") and any(p.startswith("_") for p in a.name.split("."))]
+            out += [
+                a.name
+                for a in node.names
+                if a.name.startswith("torch.distributed") and any(p.startswith("_") for p in a.name.split("."))
+            ]
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
             module = str(node.module)
             public = getattr(importlib.import_module(module), "__all__", None)
             for a in node.names:
-                if (any(p.startswith("_") for p in module.split(".")) or a.name.startswith("_")
-                        or (public is not None and a.name not in public)):
+                if (
+                    any(p.startswith("_") for p in module.split("."))
+                    or a.name.startswith("_")
+                    or (public is not None and a.name not in public)
+                ):
                     out.append(f"{module}.{a.name} (line {node.lineno})")
     return out
 
@@ -488,9 +556,14 @@ def test_torch_unpublished_dcp_names_are_imported_only_by_the_compat_module():
     assert {h.split(" ")[0] for h in _unpublished_torch_imports(dcp_compat.__file__)} == listed
 
 
-@pytest.mark.parametrize("gone", ["torch.distributed.checkpoint.filesystem._write_files_from_queue",
-                                  "torch.distributed._shard._utils.narrow_tensor_by_index",
-                                  "torch.distributed.checkpoint.filesystem._split_by_size_and_type(bins, items)"])
+@pytest.mark.parametrize(
+    "gone",
+    [
+        "torch.distributed.checkpoint.filesystem._write_files_from_queue",
+        "torch.distributed._shard._utils.narrow_tensor_by_index",
+        "torch.distributed.checkpoint.filesystem._split_by_size_and_type(bins, items)",
+    ],
+)
 def test_a_torch_without_one_of_those_names_fails_the_import_naming_its_version_and_the_name(monkeypatch, gone):
     """A torch release that renamed or dropped a name, or changed a function's parameters
     (simulated: the attribute removed, its whole module unimportable, another function put in

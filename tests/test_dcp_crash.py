@@ -29,16 +29,25 @@ FULL = os.environ.get("TXCKPT_DCP_FULL_SWEEP") == "1" or sampling.FULL
 #: Rank 0's points in CI besides the commit-critical ones (drawn from its other operations).
 SAMPLED = 4
 #: The ops around which the outcome flips: the manifest, the commit entry, the publication.
-CRITICAL = ("link(<root>/.txckpt/tx/<id>/checkpoint-2/txckpt-manifest", "link(<root>/.txckpt/log/",
-            "rename_noreplace(")
+CRITICAL = ("link(<root>/.txckpt/tx/<id>/checkpoint-2/txckpt-manifest", "link(<root>/.txckpt/log/", "rename_noreplace(")
 
 
 def _count(tmp_path, base: str, victim: int) -> list[str]:
     root = str(tmp_path / f"count-{victim}")
     shutil.copytree(base, root, symlinks=True)
     ops_file = str(tmp_path / f"ops-{victim}.json")
-    run = launcher.launch(2, cw.crash_save, str(tmp_path / f"res-count-{victim}"), deadline=180, root=root, step=2,
-                    victim=victim, kill_at=None, when="before", ops_file=ops_file)
+    run = launcher.launch(
+        2,
+        cw.crash_save,
+        str(tmp_path / f"res-count-{victim}"),
+        deadline=180,
+        root=root,
+        step=2,
+        victim=victim,
+        kill_at=None,
+        when="before",
+        ops_file=ops_file,
+    )
     assert all(r.exitcode == 0 for r in run.results), run.describe()
     return json.load(open(ops_file))
 
@@ -54,8 +63,18 @@ def _crash_once(tmp_path, base: str, victim: int, point: tuple[str, int], when: 
         root = str(tmp_path / f"root-{t}")
         shutil.copytree(base, root, symlinks=True)
         label = str(tmp_path / f"label-{t}.json")
-        run = launcher.launch(2, cw.crash_save, str(tmp_path / f"res-{t}"), deadline=90, root=root, step=2,
-                        victim=victim, kill_at=point, when=when, label_file=label)
+        run = launcher.launch(
+            2,
+            cw.crash_save,
+            str(tmp_path / f"res-{t}"),
+            deadline=90,
+            root=root,
+            step=2,
+            victim=victim,
+            kill_at=point,
+            when=when,
+            label_file=label,
+        )
         hit = json.load(open(label)) if os.path.exists(label) else None
         if hit is not None or not all(r.exitcode == 0 for r in run.results):
             break
@@ -75,11 +94,17 @@ def _crash_once(tmp_path, base: str, victim: int, point: tuple[str, int], when: 
     if victim == 1 and verdict["committed"]:
         problems.append("committed although rank 1 died before its report reached the coordinator")
     if victim == 0 and hit is not None and verdict["committed"] != _committed_by(hit):
-        problems.append(f"committed={verdict['committed']}, but rank 0 had "
-                        f"{'' if _committed_by(hit) else 'not '}linked the commit entry")
+        problems.append(
+            f"committed={verdict['committed']}, but rank 0 had "
+            f"{'' if _committed_by(hit) else 'not '}linked the commit entry"
+        )
     shutil.rmtree(root, ignore_errors=True)
-    return {"problems": problems, "unreached": False, "committed": verdict["committed"],
-            "survivor_s": survivor.elapsed or 0.0}
+    return {
+        "problems": problems,
+        "unreached": False,
+        "committed": verdict["committed"],
+        "survivor_s": survivor.elapsed or 0.0,
+    }
 
 
 def _chosen(ops: list[str], victim: int) -> list[tuple[tuple[str, int], str]]:
@@ -87,8 +112,9 @@ def _chosen(ops: list[str], victim: int) -> list[tuple[tuple[str, int], str]]:
     if victim == 1:  # nothing rank 1 does commits: no point of its is critical
         chosen = sampling.sample("DCP rank 1", points, full=FULL)
     else:
-        chosen = sampling.sample("DCP rank 0", points, lambda p: p[0].startswith(CRITICAL), full=FULL, share=0,
-                                 at_least=SAMPLED)
+        chosen = sampling.sample(
+            "DCP rank 0", points, lambda p: p[0].startswith(CRITICAL), full=FULL, share=0, at_least=SAMPLED
+        )
     return [(p, w) for p in chosen for w in ("before", "after")]
 
 
@@ -117,10 +143,12 @@ def test_dcp_crash_sweep_two_ranks(tmp_path):
             commits += bool(out["committed"])
             slowest = max(slowest, out["survivor_s"])
             violations += [f"rank {victim} {when} {point[0]} #{point[1]}: {p}" for p in out["problems"]]
-    line = (f"DCP crash sweep, 2 ranks ({sampling.describe(tried, total, full=FULL)}): rank 1 {counted[1]} ops, rank 0 "
-            f"{counted[0]} ops; {points} crash points ({unreached} not reached in 3 runs), {commits} left the "
-            f"new checkpoint committed, {len(violations)} violations, slowest survivor error {slowest:.1f} s, "
-            f"{time.monotonic() - t0:.0f} s")
+    line = (
+        f"DCP crash sweep, 2 ranks ({sampling.describe(tried, total, full=FULL)}): rank 1 {counted[1]} ops, rank 0 "
+        f"{counted[0]} ops; {points} crash points ({unreached} not reached in 3 runs), {commits} left the "
+        f"new checkpoint committed, {len(violations)} violations, slowest survivor error {slowest:.1f} s, "
+        f"{time.monotonic() - t0:.0f} s"
+    )
     print(line)
     conftest.SUMMARY_LINES.append(line)
     assert not violations, "\n".join(violations[:20])

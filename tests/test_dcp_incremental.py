@@ -46,7 +46,7 @@ def test_a_tensor_key_follows_every_property_that_decides_the_saved_bytes():
     from txckpt.integrations import dcp_incremental as di
 
     big = torch.randn(3 << 18)
-    for view in (big[1000:1000 + (1 << 18)], big[:600_000].reshape(600, 1000), big[:1000].reshape(10, 100).t()):
+    for view in (big[1000 : 1000 + (1 << 18)], big[:600_000].reshape(600, 1000), big[:1000].reshape(10, 100).t()):
         copy = view.clone()
         assert copy.untyped_storage().size() == copy.nbytes
         assert di.prefix_key(view) == di.prefix_key(copy) == di._digest(di._keyable(view), di.PREFIX_BYTES)
@@ -115,8 +115,7 @@ def test_every_checkpoint_verifies_and_loads_bit_exact_at_world_1_and_2(saved):
     for p in paths:
         txckpt.verify_checkpoint(p)
     for verify in ("full", "ranges"):
-        got = _ok(launcher.launch(2, cw.frozen_load, str(saved["tmp"] / f"load2-{verify}"), paths=paths,
-                                  verify=verify))
+        got = _ok(launcher.launch(2, cw.frozen_load, str(saved["tmp"] / f"load2-{verify}"), paths=paths, verify=verify))
         for per_rank in got:
             assert all(r == {"different": []} for r in per_rank.values()), per_rank
     one = cw.frozen_load(0, 1, paths=paths)
@@ -171,17 +170,20 @@ def test_a_damaged_shared_file_fails_every_checkpoint_that_holds_it(saved, capsy
         assert os.path.join(os.path.basename(p), "__1_1.distcp") in out.out + out.err, out
     got = cw.frozen_load(0, 1, paths=paths)
     for p in paths:
-        (etype, message), = {tuple(e) for e in got[p]["errors"].values()}
+        ((etype, message),) = {tuple(e) for e in got[p]["errors"].values()}
         assert etype == "IntegrityError" and "__1_1.distcp" in message, got[p]
 
 
 def test_without_incremental_the_layout_is_unchanged(saved):
     root = str(saved["tmp"] / "full")
-    paths = _ok(launcher.launch(2, cw.frozen_saves, str(saved["tmp"] / "full-save"), root=root, steps=[1, 2],
-                                incremental=False))[0]
+    paths = _ok(
+        launcher.launch(2, cw.frozen_saves, str(saved["tmp"] / "full-save"), root=root, steps=[1, 2], incremental=False)
+    )[0]
     for p in paths:
         assert sorted(n for n in txckpt.read_manifest(p).files if n.endswith(".distcp")) == [
-            "__0_0.distcp", "__1_0.distcp"]
+            "__0_0.distcp",
+            "__1_0.distcp",
+        ]
         assert ITEMS_NAME not in txckpt.read_manifest(p).files
     # A first incremental save after full ones has no keys to look up: it writes everything.
     three = _ok(launcher.launch(2, cw.frozen_saves, str(saved["tmp"] / "full-3"), root=root, steps=[3]))[0][0]
@@ -193,8 +195,9 @@ def test_s3_copies_unchanged_tensors_on_the_server(saved, s3_root, s3_requests):
     url, so = s3_root
     _ok(launcher.launch(2, cw.frozen_saves, str(saved["tmp"] / "s3-1"), root=url, steps=[1], storage_options=so))
     s3_requests.reset()
-    two = _ok(launcher.launch(2, cw.frozen_saves, str(saved["tmp"] / "s3-2"), root=url, steps=[2],
-                              storage_options=so))[0][0]
+    two = _ok(launcher.launch(2, cw.frozen_saves, str(saved["tmp"] / "s3-2"), root=url, steps=[2], storage_options=so))[
+        0
+    ][0]
     assert s3_requests.ops["CopyObject"] == 2 * len(BASE), s3_requests.ops  # each base shard, on the server
     # Uploaded: the changed tensors' files, the packed small items, the metadata; no base byte.
     assert s3_requests.uploaded_bytes < CHANGED_BYTES * 1.05 + 64 * 1024, (s3_requests.uploaded_bytes, s3_requests.ops)
@@ -212,8 +215,9 @@ def test_a_damaged_shared_file_is_reported_for_every_holder_and_fallback_skips_t
     from txckpt.cli import app
 
     root = str(tmp_path / "root")
-    full = _ok(launcher.launch(2, cw.frozen_saves, str(tmp_path / "full"), root=root, steps=[1],
-                               incremental=False))[0][0]
+    full = _ok(launcher.launch(2, cw.frozen_saves, str(tmp_path / "full"), root=root, steps=[1], incremental=False))[0][
+        0
+    ]
     shared = _ok(launcher.launch(2, cw.frozen_saves, str(tmp_path / "inc"), root=root, steps=[2, 3, 4]))[0]
     shard = os.path.join(shared[0], "__1_1.distcp")  # rank 1's first base tensor: written by step 2
     assert os.stat(shard).st_nlink == 3 and not os.path.exists(os.path.join(full, "__1_1.distcp"))
@@ -226,11 +230,14 @@ def test_a_damaged_shared_file_is_reported_for_every_holder_and_fallback_skips_t
     assert app.main(["verify", "--json", root]) == 1
     report = json.loads(capsys.readouterr().out)
     assert len(report["checkpoints"]) == 4
-    named = sorted(next(os.path.basename(p) for p in shared if os.path.basename(p) + "/" in problem)
-                   for problem in report["problems"])
+    named = sorted(
+        next(os.path.basename(p) for p in shared if os.path.basename(p) + "/" in problem)
+        for problem in report["problems"]
+    )
     assert named == sorted(os.path.basename(p) for p in shared), report["problems"]  # each holder, once
-    assert all("__1_1.distcp" in problem and os.path.basename(full) + "/" not in problem
-               for problem in report["problems"]), report["problems"]
+    assert all(
+        "__1_1.distcp" in problem and os.path.basename(full) + "/" not in problem for problem in report["problems"]
+    ), report["problems"]
     txckpt.forget_roots()
     resumed = txckpt.resume(root, on_damaged="fallback")
     warned = capsys.readouterr().err  # txckpt's warning, on stderr
@@ -256,8 +263,9 @@ def test_changed_tensors_are_packed_and_only_the_unchanged_are_hashed_whole(tmp_
 
     whole = []
     digest = di._digest
-    monkeypatch.setattr(di, "_digest", lambda t, limit: (whole.append(t.nbytes) if limit is None else None,
-                                                         digest(t, limit))[1])
+    monkeypatch.setattr(
+        di, "_digest", lambda t, limit: (whole.append(t.nbytes) if limit is None else None, digest(t, limit))[1]
+    )
     g = torch.Generator().manual_seed(0)
     nbytes = 300_000 * 4  # 1.1 MiB: a file of its own when alone
     base = {f"base{i}": torch.randn(300_000, generator=g) for i in range(3)}
@@ -303,7 +311,9 @@ def test_changed_tensors_are_packed_and_only_the_unchanged_are_hashed_whole(tmp_
     assert hashed == [nbytes] * 4 and set(_inodes(path5).values()) >= set(_inodes(path)[n] for n in alone(path))
 
     # An older save's items (bare keys): no prefix rules a tensor out, so each is hashed whole.
-    monkeypatch.setattr(di, "decode_items", lambda data: ({n: (k, None) for n, (k, _p) in json.loads(data)["files"].items()}, []))
+    monkeypatch.setattr(
+        di, "decode_items", lambda data: ({n: (k, None) for n, (k, _p) in json.loads(data)["files"].items()}, [])
+    )
     di._ITEMS.clear()
     state = {**state, "adapter": state["adapter"] + 1}
     path, files, packed, hashed = save(6, state)

@@ -51,14 +51,31 @@ SCENARIOS = {
     # shares, which the retention after the retry must be able to delete: step 1 (the base), or the
     # abandoned step 3 (adapter.1; retention keeps step 1 there, the new lineage's fork point).
     # template_seeds: {step: seeds} of the template's saves.
-    "save": {"template": [1, 2], "template_seeds": {}, "step": 3, "seeds": {"adapter.1": 2}, "prev": 2,
-             "resume_step": None, "retention": False, "shares": "checkpoint-2/", "first_holder": 0},
+    "save": {
+        "template": [1, 2],
+        "template_seeds": {},
+        "step": 3,
+        "seeds": {"adapter.1": 2},
+        "prev": 2,
+        "resume_step": None,
+        "retention": False,
+        "shares": "checkpoint-2/",
+        "first_holder": 0,
+    },
     # adapter.0 of its own (the bytes of no committed step), adapter.1 the abandoned step 3's (its
     # file of its own there); the fork moved the abandoned checkpoints back to their homes
     # (.txckpt/tx/<txid>/checkpoint-N).
-    "fork+retention": {"template": [1, 2, 3], "template_seeds": {"3": {"adapter.1": 2}}, "step": 2,
-                       "seeds": {"adapter.0": 20, "adapter.1": 2}, "prev": 1, "resume_step": 1, "retention": True,
-                       "shares": ".txckpt/tx/<id>/checkpoint-3/", "first_holder": -1},
+    "fork+retention": {
+        "template": [1, 2, 3],
+        "template_seeds": {"3": {"adapter.1": 2}},
+        "step": 2,
+        "seeds": {"adapter.0": 20, "adapter.1": 2},
+        "prev": 1,
+        "resume_step": 1,
+        "retention": True,
+        "shares": ".txckpt/tx/<id>/checkpoint-3/",
+        "first_holder": -1,
+    },
 }
 
 
@@ -122,16 +139,29 @@ def _chosen(ops: list[list], victim: int, backend: str) -> list[tuple[tuple[str,
     return [(points[i], w) for i in sorted(idx) for w in ("before", "after")]
 
 
-def _kill_once(where: Root, template: str, sc: dict, victim: int, point, when: str, tag: str,
-               backend: str) -> dict:
+def _kill_once(where: Root, template: str, sc: dict, victim: int, point, when: str, tag: str, backend: str) -> dict:
     for attempt in range(3):
         t = f"{tag}-{attempt}"
         root = where.copy(template, f"root-{t}")
         label = str(where.tmp / f"label-{t}.json")
-        run = launcher.launch(2, ic.killed_save, str(where.tmp / f"res-{t}"), deadline=120, root=root,
-                              step=sc["step"], seeds=sc["seeds"], victim=victim, kill_at=point, when=when,
-                              backend=backend, prefix=where.prefix(root), resume_step=sc["resume_step"],
-                              retention=sc["retention"], storage_options=where.so, label_file=label)
+        run = launcher.launch(
+            2,
+            ic.killed_save,
+            str(where.tmp / f"res-{t}"),
+            deadline=120,
+            root=root,
+            step=sc["step"],
+            seeds=sc["seeds"],
+            victim=victim,
+            kill_at=point,
+            when=when,
+            backend=backend,
+            prefix=where.prefix(root),
+            resume_step=sc["resume_step"],
+            retention=sc["retention"],
+            storage_options=where.so,
+            label_file=label,
+        )
         hit = json.load(open(label)) if os.path.exists(label) else None
         if hit is not None or not all(r.exitcode == 0 for r in run.results):
             break
@@ -144,9 +174,18 @@ def _kill_once(where: Root, template: str, sc: dict, victim: int, point, when: s
     survivor = run[1 - victim]
     if survivor.hung:
         problems.append(f"rank {survivor.rank} hung")
-    after = launcher.launch(2, ic.after_kill, str(where.tmp / f"after-{tag}"), deadline=180, root=root,
-                            before=where.before, prev_step=sc["prev"], new_step=sc["step"], seeds=sc["seeds"],
-                            storage_options=where.so)
+    after = launcher.launch(
+        2,
+        ic.after_kill,
+        str(where.tmp / f"after-{tag}"),
+        deadline=180,
+        root=root,
+        before=where.before,
+        prev_step=sc["prev"],
+        new_step=sc["step"],
+        seeds=sc["seeds"],
+        storage_options=where.so,
+    )
     if not all(r.exitcode == 0 and r.error_type is None for r in after.results):
         problems.append(f"the checks after the kill failed: {after.describe()}")
         out = {"committed": None}
@@ -158,12 +197,18 @@ def _kill_once(where: Root, template: str, sc: dict, victim: int, point, when: s
     if victim == 0 and hit is not None and out["committed"] is not None:
         done = hit["done"][:-1] if backend == "s3" and when == "before" else hit["done"]  # S3: the op is listed
         if out["committed"] != _committed_by(done):
-            problems.append(f"committed={out['committed']}, but rank 0 had "
-                            f"{'' if _committed_by(done) else 'not '}written the commit entry")
+            problems.append(
+                f"committed={out['committed']}, but rank 0 had "
+                f"{'' if _committed_by(done) else 'not '}written the commit entry"
+            )
     first_holder_deleted = _data_deleted(root, where.so, where.before[sc["first_holder"]])
     where.remove(root)
-    return {"problems": problems, "unreached": False, "committed": out["committed"],
-            "first_holder_deleted": first_holder_deleted}
+    return {
+        "problems": problems,
+        "unreached": False,
+        "committed": out["committed"],
+        "first_holder_deleted": first_holder_deleted,
+    }
 
 
 def _data_deleted(root: str, so: dict | None, txid: str) -> bool:
@@ -174,14 +219,23 @@ def _data_deleted(root: str, so: dict | None, txid: str) -> bool:
     from txckpt.root import open_root
 
     txckpt.forget_roots()
-    return any(c.txid == txid and c.state == "retired" and c.path is None for c in open_root(root, so).checkpoints("all"))
+    return any(
+        c.txid == txid and c.state == "retired" and c.path is None for c in open_root(root, so).checkpoints("all")
+    )
 
 
 def _sweep(where: Root, scenario: str, backend: str, victims=(1, 0)) -> str:
     sc = SCENARIOS[scenario]
     template = where.url(f"template-{scenario}")
-    launcher.launch(2, ic.saves, str(where.tmp / f"res-template-{scenario}"), root=template, steps=sc["template"],
-                    storage_options=where.so, seeds=sc["template_seeds"]).oks()
+    launcher.launch(
+        2,
+        ic.saves,
+        str(where.tmp / f"res-template-{scenario}"),
+        root=template,
+        steps=sc["template"],
+        storage_options=where.so,
+        seeds=sc["template_seeds"],
+    ).oks()
     where.before = [c.txid for c in ic._committed(template, where.so)]
     t0 = time.monotonic()
     points = unreached = commits = first_holder_deleted = 0
@@ -190,19 +244,41 @@ def _sweep(where: Root, scenario: str, backend: str, victims=(1, 0)) -> str:
     for victim in victims:
         root = where.copy(template, f"count-{scenario}-{victim}")
         ops_file = str(where.tmp / f"ops-{scenario}-{victim}.json")
-        launcher.launch(2, ic.killed_save, str(where.tmp / f"res-count-{scenario}-{victim}"), deadline=180, root=root,
-                        step=sc["step"], seeds=sc["seeds"], victim=victim, kill_at=None, when="before",
-                        backend=backend, prefix=where.prefix(root), resume_step=sc["resume_step"],
-                        retention=sc["retention"], storage_options=where.so, ops_file=ops_file).oks()
+        launcher.launch(
+            2,
+            ic.killed_save,
+            str(where.tmp / f"res-count-{scenario}-{victim}"),
+            deadline=180,
+            root=root,
+            step=sc["step"],
+            seeds=sc["seeds"],
+            victim=victim,
+            kill_at=None,
+            when="before",
+            backend=backend,
+            prefix=where.prefix(root),
+            resume_step=sc["resume_step"],
+            retention=sc["retention"],
+            storage_options=where.so,
+            ops_file=ops_file,
+        ).oks()
         ops = json.load(open(ops_file))
-        counted[victim] = f"{len(ops)} ops ({len(_points(ops, backend))} {'writes' if backend == 's3' else 'in the root'})"
+        counted[victim] = (
+            f"{len(ops)} ops ({len(_points(ops, backend))} {'writes' if backend == 's3' else 'in the root'})"
+        )
         names = [name for name, _ in ops]
         # The save shares committed files: a link (local) or a server-side copy (S3) is among its ops;
         # locally, the save scenario also writes a tensor's file of its own (adapter.1, which stopped
         # changing), not only the packed __<rank>_0.
         assert any(n.startswith((f"link(<root>/{sc['shares']}", "CopyObject")) for n in names), names
-        assert backend == "s3" or scenario != "save" or any(n.startswith("open(<root>/.txckpt/tx/") and n.endswith(".distcp, wb)")
-                                      and "_0.distcp" not in n for n in names), names
+        assert (
+            backend == "s3"
+            or scenario != "save"
+            or any(
+                n.startswith("open(<root>/.txckpt/tx/") and n.endswith(".distcp, wb)") and "_0.distcp" not in n
+                for n in names
+            )
+        ), names
         where.remove(root)
         for i, (point, when) in enumerate(_chosen(ops, victim, backend)):
             out = _kill_once(where, template, sc, victim, point, when, f"{scenario}-{victim}-{i}-{when}", backend)
@@ -213,11 +289,13 @@ def _sweep(where: Root, scenario: str, backend: str, victims=(1, 0)) -> str:
             commits += bool(out["committed"])
             first_holder_deleted += out["first_holder_deleted"]
             violations += [f"rank {victim} {when} {point[0]} #{point[1]}: {p}" for p in out["problems"]]
-    line = (f"incremental DCP crash sweep [{scenario}, {backend}, {'full' if FULL else 'sampled'}]: rank 1 "
-            f"{counted.get(1, '-')}, rank 0 {counted.get(0, '-')}; {points} crash points "
-            f"({unreached} not reached in 3 runs), {commits} left the new checkpoint committed, retention after "
-            f"the retry deleted the first holder of the shared bytes at {first_holder_deleted}, {len(violations)} "
-            f"violations, {time.monotonic() - t0:.0f} s")
+    line = (
+        f"incremental DCP crash sweep [{scenario}, {backend}, {'full' if FULL else 'sampled'}]: rank 1 "
+        f"{counted.get(1, '-')}, rank 0 {counted.get(0, '-')}; {points} crash points "
+        f"({unreached} not reached in 3 runs), {commits} left the new checkpoint committed, retention after "
+        f"the retry deleted the first holder of the shared bytes at {first_holder_deleted}, {len(violations)} "
+        f"violations, {time.monotonic() - t0:.0f} s"
+    )
     print(line)
     conftest.SUMMARY_LINES.append(line)
     assert not violations, "\n".join(violations[:20])

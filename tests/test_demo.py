@@ -18,7 +18,7 @@ def test_the_readme_command_with_a_relative_root_runs_and_ends_with_the_log(tmp_
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "get_last_checkpoint -> " + os.path.join("out", "checkpoint-2") + " " in out.stdout
     assert f"The demo wrote to {tmp_path / 'out'}" in out.stdout
-    graph = out.stdout[out.stdout.index("`txckpt log out`"):]
+    graph = out.stdout[out.stdout.index("`txckpt log out`") :]
     assert "(HEAD -> lineage" in graph and "abandoned" in graph and "lineages:" in graph
     assert "fork point of" in graph
 

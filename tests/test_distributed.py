@@ -148,8 +148,9 @@ def test_rank_that_raises_aborts_everywhere(tmp_path, world, raiser):
     root = str(tmp_path / "out")
     dw.make_baseline(root, 1)
     txckpt.forget_roots()
-    run = launcher.launch(world, dw.save_files, str(tmp_path / "res"), root=root, step=2, api="transaction",
-                    raise_on=raiser)
+    run = launcher.launch(
+        world, dw.save_files, str(tmp_path / "res"), root=root, step=2, api="transaction", raise_on=raiser
+    )
     for r in run.results:
         assert not r.hung and r.exitcode == 17, run.describe()
         if r.rank == raiser:
@@ -163,8 +164,9 @@ def test_rank_that_raises_aborts_everywhere(tmp_path, world, raiser):
 
 def test_ranks_disagreeing_on_the_step_fail_fast(tmp_path):
     root = str(tmp_path / "out")
-    run = launcher.launch(2, dw.enter_mismatch, str(tmp_path / "res"), root=root, step=4,
-                    env={"TXCKPT_COORDINATION_TIMEOUT": "60"})
+    run = launcher.launch(
+        2, dw.enter_mismatch, str(tmp_path / "res"), root=root, step=4, env={"TXCKPT_COORDINATION_TIMEOUT": "60"}
+    )
     for r in run.results:
         assert r.error_type == "TransactionAbortedError" and "disagree on the step" in r.error, run.describe()
         assert r.elapsed < 10, "an error found in __enter__ must not make the others wait for the timeout"
@@ -174,8 +176,9 @@ def test_ranks_disagreeing_on_the_step_fail_fast(tmp_path):
 def test_two_ranks_writing_a_and_a_slash_b_get_a_typed_error(tmp_path):
     """Rank 1 got a bare FileExistsError (issue 45 item 9); protocol §3 refuses the pair."""
     root = str(tmp_path / "out")
-    run = launcher.launch(2, dw.nested_names, str(tmp_path / "res"), root=root, step=1,
-                          env={"TXCKPT_COORDINATION_TIMEOUT": "60"})
+    run = launcher.launch(
+        2, dw.nested_names, str(tmp_path / "res"), root=root, step=1, env={"TXCKPT_COORDINATION_TIMEOUT": "60"}
+    )
     r0, r1 = run.results
     assert r1.error_type == "FileNameConflictError", run.describe()
     assert "'a' and 'a/b'" in r1.error and "written by two ranks" in r1.error and "Rename one" in r1.error
@@ -210,9 +213,14 @@ def test_slow_rank_times_out_instead_of_hanging(tmp_path, how):
     res = str(tmp_path / "res")
     os.makedirs(res)
     store = os.path.join(res, "store")
-    procs = [ctx.Process(target=launcher._entry, args=(r, 2, store, res, dw.slow_rank,
-                                                 dict(root=root, step=1, slow=1, release=release, **kwargs), env),
-                         daemon=True) for r in range(2)]
+    procs = [
+        ctx.Process(
+            target=launcher._entry,
+            args=(r, 2, store, res, dw.slow_rank, dict(root=root, step=1, slow=1, release=release, **kwargs), env),
+            daemon=True,
+        )
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     try:
@@ -276,8 +284,13 @@ print("ok", tx.path)
 """
     # A fresh interpreter, never the zygote (tests/harness/zygote.py): the code asserts torch is not
     # in sys.modules, and the zygote's children have it preloaded.
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok ")
 
@@ -301,8 +314,9 @@ def test_coordination_timeout_setting(monkeypatch):
 # Crash sweep
 
 
-def _crash_once(tmp_path, base: str, world: int, victim: int, point: tuple[str, int], when: str,
-                tag: str, attempts: int = 3) -> dict:
+def _crash_once(
+    tmp_path, base: str, world: int, victim: int, point: tuple[str, int], when: str, tag: str, attempts: int = 3
+) -> dict:
     """Run one coordinated save of step 2 on a copy of ``base`` (newest: step 1) in which rank
     ``victim`` SIGKILLs itself ``when`` its op ``point`` (name, occurrence); then check the
     survivors and what a restart sees. A run in which the op did not occur is repeated (rank 0
@@ -313,8 +327,19 @@ def _crash_once(tmp_path, base: str, world: int, victim: int, point: tuple[str, 
         root = str(tmp_path / f"root-{t}")
         shutil.copytree(base, root, symlinks=True)
         label = str(tmp_path / f"label-{t}.json")
-        run = launcher.launch(world, dw.crash_save, str(tmp_path / f"res-{t}"), deadline=60, root=root, step=2,
-                        victim=victim, kill_at=point, when=when, label_file=label, timeout=30.0)
+        run = launcher.launch(
+            world,
+            dw.crash_save,
+            str(tmp_path / f"res-{t}"),
+            deadline=60,
+            root=root,
+            step=2,
+            victim=victim,
+            kill_at=point,
+            when=when,
+            label_file=label,
+            timeout=30.0,
+        )
         hit = json.load(open(label)) if os.path.exists(label) else None
         if hit is not None or not all(r.exitcode == 0 for r in run.results):
             break
@@ -340,19 +365,35 @@ def _crash_once(tmp_path, base: str, world: int, victim: int, point: tuple[str, 
     if victim != 0 and verdict["committed"]:
         problems.append("committed although a non-committing rank died before reporting")
     if victim == 0 and hit is not None and verdict["committed"] != _expected_commit(hit):
-        problems.append(f"committed={verdict['committed']}, but rank 0 had "
-                        f"{'' if _expected_commit(hit) else 'not '}linked the commit entry")
+        problems.append(
+            f"committed={verdict['committed']}, but rank 0 had "
+            f"{'' if _expected_commit(hit) else 'not '}linked the commit entry"
+        )
     shutil.rmtree(root, ignore_errors=True)
-    return {"problems": problems, "committed": verdict["committed"], "hit": hit, "unreached": False,
-            "survivor_max_s": max((r.elapsed or 0) for r in survivors) if survivors else 0.0}
+    return {
+        "problems": problems,
+        "committed": verdict["committed"],
+        "hit": hit,
+        "unreached": False,
+        "survivor_max_s": max((r.elapsed or 0) for r in survivors) if survivors else 0.0,
+    }
 
 
 def _count_ops(tmp_path, base: str, world: int, victim: int) -> list[str]:
     root = str(tmp_path / f"count-{world}-{victim}")
     shutil.copytree(base, root, symlinks=True)
     ops_file = str(tmp_path / f"ops-{world}-{victim}.json")
-    run = launcher.launch(world, dw.crash_save, str(tmp_path / f"res-count-{world}-{victim}"), root=root, step=2,
-                    victim=victim, kill_at=None, when="before", ops_file=ops_file)
+    run = launcher.launch(
+        world,
+        dw.crash_save,
+        str(tmp_path / f"res-count-{world}-{victim}"),
+        root=root,
+        step=2,
+        victim=victim,
+        kill_at=None,
+        when="before",
+        ops_file=ops_file,
+    )
     _assert_all_ok(run)
     return json.load(open(ops_file))
 
@@ -387,9 +428,11 @@ class _Tally:
         self.violations += [f"{label}: {p}" for p in out["problems"]]
 
     def line(self, what: str, seconds: float) -> str:
-        return (f"{what}: {self.points} crash points ({self.unreached} not reached in 3 runs), "
-                f"{self.commits} left the new checkpoint committed, {len(self.violations)} violations, "
-                f"slowest survivor error {self.slowest:.2f} s, {seconds:.0f} s")
+        return (
+            f"{what}: {self.points} crash points ({self.unreached} not reached in 3 runs), "
+            f"{self.commits} left the new checkpoint committed, {len(self.violations)} violations, "
+            f"slowest survivor error {self.slowest:.2f} s, {seconds:.0f} s"
+        )
 
 
 def test_crash_sweep_two_ranks(tmp_path):
@@ -434,8 +477,11 @@ def test_crash_points_four_ranks(tmp_path):
         (2, first(ops2, "fsync("), "after"),
         (2, ops2[-1], "after"),  # its last file is durable; its report is not sent yet
     ]
-    for prefix in ("link(<root>/.txckpt/tx/<id>/checkpoint-2/.txckpt-manifest", "link(<root>/.txckpt/log/",
-                   "rename_noreplace("):
+    for prefix in (
+        "link(<root>/.txckpt/tx/<id>/checkpoint-2/.txckpt-manifest",
+        "link(<root>/.txckpt/log/",
+        "rename_noreplace(",
+    ):
         chosen += [(0, first(ops0, prefix), "before"), (0, first(ops0, prefix), "after")]
     chosen.append((0, ops0[-1], "after"))  # the intent is cleared: only the outcome broadcast is left
     tally = _Tally()

@@ -42,31 +42,42 @@ def _both(server, client, key, **kwargs):
 def test_ranged_get_equals_moto(s3_server, s3_root):
     client = s3_server.boto3_client()
     data = os.urandom(3 * 2**20 + 5)
-    client.put_object(Bucket=BUCKET, Key="dir/a b+c.bin", Body=data, ContentType="application/x-test",
-                      Metadata={"m": "1"})
+    client.put_object(
+        Bucket=BUCKET, Key="dir/a b+c.bin", Body=data, ContentType="application/x-test", Metadata={"m": "1"}
+    )
     size = len(data)
     etag = client.head_object(Bucket=BUCKET, Key="dir/a b+c.bin")["ETag"]
-    for rng, (first, last) in {"bytes=0-99": (0, 99), "bytes=100-": (100, size - 1), "bytes=5-5": (5, 5),
-                               f"bytes={size - 10}-{size + 999}": (size - 10, size - 1)}.items():
+    for rng, (first, last) in {
+        "bytes=0-99": (0, 99),
+        "bytes=100-": (100, size - 1),
+        "bytes=5-5": (5, 5),
+        f"bytes={size - 10}-{size + 999}": (size - 10, size - 1),
+    }.items():
         # If-Match of the object's own ETag: what boto3's transfer manager sends with each part.
         extra = {"IfMatch": etag} if first == 5 else {}
         ours, theirs, answered = _both(s3_server, client, "dir/a b+c.bin", Range=rng, **extra)
         assert answered == 1, rng
         assert ours == theirs, rng
-        assert ours[0] == 206 and ours[2] == data[first:last + 1], rng
+        assert ours[0] == 206 and ours[2] == data[first : last + 1], rng
         assert ours[1]["content-range"] == f"bytes {first}-{last}/{size}", rng
 
 
-@pytest.mark.parametrize("case", ["past the end", "suffix", "two ranges", "conditional", "if-match another etag",
-                                  "missing key", "version"])
+@pytest.mark.parametrize(
+    "case", ["past the end", "suffix", "two ranges", "conditional", "if-match another etag", "missing key", "version"]
+)
 def test_other_reads_go_to_moto(s3_server, s3_root, case):
     client = s3_server.boto3_client()
     body = os.urandom(1000)
     etag = client.put_object(Bucket=BUCKET, Key="k", Body=body)["ETag"]
-    kwargs = {"past the end": {"Range": "bytes=5000-"}, "suffix": {"Range": "bytes=-10"},
-              "two ranges": {"Range": "bytes=0-1,5-6"}, "conditional": {"Range": "bytes=0-9", "IfNoneMatch": etag},
-              "if-match another etag": {"Range": "bytes=0-9", "IfMatch": '"0123456789abcdef0123456789abcdef"'},
-              "missing key": {"Range": "bytes=0-9"}, "version": {"Range": "bytes=0-9", "VersionId": "null"}}[case]
+    kwargs = {
+        "past the end": {"Range": "bytes=5000-"},
+        "suffix": {"Range": "bytes=-10"},
+        "two ranges": {"Range": "bytes=0-1,5-6"},
+        "conditional": {"Range": "bytes=0-9", "IfNoneMatch": etag},
+        "if-match another etag": {"Range": "bytes=0-9", "IfMatch": '"0123456789abcdef0123456789abcdef"'},
+        "missing key": {"Range": "bytes=0-9"},
+        "version": {"Range": "bytes=0-9", "VersionId": "null"},
+    }[case]
     key = "no-such-key" if case == "missing key" else "k"
     ours, theirs, answered = _both(s3_server, client, key, **kwargs)
     assert answered == 0

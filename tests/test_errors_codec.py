@@ -146,8 +146,7 @@ def test_decide_on_rank0_every_rank_returns_or_raises_rank_0s_outcome():
     r1 = _FakeRank(1, delivered=r0.sent)
     assert decide_on_rank0(lambda: pytest.fail("rank 1 runs fn"), phase="resume", coordinator=r1) == {"a": 1}
 
-    damaged = errors.NoIntactCheckpointError("all damaged", path="/r/c4/a.pt", root="/r",
-                                             damaged=_VALUES["damaged"])
+    damaged = errors.NoIntactCheckpointError("all damaged", path="/r/c4/a.pt", root="/r", damaged=_VALUES["damaged"])
 
     def fail():
         raise damaged
@@ -205,8 +204,7 @@ def resume_nothing_intact(rank: int, world: int, *, root: str):
     try:
         txckpt.resume(root, on_damaged="fallback")
     except errors.NoIntactCheckpointError as e:
-        return {"type": type(e).__name__, "message": str(e), "path": e.path, "root": e.root,
-                "damaged": e.damaged}
+        return {"type": type(e).__name__, "message": str(e), "path": e.path, "root": e.root, "damaged": e.damaged}
     return None
 
 

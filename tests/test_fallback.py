@@ -1,6 +1,7 @@
 """resume(root, on_damaged="fallback"): a restart past a damaged newest checkpoint (local, memory
 and S3 on the moto server). The damage is done to the stored bytes, as bit rot, a truncated copy
 or a hand edit would."""
+
 import json
 import logging
 
@@ -22,8 +23,9 @@ DAMAGE = ["flipped_byte", "truncated", "deleted_file", "edited_manifest", "delet
 def commit(root, opts, steps=(2, 4, 6)):
     paths = {}
     for s in steps:
-        paths[s] = txckpt.save_checkpoint(root, s, {WEIGHTS: {"w": torch.full((256,), float(s))},
-                                                    "state.json": {"step": s}}, storage_options=opts)
+        paths[s] = txckpt.save_checkpoint(
+            root, s, {WEIGHTS: {"w": torch.full((256,), float(s))}, "state.json": {"step": s}}, storage_options=opts
+        )
     txckpt.forget_roots()  # the restart is a fresh process
     return {s: txckpt.read_manifest(p, storage_options=opts).txid for s, p in paths.items()}, paths
 
@@ -95,8 +97,9 @@ def test_fallback_forks_from_the_newest_checkpoint_that_verifies(any_root, kind,
     info = abandoned(root, opts, txids[6])
     assert info.state == "abandoned"
     if kind != "deleted_manifest":
-        before = {k.rsplit("/", 1)[-1]: v for k, v in stored(paths[6] if info.path is None else info.path,
-                                                              opts).items()}
+        before = {
+            k.rsplit("/", 1)[-1]: v for k, v in stored(paths[6] if info.path is None else info.path, opts).items()
+        }
         with pytest.raises(IntegrityError):
             txckpt.verify_checkpoint(info.path, storage_options=opts)
     new6 = txckpt.save_checkpoint(root, 6, {"state.json": {"step": 6, "again": True}}, storage_options=opts)

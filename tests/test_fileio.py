@@ -1,5 +1,6 @@
 """txckpt.fileio (one-buffer reads, pipelined hashing, hash + fsync) and the load path built on
 it: verification reads each decoded file once, into the buffer its tensors live in."""
+
 import io
 import os
 
@@ -70,19 +71,29 @@ def test_hash_file_and_fsync(tmp_path, small_chunks, size):
 
 # ----- the load path --------------------------------------------------------------------------
 
+
 def _state():
     g = torch.Generator().manual_seed(0)
-    weights = {"w": torch.randn(300, 17, generator=g), "b": torch.randn(17, generator=g),
-               "i": torch.arange(5, dtype=torch.int64), "h": torch.randn(3, generator=g).half(),
-               "e": torch.zeros(0, 4), "s": torch.tensor(2.5), "m": torch.tensor([True, False, True])}
-    optim = {"state": {0: {"exp_avg": torch.randn(4000, generator=g), "step": torch.tensor(3.0)}},
-             "param_groups": [{"lr": 0.1, "params": [0]}]}
+    weights = {
+        "w": torch.randn(300, 17, generator=g),
+        "b": torch.randn(17, generator=g),
+        "i": torch.arange(5, dtype=torch.int64),
+        "h": torch.randn(3, generator=g).half(),
+        "e": torch.zeros(0, 4),
+        "s": torch.tensor(2.5),
+        "m": torch.tensor([True, False, True]),
+    }
+    optim = {
+        "state": {0: {"exp_avg": torch.randn(4000, generator=g), "step": torch.tensor(3.0)}},
+        "param_groups": [{"lr": 0.1, "params": [0]}],
+    }
     return weights, optim
 
 
 def _save(root, weights, optim):
-    return txckpt.save_checkpoint(root, 1, {"model.safetensors": weights, "optimizer.pt": optim,
-                                            "meta.json": {"a": 1}, "raw.bin": b"raw bytes"})
+    return txckpt.save_checkpoint(
+        root, 1, {"model.safetensors": weights, "optimizer.pt": optim, "meta.json": {"a": 1}, "raw.bin": b"raw bytes"}
+    )
 
 
 @pytest.mark.parametrize("verify", [True, False])
@@ -207,6 +218,7 @@ def test_damage_raises_integrity_error(root, small_chunks, name, damage):
 
 # ----- the Trainer mixin's streamed optimizer --------------------------------------------------
 
+
 @pytest.mark.trainer
 def test_trainer_optimizer_is_streamed_not_rehashed(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
@@ -225,8 +237,7 @@ def test_trainer_optimizer_is_streamed_not_rehashed(tmp_path, monkeypatch):
     monkeypatch.setattr(rankparts, "hash_staged", spy)
     torch.manual_seed(0)
     out = str(tmp_path / "out")
-    TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(out, 2),
-                         train_dataset=Data(0)).train()
+    TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(out, 2), train_dataset=Data(0)).train()
     assert "model.safetensors" in rehashed
     assert "optimizer.pt" not in rehashed and "scheduler.pt" not in rehashed
     ckpt = txckpt.get_last_checkpoint(out)
@@ -254,8 +265,7 @@ def test_trainer_refuses_a_streamed_file_rewritten_afterwards(tmp_path):
 
     torch.manual_seed(0)
     with pytest.raises(txckpt.errors.InvalidArgumentError, match="txckpt_stream_optimizer"):
-        Rewriter(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "a"), 2),
-                 train_dataset=Data(0)).train()
+        Rewriter(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "a"), 2), train_dataset=Data(0)).train()
     assert txckpt.get_last_checkpoint(str(tmp_path / "a")) is None
     torch.manual_seed(0)
     Opted(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "b"), 2), train_dataset=Data(0)).train()
@@ -265,6 +275,7 @@ def test_trainer_refuses_a_streamed_file_rewritten_afterwards(tmp_path):
 
 
 # ----- local writes ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("durable", [True, False])
 def test_durable_file_keeps_the_order_of_small_and_large_writes(tmp_path, monkeypatch, durable):

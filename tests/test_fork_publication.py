@@ -19,8 +19,11 @@ pytestmark = pytest.mark.non_durable  # TXCKPT_DURABLE=0 for every test here (te
 def published(root: str) -> dict[int, str | None]:
     """step -> txid named by the manifest of every checkpoint-N directory."""
     r = txckpt.CheckpointRoot(root)
-    return {int(n[len("checkpoint-"):]): manifest_txid(r.storage, n)
-            for n in os.listdir(root) if n.startswith("checkpoint-")}
+    return {
+        int(n[len("checkpoint-") :]): manifest_txid(r.storage, n)
+        for n in os.listdir(root)
+        if n.startswith("checkpoint-")
+    }
 
 
 def view(root: str) -> dict[int, str]:
@@ -53,5 +56,8 @@ def test_undoing_a_rollback_publishes_the_restored_checkpoints(tmp_path, undo_to
     assert bytes(txckpt.load_checkpoint(expected)["w.bin"]) == f"A{undo_to}".encode()
     # Nothing is left for gc to complete.
     txckpt.forget_roots()
-    assert [i for i in collect_garbage(txckpt.CheckpointRoot(root), dry_run=True).items
-            if i.kind in ("publish", "unpublish")] == []
+    assert [
+        i
+        for i in collect_garbage(txckpt.CheckpointRoot(root), dry_run=True).items
+        if i.kind in ("publish", "unpublish")
+    ] == []

@@ -67,8 +67,10 @@ def test_crashed_save_is_reclaimed_and_nothing_else(tmp_path):
     txckpt.forget_roots()
     txckpt.resume(root, step=1)
     save(root, (2,), "b")
-    code = (f"import os, signal, txckpt\nwith txckpt.transaction({root!r}, 3) as tx:\n"
-            f"    tx.save('w.bin', b'x' * 1000)\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+    code = (
+        f"import os, signal, txckpt\nwith txckpt.transaction({root!r}, 3) as tx:\n"
+        f"    tx.save('w.bin', b'x' * 1000)\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TXCKPT_DURABLE": "0"})
     assert p.returncode == -signal.SIGKILL
     r = fresh(root)
@@ -83,7 +85,8 @@ def test_crashed_save_is_reclaimed_and_nothing_else(tmp_path):
     after = tree(root)
     staging = os.path.join(TX_DIR, txid)
     assert set(before) - set(after) == {k for k in before if k.startswith(staging)} | {
-        os.path.join(INTENTS_DIR, f"{txid}.json")}
+        os.path.join(INTENTS_DIR, f"{txid}.json")
+    }
     assert all(before[k] == v for k, v in after.items())
     # Empty homes of published checkpoints belong to committed checkpoints: still there.
     for c in r.history().checkpoints.values():
@@ -96,7 +99,7 @@ def test_writer_liveness_rules(any_root):
     r = fresh(any_root)
     now = time.time()
     host = socket.gethostname()
-    live = fake_staging(r, 2, {"host": host, "pid": os.getpid(), "time": now - 10 ** 6})
+    live = fake_staging(r, 2, {"host": host, "pid": os.getpid(), "time": now - 10**6})
     dead = fake_staging(r, 3, {"host": host, "pid": dead_pid(), "time": now})
     no_intent = fake_staging(r, 4, None)
     young_remote = fake_staging(r, 5, {"host": "elsewhere", "pid": 1, "time": now - 60})
@@ -121,9 +124,10 @@ def test_pid_reuse_counts_as_dead():
         assert pid_alive(child.pid)
         assert pid_alive(child.pid, since=now)  # started before the intent: the writer itself
         # An intent written long before this process started: the pid was reused.
-        assert not pid_alive(child.pid, since=now - 10 ** 6)
-        gone, why = writer_status({"host": socket.gethostname(), "pid": child.pid, "time": now - 10 ** 6},
-                                  now=now, grace_seconds=3600)
+        assert not pid_alive(child.pid, since=now - 10**6)
+        gone, why = writer_status(
+            {"host": socket.gethostname(), "pid": child.pid, "time": now - 10**6}, now=now, grace_seconds=3600
+        )
         assert gone and "dead" in why
     finally:
         child.stdin.close()
@@ -145,7 +149,10 @@ def test_liveness_uses_the_start_time_the_writer_recorded_not_its_clock(tmp_path
         start = process_start(child.pid)
         # The writer's clock was a day behind when it wrote its intent: its start time decides.
         behind = {"host": host, "pid": child.pid, "time": now - 86400, "process_start": start}
-        assert writer_status(behind, now=now, grace_seconds=3600) == (False, f"writer pid {child.pid} on this host is alive")
+        assert writer_status(behind, now=now, grace_seconds=3600) == (
+            False,
+            f"writer pid {child.pid} on this host is alive",
+        )
         ahead = {"host": host, "pid": child.pid, "time": now + 86400, "process_start": start}
         assert not writer_status(ahead, now=now, grace_seconds=3600)[0]
         # Another process's start time under this pid: the pid was reused, the writer is dead.
@@ -224,8 +231,10 @@ def test_stale_intents_tmp_files_and_orphans(tmp_path):
     r = fresh(root)
     c2 = next(c for c in r.history().checkpoints.values() if c.step == 2)
     # A writer that committed and died before removing its intent.
-    r.storage.replace(f"{INTENTS_DIR}/{c2.txid}.json", json.dumps(
-        {"txid": c2.txid, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode())
+    r.storage.replace(
+        f"{INTENTS_DIR}/{c2.txid}.json",
+        json.dumps({"txid": c2.txid, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode(),
+    )
     # Temp files of interrupted create-if-absent writes: an old one and a fresh one.
     logdir = os.path.join(root, ".txckpt", "log")
     old_tmp = os.path.join(logdir, ".00000000000000000009.json.abc.tmp")
@@ -239,8 +248,10 @@ def test_stale_intents_tmp_files_and_orphans(tmp_path):
     open(os.path.join(orphan, "x"), "wb").write(b"keep me")
     log_before = sorted(os.listdir(logdir))
     report = collect_garbage(r, grace_seconds=3600)
-    assert kinds(report) == [("intent", f"{INTENTS_DIR}/{c2.txid}.json"),
-                             ("temp", f".txckpt/log/{os.path.basename(old_tmp)}")]
+    assert kinds(report) == [
+        ("intent", f"{INTENTS_DIR}/{c2.txid}.json"),
+        ("temp", f".txckpt/log/{os.path.basename(old_tmp)}"),
+    ]
     assert report.orphans == [f"{ORPHANS_DIR}/{os.path.basename(orphan)}"]
     assert os.path.exists(new_tmp) and not os.path.exists(old_tmp)
     assert open(os.path.join(orphan, "x"), "rb").read() == b"keep me"
@@ -257,8 +268,10 @@ def test_finishes_retired_deletions_and_respects_leases(any_root):
     acquire_reader_lease(r, by_step[2].txid, 600)
     assert retire(r, [by_step[1].txid, by_step[2].txid]) == [by_step[1].txid, by_step[2].txid]
     assert r.locate(by_step[1].ref) is not None
-    r.storage.replace(f"{READERS_DIR}/{by_step[3].txid}.old.json",
-                      json.dumps({"txid": by_step[3].txid, "expires": time.time() - 86400}).encode())
+    r.storage.replace(
+        f"{READERS_DIR}/{by_step[3].txid}.old.json",
+        json.dumps({"txid": by_step[3].txid, "expires": time.time() - 86400}).encode(),
+    )
     report = collect_garbage(r)
     assert len(report.of("retired")) == 1 and by_step[1].txid in report.of("retired")[0].reason
     assert [i.kind for i in report.kept] == ["retired"]
@@ -276,8 +289,11 @@ def test_policy_through_gc(any_root):
     assert [i.kind for i in dry.items] == ["policy", "policy"] and not any(i.done for i in dry.items)
     assert len(r.checkpoints()) == 3
     # What gc frees of a checkpoint is all it deletes: its files and its manifest (issue 45 item 8).
-    manifests = sum(len(r.storage.read_bytes(f"{r.storage.key_of(c.path)}/txckpt-manifest.json"))
-                    for c in r.checkpoints() if c.step < 3)
+    manifests = sum(
+        len(r.storage.read_bytes(f"{r.storage.key_of(c.path)}/txckpt-manifest.json"))
+        for c in r.checkpoints()
+        if c.step < 3
+    )
     report = collect_garbage(r, policy=RetentionPolicy(keep_last=1))
     assert all(i.done for i in report.items) and len(report.items) == 2
     assert [c.step for c in fresh(any_root).checkpoints()] == [3]
@@ -338,18 +354,20 @@ def test_s3_abandoned_multipart_upload_is_aborted(s3_root, s3_server):
     txckpt.save_checkpoint(url, 1, {"w.bin": b"1" * 10}, storage_options=options)
     r = txckpt.CheckpointRoot(url, options)
     client = s3_server.boto3_client()
-    bucket, prefix = url[len("s3://"):].split("/", 1)
+    bucket, prefix = url[len("s3://") :].split("/", 1)
     crashed = f"{prefix}/{TX_DIR}/2-deadbeef-0123456789/checkpoint-2/model.safetensors"
     client.create_multipart_upload(Bucket=bucket, Key=crashed)
     # A live writer's upload on this host (its intent names this process): kept.
     live_txid = f"3-{r.state().head}-abcdefabcd"
-    r.storage.replace(f"{INTENTS_DIR}/{live_txid}.json", json.dumps(
-        {"txid": live_txid, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode())
+    r.storage.replace(
+        f"{INTENTS_DIR}/{live_txid}.json",
+        json.dumps({"txid": live_txid, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode(),
+    )
     live_key = f"{prefix}/{TX_DIR}/{live_txid}/checkpoint-3/model.safetensors"
     client.create_multipart_upload(Bucket=bucket, Key=live_key)
     assert len(s3_server.multipart_uploads(prefix=prefix)) == 2
     report = collect_garbage(r, dry_run=True)
-    assert [i.key for i in report.of("upload")] == [crashed[len(prefix) + 1:]]
+    assert [i.key for i in report.of("upload")] == [crashed[len(prefix) + 1 :]]
     report = collect_garbage(r)
     assert report.of("upload")[0].done and not report.errors
     assert [u["Key"] for u in s3_server.multipart_uploads(prefix=prefix)] == [live_key]

@@ -89,8 +89,10 @@ def test_gc_summary_line_says_what_links_still_hold(tmp_path, capsys):
     assert cli.main(["gc", root, "--keep-last", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
     freed = before - disk_bytes(root)
-    assert out[-1] == f"1 item(s), {cli.common.human_bytes(freed)} reclaimed; 300.0 kB of their files stay, " \
-                      "held by live checkpoints' links"
+    assert (
+        out[-1] == f"1 item(s), {cli.common.human_bytes(freed)} reclaimed; 300.0 kB of their files stay, "
+        "held by live checkpoints' links"
+    )
     assert "(+300.0 kB held by other links)" in out[0]
 
 
@@ -100,8 +102,7 @@ def test_an_object_store_without_links_reports_every_byte(tmp_path):
     for s in (1, 2, 3):
         txckpt.save_checkpoint(root, s, {"shared.bin": SHARED, "own.bin": bytes([s]) * 50_000}, incremental=True)
     r = txckpt.CheckpointRoot(root)
-    objects = {c.step: sum(size for _, size in r.storage.walk_files(r.storage.key_of(c.path)))
-               for c in r.checkpoints()}
+    objects = {c.step: sum(size for _, size in r.storage.walk_files(r.storage.key_of(c.path))) for c in r.checkpoints()}
     report = collect_garbage(r, policy=RetentionPolicy(keep_last=1))
     assert [i.bytes for i in report.of("policy")] == [objects[1], objects[2]]
     assert report.bytes == objects[1] + objects[2] and report.held == 0

@@ -125,8 +125,17 @@ def test_a_root_with_v2_snapshots_reads_as_before_and_gets_v3_ones(tmp_path, mon
     assert quick.base_seq == 10 and quick.folds_like(full)
     assert "ignoring the history snapshot" not in caplog.text
     got = sorted((c.step, c.state) for c in r.checkpoints("all"))
-    assert got == [(1, "retired"), (2, "retired"), (3, "current"), (4, "abandoned"), (4, "current"),
-                   (5, "abandoned"), (6, "current"), (7, "current"), (8, "current")]
+    assert got == [
+        (1, "retired"),
+        (2, "retired"),
+        (3, "current"),
+        (4, "abandoned"),
+        (4, "current"),
+        (5, "abandoned"),
+        (6, "current"),
+        (7, "current"),
+        (8, "current"),
+    ]
     assert txckpt.get_last_checkpoint(root) == os.path.join(root, "checkpoint-8")
     # A save on it: the commit of an EVERY-th entry leaves a /3 snapshot, which readers take.
     monkeypatch.setattr(commit_log, "SNAPSHOT_EVERY", 1)
@@ -140,4 +149,3 @@ def test_a_root_with_v2_snapshots_reads_as_before_and_gets_v3_ones(tmp_path, mon
     assert "ignoring the history snapshot" not in caplog.text
     capsys.readouterr()
     assert cli_main(["verify", root]) == 0, capsys.readouterr()
-

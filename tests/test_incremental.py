@@ -26,8 +26,12 @@ FROZEN = {"w": torch.arange(3 * MiB // 4, dtype=torch.float32)}  # 3 MiB: past t
 
 
 def files(step: int) -> dict:
-    return {"frozen.safetensors": FROZEN, "adapter.safetensors": {"a": torch.full((256,), float(step))},
-            "config.json": {"layers": 2}, "optimizer.pt": {"m": torch.full((128,), float(step))}}
+    return {
+        "frozen.safetensors": FROZEN,
+        "adapter.safetensors": {"a": torch.full((256,), float(step))},
+        "config.json": {"layers": 2},
+        "optimizer.pt": {"m": torch.full((128,), float(step))},
+    }
 
 
 def ino(path: str, name: str) -> int:
@@ -36,8 +40,12 @@ def ino(path: str, name: str) -> int:
 
 # ----- prefix digests ---------------------------------------------------------------------------
 def test_boundaries_are_dense_at_the_start_then_every_64_mib():
-    assert [next_boundary(0), next_boundary(MiB - 1), next_boundary(MiB), next_boundary(3 * MiB)] == \
-        [MiB, MiB, 2 * MiB, 4 * MiB]
+    assert [next_boundary(0), next_boundary(MiB - 1), next_boundary(MiB), next_boundary(3 * MiB)] == [
+        MiB,
+        MiB,
+        2 * MiB,
+        4 * MiB,
+    ]
     assert next_boundary(64 * MiB) == 128 * MiB and next_boundary(100 * MiB) == 128 * MiB
     assert prefix_boundaries(MiB) == [] and prefix_boundaries(MiB + 1) == [MiB]
     assert len(prefix_boundaries(1 << 30)) == 21  # 1, 2, ..., 64 MiB, then 128 ... 960 MiB
@@ -49,15 +57,20 @@ def test_a_writer_records_the_running_digest_at_each_boundary(size):
 
     w = HashingWriter(io.BytesIO(), prefixes=True)
     for start in range(0, size, 300_001):  # writes that straddle the boundaries
-        w.write(data[start:start + 300_001])
+        w.write(data[start : start + 300_001])
     w.close()
     assert w.digest == xxhash.xxh3_128_hexdigest(data)
     assert w.prefixes == [xxhash.xxh3_128_hexdigest(data[:b]) for b in prefix_boundaries(size)]
 
 
 def _source(data: bytes) -> Source:
-    entry = FileEntry(len(data), xxhash.xxh3_128_hexdigest(data), "bytes", 0,
-                      tuple(xxhash.xxh3_128_hexdigest(data[:b]) for b in prefix_boundaries(len(data))))
+    entry = FileEntry(
+        len(data),
+        xxhash.xxh3_128_hexdigest(data),
+        "bytes",
+        0,
+        tuple(xxhash.xxh3_128_hexdigest(data[:b]) for b in prefix_boundaries(len(data))),
+    )
     return Source(Ref("L", 1, "t1"), "f.bin", entry)
 
 
@@ -74,7 +87,7 @@ def test_a_changed_file_is_told_at_the_first_boundary_where_it_differs():
     probe.write(old)
     assert probe.equal() is not None
     probe = _Probe([_source(old)])
-    probe.write(old[:8 * MiB])  # a prefix of the old file is not the old file
+    probe.write(old[: 8 * MiB])  # a prefix of the old file is not the old file
     assert probe.equal() is None
 
 
@@ -244,8 +257,9 @@ def test_a_fallback_resume_skips_every_checkpoint_that_shares_the_damaged_bytes(
     first = txckpt.save_checkpoint(root, 1, files(1), incremental=True)
     changed = {**files(2), "frozen.safetensors": {"w": FROZEN["w"] + 1}}  # new bytes from step 2 on
     two = txckpt.save_checkpoint(root, 2, changed, incremental=True)
-    three = txckpt.save_checkpoint(root, 3, {**changed, "adapter.safetensors": files(3)["adapter.safetensors"]},
-                                   incremental=True)
+    three = txckpt.save_checkpoint(
+        root, 3, {**changed, "adapter.safetensors": files(3)["adapter.safetensors"]}, incremental=True
+    )
     assert ino(two, "frozen.safetensors") == ino(three, "frozen.safetensors") != ino(first, "frozen.safetensors")
     _flip(os.path.join(three, "frozen.safetensors"))  # damages step 2 as well: one inode
     txckpt.forget_roots()
@@ -289,9 +303,11 @@ def test_a_name_saved_twice_is_refused_and_the_first_share_still_commits(root):
 def _write_dir(tx, step: int, frozen: bytes) -> None:
     """What a Trainer's save does: files written by path into tx.directory, not through tx.save."""
     os.makedirs(os.path.join(tx.directory, "sub"), exist_ok=True)
-    for name, data in (("model-00001-of-00002.safetensors", frozen),
-                       ("model-00002-of-00002.safetensors", b"trained %d" % step * 1000),
-                       ("sub/tokenizer.json", b'{"vocab": 3}')):
+    for name, data in (
+        ("model-00001-of-00002.safetensors", frozen),
+        ("model-00002-of-00002.safetensors", b"trained %d" % step * 1000),
+        ("sub/tokenizer.json", b'{"vocab": 3}'),
+    ):
         with open(os.path.join(tx.directory, name), "wb") as f:
             f.write(data)
 
@@ -396,13 +412,15 @@ def test_a_scratch_file_equal_to_a_streamed_one_is_told_by_its_prefixes(memory_r
     with txckpt.transaction(url, 2, storage_options=so, incremental=True) as tx:
         with open(os.path.join(tx.directory, "blob.bin"), "wb") as f:
             f.write(changed)
-    assert sum(read) <= 8 * MiB and txckpt.read_manifest(tx.path, storage_options=so).files["blob.bin"].checksum \
-        == xxhash.xxh3_128_hexdigest(bytes(changed))
+    assert sum(read) <= 8 * MiB and txckpt.read_manifest(tx.path, storage_options=so).files[
+        "blob.bin"
+    ].checksum == xxhash.xxh3_128_hexdigest(bytes(changed))
     with txckpt.transaction(url, 3, storage_options=so, incremental=True) as tx:
         with open(os.path.join(tx.directory, "blob.bin"), "wb") as f:
             f.write(data)
-    assert txckpt.read_manifest(tx.path, storage_options=so).files["blob.bin"].checksum == \
-        xxhash.xxh3_128_hexdigest(data)
+    assert txckpt.read_manifest(tx.path, storage_options=so).files["blob.bin"].checksum == xxhash.xxh3_128_hexdigest(
+        data
+    )
     txckpt.verify_checkpoint(tx.path, storage_options=so)
 
 

@@ -26,8 +26,7 @@ NAME = "frozen.safetensors"
 
 
 def files(step: int) -> dict:
-    return {NAME: FROZEN, "adapter.safetensors": {"a": torch.full((256,), float(step))},
-            "step.json": {"step": step}}
+    return {NAME: FROZEN, "adapter.safetensors": {"a": torch.full((256,), float(step))}, "step.json": {"step": step}}
 
 
 def restart() -> None:
@@ -110,8 +109,9 @@ def test_a_same_size_overwrite_of_a_shared_object_is_never_copied_into_later_che
     with pytest.raises(IntegrityError):
         txckpt.verify_checkpoint(three, storage_options=so)
     for s in (4, 5):
-        txckpt.verify_checkpoint(txckpt.save_checkpoint(url, s, files(s), storage_options=so, incremental=True),
-                                 storage_options=so)
+        txckpt.verify_checkpoint(
+            txckpt.save_checkpoint(url, s, files(s), storage_options=so, incremental=True), storage_options=so
+        )
 
 
 def test_a_damaged_one_item_dcp_file_is_never_shared_into_later_checkpoints(tmp_path):
@@ -126,9 +126,12 @@ def test_a_damaged_one_item_dcp_file_is_never_shared_into_later_checkpoints(tmp_
     for step in (1, 2):
         dcp.save(state, storage_writer=TransactionalWriter(root, step, incremental=True), no_dist=True)
         paths.append(txckpt.get_last_checkpoint(root))
-    alone = sorted(n for n in txckpt.read_manifest(paths[1]).files
-                   if n.endswith(".distcp") and not n.endswith("_0.distcp"))
-    assert alone and os.stat(os.path.join(paths[1], alone[0])).st_ino == os.stat(os.path.join(paths[0], alone[0])).st_ino
+    alone = sorted(
+        n for n in txckpt.read_manifest(paths[1]).files if n.endswith(".distcp") and not n.endswith("_0.distcp")
+    )
+    assert (
+        alone and os.stat(os.path.join(paths[1], alone[0])).st_ino == os.stat(os.path.join(paths[0], alone[0])).st_ino
+    )
     flip(os.path.join(paths[1], alone[0]), offset=600_000)
     for step in (3, 4):
         dcp.save(state, storage_writer=TransactionalWriter(root, step, incremental=True), no_dist=True)
@@ -274,8 +277,12 @@ def test_a_user_but_root_cannot_write_into_a_hard_linked_shared_file(tmp_path):
             pytest.skip("setpriv (util-linux) is needed to drop root's permission override")
         prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner"]
     root = str(tmp_path / "out")
-    out = subprocess.run(prefix + [sys.executable, "-c", STOCK_WRITES, root], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(txckpt.__file__))})
+    out = subprocess.run(
+        prefix + [sys.executable, "-c", STOCK_WRITES, root],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(txckpt.__file__))},
+    )
     if "LINKS 1\n" in out.stdout:  # pragma: no cover - a file system that clones
         pytest.skip("this file system clones: shared files are files of their own")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -289,8 +296,11 @@ def test_a_shared_file_is_read_at_most_once_per_process(root, monkeypatch):
     RECHECK_EVERY shares have passed."""
     reads: list[str] = []
     hash_stored = incremental._hash_stored
-    monkeypatch.setattr(incremental, "_hash_stored",
-                        lambda storage, key, size: (reads.append(key.rsplit("/", 1)[-1]), hash_stored(storage, key, size))[1])
+    monkeypatch.setattr(
+        incremental,
+        "_hash_stored",
+        lambda storage, key, size: (reads.append(key.rsplit("/", 1)[-1]), hash_stored(storage, key, size))[1],
+    )
     full_then_incremental(root, steps=(2, 3, 4, 5))
     assert reads == []
     restart()
@@ -316,8 +326,9 @@ def test_a_checkpoint_a_load_found_damaged_is_never_shared_from(root, monkeypatc
         return (st.st_dev, st.st_ino, st.st_size)
 
     monkeypatch.setattr(LocalStorage, "file_identity", rot_blind, raising=False)
-    monkeypatch.setattr(LocalStorage, "identity_after_share", lambda self, key, before: rot_blind(self, key),
-                        raising=False)
+    monkeypatch.setattr(
+        LocalStorage, "identity_after_share", lambda self, key, before: rot_blind(self, key), raising=False
+    )
     paths = full_then_incremental(root, steps=(2, 3))
     flip(os.path.join(paths[-1], NAME))
     with pytest.raises(IntegrityError):
@@ -347,8 +358,9 @@ def test_a_dcp_rank_shares_the_files_it_wrote_without_reading_them_back(tmp_path
 
     reads: list[str] = []
     hash_stored = incremental._hash_stored
-    monkeypatch.setattr(incremental, "_hash_stored",
-                        lambda storage, key, size: (reads.append(key), hash_stored(storage, key, size))[1])
+    monkeypatch.setattr(
+        incremental, "_hash_stored", lambda storage, key, size: (reads.append(key), hash_stored(storage, key, size))[1]
+    )
     g = torch.Generator().manual_seed(0)
     state = {f"base{i}": torch.randn(300_000, generator=g) for i in range(2)}
     root = str(tmp_path / "root")

@@ -3,6 +3,7 @@ linear model, a few steps): every published name loads with stock tools, "last" 
 path resume, a flipped byte raises IntegrityError, save_top_k rotation retires only the current
 lineage's checkpoints, Fabric saves and loads; async saves snapshot the state before returning;
 ckpt_path="last" on memory:// and s3:// roots reads the log."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,15 @@ def _ckpts(d: str) -> list[str]:
 
 def test_round_trip_names_resume_and_verification(tmp_path):
     d = str(tmp_path / "run")
-    a = fit(d, seed=0, max_steps=20, ckpt_path=None, plugins=[TransactionalCheckpointIO()],
-            monitor="train_loss", save_top_k=2)
+    a = fit(
+        d,
+        seed=0,
+        max_steps=20,
+        ckpt_path=None,
+        plugins=[TransactionalCheckpointIO()],
+        monitor="train_loss",
+        save_top_k=2,
+    )
     names = _ckpts(d)
     assert "last.ckpt" in names and len(names) == 3, names  # top 2 by train_loss, and last
     for name in names:  # stock tools read every published name
@@ -45,8 +53,15 @@ def test_round_trip_names_resume_and_verification(tmp_path):
 
     b = fit(d, seed=0, max_steps=25, ckpt_path="last", plugins=[TransactionalCheckpointIO()])
     assert b["resumed"] == 20 and b["global_step"] == 25
-    c = fit(d, seed=0, max_steps=25, ckpt_path=a["best"], plugins=[TransactionalCheckpointIO()],
-            monitor="train_loss", save_top_k=1)
+    c = fit(
+        d,
+        seed=0,
+        max_steps=25,
+        ckpt_path=a["best"],
+        plugins=[TransactionalCheckpointIO()],
+        monitor="train_loss",
+        save_top_k=1,
+    )
     assert c["resumed"] == torch.load(a["best"], weights_only=False)["global_step"]
 
     # A flipped byte in the committed file (every name is the same inode) fails the load, typed.
@@ -74,8 +89,15 @@ def test_rotation_never_retires_another_lineages_checkpoint(tmp_path, caplog):
     real = io.remove_checkpoint
     io.remove_checkpoint = lambda path: (removed.append(path), real(path))[1]  # type: ignore[method-assign]
     with caplog.at_level("WARNING", logger="txckpt"):
-        fit(d, seed=1, max_steps=30, ckpt_path=os.path.join(d, "epoch=0-step=10.ckpt"), plugins=[io],
-            save_top_k=1, monitor="train_loss")
+        fit(
+            d,
+            seed=1,
+            max_steps=30,
+            ckpt_path=os.path.join(d, "epoch=0-step=10.ckpt"),
+            plugins=[io],
+            save_top_k=1,
+            monitor="train_loss",
+        )
     assert "rolling back to step 10" in caplog.text and "abandons 2 checkpoint(s)" in caplog.text
     assert removed, "B's rotation removed checkpoints"
     history = txckpt.open_root(d).history()
@@ -132,16 +154,20 @@ def test_async_saves_snapshot_before_returning(tmp_path):
     weights = torch.zeros(256, 64)
     for step in range(1, 33):
         weights.fill_(float(step))
-        io.save_checkpoint({"state_dict": {"w": weights}, "global_step": step, "epoch": 0},
-                           os.path.join(d, f"step={step}.ckpt"))
+        io.save_checkpoint(
+            {"state_dict": {"w": weights}, "global_step": step, "epoch": 0}, os.path.join(d, f"step={step}.ckpt")
+        )
         weights.add_(1000.0)  # in place, while the background may still be writing
     io.teardown()
     reader = TransactionalCheckpointIO()
     for step in range(1, 33):
         state = reader.load_checkpoint(os.path.join(d, f"step={step}.ckpt"))
-        assert state["global_step"] == step and torch.equal(state["state_dict"]["w"], torch.full((256, 64), float(step)))
-        assert torch.equal(torch.load(os.path.join(d, f"step={step}.ckpt"))["state_dict"]["w"],
-                           torch.full((256, 64), float(step)))
+        assert state["global_step"] == step and torch.equal(
+            state["state_dict"]["w"], torch.full((256, 64), float(step))
+        )
+        assert torch.equal(
+            torch.load(os.path.join(d, f"step={step}.ckpt"))["state_dict"]["w"], torch.full((256, 64), float(step))
+        )
 
 
 def _last_on(root: str, storage_options, tmp_path) -> None:
@@ -191,9 +217,15 @@ def test_standalone_pytorch_lightning_package(tmp_path):
     loader = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=2)
 
     def run(max_steps: int, ckpt_path):
-        t = pl.Trainer(max_steps=max_steps, plugins=[TransactionalCheckpointIO()], logger=False,
-                       enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-                       callbacks=[ModelCheckpoint(dirpath=d, every_n_train_steps=4, save_top_k=-1, save_last=True)])
+        t = pl.Trainer(
+            max_steps=max_steps,
+            plugins=[TransactionalCheckpointIO()],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            accelerator="cpu",
+            callbacks=[ModelCheckpoint(dirpath=d, every_n_train_steps=4, save_top_k=-1, save_last=True)],
+        )
         t.fit(Tiny(), loader, ckpt_path=ckpt_path)
         return t
 
@@ -206,13 +238,31 @@ def test_standalone_pytorch_lightning_package(tmp_path):
 def test_resume_from_last_equals_the_uninterrupted_run(tmp_path):
     """An epoch-boundary checkpoint resumed by ckpt_path="last" continues bit for bit: the final
     weights equal those of one uninterrupted run (32 steps an epoch, unshuffled data, SGD)."""
-    straight = fit(str(tmp_path / "straight"), seed=0, max_steps=64, ckpt_path=None,
-                   plugins=[TransactionalCheckpointIO()], every_n_train_steps=32)
+    straight = fit(
+        str(tmp_path / "straight"),
+        seed=0,
+        max_steps=64,
+        ckpt_path=None,
+        plugins=[TransactionalCheckpointIO()],
+        every_n_train_steps=32,
+    )
     d = str(tmp_path / "resumed")
-    fit(d, seed=0, max_steps=32, ckpt_path=None, plugins=[TransactionalCheckpointIO(async_save=True)],
-        every_n_train_steps=32)
-    resumed = fit(d, seed=0, max_steps=64, ckpt_path="last", plugins=[TransactionalCheckpointIO(async_save=True)],
-                  every_n_train_steps=32)
+    fit(
+        d,
+        seed=0,
+        max_steps=32,
+        ckpt_path=None,
+        plugins=[TransactionalCheckpointIO(async_save=True)],
+        every_n_train_steps=32,
+    )
+    resumed = fit(
+        d,
+        seed=0,
+        max_steps=64,
+        ckpt_path="last",
+        plugins=[TransactionalCheckpointIO(async_save=True)],
+        every_n_train_steps=32,
+    )
     assert resumed["resumed"] == 32
     assert resumed["weight"] == straight["weight"]
 

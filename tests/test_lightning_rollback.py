@@ -5,6 +5,7 @@ same dirpath on other data and is SIGKILLed while saving step 15; run C resumes
 newest file); txckpt resumes B's lineage at its newest committed checkpoint, step 10, and warns.
 Also: a SIGKILL inside a save, synchronous and async, leaves 0 torn checkpoints and a restart
 that resumes only committed ones."""
+
 from __future__ import annotations
 
 import logging
@@ -83,7 +84,10 @@ def test_txckpt_resumes_the_rollbacks_lineage(tmp_path, caplog, kind):
     dirpath = str(tmp_path / kind)
     c = _story(dirpath, kind, caplog)
     assert c["resumed"] == 10, "last must be B's lineage's newest committed checkpoint: step 10"
-    assert 'ckpt_path="last" resumes step 10' in caplog.text and "a rollback or a run from scratch abandoned it" in caplog.text
+    assert (
+        'ckpt_path="last" resumes step 10' in caplog.text
+        and "a rollback or a run from scratch abandoned it" in caplog.text
+    )
     # Nothing uncommitted resumed or published: B's step 15 never committed, so no name has it.
     history = txckpt.open_root(dirpath).history()
     by_step = {}
@@ -158,9 +162,17 @@ def test_ddp_two_ranks_save_from_rank0_and_resume_last(tmp_path):
 
     def run(steps: int, ckpt_path):
         cb = ModelCheckpoint(dirpath=d, every_n_train_steps=4, save_top_k=2, monitor="train_loss", save_last=True)
-        t = L.Trainer(max_steps=steps, accelerator="cpu", devices=2, strategy="ddp_spawn", callbacks=[cb],
-                      plugins=[TransactionalCheckpointIO()], logger=False, enable_progress_bar=False,
-                      enable_model_summary=False)
+        t = L.Trainer(
+            max_steps=steps,
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp_spawn",
+            callbacks=[cb],
+            plugins=[TransactionalCheckpointIO()],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         t.fit(TinyModule(), data(0), ckpt_path=ckpt_path)
         return t
 

@@ -146,8 +146,13 @@ def test_a_save_fsyncs_every_data_file_before_its_manifest_and_log_entry(tmp_pat
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "link", link)
     root = txckpt.CheckpointRoot(str(tmp_path / "root"), durable=True)
-    path = root.save(1, {"model.safetensors": {"w": torch.ones(3 << 20)},  # 12 MiB: write-behind runs
-                         "optimizer.pt": {"s": torch.zeros(8)}})
+    path = root.save(
+        1,
+        {
+            "model.safetensors": {"w": torch.ones(3 << 20)},  # 12 MiB: write-behind runs
+            "optimizer.pt": {"s": torch.zeros(8)},
+        },
+    )
     data = [i for i, (op, p) in enumerate(events) if op == "fsync" and p.endswith((".safetensors", ".pt"))]
     manifest = next(i for i, (op, p) in enumerate(events) if op == "link" and p.endswith(txckpt.MANIFEST_NAME))
     entry = max(i for i, (op, p) in enumerate(events) if op == "link" and "/.txckpt/log/" in p)  # the commit

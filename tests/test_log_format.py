@@ -93,8 +93,17 @@ def test_v1_root_reads_as_before_and_takes_v2_entries(tmp_path, caplog, capsys, 
     assert quick.base_seq == 9 and quick.folds_like(full)
     assert len(full.state.lineages) == 2
     got = sorted((c.step, c.state) for c in fresh.checkpoints("all"))
-    assert got == [(1, "retired"), (2, "retired"), (3, "current"), (4, "abandoned"), (4, "current"),
-                   (5, "abandoned"), (6, "current"), (7, "current"), (8, "current")]
+    assert got == [
+        (1, "retired"),
+        (2, "retired"),
+        (3, "current"),
+        (4, "abandoned"),
+        (4, "current"),
+        (5, "abandoned"),
+        (6, "current"),
+        (7, "current"),
+        (8, "current"),
+    ]
     assert len(full.abandoned_at) == 2
     # A resume to an older step forks with a /2 entry after the /1 ones; saves go on.
     r = txckpt.CheckpointRoot(root, durable=False)
@@ -104,8 +113,9 @@ def test_v1_root_reads_as_before_and_takes_v2_entries(tmp_path, caplog, capsys, 
     assert txckpt.get_last_checkpoint(root) == os.path.join(root, "checkpoint-9")
     mixed = commit_log.read_history(txckpt.CheckpointRoot(root).storage, snapshots=False)
     assert len(mixed.state.lineages) == 3 and mixed.state.head == r.state().head
-    assert sorted(mixed.checkpoints[t].step for t, at in mixed.abandoned_at.items()
-                  if at == _entry(root, old_newest + 1)["time"]) == [7, 8]
+    assert sorted(
+        mixed.checkpoints[t].step for t, at in mixed.abandoned_at.items() if at == _entry(root, old_newest + 1)["time"]
+    ) == [7, 8]
     # A /2 snapshot over the mixed log folds like the whole log; the audit agrees.
     monkeypatch.setattr(commit_log, "SNAPSHOT_EVERY", 1)
     txckpt.CheckpointRoot(root, durable=False).history(snapshot=True)
@@ -178,8 +188,10 @@ def test_a_log_entry_replaced_by_a_directory_is_log_corruption_on_every_backend(
     storage = open_storage(url, so)
     newest = commit_log.read_state(storage).seq
     _replace_by_a_directory(storage, commit_log.entry_key(newest))
-    for call in (lambda: txckpt.get_last_checkpoint(url, storage_options=so),
-                 lambda: txckpt.resume(url, storage_options=so)):
+    for call in (
+        lambda: txckpt.get_last_checkpoint(url, storage_options=so),
+        lambda: txckpt.resume(url, storage_options=so),
+    ):
         txckpt.forget_roots()
         with pytest.raises(LogCorruptError) as e:
             call()

@@ -197,8 +197,9 @@ def test_the_path_has_transformers_form_for_a_relative_root(tmp_path, monkeypatc
     assert txckpt.get_last_checkpoint(str(tmp_path / "out")) == str(tmp_path / "out" / "checkpoint-2")
 
 
-@pytest.mark.parametrize("kind", [pytest.param("gcs", marks=pytest.mark.gcs),
-                                  pytest.param("azure", marks=pytest.mark.azure)])
+@pytest.mark.parametrize(
+    "kind", [pytest.param("gcs", marks=pytest.mark.gcs), pytest.param("azure", marks=pytest.mark.azure)]
+)
 def test_a_missing_bucket_or_container_raises_root_not_found_on_gcs_and_azure(kind, request):
     """The drop-in contract on every bucketed store, not only S3: a missing bucket (GCS) or
     container (Azure) is RootNotFoundError, never None (which would train from scratch)."""

@@ -20,8 +20,16 @@ from txckpt import errors, parts, rankparts
 from txckpt.checksum import digest_bytes
 from txckpt.cli.verify import run_verify
 from txckpt.errors import ManifestError
-from txckpt.manifest import (FORMAT, FORMAT_V2, MANIFEST_NAME, Manifest, decode_part, encode_part, read_rank_files,
-                             read_rank_part)
+from txckpt.manifest import (
+    FORMAT,
+    FORMAT_V2,
+    MANIFEST_NAME,
+    Manifest,
+    decode_part,
+    encode_part,
+    read_rank_files,
+    read_rank_part,
+)
 
 
 # ----- the tree and the record ----------------------------------------------------------------
@@ -30,10 +38,10 @@ def test_every_leafs_proof_gives_the_root_and_a_changed_leaf_does_not(count):
     rng = random.Random(count)
     leaves = [rng.randbytes(16) for _ in range(count)]
     tree = parts.build_tree(leaves)
-    assert len(tree) == parts.tree_size(count) and tree[:16 * count] == b"".join(leaves)
+    assert len(tree) == parts.tree_size(count) and tree[: 16 * count] == b"".join(leaves)
     root = parts.tree_root(tree)
     for i in range(count):
-        siblings = [tree[off:off + 16] for off, _ in parts.proof_nodes(count, i)]
+        siblings = [tree[off : off + 16] for off, _ in parts.proof_nodes(count, i)]
         assert len(siblings) <= max(1, (count - 1).bit_length())
         assert parts.root_from_proof(leaves[i], count, i, siblings) == root
         assert parts.root_from_proof(bytes(16), count, i, siblings) != root or count == 1 and leaves[i] == bytes(16)
@@ -77,8 +85,18 @@ def _save(root: txckpt.CheckpointRoot, step: int, world: int, *, names=None, dat
         with open(os.path.join(staging, name), "wb") as f:
             f.write(data + bytes([rank]))
         files = {name: {"size": len(data) + 1, "xxh3_128": digest_bytes(data + bytes([rank])), "kind": "bytes"}}
-        records.append(rankparts.write_part(root.storage, plan.key, rank, plan.txid, files, durable=root.durable,
-                                            directory=False, ranges=_ranges_of(rank, name) if ranges else None).encode())
+        records.append(
+            rankparts.write_part(
+                root.storage,
+                plan.key,
+                rank,
+                plan.txid,
+                files,
+                durable=root.durable,
+                directory=False,
+                ranges=_ranges_of(rank, name) if ranges else None,
+            ).encode()
+        )
     return tx.commit_reports([], records)
 
 
@@ -110,7 +128,9 @@ def test_a_loading_rank_reads_only_its_part_and_its_proof(tmp_path):
 
     root.storage.read_bytes = spy
     for rank in range(7):
-        assert {n: e.rank for n, e in read_rank_files(root.storage, key, manifest, rank, path).items()} == {f"r{rank}.bin": rank}
+        assert {n: e.rank for n, e in read_rank_files(root.storage, key, manifest, rank, path).items()} == {
+            f"r{rank}.bin": rank
+        }
     assert opened == [f"{key}/{parts.part_name(r)}" for r in range(7)]  # one part each, nobody else's
 
 
@@ -177,8 +197,11 @@ def test_a_part_that_differs_from_its_record_aborts_the_first_save(tmp_path):
         with open(os.path.join(root.storage.local_path(plan.key), f"r{rank}"), "wb") as f:
             f.write(b"x")
         files = {f"r{rank}": {"size": 1, "xxh3_128": digest_bytes(b"x"), "kind": "bytes"}}
-        records.append(rankparts.write_part(root.storage, plan.key, rank, plan.txid, files, durable=False,
-                                            directory=False).encode())
+        records.append(
+            rankparts.write_part(
+                root.storage, plan.key, rank, plan.txid, files, durable=False, directory=False
+            ).encode()
+        )
     os.remove(os.path.join(root.storage.local_path(plan.key), parts.part_name(1)))
     with pytest.raises(errors.TransactionAbortedError, match="rank 1's part of the manifest"):
         tx.commit_reports([], records)
@@ -206,8 +229,12 @@ def test_a_format_1_manifest_of_many_ranks_still_reads(tmp_path):
     for rank in range(3):
         with open(os.path.join(root.storage.local_path(plan.key), f"r{rank}"), "wb") as f:
             f.write(b"y")
-        reports.append({"rank": rank, "files": {f"r{rank}": {"size": 1, "xxh3_128": digest_bytes(b"y"),
-                                                             "kind": "bytes", "rank": rank}}})
+        reports.append(
+            {
+                "rank": rank,
+                "files": {f"r{rank}": {"size": 1, "xxh3_128": digest_bytes(b"y"), "kind": "bytes", "rank": rank}},
+            }
+        )
     path = tx.commit_reports(reports)
     with open(os.path.join(path, MANIFEST_NAME)) as f:
         assert json.load(f)["format"] == FORMAT
@@ -296,8 +323,13 @@ def test_a_part_carries_its_ranges_and_refuses_ranges_of_a_file_it_does_not_hold
         encode_part(3, "t", files, {**ranges, **_ranges_of(0, "__0_0.distcp")})
     # A part that names another file in its ranges, or holds a malformed range, is damaged.
     body = json.loads(data)
-    for bad in ({"__0_0.distcp": {"0": [1, "00"]}}, {"__3_0.distcp": {"0": ["1", "00"]}},
-                {"__3_0.distcp": {"x": [1, "00"]}}, {"__3_0.distcp": [1, "00"]}, ["__3_0.distcp"]):
+    for bad in (
+        {"__0_0.distcp": {"0": [1, "00"]}},
+        {"__3_0.distcp": {"0": ["1", "00"]}},
+        {"__3_0.distcp": {"x": [1, "00"]}},
+        {"__3_0.distcp": [1, "00"]},
+        ["__3_0.distcp"],
+    ):
         with pytest.raises(ManifestError, match=r"p's range digests .* the checkpoint is damaged"):
             decode_part(json.dumps({**body, "ranges": bad}).encode(), 3, "t", "p")
 

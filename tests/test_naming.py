@@ -27,7 +27,11 @@ def test_publication_lookup_and_fork_follow_the_roots_naming(root, txlog):
     for step in (1, 2, 3):
         p = txckpt.save_checkpoint(root, step, {"a.json": {"step": step}})
         assert p == os.path.join(root, f"checkpoint_{step}")
-    assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["checkpoint_1", "checkpoint_2", "checkpoint_3"]
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == [
+        "checkpoint_1",
+        "checkpoint_2",
+        "checkpoint_3",
+    ]
     assert json.loads(open(os.path.join(root, NAMING_KEY)).read())["prefix"] == "checkpoint_"
     txckpt.forget_roots()  # a fresh process reads the naming from the root
     assert txckpt.get_last_checkpoint(root) == os.path.join(root, "checkpoint_3")

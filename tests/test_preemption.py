@@ -5,6 +5,7 @@ process survives; exit() finishes a pending async save and reports it.
 
 The real processes (a SIGTERMed training loop, a second signal, SIGKILL during the save, two
 gloo ranks) are tests/test_preemption_procs.py."""
+
 from __future__ import annotations
 
 import logging
@@ -102,8 +103,19 @@ def test_install_refuses_bad_calls():
 def test_the_handler_is_plain():
     """No lock, no logging, no file I/O in the handler: it stores and writes one byte to a pipe."""
     names = set(preemption._handler.__code__.co_names)
-    assert names <= {"_current", "signum", "t_signal", "time", "monotonic", "count", "os", "write",
-                     "wfd", "bytes", "OSError"}, names
+    assert names <= {
+        "_current",
+        "signum",
+        "t_signal",
+        "time",
+        "monotonic",
+        "count",
+        "os",
+        "write",
+        "wfd",
+        "bytes",
+        "OSError",
+    }, names
 
 
 def test_decide():
@@ -209,8 +221,14 @@ def test_the_documented_loop_runs_as_written(tmp_path, monkeypatch, caplog):
         if len(steps) == 3:
             signal.raise_signal(signal.SIGTERM)  # the scheduler, during step 3
 
-    names = {"train_step": train_step, "model": model, "optimizer": optimizer, "start": 1,
-             "total_steps": 1000, "rank": 0}
+    names = {
+        "train_step": train_step,
+        "model": model,
+        "optimizer": optimizer,
+        "start": 1,
+        "total_steps": 1000,
+        "rank": 0,
+    }
     with caplog.at_level(logging.WARNING, logger="txckpt"), pytest.raises(SystemExit) as e:
         exec(compile(block, "docs/preemption.md", "exec"), names)
     assert e.value.code == 143 and steps == [1, 2, 3]

@@ -41,6 +41,7 @@ After each case, in this process, the invariants (each check is a *point*; a fai
 Marked ``slow`` (the campaign tier): 16 local + 8 S3 cases, 1.3 minutes on the 2-core machine
 (2.5 under load); ``TXCKPT_CAMPAIGN_CASES=N`` runs N cases on each root instead.
 """
+
 from __future__ import annotations
 
 import json
@@ -99,10 +100,12 @@ class Case:
 
     @property
     def name(self) -> str:
-        return (f"{self.kind}-{self.index:02d} {self.moment}@{self.at} {'sync' if self.sync else 'async'} "
-                f"every {self.every} SIGTERM->rank{'+'.join(map(str, self.targets))} grace {self.grace_s:g} s "
-                f"(loop {'none' if self.loop_grace_s is None else f'{self.loop_grace_s:g} s'})"
-                f"{' stalled' if self.stalled else ''}{' from the final save' if self.aimed else ''}")
+        return (
+            f"{self.kind}-{self.index:02d} {self.moment}@{self.at} {'sync' if self.sync else 'async'} "
+            f"every {self.every} SIGTERM->rank{'+'.join(map(str, self.targets))} grace {self.grace_s:g} s "
+            f"(loop {'none' if self.loop_grace_s is None else f'{self.loop_grace_s:g} s'})"
+            f"{' stalled' if self.stalled else ''}{' from the final save' if self.aimed else ''}"
+        )
 
 
 def plan(rng: random.Random, kind: str, n: int) -> list[Case]:
@@ -121,8 +124,21 @@ def plan(rng: random.Random, kind: str, n: int) -> list[Case]:
         stalled, aimed = rng.random() < 0.2, rng.random() < 0.25
         if aimed and not stalled:  # the SIGKILL within about the final save's time after a rank began it
             grace, loop_grace = round(rng.uniform(0.0, FINAL_SAVE_S[kind]), 3), None
-        cases.append(Case(i, kind, moment, sync, every, at, rng.choice([(0,), (1,), (0, 1)]), grace, loop_grace,
-                          stalled, aimed and not stalled))
+        cases.append(
+            Case(
+                i,
+                kind,
+                moment,
+                sync,
+                every,
+                at,
+                rng.choice([(0,), (1,), (0, 1)]),
+                grace,
+                loop_grace,
+                stalled,
+                aimed and not stalled,
+            )
+        )
     return cases
 
 
@@ -136,9 +152,23 @@ class Rank:
         self.exited_after: float | None = None  # seconds from the signal to its exit, if it exited by itself
         env = dict(os.environ, PYTHONPATH=REPO, TXCKPT_COORDINATION_TIMEOUT="60", PYTHONUNBUFFERED="1")
         with open(self.log, "w") as out:
-            self.proc = popen_python([LOOP, "--hs", self.hs, "--rank", str(rank), "--world", str(WORLD),
-                                      "--store", os.path.join(run_dir, "store"), *args],
-                                     env=env, stdout=out, stderr=out)
+            self.proc = popen_python(
+                [
+                    LOOP,
+                    "--hs",
+                    self.hs,
+                    "--rank",
+                    str(rank),
+                    "--world",
+                    str(WORLD),
+                    "--store",
+                    os.path.join(run_dir, "store"),
+                    *args,
+                ],
+                env=env,
+                stdout=out,
+                stderr=out,
+            )
 
     def file(self, name: str) -> str:
         return os.path.join(self.hs, name.format(r=self.rank))
@@ -261,13 +291,17 @@ class Campaign:
             except Exception as e:  # noqa: BLE001 - a torn checkpoint is what this looks for
                 self.check(False, f"{where} does not verify: {type(e).__name__}: {e}")
                 continue
-            self.check(manifest.txid == info.txid and manifest.step == info.step,
-                       f"{where}: its manifest is txid {manifest.txid} step {manifest.step}")
+            self.check(
+                manifest.txid == info.txid and manifest.step == info.step,
+                f"{where}: its manifest is txid {manifest.txid} step {manifest.step}",
+            )
             self.check(manifest.world_size == WORLD, f"{where}: world_size {manifest.world_size}")
             self.check(sorted(data) == [f"rank{r}.pt" for r in range(WORLD)], f"{where}: files {sorted(data)}")
             for name, state in sorted(data.items()):
-                self.check(state["step"] == info.step and bool(state["w"].eq(info.step).all()),
-                           f"{where}: {name} holds step {state['step']}'s state, w={state['w'].tolist()} (mixed)")
+                self.check(
+                    state["step"] == info.step and bool(state["w"].eq(info.step).all()),
+                    f"{where}: {name} holds step {state['step']}'s state, w={state['w'].tolist()} (mixed)",
+                )
             self.check(info.step in saved_steps, f"{where}: the loop never saved step {info.step}")
             if info.state == "current":
                 current[info.step] = info.path
@@ -275,16 +309,20 @@ class Campaign:
         for r in ranks:  # every save a rank saw return or finish is still committed
             for step, outcome in saves_seen(r).items():
                 if outcome.startswith("ok "):
-                    self.check(step in steps, f"rank {r.rank} saw step {step} committed ({outcome}); "
-                                              f"committed now: {sorted(steps)}")
+                    self.check(
+                        step in steps,
+                        f"rank {r.rank} saw step {step} committed ({outcome}); committed now: {sorted(steps)}",
+                    )
         try:
             last = txckpt.get_last_checkpoint(url, storage_options=so, missing_ok=True)
         except Exception as e:  # noqa: BLE001
             self.check(False, f"get_last_checkpoint raised {type(e).__name__}: {e}")
             return current
         last_step = txckpt.read_manifest(last, storage_options=so).step if last else None
-        self.check(last_step == (max(steps) if steps else None),
-                   f"get_last_checkpoint is step {last_step}, the newest committed is {max(steps, default=None)}")
+        self.check(
+            last_step == (max(steps) if steps else None),
+            f"get_last_checkpoint is step {last_step}, the newest committed is {max(steps, default=None)}",
+        )
         return current
 
     # ----- one case ------------------------------------------------------------------------------
@@ -311,8 +349,9 @@ class Campaign:
                 self.sigterms += 1
             end = t_signal + case.grace_s
             if case.moment != "async-pending":  # the loop's main thread is held: it must handle the signal
-                acked = all_files([ranks[r] for r in case.targets], "signalled-rank{r}",
-                                  until=t_signal + 5.0 if case.aimed else end)
+                acked = all_files(
+                    [ranks[r] for r in case.targets], "signalled-rank{r}", until=t_signal + 5.0 if case.aimed else end
+                )
             if not case.stalled:
                 open(os.path.join(ranks[0].hs, "release"), "w").close()
             if case.aimed:  # from the moment the first rank begins its final save (5 s at most in all)
@@ -328,13 +367,19 @@ class Campaign:
             alive = [r for r in ranks if r.proc.poll() is None]
             kill_all(ranks)
         self.stalls += case.stalled
-        self.slow_shutdowns += bool(alive) and not case.stalled and not case.aimed and case.loop_grace_s is None \
+        self.slow_shutdowns += (
+            bool(alive)
+            and not case.stalled
+            and not case.aimed
+            and case.loop_grace_s is None
             and case.grace_s >= SLOW_AFTER_S
+        )
         self.sigkills += len(alive)
         self.killed_cases += bool(alive)
         final = [r.read("final-rank{r}") for r in ranks]  # the final save had begun on that rank
-        self.killed_in_final_save += any(r in alive and f and f"done-{f}-rank{r.rank}" not in os.listdir(r.hs)
-                                         for r, f in zip(ranks, final))
+        self.killed_in_final_save += any(
+            r in alive and f and f"done-{f}-rank{r.rank}" not in os.listdir(r.hs) for r, f in zip(ranks, final)
+        )
         codes = [r.proc.returncode for r in ranks]
         forced = [r.rank for r in ranks if FORCED_EXIT in r.output(tail=1 << 20)]
         for r, code in zip(ranks, codes):
@@ -342,9 +387,11 @@ class Campaign:
             # save both make: the save's collective raises CoordinationTimeoutError in the loop (a plain
             # loop does not catch it), before this rank's own grace ran out.
             peer_gone = any(o.rank != r.rank and (o.rank in forced or o in alive) for o in ranks)
-            self.check(code in (SIGTERM_STATUS, -signal.SIGKILL)
-                       or (code == 1 and peer_gone and "CoordinationTimeoutError" in r.output(tail=1 << 20)),
-                       f"rank {r.rank} exited with {code}, not {SIGTERM_STATUS} or SIGKILL:\n{r.output()}")
+            self.check(
+                code in (SIGTERM_STATUS, -signal.SIGKILL)
+                or (code == 1 and peer_gone and "CoordinationTimeoutError" in r.output(tail=1 << 20)),
+                f"rank {r.rank} exited with {code}, not {SIGTERM_STATUS} or SIGKILL:\n{r.output()}",
+            )
         results = [r.result() for r in ranks]
         expected = {"step": case.at, "sync-save": case.at + 1}.get(case.moment)
         agreed = [res["stopped_at"] for res in results if res]
@@ -361,20 +408,26 @@ class Campaign:
             self.committed_at_signal += 1
         for r in forced:  # txckpt exits by itself only when the grace install() was given ran out
             after = ranks[r].exited_after
-            self.check(case.loop_grace_s is not None and (after is None or after >= case.loop_grace_s),
-                       f"rank {r} was forced out {after} s after the signal, its grace is {case.loop_grace_s} s:\n"
-                       f"{ranks[r].output()}")
+            self.check(
+                case.loop_grace_s is not None and (after is None or after >= case.loop_grace_s),
+                f"rank {r} was forced out {after} s after the signal, its grace is {case.loop_grace_s} s:\n"
+                f"{ranks[r].output()}",
+            )
         if codes == [SIGTERM_STATUS] * WORLD and not forced:  # the grace covered the whole shutdown
             self.covered += 1
             self.check(len(agreed) == WORLD, f"both ranks exited by themselves, results {results}")
-            self.check(at_signal in current and at_signal == max(current),
-                       f"the grace covered it but step {at_signal} is not the newest committed: {sorted(current)}")
+            self.check(
+                at_signal in current and at_signal == max(current),
+                f"the grace covered it but step {at_signal} is not the newest committed: {sorted(current)}",
+            )
             for r in ranks:
                 failed = {s: o for s, o in saves_seen(r).items() if not o.startswith("ok ")}
                 self.check(not failed, f"the grace covered it but rank {r.rank}'s saves failed: {failed}")
             if case.moment == "async-pending":
-                self.check(case.at in current, f"the save of step {case.at} pending at the signal is not "
-                                               f"committed: {sorted(current)}")
+                self.check(
+                    case.at in current,
+                    f"the save of step {case.at} pending at the signal is not committed: {sorted(current)}",
+                )
         self.restart(case, run_dir, url, args, current, ranks)
 
     def saved_steps(self, case: Case, stopped_at: int | None, start: int, finish: int | None = None) -> set[int]:
@@ -385,13 +438,16 @@ class Campaign:
         return out | {s for s in (stopped_at, finish) if s is not None}
 
     # ----- the restart (5) -----------------------------------------------------------------------
-    def restart(self, case: Case, run_dir: str, url: str, args: list[str], current: dict[int, str],
-                before: list[Rank]) -> None:
+    def restart(
+        self, case: Case, run_dir: str, url: str, args: list[str], current: dict[int, str], before: list[Rank]
+    ) -> None:
         self.restarts += 1
         last = max(current, default=0)
         finish = last + case.every + 1
-        ranks = [Rank(os.path.join(run_dir, "restart"), r, args + ["--resume", "--finish-at", str(finish)])
-                 for r in range(WORLD)]
+        ranks = [
+            Rank(os.path.join(run_dir, "restart"), r, args + ["--resume", "--finish-at", str(finish)])
+            for r in range(WORLD)
+        ]
         try:
             for r in ranks:
                 r.proc.wait(120)
@@ -401,24 +457,31 @@ class Campaign:
         finally:
             kill_all(ranks)
         for r in ranks:
-            if not self.check(r.proc.returncode == 0, f"restart rank {r.rank} exited with {r.proc.returncode}:\n"
-                                                      f"{r.output()}"):
+            if not self.check(
+                r.proc.returncode == 0, f"restart rank {r.rank} exited with {r.proc.returncode}:\n{r.output()}"
+            ):
                 return
             resumed = json.loads(r.read("resumed-rank{r}.json") or "{}")
-            self.check(resumed.get("from") == last,
-                       f"restart rank {r.rank} resumed from {resumed}, get_last_checkpoint's step is {last}")
+            self.check(
+                resumed.get("from") == last,
+                f"restart rank {r.rank} resumed from {resumed}, get_last_checkpoint's step is {last}",
+            )
         saved = self.saved_steps(case, None, last, finish) | set(current)
         after = self.committed(url, saved, before + ranks)  # the first run's saves are still there
-        self.check(finish in after and max(after) == finish,
-                   f"the restart from step {last} did not commit step {finish}: {sorted(after)}")
+        self.check(
+            finish in after and max(after) == finish,
+            f"the restart from step {last} did not commit step {finish}: {sorted(after)}",
+        )
 
     def summary(self, wall: float) -> str:
-        return (f"preemption campaign ({self.kind} root, seed {SEED}): {self.cases} cases, "
-                f"{self.sigterms + self.sigkills + self.stalls} faults ({self.sigterms} SIGTERMs, {self.sigkills} "
-                f"SIGKILLs in {self.killed_cases} cases, {self.killed_in_final_save} inside the final save, "
-                f"{self.stalls} stalls), {self.covered} covered by the grace, {self.slow_shutdowns} slow shutdowns, "
-                f"{self.committed_at_signal} committed the step at the signal, {self.restarts} restarts, "
-                f"{self.points} points checked, {len(self.violations)} violations; {wall:.0f} s")
+        return (
+            f"preemption campaign ({self.kind} root, seed {SEED}): {self.cases} cases, "
+            f"{self.sigterms + self.sigkills + self.stalls} faults ({self.sigterms} SIGTERMs, {self.sigkills} "
+            f"SIGKILLs in {self.killed_cases} cases, {self.killed_in_final_save} inside the final save, "
+            f"{self.stalls} stalls), {self.covered} covered by the grace, {self.slow_shutdowns} slow shutdowns, "
+            f"{self.committed_at_signal} committed the step at the signal, {self.restarts} restarts, "
+            f"{self.points} points checked, {len(self.violations)} violations; {wall:.0f} s"
+        )
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])

@@ -64,15 +64,23 @@ def workdir(tmp_path):
     (bin_dir / "python").chmod(0o755)
     (bin_dir / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n')
     (bin_dir / "scontrol").chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=REPO, OMP_NUM_THREADS="1",
-               SCONTROL_LOG=str(tmp_path / "scontrol.log"), SLURM_JOB_ID="4242", TXCKPT_DURABLE="0")
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        PYTHONPATH=REPO,
+        OMP_NUM_THREADS="1",
+        SCONTROL_LOG=str(tmp_path / "scontrol.log"),
+        SLURM_JOB_ID="4242",
+        TXCKPT_DURABLE="0",
+    )
     return tmp_path, env
 
 
 def _start(cmd: list[str], cwd, env, pause_at: int | None) -> subprocess.Popen:
     env = dict(env, **({"TXCKPT_EXAMPLE_PAUSE_AT": str(pause_at)} if pause_at else {}))
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def _until_paused(proc: subprocess.Popen) -> str:

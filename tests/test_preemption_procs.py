@@ -5,6 +5,7 @@ Kubernetes and spot VMs do and checks the root afterwards: what is committed is 
 signal or a SIGKILL, the previous committed one), nothing torn. Handshakes are files the child
 writes (tests/children/preempt_loop.py lists them); the parent polls them with a deadline and
 never sleeps to synchronise."""
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,12 @@ class Child(HandshakeChild):
         self._dirs(tmp_path, rank)
         env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", TXCKPT_COORDINATION_TIMEOUT="60")
         with open(self.log, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, LOOP, "--hs", self.hs, *args, "--rank", str(rank)],
-                                         stdout=err, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(
+                [sys.executable, LOOP, "--hs", self.hs, *args, "--rank", str(rank)],
+                stdout=err,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
 
     def result(self) -> dict:
         return self.json("result-rank{r}.json")
@@ -65,8 +70,20 @@ def test_sigterm_at_a_random_step_saves_the_next_boundary_and_exits(tmp_path):
 
 def test_a_save_pending_at_the_signal_commits_before_exit(tmp_path):
     root = str(tmp_path / "out")
-    child = Child(tmp_path, "--root", root, "--every", "5", "--block-step", "10", "--last-periodic", "10", "--no-final-save",
-                  "--grace", "60")
+    child = Child(
+        tmp_path,
+        "--root",
+        root,
+        "--every",
+        "5",
+        "--block-step",
+        "10",
+        "--last-periodic",
+        "10",
+        "--no-final-save",
+        "--grace",
+        "60",
+    )
     child.wait_for("blocked-rank{r}")  # the save of step 10 is in the background, held
     child.signal(signal.SIGTERM)
     child.wait_for("result-rank{r}.json")  # the loop stopped; exit() waits for the pending save
@@ -81,8 +98,20 @@ def test_a_save_pending_at_the_signal_commits_before_exit(tmp_path):
 
 def test_a_second_sigterm_exits_at_once_leaving_the_previous_checkpoint(tmp_path):
     root = str(tmp_path / "out")
-    child = Child(tmp_path, "--root", root, "--every", "5", "--block-step", "10", "--last-periodic", "10", "--no-final-save",
-                  "--grace", "600")
+    child = Child(
+        tmp_path,
+        "--root",
+        root,
+        "--every",
+        "5",
+        "--block-step",
+        "10",
+        "--last-periodic",
+        "10",
+        "--no-final-save",
+        "--grace",
+        "600",
+    )
     child.wait_for("blocked-rank{r}")
     child.signal(signal.SIGTERM)
     child.wait_for("result-rank{r}.json")  # in exit(), waiting for the held save
@@ -96,8 +125,9 @@ def test_a_second_sigterm_exits_at_once_leaving_the_previous_checkpoint(tmp_path
     assert step == 5 and files["rank0.pt"]["w"].eq(5).all()
 
 
-@pytest.mark.parametrize("kill_at", ["final-rank{r}", "inside-{step}-rank{r}"],
-                         ids=["before-the-final-save", "in-the-background-save"])
+@pytest.mark.parametrize(
+    "kill_at", ["final-rank{r}", "inside-{step}-rank{r}"], ids=["before-the-final-save", "in-the-background-save"]
+)
 def test_sigkill_during_the_final_save_never_tears(tmp_path, kill_at):
     root = str(tmp_path / "out")
     at = random.Random().randint(11, 25)  # step 5 is committed by then: step 10's save waited for it
@@ -116,8 +146,10 @@ def test_sigkill_during_the_final_save_never_tears(tmp_path, kill_at):
 def test_two_ranks_sigterm_on_rank_1_only_both_save_the_same_step(tmp_path):
     root = str(tmp_path / "out")
     store = str(tmp_path / "store")
-    ranks = [Child(tmp_path, "--root", root, "--every", "4", "--grace", "60", "--world", "2",
-                   "--store", store, rank=r) for r in range(2)]
+    ranks = [
+        Child(tmp_path, "--root", root, "--every", "4", "--grace", "60", "--world", "2", "--store", store, rank=r)
+        for r in range(2)
+    ]
     at = random.Random().randint(3, 20)
     ranks[1].wait_for("step-rank{r}", at_least=at)
     ranks[1].signal(signal.SIGTERM)

@@ -24,8 +24,13 @@ def _signal_while_finalizing(*args: str) -> tuple[int, str]:
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
     env = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.Popen([sys.executable, CHILD, str(ready_w), str(go_r), *args], pass_fds=(ready_w, go_r),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, CHILD, str(ready_w), str(go_r), *args],
+        pass_fds=(ready_w, go_r),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     os.close(ready_w)
     os.close(go_r)
     try:

@@ -24,8 +24,7 @@ def test_a_64_mib_s3_save_logs_its_phases_at_debug_and_one_summary_at_info(s3_ro
     url, opts = s3_root
     tensors = {"w": torch.arange(16 * MiB, dtype=torch.float32)}  # 64 MiB
     caplog.set_level(logging.DEBUG, logger="txckpt")
-    path = txckpt.save_checkpoint(url, 7, {"model.safetensors": tensors, "meta.json": {"a": 1}},
-                                  storage_options=opts)
+    path = txckpt.save_checkpoint(url, 7, {"model.safetensors": tensors, "meta.json": {"a": 1}}, storage_options=opts)
     records = _records(caplog, "save")
     phases = [r.txckpt_phase for r in records]
     assert phases == ["staging", "data", "manifest", "commit", "publish", "done"]
@@ -155,9 +154,12 @@ def test_a_terminal_that_reports_no_size_still_gets_a_bar(two_mib_root):
 
 
 def test_no_progress_json_and_a_pipe_show_no_bar(two_mib_root, tmp_path):
-    for argv in (["verify", two_mib_root, "--no-progress"], ["verify", two_mib_root, "--json"],
-                 ["export", two_mib_root, str(tmp_path / "c1"), "--step", "1", "--no-progress"],
-                 ["gc", two_mib_root, "--no-progress"]):
+    for argv in (
+        ["verify", two_mib_root, "--no-progress"],
+        ["verify", two_mib_root, "--json"],
+        ["export", two_mib_root, str(tmp_path / "c1"), "--step", "1", "--no-progress"],
+        ["gc", two_mib_root, "--no-progress"],
+    ):
         rc, err = _cli_on_a_terminal(*argv)
         assert rc == 0 and "%|" not in err and "B/s]" not in err, (argv, err)
     piped = run_python(["-m", "txckpt", "verify", two_mib_root], timeout=120)
@@ -204,9 +206,14 @@ def test_in_a_process_group_the_summary_is_logged_once_by_rank_0_with_every_rank
     by_rank = {r.rank: r.ok for r in run.results}
     total = txckpt.read_manifest(os.path.join(root, "checkpoint-4")).total_bytes
     assert total == 3 * MiB
-    assert by_rank[0] == [["staging", "DEBUG", None], ["data (rank 0)", "DEBUG", MiB],
-                          ["manifest", "DEBUG", None], ["commit", "DEBUG", None],
-                          ["publish", "DEBUG", None], ["done", "INFO", total]]
+    assert by_rank[0] == [
+        ["staging", "DEBUG", None],
+        ["data (rank 0)", "DEBUG", MiB],
+        ["manifest", "DEBUG", None],
+        ["commit", "DEBUG", None],
+        ["publish", "DEBUG", None],
+        ["done", "INFO", total],
+    ]
     assert by_rank[1] == [["staging", "DEBUG", None], ["data (rank 1)", "DEBUG", 2 * MiB]]
 
 

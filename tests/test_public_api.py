@@ -10,6 +10,7 @@
 - ``import txckpt`` imports none of the frameworks the integrations adapt.
 
 In-process and fast: no child process, no server, no Trainer."""
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,11 @@ PUBLIC_MODULES = (
     "txckpt.integrations.lightning",
 )
 #: What a public module needs that a core install may lack.
-NEEDS = {"txckpt.integrations.transformers": "transformers", "txckpt.integrations.accelerate": "accelerate",
-         "txckpt.integrations.lightning": "lightning"}
+NEEDS = {
+    "txckpt.integrations.transformers": "transformers",
+    "txckpt.integrations.accelerate": "accelerate",
+    "txckpt.integrations.lightning": "lightning",
+}
 FRAMEWORKS = ("transformers", "accelerate", "deepspeed", "lightning")
 #: User documents whose inline code is checked too (api.md and architecture.md name internal
 #: modules on purpose; docs/dev/ is for maintainers).
@@ -52,6 +56,7 @@ CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)
 
 
 # ----- reading docs/api.md and the __all__ lists --------------------------------------------------
+
 
 def _sections(path: str = API_MD) -> dict[str, str]:
     """``## heading`` -> the text under it."""
@@ -73,8 +78,7 @@ def api_modules() -> list[str]:
 
 def api_names() -> list[str]:
     """Every name docs/api.md lists, in its order (duplicates kept, for the test to see)."""
-    return [name for title, text in _sections().items() if title != "Public modules"
-            for name, _ in _bullets(text)]
+    return [name for title, text in _sections().items() if title != "Public modules" for name, _ in _bullets(text)]
 
 
 def _source(module: str) -> str:
@@ -104,10 +108,11 @@ def _import(module: str):
 def _split(name: str) -> tuple[str, str]:
     """A public name's (module, attribute): the longest public module it starts with."""
     module = max((m for m in PUBLIC_MODULES if name.startswith(m + ".")), key=len)
-    return module, name[len(module) + 1:]
+    return module, name[len(module) + 1 :]
 
 
 # ----- (a) docs/api.md == the public __all__s ------------------------------------------------------
+
 
 def test_api_md_names_the_public_modules():
     assert api_modules() == list(PUBLIC_MODULES)
@@ -129,6 +134,7 @@ def test_the_static_all_is_the_all():
 
 
 # ----- (b) every public name imports and is documented --------------------------------------------
+
 
 def _own_doc(obj) -> str:
     doc = obj.__dict__.get("__doc__") if isinstance(obj, type) else getattr(obj, "__doc__", None)
@@ -163,8 +169,9 @@ def test_errors_have_the_bases_and_fields_api_md_gives():
         fields = [f.strip(" `") for f in m.group(2).split(",")] if m.group(2) else []
         assert bases == [b.__name__ for b in cls.__bases__], name
         assert fields == list(cls.fields), name
-    assert {c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.TxckptError)} \
-        == {getattr(errors, n) for n in errors.__all__}, "an error class missing from txckpt.errors.__all__"
+    assert {c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.TxckptError)} == {
+        getattr(errors, n) for n in errors.__all__
+    }, "an error class missing from txckpt.errors.__all__"
 
 
 def test_api_md_commands_are_the_clis():
@@ -177,12 +184,13 @@ def test_api_md_commands_are_the_clis():
 
 # ----- (c) what the documents tell users to use is public -----------------------------------------
 
+
 def _is_public(dotted: str) -> str | None:
     """None if ``dotted`` (a module, a name, or an attribute of one) is public, else why not."""
     if dotted in PUBLIC_MODULES or any(m.startswith(dotted + ".") for m in PUBLIC_MODULES):
         return None  # a public module, or a package on the way to one (txckpt.integrations)
     module = max((m for m in PUBLIC_MODULES if dotted.startswith(m + ".")), key=len)
-    first, *rest = dotted[len(module) + 1:].split(".")
+    first, *rest = dotted[len(module) + 1 :].split(".")
     if first not in static_all(module):
         return f"{module}.{first} is not public (not in {module}.__all__)"
     if rest:
@@ -194,7 +202,7 @@ def _is_public(dotted: str) -> str | None:
         obj = getattr(importlib.import_module(module), first)
         for i, part in enumerate(rest):
             if not hasattr(obj, part):
-                return f"{'.'.join([module, first, *rest[:i + 1]])} does not exist"
+                return f"{'.'.join([module, first, *rest[: i + 1]])} does not exist"
             obj = getattr(obj, part)
     return None
 
@@ -241,12 +249,14 @@ def test_documents_use_txckpt_names():
 
 @pytest.mark.parametrize("doc", [os.path.relpath(p, HERE) for p in USER_DOCS])
 def test_documents_name_only_public_api(doc):
-    wrong = sorted({f"{ref}: {why}" for ref in doc_references(os.path.join(HERE, doc))
-                    if (why := _is_public(ref)) is not None})
+    wrong = sorted(
+        {f"{ref}: {why}" for ref in doc_references(os.path.join(HERE, doc)) if (why := _is_public(ref)) is not None}
+    )
     assert wrong == [], f"{doc} tells users to use what docs/api.md does not make public"
 
 
 # ----- (d) import txckpt imports no framework ----------------------------------------------------
+
 
 class _FrameworkBlocker(importlib.abc.MetaPathFinder):
     def __init__(self) -> None:

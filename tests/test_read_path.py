@@ -84,15 +84,21 @@ def test_a_checkpoint_copied_out_of_its_root_opens_its_own_storage_once(tmp_path
 def test_a_warm_verified_load_makes_at_most_50_hops():
     t = hops.measure("load")
     assert t.storage_opens == 1 and t.open_storage_calls == 1
-    assert t.hops <= MAX_LOAD_HOPS, t.summary("load") + "\n" + "\n".join(
-        f"{n:4d}  {a} -> {b}" for (a, b), n in t.edges.most_common())
+    assert t.hops <= MAX_LOAD_HOPS, (
+        t.summary("load") + "\n" + "\n".join(f"{n:4d}  {a} -> {b}" for (a, b), n in t.edges.most_common())
+    )
 
 
 def test_a_warm_synchronous_save_makes_at_most_112_hops():
     # In a process of its own, as `python -m benchmarks.hops save` counts it: a test process
     # holds what earlier tests left (an async saver makes every save ask which root it is).
-    out = subprocess.run([sys.executable, "-m", "benchmarks.hops", "save", "--edges"], capture_output=True,
-                         text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.hops", "save", "--edges"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert out.returncode == 0, out.stderr
     summary = out.stdout.splitlines()[0]
     found = re.match(r"save: (\d+) hops, .* storage opened (\d+) times \((\d+) open_storage calls\)", summary)
@@ -109,7 +115,14 @@ def test_the_hop_counter_counts_edges_between_modules_only():
     t = hops.trace(lambda: layout.is_url("s3://b/k"))
     assert t.hops == 0  # is_url calls nothing of another module
     t = hops.trace(lambda: txckpt.reader.parse("/x/checkpoint-3"))
-    assert dict(t.edges) == {("txckpt.reader", "txckpt.layout"): 1, ("txckpt.reader", "txckpt.naming"): 1,
-                             ("txckpt.naming", "txckpt.layout"): 1} and t.hops == 3
+    assert (
+        dict(t.edges)
+        == {
+            ("txckpt.reader", "txckpt.layout"): 1,
+            ("txckpt.reader", "txckpt.naming"): 1,
+            ("txckpt.naming", "txckpt.layout"): 1,
+        }
+        and t.hops == 3
+    )
     t = hops.trace(lambda: storage_pkg.open_storage("/tmp"))
     assert (t.storage_opens, t.open_storage_calls) == (1, 1)

@@ -61,9 +61,11 @@ def campaign(tmp_path_factory):
     known = sum(len(r.known_violations) for r in results)
     errors = sum(1 for r in results if r.error)
     points = sum(r.points for r in results)
-    line = (f"reliability campaign (quick, seed {seed}: TXCKPT_SWEEP_SEED={seed} repeats it): {len(results)} cases, "
-            f"{points} crash points/states/probes/cycles, {new} unexplained violations, {errors} harness errors, "
-            f"{known} violations of {len({k for r in results for k in r.known})} known issues; {wall:.0f} s; scorecard: {out}")
+    line = (
+        f"reliability campaign (quick, seed {seed}: TXCKPT_SWEEP_SEED={seed} repeats it): {len(results)} cases, "
+        f"{points} crash points/states/probes/cycles, {new} unexplained violations, {errors} harness errors, "
+        f"{known} violations of {len({k for r in results for k in r.known})} known issues; {wall:.0f} s; scorecard: {out}"
+    )
     conftest.SUMMARY_LINES.append(line)
     print(line)
     return {r.id: r for r in results}
@@ -174,7 +176,9 @@ def test_power_cut_after_commit_keeps_the_checkpoint(tmp_path):
     target = str(tmp_path / "after-power-cut")
     state.materialize(target)
     last = txckpt.get_last_checkpoint(os.path.join(target, "root"))
-    assert last is not None and txckpt.read_manifest(last).step == 4, f"the durable commit of step 4 lost its data: {last}"
+    assert last is not None and txckpt.read_manifest(last).step == 4, (
+        f"the durable commit of step 4 lost its data: {last}"
+    )
 
 
 # Regression test of KI-log-unprotected, fixed in the core (was a strict xfail).
@@ -218,8 +222,9 @@ def test_a_deleted_newest_log_entry_is_not_silent(root, txlog):
         last = txckpt.get_last_checkpoint(root)
     except LogCorruptError:
         return  # a typed error is fine
-    assert last == newest or "missing" in txlog.text or "verify" in txlog.text, \
+    assert last == newest or "missing" in txlog.text or "verify" in txlog.text, (
         f"lookup silently returned {last} instead of {newest}"
+    )
 
 
 # Regression test of KI-gc-clock, fixed in the core (was a strict xfail).
@@ -235,7 +240,9 @@ def test_gc_keeps_a_live_writers_staging_when_its_clock_is_behind(root, monkeypa
     try:
         tx.save("a.dat", b"x" * 100)
         # gc in another process (gc takes its own pid for alive)
-        code, out = run_child(lambda: [i.key for i in collect_garbage(CheckpointRoot(root)).items if i.kind == "staging"])
+        code, out = run_child(
+            lambda: [i.key for i in collect_garbage(CheckpointRoot(root)).items if i.kind == "staging"]
+        )
         assert code == 0, out
         assert out["ok"] == [], f"gc removed the live writer's staging: {out['ok']}"
     finally:
@@ -391,9 +398,20 @@ def test_a_commit_landing_while_the_history_is_folded_is_not_taken_for_lost_entr
     def read_entry(st, seq):
         got = real(st, seq)
         if got is None and seq == end + 1 and not landed:  # the probe past the end: now commit
-            landed.append(subprocess.run(
-                [sys.executable, "-c", "import sys, txckpt; txckpt.save_checkpoint(sys.argv[1], 4, {'a.bin': b'4'})",
-                 root], env=dict(os.environ, PYTHONPATH=os.getcwd()), capture_output=True, text=True, timeout=120))
+            landed.append(
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-c",
+                        "import sys, txckpt; txckpt.save_checkpoint(sys.argv[1], 4, {'a.bin': b'4'})",
+                        root,
+                    ],
+                    env=dict(os.environ, PYTHONPATH=os.getcwd()),
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+            )
         return got
 
     monkeypatch.setattr(commit_log, "read_entry", read_entry)
@@ -456,11 +474,15 @@ def test_a_hung_case_is_killed_at_its_limit_with_what_it_started(tmp_path):
     died: the scheduler now kills a case past its limit, with its helpers, and names it."""
     from tests.reliability.core import Case, Ctx, run_cases
 
-    cases = [Case("x/local/hangs", "crash", "hangs", "local", _hang_with_a_helper),
-             Case("x/local/quick", "crash", "quick", "local", _quick_case)]
+    cases = [
+        Case("x/local/hangs", "crash", "hangs", "local", _hang_with_a_helper),
+        Case("x/local/quick", "crash", "quick", "local", _quick_case),
+    ]
     t0 = time.monotonic()
-    results = {r.id: r for r in run_cases(cases, Ctx(str(tmp_path), True), workers=2, case_limit=3.0,
-                                          progress=lambda line: None)}
+    results = {
+        r.id: r
+        for r in run_cases(cases, Ctx(str(tmp_path), True), workers=2, case_limit=3.0, progress=lambda line: None)
+    }
     assert time.monotonic() - t0 < 120
     assert results["x/local/quick"].error is None and results["x/local/quick"].points == 1
     err = results["x/local/hangs"].error

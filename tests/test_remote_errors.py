@@ -21,10 +21,18 @@ from .conftest import SUMMARY_LINES
 
 pytestmark = pytest.mark.s3
 
-_CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                    "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
-                    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-                    "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN")
+_CREDENTIAL_VARS = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_ROLE_ARN",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -55,8 +63,10 @@ def _creds():
 def test_no_credentials_is_a_typed_error_naming_the_root_and_what_to_set(s3_root, no_credentials):
     url, so = s3_root
     opts = _options(so["client_kwargs"]["endpoint_url"])
-    for call in (lambda: txckpt.get_last_checkpoint(url, storage_options=opts),
-                 lambda: txckpt.save_checkpoint(url, 1, {"a.bin": b"x"}, storage_options=opts)):
+    for call in (
+        lambda: txckpt.get_last_checkpoint(url, storage_options=opts),
+        lambda: txckpt.save_checkpoint(url, 1, {"a.bin": b"x"}, storage_options=opts),
+    ):
         with pytest.raises(CredentialsError) as e:
             call()
         assert e.value.root == url and e.value.endpoint == opts["client_kwargs"]["endpoint_url"]
@@ -68,8 +78,10 @@ def test_no_credentials_is_a_typed_error_naming_the_root_and_what_to_set(s3_root
 def test_a_missing_bucket_is_root_not_found_naming_the_bucket(s3_root):
     url, so = s3_root
     missing = "s3://no-such-bucket-txckpt/run"
-    for call in (lambda: txckpt.get_last_checkpoint(missing, storage_options=so),
-                 lambda: txckpt.save_checkpoint(missing, 1, {"a.bin": b"x"}, storage_options=so)):
+    for call in (
+        lambda: txckpt.get_last_checkpoint(missing, storage_options=so),
+        lambda: txckpt.save_checkpoint(missing, 1, {"a.bin": b"x"}, storage_options=so),
+    ):
         with pytest.raises(RootNotFoundError) as e:
             call()
         assert isinstance(e.value, FileNotFoundError)  # transformers' contract for a missing root
@@ -120,16 +132,17 @@ def test_an_unreachable_endpoint_fails_the_api_with_the_typed_error(closed_endpo
     with pytest.raises(EndpointUnreachableError) as e:
         txckpt.get_last_checkpoint(url, storage_options=_options(closed_endpoint, **_creds()))
     assert e.value.endpoint == closed_endpoint and e.value.attempts == 5  # botocore's default
-    SUMMARY_LINES.append(f"unreachable endpoint, get_last_checkpoint: gave up after "
-                         f"{e.value.attempts} attempts in {e.value.seconds:.1f} s")
+    SUMMARY_LINES.append(
+        f"unreachable endpoint, get_last_checkpoint: gave up after "
+        f"{e.value.attempts} attempts in {e.value.seconds:.1f} s"
+    )
 
 
 # ----- the CLI -----------------------------------------------------------------------------------
 def _cli(args: list[str], env_drop: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, float]:
     env = {k: v for k, v in os.environ.items() if k not in env_drop}
     started = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "txckpt", *args], env=env, capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "txckpt", *args], env=env, capture_output=True, text=True, timeout=120)
     return p, time.monotonic() - started
 
 
@@ -139,17 +152,25 @@ def test_the_cli_prints_one_line_and_exits_1(case, s3_root, closed_endpoint):
     endpoint = so["client_kwargs"]["endpoint_url"]
     drop: tuple[str, ...] = ()
     if case == "no-credentials":
-        args, drop, expect = ["log", url, "-o", f"endpoint_url={endpoint}"], _CREDENTIAL_VARS, (
-            "CredentialsError", url, "AWS_ACCESS_KEY_ID")
+        args, drop, expect = (
+            ["log", url, "-o", f"endpoint_url={endpoint}"],
+            _CREDENTIAL_VARS,
+            ("CredentialsError", url, "AWS_ACCESS_KEY_ID"),
+        )
     elif case == "missing-bucket":
-        args, expect = ["log", "s3://no-such-bucket-txckpt/run", "-o", f"endpoint_url={endpoint}"], (
-            "RootNotFoundError", "s3://no-such-bucket-txckpt", "create the bucket")
+        args, expect = (
+            ["log", "s3://no-such-bucket-txckpt/run", "-o", f"endpoint_url={endpoint}"],
+            ("RootNotFoundError", "s3://no-such-bucket-txckpt", "create the bucket"),
+        )
     else:
-        args, expect = ["log", url, "-o", f"endpoint_url={closed_endpoint}"], (
-            "EndpointUnreachableError", closed_endpoint, "5 attempts failed")
+        args, expect = (
+            ["log", url, "-o", f"endpoint_url={closed_endpoint}"],
+            ("EndpointUnreachableError", closed_endpoint, "5 attempts failed"),
+        )
     p, seconds = _cli(args, drop)
-    SUMMARY_LINES.append(f"txckpt log, {case}: exit {p.returncode} in {seconds:.1f} s, "
-                         f"{len(p.stderr.splitlines())} line(s) on stderr")
+    SUMMARY_LINES.append(
+        f"txckpt log, {case}: exit {p.returncode} in {seconds:.1f} s, {len(p.stderr.splitlines())} line(s) on stderr"
+    )
     assert p.returncode == 1, p.stderr
     assert "Traceback" not in p.stderr and len(p.stderr.splitlines()) <= 2, p.stderr
     assert all(part in p.stderr for part in expect), p.stderr

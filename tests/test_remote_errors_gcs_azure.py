@@ -18,8 +18,10 @@ from txckpt.storage.errors import translate
 
 
 def _calls(url, so):
-    return (("lookup", lambda: txckpt.get_last_checkpoint(url, storage_options=so)),
-            ("save", lambda: txckpt.save_checkpoint(url, 1, {"a.bin": b"x"}, storage_options=so)))
+    return (
+        ("lookup", lambda: txckpt.get_last_checkpoint(url, storage_options=so)),
+        ("save", lambda: txckpt.save_checkpoint(url, 1, {"a.bin": b"x"}, storage_options=so)),
+    )
 
 
 # ----- GCS ---------------------------------------------------------------------------------------

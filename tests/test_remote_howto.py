@@ -23,10 +23,21 @@ import pytest
 DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "remote.md")
 DOC_ADDRESS = {"s3": "http://127.0.0.1:9000", "gcs": "http://127.0.0.1:4443", "azure": "http://127.0.0.1:10000"}
 _FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```$", re.S | re.M)
-_DROP = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
-         "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-         "STORAGE_EMULATOR_HOST", "AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME",
-         "AZURE_STORAGE_ACCOUNT_KEY")
+_DROP = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_PROFILE",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "STORAGE_EMULATOR_HOST",
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "AZURE_STORAGE_ACCOUNT_NAME",
+    "AZURE_STORAGE_ACCOUNT_KEY",
+)
 
 
 def blocks(text: str) -> list[tuple[str, str, str]]:
@@ -63,8 +74,7 @@ def run_howto(store: str, endpoint: str, tmp_path) -> str:
         (bin_dir / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in _DROP}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
-    p = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"the {store} how-to failed:\n{p.stdout}\n{p.stderr}"
     return p.stdout
 

@@ -28,8 +28,16 @@ CHILD = Path(__file__).parent / "children" / "trainer_equivalence.py"
 _REFERENCE: dict[tuple[int, int], tuple[list[dict[int, float]], str]] = {}
 
 
-def _run(out: Path, ranks: int, workers: int, use_async: int, stop: str, *extra: str,
-         stock: bool = False, expect_ok: bool | None = None) -> subprocess.CompletedProcess:
+def _run(
+    out: Path,
+    ranks: int,
+    workers: int,
+    use_async: int,
+    stop: str,
+    *extra: str,
+    stock: bool = False,
+    expect_ok: bool | None = None,
+) -> subprocess.CompletedProcess:
     args = [str(out), str(workers), str(use_async), stop, *extra]
     env = {"TXCKPT_TEST_STOCK_TRAINER": "1" if stock else "0"}
     if ranks == 1:
@@ -64,8 +72,9 @@ def _reference(tmp_path: Path, ranks: int, workers: int) -> tuple[list[dict[int,
     return _REFERENCE[key]
 
 
-def stopped_and_resumed(tmp_path: Path, ranks: int, workers: int, use_async: int, stop: str, *,
-                        stock: bool = False) -> tuple[list[dict[int, float]], set[str], Path]:
+def stopped_and_resumed(
+    tmp_path: Path, ranks: int, workers: int, use_async: int, stop: str, *, stock: bool = False
+) -> tuple[list[dict[int, float]], set[str], Path]:
     """Stop the run at ``stop``, restart it; every rank's losses, the final weights, OUT."""
     out = tmp_path / ("stock" if stock else "run")
     first = _run(out, ranks, workers, use_async, stop, stock=stock)
@@ -91,7 +100,11 @@ TF4_SAMPLE = {(1, 2, 1, "kill:5"), (1, 0, 0, "term:5"), (2, 0, 1, "term:5"), (2,
 def _cell(tmp_path: Path, ranks: int, workers: int, use_async: int, stop: str, *, sampled: bool = True) -> None:
     import transformers
 
-    if sampled and int(transformers.__version__.split(".")[0]) < 5 and (ranks, workers, use_async, stop) not in TF4_SAMPLE:
+    if (
+        sampled
+        and int(transformers.__version__.split(".")[0]) < 5
+        and (ranks, workers, use_async, stop) not in TF4_SAMPLE
+    ):
         pytest.skip("on transformers 4.x the campaign runs TF4_SAMPLE of this matrix; the whole matrix runs on 5.x")
     losses, weights = _reference(tmp_path, ranks, workers)
     assert sorted(losses[0]) == list(range(1, 13))
@@ -106,11 +119,19 @@ def _cell(tmp_path: Path, ranks: int, workers: int, use_async: int, stop: str, *
             assert sum(1 for _ in open(f"{out}.losses.r{r}")) == 12
 
 
-@pytest.mark.parametrize("stop,workers,use_async", [
-    ("kill:5", 0, 0), ("kill:5", 0, 1), ("kill:5", 2, 0), ("kill:5", 2, 1),
-    ("term:5", 0, 0), ("term:5", 2, 1),
-    pytest.param("term:5", 0, 1, marks=pytest.mark.slow), pytest.param("term:5", 2, 0, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "stop,workers,use_async",
+    [
+        ("kill:5", 0, 0),
+        ("kill:5", 0, 1),
+        ("kill:5", 2, 0),
+        ("kill:5", 2, 1),
+        ("term:5", 0, 0),
+        ("term:5", 2, 1),
+        pytest.param("term:5", 0, 1, marks=pytest.mark.slow),
+        pytest.param("term:5", 2, 0, marks=pytest.mark.slow),
+    ],
+)
 def test_a_stopped_and_resumed_run_equals_the_uninterrupted_one(tmp_path, stop, workers, use_async):
     _cell(tmp_path, 1, workers, use_async, stop)
 
@@ -120,8 +141,9 @@ IN_MAKE_TEST_2 = {(0, 1, "term:5")}
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("workers,use_async,stop", [
-    c if c in IN_MAKE_TEST_2 else pytest.param(*c, marks=pytest.mark.slow) for c in CELLS_2])
+@pytest.mark.parametrize(
+    "workers,use_async,stop", [c if c in IN_MAKE_TEST_2 else pytest.param(*c, marks=pytest.mark.slow) for c in CELLS_2]
+)
 def test_two_ranks_stopped_and_resumed_equal_the_uninterrupted_run(tmp_path, workers, use_async, stop):
     """torchrun, gloo DDP: SIGKILL on every rank at step 5, or SIGTERM on rank 1 only (both save
     step 5: the agreement at the step boundary)."""

@@ -41,8 +41,12 @@ def _run(out: Path, ranks: int, workers: int, stop: str, *extra: str) -> list[tu
     if ranks > 1:
         store = f"{out}.store.{len(list(out.parent.glob(out.name + '.store.*')))}"
         base += ["--world", str(ranks), "--store", store]
-    procs = [subprocess.Popen(base + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                              text=True) for r in range(ranks)]
+    procs = [
+        subprocess.Popen(
+            base + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
+        )
+        for r in range(ranks)
+    ]
     results: dict[int, tuple[int, str]] = {}
     for r in reversed(range(ranks)):  # the last process is the one SIGTERM reaches
         text, _ = procs[r].communicate(timeout=300)
@@ -69,7 +73,9 @@ def _weights(output: str) -> str:
     return re.findall(r"WEIGHTS ([0-9a-f]{40})", output)[-1]
 
 
-def _reference(tmp_path: Path, ranks: int, workers: int, flags: tuple[str, ...] = ()) -> tuple[list[dict[int, float]], str]:
+def _reference(
+    tmp_path: Path, ranks: int, workers: int, flags: tuple[str, ...] = ()
+) -> tuple[list[dict[int, float]], str]:
     key = (ranks, workers, flags)
     if key not in _REFERENCE:
         out = tmp_path / "reference"
@@ -81,8 +87,9 @@ def _reference(tmp_path: Path, ranks: int, workers: int, flags: tuple[str, ...] 
     return _REFERENCE[key]
 
 
-def stopped_and_resumed(tmp_path: Path, ranks: int, workers: int, stop: str, *, stock: bool = False,
-                        flags: tuple[str, ...] = ()):
+def stopped_and_resumed(
+    tmp_path: Path, ranks: int, workers: int, stop: str, *, stock: bool = False, flags: tuple[str, ...] = ()
+):
     """(each process's losses, the final weights) of the run stopped at ``stop`` and restarted."""
     out = tmp_path / ("stock" if stock else "run")
     flag = [*flags, "--stock"] if stock else [*flags]
@@ -100,8 +107,14 @@ def _cell(tmp_path: Path, ranks: int, workers: int, stop: str, flags: tuple[str,
     assert len(losses[0]) == 36 // ranks
     got, got_weights, out = stopped_and_resumed(tmp_path, ranks, workers, stop, flags=flags)
     for r in range(ranks):
-        assert got[r] == losses[r], (r, {s: (losses[r].get(s), got[r].get(s)) for s in set(losses[r]) | set(got[r])
-                                         if losses[r].get(s) != got[r].get(s)})
+        assert got[r] == losses[r], (
+            r,
+            {
+                s: (losses[r].get(s), got[r].get(s))
+                for s in set(losses[r]) | set(got[r])
+                if losses[r].get(s) != got[r].get(s)
+            },
+        )
     assert got_weights == weights
     if stop.startswith("term"):  # the preemption saved the step on every process: the restart re-ran nothing
         for r in range(ranks):

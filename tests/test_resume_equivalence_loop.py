@@ -32,8 +32,12 @@ def _run(out: Path, ranks: int, workers: int, use_async: int, stop: str, *extra:
     if ranks > 1:
         store = f"{out}.store.{len(list(out.parent.glob(out.name + '.store.*')))}"
         base += ["--world", str(ranks), "--store", store]
-    procs = [subprocess.Popen(base + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                              text=True) for r in range(ranks)]
+    procs = [
+        subprocess.Popen(
+            base + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
+        )
+        for r in range(ranks)
+    ]
     results = []
     for p in procs:
         text, _ = p.communicate(timeout=300)
@@ -75,20 +79,28 @@ def _cell(tmp_path: Path, ranks: int, workers: int, use_async: int, stop: str) -
     assert all(code == 0 for code, _ in again), [(c, t[-2000:]) for c, t in again]
     for r in range(ranks):
         got = _losses(out, r)
-        assert got == losses[r], {s: (losses[r].get(s), got.get(s)) for s in set(losses[r]) | set(got)
-                                  if losses[r].get(s) != got.get(s)}
+        assert got == losses[r], {
+            s: (losses[r].get(s), got.get(s)) for s in set(losses[r]) | set(got) if losses[r].get(s) != got.get(s)
+        }
     assert _weights(again[0][1]) == weights
     if stop.startswith("term"):  # the preemption saved the step itself: the restart re-ran nothing
         assert sum(1 for _ in open(f"{out}.losses.r0")) == len(losses[0])
 
 
-CELLS = [(ranks, workers, use_async, stop) for ranks in (1, 2) for workers in (0, 2) for use_async in (0, 1)
-         for stop in ("kill:7", "term:5")]
+CELLS = [
+    (ranks, workers, use_async, stop)
+    for ranks in (1, 2)
+    for workers in (0, 2)
+    for use_async in (0, 1)
+    for stop in ("kill:7", "term:5")
+]
 IN_MAKE_TEST = {(1, 0, 0, "kill:7"), (1, 2, 1, "term:5"), (2, 0, 1, "kill:7"), (2, 2, 0, "term:5")}
 
 
-@pytest.mark.parametrize("ranks,workers,use_async,stop", [
-    c if c in IN_MAKE_TEST else pytest.param(*c, marks=pytest.mark.slow) for c in CELLS])
+@pytest.mark.parametrize(
+    "ranks,workers,use_async,stop",
+    [c if c in IN_MAKE_TEST else pytest.param(*c, marks=pytest.mark.slow) for c in CELLS],
+)
 def test_a_stopped_and_resumed_loop_equals_the_uninterrupted_one(tmp_path, ranks, workers, use_async, stop):
     _cell(tmp_path, ranks, workers, use_async, stop)
 

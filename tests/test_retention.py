@@ -64,7 +64,8 @@ def test_keep_last(any_root):
     if "://" not in any_root:
         assert published(any_root) == [5, 6]
         assert sorted(os.listdir(os.path.join(any_root, ".txckpt", "tx"))) == sorted(
-            c.txid for c in r.checkpoints("all") if c.step in (5, 6))
+            c.txid for c in r.checkpoints("all") if c.step in (5, 6)
+        )
     # One retire entry, and it left the state unchanged.
     entries = [e for e in r.history().entries if e["action"] == "retire"]
     assert len(entries) == 1 and len(entries[0]["txids"]) == 4
@@ -175,7 +176,11 @@ def test_retire_redecides_when_the_log_moved(tmp_path):
     assert done == [going[0].txid]
     r = fresh(root)
     assert sorted((c.step, c.state) for c in r.checkpoints("all")) == [
-        (1, "retired"), (2, "current"), (3, "abandoned"), (4, "abandoned")]
+        (1, "retired"),
+        (2, "current"),
+        (3, "abandoned"),
+        (4, "abandoned"),
+    ]
 
 
 def test_leased_checkpoint_is_kept_until_released(tmp_path):
@@ -240,8 +245,7 @@ def test_a_lease_is_refused_once_retired_and_not_left_behind(tmp_path):
 
 
 def test_invalid_policies():
-    for bad in ({"keep_last": 0}, {"keep_every": -1}, {"abandoned": "forever"}, {"abandoned": -1},
-                {"keep_best_n": 0}):
+    for bad in ({"keep_last": 0}, {"keep_every": -1}, {"abandoned": "forever"}, {"abandoned": -1}, {"keep_best_n": 0}):
         with pytest.raises(txckpt.errors.InvalidArgumentError):
             RetentionPolicy(**bad)
 
@@ -255,8 +259,9 @@ def _rewind_template(root: str) -> dict[str, dict]:
     txckpt.forget_roots()
     h = txckpt.CheckpointRoot(root).history()
     b = h.state.head
-    return {tag: {c.step: c.txid for c in h.checkpoints.values() if (c.lineage == b) == (tag == "b")}
-            for tag in ("a", "b")}
+    return {
+        tag: {c.step: c.txid for c in h.checkpoints.values() if (c.lineage == b) == (tag == "b")} for tag in ("a", "b")
+    }
 
 
 def test_rewind_retires_only_what_the_rollback_leaves(tmp_path):
@@ -317,8 +322,10 @@ def _sweep_clean(name, template, tmp_path, scenario, check):
     from tests.harness.crash_sweep import sweep
 
     result = sweep(name, template, str(tmp_path / "work"), scenario, check)
-    print(f"{name} crash sweep: {len(result.ops)} file ops, {result.crash_points} crash points, "
-          f"{len(result.violations)} violations")
+    print(
+        f"{name} crash sweep: {len(result.ops)} file ops, {result.crash_points} crash points, "
+        f"{len(result.violations)} violations"
+    )
     assert result.crash_points >= 2 * 10
     assert not result.violations, "\n".join(result.violations[:20])
 
@@ -382,7 +389,8 @@ def test_apply_retention_crash_sweep(tmp_path):
                 v.append(f"retired {sorted(hist.retired)}, expected {sorted(going)}")
             for txid in going:
                 if r.locate(hist.checkpoints[txid].ref) is not None or os.path.exists(
-                        os.path.join(root, ".txckpt", "tx", txid)):
+                    os.path.join(root, ".txckpt", "tx", txid)
+                ):
                     v.append(f"gc left retired {txid} behind")
         for txid, c in keep.items():
             where = r.locate(c.ref)
@@ -390,8 +398,11 @@ def test_apply_retention_crash_sweep(tmp_path):
                 v.append(f"after gc: kept {txid} is gone")
             else:
                 txckpt.verify_checkpoint(where)
-        leftovers = [n for n in os.listdir(os.path.join(root, ".txckpt", "tx"))
-                     if n not in keep and (retired_entry or n not in going)]
+        leftovers = [
+            n
+            for n in os.listdir(os.path.join(root, ".txckpt", "tx"))
+            if n not in keep and (retired_entry or n not in going)
+        ]
         if leftovers:
             v.append(f"after gc, .txckpt/tx holds {leftovers}")
         return v
@@ -420,7 +431,7 @@ def test_rewind_crash_sweep(tmp_path):
         txckpt.forget_roots()
         r = txckpt.CheckpointRoot(root)
         hist = r.history()
-        forked = any(e["action"] == "fork" for e in hist.entries[len(h.entries):])
+        forked = any(e["action"] == "fork" for e in hist.entries[len(h.entries) :])
         last = txckpt.get_last_checkpoint(root)
         want = ids["b"][4] if forked else ids["b"][6]
         if last is None or txckpt.read_manifest(last).txid != want:
@@ -444,7 +455,8 @@ def test_rewind_crash_sweep(tmp_path):
         hist = r.history()
         for txid in hist.retired:
             if r.locate(hist.checkpoints[txid].ref) is not None or os.path.exists(
-                    os.path.join(root, ".txckpt", "tx", txid)):
+                os.path.join(root, ".txckpt", "tx", txid)
+            ):
                 v.append(f"gc left retired {txid} behind")
         for txid, c in keep.items():
             if r.locate(c.ref) is None:
@@ -502,9 +514,11 @@ def test_a_retired_checkpoint_given_by_path_says_it_was_retired_and_how_to_list_
     path = paths[0]
     assert not open_storage(path, so).exists(""), "retention deletes the retired checkpoint's data"
     txckpt.forget_roots()
-    call = {"resume": lambda: txckpt.resume(url, path=path, storage_options=so),
-            "load_checkpoint": lambda: txckpt.load_checkpoint(path, storage_options=so),
-            "read_manifest": lambda: txckpt.read_manifest(path, storage_options=so)}[how]
+    call = {
+        "resume": lambda: txckpt.resume(url, path=path, storage_options=so),
+        "load_checkpoint": lambda: txckpt.load_checkpoint(path, storage_options=so),
+        "read_manifest": lambda: txckpt.read_manifest(path, storage_options=so),
+    }[how]
     with pytest.raises(CheckpointRetiredError) as e:
         call()
     assert isinstance(e.value, CheckpointNotFoundError) and isinstance(e.value, FileNotFoundError)

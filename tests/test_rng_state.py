@@ -3,6 +3,7 @@ captured and restored exactly, through a plain dict that torch.save, pickle and 
 checkpoint carry; a state of another layout raises RngStateError, nothing restored.
 
 In-process and fast: no child process."""
+
 from __future__ import annotations
 
 import pickle
@@ -19,9 +20,14 @@ from txckpt.errors import InvalidArgumentError, RngStateError
 
 def _draw(n: int = 8) -> tuple:
     """n draws from each generator a loop uses (CUDA too where it is initialised)."""
-    out = ([random.random() for _ in range(n)], [random.gauss(0, 1) for _ in range(n)],
-           np.random.rand(n).tolist(), np.random.randn(n).tolist(), torch.rand(n).tolist(),
-           torch.randint(0, 1 << 30, (n,)).tolist())
+    out = (
+        [random.random() for _ in range(n)],
+        [random.gauss(0, 1) for _ in range(n)],
+        np.random.rand(n).tolist(),
+        np.random.randn(n).tolist(),
+        torch.rand(n).tolist(),
+        torch.randint(0, 1 << 30, (n,)).tolist(),
+    )
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out += tuple(torch.rand(n, device=f"cuda:{d}").tolist() for d in range(torch.cuda.device_count()))
     return out
@@ -70,9 +76,12 @@ def test_a_checkpointed_state_restores_identically(tmp_path):
 def test_other_layouts_raise_and_restore_nothing(monkeypatch):
     state = txckpt.rng_state()
     before = txckpt.rng_state()
-    for bad, what in [({**state, "version": 2}, "version"), ("not a state", "str"),
-                      ({"version": 1}, "no python"),
-                      ({**state, "cuda": [torch.zeros(16, dtype=torch.uint8)] * 3}, "CUDA generator")]:
+    for bad, what in [
+        ({**state, "version": 2}, "version"),
+        ("not a state", "str"),
+        ({"version": 1}, "no python"),
+        ({**state, "cuda": [torch.zeros(16, dtype=torch.uint8)] * 3}, "CUDA generator"),
+    ]:
         with pytest.raises(RngStateError) as e:
             txckpt.set_rng_state(bad)
         assert what in str(e.value) and "Nothing was restored" in str(e.value)

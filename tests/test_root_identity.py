@@ -111,8 +111,9 @@ def test_each_spelling_gets_paths_in_its_own_spelling(spellings):
     assert txckpt.save_checkpoint(link, 2, files(2)) == os.path.join(link, "checkpoint-2")
     assert txckpt.async_save(link, 3, files(3)).result() == os.path.join(link, "checkpoint-3")
     assert txckpt.get_last_checkpoint(real) == os.path.join(real, "checkpoint-3")
-    assert [c.path for c in txckpt.open_root(link).checkpoints()] == \
-        [os.path.join(link, f"checkpoint-{n}") for n in (1, 2, 3)]
+    assert [c.path for c in txckpt.open_root(link).checkpoints()] == [
+        os.path.join(link, f"checkpoint-{n}") for n in (1, 2, 3)
+    ]
 
 
 def test_dot_dot_trailing_slash_and_relative_spellings_name_one_root(spellings, monkeypatch):
@@ -174,14 +175,25 @@ def test_a_second_mount_of_the_root_directory_is_the_same_root(tmp_path):
     real, bind = tmp_path / "real", tmp_path / "bind"
     real.mkdir()
     bind.mkdir()
-    mount = [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"',
-             "sh", str(real), str(bind)]
+    mount = [
+        unshare,
+        "--user",
+        "--map-root-user",
+        "--mount",
+        "sh",
+        "-c",
+        'mount --bind "$1" "$2" && shift 2 && exec "$@"',
+        "sh",
+        str(real),
+        str(bind),
+    ]
     probe = subprocess.run([*mount, "true"], capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"no private bind mount here: {probe.stderr.strip()}")
     env = dict(os.environ, TXCKPT_DURABLE="0")
-    out = subprocess.run([*mount, sys.executable, "-c", BIND_CHILD, str(real), str(bind)],
-                         capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [*mount, sys.executable, "-c", BIND_CHILD, str(real), str(bind)], capture_output=True, text=True, env=env
+    )
     assert out.returncode == 0, out.stderr  # before: StaleLineageError at the third save
     assert out.stdout.split() == ["3"]
 

@@ -44,6 +44,7 @@ def s3(s3_root):
 
 # ----- the storage seam -----------------------------------------------------------------------
 
+
 def test_close_returns_before_the_upload_lands_and_wait_waits(s3, s3_server):
     s3_server.inject_delay("PutObject", "slow.bin", 1.0)
     batch = s3.write_batch()
@@ -140,6 +141,7 @@ def test_the_default_batch_writes_synchronously(tmp_path):
 
 
 # ----- the transaction --------------------------------------------------------------------------
+
 
 def _root(s3_root) -> CheckpointRoot:
     url, opts = s3_root
@@ -277,6 +279,7 @@ def test_every_attempt_of_a_put_sends_the_body_from_its_start(s3, s3_server, mon
                 kw["Body"].read()  # the first attempt got through the body, then the connection broke
                 raise core.S3_RETRYABLE_ERRORS[0]("dropped")
             return await func(**kw)
+
         return await real(first_fails, args=args, kwargs=kwargs, retries=retries)
 
     monkeypatch.setattr(core, "_error_wrapper", flaky)

@@ -47,8 +47,10 @@ class _IgnoresRanges:
 
 def _files() -> dict:
     g = torch.Generator().manual_seed(5)
-    return {"model.safetensors": {"w": torch.randn(PART // 4 * 5 + 3, generator=g)},  # 6 parts
-            "trainer_state.json": {"global_step": 1}}
+    return {
+        "model.safetensors": {"w": torch.randn(PART // 4 * 5 + 3, generator=g)},  # 6 parts
+        "trainer_state.json": {"global_step": 1},
+    }
 
 
 @pytest.mark.parametrize("except_first", [False, True], ids=["every-range", "after-the-first"])

@@ -29,9 +29,11 @@ def small_parts(monkeypatch):
 
 def _files(n_floats: int) -> dict:
     g = torch.Generator().manual_seed(n_floats)
-    return {"model.safetensors": {"w": torch.randn(n_floats, generator=g)},
-            "optimizer.pt": {"m": torch.randn(n_floats // 3, generator=g), "step": 7},
-            "trainer_state.json": {"global_step": 1}}
+    return {
+        "model.safetensors": {"w": torch.randn(n_floats, generator=g)},
+        "optimizer.pt": {"m": torch.randn(n_floats // 3, generator=g), "step": 7},
+        "trainer_state.json": {"global_step": 1},
+    }
 
 
 @pytest.mark.parametrize("n_floats", [PART // 4 * 5 + 3, PART // 4 * 3])  # 5+ parts, odd tail; 3 parts
@@ -180,6 +182,7 @@ def test_ranged_copy_holds_a_bounded_window_of_parts(s3_root, small_parts, monke
     size, digest = st.read_through("blob.bin", len(blob), write)
     assert (size, sum(written)) == (len(blob), len(blob))
     import xxhash
+
     assert digest == xxhash.xxh3_128_hexdigest(blob)
     assert max(most_ahead) <= 3 + 4, most_ahead  # in_flight (3, small_parts) + 4
 
@@ -213,8 +216,9 @@ def _read_to(st, blob: bytes, path) -> tuple[int, str]:
         return st.read_to_file("blob.bin", len(blob), f.fileno())
 
 
-def test_parts_landing_out_of_order_are_written_at_their_offsets(s3_root, small_parts, hash_mode, monkeypatch,
-                                                                  tmp_path):
+def test_parts_landing_out_of_order_are_written_at_their_offsets(
+    s3_root, small_parts, hash_mode, monkeypatch, tmp_path
+):
     """Part 1 lands only after part 3 has: parts 2 and 3 are written before it, each at its
     offset, and the digest (of the whole stream, in order) is still the object's."""
     import asyncio
@@ -327,8 +331,8 @@ def test_prefaulting_a_buffer_keeps_what_already_landed_in_it():
     buf = new_buffer(size)
     view = memoryview(buf.numpy())
     landed = bytes(range(256)) * (PART // 256)
-    view[2 * PART + 7:3 * PART + 7] = landed  # a part that landed before its pages were faulted in
+    view[2 * PART + 7 : 3 * PART + 7] = landed  # a part that landed before its pages were faulted in
     s3_download._prefault(buf, size, PART)
-    assert bytes(view[2 * PART + 7:3 * PART + 7]) == landed
+    assert bytes(view[2 * PART + 7 : 3 * PART + 7]) == landed
     view[:] = b"\x01" * size  # every page writable
-    assert bytes(view[size - 3:]) == b"\x01\x01\x01"
+    assert bytes(view[size - 3 :]) == b"\x01\x01\x01"

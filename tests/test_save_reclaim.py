@@ -26,7 +26,8 @@ BIG = 4 << 20  # the killed save's staged bytes
 #   kill-after-commit: resume, save step STEP, SIGKILL itself when the commit deletes its intent
 #   pause:  resume, stage step STEP, print "staged TXID", wait for a line on stdin, then commit
 #   save:   resume, save step STEP, print the path
-WRITER = r"""
+WRITER = (
+    r"""
 import json, os, signal, sys
 import txckpt
 mode, root, options, step = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) or None, int(sys.argv[4])
@@ -44,13 +45,21 @@ with txckpt.transaction(root, step, storage_options=options) as tx:
         os.kill(os.getpid(), signal.SIGKILL)
     print("staged", tx.txid, flush=True)
     sys.stdin.readline()
-""" % BIG
+"""
+    % BIG
+)
 
 
 def writer(mode: str, root: str, step: int, options: dict | None = None, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "TXCKPT_DURABLE": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.Popen([sys.executable, "-c", WRITER, mode, root, json.dumps(options), str(step)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-c", WRITER, mode, root, json.dumps(options), str(step)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
 
 
 def run_writer(mode: str, root: str, step: int, options: dict | None = None) -> tuple[int, str]:
@@ -79,8 +88,15 @@ def fresh(root: str, options: dict | None = None) -> txckpt.CheckpointRoot:
 def fake_intent_staging(r: txckpt.CheckpointRoot, step: int, host: str, age: float) -> str:
     txid = f"{step}-{r.state().head}-{uuid.uuid4().hex[:10]}"
     r.storage.replace(f"{home_key(txid, step)}/w.bin", b"partial")
-    record = {"txid": txid, "step": step, "lineage": r.state().head, "world_size": 1,
-              "host": host, "pid": 1, "time": time.time() - age}
+    record = {
+        "txid": txid,
+        "step": step,
+        "lineage": r.state().head,
+        "world_size": 1,
+        "host": host,
+        "pid": 1,
+        "time": time.time() - age,
+    }
     r.storage.replace(f"{INTENTS_DIR}/{txid}.json", json.dumps(record).encode())
     return txid
 
@@ -201,14 +217,13 @@ def test_a_failing_reclaim_does_not_fail_the_save(tmp_path, monkeypatch, txlog):
     assert "reclaiming the staging of dead writers" in txlog.text and "txckpt gc" in txlog.text
 
 
-
 def test_reclaiming_a_killed_saves_staging_is_a_warning_that_names_it(tmp_path, txlog):
     """A reclaim means an earlier process died in the middle of a save: shown at the default
     verbosity (WARNING), naming the staging, its step and bytes, and that nothing committed went."""
     root = str(tmp_path / "out")
     txckpt.CheckpointRoot(root).save(1, {"w.bin": b"1"})
     r = fresh(root)
-    dead = fake_intent_staging(r, 2, host="another-host", age=10 ** 6)
+    dead = fake_intent_staging(r, 2, host="another-host", age=10**6)
     r.save(2, {"w.bin": b"2"})  # this session's first save reclaims it
     assert dead not in txids_staged(fresh(root))
     (record,) = [rec for rec in txlog.records if dead in rec.getMessage()]

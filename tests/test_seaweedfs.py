@@ -79,8 +79,10 @@ def _report() -> Iterator[None]:
     yield
     if FAULTS:
         conftest.SUMMARY_LINES.append(
-            "SeaweedFS fault rows: " + ", ".join(f"{row} {n}" for row, n in sorted(FAULTS.items()))
-            + f" faults injected ({sum(FAULTS.values())} in all), 0 violations")
+            "SeaweedFS fault rows: "
+            + ", ".join(f"{row} {n}" for row, n in sorted(FAULTS.items()))
+            + f" faults injected ({sum(FAULTS.values())} in all), 0 violations"
+        )
 
 
 def _check_root(url: str, opts: dict[str, Any], committed: dict[int, str], allowed: set[int]) -> int:
@@ -103,8 +105,9 @@ def _requests_of(operation: Callable[[], Any]) -> int:
     return len(seen)
 
 
-def _save_sweep(url: str, opts: dict[str, Any], row: str, inject: Callable[[], None],
-                repair: Callable[[], None]) -> None:
+def _save_sweep(
+    url: str, opts: dict[str, Any], row: str, inject: Callable[[], None], repair: Callable[[], None]
+) -> None:
     committed = {1: txckpt.save_checkpoint(url, 1, _files(1), storage_options=opts)}
     step = 2
     n = _requests_of(lambda: txckpt.save_checkpoint(url, step, _files(step), storage_options=opts))
@@ -122,8 +125,12 @@ def _save_sweep(url: str, opts: dict[str, Any], row: str, inject: Callable[[], N
                 repair()
         _count(row)
         where = f"{row} before request {k} ({seen[k] if k < len(seen) else '?'}): {outcome}"
-        got = _check_root(url, opts, {s: p for s, p in committed.items() if s < step},
-                          {step} if outcome == "saved" else {step - 1, step})
+        got = _check_root(
+            url,
+            opts,
+            {s: p for s, p in committed.items() if s < step},
+            {step} if outcome == "saved" else {step - 1, step},
+        )
         if got == step:
             committed[step] = txckpt.get_last_checkpoint(url, storage_options=opts)
         else:
@@ -157,8 +164,13 @@ def test_the_gateway_down_for_the_rest_of_a_save(seaweedfs_cluster, seaweedfs_ro
     # Two attempts per request rather than five: each point waits out the retries of a gateway
     # that is not there, and the outcome (a typed error) is the same.
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
-    _save_sweep(url, opts, "gateway down for the rest of a save", seaweedfs_cluster.kill_gateway,
-                seaweedfs_cluster.start_gateway)
+    _save_sweep(
+        url,
+        opts,
+        "gateway down for the rest of a save",
+        seaweedfs_cluster.kill_gateway,
+        seaweedfs_cluster.start_gateway,
+    )
 
 
 def test_a_volume_server_killed_during_a_load(seaweedfs_cluster, seaweedfs_root):
@@ -211,7 +223,12 @@ def test_the_cluster_is_replicated_and_signs_requests(seaweedfs_cluster, seaweed
     holders = collections.Counter(v for n in nodes for v in _volume_ids(n["VolumeIds"]))
     assert holders and set(holders.values()) == {2}, holders
     assert {layout["replication"] for layout in topology["Layouts"]} == {"001"}
-    bad = boto3.client("s3", endpoint_url=seaweedfs_cluster.endpoint_url, region_name="us-east-1",
-                       aws_access_key_id="not-the-key", aws_secret_access_key="nope")
+    bad = boto3.client(
+        "s3",
+        endpoint_url=seaweedfs_cluster.endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id="not-the-key",
+        aws_secret_access_key="nope",
+    )
     with pytest.raises(botocore.exceptions.ClientError):
         bad.list_buckets()

@@ -36,7 +36,7 @@ def _blob(n: int, seed: int = 0) -> bytes:
     out = bytearray((block * reps)[:n])
     # make every 64 KiB block distinct so a misplaced part would be caught
     for i in range(0, n, 65536):
-        out[i:i + 8] = i.to_bytes(8, "little")[: max(0, min(8, n - i))]
+        out[i : i + 8] = i.to_bytes(8, "little")[: max(0, min(8, n - i))]
     return bytes(out)
 
 
@@ -139,8 +139,7 @@ def test_create_exclusive_one_winner_threads(any_root, writers, fine_grained_thr
         for r in range(rounds):
             barrier.wait()
             try:
-                stores[i].create_exclusive(f"log/{r:04d}.json", f"writer-{i}-round-{r}".encode(),
-                                           durable=True)
+                stores[i].create_exclusive(f"log/{r:04d}.json", f"writer-{i}-round-{r}".encode(), durable=True)
                 won.append(True)
             except FileExistsError:
                 won.append(False)
@@ -175,8 +174,7 @@ def test_create_exclusive_one_winner_processes(any_root, request):
     procs_n, rounds = 3, 15
     barrier = ctx.Barrier(procs_n)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_race_worker, args=(any_root, i, rounds, barrier, results))
-             for i in range(procs_n)]
+    procs = [ctx.Process(target=_race_worker, args=(any_root, i, rounds, barrier, results)) for i in range(procs_n)]
     for p in procs:
         p.start()
     outcomes = [results.get(timeout=120) for _ in range(procs_n * rounds)]
@@ -306,7 +304,7 @@ def test_open_write_close(storage, request):
     data = _blob(3 << 20, seed=1)
     f = storage.open_write("tx/1/model.bin", durable=True)
     for i in range(0, len(data), 100_000):
-        f.write(data[i:i + 100_000])
+        f.write(data[i : i + 100_000])
     if _kind(request) in OBJECT_STORES:
         assert not storage.exists("tx/1/model.bin"), "object visible before close()"
     f.close()
@@ -386,8 +384,8 @@ def _populate(st) -> dict[str, bytes]:
         "t/x": b"x",
         "t/y/z": b"zz",
         "t/y/w/v": b"vvv",
-        "t/y.txt": b"yyyy",       # sorts between "t/y" and "t/y/" on S3
-        "t2/other": b"55555",     # a sibling whose name starts with "t"
+        "t/y.txt": b"yyyy",  # sorts between "t/y" and "t/y/" on S3
+        "t2/other": b"55555",  # a sibling whose name starts with "t"
         "t.bin": b"666666",
     }
     for key, data in files.items():
@@ -398,7 +396,7 @@ def _populate(st) -> dict[str, bytes]:
 def test_exists_files_and_directories(storage):
     _populate(storage)
     assert storage.exists("t/x")
-    assert storage.exists("t")          # a directory (implicit on object stores)
+    assert storage.exists("t")  # a directory (implicit on object stores)
     assert storage.exists("t/y")
     assert storage.exists("t/y/w")
     assert not storage.exists("t/xx")
@@ -417,7 +415,8 @@ def test_list_dir(storage):
 def test_walk_files_nested(storage):
     files = _populate(storage)
     assert sorted(storage.walk_files("t")) == sorted(
-        (k[len("t/"):], len(v)) for k, v in files.items() if k.startswith("t/"))
+        (k[len("t/") :], len(v)) for k, v in files.items() if k.startswith("t/")
+    )
     assert sorted(storage.walk_files("t/y")) == [("w/v", 3), ("z", 2)]
     assert sorted(storage.walk_files("")) == sorted((k, len(v)) for k, v in files.items())
 
@@ -433,8 +432,11 @@ def test_open_read_and_modified_time(storage):
 
 def test_read_ranges_reads_each_range_and_stops_at_the_end(storage):
     storage.create_exclusive("r/g", bytes(range(100)), durable=True)
-    assert storage.read_ranges("r/g", [(10, 4), (0, 2), (96, 16)]) == [bytes(range(10, 14)), bytes([0, 1]),
-                                                                       bytes(range(96, 100))]
+    assert storage.read_ranges("r/g", [(10, 4), (0, 2), (96, 16)]) == [
+        bytes(range(10, 14)),
+        bytes([0, 1]),
+        bytes(range(96, 100)),
+    ]
     assert storage.read_ranges("r/g", []) == []
     with pytest.raises(FileNotFoundError):
         storage.read_ranges("r/none", [(0, 1)])
@@ -454,8 +456,7 @@ def test_delete_tree(storage):
     assert not storage.exists("t")
     assert not storage.exists("t/y/w/v")
     # Neighbours that share the name's prefix survive.
-    assert sorted(storage.walk_files("")) == sorted(
-        (k, len(v)) for k, v in files.items() if not k.startswith("t/"))
+    assert sorted(storage.walk_files("")) == sorted((k, len(v)) for k, v in files.items() if not k.startswith("t/"))
     storage.delete_tree("t")  # already gone: fine
     storage.delete_tree("t.bin")  # a single file
     assert not storage.exists("t.bin")
@@ -479,9 +480,14 @@ def test_run_concurrently_returns_each_result_or_exception_in_order(storage, req
     def refused():
         raise PermissionError(13, "refused")
 
-    out = storage.run_concurrently([
-        lambda: storage.read_bytes("a"), refused, lambda: storage.read_bytes("missing"), lambda: None,
-    ])
+    out = storage.run_concurrently(
+        [
+            lambda: storage.read_bytes("a"),
+            refused,
+            lambda: storage.read_bytes("missing"),
+            lambda: None,
+        ]
+    )
     assert out[0] == b"1" and isinstance(out[1], PermissionError)
     assert isinstance(out[2], FileNotFoundError) and out[3] is None
     # Overlapping pays where a request is a round trip; a local disk keeps one order of file
@@ -551,7 +557,7 @@ def test_s3_file_within_the_threshold_is_one_put_and_larger_is_multipart(s3, s3_
         with s3_server.counter() as c:
             f = s3.open_write(key, durable=True)
             for i in range(0, len(data), 1 << 20):
-                f.write(data[i:i + (1 << 20)])
+                f.write(data[i : i + (1 << 20)])
             f.close()
         assert dict(c.ops) == expected, key
         assert c.uploaded_bytes == len(data)
@@ -589,7 +595,7 @@ def test_s3_single_put_carries_the_crc32_of_the_bytes_as_written(s3, s3_server):
     with s3_server.wrapped(_PutHeaders) as put:
         f = s3.open_write("tx/crc.bin", durable=True)
         for i in range(0, len(data), 1 << 20):
-            f.write(data[i:i + (1 << 20)])
+            f.write(data[i : i + (1 << 20)])
         f.close()
         f = s3.open_write("tx/changed.bin", durable=True)
         f.write(data)
@@ -619,7 +625,7 @@ def test_s3_multipart_write_parts_and_bytes(s3, s3_server):
     with s3_server.counter() as c:
         f = s3.open_write("tx/big.bin", durable=True)
         for i in range(0, len(data), 1 << 20):  # 1 MiB writes, not aligned to parts
-            f.write(data[i:i + (1 << 20)])
+            f.write(data[i : i + (1 << 20)])
         assert not s3.exists("tx/big.bin")
         f.close()
     ops = dict(c.ops)
@@ -688,6 +694,7 @@ def test_s3_upload_file_is_concurrent_multipart_once(s3, s3_server, tmp_path):
 @pytest.mark.s3
 def test_s3_request_counts(s3, s3_server, tmp_path):
     """One request per operation where S3 allows it; these numbers are in docs/remote.md."""
+
     def count(fn, *args, **kwargs):
         with s3_server.counter() as c:
             fn(*args, **kwargs)
@@ -725,8 +732,7 @@ def test_s3_request_counts(s3, s3_server, tmp_path):
     src.write_bytes(b"y" * 1000)
     assert count(s3.upload_file, str(src), "a/up", durable=True) == {"PutObject": 1}
     assert count(s3.delete_file, "a/up") == {"DeleteObject": 1}
-    assert count(s3.delete_tree, "a") == {
-        "ListObjectsV2": 1, "DeleteObjects": 1, "ListMultipartUploads": 1}
+    assert count(s3.delete_tree, "a") == {"ListObjectsV2": 1, "DeleteObjects": 1, "ListMultipartUploads": 1}
 
 
 @pytest.mark.s3
@@ -798,8 +804,7 @@ def test_s3_create_exclusive_ambiguous_retry_resolved_by_read_back(s3, s3_server
 @pytest.mark.s3
 def test_s3_create_exclusive_retry_then_loss_still_raises(s3, s3_server):
     """A failed first attempt, a retry, and someone else's object: still FileExistsError."""
-    s3_server.boto3_client().put_object(Bucket="txckpt-test", Key="root/log/0008.json",
-                                        Body=b'{"txid": "theirs"}')
+    s3_server.boto3_client().put_object(Bucket="txckpt-test", Key="root/log/0008.json", Body=b'{"txid": "theirs"}')
     s3_server.inject_failure("PutObject", "root/log/0008.json", after_apply=False)
     with pytest.raises(FileExistsError):
         s3.create_exclusive("log/0008.json", b'{"txid": "mine"}', durable=True)

@@ -1,6 +1,7 @@
 """The campaign's seeded sampling of crash sweeps (tests/harness/sampling.py, issue 46): a draw is
 reproducible from its seed, keeps every critical point, changes with the seed so that runs
 together reach every point, and ``TXCKPT_FULL_SWEEP=1`` keeps all. In-process, fast tier."""
+
 import pytest
 
 from tests.harness import sampling

@@ -31,8 +31,11 @@ pytestmark = pytest.mark.slow
 
 
 def tags(data) -> set[str]:
-    return {bytes(data["model.safetensors"]["tag"].tolist()).decode(), data["optimizer.pt"]["tag"],
-            data["trainer_state.json"]["tag"]}
+    return {
+        bytes(data["model.safetensors"]["tag"].tolist()).decode(),
+        data["optimizer.pt"]["tag"],
+        data["trainer_state.json"]["tag"],
+    }
 
 
 def tiers(root: str) -> TieredRoot:
@@ -114,8 +117,14 @@ def test_sweep_tiered_save_replication_and_retention(tmp_path):
         t.wait_durable()
         t.apply_retention(txckpt.RetentionPolicy(keep_last=1))
 
-    result = sweep("tiered save + replication + fast retention", template, str(tmp_path / "work"),
-                   scenario, make_checker({"A-2", "A-3"}, before), sampled=True)
+    result = sweep(
+        "tiered save + replication + fast retention",
+        template,
+        str(tmp_path / "work"),
+        scenario,
+        make_checker({"A-2", "A-3"}, before),
+        sampled=True,
+    )
     assert any("durable" in op for op in result.ops) and any("fast" in op for op in result.ops)
     report(result)
 
@@ -130,8 +139,14 @@ def test_sweep_tiered_rollback_replicated_as_a_fork(tmp_path):
         txckpt.save_checkpoint(t, 2, files("B-2", 2))
         t.wait_durable()
 
-    result = sweep("tiered rollback + re-save, replicated as a fork", template, str(tmp_path / "work"),
-                   scenario, make_checker({"A-2", "A-1", "B-2"}, before), sampled=True)
+    result = sweep(
+        "tiered rollback + re-save, replicated as a fork",
+        template,
+        str(tmp_path / "work"),
+        scenario,
+        make_checker({"A-2", "A-1", "B-2"}, before),
+        sampled=True,
+    )
     report(result)
 
 
@@ -146,8 +161,14 @@ def test_sweep_tiered_restart_on_an_empty_fast_tier(tmp_path):
         txckpt.save_checkpoint(t, 3, files("A-3", 3))
         t.wait_durable()
 
-    result = sweep("tiered restart on an empty fast tier + save", template, str(tmp_path / "work"),
-                   scenario, make_checker({"A-2", "A-3"}, before), sampled=True)
+    result = sweep(
+        "tiered restart on an empty fast tier + save",
+        template,
+        str(tmp_path / "work"),
+        scenario,
+        make_checker({"A-2", "A-3"}, before),
+        sampled=True,
+    )
     report(result)
 
 
@@ -166,7 +187,7 @@ def test_sweep_tiered_replication_to_seaweedfs_at_every_mutating_request(tmp_pat
     from tests.reliability.s3 import copy_prefix
 
     so, client = seaweedfs_cluster.storage_options(), seaweedfs_cluster.boto3_client()
-    base = f"tiered-sweep-{case}-{os.getpid()}-{id(tmp_path) & 0xffff:x}"
+    base = f"tiered-sweep-{case}-{os.getpid()}-{id(tmp_path) & 0xFFFF:x}"
     url = lambda prefix: f"s3://{SEAWEEDFS_BUCKET}/{base}/{prefix}"  # noqa: E731
     template_fast = str(tmp_path / "template-fast")
 
@@ -229,16 +250,20 @@ def test_sweep_tiered_replication_to_seaweedfs_at_every_mutating_request(tmp_pat
         if code != -signal.SIGKILL:
             found.append(f"{when} {op}: child was not killed: {code} {out}")
             continue
-        code, verdict = run_child(lambda fast=fast, durable_url=durable_url: violations(
-            fast, durable_url, so, {"A-2", "A-3"}, before), timeout=300)
+        code, verdict = run_child(
+            lambda fast=fast, durable_url=durable_url: violations(fast, durable_url, so, {"A-2", "A-3"}, before),
+            timeout=300,
+        )
         if code != 0:
             found.append(f"{when} {op}: checker failed: {verdict}")
         elif verdict["ok"]:
             found += [f"{when} {op}: {v}" for v in verdict["ok"]]
         shutil.rmtree(fast, ignore_errors=True)
-    line = (f"crash sweep [tiered {case} to SeaweedFS]: {len(ops)} S3 requests "
-            f"({sum(1 for o in ops if o['mut'])} mutating), {len(points)} crash points "
-            f"(SIGKILL before and after each mutating one), {len(found)} violations")
+    line = (
+        f"crash sweep [tiered {case} to SeaweedFS]: {len(ops)} S3 requests "
+        f"({sum(1 for o in ops if o['mut'])} mutating), {len(points)} crash points "
+        f"(SIGKILL before and after each mutating one), {len(found)} violations"
+    )
     from tests import conftest
 
     conftest.SUMMARY_LINES.append(line)

@@ -6,6 +6,7 @@ rollback on a new node forks from a durable-only step; the README idiom
 and a remote root's paths (their storage options); an outage of the durable tier degrades
 ``pending()``, ``apply_retention()`` and the lag bound, and stops no save.
 "Nodes" are separate fast directories of one process (every root object forgotten between them)."""
+
 import contextlib
 import logging
 import os
@@ -21,8 +22,10 @@ from txckpt.tiered import TieredRoot
 
 
 def files(step: int, tag: int | None = None):
-    return {"model.safetensors": {"w": torch.full((256,), float(step if tag is None else tag))},
-            "trainer_state.json": {"global_step": step, "tag": tag}}
+    return {
+        "model.safetensors": {"w": torch.full((256,), float(step if tag is None else tag))},
+        "trainer_state.json": {"global_step": step, "tag": tag},
+    }
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
@@ -100,11 +103,17 @@ def test_a_requeue_after_a_rollback_on_another_node_follows_the_durable_fork_and
     steps, head = durable_steps(a)
     assert steps == [1, 2, 3, 4] and head == b_lineage == a.fast_root.state().head
     d = txckpt.CheckpointRoot(a.durable, a.storage_options)
-    assert txckpt.load_checkpoint(d.get_last_checkpoint(), storage_options=a.storage_options)[
-        "trainer_state.json"] == {"global_step": 4, "tag": 40}
+    assert txckpt.load_checkpoint(d.get_last_checkpoint(), storage_options=a.storage_options)["trainer_state.json"] == {
+        "global_step": 4,
+        "tag": 40,
+    }
     assert [c.step for c in d.checkpoints("current")][:3] == [1, 2, 3]
-    assert txckpt.load_checkpoint(d.locate(d.history().find(step=3).ref), storage_options=a.storage_options)[
-        "trainer_state.json"]["tag"] == 30  # B's step 3, not A's abandoned one
+    assert (
+        txckpt.load_checkpoint(d.locate(d.history().find(step=3).ref), storage_options=a.storage_options)[
+            "trainer_state.json"
+        ]["tag"]
+        == 30
+    )  # B's step 3, not A's abandoned one
 
 
 def test_a_rollback_on_a_new_node_forks_from_a_step_only_the_durable_tier_holds(tmp_path, durable):
@@ -154,8 +163,7 @@ def test_a_remote_roots_lookup_carries_its_storage_options(s3_root):
     assert isinstance(last, CheckpointPath) and last.storage_options == options
     assert txckpt.load_checkpoint(last)["trainer_state.json"]["global_step"] == 1
     assert txckpt.read_manifest(str(last)).step == 1
-    assert txckpt.load_checkpoint(txckpt.resume(url, storage_options=options))["trainer_state.json"][
-        "global_step"] == 1
+    assert txckpt.load_checkpoint(txckpt.resume(url, storage_options=options))["trainer_state.json"]["global_step"] == 1
 
 
 def test_two_jobs_on_one_durable_root_say_which_owns_the_lineage(tmp_path):
@@ -194,7 +202,8 @@ def outage(tmp_path, monkeypatch, **kw):
 
 @pytest.mark.s3
 def test_an_unreachable_durable_tier_degrades_pending_retention_and_lookups_and_saves_go_on(
-        tmp_path, monkeypatch, caplog):
+    tmp_path, monkeypatch, caplog
+):
     from txckpt.errors import EndpointUnreachableError
 
     with outage(tmp_path, monkeypatch) as root, caplog.at_level(logging.WARNING, logger="txckpt"):
@@ -202,8 +211,7 @@ def test_an_unreachable_durable_tier_degrades_pending_retention_and_lookups_and_
             txckpt.save_checkpoint(root, step, files(step))  # saves go on
         assert [c.step for c in root.pending()] == [3, 4, 5]  # from what this process knows
         assert isinstance(root.durable_unreachable, EndpointUnreachableError)
-        assert any("is unreachable" in r.getMessage() and "pending() answers" in r.getMessage()
-                   for r in caplog.records)
+        assert any("is unreachable" in r.getMessage() and "pending() answers" in r.getMessage() for r in caplog.records)
         retired = root.apply_retention(txckpt.RetentionPolicy(keep_last=1))
         assert sorted(i.step for i in retired) == [1, 2]  # the durable ones only
         assert [c.step for c in root.fast_root.checkpoints("current")] == [3, 4, 5]
@@ -253,15 +261,27 @@ def test_ls_durable_says_when_the_durable_tier_cannot_be_read(tmp_path, closed_e
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     txckpt.save_checkpoint(str(tmp_path / "fast"), 1, files(1))
     capsys.readouterr()
-    code = cli.main(["ls", str(tmp_path / "fast"), "--durable", "s3://bucket/run", "--durable-option",
-                     f'client_kwargs={{"endpoint_url": "{closed_endpoint}"}}', "--durable-option", "key=k",
-                     "--durable-option", "secret=s"])
+    code = cli.main(
+        [
+            "ls",
+            str(tmp_path / "fast"),
+            "--durable",
+            "s3://bucket/run",
+            "--durable-option",
+            f'client_kwargs={{"endpoint_url": "{closed_endpoint}"}}',
+            "--durable-option",
+            "key=k",
+            "--durable-option",
+            "secret=s",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 1 and "could not be read" in err and "?" in out.splitlines()[-1].split()
 
 
 def test_a_checkpoint_the_durable_tier_abandoned_before_it_was_replicated_does_not_block_replication(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     durable = (str(tmp_path / "durable"), {})
     a = node(tmp_path, "a", durable)
     run(a, (1, 2))
@@ -290,9 +310,14 @@ def test_a_requeue_a_b_a_in_separate_processes_resumes_the_newest_durable_checkp
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def job(node_name: str, steps: str, *rollback: str) -> dict:
-        p = subprocess.run([sys.executable, "-m", "tests.children.tiered_node", str(tmp_path / node_name),
-                            durable, steps, *rollback], cwd=repo, capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "PYTHONPATH": repo})
+        p = subprocess.run(
+            [sys.executable, "-m", "tests.children.tiered_node", str(tmp_path / node_name), durable, steps, *rollback],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": repo},
+        )
         assert p.returncode == 0, p.stderr[-3000:]
         return json.loads(p.stdout.strip().splitlines()[-1])
 

@@ -3,6 +3,7 @@ needs (a fork appended under a given lineage id, so that one id names a lineage 
 then TieredRoot on each kind of durable tier: replication under the same txid and lineage,
 rollbacks forked on both tiers, a lost fast tier, repairs that fetch exactly the damaged files,
 the retention guard, a restart's backlog, async saves, DCP, and two gloo ranks."""
+
 import contextlib
 import os
 
@@ -50,8 +51,14 @@ def files(step: int, base: torch.Tensor | None = None):
     }
 
 
-@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3),
-                        pytest.param("seaweedfs", marks=pytest.mark.seaweedfs)])
+@pytest.fixture(
+    params=[
+        "local",
+        "memory",
+        pytest.param("s3", marks=pytest.mark.s3),
+        pytest.param("seaweedfs", marks=pytest.mark.seaweedfs),
+    ]
+)
 def durable(request, tmp_path):
     """(url, storage_options) of an empty durable tier on each backend."""
     if request.param == "local":
@@ -86,8 +93,13 @@ def test_a_save_commits_on_the_fast_tier_and_becomes_durable_under_the_same_txid
     assert set(fast) == set(dur) and len(dur) == 2
     for txid, c in fast.items():
         assert (dur[txid].step, dur[txid].lineage) == (c.step, c.lineage)
-        fm, dm = txckpt.read_manifest(c.path), txckpt.verify_checkpoint(dur[txid].path, storage_options=tiered.storage_options)
-        assert {n: (e.size, e.checksum) for n, e in fm.files.items()} == {n: (e.size, e.checksum) for n, e in dm.files.items()}
+        fm, dm = (
+            txckpt.read_manifest(c.path),
+            txckpt.verify_checkpoint(dur[txid].path, storage_options=tiered.storage_options),
+        )
+        assert {n: (e.size, e.checksum) for n, e in fm.files.items()} == {
+            n: (e.size, e.checksum) for n, e in dm.files.items()
+        }
     assert durable_root(tiered).state().head == tiered.fast_root.state().head
     # The durable tier on its own is an ordinary root: its newest checkpoint is step 2.
     last = txckpt.get_last_checkpoint(tiered.durable, storage_options=tiered.storage_options)
@@ -199,11 +211,18 @@ def test_the_durable_tier_shares_a_frozen_base_it_already_holds(tmp_path):
     base = torch.arange(4096, dtype=torch.float32)
     one = txckpt.save_checkpoint(t, 1, files(1, base), incremental=True)
     two = txckpt.save_checkpoint(t, 2, files(2, base), incremental=True)
-    assert os.stat(os.path.join(one, "base.safetensors")).st_ino == os.stat(os.path.join(two, "base.safetensors")).st_ino
+    assert (
+        os.stat(os.path.join(one, "base.safetensors")).st_ino == os.stat(os.path.join(two, "base.safetensors")).st_ino
+    )
     t.wait_durable()
     d = [c.path for c in durable_root(t).checkpoints("current")]
-    assert os.stat(os.path.join(d[0], "base.safetensors")).st_ino == os.stat(os.path.join(d[1], "base.safetensors")).st_ino
-    assert os.stat(os.path.join(d[0], "adapter.safetensors")).st_ino != os.stat(os.path.join(d[1], "adapter.safetensors")).st_ino
+    assert (
+        os.stat(os.path.join(d[0], "base.safetensors")).st_ino == os.stat(os.path.join(d[1], "base.safetensors")).st_ino
+    )
+    assert (
+        os.stat(os.path.join(d[0], "adapter.safetensors")).st_ino
+        != os.stat(os.path.join(d[1], "adapter.safetensors")).st_ino
+    )
 
 
 def test_an_async_save_and_a_transaction_on_a_tiered_root_become_durable(tiered):
@@ -217,7 +236,10 @@ def test_an_async_save_and_a_transaction_on_a_tiered_root_become_durable(tiered)
     d = durable_root(tiered)
     assert [c.step for c in d.checkpoints("current")] == [1, 2]
     last = txckpt.get_last_checkpoint(tiered.durable, storage_options=tiered.storage_options)
-    assert set(txckpt.read_manifest(last, storage_options=tiered.storage_options).files) == {"optimizer.pt", "config.json"}
+    assert set(txckpt.read_manifest(last, storage_options=tiered.storage_options).files) == {
+        "optimizer.pt",
+        "config.json",
+    }
 
 
 def test_dcp_saves_through_a_tiered_root_and_loads_its_newest_checkpoint_repaired(tiered):
@@ -256,8 +278,9 @@ def test_two_ranks_save_through_a_tiered_root_and_rank_0_replicates_every_ranks_
         m = txckpt.verify_checkpoint(c.path)
         assert set(m.files) == {f"rank{r}.{ext}" for r in (0, 1) for ext in ("pt", "bin")}
         fast_m = txckpt.read_manifest(os.path.join(fast, f"checkpoint-{c.step}"))
-        assert m.txid == fast_m.txid and {n: e.checksum for n, e in m.files.items()} == \
-            {n: e.checksum for n, e in fast_m.files.items()}
+        assert m.txid == fast_m.txid and {n: e.checksum for n, e in m.files.items()} == {
+            n: e.checksum for n, e in fast_m.files.items()
+        }
 
 
 def test_wait_durable_waits_for_an_async_save_in_flight_and_a_settled_save_decides_nothing(tiered, monkeypatch):

@@ -14,7 +14,7 @@ from tests.harness import tiers
 
 pytest_plugins = ["pytester"]
 
-_MODULE = textwrap.dedent('''
+_MODULE = textwrap.dedent("""
     import subprocess, pytest
     from tests.harness.procs import run_child
 
@@ -51,14 +51,13 @@ _MODULE = textwrap.dedent('''
     @pytest.mark.trainer
     def test_trainer():
         pass
-''')
+""")
 
 
 def _write(pytester):
-    pytester.makeconftest('pytest_plugins = ["tests.harness.tiers"]\n'
-                          'import pytest\n'
-                          '@pytest.fixture\n'
-                          'def s3_server():\n    return None\n')
+    pytester.makeconftest(
+        'pytest_plugins = ["tests.harness.tiers"]\nimport pytest\n@pytest.fixture\ndef s3_server():\n    return None\n'
+    )
     pytester.makepyfile(test_mod=_MODULE)
 
 
@@ -84,11 +83,14 @@ def test_a_test_gets_the_markers_its_code_and_fixtures_imply(pytester):
     assert "campaign" in marks["test_sweep"]
 
 
-@pytest.mark.parametrize("tier,expected", [
-    ("fast", {"test_pure"}),
-    ("test", {"test_pure", "test_indirect", "test_fixture", "test_server", "test_dist", "test_trainer"}),
-    ("campaign", {"test_sweep"}),
-])
+@pytest.mark.parametrize(
+    "tier,expected",
+    [
+        ("fast", {"test_pure"}),
+        ("test", {"test_pure", "test_indirect", "test_fixture", "test_server", "test_dist", "test_trainer"}),
+        ("campaign", {"test_sweep"}),
+    ],
+)
 def test_each_tier_selects_by_cost(pytester, tier, expected):
     assert _selected(pytester, "--tier", tier) == expected
 
@@ -99,7 +101,8 @@ def test_the_fast_tier_fails_a_test_that_starts_a_process_it_was_not_marked_for(
     monkeypatch.setattr(tiers, "SPAWNERS", frozenset())
     tiers._spawning_functions.cache_clear()
     pytester.makeconftest('pytest_plugins = ["tests.harness.tiers"]\n')
-    pytester.makepyfile(test_hidden=textwrap.dedent('''
+    pytester.makepyfile(
+        test_hidden=textwrap.dedent("""
         import os, socket, subprocess
 
         def test_hidden_child():
@@ -118,7 +121,8 @@ def test_the_fast_tier_fails_a_test_that_starts_a_process_it_was_not_marked_for(
 
         def test_in_process():
             assert True
-    '''))
+    """)
+    )
     result = pytester.runpytest_inprocess("--tier", "fast", "-p", "no:cacheprovider", "-rA")
     tiers._spawning_functions.cache_clear()
     # The child and the server fail their call; the swallowed fork's call passes, and the guard

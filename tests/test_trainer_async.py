@@ -10,6 +10,7 @@
 * Two ranks (torchrun, gloo): rank 1 dies inside the background save: nothing commits, the
   restart resumes on both ranks.
 """
+
 import errno
 import json
 import os
@@ -73,11 +74,25 @@ class Seen(TrainerCallback):
 
 def train(out, async_save, **overrides):
     torch.manual_seed(0)
-    args = make_args(str(out), 8, eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
-                     metric_for_best_model="loss", save_total_limit=2, **overrides)
+    args = make_args(
+        str(out),
+        8,
+        eval_strategy="steps",
+        eval_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        save_total_limit=2,
+        **overrides,
+    )
     seen = Seen(str(out))
-    trainer = TransactionalTrainer(model=TinyModel(TinyConfig()), args=args, train_dataset=Data(0),
-                                   eval_dataset=Data(1, n=16), callbacks=[seen], txckpt_async_save=async_save)
+    trainer = TransactionalTrainer(
+        model=TinyModel(TinyConfig()),
+        args=args,
+        train_dataset=Data(0),
+        eval_dataset=Data(1, n=16),
+        callbacks=[seen],
+        txckpt_async_save=async_save,
+    )
     trainer.train()
     return trainer, seen
 
@@ -118,8 +133,12 @@ def test_same_checkpoints_as_sync_and_train_returns_committed(tmp_path):
     for mode in ("sync", "async", "copy"):
         trainer, seen = train(out, {"sync": False, "async": True, "copy": "copy"}[mode])
         assert txckpt.asyncsave.pending_saves() == 0
-        runs[mode] = (manifests(out), seen.saves, trainer.state.best_model_checkpoint,
-                      json.loads((Path(trainer.state.best_model_checkpoint) / "trainer_state.json").read_text()))
+        runs[mode] = (
+            manifests(out),
+            seen.saves,
+            trainer.state.best_model_checkpoint,
+            json.loads((Path(trainer.state.best_model_checkpoint) / "trainer_state.json").read_text()),
+        )
         # True is lazy here (an AdamW): the optimizer step after each save but the last (the end
         # of training) waited for the background's copy of the parameters and optimizer state.
         assert len(trainer._txckpt_async.copy_waits) == (3 if mode == "async" else 0)
@@ -130,8 +149,14 @@ def test_same_checkpoints_as_sync_and_train_returns_committed(tmp_path):
     # Retention (save_total_limit=2, the best kept) ran after every commit: the same survivors.
     assert sorted(asyn) == sorted(sync) and 8 in asyn
     for step in sync:
-        assert set(asyn[step]) >= {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth",
-                                   "trainer_state.json", "training_args.bin"}
+        assert set(asyn[step]) >= {
+            "model.safetensors",
+            "optimizer.pt",
+            "scheduler.pt",
+            "rng_state.pth",
+            "trainer_state.json",
+            "training_args.bin",
+        }
         assert asyn[step] == sync[step], step  # every file: same size and digest
     # on_save ran for every save, in step order, each time on a committed checkpoint.
     assert async_seen == sync_seen == [(2, True), (4, True), (6, True), (8, True)]
@@ -157,8 +182,12 @@ def test_background_enospc_is_raised_by_train_at_the_next_save(tmp_path, monkeyp
     monkeypatch.setattr(mu, "safe_save_file", full_disk)
     out = tmp_path / "out"
     torch.manual_seed(0)
-    trainer = TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(out), 8),
-                                   train_dataset=Data(0), txckpt_async_save=mode == "async")
+    trainer = TransactionalTrainer(
+        model=TinyModel(TinyConfig()),
+        args=make_args(str(out), 8),
+        train_dataset=Data(0),
+        txckpt_async_save=mode == "async",
+    )
     with pytest.raises(OSError) as info:
         trainer.train()
     assert info.value.errno == errno.ENOSPC
@@ -180,9 +209,14 @@ def test_async_saves_on_s3_commit_and_resume(tmp_path, s3_root):
 
     def run(max_steps, resume=None):
         torch.manual_seed(0)
-        trainer = TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(out), max_steps, save_total_limit=2),
-                                       train_dataset=Data(0), txckpt_root=url, txckpt_storage_options=opts,
-                                       txckpt_async_save=True)
+        trainer = TransactionalTrainer(
+            model=TinyModel(TinyConfig()),
+            args=make_args(str(out), max_steps, save_total_limit=2),
+            train_dataset=Data(0),
+            txckpt_root=url,
+            txckpt_storage_options=opts,
+            txckpt_async_save=True,
+        )
         trainer.train(resume_from_checkpoint=resume)
         txckpt.forget_roots()
         return trainer, {c.step: c for c in txckpt.CheckpointRoot(url, opts).checkpoints()}
@@ -193,16 +227,24 @@ def test_async_saves_on_s3_commit_and_resume(tmp_path, s3_root):
     assert sorted(cps) == [6, 8]  # save_total_limit=2 after every commit
     for c in cps.values():
         assert c.path.startswith(url + "/.txckpt/tx/")
-        assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} \
-            <= set(txckpt.verify_checkpoint(c.path, storage_options=opts).files)
+        assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= set(
+            txckpt.verify_checkpoint(c.path, storage_options=opts).files
+        )
     # Nothing of txckpt's left in the local output_dir (scratch uploads and cached copies gone).
     assert not (out / ".txckpt").exists()
     assert [p for p in out.rglob("*") if p.is_file()] == []
 
 
-@pytest.mark.parametrize("optim, mode", [("adamw_torch", "lazy"), ("adafactor", "lazy"),
-                                         ("galore_adamw_layerwise", "copy"), ("adalomo", "copy"),
-                                         ("lomo", "copy")])
+@pytest.mark.parametrize(
+    "optim, mode",
+    [
+        ("adamw_torch", "lazy"),
+        ("adafactor", "lazy"),
+        ("galore_adamw_layerwise", "copy"),
+        ("adalomo", "copy"),
+        ("lomo", "copy"),
+    ],
+)
 def test_true_is_lazy_unless_the_optimizer_changes_parameters_in_backward(optim, mode):
     from types import SimpleNamespace
 
@@ -210,8 +252,11 @@ def test_true_is_lazy_unless_the_optimizer_changes_parameters_in_backward(optim,
 
     from txckpt.integrations.trainer import async_saves as trainer_async
 
-    t = SimpleNamespace(args=SimpleNamespace(optim=OptimizerNames(optim)), optimizer=torch.optim.SGD(
-        [torch.nn.Parameter(torch.ones(1))], lr=0.1), txckpt_async_save=True)
+    t = SimpleNamespace(
+        args=SimpleNamespace(optim=OptimizerNames(optim)),
+        optimizer=torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1),
+        txckpt_async_save=True,
+    )
     assert trainer_async.snapshot_mode(t) == mode
     t.txckpt_async_save = "lazy"  # asked for: as asked
     assert trainer_async.snapshot_mode(t) == "lazy"
@@ -231,8 +276,9 @@ def test_lazy_snapshot_keeps_the_live_storages_and_copies_the_rest():
 
     weight, buffer = torch.ones(4), torch.zeros(2)
     view = weight[1:]
-    snap = SnapshotPool().snapshot({"model.safetensors": {"w": view, "b": buffer}},
-                                   live=frozenset({weight.untyped_storage().data_ptr()}))["model.safetensors"]
+    snap = SnapshotPool().snapshot(
+        {"model.safetensors": {"w": view, "b": buffer}}, live=frozenset({weight.untyped_storage().data_ptr()})
+    )["model.safetensors"]
     assert snap["w"] is view
     assert snap["b"].untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
     buffer.add_(1)
@@ -260,9 +306,13 @@ def test_jit_checkpoint_is_committed_before_training_goes_on(tmp_path, save_step
 
     torch.manual_seed(0)
     req, check = RequestJIT(3), CommittedAt4()
-    t = TransactionalTrainer(model=TinyModel(TinyConfig()),
-                             args=make_args(str(out), 8, enable_jit_checkpoint=True, save_steps=save_steps),
-                             train_dataset=Data(0), callbacks=[req, check], txckpt_async_save=True)
+    t = TransactionalTrainer(
+        model=TinyModel(TinyConfig()),
+        args=make_args(str(out), 8, enable_jit_checkpoint=True, save_steps=save_steps),
+        train_dataset=Data(0),
+        callbacks=[req, check],
+        txckpt_async_save=True,
+    )
     req.trainer = t
     t.train()
     assert t.state.global_step == 4

@@ -3,6 +3,7 @@ Trainer given the same arguments and the same evaluation results: for every comb
 eval/save strategy of transformers' own test_best_model_checkpoint_behavior (and save_strategy
 "best"), the mixin ends with the same best checkpoint, the same checkpoint-N names and the same
 best in every saved trainer_state.json, and txckpt's current lineage is exactly those names."""
+
 import json
 import os
 
@@ -32,8 +33,9 @@ CASES = {
     "epoch-steps-limit-2": dict(eval_strategy="epoch", save_strategy="steps", save_steps=1, save_total_limit=2),
     "epoch-steps-limit-1": dict(eval_strategy="epoch", save_strategy="steps", save_steps=1, save_total_limit=1),
     # Best at step 1, save_total_limit=1: at the end only the best may remain, not the newest too.
-    "steps-steps-limit-1": dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
-                                save_total_limit=1),
+    "steps-steps-limit-1": dict(
+        eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, save_total_limit=1
+    ),
     "steps-3-steps-2": dict(eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=2),
     "epoch-best": dict(eval_strategy="epoch", save_strategy="best"),
 }
@@ -41,8 +43,15 @@ CASES = {
 
 def run(cls, out, overrides, accuracies=FALLING, resume=None):
     torch.manual_seed(0)
-    args = make_args(str(out), -1, num_train_epochs=3, metric_for_best_model="accuracy", greater_is_better=True,
-                     load_best_model_at_end=False, **overrides)
+    args = make_args(
+        str(out),
+        -1,
+        num_train_epochs=3,
+        metric_for_best_model="accuracy",
+        greater_is_better=True,
+        load_best_model_at_end=False,
+        **overrides,
+    )
     trainer = cls(model=TinyModel(TinyConfig()), args=args, train_dataset=Data(0, n=16), eval_dataset=Data(7, n=8))
     values = iter(accuracies)
     last = {}
@@ -115,10 +124,14 @@ def test_keeping_only_the_best_rolls_back_and_a_restart_resumes_it(tmp_path):
             began.append(state.global_step)
 
     torch.manual_seed(0)
-    args = make_args(str(out), -1, num_train_epochs=3, metric_for_best_model="accuracy", greater_is_better=True,
-                     **case)
-    trainer = TransactionalTrainer(model=TinyModel(TinyConfig()), args=args, train_dataset=Data(0, n=16),
-                                   eval_dataset=Data(7, n=8), callbacks=[Begin()])
+    args = make_args(str(out), -1, num_train_epochs=3, metric_for_best_model="accuracy", greater_is_better=True, **case)
+    trainer = TransactionalTrainer(
+        model=TinyModel(TinyConfig()),
+        args=args,
+        train_dataset=Data(0, n=16),
+        eval_dataset=Data(7, n=8),
+        callbacks=[Begin()],
+    )
     trainer._evaluate = lambda *a, **k: {"eval_accuracy": 0.5}
     trainer.train(resume_from_checkpoint=True)
     assert began == [1]

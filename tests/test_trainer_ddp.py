@@ -5,6 +5,7 @@ staging, the commit has not happened). Nothing may be committed for step 4, and 
 resume_from_checkpoint=True resumes from checkpoint-2 on both ranks. Every committed manifest
 lists both ranks' rng_state files.
 """
+
 from pathlib import Path
 
 import pytest
@@ -47,8 +48,14 @@ def test_rank_killed_mid_save_commits_nothing_and_restart_resumes(tmp_path):
     assert [c.step for c in current] == [2, 4]
     for c in current:
         files = manifest_files(c.path)
-        assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "optimizer.pt",
-                "scheduler.pt", "trainer_state.json"} <= files, files
+        assert {
+            "rng_state_0.pth",
+            "rng_state_1.pth",
+            "model.safetensors",
+            "optimizer.pt",
+            "scheduler.pt",
+            "trainer_state.json",
+        } <= files, files
         txckpt.verify_checkpoint(c.path)
         # Each rank claimed its own RNG file (rank_files): hashed by it, recorded as its.
         ranks = {n: e.rank for n, e in txckpt.read_manifest(c.path).files.items()}

@@ -20,6 +20,7 @@ Every committed manifest records each ``zero_pp_rank_{r}_*`` file (and ``rng_sta
 as rank r's: each rank hashed its own shards; rank 0 did not read them back.
 The DeepSpeed import is checked in a subprocess; without it the test skips with the reason.
 """
+
 import json
 import os
 import subprocess
@@ -46,8 +47,17 @@ def deepspeed_importable():
 
 
 def torchrun(out, max_steps, resume, seed=0, kill="-", limit="-", expect_ok=True):
-    return run_torchrun(str(HERE / "trainer_deepspeed_zero3.py"), out, max_steps, resume, seed, kill, limit,
-                        timeout=600, expect_ok=expect_ok)
+    return run_torchrun(
+        str(HERE / "trainer_deepspeed_zero3.py"),
+        out,
+        max_steps,
+        resume,
+        seed,
+        kill,
+        limit,
+        timeout=600,
+        expect_ok=expect_ok,
+    )
 
 
 def current(out):
@@ -82,9 +92,14 @@ def assert_sharded_and_attributed(path, step):
 def consolidate(ckpt, dest):
     """docs/distributed.md's recipe: from_pretrained refuses the sharded checkpoint; DeepSpeed's
     get_fp32_state_dict_from_zero_checkpoint rebuilds the weights from the committed shards."""
-    p = subprocess.run([sys.executable, str(HERE / "trainer_zero_consolidate.py"), str(ckpt), str(dest)],
-                       capture_output=True, text=True, timeout=300, cwd=str(HERE),
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = subprocess.run(
+        [sys.executable, str(HERE / "trainer_zero_consolidate.py"), str(ckpt), str(dest)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(HERE),
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert p.returncode == 0, p.stderr[-6000:]
     found = json.loads(p.stdout.strip().splitlines()[-1])
     assert found["refused"] and "model.safetensors" in found["refused"]
@@ -104,8 +119,9 @@ def test_zero3_save_kill_resume_rollback_retention(tmp_path):
 
     # 1. A rank killed mid-save: nothing commits.
     p = torchrun(out, 8, "none", kill=6, expect_ok=False)
-    assert "rank 1: killing myself while saving step 6" in p.stdout and "zero_pp_rank_1_mp_rank_00_optim" in p.stdout, \
+    assert "rank 1: killing myself while saving step 6" in p.stdout and "zero_pp_rank_1_mp_rank_00_optim" in p.stdout, (
         f"{p.stdout}\n--- stderr\n{p.stderr[-6000:]}"
+    )
     txckpt.forget_roots()
     assert [c.step for c in txckpt.CheckpointRoot(out).checkpoints(lineage="all")] == [2, 4]
     assert not (out / "checkpoint-6").exists()

@@ -28,8 +28,9 @@ class Stream(torch.utils.data.IterableDataset):
 def warnings_of(tmp_path, caplog, dataset, **overrides):
     caplog.set_level(logging.WARNING, logger="txckpt")
     torch.manual_seed(0)
-    trainer = TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "out"), 4, **overrides),
-                                   train_dataset=dataset)
+    trainer = TransactionalTrainer(
+        model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "out"), 4, **overrides), train_dataset=dataset
+    )
     trainer.train()
     return [r.getMessage() for r in caplog.records if "will not continue it exactly" in r.getMessage()]
 

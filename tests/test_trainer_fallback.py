@@ -1,5 +1,6 @@
 """A Trainer restart past a damaged newest checkpoint (``txckpt_on_damaged``), through the real
 Trainer (tiny model, CPU), on a local output_dir and on an S3 root (moto server)."""
+
 import logging
 import os
 from pathlib import Path
@@ -36,8 +37,13 @@ class Begin(TrainerCallback):
 def train(out, max_steps, resume=None, **mixin):
     torch.manual_seed(0)
     begin = Begin()
-    trainer = TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(out), max_steps),
-                                   train_dataset=Data(0), callbacks=[begin], **mixin)
+    trainer = TransactionalTrainer(
+        model=TinyModel(TinyConfig()),
+        args=make_args(str(out), max_steps),
+        train_dataset=Data(0),
+        callbacks=[begin],
+        **mixin,
+    )
     trainer.train(resume_from_checkpoint=resume)
     trainer.begin_step = begin.steps[0]
     return trainer
@@ -45,8 +51,9 @@ def train(out, max_steps, resume=None, **mixin):
 
 def checkpoints(root, opts=None, lineage="current"):
     txckpt.forget_roots()
-    return {(c.step if lineage == "current" else c.txid): c
-            for c in txckpt.CheckpointRoot(root, opts).checkpoints(lineage)}
+    return {
+        (c.step if lineage == "current" else c.txid): c for c in txckpt.CheckpointRoot(root, opts).checkpoints(lineage)
+    }
 
 
 def test_a_restart_falls_back_past_a_damaged_newest_checkpoint(tmp_path, caplog):
@@ -69,8 +76,11 @@ def test_a_restart_falls_back_past_a_damaged_newest_checkpoint(tmp_path, caplog)
     caplog.set_level(logging.WARNING, logger="txckpt")
     t = train(out, 6, resume=True, txckpt_on_damaged="fallback")
     assert t.begin_step == 4
-    (warning,) = [r.getMessage() for r in caplog.records
-                  if r.levelno == logging.WARNING and "failed verification" in r.getMessage()]
+    (warning,) = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "failed verification" in r.getMessage()
+    ]
     assert f"checkpoint-6 (txid {before[6].txid})" in warning and f"checkpoint-6/{WEIGHTS}" in warning
     after = checkpoints(str(out))
     assert sorted(after) == [2, 4, 6] and after[4].txid == before[4].txid
@@ -83,8 +93,12 @@ def test_a_restart_falls_back_past_a_damaged_newest_checkpoint(tmp_path, caplog)
 
 def test_the_option_is_checked_at_construction(tmp_path):
     with pytest.raises(InvalidArgumentError, match="on_damaged"):
-        TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path), 2),
-                             train_dataset=Data(0), txckpt_on_damaged="ignore")
+        TransactionalTrainer(
+            model=TinyModel(TinyConfig()),
+            args=make_args(str(tmp_path), 2),
+            train_dataset=Data(0),
+            txckpt_on_damaged="ignore",
+        )
 
 
 @pytest.mark.s3

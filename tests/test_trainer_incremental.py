@@ -58,8 +58,13 @@ class Sizes(TrainerCallback):
 
 def train(out, max_steps, resume=None, cls=TransactionalTrainer, callbacks=(), **kw):
     torch.manual_seed(0)
-    trainer = cls(model=FrozenBaseModel(TinyConfig()), args=make_args(str(out), max_steps),
-                  train_dataset=Data(0), callbacks=list(callbacks), **kw)
+    trainer = cls(
+        model=FrozenBaseModel(TinyConfig()),
+        args=make_args(str(out), max_steps),
+        train_dataset=Data(0),
+        callbacks=list(callbacks),
+        **kw,
+    )
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
@@ -104,8 +109,7 @@ def test_frozen_shards_are_kept_once_and_stock_transformers_loads_every_checkpoi
 def test_s3_uploads_only_the_changed_files(tmp_path, s3_root, s3_requests):
     url, so = s3_root
     sizes = Sizes(s3_requests)
-    train(tmp_path / "out", 4, callbacks=[sizes], txckpt_incremental=True, txckpt_root=url,
-          txckpt_storage_options=so)
+    train(tmp_path / "out", 4, callbacks=[sizes], txckpt_incremental=True, txckpt_root=url, txckpt_storage_options=so)
     txckpt.forget_roots()
     cps = {c.step: c for c in txckpt.CheckpointRoot(url, storage_options=so).checkpoints()}
     before = txckpt.verify_checkpoint(cps[2].path, storage_options=so).files
@@ -116,6 +120,5 @@ def test_s3_uploads_only_the_changed_files(tmp_path, s3_root, s3_requests):
     assert unchanged >= 2 << 20  # the frozen shards
     # The changed files, the manifest (which names every file), the log entry and the intent.
     manifest = len(txckpt.read_manifest(cps[4].path, storage_options=so).encode())
-    print(f"save 2: uploaded {uploaded} B; changed files {changed} B, manifest {manifest} B, "
-          f"shared {unchanged} B")
+    print(f"save 2: uploaded {uploaded} B; changed files {changed} B, manifest {manifest} B, shared {unchanged} B")
     assert uploaded <= 1.05 * changed + manifest + 8192, (uploaded, changed, manifest)

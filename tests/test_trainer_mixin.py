@@ -1,4 +1,5 @@
 """TransactionalCheckpointMixin in-process, through the real Trainer (tiny model, CPU)."""
+
 import json
 import logging
 import os
@@ -33,9 +34,13 @@ class Begin(TrainerCallback):
 def train(out, max_steps, resume=None, data_seed=0, cls=TransactionalTrainer, callbacks=(), **overrides):
     torch.manual_seed(0)
     begin = Begin()
-    trainer = cls(model=TinyModel(TinyConfig()), args=make_args(str(out), max_steps, **overrides),
-                  train_dataset=Data(data_seed), eval_dataset=Data(7, n=16),
-                  callbacks=[begin, *callbacks])
+    trainer = cls(
+        model=TinyModel(TinyConfig()),
+        args=make_args(str(out), max_steps, **overrides),
+        train_dataset=Data(data_seed),
+        eval_dataset=Data(7, n=16),
+        callbacks=[begin, *callbacks],
+    )
     trainer.train(resume_from_checkpoint=resume)
     trainer.begin_step = begin.steps[0]
     return trainer
@@ -72,16 +77,30 @@ def test_on_save_sees_the_committed_checkpoint(tmp_path):
     for c in cps.values():
         assert os.path.realpath(c.path) == os.path.realpath(out / f"checkpoint-{c.step}")
         files = set(txckpt.read_manifest(c.path).files)
-        assert {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng_state.pth",
-                "trainer_state.json", "training_args.bin"} <= files
+        assert {
+            "model.safetensors",
+            "config.json",
+            "optimizer.pt",
+            "scheduler.pt",
+            "rng_state.pth",
+            "trainer_state.json",
+            "training_args.bin",
+        } <= files
     # Nothing but published checkpoints and txckpt's own directory in the output_dir.
     assert sorted(os.listdir(out)) == [".txckpt", "checkpoint-2", "checkpoint-4", "checkpoint-6"]
 
 
 def test_best_model_checkpoint_is_the_published_path(tmp_path):
     out = tmp_path / "out"
-    t = train(out, 6, eval_strategy="steps", eval_steps=2, metric_for_best_model="eval_loss",
-              greater_is_better=False, load_best_model_at_end=True)
+    t = train(
+        out,
+        6,
+        eval_strategy="steps",
+        eval_steps=2,
+        metric_for_best_model="eval_loss",
+        greater_is_better=False,
+        load_best_model_at_end=True,
+    )
     best = t.state.best_model_checkpoint
     assert best is not None and ".txckpt" not in best
     cps = current(out)
@@ -98,8 +117,13 @@ def test_best_model_checkpoint_is_the_published_path(tmp_path):
 def test_save_total_limit_1_never_deletes_other_lineages_newest_or_best(tmp_path):
     out = tmp_path / "out"
     # (transformers 4.x restores eval_steps from the resumed trainer_state.json: same args for A and B.)
-    evaluate = dict(eval_strategy="steps", eval_steps=2, metric_for_best_model="eval_loss",
-                    greater_is_better=False, load_best_model_at_end=True)
+    evaluate = dict(
+        eval_strategy="steps",
+        eval_steps=2,
+        metric_for_best_model="eval_loss",
+        greater_is_better=False,
+        load_best_model_at_end=True,
+    )
     train(out, 6, **evaluate)  # run A: 2, 4, 6
     a = current(out)
     a_digests = {s: digests(a[s].path) for s in (4, 6)}
@@ -132,7 +156,10 @@ def test_save_total_limit_counts_the_current_lineage(tmp_path):
     # lineage needs too); run B's 4, 6, 8 are gone, run A's abandoned 4 and 6 are kept.
     assert sorted(live) == [2, 10, 12]
     assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == [
-        "checkpoint-10", "checkpoint-12", "checkpoint-2"]
+        "checkpoint-10",
+        "checkpoint-12",
+        "checkpoint-2",
+    ]
     by_txid = {c.txid: c for c in all_checkpoints(out)}
     for s in (4, 6):
         assert by_txid[a[s].txid].state == "abandoned"
@@ -142,8 +169,16 @@ def test_save_total_limit_counts_the_current_lineage(tmp_path):
 
 def test_save_total_limit_keeps_the_best(tmp_path):
     out = tmp_path / "out"
-    t = train(out, 10, save_total_limit=1, eval_strategy="steps", eval_steps=2,
-              metric_for_best_model="eval_loss", greater_is_better=False, load_best_model_at_end=True)
+    t = train(
+        out,
+        10,
+        save_total_limit=1,
+        eval_strategy="steps",
+        eval_steps=2,
+        metric_for_best_model="eval_loss",
+        greater_is_better=False,
+        load_best_model_at_end=True,
+    )
     live = current(out)
     best = t.state.best_model_checkpoint
     # As upstream: the best alone remains at the end of training (the newest goes if it is not it).
@@ -251,6 +286,7 @@ def test_hub_push_runs_after_the_commit_from_the_committed_directory(tmp_path, m
 
 def test_the_mixin_must_come_first():
     with pytest.raises(TypeError, match="before Trainer"):
+
         class Wrong(Trainer, TransactionalCheckpointMixin):
             pass
 
@@ -286,9 +322,12 @@ class RequestJIT(TrainerCallback):
 def jit_train(out, at, **overrides):
     torch.manual_seed(0)
     req = RequestJIT(at)
-    t = TransactionalTrainer(model=TinyModel(TinyConfig()),
-                             args=make_args(str(out), 8, enable_jit_checkpoint=True, **overrides),
-                             train_dataset=Data(0), callbacks=[req])
+    t = TransactionalTrainer(
+        model=TinyModel(TinyConfig()),
+        args=make_args(str(out), 8, enable_jit_checkpoint=True, **overrides),
+        train_dataset=Data(0),
+        callbacks=[req],
+    )
     req.trainer = t
     t.train()
     return t
@@ -333,8 +372,12 @@ def test_hub_uploads_leave_out_txckpt_internals(tmp_path, monkeypatch, strategy)
 
     def prepare(self, folder_path, path_in_repo, allow_patterns=None, ignore_patterns=None, **kw):
         rel = [os.path.relpath(os.path.join(d, f), folder_path) for d, _, fs in os.walk(folder_path) for f in fs]
-        uploaded.append((os.path.basename(folder_path), sorted(filter_repo_objects(
-            rel, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))))
+        uploaded.append(
+            (
+                os.path.basename(folder_path),
+                sorted(filter_repo_objects(rel, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns)),
+            )
+        )
         raise RuntimeError("no network in tests")
 
     monkeypatch.setattr(Trainer, "init_hf_repo", init_hf_repo)
@@ -345,4 +388,4 @@ def test_hub_uploads_leave_out_txckpt_internals(tmp_path, monkeypatch, strategy)
     assert uploaded, "no upload was attempted"
     for folder, files in uploaded:
         assert not [f for f in files if ".txckpt" in f], (folder, files)
-    assert ("out", ) == tuple({folder for folder, _ in uploaded} - {"checkpoint-4"})
+    assert ("out",) == tuple({folder for folder, _ in uploaded} - {"checkpoint-4"})

@@ -1,6 +1,7 @@
 """TransactionalCheckpointMixin with a remote txckpt root (S3 on the moto server) and a local
 output_dir: saves upload and commit to S3, resumes and the best model are fetched into the local
 cache, verified; the seed report's torn crash and a rank killed mid-save, on S3."""
+
 import hashlib
 import json
 import logging
@@ -58,9 +59,13 @@ def train(out, max_steps, s3, resume=None, data_seed=0, callbacks=(), **override
     torch.manual_seed(0)
     begin = Begin(os.path.join(out, CACHE))
     trainer = TransactionalTrainer(
-        model=TinyModel(TinyConfig()), args=make_args(str(out), max_steps, **overrides),
-        train_dataset=Data(data_seed), eval_dataset=Data(7, n=16), callbacks=[begin, *callbacks],
-        txckpt_root=url, txckpt_storage_options=opts,
+        model=TinyModel(TinyConfig()),
+        args=make_args(str(out), max_steps, **overrides),
+        train_dataset=Data(data_seed),
+        eval_dataset=Data(7, n=16),
+        callbacks=[begin, *callbacks],
+        txckpt_root=url,
+        txckpt_storage_options=opts,
     )
     trainer.train(resume_from_checkpoint=resume)
     trainer.begin = begin
@@ -117,8 +122,15 @@ def test_saves_commit_to_s3_and_resume_true_fetches_a_verified_copy(tmp_path, s3
     for c in cps.values():
         assert c.path.startswith(url + "/.txckpt/tx/") and c.path.endswith(f"/checkpoint-{c.step}")
         files = set(txckpt.verify_checkpoint(c.path, storage_options=opts).files)
-        assert {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng_state.pth",
-                "trainer_state.json", "training_args.bin"} <= files
+        assert {
+            "model.safetensors",
+            "config.json",
+            "optimizer.pt",
+            "scheduler.pt",
+            "rng_state.pth",
+            "trainer_state.json",
+            "training_args.bin",
+        } <= files
     # Nothing of txckpt's in the local output_dir: no log, no checkpoint, no staging leftover.
     assert not (out / ".txckpt").exists() and not list(out.glob("checkpoint-*"))
     assert local_leftovers(out) == []
@@ -137,8 +149,7 @@ def test_saves_commit_to_s3_and_resume_true_fetches_a_verified_copy(tmp_path, s3
     # scheduler and rng state all came from the copy): same weights as one run of 6 steps.
     straight = tmp_path / "straight"
     torch.manual_seed(0)
-    TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(straight), 6),
-                         train_dataset=Data(0)).train()
+    TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(straight), 6), train_dataset=Data(0)).train()
     reference = txckpt.load_checkpoint(straight / "checkpoint-6", files=["model.safetensors"])["model.safetensors"]
     resumed = state_dict_of(after[6].path, opts)
     for k, v in reference.items():
@@ -150,8 +161,13 @@ def test_best_model_checkpoint_names_the_committed_remote_checkpoint(tmp_path, s
     out = tmp_path / "out"
     # greater_is_better=True on the loss: the best is the first evaluation, not the last, so
     # load_best_model_at_end must really load an older checkpoint (fetched from S3).
-    best_args = dict(eval_strategy="steps", eval_steps=2, metric_for_best_model="eval_loss",
-                     greater_is_better=True, load_best_model_at_end=True)
+    best_args = dict(
+        eval_strategy="steps",
+        eval_steps=2,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,
+        load_best_model_at_end=True,
+    )
     t = train(out, 4, s3_root, **best_args)
     cps = current(s3_root)
     best = t.state.best_model_checkpoint
@@ -179,8 +195,11 @@ def test_rollback_to_an_older_remote_checkpoint_forks_and_warns(tmp_path, s3_roo
     train(out, 4, s3_root)
     a = current(s3_root)
     a4 = remote_digests(a[4].path, opts)
-    target = {"committed path": a[2].path, "<root>/checkpoint-2": f"{url}/checkpoint-2",
-              "<output_dir>/checkpoint-2": str(out / "checkpoint-2")}[form]
+    target = {
+        "committed path": a[2].path,
+        "<root>/checkpoint-2": f"{url}/checkpoint-2",
+        "<output_dir>/checkpoint-2": str(out / "checkpoint-2"),
+    }[form]
     caplog.set_level(logging.WARNING, logger="txckpt")
     t = train(out, 4, s3_root, resume=target, data_seed=1)
     assert t.begin.step == 2
@@ -213,10 +232,25 @@ def test_an_older_best_is_resolved_and_kept_alone_on_a_remote_root(tmp_path, s3_
     rest are deleted from the store)."""
     url, opts = s3_root
     torch.manual_seed(0)
-    args = make_args(str(tmp_path / "out"), -1, num_train_epochs=3, eval_strategy="epoch", save_strategy="steps",
-                     save_steps=1, save_total_limit=1, metric_for_best_model="accuracy", greater_is_better=True)
-    trainer = TransactionalTrainer(model=TinyModel(TinyConfig()), args=args, train_dataset=Data(0, n=16),
-                                   eval_dataset=Data(7, n=8), txckpt_root=url, txckpt_storage_options=opts)
+    args = make_args(
+        str(tmp_path / "out"),
+        -1,
+        num_train_epochs=3,
+        eval_strategy="epoch",
+        save_strategy="steps",
+        save_steps=1,
+        save_total_limit=1,
+        metric_for_best_model="accuracy",
+        greater_is_better=True,
+    )
+    trainer = TransactionalTrainer(
+        model=TinyModel(TinyConfig()),
+        args=args,
+        train_dataset=Data(0, n=16),
+        eval_dataset=Data(7, n=8),
+        txckpt_root=url,
+        txckpt_storage_options=opts,
+    )
     accuracies = iter([0.59, 0.57, 0.55])
     trainer._evaluate = lambda *a, **k: {"eval_accuracy": next(accuracies)}
     trainer.train()
@@ -253,8 +287,14 @@ def test_hub_push_from_a_remote_root_pushes_a_verified_local_copy(tmp_path, s3_r
 # ----- real processes: the seed report's torn crash, and a rank killed mid-save ---------------
 def script_env(s3_root):
     url, opts = s3_root
-    return dict(os.environ, TXCKPT_TEST_ROOT=url, TXCKPT_TEST_STORAGE_OPTIONS=json.dumps(opts),
-                TXCKPT_COORDINATION_TIMEOUT="60", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return dict(
+        os.environ,
+        TXCKPT_TEST_ROOT=url,
+        TXCKPT_TEST_STORAGE_OPTIONS=json.dumps(opts),
+        TXCKPT_COORDINATION_TIMEOUT="60",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+    )
 
 
 def run(env, *args, expect_rc=0):
@@ -262,11 +302,18 @@ def run(env, *args, expect_rc=0):
     # zygote of its own (tests/harness/zygote.py, OWN_SERVER_VARIABLES), and this file launches one
     # child, so starting it costs what the fork saves (measured: test_torn_on_s3 22.2 s that way,
     # 19.6 s plain).
-    p = subprocess.run([sys.executable, str(HERE / "trainer_rollback.py"), *map(str, args)], capture_output=True,
-                       text=True, timeout=300, env=env, cwd=str(HERE))
+    p = subprocess.run(
+        [sys.executable, str(HERE / "trainer_rollback.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=str(HERE),
+    )
     if p.returncode != expect_rc:
-        raise AssertionError(f"{args}: rc {p.returncode} (expected {expect_rc})\n--- stdout\n{p.stdout}\n"
-                             f"--- stderr\n{p.stderr[-6000:]}")
+        raise AssertionError(
+            f"{args}: rc {p.returncode} (expected {expect_rc})\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-6000:]}"
+        )
     return p
 
 
@@ -295,7 +342,7 @@ def test_torn_on_s3(tmp_path, s3_root):
     starts = [i for i, line in enumerate(lines) if "rolling back" in line and "abandons" in line]
     assert len(starts) == 1, p.stderr
     block = [lines[starts[0]]]  # the warning: its first line and the indented lines under it
-    for line in lines[starts[0] + 1:]:
+    for line in lines[starts[0] + 1 :]:
         if not line.startswith("  "):
             break
         block.append(line)

@@ -5,6 +5,7 @@ kills it. Expected (issue 3): run A's checkpoints are never touched, the restart
 resume_from_checkpoint=True continues run B's lineage from step 2, and the rollback warns and
 names the checkpoints it abandons.
 """
+
 import os
 from pathlib import Path
 
@@ -25,8 +26,9 @@ def run(*args, expect_rc=0):
     env = dict(os.environ, TXCKPT_COORDINATION_TIMEOUT="120", PYTHONUNBUFFERED="1")
     p = run_python([str(HERE / "trainer_rollback.py"), *map(str, args)], timeout=300, env=env, cwd=str(HERE))
     if expect_rc is not None and p.returncode != expect_rc:
-        raise AssertionError(f"{args}: rc {p.returncode} (expected {expect_rc})\n--- stdout\n{p.stdout}\n"
-                             f"--- stderr\n{p.stderr[-6000:]}")
+        raise AssertionError(
+            f"{args}: rc {p.returncode} (expected {expect_rc})\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-6000:]}"
+        )
     return p
 
 

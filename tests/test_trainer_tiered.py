@@ -38,8 +38,13 @@ class Begin(TrainerCallback):
 
 def train(tmp_path, root, steps, resume=None, **kw):
     torch.manual_seed(0)
-    t = TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "out"), steps, **kw),
-                             train_dataset=Data(0), txckpt_root=root, callbacks=[Begin(), *kw.pop("cbs", [])])
+    t = TransactionalTrainer(
+        model=TinyModel(TinyConfig()),
+        args=make_args(str(tmp_path / "out"), steps, **kw),
+        train_dataset=Data(0),
+        txckpt_root=root,
+        callbacks=[Begin(), *kw.pop("cbs", [])],
+    )
     t.train(resume_from_checkpoint=resume)
     return t
 
@@ -52,8 +57,13 @@ def tiered(tmp_path):
 def test_the_trainer_saves_through_a_tiered_root_and_a_new_node_resumes_from_the_durable_tier(tmp_path):
     root = tiered(tmp_path)
     torch.manual_seed(0)
-    t = TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "out"), 6),
-                             train_dataset=Data(0), txckpt_root=root, callbacks=[StopAt(4)])
+    t = TransactionalTrainer(
+        model=TinyModel(TinyConfig()),
+        args=make_args(str(tmp_path / "out"), 6),
+        train_dataset=Data(0),
+        txckpt_root=root,
+        callbacks=[StopAt(4)],
+    )
     t.train()
     root.wait_durable()
     durable = txckpt.CheckpointRoot(root.durable)
@@ -63,8 +73,13 @@ def test_the_trainer_saves_through_a_tiered_root_and_a_new_node_resumes_from_the
     shutil.rmtree(root.fast)  # a new node
     root = tiered(tmp_path)
     torch.manual_seed(0)
-    t = TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "out"), 6),
-                             train_dataset=Data(0), txckpt_root=root, callbacks=[Begin()])
+    t = TransactionalTrainer(
+        model=TinyModel(TinyConfig()),
+        args=make_args(str(tmp_path / "out"), 6),
+        train_dataset=Data(0),
+        txckpt_root=root,
+        callbacks=[Begin()],
+    )
     t.train(resume_from_checkpoint=True)
     assert Begin.step == 4  # restored onto the fast tier, then resumed
     root.wait_durable()
@@ -72,8 +87,9 @@ def test_the_trainer_saves_through_a_tiered_root_and_a_new_node_resumes_from_the
     assert [c.step for c in root.fast_root.checkpoints("current")] == [4, 6]
     # Exactly where a straight run of 6 steps ends.
     torch.manual_seed(0)
-    TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "straight"), 6),
-                         train_dataset=Data(0)).train()
+    TransactionalTrainer(
+        model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "straight"), 6), train_dataset=Data(0)
+    ).train()
     ref = txckpt.load_checkpoint(tmp_path / "straight" / "checkpoint-6", files=["model.safetensors"])
     got = txckpt.load_checkpoint(root, files=["model.safetensors"])
     for k, v in ref["model.safetensors"].items():
@@ -84,8 +100,12 @@ def test_save_total_limit_keeps_what_is_not_durable_yet(tmp_path, monkeypatch):
     monkeypatch.setattr(txckpt.TieredRoot, "_kick", lambda self: None)  # a durable tier that lags
     root = tiered(tmp_path)
     torch.manual_seed(0)
-    TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "out"), 6, save_total_limit=1),
-                         train_dataset=Data(0), txckpt_root=root).train()
+    TransactionalTrainer(
+        model=TinyModel(TinyConfig()),
+        args=make_args(str(tmp_path / "out"), 6, save_total_limit=1),
+        train_dataset=Data(0),
+        txckpt_root=root,
+    ).train()
     assert [c.step for c in root.fast_root.checkpoints("current")] == [2, 4, 6]  # none durable: all kept
     root.wait_durable()
     assert [c.step for c in txckpt.CheckpointRoot(root.durable).checkpoints("current")] == [2, 4, 6]
@@ -94,8 +114,13 @@ def test_save_total_limit_keeps_what_is_not_durable_yet(tmp_path, monkeypatch):
 
 def test_storage_options_belong_to_the_tiered_root(tmp_path):
     with pytest.raises(txckpt.errors.InvalidArgumentError, match="give the storage options to the TieredRoot"):
-        TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "out"), 2),
-                             train_dataset=Data(0), txckpt_root=tiered(tmp_path), txckpt_storage_options={})
+        TransactionalTrainer(
+            model=TinyModel(TinyConfig()),
+            args=make_args(str(tmp_path / "out"), 2),
+            train_dataset=Data(0),
+            txckpt_root=tiered(tmp_path),
+            txckpt_storage_options={},
+        )
 
 
 def test_a_hyperparameter_search_trial_is_replicated_to_the_same_sub_path_of_the_durable_tier(tmp_path):
@@ -108,8 +133,12 @@ def test_a_hyperparameter_search_trial_is_replicated_to_the_same_sub_path_of_the
 
     root = tiered(tmp_path)
     torch.manual_seed(0)
-    t = TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "out"), 2, save_total_limit=1),
-                             train_dataset=Data(0), txckpt_root=root)
+    t = TransactionalTrainer(
+        model=TinyModel(TinyConfig()),
+        args=make_args(str(tmp_path / "out"), 2, save_total_limit=1),
+        train_dataset=Data(0),
+        txckpt_root=root,
+    )
     t.hp_search_backend = HPSearchBackend.OPTUNA
     t.create_optimizer_and_scheduler(num_training_steps=2)  # what train() makes before its saves
     trial_root = t._txckpt_root(Trial())
@@ -132,10 +161,16 @@ def test_the_documented_restart_line_resumes_a_new_node_in_the_same_lineage(tmp_
     """docs/trainer.md's one line for the first run, each restart and a new node:
     ``train(resume_from_checkpoint=txckpt.get_last_checkpoint(root, missing_ok=True))``. On a new
     node the lookup answers the durable tier's path; the Trainer resumes it, never forks from it."""
+
     def line(root, cbs):
         torch.manual_seed(0)
-        t = TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(str(tmp_path / "out"), 6),
-                                 train_dataset=Data(0), txckpt_root=root, callbacks=[Begin(), *cbs])
+        t = TransactionalTrainer(
+            model=TinyModel(TinyConfig()),
+            args=make_args(str(tmp_path / "out"), 6),
+            train_dataset=Data(0),
+            txckpt_root=root,
+            callbacks=[Begin(), *cbs],
+        )
         t.train(resume_from_checkpoint=txckpt.get_last_checkpoint(root, missing_ok=True))
 
     root = tiered(tmp_path)

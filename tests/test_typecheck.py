@@ -3,6 +3,7 @@ own [tool.mypy] settings, a ``str | None`` passed where an ``int`` is declared i
 inside a function without annotations. `.ci/run` runs the checker over txckpt itself
 (`make typecheck`); this test keeps the settings from being weakened to where it would pass
 anything, and checks that the package ships its PEP 561 marker."""
+
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytest.importorskip("mypy")
 
-SNIPPET = '''
+SNIPPET = """
 import os
 
 
@@ -27,7 +28,7 @@ def annotated() -> int:
 
 def unannotated():
     return needs_int(os.environ.get("STEP"))
-'''
+"""
 
 
 def test_mypy_config_rejects_optional_str_as_int(tmp_path):
@@ -35,9 +36,19 @@ def test_mypy_config_rejects_optional_str_as_int(tmp_path):
     snippet.write_text(SNIPPET)
     # The repository's config, applied to the snippet instead of its `files`.
     r = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", os.path.join(HERE, "pyproject.toml"),
-         "--no-incremental", str(snippet)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            os.path.join(HERE, "pyproject.toml"),
+            "--no-incremental",
+            str(snippet),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert r.returncode == 1, r.stdout + r.stderr
     errors = [line for line in r.stdout.splitlines() if ": error:" in line]
@@ -53,11 +64,26 @@ def test_package_ships_py_typed():
 
 
 # The public modules (issue 46): the modules users import, checked as `mypy --strict` would.
-STRICT_MODULES = {"txckpt", "txckpt.errors", "txckpt.preemption", "txckpt.integrations.transformers",
-                  "txckpt.integrations.accelerate", "txckpt.integrations.dcp", "txckpt.cli"}
+STRICT_MODULES = {
+    "txckpt",
+    "txckpt.errors",
+    "txckpt.preemption",
+    "txckpt.integrations.transformers",
+    "txckpt.integrations.accelerate",
+    "txckpt.integrations.dcp",
+    "txckpt.cli",
+}
 # `strict`'s per-module flags (mypy cannot set `strict` itself per module).
-STRICT_FLAGS = {"disallow_any_generics", "disallow_subclassing_any", "disallow_untyped_calls", "disallow_untyped_defs",
-                "disallow_incomplete_defs", "disallow_untyped_decorators", "warn_return_any", "extra_checks"}
+STRICT_FLAGS = {
+    "disallow_any_generics",
+    "disallow_subclassing_any",
+    "disallow_untyped_calls",
+    "disallow_untyped_defs",
+    "disallow_incomplete_defs",
+    "disallow_untyped_decorators",
+    "warn_return_any",
+    "extra_checks",
+}
 
 
 def _mypy_config():
@@ -85,9 +111,20 @@ def test_strict_override_rejects_an_unannotated_public_function(tmp_path):
     (pkg / "errors.py").write_text(body)
     (pkg / "other.py").write_text(body)
     r = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", os.path.join(HERE, "pyproject.toml"),
-         "--no-incremental", "txckpt/errors.py", "txckpt/other.py"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            os.path.join(HERE, "pyproject.toml"),
+            "--no-incremental",
+            "txckpt/errors.py",
+            "txckpt/other.py",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
     )
     errors = [line for line in r.stdout.splitlines() if ": error:" in line]
     assert r.returncode == 1, r.stdout + r.stderr

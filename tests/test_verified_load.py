@@ -3,6 +3,7 @@ file is still refused, naming it, and nothing decoded from it is returned or kep
 whose decoder is not safe on unchecked bytes (weights_only=False) is decoded only once checked.
 Local disk and S3 (moto), safetensors and torch files, a flipped byte at the start, middle and
 end, and a truncated file."""
+
 import gc
 import weakref
 
@@ -78,8 +79,10 @@ def decodes(monkeypatch):
 def _state():
     g = torch.Generator().manual_seed(1)
     weights = {f"w{i}": torch.randn(256, 256, generator=g) for i in range(3)}  # 768 KiB
-    optim = {"state": {i: {"exp_avg": torch.randn(128, 256, generator=g)} for i in range(4)},
-             "param_groups": [{"lr": 0.1, "params": [0, 1, 2, 3]}]}
+    optim = {
+        "state": {i: {"exp_avg": torch.randn(128, 256, generator=g)} for i in range(4)},
+        "param_groups": [{"lr": 0.1, "params": [0, 1, 2, 3]}],
+    }
     return weights, optim
 
 

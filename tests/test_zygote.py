@@ -31,8 +31,16 @@ def test_the_server_forks_with_one_thread_and_without_txckpt():
     assert p.stdout == "True True\n", p.stderr
 
 
-@pytest.mark.parametrize("code, rc", [("pass", 0), ("import sys; sys.exit(3)", 3), ("raise SystemExit", 0),
-                                      ("import sys; sys.exit('no good')", 1), ("import os; os._exit(7)", 7)])
+@pytest.mark.parametrize(
+    "code, rc",
+    [
+        ("pass", 0),
+        ("import sys; sys.exit(3)", 3),
+        ("raise SystemExit", 0),
+        ("import sys; sys.exit('no good')", 1),
+        ("import os; os._exit(7)", 7),
+    ],
+)
 def test_exit_codes(code, rc):
     p = _c(code)
     assert p.returncode == rc, p.stderr
@@ -43,7 +51,7 @@ def test_exit_codes(code, rc):
 def test_an_uncaught_exception_prints_its_traceback_and_exits_1():
     p = _c("def f():\n    raise ValueError('boom')\nf()")
     assert p.returncode == 1
-    assert p.stderr.startswith("Traceback (most recent call last):\n  File \"<string>\", line 3, in <module>\n"), p.stderr
+    assert p.stderr.startswith('Traceback (most recent call last):\n  File "<string>", line 3, in <module>\n'), p.stderr
     assert p.stderr.endswith("ValueError: boom\n"), p.stderr
     assert "zygote" not in p.stderr, p.stderr  # the server's own frames are not the child's
 
@@ -61,10 +69,12 @@ def test_atexit_runs_on_a_normal_exit_and_not_on_sigkill():
 
 
 def test_a_non_daemon_thread_is_joined_before_exit():
-    p = _c("import atexit, threading, time\n"
-           "atexit.register(print, 'atexit')\n"
-           "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done'))).start()\n"
-           "print('main done')")
+    p = _c(
+        "import atexit, threading, time\n"
+        "atexit.register(print, 'atexit')\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done'))).start()\n"
+        "print('main done')"
+    )
     assert (p.returncode, p.stdout) == (0, "main done\nthread done\natexit\n"), p.stderr
 
 
@@ -72,8 +82,11 @@ def test_the_environment_is_the_requested_one_only(monkeypatch):
     monkeypatch.setenv("TXCKPT_ZYGOTE_PARENT_ONLY", "1")
     env = {k: v for k, v in os.environ.items() if k != "TXCKPT_ZYGOTE_PARENT_ONLY"}
     env["TXCKPT_ZYGOTE_CHILD"] = "yes"
-    p = _c("import os; print(os.environ.get('TXCKPT_ZYGOTE_PARENT_ONLY'), os.environ['TXCKPT_ZYGOTE_CHILD'],"
-           " 'TXCKPT_ZYGOTE_PARENT_ONLY' in open('/proc/self/environ').read())", env=env)
+    p = _c(
+        "import os; print(os.environ.get('TXCKPT_ZYGOTE_PARENT_ONLY'), os.environ['TXCKPT_ZYGOTE_CHILD'],"
+        " 'TXCKPT_ZYGOTE_PARENT_ONLY' in open('/proc/self/environ').read())",
+        env=env,
+    )
     assert p.stdout == "None yes False\n", p.stderr
     assert _c("import os; print(os.environ['TXCKPT_ZYGOTE_PARENT_ONLY'])").stdout == "1\n"  # env=None: ours
 
@@ -93,16 +106,23 @@ def test_argv_cwd_and_sys_path_are_a_fresh_interpreters(tmp_path):
 def test_a_timeout_kills_the_child_and_raises(tmp_path):
     pid_file = tmp_path / "pid"
     with pytest.raises(subprocess.TimeoutExpired) as e:
-        zygote.run_python(["-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
-                                 "print('up', flush=True); time.sleep(600)"], timeout=3)
+        zygote.run_python(
+            [
+                "-c",
+                f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+                "print('up', flush=True); time.sleep(600)",
+            ],
+            timeout=3,
+        )
     assert e.value.output == "up\n"
     with pytest.raises(ProcessLookupError):  # killed and reaped
         os.kill(int(pid_file.read_text()), 0)
 
 
 def test_popen_handle_signals_poll_and_pipes():
-    p = zygote.popen_python(["-c", "import sys, time; print('ready', flush=True); time.sleep(600)"],
-                            stdout=subprocess.PIPE, text=True)
+    p = zygote.popen_python(
+        ["-c", "import sys, time; print('ready', flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True
+    )
     assert p.stdout.readline() == "ready\n"
     assert p.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
@@ -110,8 +130,13 @@ def test_popen_handle_signals_poll_and_pipes():
     p.send_signal(signal.SIGTERM)
     assert p.wait(30) == -signal.SIGTERM and p.returncode == -signal.SIGTERM
     p.stdout.close()
-    q = zygote.popen_python(["-c", "import sys; sys.stdout.write(sys.stdin.read().upper())"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    q = zygote.popen_python(
+        ["-c", "import sys; sys.stdout.write(sys.stdin.read().upper())"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert q.communicate("abc", timeout=60) == ("ABC", "") and q.returncode == 0
 
 
@@ -143,7 +168,8 @@ def test_what_the_preloaded_imports_set_is_no_difference(monkeypatch):
     monkeypatch.setitem(zygote.SET_BY_IMPORTS, "TORCH_SET_BY_AN_IMPORT", "1")
     assert zygote.import_time_differences({**zygote.START_ENV, "TORCH_SET_BY_AN_IMPORT": "1"}) == []
     assert zygote.import_time_differences({**zygote.START_ENV, "TORCH_SET_BY_AN_IMPORT": "2"}) == [
-        "TORCH_SET_BY_AN_IMPORT"]
+        "TORCH_SET_BY_AN_IMPORT"
+    ]
 
 
 def test_a_test_process_that_ran_a_trainer_in_process_still_forks_from_the_zygote(monkeypatch):

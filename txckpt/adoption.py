@@ -58,7 +58,10 @@ def legacy_dirs(root: Root) -> list[tuple[int, str]]:
             raise AmbiguousCheckpointNameError(
                 f"{root.url} has {len(names)} directories for step {step}: {', '.join(paths)}; which one "
                 "a resume should load is unknowable. Rename or remove all but one of them, then retry",
-                root=root.url, step=step, paths=paths)
+                root=root.url,
+                step=step,
+                paths=paths,
+            )
     return [(step, names[0]) for step, names in sorted(by_step.items())]
 
 
@@ -93,9 +96,13 @@ def plan_adoption(dirs: list[_Dir]) -> tuple[str, list[Manifest]]:
     """The lineage id and the manifests an adoption of ``dirs`` writes: a function of the names
     and the bytes only, so every adopter of the same bytes computes the same ones."""
     # Everything a manifest holds goes into the id, so one id means one set of manifests.
-    canonical = json.dumps([[d.step, d.key, d.newest,
-                             {n: [e.size, e.checksum, e.kind] for n, e in sorted(d.files.items())}]
-                            for d in dirs], separators=(",", ":")).encode()
+    canonical = json.dumps(
+        [
+            [d.step, d.key, d.newest, {n: [e.size, e.checksum, e.kind] for n, e in sorted(d.files.items())}]
+            for d in dirs
+        ],
+        separators=(",", ":"),
+    ).encode()
     lid = checksum.digest_bytes(canonical)[:8]
     manifests = []
     parent: Parent = None
@@ -115,7 +122,7 @@ def _other_live_adopters(root: Root, lid: str) -> list[str]:
     """Live adopters of other bytes (another lineage id), from their intents."""
     out = []
     for name, intent in read_intents(root.storage).items():
-        if not name.startswith(INTENT_PREFIX) or name[len(INTENT_PREFIX):].split(".", 1)[0] == lid:
+        if not name.startswith(INTENT_PREFIX) or name[len(INTENT_PREFIX) :].split(".", 1)[0] == lid:
             continue
         gone, why = writer_status(intent, now=time.time(), grace_seconds=3600.0)
         if not gone:
@@ -133,8 +140,11 @@ def adopt(root: Root) -> str | None:
     for step, key in found:
         d = _hash_dir(root, step, key)
         if not d.files:
-            log.warning("%s holds no files; it is not adopted (an empty checkpoint would load as "
-                        "nothing). Remove it, or fill it, and adopt again", root.storage.full_path(key))
+            log.warning(
+                "%s holds no files; it is not adopted (an empty checkpoint would load as "
+                "nothing). Remove it, or fill it, and adopt again",
+                root.storage.full_path(key),
+            )
             continue
         dirs.append(d)
     if not dirs:
@@ -143,8 +153,7 @@ def adopt(root: Root) -> str | None:
     s = root.storage
     intent_id = adopt_intent_id(lid, root.session)
     intent = intent_key(intent_id)
-    s.replace(intent, json.dumps(intent_record(
-        {"txid": intent_id, "step": dirs[-1].step, "lineage": lid}, 1)).encode())
+    s.replace(intent, json.dumps(intent_record({"txid": intent_id, "step": dirs[-1].step, "lineage": lid}, 1)).encode())
     try:
         stale = []
         for d, m in zip(dirs, manifests):
@@ -160,13 +169,18 @@ def adopt(root: Root) -> str | None:
                 f"another process is adopting {root.url} and hashed other bytes than this one "
                 f"({'; '.join(others)}): the legacy checkpoints changed while they were read. Nothing "
                 "was committed. Wait until no other process writes the root, then retry",
-                root=root.url, paths=[s.full_path(d.key) for d, _ in stale])
+                root=root.url,
+                paths=[s.full_path(d.key) for d, _ in stale],
+            )
         for d, m in stale:
             # Nobody can commit what is there: no log, no live adopter of other bytes (one of the
             # same bytes writes these very bytes). A crashed adoption's, or an older txckpt's.
-            log.warning("replacing the uncommitted manifest in %s (left by an adoption that never "
-                        "committed and described other bytes: one that crashed before the files changed, or "
-                        "an older txckpt's)", s.full_path(d.key))
+            log.warning(
+                "replacing the uncommitted manifest in %s (left by an adoption that never "
+                "committed and described other bytes: one that crashed before the files changed, or "
+                "an older txckpt's)",
+                s.full_path(d.key),
+            )
             s.replace(f"{d.key}/{MANIFEST_NAME}", m.encode(), durable=root.durable)
         _append_adopt_entry(root, lid, dirs, manifests)
     except _Lost:
@@ -175,12 +189,14 @@ def adopt(root: Root) -> str | None:
         try:
             s.delete_file(intent)
         except OSError as e:  # the outcome stands; gc removes an intent whose writer is gone
-            log.warning("could not delete the adoption intent %s (%s); `txckpt gc` removes it",
-                        intent, e)
+            log.warning("could not delete the adoption intent %s (%s); `txckpt gc` removes it", intent, e)
     log.warning(
         "adopted %d checkpoint(s) of %s written without txckpt (steps %s) as lineage %s; "
         "their checksums were computed now, so damage done before adoption cannot be detected.",
-        len(dirs), root.url, ", ".join(str(d.step) for d in dirs), lid,
+        len(dirs),
+        root.url,
+        ", ".join(str(d.step) for d in dirs),
+        lid,
     )
     return lid
 
@@ -204,8 +220,17 @@ def _create_or_match(root: Root, key: str, m: Manifest) -> bool:
 
 
 def _append_adopt_entry(root: Root, lid: str, dirs: list[_Dir], manifests: list[Manifest]) -> None:
-    records: list[dict[str, Any]] = [{"step": d.step, "txid": m.txid, "digest": m.digest, "key": d.key,
-                "bytes": m.total_bytes, "files": len(m.files)} for d, m in zip(dirs, manifests)]
+    records: list[dict[str, Any]] = [
+        {
+            "step": d.step,
+            "txid": m.txid,
+            "digest": m.digest,
+            "key": d.key,
+            "bytes": m.total_bytes,
+            "files": len(m.files),
+        }
+        for d, m in zip(dirs, manifests)
+    ]
 
     def build(state: State, seq: int, now: float) -> dict[str, Any]:
         if state.seq >= 0:

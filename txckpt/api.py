@@ -17,11 +17,13 @@ from .errors import RootNotFoundError
 from .fetch import fetch_checkpoint
 from .issued import issue, issued, options_for
 from .manifest import Manifest
+
 # The per-process root cache is root.py's; open_root/forget_roots stay importable from here.
 from .root import forget_roots, open_root
 from .storage import LocalStorage
 from .tiered import TieredRoot
 from .transactions import Transaction
+
 
 def save_checkpoint(
     root: str | os.PathLike | TieredRoot,
@@ -51,8 +53,9 @@ def save_checkpoint(
     if isinstance(root, TieredRoot):
         return root.save(step, files, metadata=metadata, timeout=timeout, incremental=incremental)
     wait_for_root(root, storage_options)  # an async save of this root commits first
-    return open_root(root, storage_options).save(step, files, metadata=metadata, timeout=timeout,
-                                                 incremental=incremental)
+    return open_root(root, storage_options).save(
+        step, files, metadata=metadata, timeout=timeout, incremental=incremental
+    )
 
 
 @functools.wraps(asyncsave.async_save)
@@ -64,10 +67,13 @@ def async_save(root: str | os.PathLike | TieredRoot, step: int, files: Mapping[s
     return asyncsave.async_save(root, step, files, **kwargs)
 
 
-async_save.__doc__ = (asyncsave.async_save.__doc__ or "") + """
+async_save.__doc__ = (
+    (asyncsave.async_save.__doc__ or "")
+    + """
     ``root`` may be a :class:`txckpt.TieredRoot`: the save commits on its fast tier, and its
     durable tier receives it in the background after that (docs/tiered.md).
     """
+)
 
 
 def transaction(
@@ -86,15 +92,16 @@ def transaction(
     ``incremental``: ``tx.save`` shares unchanged files, as :func:`save_checkpoint`. A
     :class:`txckpt.TieredRoot` commits on its fast tier and replicates in the background."""
     if isinstance(root, TieredRoot):
-        return root.transaction(step, metadata=metadata, timeout=timeout, local_dir=local_dir,
-                                incremental=incremental)
+        return root.transaction(step, metadata=metadata, timeout=timeout, local_dir=local_dir, incremental=incremental)
     wait_for_root(root, storage_options)  # an async save of this root commits first
-    return open_root(root, storage_options).transaction(step, metadata=metadata, timeout=timeout,
-                                                        local_dir=local_dir, incremental=incremental)
+    return open_root(root, storage_options).transaction(
+        step, metadata=metadata, timeout=timeout, local_dir=local_dir, incremental=incremental
+    )
 
 
-def get_last_checkpoint(root: str | os.PathLike | TieredRoot, *, storage_options: Mapping[str, Any] | None = None,
-                        missing_ok: bool = False) -> str | None:
+def get_last_checkpoint(
+    root: str | os.PathLike | TieredRoot, *, storage_options: Mapping[str, Any] | None = None, missing_ok: bool = False
+) -> str | None:
     """Drop-in for ``transformers.trainer_utils.get_last_checkpoint``: the newest committed
     checkpoint of the current lineage, or None. Never a staging leftover, never an abandoned
     lineage's checkpoint.
@@ -177,8 +184,10 @@ def resume(
         # Every rank gets the path with what reads it (the broadcast carries a plain str).
         return tiered.issue(_on_rank0(lambda: tiered.resume(step, path=path, on_damaged=on_damaged), collective))
     wait_for_root(root, storage_options)  # an async save of this root commits first
-    return issue(_on_rank0(lambda: open_root(root, storage_options).resume(step, path=path, on_damaged=on_damaged),
-                           collective), storage_options)
+    return issue(
+        _on_rank0(lambda: open_root(root, storage_options).resume(step, path=path, on_damaged=on_damaged), collective),
+        storage_options,
+    )
 
 
 def new_lineage(
@@ -192,9 +201,7 @@ def new_lineage(
     recorded as ``external_parent``). Returns its id; warns if it abandons checkpoints. Called
     on every rank of a torch.distributed group, like :func:`resume`."""
     wait_for_root(root, storage_options)  # an async save of this root commits first
-    return _on_rank0(
-        lambda: open_root(root, storage_options).new_lineage(external_parent=external_parent), collective
-    )
+    return _on_rank0(lambda: open_root(root, storage_options).new_lineage(external_parent=external_parent), collective)
 
 
 def read_manifest(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:
@@ -242,14 +249,33 @@ def load_checkpoint(
     else:
         owner, path_of_owner = getattr(issued(path), "owner", None), path
     if owner is not None and storage_options is None:  # a tiered root reads (and repairs) its paths
-        return owner.load(path_of_owner, files=files, map_location=map_location, weights_only=weights_only,
-                          verify=verify, mmap=mmap)
+        return owner.load(
+            path_of_owner, files=files, map_location=map_location, weights_only=weights_only, verify=verify, mmap=mmap
+        )
     assert not isinstance(path, TieredRoot)
-    return reader.load(path, files=files, map_location=map_location,
-                       storage_options=options_for(path, storage_options),
-                       weights_only=weights_only, verify=verify, mmap=mmap)
+    return reader.load(
+        path,
+        files=files,
+        map_location=map_location,
+        storage_options=options_for(path, storage_options),
+        weights_only=weights_only,
+        verify=verify,
+        mmap=mmap,
+    )
 
 
 #: open_root and forget_roots are root.py's (the per-process root cache); re-exported here.
-__all__ = ["save_checkpoint", "async_save", "transaction", "get_last_checkpoint", "resume", "new_lineage", "read_manifest",
-           "verify_checkpoint", "load_checkpoint", "fetch_checkpoint", "open_root", "forget_roots"]
+__all__ = [
+    "save_checkpoint",
+    "async_save",
+    "transaction",
+    "get_last_checkpoint",
+    "resume",
+    "new_lineage",
+    "read_manifest",
+    "verify_checkpoint",
+    "load_checkpoint",
+    "fetch_checkpoint",
+    "open_root",
+    "forget_roots",
+]

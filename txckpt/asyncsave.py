@@ -165,7 +165,8 @@ def torch_optimizer(optimizer: Any) -> Any:
         return inner
     raise InvalidArgumentError(
         f"optimizer= takes the torch.optim.Optimizer whose step() changes the saved parameters "
-        f"(or a wrapper holding it as .optimizer), not {type(optimizer).__name__}")
+        f"(or a wrapper holding it as .optimizer), not {type(optimizer).__name__}"
+    )
 
 
 class LazySnapshot:
@@ -184,14 +185,18 @@ class LazySnapshot:
     CUDA tensors are always in the first half: they are copied to pinned host buffers before
     the call returns (txckpt/snapshot.py)."""
 
-    def __init__(self, eager: SnapshotPool, files: Mapping[str, Any], optimizers: Sequence[Any],
-                 params: Iterable[Any] = (), remedy: str = "saves without optimizer=, which copies "
-                                                           "everything before it returns"):
+    def __init__(
+        self,
+        eager: SnapshotPool,
+        files: Mapping[str, Any],
+        optimizers: Sequence[Any],
+        params: Iterable[Any] = (),
+        remedy: str = "saves without optimizer=, which copies everything before it returns",
+    ):
         self._remedy = remedy
         inners = [torch_optimizer(o) for o in optimizers]
         tensors = [p for o in inners for g in o.param_groups for p in g["params"]]
-        tensors += [v for o in inners for st in o.state.values() for v in st.values()
-                    if hasattr(v, "untyped_storage")]
+        tensors += [v for o in inners for st in o.state.values() for v in st.values() if hasattr(v, "untyped_storage")]
         tensors += list(params)
         cpu = {id(t): t for t in tensors if t.device.type == "cpu"}
         self._versions = [(t, t._version) for t in cpu.values()]
@@ -213,7 +218,8 @@ class LazySnapshot:
                     f"(the first: {tuple(t.shape)} {t.dtype}) were changed in place after async_save(..., "
                     "optimizer=) returned and before the background copied them. With optimizer=, only "
                     "optimizer.step() may change them until then (it waits for the copy); a loop that "
-                    f"changes them elsewhere (an EMA, clipping weights) {self._remedy}")
+                    f"changes them elsewhere (an EMA, clipping weights) {self._remedy}"
+                )
             return snapshot
         finally:
             self.copied.set()  # a failed copy is the future's error: the step must not hang on it
@@ -257,8 +263,9 @@ def async_save(
     if not isinstance(files, Mapping) or not files:
         raise InvalidArgumentError("files must be a non-empty dict of file name -> object")
     so = dict(storage_options) if storage_options is not None else None
-    optimizers: list[Any] = [] if optimizer is None else \
-        list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    optimizers: list[Any] = (
+        [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    )
     for o in optimizers:
         torch_optimizer(o)  # a wrong argument raises before anything is saved
 
@@ -266,15 +273,18 @@ def async_save(
         meta = copy.deepcopy(dict(metadata or {}))  # plain data, small: not pooled
         if not optimizers:
             snapshot = pool.snapshot(files)
-            return Job(lambda coordinator: open_root(root, so).save(step, snapshot, metadata=meta,
-                                                                    coordinator=coordinator,
-                                                                    incremental=incremental))
+            return Job(
+                lambda coordinator: open_root(root, so).save(
+                    step, snapshot, metadata=meta, coordinator=coordinator, incremental=incremental
+                )
+            )
         lazy = LazySnapshot(eager, files, optimizers)
 
         def run(coordinator: Coordinator) -> str:
             snapshot = lazy.take(pool)  # first: the optimizers' next step waits for it
-            return open_root(root, so).save(step, snapshot, metadata=meta, coordinator=coordinator,
-                                            incremental=incremental)
+            return open_root(root, so).save(
+                step, snapshot, metadata=meta, coordinator=coordinator, incremental=incremental
+            )
 
         return Job(run, lazy)
 
@@ -415,8 +425,7 @@ def wait_for_root(root: str | os.PathLike, storage_options: Mapping[str, Any] | 
         saver.wait()
 
 
-def release_buffers(root: str | os.PathLike | None = None,
-                    storage_options: Mapping[str, Any] | None = None) -> None:
+def release_buffers(root: str | os.PathLike | None = None, storage_options: Mapping[str, Any] | None = None) -> None:
     """Free the snapshot buffers of ``root`` (None: of every root) once its pending save has
     finished (the end of a training run, a benchmark between sizes); the next async_save of
     that root allocates them again."""
@@ -466,7 +475,8 @@ def _coordinator() -> Coordinator:
                 f"txckpt.async_save: creating its gloo group over {dist.get_world_size()} ranks failed on "
                 f"rank {dist.get_rank()}: {e}. Every rank must call async_save at the same point of the "
                 "program; another rank died or is slower than the timeout. Nothing was saved.",
-                phase="group creation") from e
+                phase="group creation",
+            ) from e
         with _lock:
             _group.update(world=world, group=group)
     return TorchDistributed(timeout_s, phase=None, group=group)
@@ -526,8 +536,12 @@ def _finish_at_exit() -> None:
                 _futures.remove(f)
     for f in failed:
         e = Future.exception(f)
-        log.error("txckpt: an async save failed and was never waited for (its error was not retrieved by "
-                  "future.result(), future.exception() or txckpt.wait_for_saves()): %s: %s", type(e).__name__, e)
+        log.error(
+            "txckpt: an async save failed and was never waited for (its error was not retrieved by "
+            "future.result(), future.exception() or txckpt.wait_for_saves()): %s: %s",
+            type(e).__name__,
+            e,
+        )
     if failed:
         _fail_exit_status(len(failed))
 
@@ -551,7 +565,8 @@ class _ExitStatus:
             raise SystemExit(
                 f"txckpt sets the exit status to {UNRETRIEVED_EXIT_STATUS}: {self._failed} async save(s) failed and "
                 "their errors were never retrieved (logged above). Call future.result() or txckpt.wait_for_saves() "
-                "before exiting to handle them (docs/async.md, 'At exit').")
+                "before exiting to handle them (docs/async.md, 'At exit')."
+            )
 
     def __repr__(self) -> str:
         return f"txckpt's exit status for unretrieved async save errors (around {self._stream!r})"
@@ -568,4 +583,18 @@ def _fail_exit_status(failed: int) -> None:
     log.error("txckpt: no open sys.stdout or sys.stderr: the exit status cannot say that a save failed")
 
 
-__all__ = ["async_save", "submit", "Job", "SaveFuture", "LazySnapshot", "step_gate", "torch_optimizer", "mark_reported", "wait_for_saves", "wait_for_root", "release_buffers", "pending_saves", "recent_saves"]
+__all__ = [
+    "async_save",
+    "submit",
+    "Job",
+    "SaveFuture",
+    "LazySnapshot",
+    "step_gate",
+    "torch_optimizer",
+    "mark_reported",
+    "wait_for_saves",
+    "wait_for_root",
+    "release_buffers",
+    "pending_saves",
+    "recent_saves",
+]

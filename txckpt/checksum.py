@@ -28,8 +28,9 @@ def digest_stream(stream: BinaryIO, chunk: int = _READ_CHUNK) -> tuple[int, str]
     return copy_hashing(stream, None, chunk=chunk)
 
 
-def copy_hashing(src: BinaryIO, sink: Any = None, *, chunk: int | Callable[[], int] = _READ_CHUNK,
-                 piece: int | None = None) -> tuple[int, str]:
+def copy_hashing(
+    src: BinaryIO, sink: Any = None, *, chunk: int | Callable[[], int] = _READ_CHUNK, piece: int | None = None
+) -> tuple[int, str]:
     """The one hash-while-copy loop: read ``src`` to its end, hashing every byte and, with a
     ``sink``, writing it there; returns (size, xxh3-128 hex digest). The sink is not closed.
 
@@ -72,7 +73,7 @@ def copy_hashing(src: BinaryIO, sink: Any = None, *, chunk: int | Callable[[], i
         else:
             whole = memoryview(block)
             for start in range(0, len(whole), piece):
-                part = whole[start:start + piece]
+                part = whole[start : start + piece]
                 hasher.update(part)
                 sink.write(part)
         size += len(block)
@@ -207,7 +208,7 @@ class HashingWriter(AbortOnError, io.RawIOBase):
         if not self.closed:
             self.digest = self._hasher.hexdigest()
             # A file that ends on a boundary: that digest is the file's own, not a prefix.
-            del self.prefixes[len(prefix_boundaries(self.size)):]
+            del self.prefixes[len(prefix_boundaries(self.size)) :]
             try:
                 self._sink.close()
             except OSError as e:

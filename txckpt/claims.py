@@ -62,8 +62,15 @@ def claimed_names(present: Iterable[str], claims: list[str], skip: set[str]) -> 
     return [n for n in present if n not in skip and any(matches(n, c) for c in claims)]
 
 
-def hash_claimed(storage: Storage, key: str, claims: list[str], skip: set[str], durable: bool,
-                 rank: int, relink: Relink | None = None) -> dict[str, dict]:
+def hash_claimed(
+    storage: Storage,
+    key: str,
+    claims: list[str],
+    skip: set[str],
+    durable: bool,
+    rank: int,
+    relink: Relink | None = None,
+) -> dict[str, dict]:
     """Hash (and with ``durable`` fsync) the files of the staging directory ``key`` that
     ``claims`` match, less ``skip``: their manifest entries (JSON), recorded with ``rank``;
     ``relink`` as for :func:`hash_staged`."""
@@ -84,8 +91,9 @@ def hash_claimed(storage: Storage, key: str, claims: list[str], skip: set[str], 
 Relink = Callable[[str, Dict[str, FileEntry]], Set[str]]
 
 
-def hash_staged(storage: Storage, key: str, names: list[str], durable: bool, rank: int = 0,
-                relink: Relink | None = None) -> dict[str, FileEntry]:
+def hash_staged(
+    storage: Storage, key: str, names: list[str], durable: bool, rank: int = 0, relink: Relink | None = None
+) -> dict[str, FileEntry]:
     """Hash (and with ``durable`` fsync) files ``names`` of the staging directory ``key``, which
     other code wrote there: their manifest entries, recorded with ``rank``. The claiming rank's
     pass and the committer's pass over unclaimed files (transactions) are this one. With

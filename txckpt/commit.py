@@ -36,12 +36,19 @@ Build = Callable[[State, int, float], dict[str, Any]]
 
 
 # ----- appending ---------------------------------------------------------------------------------
-def append(root: Root, build: Build, *, start: State | None = None, update_hint: bool = True,
-           on_full: Callable[[], bool] | None = None) -> dict[str, Any]:
+def append(
+    root: Root,
+    build: Build,
+    *,
+    start: State | None = None,
+    update_hint: bool = True,
+    on_full: Callable[[], bool] | None = None,
+) -> dict[str, Any]:
     """Append one log entry (``txckpt.log.append``) and remember the state it made. The root's
     first entry also makes the space reserve retention uses on a full disk."""
-    entry, state = commit_log.append(root.storage, build, durable=root.durable, start=start,
-                                     update_hint=update_hint, on_full=on_full)
+    entry, state = commit_log.append(
+        root.storage, build, durable=root.durable, start=start, update_hint=update_hint, on_full=on_full
+    )
     note_state(root, state)
     if entry["seq"] == 0:
         ensure_reserve(root.storage, durable=root.durable)
@@ -84,8 +91,7 @@ def claim(root: Root, state: State) -> None:
     session.writer_lineage = lineage
 
 
-def new_lineage(root: Root, *, external_parent: str | os.PathLike | None = None,
-                lineage_id: str | None = None) -> str:
+def new_lineage(root: Root, *, external_parent: str | os.PathLike | None = None, lineage_id: str | None = None) -> str:
     """Start a new root lineage (no parent, or an external checkpoint path as parent).
     ``lineage_id``: see ``fork``."""
     if root.state().seq < 0 and root.legacy_checkpoints():
@@ -95,8 +101,16 @@ def new_lineage(root: Root, *, external_parent: str | os.PathLike | None = None,
     return fork(root, parent, history, reason="root" if parent is None else "external", lineage_id=lineage_id)
 
 
-def fork(root: Root, parent: Parent, history: History, reason: str, *, announce: bool = True,
-         damaged: list[dict[str, Any]] | None = None, lineage_id: str | None = None) -> str:
+def fork(
+    root: Root,
+    parent: Parent,
+    history: History,
+    reason: str,
+    *,
+    announce: bool = True,
+    damaged: list[dict[str, Any]] | None = None,
+    lineage_id: str | None = None,
+) -> str:
     """Append a fork entry (§10); returns the new lineage. ``announce=False``: the caller retires
     what the fork abandons (retention.rewind) and says so itself, instead of the "kept intact"
     warning. ``damaged``: the checkpoints a restart found damaged (txckpt/fallback.py), recorded
@@ -108,7 +122,8 @@ def fork(root: Root, parent: Parent, history: History, reason: str, *, announce:
     if lineage_id is not None and lineage_id in history.state.lineages:
         raise ConcurrentWriterError(
             f"lineage {lineage_id} already exists in {root.url}; a replicated fork is appended "
-            "once: check `txckpt log` on that root")
+            "once: check `txckpt log` on that root"
+        )
     lid = lineage_id if lineage_id is not None else new_lineage_id(history.state.lineages)
     abandoned: list[Checkpoint] = []
     restored: list[Checkpoint] = []
@@ -130,8 +145,13 @@ def fork(root: Root, parent: Parent, history: History, reason: str, *, announce:
         after = fresh.state.after_new_lineage(seq, now, lid, parent, reason, writer=session.session)
         abandoned = fresh.abandoned_by(after, expected_head)
         restored = fresh.restored_by(after, expected_head)
-        entry: dict[str, Any] = {"action": "fork", "lineage": lid, "parent": parent_to_json(parent),
-                                 "reason": reason, "state": new_state}
+        entry: dict[str, Any] = {
+            "action": "fork",
+            "lineage": lid,
+            "parent": parent_to_json(parent),
+            "reason": reason,
+            "state": new_state,
+        }
         if damaged:
             entry["damaged"] = damaged
         return entry
@@ -147,15 +167,25 @@ def fork(root: Root, parent: Parent, history: History, reason: str, *, announce:
             "%d of lineage %s: new lineage %s abandons %d checkpoint(s): %s. Nothing was deleted: "
             "the damaged ones stay on disk as they are (`txckpt verify` reports them); restore "
             "them from a backup if you need them.",
-            root.url, describe_damaged(damaged, publication.naming,
-                                       {d["txid"]: c.key for d in damaged
-                                        if (c := history.checkpoints.get(d["txid"])) is not None}),
-            parent.step, parent.lineage, lid,
-            len(abandoned), describe_checkpoints(abandoned, publication.naming),
+            root.url,
+            describe_damaged(
+                damaged,
+                publication.naming,
+                {d["txid"]: c.key for d in damaged if (c := history.checkpoints.get(d["txid"])) is not None},
+            ),
+            parent.step,
+            parent.lineage,
+            lid,
+            len(abandoned),
+            describe_checkpoints(abandoned, publication.naming),
         )
     elif abandoned and announce:
-        log.warning("%s", rollback_warning(root.url, parent, lid, abandoned,
-                                           renames=publication.publishes, naming=publication.naming))
+        log.warning(
+            "%s",
+            rollback_warning(
+                root.url, parent, lid, abandoned, renames=publication.publishes, naming=publication.naming
+            ),
+        )
     try:
         # Only the names the fork changes move (§7), not every name in the root (a manifest
         # read each); `txckpt gc` reconciles them all (a crash before these renames).
@@ -164,13 +194,17 @@ def fork(root: Root, parent: Parent, history: History, reason: str, *, announce:
     except OSError as e:
         # The fork is committed; publication is derived state that `txckpt gc` completes
         # (a save publishes only its own checkpoint). Lookups follow the log, not the names.
-        log.warning("the rollback is recorded, but moving the checkpoint-N names to the "
-                    "new lineage's checkpoints failed (%s); `txckpt gc` completes it", e)
+        log.warning(
+            "the rollback is recorded, but moving the checkpoint-N names to the "
+            "new lineage's checkpoints failed (%s); `txckpt gc` completes it",
+            e,
+        )
     return lid
 
 
-def describe_damaged(damaged: list[dict[str, Any]], naming: Naming = DEFAULT_NAMING,
-                     keys: Mapping[str, str | None] | None = None) -> str:
+def describe_damaged(
+    damaged: list[dict[str, Any]], naming: Naming = DEFAULT_NAMING, keys: Mapping[str, str | None] | None = None
+) -> str:
     """One clause per damaged checkpoint, named by the root's ``naming`` (``checkpoint_4`` on an
     Accelerate root; ``keys``, txid -> the key it was committed at: an adopted
     ``checkpoint-00500`` keeps its name)."""
@@ -232,14 +266,25 @@ def append_commit(root: Root, manifest: Manifest, writer: str | None = None) -> 
     the state its plan was made against, re-validated against a newer one if it lost a race)."""
     session = root.shared
     record = {
-        "lineage": manifest.lineage, "step": manifest.step, "txid": manifest.txid,
-        "digest": manifest.digest, "bytes": manifest.total_bytes, "files": manifest.file_count,
+        "lineage": manifest.lineage,
+        "step": manifest.step,
+        "txid": manifest.txid,
+        "digest": manifest.digest,
+        "bytes": manifest.total_bytes,
+        "files": manifest.file_count,
         "parent": parent_to_json(manifest.parent),
     }
 
     def build(state: State, seq: int, now: float) -> dict[str, Any]:
-        new_state = state.after_commit(seq, manifest.lineage, manifest.step, manifest.txid, manifest.parent,
-                                       writer if writer is not None else session.session, manifest.digest)
+        new_state = state.after_commit(
+            seq,
+            manifest.lineage,
+            manifest.step,
+            manifest.txid,
+            manifest.parent,
+            writer if writer is not None else session.session,
+            manifest.digest,
+        )
         return {"action": "commit", "checkpoint": record, "state": new_state}
 
     return append(root, build, start=session._base_states.pop(manifest.txid, None), update_hint=False)
@@ -252,19 +297,28 @@ def finish_commit(root: Root, manifest: Manifest, entry: dict[str, Any]) -> str:
     committed = Ref(manifest.lineage, manifest.step, manifest.txid)
     # Committed. What is left does not depend on each other (§8 steps 9-11), so on object
     # stores the three requests overlap instead of costing three round trips in a row.
-    _, where, cleared = storage.run_concurrently([
-        partial(commit_log.write_hint, storage, entry["seq"]),
-        partial(root.publication.publish, committed),
-        partial(clear_intent, root, manifest.txid),
-    ])
+    _, where, cleared = storage.run_concurrently(
+        [
+            partial(commit_log.write_hint, storage, entry["seq"]),
+            partial(root.publication.publish, committed),
+            partial(clear_intent, root, manifest.txid),
+        ]
+    )
     if isinstance(cleared, Exception):
-        log.warning("checkpoint %s is committed, but its intent could not be deleted (%s); "
-                    "`txckpt gc` removes it", manifest.txid, cleared)
+        log.warning(
+            "checkpoint %s is committed, but its intent could not be deleted (%s); `txckpt gc` removes it",
+            manifest.txid,
+            cleared,
+        )
     if isinstance(where, OSError):
         # Committed is committed: the checkpoint stays valid at its home, and the next
         # publication or `txckpt gc` gives it its name.
-        log.warning("checkpoint %s is committed but could not be published (%s); "
-                    "it stays at its home until the next save or `txckpt gc`", manifest.txid, where)
+        log.warning(
+            "checkpoint %s is committed but could not be published (%s); "
+            "it stays at its home until the next save or `txckpt gc`",
+            manifest.txid,
+            where,
+        )
         where = root.publication.locate(committed)
     elif isinstance(where, Exception):
         raise where
@@ -324,6 +378,17 @@ def committed_path(root: Root, plan: SavePlan) -> str | None:
     return root.storage.full_path(key)
 
 
-__all__ = ["append", "note_state", "clear_intent", "claim", "new_lineage", "fork", "describe_damaged",
-           "plan_save", "append_commit", "finish_commit", "snapshot_if_due",
-           "committed_path"]
+__all__ = [
+    "append",
+    "note_state",
+    "clear_intent",
+    "claim",
+    "new_lineage",
+    "fork",
+    "describe_damaged",
+    "plan_save",
+    "append_commit",
+    "finish_commit",
+    "snapshot_if_due",
+    "committed_path",
+]

@@ -176,8 +176,11 @@ def _group_for(dist: Any, timeout_s: float, phase: str | None = None) -> Any:
                     dist.distributed_c10d._set_pg_timeout(td, group)
                     _cached["timeout"] = timeout_s
                 except Exception as e:  # pragma: no cover - a torch without _set_pg_timeout
-                    log.warning("cannot change the coordination timeout of an existing gloo "
-                                "group (%s); it stays %.0f s", e, _cached.get("timeout"))
+                    log.warning(
+                        "cannot change the coordination timeout of an existing gloo group (%s); it stays %.0f s",
+                        e,
+                        _cached.get("timeout"),
+                    )
             return group
         if not dist.is_gloo_available():  # pragma: no cover - every torch wheel has gloo
             raise TransactionAbortedError(
@@ -257,19 +260,25 @@ class TorchDistributed(Coordinator):
         if not self._gathered and what != "gather":
             outcome = "Nothing was committed by this transaction."
         elif what == "gather":
-            outcome = ("Rank 0 did not get every rank's file list, so nothing was committed by this "
-                       "transaction.")
+            outcome = "Rank 0 did not get every rank's file list, so nothing was committed by this transaction."
         elif self.rank == 0:
-            outcome = (f"The checkpoint WAS committed ({committed_path}), but not every rank could be told."
-                       if committed_path else
-                       "Nothing was committed by this transaction, and not every rank could be told.")
+            outcome = (
+                f"The checkpoint WAS committed ({committed_path}), but not every rank could be told."
+                if committed_path
+                else "Nothing was committed by this transaction, and not every rank could be told."
+            )
         else:
-            outcome = ("Rank 0 may have committed before it failed: call txckpt.get_last_checkpoint(root) "
-                       "to see which checkpoint is the newest.")
+            outcome = (
+                "Rank 0 may have committed before it failed: call txckpt.get_last_checkpoint(root) "
+                "to see which checkpoint is the newest."
+            )
         timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
-        cause = (f"another rank did not arrive within the timeout ({self.timeout_s:.0f} s; set "
-                 f"{TIMEOUT_ENV} or timeout=): it is slow, hung, or unreachable"
-                 if timed_out else "another rank died or closed its connection")
+        cause = (
+            f"another rank did not arrive within the timeout ({self.timeout_s:.0f} s; set "
+            f"{TIMEOUT_ENV} or timeout=): it is slow, hung, or unreachable"
+            if timed_out
+            else "another rank died or closed its connection"
+        )
         phase = self.phase or what
         return CoordinationTimeoutError(
             f"txckpt: {what}{'' if phase == what else f' ({phase})'} across {self.world_size} ranks "
@@ -331,8 +340,9 @@ def current_coordinator(timeout_s: float | None = None, phase: str | None = None
     return SingleProcess()
 
 
-def decide_on_rank0(fn: Callable[[], T], *, phase: str, coordinator: Coordinator | None = None,
-                    timeout: float | None = None) -> T:
+def decide_on_rank0(
+    fn: Callable[[], T], *, phase: str, coordinator: Coordinator | None = None, timeout: float | None = None
+) -> T:
     """Rank 0 runs ``fn`` and every rank returns its result, or raises its error: rank 0 its own
     exception, the others the same class with the same message and fields (the codec of
     :mod:`txckpt.errors`; an error of another library arrives as its nearest builtin class).
@@ -363,7 +373,8 @@ def decide_on_rank0(fn: Callable[[], T], *, phase: str, coordinator: Coordinator
     if not isinstance(outcome, dict) or not ("ok" in outcome or "error" in outcome):
         # Never expected: a collective mismatch (the ranks called txckpt in different orders).
         raise TransactionAbortedError(
-            f"txckpt: rank {coord.rank} got {outcome!r} from rank 0 instead of its {phase} decision")
+            f"txckpt: rank {coord.rank} got {outcome!r} from rank 0 instead of its {phase} decision"
+        )
     if "error" in outcome:
         err = decode_error(outcome["error"])
         _add_note(err, f"(raised on rank 0, which decides txckpt's {phase}; every rank raises it)")

@@ -68,11 +68,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m txckpt.demo",
         description="The rollback story of the transformers bug report, told with txckpt: save, roll "
-                    "back, crash a real process mid-save, restart, and check that nothing was mixed "
-                    "or overwritten. Ends with `txckpt log ROOT`.",
+        "back, crash a real process mid-save, restart, and check that nothing was mixed "
+        "or overwritten. Ends with `txckpt log ROOT`.",
     )
-    p.add_argument("root", nargs="?", default=None,
-                   help="a new (or empty) directory to write to; default: a fresh temporary directory")
+    p.add_argument(
+        "root",
+        nargs="?",
+        default=None,
+        help="a new (or empty) directory to write to; default: a fresh temporary directory",
+    )
     return p.parse_args(argv)
 
 
@@ -83,8 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="   [warning] %(message)s", stream=sys.stdout)
     root = args.root or os.path.join(tempfile.mkdtemp(prefix="txckpt-demo-"), "output")
     if os.path.exists(root) and (not os.path.isdir(root) or os.listdir(root)):
-        print(f"txckpt demo: {root} exists and is not an empty directory; the demo tells its story on "
-              "a fresh root: pass a new directory (or remove this one)", file=sys.stderr)
+        print(
+            f"txckpt demo: {root} exists and is not an empty directory; the demo tells its story on "
+            "a fresh root: pass a new directory (or remove this one)",
+            file=sys.stderr,
+        )
         return 2
     where = root if os.path.isabs(root) else f"{root} ({os.path.abspath(root)})"  # each path once
     print(f"txckpt demo: a rollback in {where}\n")
@@ -107,10 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\n4. Restart with 'resume the latest' (resume_from_checkpoint=True):")
     txckpt.forget_roots()
     last = found(txckpt.get_last_checkpoint(root), "a last checkpoint after the crash")
-    print(f"   get_last_checkpoint -> {last} (step {txckpt.read_manifest(last).step}, the fork point "
-          f"written by run {run_of(last)}; run B continues from it, not from run A's step 6)")
-    assert last == os.path.join(root, txckpt.open_root(root).publication.naming.public(2)), \
+    print(
+        f"   get_last_checkpoint -> {last} (step {txckpt.read_manifest(last).step}, the fork point "
+        f"written by run {run_of(last)}; run B continues from it, not from run A's step 6)"
+    )
+    assert last == os.path.join(root, txckpt.open_root(root).publication.naming.public(2)), (
         "the restart must continue run B from step 2"
+    )
     txckpt.resume(root)
 
     print("\n5. Run B saves steps 4 and 6.")
@@ -124,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         path = found(c.path, f"a path for run A's step {c.step}")
         same = txckpt.read_manifest(path).digest == digests_a[c.step]
-        print(f"   step {c.step}: run {run_of(path)}, verified, manifest unchanged: {same}\n"
-              f"      at {path}")
+        print(f"   step {c.step}: run {run_of(path)}, verified, manifest unchanged: {same}\n      at {path}")
         assert same and run_of(path) == "A"
     print("\n   Every committed checkpoint (`txckpt ls`):")
     for c in txckpt.CheckpointRoot(root).checkpoints("all"):

@@ -150,6 +150,7 @@ _LOADERS: dict[str, Callable[[], ModuleType]] = {
 }
 
 if not TYPE_CHECKING:
+
     def __getattr__(name: str) -> ModuleType:
         """``deps.<name>``: the module, imported now if it is not yet (PEP 562)."""
         load = _LOADERS.get(name)

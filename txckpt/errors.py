@@ -202,8 +202,14 @@ class NoIntactCheckpointError(IntegrityError):
     root: str | None
     damaged: list[dict[str, Any]]
 
-    def __init__(self, message: str = "", *, path: str | None = None, root: str | None = None,
-                 damaged: list[dict[str, Any]] | tuple[dict[str, Any], ...] = ()):
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        path: str | None = None,
+        root: str | None = None,
+        damaged: list[dict[str, Any]] | tuple[dict[str, Any], ...] = (),
+    ):
         super().__init__(message, path=path, root=root, damaged=list(damaged))
 
 
@@ -239,11 +245,19 @@ class AdoptionError(TxckptError):
     paths: list[str]
     path: str | None  # the first of paths
 
-    def __init__(self, message: str, *, root: str | None = None, step: int | None = None,
-                 paths: list[str] | tuple[str, ...] = (), path: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        root: str | None = None,
+        step: int | None = None,
+        paths: list[str] | tuple[str, ...] = (),
+        path: str | None = None,
+    ):
         paths = list(paths)
-        super().__init__(message, root=root, step=step, paths=paths,
-                         path=path if path is not None else (paths[0] if paths else None))
+        super().__init__(
+            message, root=root, step=step, paths=paths, path=path if path is not None else (paths[0] if paths else None)
+        )
 
 
 class AmbiguousCheckpointNameError(AdoptionError):
@@ -310,14 +324,14 @@ class TempFileRemovedError(StorageError):
 
 _STORAGE_ADVICE = {
     "ENOSPC": "the disk is full: free space (`txckpt gc ROOT` reclaims leftover staging; `txckpt gc ROOT "
-              "--keep-last N` deletes older checkpoints, recording it in space txckpt reserves for that) or "
-              "save elsewhere",
+    "--keep-last N` deletes older checkpoints, recording it in space txckpt reserves for that) or "
+    "save elsewhere",
     "EDQUOT": "the disk quota is exhausted: free space or raise the quota",
     "EROFS": "the root is on a read-only filesystem: save to a writable root",
     "EACCES": "permission denied: check the root's ownership and mode",
     "EPERM": "operation not permitted: check the root's ownership and mode",
     "ENAMETOOLONG": "a path is longer than the file system allows: use shorter file names, or a root "
-                    "with a shorter path",
+    "with a shorter path",
 }
 
 
@@ -477,21 +491,38 @@ def _this_module() -> Any:
 #: decode_error, reworded, is_txckpt_error) and storage_error are internal.
 __all__ = [
     "TxckptError",
-    "InvalidArgumentError", "NamingConflictError", "RngStateError", "FileNameConflictError", "SignalNotCatchableError",
+    "InvalidArgumentError",
+    "NamingConflictError",
+    "RngStateError",
+    "FileNameConflictError",
+    "SignalNotCatchableError",
     "NotATxckptRootError",
-    "CheckpointNotFoundError", "CheckpointRetiredError", "LineageNotFoundError",
+    "CheckpointNotFoundError",
+    "CheckpointRetiredError",
+    "LineageNotFoundError",
     "RootNotFoundError",
     "MissingDependencyError",
     "LookupRaceError",
     "StepConflictError",
-    "ConcurrentWriterError", "StaleLineageError",
-    "IntegrityError", "SpecialFileError", "ManifestError", "NoIntactCheckpointError",
-    "UnsafePathError", "NotACheckpointError",
+    "ConcurrentWriterError",
+    "StaleLineageError",
+    "IntegrityError",
+    "SpecialFileError",
+    "ManifestError",
+    "NoIntactCheckpointError",
+    "UnsafePathError",
+    "NotACheckpointError",
     "WeightsOnlyError",
-    "AdoptionError", "AmbiguousCheckpointNameError", "AdoptionInProgressError",
+    "AdoptionError",
+    "AmbiguousCheckpointNameError",
+    "AdoptionInProgressError",
     "LogCorruptError",
     "ReplicationError",
-    "TransactionAbortedError", "CoordinationTimeoutError",
-    "StorageError", "TempFileRemovedError",
-    "RemoteAccessError", "CredentialsError", "EndpointUnreachableError",
+    "TransactionAbortedError",
+    "CoordinationTimeoutError",
+    "StorageError",
+    "TempFileRemovedError",
+    "RemoteAccessError",
+    "CredentialsError",
+    "EndpointUnreachableError",
 ]

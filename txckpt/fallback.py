@@ -89,7 +89,8 @@ def resume_intact(root: Root, state: "State", verify: Verify) -> str | None:
     raise LookupRaceError(
         f"the newest checkpoint of {root.url} was retired and deleted under this resume "
         f"{LOOKUP_ATTEMPTS} times in a row; retry, or keep more checkpoints",
-        root=root.url, attempts=LOOKUP_ATTEMPTS,
+        root=root.url,
+        attempts=LOOKUP_ATTEMPTS,
     )
 
 
@@ -116,7 +117,9 @@ def _fall_back(root: Root, tip: Ref, first: IntegrityError, verify: Verify) -> s
         f"back to: {listing}. Nothing was changed. Restore the damaged files from a backup, or start "
         "a new lineage (txckpt.new_lineage, or train(resume_from_checkpoint=None)); `txckpt verify "
         f"{root.url}` reports every damaged file",
-        path=damaged[0]["path"], root=root.url, damaged=damaged,
+        path=damaged[0]["path"],
+        root=root.url,
+        damaged=damaged,
     )
 
 
@@ -135,11 +138,15 @@ def present_fallback(root: Root, missing: Ref) -> str | None:
                 "the newest checkpoint of the current lineage, step %d (txid %s), is "
                 "missing from %s (deleted or renamed by hand?). Falling back to step %d. "
                 "Run `txckpt verify` to see what else is missing.",
-                missing.step, missing.txid, root.url, c.step,
+                missing.step,
+                missing.txid,
+                root.url,
+                c.step,
             )
         return key
     log.warning(
         "no checkpoint of the current lineage of %s is present on storage "
-        "(deleted by hand?); starting from scratch. Run `txckpt verify`.", root.url,
+        "(deleted by hand?); starting from scratch. Run `txckpt verify`.",
+        root.url,
     )
     return None

@@ -69,8 +69,14 @@ def fetch_checkpoint(
     return read_checked(path, storage_options, attempt)
 
 
-def _fetch_local(found: Found, dest: str, manifest_bytes: bytes | None, durable: bool,
-                 progress: Callable[[int], Any] | None, timer: Timer) -> bool:
+def _fetch_local(
+    found: Found,
+    dest: str,
+    manifest_bytes: bytes | None,
+    durable: bool,
+    progress: Callable[[int], Any] | None,
+    timer: Timer,
+) -> bool:
     """Copy into a scratch directory beside local ``dest`` and install it; False: ``dest``
     already held the same checkpoint, verified."""
     manifest = found.manifest
@@ -112,8 +118,9 @@ def _fetch_local(found: Found, dest: str, manifest_bytes: bytes | None, durable:
     return True
 
 
-def _fetch_into(found: Found, dest: Storage, manifest_bytes: bytes | None, durable: bool,
-                progress: Callable[[int], Any] | None) -> None:
+def _fetch_into(
+    found: Found, dest: Storage, manifest_bytes: bytes | None, durable: bool, progress: Callable[[int], Any] | None
+) -> None:
     """Copy into storage ``dest`` (an object store has no rename to install with); what was
     written is removed again if the source turns out damaged."""
     manifest = found.manifest
@@ -164,12 +171,14 @@ def _copy_files(found: Found, open_out: Callable[[str], Any], progress: Callable
                 # not an OSError for the caller to decode.
                 raise IntegrityError(
                     f"{path}/{name} is a directory where the manifest lists a file of {entry.size} bytes: "
-                    f"the stored checkpoint is damaged; {FALLBACK_HINT}", path=f"{path}/{name}",
+                    f"the stored checkpoint is damaged; {FALLBACK_HINT}",
+                    path=f"{path}/{name}",
                 ) from None
             elif isinstance(e, (FileNotFoundError, NotADirectoryError)) and not src.exists(key):
                 raise IntegrityError(
                     f"{path}/{name} is missing (the manifest lists it): the stored checkpoint is "
-                    f"damaged; {FALLBACK_HINT}", path=f"{path}/{name}",
+                    f"damaged; {FALLBACK_HINT}",
+                    path=f"{path}/{name}",
                 ) from None
             else:
                 raise
@@ -177,7 +186,8 @@ def _copy_files(found: Found, open_out: Callable[[str], Any], progress: Callable
             raise IntegrityError(
                 f"{path}/{name} has {size} bytes / xxh3-128 {digest}, the manifest says "
                 f"{entry.size} / {entry.checksum}: the stored checkpoint is damaged; "
-                f"{FALLBACK_HINT}", path=f"{path}/{name}",
+                f"{FALLBACK_HINT}",
+                path=f"{path}/{name}",
             )
     _copy_parts(found, open_out)
 
@@ -198,8 +208,11 @@ def _copy_parts(found: Found, open_out: Callable[[str], Any]) -> None:
         out.close()
     tree = parts.build_tree(leaves)
     if parts.tree_root(tree).hex() != info.merkle_root:
-        raise IntegrityError(f"{found.path}/{parts.PARTS_DIR} changed while it was copied (its parts no longer "
-                             f"match the manifest's Merkle root); {FALLBACK_HINT}", path=found.path)
+        raise IntegrityError(
+            f"{found.path}/{parts.PARTS_DIR} changed while it was copied (its parts no longer "
+            f"match the manifest's Merkle root); {FALLBACK_HINT}",
+            path=found.path,
+        )
     out = open_out(parts.TREE_NAME)
     out.write(tree)
     out.close()

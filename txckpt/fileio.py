@@ -67,8 +67,12 @@ class SizeMismatch(Exception):
         self.actual = actual
 
 
-_SPECIAL_KINDS = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
-                  (stat.S_ISBLK, "block device"))
+_SPECIAL_KINDS = (
+    (stat.S_ISFIFO, "FIFO"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+)
 
 
 def _kind(mode: int) -> str:
@@ -247,11 +251,11 @@ def start_read_into_buffer(path: str, size: int, *, hash: bool, pipeline: bool =
         try:
             off = 0
             while off < size:
-                n = _readinto(fd, view[off:min(size, off + step)])
+                n = _readinto(fd, view[off : min(size, off + step)])
                 if n <= 0:
                     raise SizeMismatch(off)  # truncated while being read
                 if hasher is not None:
-                    chunk = view[off:off + n]
+                    chunk = view[off : off + n]
                     if worker is None:
                         hasher.update(chunk)
                     else:
@@ -316,7 +320,7 @@ def start_map_file(path: str, size: int, *, hash: bool, pipeline: bool = True) -
         feed = hasher.update if worker is None else worker.put
         view = memoryview(m)
         for off in range(0, size, READ_CHUNK):
-            feed(view[off:off + READ_CHUNK])
+            feed(view[off : off + READ_CHUNK])
     return BufferRead(buf, hasher, worker)
 
 

@@ -46,6 +46,7 @@ from typing import Any
 from . import log as commit_log
 from . import progress
 from .errors import StorageError
+
 # Intents, writer liveness and the staging reclaim are the save path's (txckpt/intents.py); gc
 # uses them and keeps the names importable from here.
 from .intents import (
@@ -109,8 +110,12 @@ def collect_garbage(
         if mtime is None or now - mtime <= grace_seconds:
             continue  # may belong to a write in progress
         size = _file_size(storage, key)
-        _remove(report, GcItem("temp", key, f"temp file of an interrupted write, {now - mtime:.0f}s old", size),
-                storage.delete_file, key)
+        _remove(
+            report,
+            GcItem("temp", key, f"temp file of an interrupted write, {now - mtime:.0f}s old", size),
+            storage.delete_file,
+            key,
+        )
 
     # (h) history snapshots: every one older than the newest usable one, and damaged ones.
     _snapshots(storage, report, known_usable=history.snapshot_seq)
@@ -128,16 +133,25 @@ def collect_garbage(
         ensure_reserve(storage, durable=root.durable)  # made again once there is room for it
     counted = [i for i in report.items if i.kind not in ("publish", "unpublish") and (dry_run or i.done)]
     nbytes = sum(i.bytes for i in counted)
-    log.info("gc of %s: %d item(s), %s (%d bytes) %s%s in %.2fs", root.url, len(counted), progress.human(nbytes),
-             nbytes, "reclaimable" if dry_run else "reclaimed",
-             f"; {progress.human(report.held)} ({report.held} bytes) of their files still held by live "
-             "checkpoints' links" if report.held else "", time.perf_counter() - started,
-             extra={"txckpt_op": "gc", "txckpt_phase": "done", "txckpt_bytes": nbytes, "txckpt_files": len(counted)})
+    log.info(
+        "gc of %s: %d item(s), %s (%d bytes) %s%s in %.2fs",
+        root.url,
+        len(counted),
+        progress.human(nbytes),
+        nbytes,
+        "reclaimable" if dry_run else "reclaimed",
+        f"; {progress.human(report.held)} ({report.held} bytes) of their files still held by live checkpoints' links"
+        if report.held
+        else "",
+        time.perf_counter() - started,
+        extra={"txckpt_op": "gc", "txckpt_phase": "done", "txckpt_bytes": nbytes, "txckpt_files": len(counted)},
+    )
     return report
 
 
-def _delete_retired(root: Root, report: GcReport, history: Any, leased: set[str],
-                    policy_items: dict[str, GcItem]) -> None:
+def _delete_retired(
+    root: Root, report: GcReport, history: Any, leased: set[str], policy_items: dict[str, GcItem]
+) -> None:
     """(b): delete retired checkpoints' data, except leased ones (``leased`` read after ``history``)."""
     storage = root.storage
     for c in retired_present(root, history):
@@ -145,8 +159,12 @@ def _delete_retired(root: Root, report: GcReport, history: Any, leased: set[str]
         item = policy_items.get(c.txid)
         if c.txid in leased:
             if item is None:
-                item = GcItem("retired", key, f"step {c.step} of lineage {c.lineage} (txid {c.txid}) is "
-                              "retired; its data was not deleted yet", tree_bytes(storage, key))
+                item = GcItem(
+                    "retired",
+                    key,
+                    f"step {c.step} of lineage {c.lineage} (txid {c.txid}) is retired; its data was not deleted yet",
+                    tree_bytes(storage, key),
+                )
             else:
                 report.items.remove(item)
             item.reason += "; kept for now: a reader holds a lease on it"
@@ -156,8 +174,13 @@ def _delete_retired(root: Root, report: GcReport, history: Any, leased: set[str]
         # have dropped the other links of its shared files).
         freed, held = report.measure(storage, key)
         if item is None:
-            item = GcItem("retired", key, f"step {c.step} of lineage {c.lineage} (txid {c.txid}) is "
-                          "retired; its data was not deleted yet", freed, held=held)
+            item = GcItem(
+                "retired",
+                key,
+                f"step {c.step} of lineage {c.lineage} (txid {c.txid}) is retired; its data was not deleted yet",
+                freed,
+                held=held,
+            )
             report.items.append(item)
         else:
             item.bytes, item.held = freed, held
@@ -182,15 +205,19 @@ def _apply_policy(root: Root, report: GcReport, policy: RetentionPolicy, now: fl
         key = (root.storage.key_of(info.path) if info.path else None) or f"{TX_DIR}/{info.txid}"
         # A dry run measures here, in the order it would delete; a real run when it deletes.
         freed, held = report.measure(root.storage, key) if report.dry_run else (info.bytes, 0)
-        item = GcItem("policy", key, f"retention policy lets go of step {info.step} ({info.state}, lineage "
-                      f"{info.lineage}, txid {info.txid})", freed, held=held)
+        item = GcItem(
+            "policy",
+            key,
+            f"retention policy lets go of step {info.step} ({info.state}, lineage {info.lineage}, txid {info.txid})",
+            freed,
+            held=held,
+        )
         report.items.append(item)
         policy_items[info.txid] = item
     if report.dry_run or not going:
         return
     try:
-        retired = set(retire(root, [i.txid for i in going], policy=policy,
-                             decided_at=history.state.seq, now=now))
+        retired = set(retire(root, [i.txid for i in going], policy=policy, decided_at=history.state.seq, now=now))
     except StorageError as e:  # a full disk without a reserve: the message says what to do
         for item in policy_items.values():
             item.error = f"{type(e).__name__}: {e}"
@@ -249,7 +276,6 @@ def _file_size(storage: Storage, key: str) -> int:
     return 0
 
 
-
 def _publication(root: Root, history: Any, report: GcReport) -> None:
     """Complete publication: the head's view holds the public names (rename backends; the
     publication of an object store has none to complete)."""
@@ -257,18 +283,26 @@ def _publication(root: Root, history: Any, report: GcReport) -> None:
     current_ids = {c.txid for c in history.in_view(None, include_retired=True)}
     if report.dry_run:
         for name, occupant in root.publication.misplaced(current_ids, set(history.checkpoints)):
-            report.items.append(GcItem("unpublish", name, f"{name} holds {occupant}, which is not "
-                                       "in the current lineage: back to its home"))
+            report.items.append(
+                GcItem(
+                    "unpublish", name, f"{name} holds {occupant}, which is not in the current lineage: back to its home"
+                )
+            )
     else:
         # Every name in the root, not only those a fork moved (§7): after a crash between a
         # fork's entry and its renames, this is what completes them.
         for name in root.publication.unpublish(current_ids, set(history.checkpoints)):
-            report.items.append(GcItem("unpublish", name, "not in the current lineage: moved back to its home",
-                                       done=True))
+            report.items.append(
+                GcItem("unpublish", name, "not in the current lineage: moved back to its home", done=True)
+            )
     for r in root.publication.unpublished([c.ref for c in current if not c.adopted]):
         pub = root.publication.public_key(r.step)
-        item = GcItem("publish", pub, f"committed step {r.step} (txid {r.txid}) was not "
-                      "published (a crash after its commit, or during a fork): give it its name")
+        item = GcItem(
+            "publish",
+            pub,
+            f"committed step {r.step} (txid {r.txid}) was not "
+            "published (a crash after its commit, or during a fork): give it its name",
+        )
         report.items.append(item)
         if not report.dry_run:
             try:
@@ -300,7 +334,7 @@ def _uploads(root: Root, report: GcReport, now: float, grace_seconds: float, hos
             age = now - float(initiated)
         except (TypeError, ValueError):
             age = float("inf")
-        txid = key[len(TX_DIR) + 1:].split("/", 1)[0] if key.startswith(TX_DIR + "/") else None
+        txid = key[len(TX_DIR) + 1 :].split("/", 1)[0] if key.startswith(TX_DIR + "/") else None
         if txid is not None:
             gone, why = writer_status(intents.get(txid), now=now, grace_seconds=grace_seconds, hostname=hostname)
         else:
@@ -309,10 +343,16 @@ def _uploads(root: Root, report: GcReport, now: float, grace_seconds: float, hos
             report.kept.append(GcItem("upload", key, f"upload {u.get('upload_id', '')}: {why}"))
             continue
         chosen.append(u)
-        report.items.append(GcItem("upload", key, f"incomplete multipart upload {u.get('upload_id', '')}, "
-                                   f"{age:.0f}s old: {why}", int(u.get("bytes", 0) or 0)))
+        report.items.append(
+            GcItem(
+                "upload",
+                key,
+                f"incomplete multipart upload {u.get('upload_id', '')}, {age:.0f}s old: {why}",
+                int(u.get("bytes", 0) or 0),
+            )
+        )
     if chosen and not report.dry_run:
-        items = report.items[-len(chosen):]
+        items = report.items[-len(chosen) :]
         try:
             storage.abort_incomplete_uploads(chosen)
             for i in items:

@@ -52,7 +52,7 @@ def spelling(root: str | os.PathLike) -> str:
 
 def _local_spelling(p: str) -> str:
     if p.startswith("file://"):
-        p = p[len("file://"):]
+        p = p[len("file://") :]
     return os.path.abspath(os.path.expanduser(p))
 
 

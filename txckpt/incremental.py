@@ -125,8 +125,9 @@ def committed_files(root: Root, depth: int = DEPTH) -> list[Source]:
     its commit entry recorded, offers nothing (its bytes are not trusted to share)."""
     history = root.history()
     where = root.storage.identity()
-    live = [c for c in history.checkpoints.values()
-            if c.txid not in history.retired and (where, c.txid) not in _DISTRUSTED]
+    live = [
+        c for c in history.checkpoints.values() if c.txid not in history.retired and (where, c.txid) not in _DISTRUSTED
+    ]
     live.sort(key=lambda c: c.seq, reverse=True)
     out: list[Source] = []
     for c in live[:depth]:
@@ -146,7 +147,9 @@ def _manifest(root: Root, c: Checkpoint) -> Manifest | None:
     if key is None:
         return None
     try:
-        manifest = read_manifest_at(root.storage, key, Manifest.decode(root.storage.read_bytes(f"{key}/{MANIFEST_NAME}"), where=key), key)
+        manifest = read_manifest_at(
+            root.storage, key, Manifest.decode(root.storage.read_bytes(f"{key}/{MANIFEST_NAME}"), where=key), key
+        )
     except (OSError, ManifestError):
         return None
     if manifest.txid != c.txid or manifest.digest != c.digest:
@@ -230,8 +233,12 @@ class _Probe(io.RawIOBase):
     def _at_boundary(self) -> None:
         digest, i, size = self._hasher.hexdigest(), self._index, self.size
         # A candidate of exactly this size may still be equal: the end decides it.
-        self._alive = [s for s in self._alive if s.entry.size == size or (
-            s.entry.size > size and len(s.entry.prefixes) > i and s.entry.prefixes[i] == digest)]
+        self._alive = [
+            s
+            for s in self._alive
+            if s.entry.size == size
+            or (s.entry.size > size and len(s.entry.prefixes) > i and s.entry.prefixes[i] == digest)
+        ]
         self._index += 1
         self._boundary = next_boundary(size)
         if not self._alive:
@@ -394,8 +401,15 @@ class Sharing:
                     "%s, a file of checkpoint step %d (txid %s), does not match its manifest entry (size %d, "
                     "xxh3-128 %s; it has size %d, xxh3-128 %s): that checkpoint is damaged, and every "
                     "other one holding the same file. This save writes the bytes instead of sharing them; "
-                    "`txckpt verify` lists the damaged checkpoints.", storage.full_path(key), source.ref.step,
-                    source.ref.txid, entry.size, entry.checksum, found[0], found[1] or "unknown")
+                    "`txckpt verify` lists the damaged checkpoints.",
+                    storage.full_path(key),
+                    source.ref.step,
+                    source.ref.txid,
+                    entry.size,
+                    entry.checksum,
+                    found[0],
+                    found[1] or "unknown",
+                )
             return False
         _remember(storage.identity(), identity, entry)
         self._identities[key] = identity
@@ -431,8 +445,11 @@ class Sharing:
         for name, entry in sorted((written or {}).items()):
             if name not in self.pending and storage.local_path(staging_key) is not None:
                 try:
-                    _remember(storage.identity(), storage.file_identity(f"{staging_key}/{name}"),
-                              FileEntry.from_json(name, entry))
+                    _remember(
+                        storage.identity(),
+                        storage.file_identity(f"{staging_key}/{name}"),
+                        FileEntry.from_json(name, entry),
+                    )
                 except (OSError, ManifestError):  # not the caller's to fail: read when first shared
                     pass
         for name, source in sorted(self.pending.items()):
@@ -440,13 +457,16 @@ class Sharing:
             if home is None:  # pragma: no cover - the lease keeps it
                 raise CheckpointNotFoundError(
                     f"checkpoint {source.ref.txid}, whose {source.name!r} this save shares, is gone "
-                    "although leased; save again without incremental=True")
+                    "although leased; save again without incremental=True"
+                )
             src, dst = f"{home}/{source.name}", f"{staging_key}/{name}"
             if not self._unchanged_since_checked(src, source):
                 raise IntegrityError(
                     f"{storage.full_path(src)}, which this save shares, changed while it saved and no longer "
                     "matches its manifest (written by other code): save again (the next save writes the "
-                    "file), and run `txckpt verify` on the root", path=storage.full_path(src))
+                    "file), and run `txckpt verify` on the root",
+                    path=storage.full_path(src),
+                )
             try:
                 if storage.share_file(src, dst):
                     self._shared(src, dst, source.entry)
@@ -454,7 +474,8 @@ class Sharing:
             except FileExistsError:
                 raise InvalidArgumentError(
                     f"{name!r} was saved with tx.save and written into tx.directory by other code as well; "
-                    "write each file one way only, or under another name") from None
+                    "write each file one way only, or under another name"
+                ) from None
             except OSError as e:  # a full disk, a refused request: typed, saying which file
                 raise storage_error(e, f"share {name!r} with {storage.full_path(src)}") from e
             # This storage cannot share: copy through this process, checked against the source.
@@ -464,7 +485,8 @@ class Sharing:
                     raise IntegrityError(
                         f"{storage.full_path(src)} does not match its manifest (size {size}, xxh3-128 "
                         f"{digest}); run `txckpt verify` on its root and save again without incremental=True",
-                        path=storage.full_path(src))
+                        path=storage.full_path(src),
+                    )
 
     def _unchanged_since_checked(self, src: str, source: Source) -> bool:
         """Whether ``src`` still has the identity it had when checked (one stat or HEAD), else
@@ -488,4 +510,3 @@ class Sharing:
 
 
 __all__ = ["Sharing", "Source", "committed_files", "DEPTH"]
-

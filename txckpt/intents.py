@@ -96,16 +96,22 @@ class GcReport:
     @property
     def bytes(self) -> int:
         """Bytes reclaimed (a dry run: reclaimable); what failed or was kept does not count."""
-        return sum(i.bytes for i in self.items
-                   if i.kind not in ("publish", "unpublish") and (self.dry_run or i.done))
+        return sum(i.bytes for i in self.items if i.kind not in ("publish", "unpublish") and (self.dry_run or i.done))
 
     def of(self, kind: str) -> list[GcItem]:
         return [i for i in self.items if i.kind == kind]
 
     def to_json(self) -> dict[str, Any]:
-        return {"root": self.root, "dry_run": self.dry_run, "bytes": self.bytes, "held_bytes": self.held,
-                "items": [asdict(i) for i in self.items], "kept": [asdict(i) for i in self.kept],
-                "orphans": list(self.orphans), "errors": len(self.errors)}
+        return {
+            "root": self.root,
+            "dry_run": self.dry_run,
+            "bytes": self.bytes,
+            "held_bytes": self.held,
+            "items": [asdict(i) for i in self.items],
+            "kept": [asdict(i) for i in self.kept],
+            "orphans": list(self.orphans),
+            "errors": len(self.errors),
+        }
 
 
 # ----- writer liveness ---------------------------------------------------------------------------
@@ -155,8 +161,12 @@ def _process_start_time(pid: int) -> float | None:
 
 
 def _valid_start(start: Any) -> TypeGuard[dict[str, Any]]:
-    return (isinstance(start, dict) and isinstance(start.get("boot_id"), str)
-            and isinstance(start.get("ticks"), int) and not isinstance(start.get("ticks"), bool))
+    return (
+        isinstance(start, dict)
+        and isinstance(start.get("boot_id"), str)
+        and isinstance(start.get("ticks"), int)
+        and not isinstance(start.get("ticks"), bool)
+    )
 
 
 def pid_alive(pid: int, since: float | None = None, *, start: dict[str, Any] | None = None) -> bool:
@@ -202,9 +212,15 @@ def intent_record(save: dict[str, Any], world_size: int) -> dict[str, Any]:
     with on this host; ``time`` (the writer's clock) only serves the grace period of writers on
     other hosts, and the liveness check of intents written before ``process_start`` existed.
     ``save``: which save it is, as JSON: a :meth:`SavePlan.to_json`, or an adoption's."""
-    record = {"txid": save["txid"], "step": save["step"], "lineage": save["lineage"],
-              "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
-              "world_size": world_size}
+    record = {
+        "txid": save["txid"],
+        "step": save["step"],
+        "lineage": save["lineage"],
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "time": time.time(),
+        "world_size": world_size,
+    }
     start = process_start()
     if start is not None:
         record["process_start"] = start
@@ -215,8 +231,9 @@ def write_intent(root: Root, plan: SavePlan, world_size: int) -> None:
     root.storage.replace(intent_key(plan.txid), json.dumps(intent_record(plan.to_json(), world_size)).encode())
 
 
-def writer_status(intent: dict[str, Any] | None, *, now: float, grace_seconds: float,
-                  hostname: str | None = None) -> tuple[bool, str]:
+def writer_status(
+    intent: dict[str, Any] | None, *, now: float, grace_seconds: float, hostname: str | None = None
+) -> tuple[bool, str]:
     """(gone, why) for the writer an intent names. ``gone`` means its staging may be reclaimed."""
     if intent is None:
         return True, "no intent (the writer aborted, or crashed before or after writing one)"
@@ -283,8 +300,9 @@ def _remove(report: GcReport, item: GcItem, fn, *args) -> None:
         log.warning("gc: could not remove %s: %s", item.key, item.error)
 
 
-def _judge(storage: Storage, txid: str, intents: dict[str, Any], *, now: float, grace_seconds: float,
-           hostname: str) -> tuple[bool, str]:
+def _judge(
+    storage: Storage, txid: str, intents: dict[str, Any], *, now: float, grace_seconds: float, hostname: str
+) -> tuple[bool, str]:
     """(gone, why) for the writer of ``txid``: :func:`writer_status` of its intent; an
     unreadable intent counts as gone once older than the grace period."""
     if txid in intents and intents[txid] is None:
@@ -294,8 +312,17 @@ def _judge(storage: Storage, txid: str, intents: dict[str, Any], *, now: float, 
     return writer_status(intents.get(txid), now=now, grace_seconds=grace_seconds, hostname=hostname)
 
 
-def reclaim_staging(root: Root, report: GcReport, history: Any, *, now: float, grace_seconds: float,
-                    hostname: str, only: set[str] | None = None, measure_kept: bool = True) -> Any:
+def reclaim_staging(
+    root: Root,
+    report: GcReport,
+    history: Any,
+    *,
+    now: float,
+    grace_seconds: float,
+    hostname: str,
+    only: set[str] | None = None,
+    measure_kept: bool = True,
+) -> Any:
     """(a) leftover staging and (d) stale intents, by the rules of txckpt.gc's module doc: the one
     implementation of gc and of a save's reclaim (:func:`reclaim_after_save`). ``history``: the
     log folded before this call; ``only``: judge only the staging of these txids. Returns the
@@ -315,17 +342,27 @@ def reclaim_staging(root: Root, report: GcReport, history: Any, *, now: float, g
             # No save stages under an adopted txid: this is a legacy directory that a publication
             # moved out of its checkpoint-N name, holding a manifest no log committed. Its bytes
             # may be all there is of a committed adopted checkpoint: never deleted (protocol §11).
-            report.kept.append(GcItem("staging", f"{TX_DIR}/{txid}", "legacy checkpoint data under an "
-                                      "uncommitted adopted txid (never deleted; inspect it, or move it "
-                                      "back and `txckpt adopt` it)", tree_bytes(storage, f"{TX_DIR}/{txid}")))
+            report.kept.append(
+                GcItem(
+                    "staging",
+                    f"{TX_DIR}/{txid}",
+                    "legacy checkpoint data under an "
+                    "uncommitted adopted txid (never deleted; inspect it, or move it "
+                    "back and `txckpt adopt` it)",
+                    tree_bytes(storage, f"{TX_DIR}/{txid}"),
+                )
+            )
             continue
         gone, why = _judge(storage, txid, intents, now=now, grace_seconds=grace_seconds, hostname=hostname)
         if gone:
             candidates.append((txid, why))
         else:
             live.add(txid)
-            report.kept.append(GcItem("staging", f"{TX_DIR}/{txid}", why,
-                                      tree_bytes(storage, f"{TX_DIR}/{txid}") if measure_kept else 0))
+            report.kept.append(
+                GcItem(
+                    "staging", f"{TX_DIR}/{txid}", why, tree_bytes(storage, f"{TX_DIR}/{txid}") if measure_kept else 0
+                )
+            )
     # A save may have committed since the history was read (its intent disappears only after its
     # commit entry exists): read the log again before deleting anything.
     history = root.history()
@@ -367,21 +404,43 @@ def reclaim_after_save(root: Root, *, grace_seconds: float = GRACE_SECONDS) -> G
     storage, now, hostname = root.storage, time.time(), socket.gethostname()
     try:
         intents = read_intents(storage)
-        gone = {t for t in intents
-                if _judge(storage, t, intents, now=now, grace_seconds=grace_seconds, hostname=hostname)[0]}
+        gone = {
+            t
+            for t in intents
+            if _judge(storage, t, intents, now=now, grace_seconds=grace_seconds, hostname=hostname)[0]
+        }
         if gone:
-            reclaim_staging(root, report, root.history(snapshot=True), now=now, grace_seconds=grace_seconds,
-                            hostname=hostname, only=gone, measure_kept=False)
+            reclaim_staging(
+                root,
+                report,
+                root.history(snapshot=True),
+                now=now,
+                grace_seconds=grace_seconds,
+                hostname=hostname,
+                only=gone,
+                measure_kept=False,
+            )
     except Exception as e:  # the checkpoint is committed; this is housekeeping
-        log.warning("the save committed, but reclaiming the staging of dead writers under %s "
-                    "failed (%s: %s); `txckpt gc` reclaims it", root.url, type(e).__name__, e)
+        log.warning(
+            "the save committed, but reclaiming the staging of dead writers under %s "
+            "failed (%s: %s); `txckpt gc` reclaims it",
+            root.url,
+            type(e).__name__,
+            e,
+        )
         return report
     for item in report.of("staging"):
         # WARNING: it means a process died in the middle of a save (a crash the user may not know
         # of, a preempted job); once per crash, never per save.
-        log.warning("reclaimed %s (%d bytes) under %s, the %s. That save never committed; nothing "
-                    "committed was lost", item.key, item.bytes, root.url, item.reason)
+        log.warning(
+            "reclaimed %s (%d bytes) under %s, the %s. That save never committed; nothing committed was lost",
+            item.key,
+            item.bytes,
+            root.url,
+            item.reason,
+        )
     return report
+
 
 def staged_step(storage: Storage, key: str) -> int | None:
     for name in storage.list_dir(key):
@@ -391,5 +450,16 @@ def staged_step(storage: Storage, key: str) -> int | None:
     return None
 
 
-__all__ = ["GRACE_SECONDS", "GcItem", "GcReport", "process_start", "pid_alive", "intent_record", "write_intent",
-           "writer_status", "read_intents", "reclaim_staging", "reclaim_after_save"]
+__all__ = [
+    "GRACE_SECONDS",
+    "GcItem",
+    "GcReport",
+    "process_start",
+    "pid_alive",
+    "intent_record",
+    "write_intent",
+    "writer_status",
+    "read_intents",
+    "reclaim_staging",
+    "reclaim_after_save",
+]

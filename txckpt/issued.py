@@ -29,8 +29,9 @@ class CheckpointPath(str):
     storage_options: dict[str, Any] | None
     owner: Any
 
-    def __new__(cls, path: str, storage_options: Mapping[str, Any] | None = None, owner: Any = None
-                ) -> "CheckpointPath":
+    def __new__(
+        cls, path: str, storage_options: Mapping[str, Any] | None = None, owner: Any = None
+    ) -> "CheckpointPath":
         self = super().__new__(cls, path)
         self.storage_options = dict(storage_options) if storage_options else None
         self.owner = owner
@@ -44,8 +45,7 @@ _lock = threading.Lock()
 _issued: "OrderedDict[str, CheckpointPath]" = OrderedDict()
 
 
-def issue(path: str | None, storage_options: Mapping[str, Any] | None = None, owner: Any = None
-          ) -> str | None:
+def issue(path: str | None, storage_options: Mapping[str, Any] | None = None, owner: Any = None) -> str | None:
     """``path`` as a :class:`CheckpointPath` carrying ``storage_options`` and ``owner``, and
     remembered by its text; None stays None, and a path with nothing to carry stays as it is."""
     if path is None or (not storage_options and owner is None):

@@ -64,7 +64,7 @@ def parse_step(digits: str) -> int | None:
 def parse_checkpoint_name(name: str, prefix: str = CHECKPOINT_PREFIX) -> int | None:
     """N if ``name`` is ``<prefix>N`` (default ``checkpoint-N``; ``checkpoint-00500`` is 500),
     else None: the one parse of a checkpoint's directory name."""
-    return parse_step(name[len(prefix):]) if name.startswith(prefix) else None
+    return parse_step(name[len(prefix) :]) if name.startswith(prefix) else None
 
 
 def checkpoint_name(step: int) -> str:
@@ -100,7 +100,7 @@ def txid_of_tx_key(key: str) -> str | None:
     """The txid of a key under ``.txckpt/tx/<txid>/...``; None for a key elsewhere."""
     if not key.startswith(TX_DIR + "/"):
         return None
-    return key[len(TX_DIR) + 1:].split("/", 1)[0] or None
+    return key[len(TX_DIR) + 1 :].split("/", 1)[0] or None
 
 
 def retiring_key(txid: str) -> str:
@@ -172,10 +172,40 @@ def is_local_path(path: str | os.PathLike) -> bool:
 
 
 __all__ = [
-    "META_DIR", "LOG_DIR", "LATEST_HINT", "SNAPSHOT_DIR", "NAMING_KEY", "TX_DIR", "INTENTS_DIR",
-    "READERS_DIR", "ORPHANS_DIR", "RESERVE_KEY", "MANIFEST_NAME", "CHECKPOINT_PREFIX", "MAX_STEP",
-    "ADOPT_INTENT_PREFIX", "ADOPTED_TXID_PREFIX", "TEMP_DIRS", "parse_step", "parse_checkpoint_name",
-    "checkpoint_name", "new_txid", "entry_key", "snapshot_key", "tx_key", "home_key", "txid_of_tx_key",
-    "retiring_key", "intent_key", "adopt_intent_id", "adopted_txid", "lease_key", "orphan_key",
-    "temp_name", "temp_target", "is_manifest_temp", "is_url", "is_local_path",
+    "META_DIR",
+    "LOG_DIR",
+    "LATEST_HINT",
+    "SNAPSHOT_DIR",
+    "NAMING_KEY",
+    "TX_DIR",
+    "INTENTS_DIR",
+    "READERS_DIR",
+    "ORPHANS_DIR",
+    "RESERVE_KEY",
+    "MANIFEST_NAME",
+    "CHECKPOINT_PREFIX",
+    "MAX_STEP",
+    "ADOPT_INTENT_PREFIX",
+    "ADOPTED_TXID_PREFIX",
+    "TEMP_DIRS",
+    "parse_step",
+    "parse_checkpoint_name",
+    "checkpoint_name",
+    "new_txid",
+    "entry_key",
+    "snapshot_key",
+    "tx_key",
+    "home_key",
+    "txid_of_tx_key",
+    "retiring_key",
+    "intent_key",
+    "adopt_intent_id",
+    "adopted_txid",
+    "lease_key",
+    "orphan_key",
+    "temp_name",
+    "temp_target",
+    "is_manifest_temp",
+    "is_url",
+    "is_local_path",
 ]

@@ -69,8 +69,15 @@ class LineageInfo:
     @classmethod
     def from_json(cls, lid: str, d: dict[str, Any]) -> "LineageInfo":
         tip = d.get("tip")
-        return cls(lid, parent_from_json(d.get("parent")), int(d["created_seq"]), float(d["created_time"]),
-                   str(d["reason"]), Ref.from_json(tip) if tip else None, d.get("writer"))
+        return cls(
+            lid,
+            parent_from_json(d.get("parent")),
+            int(d["created_seq"]),
+            float(d["created_time"]),
+            str(d["reason"]),
+            Ref.from_json(tip) if tip else None,
+            d.get("writer"),
+        )
 
     @property
     def parent_ref(self) -> Ref | None:
@@ -199,7 +206,13 @@ class State:
 
     # ----- transitions (each validates, then returns the new state) ----------------------------
     def after_commit(
-        self, seq: int, lineage: str, step: int, txid: str, parent: Parent, writer: str | None = None,
+        self,
+        seq: int,
+        lineage: str,
+        step: int,
+        txid: str,
+        parent: Parent,
+        writer: str | None = None,
         digest: str | None = None,
     ) -> "State":
         info = self.lineages.get(lineage)
@@ -374,16 +387,34 @@ class History:
         action = entry.get("action")
         if action == "commit":
             c = entry["checkpoint"]
-            self._add(Checkpoint(
-                c["lineage"], int(c["step"]), c["txid"], c["digest"], seq, float(entry["time"]),
-                int(c.get("bytes", 0)), int(c.get("files", 0)),
-            ))
+            self._add(
+                Checkpoint(
+                    c["lineage"],
+                    int(c["step"]),
+                    c["txid"],
+                    c["digest"],
+                    seq,
+                    float(entry["time"]),
+                    int(c.get("bytes", 0)),
+                    int(c.get("files", 0)),
+                )
+            )
         elif action == "adopt":
             for c in entry["checkpoints"]:
-                self._add(Checkpoint(
-                    entry["lineage"], int(c["step"]), c["txid"], c["digest"], seq, float(entry["time"]),
-                    int(c.get("bytes", 0)), int(c.get("files", 0)), adopted=True, key=c.get("key"),
-                ))
+                self._add(
+                    Checkpoint(
+                        entry["lineage"],
+                        int(c["step"]),
+                        c["txid"],
+                        c["digest"],
+                        seq,
+                        float(entry["time"]),
+                        int(c.get("bytes", 0)),
+                        int(c.get("files", 0)),
+                        adopted=True,
+                        key=c.get("key"),
+                    )
+                )
         elif action == "retire":
             for txid in entry["txids"]:
                 self._retire(txid, seq)
@@ -391,8 +422,11 @@ class History:
         if action == "fork":
             # A /1 fork entry lists what it abandons; a /2 one does not (that list grows with the
             # history), and the fold derives it from the views before and after, as the forker did.
-            abandoned = entry.get("abandoned") if "state" in entry else [
-                c.txid for c in self.abandoned_by(new, self.state.head)]
+            abandoned = (
+                entry.get("abandoned")
+                if "state" in entry
+                else [c.txid for c in self.abandoned_by(new, self.state.head)]
+            )
             for txid in abandoned or []:
                 self.abandoned_at.setdefault(txid, float(entry["time"]))
         self.state = new
@@ -429,7 +463,12 @@ class History:
         """Whether both folds say the same of the root (entries aside): what a fold from a
         snapshot must give, against the fold of every entry."""
         return (self.state.seq, self.state.to_json(), self.checkpoints, self.retired, self.abandoned_at) == (
-            other.state.seq, other.state.to_json(), other.checkpoints, other.retired, other.abandoned_at)
+            other.state.seq,
+            other.state.to_json(),
+            other.checkpoints,
+            other.retired,
+            other.abandoned_at,
+        )
 
     # ----- snapshots (protocol §4a) ------------------------------------------------------------
     def snapshot_body(self) -> dict[str, Any]:
@@ -459,9 +498,21 @@ class History:
             rows: list[Checkpoint] = list(map(partial(tuple.__new__, Checkpoint), zip(*cols)))
             txids, seqs = cols[2], cols[4]
         else:  # /1, /2: one object per checkpoint
-            rows = [Checkpoint(str(c["lineage"]), int(c["step"]), str(c["txid"]), str(c["digest"]), int(c["seq"]),
-                               float(c["time"]), int(c["bytes"]), int(c["files"]), bool(c["adopted"]),
-                               None if c["key"] is None else str(c["key"])) for c in found]
+            rows = [
+                Checkpoint(
+                    str(c["lineage"]),
+                    int(c["step"]),
+                    str(c["txid"]),
+                    str(c["digest"]),
+                    int(c["seq"]),
+                    float(c["time"]),
+                    int(c["bytes"]),
+                    int(c["files"]),
+                    bool(c["adopted"]),
+                    None if c["key"] is None else str(c["key"]),
+                )
+                for c in found
+            ]
             txids, seqs = [c.txid for c in rows], [c.seq for c in rows]
         if seqs and not (0 <= min(seqs) and max(seqs) <= state.seq):
             raise ValueError(f"a checkpoint's seq is outside the snapshot's 0..{state.seq}")
@@ -484,7 +535,8 @@ class History:
                 f"this root has no lineage {lineage!r}; its lineages, newest first: "
                 + (", ".join(f"{l} (HEAD)" if l == head else l for l in known) or "none")
                 + " (`txckpt log ROOT` shows them)",
-                lineage=lineage, known=known,
+                lineage=lineage,
+                known=known,
             )
         lineage = lineage or self.state.head
         if lineage is None:
@@ -492,8 +544,10 @@ class History:
         self._index()
         index = self._by_lineage if include_retired else self._live
         out = [
-            c for lid, limit in _limits(self.state.view(lineage)).items()
-            for c in index.get(lid, {}).values() if c.step <= limit
+            c
+            for lid, limit in _limits(self.state.view(lineage)).items()
+            for c in index.get(lid, {}).values()
+            if c.step <= limit
         ]
         return sorted(out, key=lambda c: (c.step, c.seq))
 
@@ -538,9 +592,7 @@ class History:
         return c.digest if c else None
 
     def fork_points(self) -> set[str]:
-        return {
-            p.txid for info in self.state.lineages.values() if (p := info.parent_ref) is not None
-        }
+        return {p.txid for info in self.state.lineages.values() if (p := info.parent_ref) is not None}
 
 
 @dataclass(frozen=True)
@@ -568,9 +620,15 @@ def describe_checkpoints(checkpoints: list[Checkpoint], naming: Naming = DEFAULT
 ROLLBACK_LISTED = 10
 
 
-def rollback_warning(url: str, parent: Parent, lineage: str,
-                     abandoned: list[Checkpoint], *, renames: bool = True,
-                     naming: Naming = DEFAULT_NAMING) -> str:
+def rollback_warning(
+    url: str,
+    parent: Parent,
+    lineage: str,
+    abandoned: list[Checkpoint],
+    *,
+    renames: bool = True,
+    naming: Naming = DEFAULT_NAMING,
+) -> str:
     """The warning a fork logs: a short first line, then indented lines, one per abandoned
     checkpoint (the first ROLLBACK_LISTED; ``txckpt log`` lists every one). No "txckpt:"
     prefix: the "txckpt" logger's name already says where it comes from."""
@@ -580,9 +638,11 @@ def rollback_warning(url: str, parent: Parent, lineage: str,
         head = f"starting lineage {lineage} from external checkpoint {parent.path}"
     else:
         head = f"starting lineage {lineage} from scratch"
-    lines = [f"{head}: new lineage {lineage} abandons {len(abandoned)} checkpoint(s)",
-             f"  root: {url}",
-             "  abandoned (kept intact and never overwritten, but no longer returned by get_last_checkpoint):"]
+    lines = [
+        f"{head}: new lineage {lineage} abandons {len(abandoned)} checkpoint(s)",
+        f"  root: {url}",
+        "  abandoned (kept intact and never overwritten, but no longer returned by get_last_checkpoint):",
+    ]
     listed = abandoned[:ROLLBACK_LISTED]
     names = [naming.name_of(c.step, c.key) for c in listed]  # an adopted checkpoint-00500 keeps its name
     width = max(map(len, names)) if names else 0
@@ -591,8 +651,15 @@ def rollback_warning(url: str, parent: Parent, lineage: str,
         lines.append(f"    ... and {len(abandoned) - ROLLBACK_LISTED} more (`txckpt log {url}` shows every one)")
     # What happens to their paths: only rename backends publish (protocol §7). ``renames``: the
     # storage renames directories atomically.
-    lines += ([f"  the new lineage's saves of the same steps get the {naming.public('N')} names,",
-               "  and the abandoned ones move to .txckpt/tx/<txid>/checkpoint-N"] if renames else
-              ["  nothing is moved on this object store: each stays at the path it was committed at",
-               "  (.txckpt/tx/<txid>/checkpoint-N; an adopted one at its checkpoint-N)"])
+    lines += (
+        [
+            f"  the new lineage's saves of the same steps get the {naming.public('N')} names,",
+            "  and the abandoned ones move to .txckpt/tx/<txid>/checkpoint-N",
+        ]
+        if renames
+        else [
+            "  nothing is moved on this object store: each stays at the path it was committed at",
+            "  (.txckpt/tx/<txid>/checkpoint-N; an adopted one at its checkpoint-N)",
+        ]
+    )
     return "\n".join(lines)

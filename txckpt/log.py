@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from .checksum import digest_bytes
 from .errors import ConcurrentWriterError, LogCorruptError, SpecialFileError, storage_error
+
 # The names are layout's; entry_key & co. stay importable from here, where most callers look.
 from .layout import LATEST_HINT, LOG_DIR, SNAPSHOT_DIR, entry_key, snapshot_key
 from .lineage import History, State
@@ -62,8 +63,12 @@ def _decode(data: bytes, seq: int) -> dict[str, Any]:
             "outside txckpt: restore it from a backup, or move .txckpt aside to start over"
         ) from None
     if not isinstance(entry, dict) or entry.get("format") not in _FORMATS or entry.get("seq") != seq:
-        if isinstance(entry, dict) and isinstance(entry.get("format"), str) and \
-                entry["format"].startswith("txckpt-log/") and entry.get("seq") == seq:
+        if (
+            isinstance(entry, dict)
+            and isinstance(entry.get("format"), str)
+            and entry["format"].startswith("txckpt-log/")
+            and entry.get("seq") == seq
+        ):
             raise LogCorruptError(
                 f"log entry {entry_key(seq)} is in format {entry['format']}, which this txckpt does "
                 f"not read ({', '.join(_FORMATS)}): a newer txckpt wrote it; upgrade txckpt"
@@ -139,8 +144,7 @@ def read_entry(storage: Storage, seq: int) -> dict[str, Any] | None:
 def _hint(storage: Storage) -> int:
     try:
         return max(0, int(storage.read_bytes(LATEST_HINT).decode().strip() or 0))
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError, UnicodeDecodeError,
-            SpecialFileError):
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError, UnicodeDecodeError, SpecialFileError):
         return 0  # only a hint: a FIFO or a directory there reads as a missing one
 
 
@@ -157,7 +161,9 @@ def read_latest(storage: Storage) -> dict[str, Any] | None:
         # rest it finds nothing, so the newest entry costs two round trips, not three). Entries are
         # immutable and created in order, so reading them at once sees what reading them one
         # after the other would.
-        entry, ahead = storage.run_concurrently([lambda: read_entry(storage, seq), lambda: read_entry(storage, seq + 1)])
+        entry, ahead = storage.run_concurrently(
+            [lambda: read_entry(storage, seq), lambda: read_entry(storage, seq + 1)]
+        )
         if isinstance(entry, BaseException):
             raise entry
     else:
@@ -242,8 +248,10 @@ def read_history(storage: Storage, since: History | None = None, *, snapshots: b
             )
         entry = read_entry(storage, s)
         if entry is None:
-            raise LogCorruptError(f"log entry {s} was listed but cannot be read: it is {_absent(storage, s)}. "
-                                  "Restore .txckpt/log from a backup")
+            raise LogCorruptError(
+                f"log entry {s} was listed but cannot be read: it is {_absent(storage, s)}. "
+                "Restore .txckpt/log from a backup"
+            )
         history.apply(entry)
         expected += 1
     while True:
@@ -304,8 +312,15 @@ def append(
         new_state = body.pop("state")
         if not isinstance(new_state, State):
             new_state = State.from_json(seq, new_state)
-        entry = {"format": FORMAT, "seq": seq, "id": entry_id, "time": now, "writer": writer_identity(), **body,
-                 "head": new_state.head_record()}
+        entry = {
+            "format": FORMAT,
+            "seq": seq,
+            "id": entry_id,
+            "time": now,
+            "writer": writer_identity(),
+            **body,
+            "head": new_state.head_record(),
+        }
         data = (json.dumps({**entry, "digest": _digest(entry)}, sort_keys=True, indent=1) + "\n").encode()
         try:
             storage.create_exclusive(entry_key(seq), data, durable=durable)
@@ -327,8 +342,7 @@ def append(
             write_hint(storage, seq)
         return entry, entry_state(entry)
     raise ConcurrentWriterError(
-        f"could not append to the log after {_MAX_APPEND_ATTEMPTS} attempts: too many concurrent "
-        "writers on one root"
+        f"could not append to the log after {_MAX_APPEND_ATTEMPTS} attempts: too many concurrent writers on one root"
     )
 
 
@@ -367,8 +381,11 @@ def _parse_snapshot(data: bytes, seq: int) -> tuple[dict[str, Any] | None, str |
             if not isinstance(body, dict):
                 return None, "its body is not a JSON object"
             return {**body, **head}, None
-        if isinstance(head, dict) and str(head.get("format")).startswith("txckpt-snapshot/") \
-                and head["format"] not in _SNAPSHOT_FORMATS:
+        if (
+            isinstance(head, dict)
+            and str(head.get("format")).startswith("txckpt-snapshot/")
+            and head["format"] not in _SNAPSHOT_FORMATS
+        ):
             return None, f"it is in format {head['format']}, which a newer txckpt writes"
         snap: Any = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
@@ -416,7 +433,9 @@ def read_snapshot(storage: Storage, seq: int) -> History | None:
                 problem = f"it is malformed ({type(e).__name__}: {e})"
     _log.warning(
         "ignoring the history snapshot %s: %s. Snapshots only save reading the log, which "
-        "is read instead; `txckpt gc` removes the bad snapshot.", storage.full_path(key), problem,
+        "is read instead; `txckpt gc` removes the bad snapshot.",
+        storage.full_path(key),
+        problem,
     )
     return None
 
@@ -436,10 +455,15 @@ def _snapshot_state(seq: int, snap: dict[str, Any], entry: dict[str, Any]) -> St
 
 def encode_snapshot(history: History, entry_digest: str) -> bytes:
     """The ``txckpt-snapshot/3`` bytes of ``history``: a header line, then the body (§4a)."""
-    body = (json.dumps({"state": history.state.to_json(), **history.snapshot_body()},
-                       separators=(",", ":")) + "\n").encode()
-    head = {"format": SNAPSHOT_FORMAT, "seq": history.state.seq, "entry_digest": entry_digest,
-            "body_digest": digest_bytes(body)}
+    body = (
+        json.dumps({"state": history.state.to_json(), **history.snapshot_body()}, separators=(",", ":")) + "\n"
+    ).encode()
+    head = {
+        "format": SNAPSHOT_FORMAT,
+        "seq": history.state.seq,
+        "entry_digest": entry_digest,
+        "body_digest": digest_bytes(body),
+    }
     return (json.dumps({**head, "digest": _digest(head)}, sort_keys=True, separators=(",", ":")) + "\n").encode() + body
 
 

@@ -59,11 +59,15 @@ class FileEntry:
         return cls(size, digest, kind, rank, prefixes)
 
 
-def written_to_json(written: Mapping[str, tuple[int, str, str, tuple[str, ...]]], rank: int) -> dict[str, dict[str, Any]]:
+def written_to_json(
+    written: Mapping[str, tuple[int, str, str, tuple[str, ...]]], rank: int
+) -> dict[str, dict[str, Any]]:
     """The file table of a rank's report: each file it wrote or shared, ``name -> (size,
     checksum, kind, prefixes)``, as the wire form of its FileEntry, recorded with ``rank``."""
-    return {name: FileEntry(size, digest, kind, rank, prefixes).to_json()
-            for name, (size, digest, kind, prefixes) in written.items()}
+    return {
+        name: FileEntry(size, digest, kind, rank, prefixes).to_json()
+        for name, (size, digest, kind, prefixes) in written.items()
+    }
 
 
 def files_from_json(raw: Mapping[str, Any], *, rank: int) -> dict[str, FileEntry]:
@@ -168,7 +172,8 @@ def name_conflict(file_name: str, nested: str, *, ranks: bool = False) -> FileNa
         f"file names {file_name!r} and {nested!r} in one checkpoint"
         f"{' (written by two ranks)' if ranks else ''}: {nested!r} needs {file_name!r} to be a "
         "directory, but it is a file. Rename one of them; nothing was committed",
-        name=file_name, nested=nested,
+        name=file_name,
+        nested=nested,
     )
 
 
@@ -191,8 +196,9 @@ class PartsInfo:
             info = cls(int(d["count"]), str(d["merkle_root"]), int(d.get("files", 0)), int(d.get("bytes", 0)))
             bytes.fromhex(info.merkle_root)
         except (KeyError, TypeError, ValueError) as e:
-            raise ManifestError(f"{where} has a malformed parts record ({e}); the checkpoint is damaged",
-                                path=where) from None
+            raise ManifestError(
+                f"{where} has a malformed parts record ({e}); the checkpoint is damaged", path=where
+            ) from None
         if info.count < 1 or len(info.merkle_root) != 2 * parts.NODE_SIZE:
             raise ManifestError(f"{where} has a malformed parts record ({d!r})", path=where)
         return info
@@ -289,7 +295,8 @@ class Manifest:
             raise ManifestError(
                 f"{where} was edited after it was written (its digest does not match its content); "
                 "do not trust this checkpoint: resume from another one (on a restart, "
-                "txckpt.resume(root, on_damaged=\"fallback\") does), or re-save", path=where,
+                'txckpt.resume(root, on_damaged="fallback") does), or re-save',
+                path=where,
             )
         if body.get("checksum_algorithm") != checksum.ALGORITHM:
             raise ManifestError(f"{where} uses checksum {body.get('checksum_algorithm')!r}")
@@ -359,15 +366,23 @@ def _ranges_problem(ranges: Any, names: Mapping[str, Any]) -> str | None:
         if not isinstance(table, dict):
             return f"of {name!r} are not an object"
         for offset, entry in table.items():
-            if not (isinstance(offset, str) and offset.isascii() and offset.isdigit()
-                    and isinstance(entry, (list, tuple)) and len(entry) == 2 and type(entry[0]) is int
-                    and entry[0] >= 0 and isinstance(entry[1], str)):
+            if not (
+                isinstance(offset, str)
+                and offset.isascii()
+                and offset.isdigit()
+                and isinstance(entry, (list, tuple))
+                and len(entry) == 2
+                and type(entry[0]) is int
+                and entry[0] >= 0
+                and isinstance(entry[1], str)
+            ):
                 return f"of {name!r} at offset {offset!r} are not [length, xxh3-128] ({entry!r})"
     return None
 
 
-def encode_part(rank: int, txid: str, files_json: Mapping[str, Any],
-                ranges: Mapping[str, RangeTable] | None = None) -> bytes:
+def encode_part(
+    rank: int, txid: str, files_json: Mapping[str, Any], ranges: Mapping[str, RangeTable] | None = None
+) -> bytes:
     """Rank ``rank``'s part of the manifest of ``txid``: its file table (the wire form of
     :func:`written_to_json`, less each entry's ``rank``: the part's own ``rank`` is every one
     of its files', and what a loading rank reads should not grow with the rank's digits) and,
@@ -379,8 +394,10 @@ def encode_part(rank: int, txid: str, files_json: Mapping[str, Any],
     if ranges:
         problem = _ranges_problem(dict(ranges), files)
         if problem is not None:
-            raise InvalidArgumentError(f"rank {rank}'s range digests {problem}: a part records ranges of its "
-                                       "own files only; pass each rank's ranges to that rank's part")
+            raise InvalidArgumentError(
+                f"rank {rank}'s range digests {problem}: a part records ranges of its "
+                "own files only; pass each rank's ranges to that rank's part"
+            )
         body["ranges"] = {n: dict(t) for n, t in ranges.items()}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
@@ -394,16 +411,19 @@ def decode_part(data: bytes, rank: int, txid: str, where: str) -> RankPart:
         files_raw, ranges = body["files"], body.get("ranges", {})
         ok = body.get("format") == PART_FORMAT and body.get("rank") == rank and body.get("txid") == txid
     except (ValueError, UnicodeDecodeError, TypeError, KeyError, AttributeError) as e:
-        raise ManifestError(f"{where} is not a txckpt manifest part ({e}); the checkpoint is damaged",
-                            path=where) from None
+        raise ManifestError(
+            f"{where} is not a txckpt manifest part ({e}); the checkpoint is damaged", path=where
+        ) from None
     if not ok or not isinstance(files_raw, dict):
-        raise ManifestError(f"{where} is not rank {rank}'s part of txid {txid}; the checkpoint is damaged",
-                            path=where)
+        raise ManifestError(f"{where} is not rank {rank}'s part of txid {txid}; the checkpoint is damaged", path=where)
     files = _file_table(files_raw, where, rank)
     problem = _ranges_problem(ranges, files)
     if problem is not None:
-        raise ManifestError(f"{where}'s range digests {problem}; the checkpoint is damaged: resume from "
-                            "another one or restore it from a copy", path=where)
+        raise ManifestError(
+            f"{where}'s range digests {problem}; the checkpoint is damaged: resume from "
+            "another one or restore it from a copy",
+            path=where,
+        )
     return RankPart(files, ranges)
 
 
@@ -412,13 +432,16 @@ def _part_mismatch(where: str, rank: int | None) -> ManifestError:
         return ManifestError(
             f"the parts in {where}/{parts.PARTS_DIR} do not match the Merkle root its manifest committed (a part "
             "was edited, truncated or replaced after the commit); do not trust this checkpoint: resume from "
-            "another one (txckpt.resume(root, on_damaged=\"fallback\")) or restore it from a copy", path=where)
+            'another one (txckpt.resume(root, on_damaged="fallback")) or restore it from a copy',
+            path=where,
+        )
     return ManifestError(
         f"{where}/{parts.part_name(rank)} (rank {rank}'s part of the file table) does not match the "
         "Merkle root its manifest committed: it was edited, truncated or replaced after the commit; "
         "do not trust this checkpoint: resume from another one (txckpt.resume(root, "
-        "on_damaged=\"fallback\")) or restore the checkpoint from a copy",
-        path=f"{where}/{parts.part_name(rank)}")
+        'on_damaged="fallback")) or restore the checkpoint from a copy',
+        path=f"{where}/{parts.part_name(rank)}",
+    )
 
 
 def _read_part(storage: Storage, key: str, rank: int, where: str) -> bytes:
@@ -426,9 +449,11 @@ def _read_part(storage: Storage, key: str, rank: int, where: str) -> bytes:
     try:
         return storage.read_bytes(f"{key}/{name}" if key else name)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        raise ManifestError(f"{where}/{name} (rank {rank}'s part of the file table) is missing; the "
-                            "checkpoint is damaged: resume from another one or restore it from a copy",
-                            path=f"{where}/{name}") from None
+        raise ManifestError(
+            f"{where}/{name} (rank {rank}'s part of the file table) is missing; the "
+            "checkpoint is damaged: resume from another one or restore it from a copy",
+            path=f"{where}/{name}",
+        ) from None
 
 
 def read_manifest_at(storage: Storage, key: str, manifest: Manifest, where: str) -> Manifest:
@@ -442,12 +467,18 @@ def read_manifest_at(storage: Storage, key: str, manifest: Manifest, where: str)
     for rank, blob in enumerate(_read_checked_parts(storage, key, manifest, where)):
         for name, entry in decode_part(blob, rank, manifest.txid, f"{where}/{parts.part_name(rank)}").files.items():
             if name in files:
-                raise ManifestError(f"{where} lists {name!r} twice (rank {files[name].rank} and rank {rank}); "
-                                    "the checkpoint is damaged", path=where)
+                raise ManifestError(
+                    f"{where} lists {name!r} twice (rank {files[name].rank} and rank {rank}); "
+                    "the checkpoint is damaged",
+                    path=where,
+                )
             files[name] = entry
     if len(files) != manifest.file_count:
-        raise ManifestError(f"{where}'s parts hold {len(files)} files, its manifest says {manifest.file_count}; "
-                            "the checkpoint is damaged", path=where)
+        raise ManifestError(
+            f"{where}'s parts hold {len(files)} files, its manifest says {manifest.file_count}; "
+            "the checkpoint is damaged",
+            path=where,
+        )
     return dataclasses.replace(manifest, files=files)
 
 
@@ -456,8 +487,7 @@ def _read_checked_parts(storage: Storage, key: str, manifest: Manifest, where: s
     Merkle root (a part that does not fit raises ManifestError naming its rank)."""
     info = manifest.parts
     assert info is not None
-    blobs = storage.run_concurrently([
-        (lambda r=r: _read_part(storage, key, r, where)) for r in range(info.count)])  # type: ignore[misc]
+    blobs = storage.run_concurrently([(lambda r=r: _read_part(storage, key, r, where)) for r in range(info.count)])  # type: ignore[misc]
     for blob in blobs:
         if isinstance(blob, BaseException):
             raise blob
@@ -474,11 +504,13 @@ def _bad_leaf(storage: Storage, key: str, info: PartsInfo, leaves: list[bytes]) 
         tree = storage.read_bytes(f"{key}/{parts.TREE_NAME}" if key else parts.TREE_NAME)
     except OSError:
         return None
-    if len(tree) == parts.tree_size(info.count) and parts.build_tree(
-            [tree[i * parts.NODE_SIZE:(i + 1) * parts.NODE_SIZE] for i in range(info.count)]) == tree \
-            and parts.tree_root(tree).hex() == info.merkle_root:
+    if (
+        len(tree) == parts.tree_size(info.count)
+        and parts.build_tree([tree[i * parts.NODE_SIZE : (i + 1) * parts.NODE_SIZE] for i in range(info.count)]) == tree
+        and parts.tree_root(tree).hex() == info.merkle_root
+    ):
         for rank, leaf in enumerate(leaves):
-            if tree[rank * parts.NODE_SIZE:(rank + 1) * parts.NODE_SIZE] != leaf:
+            if tree[rank * parts.NODE_SIZE : (rank + 1) * parts.NODE_SIZE] != leaf:
                 return rank
     return None
 
@@ -497,8 +529,10 @@ def read_rank_part(storage: Storage, key: str, manifest: Manifest, rank: int, wh
     siblings: list[bytes] = []
     proof = parts.proof_nodes(info.count, rank)
     try:  # exactly the proof's nodes (a remote store: ranged reads, not the tree file's rest)
-        siblings = storage.read_ranges(f"{key}/{parts.TREE_NAME}" if key else parts.TREE_NAME,
-                                       [(offset, parts.NODE_SIZE) for offset, _level in proof])
+        siblings = storage.read_ranges(
+            f"{key}/{parts.TREE_NAME}" if key else parts.TREE_NAME,
+            [(offset, parts.NODE_SIZE) for offset, _level in proof],
+        )
     except OSError:  # missing (or a remote range past its end): the whole read below decides
         pass
     fits = len(siblings) == len(proof) and all(len(s) == parts.NODE_SIZE for s in siblings)

@@ -68,7 +68,8 @@ def check_prefix(prefix: str) -> None:
         raise InvalidArgumentError(
             f"checkpoint name prefix {prefix!r} is not usable: it must be a non-empty file name of "
             "letters, digits and _.+=,@- that does not start with '.' or end with a digit "
-            "(the step follows it: 'checkpoint-' gives checkpoint-500)")
+            "(the step follows it: 'checkpoint-' gives checkpoint-500)"
+        )
 
 
 DEFAULT = Naming()
@@ -93,7 +94,8 @@ def split_name(name: str) -> tuple[Naming, int]:
     if split is None:
         raise InvalidArgumentError(
             f"{name!r} does not end with a step number after a prefix (like checkpoint_4 or step_4): "
-            "a txckpt checkpoint's name is <prefix><step>, the step below 2**63")
+            "a txckpt checkpoint's name is <prefix><step>, the step below 2**63"
+        )
     return Naming(split[0]), split[1]
 
 
@@ -124,7 +126,7 @@ def read_naming(storage: NamingStorage) -> Naming | None:
     except (ValueError, KeyError, AttributeError, TypeError, InvalidArgumentError) as e:
         raise LogCorruptError(
             f"{storage.full_path(NAMING_KEY)} is damaged ({e!r}): it records how the root names its "
-            "checkpoints. Restore it (its content is {\"format\": \"txckpt-naming/1\", \"prefix\": ...})"
+            'checkpoints. Restore it (its content is {"format": "txckpt-naming/1", "prefix": ...})'
         ) from None
 
 
@@ -149,5 +151,8 @@ def record_naming(storage: NamingStorage, naming: Naming, *, durable: bool) -> N
             f"{storage.full_path('')} names its checkpoints {recorded.public('N')}, not "
             f"{naming.public('N')}: one root has one naming (recorded in {NAMING_KEY}, or "
             "checkpoint-N where the file is absent). Use another root, or the root's naming",
-            root=storage.full_path(""), recorded=recorded.prefix, requested=naming.prefix)
+            root=storage.full_path(""),
+            recorded=recorded.prefix,
+            requested=naming.prefix,
+        )
     return recorded

@@ -83,8 +83,10 @@ class Record:
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview, rank: int) -> "Record":
         if len(data) != RECORD_SIZE:
-            raise ManifestError(f"rank {rank}'s report has {len(data)} bytes, not {RECORD_SIZE}: the ranks "
-                                "run different txckpt versions; install the same txckpt on every rank")
+            raise ManifestError(
+                f"rank {rank}'s report has {len(data)} bytes, not {RECORD_SIZE}: the ranks "
+                "run different txckpt versions; install the same txckpt on every rank"
+            )
         return cls(*_RECORD.unpack(bytes(data)))
 
 
@@ -159,6 +161,24 @@ def root_from_proof(leaf: bytes, count: int, index: int, siblings: Sequence[byte
     return node
 
 
-__all__ = ["PARTS_DIR", "TREE_NAME", "NODE_SIZE", "RECORD_SIZE", "FAILED", "DIRECTORY", "Record",
-           "failed_record", "part_name", "is_part_file", "node_digest", "structure_digest", "level_sizes",
-           "level_offsets", "tree_size", "build_tree", "tree_root", "proof_nodes", "root_from_proof"]
+__all__ = [
+    "PARTS_DIR",
+    "TREE_NAME",
+    "NODE_SIZE",
+    "RECORD_SIZE",
+    "FAILED",
+    "DIRECTORY",
+    "Record",
+    "failed_record",
+    "part_name",
+    "is_part_file",
+    "node_digest",
+    "structure_digest",
+    "level_sizes",
+    "level_offsets",
+    "tree_size",
+    "build_tree",
+    "tree_root",
+    "proof_nodes",
+    "root_from_proof",
+]

@@ -104,18 +104,22 @@ def install(signals: Sequence[int] = DEFAULT_SIGNALS, *, grace_s: float | None =
     if grace_s is not None and not (float(grace_s) >= 0 and float(grace_s) != float("inf")):
         raise InvalidArgumentError(f"txckpt.preemption.install: grace_s must be >= 0 seconds or None, not {grace_s!r}")
     if _current is not None:
-        raise InvalidArgumentError("txckpt.preemption.install: already installed; call "
-                                   "txckpt.preemption.uninstall() first")
+        raise InvalidArgumentError(
+            "txckpt.preemption.install: already installed; call txckpt.preemption.uninstall() first"
+        )
     if threading.current_thread() is not threading.main_thread():
-        raise InvalidArgumentError("txckpt.preemption.install must be called from the main thread "
-                                   "(Python runs signal handlers there only)")
+        raise InvalidArgumentError(
+            "txckpt.preemption.install must be called from the main thread (Python runs signal handlers there only)"
+        )
     uncatchable = [s for s in sigs if s in _UNCATCHABLE]
     if uncatchable:
         raise SignalNotCatchableError(
             f"txckpt.preemption.install: {', '.join(_name(s) for s in uncatchable)} cannot be caught by any "
             "process (the kernel ends it at once), so no save can follow it; install the signal the scheduler "
             "sends first (SIGTERM, or SIGUSR1 with SLURM's --signal) and give grace_s a little less than "
-            "the time before its SIGKILL", signals=list(uncatchable))
+            "the time before its SIGKILL",
+            signals=list(uncatchable),
+        )
     st = _Installed(sigs, None if grace_s is None else float(grace_s))
     try:
         for s in sigs:
@@ -126,8 +130,11 @@ def install(signals: Sequence[int] = DEFAULT_SIGNALS, *, grace_s: float | None =
         for replaced, prev in st.previous.items():
             signal.signal(replaced, prev if prev is not None else signal.SIG_DFL)
         _close(st)
-        raise SignalNotCatchableError(f"txckpt.preemption.install: cannot handle signal {_name(s)}: {e}; "
-                                   "give signals a process may catch (SIGTERM, SIGUSR1, ...)", signals=[s]) from e
+        raise SignalNotCatchableError(
+            f"txckpt.preemption.install: cannot handle signal {_name(s)}: {e}; "
+            "give signals a process may catch (SIGTERM, SIGUSR1, ...)",
+            signals=[s],
+        ) from e
     _current, _agreed = st, 0
     st.thread = threading.Thread(target=_watch, args=(st,), name="txckpt-preemption", daemon=True)
     st.thread.start()
@@ -194,8 +201,7 @@ def requested(*, collective: bool = True) -> bool:
     if agreed:
         _agreed = agreed
         if not local:
-            log.warning("txckpt: another rank received %s: this rank saves and stops at this step too",
-                        _name(agreed))
+            log.warning("txckpt: another rank received %s: this rank saves and stops at this step too", _name(agreed))
             if st is not None:  # its grace starts now, on this rank
                 _note(st, agreed, agreed=True)
     return bool(agreed)
@@ -213,7 +219,9 @@ def _all_ranks_max(local: int) -> int:
         raise CoordinationTimeoutError(
             f"txckpt.preemption.requested: the all-reduce across {coord.world_size} ranks failed on rank "
             f"{coord.rank}: {e}. Every rank must call requested() at the same points of the loop; "
-            "another rank died or is slower than the coordination timeout.", phase="preemption") from e
+            "another rank died or is slower than the coordination timeout.",
+            phase="preemption",
+        ) from e
     return int(t.item())
 
 
@@ -237,7 +245,7 @@ def exit(status: int | None = None) -> NoReturn:
     if st is not None and (st.signum or _agreed):
         _note(st, st.signum or _agreed, agreed=not st.signum)
     deadline = st.deadline if st is not None else None
-    with (st.report_lock if st is not None else threading.Lock()):
+    with st.report_lock if st is not None else threading.Lock():
         if st is not None:
             st.exiting = True
         saves = _shutdown_saves(st)
@@ -270,14 +278,19 @@ def _report(saves: list[SaveFuture], why: str) -> list[SaveFuture]:
     for f in saves:
         if not f.done():
             abandoned.append(f)
-            log.error("txckpt: preemption (%s): abandoned the async save of %s, still pending: not committed; "
-                      "the root keeps its last committed checkpoint", why, _describe(f))
+            log.error(
+                "txckpt: preemption (%s): abandoned the async save of %s, still pending: not committed; "
+                "the root keeps its last committed checkpoint",
+                why,
+                _describe(f),
+            )
             continue
         e = concurrent.futures.Future.exception(f)
         mark_reported(f)  # reported here: not again by wait_for_saves nor the exit hook
         if e is not None:
-            log.error("txckpt: preemption (%s): the async save of %s failed: %s: %s", why, _describe(f),
-                      type(e).__name__, e)
+            log.error(
+                "txckpt: preemption (%s): the async save of %s failed: %s: %s", why, _describe(f), type(e).__name__, e
+            )
         else:
             log.warning("txckpt: preemption (%s): committed %s", why, concurrent.futures.Future.result(f))
     if not saves:
@@ -349,10 +362,14 @@ def _note(st: _Installed, signum: int, *, agreed: bool = False) -> None:
         os.write(st.wfd, bytes((_WAKE,)))  # the watchdog now has a deadline to wait for
     except OSError:
         pass
-    log.warning("txckpt: %s %s: the training loop saves and stops at its next step boundary "
-                "(txckpt.preemption.requested()); %d async save(s) pending; %s; a second signal exits at once",
-                "agreed on" if agreed else "received", _name(signum), len(st.at_signal),
-                "no deadline" if st.grace_s is None else f"exiting anyway in {st.grace_s:g} s")
+    log.warning(
+        "txckpt: %s %s: the training loop saves and stops at its next step boundary "
+        "(txckpt.preemption.requested()); %d async save(s) pending; %s; a second signal exits at once",
+        "agreed on" if agreed else "received",
+        _name(signum),
+        len(st.at_signal),
+        "no deadline" if st.grace_s is None else f"exiting anyway in {st.grace_s:g} s",
+    )
 
 
 def _grace_ran_out(st: _Installed) -> None:
@@ -413,4 +430,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-__all__ = ["install", "uninstall", "installed", "requested", "received", "exit", "exit_status", "decide", "DEFAULT_SIGNALS"]
+__all__ = [
+    "install",
+    "uninstall",
+    "installed",
+    "requested",
+    "received",
+    "exit",
+    "exit_status",
+    "decide",
+    "DEFAULT_SIGNALS",
+]

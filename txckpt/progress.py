@@ -59,13 +59,20 @@ class Timer:
         now = time.perf_counter()
         seconds, self._last = now - self._last, now
         if log.isEnabledFor(logging.DEBUG):
-            extra = {"txckpt_op": self.op, "txckpt_phase": name, "txckpt_seconds": seconds,
-                     "txckpt_bytes": nbytes}
+            extra = {"txckpt_op": self.op, "txckpt_phase": name, "txckpt_seconds": seconds, "txckpt_bytes": nbytes}
             if nbytes is None:
                 log.debug("%s %s: %s %.3fs", self.op, self.label, name, seconds, extra=extra)
             else:
-                log.debug("%s %s: %s %s in %.3fs (%s)", self.op, self.label, name, human(nbytes),
-                          seconds, rate(nbytes, seconds), extra=extra)
+                log.debug(
+                    "%s %s: %s %s in %.3fs (%s)",
+                    self.op,
+                    self.label,
+                    name,
+                    human(nbytes),
+                    seconds,
+                    rate(nbytes, seconds),
+                    extra=extra,
+                )
         return seconds
 
     def done(self, verb: str, nbytes: int, files: int, where: str) -> float:
@@ -73,10 +80,25 @@ class Timer:
         (53.3 MiB/s): s3://bucket/run/...``. Returns the operation's seconds."""
         seconds = time.perf_counter() - self.start
         if log.isEnabledFor(logging.INFO):
-            log.info("%s %s: %d file%s, %s (%d bytes) in %.2fs (%s): %s", verb, self.label, files,
-                     "" if files == 1 else "s", human(nbytes), nbytes, seconds, rate(nbytes, seconds), where,
-                     extra={"txckpt_op": self.op, "txckpt_phase": "done", "txckpt_seconds": seconds,
-                            "txckpt_bytes": nbytes, "txckpt_files": files})
+            log.info(
+                "%s %s: %d file%s, %s (%d bytes) in %.2fs (%s): %s",
+                verb,
+                self.label,
+                files,
+                "" if files == 1 else "s",
+                human(nbytes),
+                nbytes,
+                seconds,
+                rate(nbytes, seconds),
+                where,
+                extra={
+                    "txckpt_op": self.op,
+                    "txckpt_phase": "done",
+                    "txckpt_seconds": seconds,
+                    "txckpt_bytes": nbytes,
+                    "txckpt_files": files,
+                },
+            )
         return seconds
 
 
@@ -145,10 +167,19 @@ class bar:
                 # A pty that reports no size (0x0) gets no bar from tqdm: give it one of 80x24.
                 sized = _columns(sys.stderr) > 0
                 # Decimal units, as the CLI's own lines print sizes (402.7 MB).
-                self._b = _Bar(tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B",
-                                    file=sys.stderr, leave=True,
-                                    dynamic_ncols=sized, ncols=None if sized else 80,
-                                    nrows=None if sized else 24))  # tqdm hides bars past row 0
+                self._b = _Bar(
+                    tqdm(
+                        total=total,
+                        desc=desc,
+                        unit=unit,
+                        unit_scale=unit == "B",
+                        file=sys.stderr,
+                        leave=True,
+                        dynamic_ncols=sized,
+                        ncols=None if sized else 80,
+                        nrows=None if sized else 24,
+                    )
+                )  # tqdm hides bars past row 0
         _active.append(self)
 
     def update(self, n: int = 1) -> None:

@@ -28,6 +28,7 @@ import posixpath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 from .errors import SpecialFileError
+
 # TX_DIR, ORPHANS_DIR and home_key are layout's; importable from here as before.
 from .layout import MANIFEST_NAME, ORPHANS_DIR, TX_DIR, entry_key, home_key, orphan_key, retiring_key, tx_key
 from .naming import DEFAULT, Naming, read_naming
@@ -83,11 +84,18 @@ class Root(Protocol):
 
     def history(self, *, snapshot: bool = False) -> "History": ...
 
-    def append_entry(self, build: Callable[..., dict[str, Any]], *, start: "State | None" = None,
-                     update_hint: bool = True, on_full: Any = None) -> dict[str, Any]: ...
+    def append_entry(
+        self,
+        build: Callable[..., dict[str, Any]],
+        *,
+        start: "State | None" = None,
+        update_hint: bool = True,
+        on_full: Any = None,
+    ) -> dict[str, Any]: ...
 
-    def describe(self, chosen: "Iterable[Checkpoint]", *, with_paths: bool = True,
-                 history: "History | None" = None) -> list[Any]: ...
+    def describe(
+        self, chosen: "Iterable[Checkpoint]", *, with_paths: bool = True, history: "History | None" = None
+    ) -> list[Any]: ...
 
     def legacy_checkpoints(self) -> list[int]: ...
 
@@ -300,6 +308,7 @@ class RenamePublication(InPlacePublication):
             if other is not None and dst != key and other[1]:
                 self.publish(other[0])
             return
+
     def candidates(self, ref: Ref) -> list[str]:
         keys = super().candidates(ref)
         pub = self.public_key(ref.step)
@@ -343,7 +352,8 @@ class RenamePublication(InPlacePublication):
             log.warning(
                 "%s has no committed txckpt manifest (written by another tool?); moved it "
                 "to %s instead of overwriting it. Inspect it, then delete it or `txckpt adopt` it.",
-                s.full_path(pub), s.full_path(dst),
+                s.full_path(pub),
+                s.full_path(dst),
             )
         try:
             s.rename_noreplace(pub, dst)
@@ -404,5 +414,16 @@ def publication_for(storage: Storage, durable: bool = True) -> InPlacePublicatio
 
 
 # TX_DIR, ORPHANS_DIR, home_key: re-exported for callers that import them from here (layout owns them).
-__all__ = ["Root", "Session", "LOOKUP_ATTEMPTS", "InPlacePublication", "RenamePublication", "publication_for", "public_key", "manifest_txid",
-           "home_key", "TX_DIR", "ORPHANS_DIR"]
+__all__ = [
+    "Root",
+    "Session",
+    "LOOKUP_ATTEMPTS",
+    "InPlacePublication",
+    "RenamePublication",
+    "publication_for",
+    "public_key",
+    "manifest_txid",
+    "home_key",
+    "TX_DIR",
+    "ORPHANS_DIR",
+]

@@ -23,8 +23,18 @@ import xxhash
 from . import parts
 from .claims import hash_staged
 from .errors import InvalidArgumentError, TransactionAbortedError, UnsafePathError
-from .manifest import (MANIFEST_NAME, FileEntry, Manifest, PartsInfo, RangeTable, agree_files, check_file_name,
-                       check_name_tree, decode_part, encode_part)
+from .manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    PartsInfo,
+    RangeTable,
+    agree_files,
+    check_file_name,
+    check_name_tree,
+    decode_part,
+    encode_part,
+)
 from .saveplan import SavePlan
 from .storage.base import Storage
 
@@ -32,9 +42,18 @@ Relink = Callable[..., Any] | None
 
 
 # ----- a rank's side ---------------------------------------------------------------------------
-def write_part(storage: Storage, staging_key: str, rank: int, txid: str, files_json: Mapping[str, Any], *,
-               durable: bool, directory: bool, open_write: Callable[..., BinaryIO] | None = None,
-               ranges: Mapping[str, RangeTable] | None = None) -> parts.Record:
+def write_part(
+    storage: Storage,
+    staging_key: str,
+    rank: int,
+    txid: str,
+    files_json: Mapping[str, Any],
+    *,
+    durable: bool,
+    directory: bool,
+    open_write: Callable[..., BinaryIO] | None = None,
+    ranges: Mapping[str, RangeTable] | None = None,
+) -> parts.Record:
     """Write rank ``rank``'s part into the staging (durable when ``durable``, fsyncing the
     sub-directories its files are in: the committer may not list them) and return its record.
     ``directory``: ``tx.directory`` was handed out on this rank (the committer must list).
@@ -53,7 +72,8 @@ def write_part(storage: Storage, staging_key: str, rank: int, txid: str, files_j
     return parts.Record(
         part=parts.node_digest(data),
         structure=parts.structure_digest((n, str(e.get("kind", "bytes"))) for n, e in files_json.items()),
-        files=len(files_json), total_bytes=sum(int(e["size"]) for e in files_json.values()),
+        files=len(files_json),
+        total_bytes=sum(int(e["size"]) for e in files_json.values()),
         flags=parts.DIRECTORY if directory else 0,
     )
 
@@ -67,9 +87,18 @@ def structures_of(records: list[parts.Record]) -> bytes:
     return h.digest()
 
 
-def parts_manifest(storage: Storage, plan: SavePlan, records: list[parts.Record], own: Mapping[str, FileEntry], *,
-                   previous: bytes | None, durable: bool, relink: Relink, created: float,
-                   metadata: dict[str, Any]) -> tuple[Manifest, bytes]:
+def parts_manifest(
+    storage: Storage,
+    plan: SavePlan,
+    records: list[parts.Record],
+    own: Mapping[str, FileEntry],
+    *,
+    previous: bytes | None,
+    durable: bool,
+    relink: Relink,
+    created: float,
+    metadata: dict[str, Any],
+) -> tuple[Manifest, bytes]:
     """Steps 6-8 of a multi-rank commit (protocol §3a): the manifest (written create-if-absent,
     durable, after the tree) and the structure digest to remember for the next save's fast
     path. ``own``: files the committer wrote itself after its part (DCP's ``.metadata``);
@@ -88,45 +117,65 @@ def parts_manifest(storage: Storage, plan: SavePlan, records: list[parts.Record]
         f.write(tree)
     if durable:
         storage.sync_dir(f"{key}/{parts.PARTS_DIR}")
-    info = PartsInfo(count, parts.tree_root(tree).hex(), sum(r.files for r in records),
-                     sum(r.total_bytes for r in records))
-    manifest = Manifest(txid=plan.txid, lineage=plan.lineage, step=plan.step, parent=plan.parent,
-                        files=dict(own_files), created=created, world_size=count, metadata=metadata,
-                        parts=info, own_files=own_files)
+    info = PartsInfo(
+        count, parts.tree_root(tree).hex(), sum(r.files for r in records), sum(r.total_bytes for r in records)
+    )
+    manifest = Manifest(
+        txid=plan.txid,
+        lineage=plan.lineage,
+        step=plan.step,
+        parent=plan.parent,
+        files=dict(own_files),
+        created=created,
+        world_size=count,
+        metadata=metadata,
+        parts=info,
+        own_files=own_files,
+    )
     if manifest.file_count == 0:
         raise InvalidArgumentError("the transaction wrote no files; nothing to commit")
     storage.create_exclusive(f"{key}/{MANIFEST_NAME}", manifest.encode(), durable=durable)
     return manifest, structures
 
 
-def _checked_parts(storage: Storage, key: str, txid: str, records: list[parts.Record],
-                   own: dict[str, FileEntry], durable: bool, relink: Relink) -> dict[str, FileEntry]:
+def _checked_parts(
+    storage: Storage,
+    key: str,
+    txid: str,
+    records: list[parts.Record],
+    own: dict[str, FileEntry],
+    durable: bool,
+    relink: Relink,
+) -> dict[str, FileEntry]:
     """Read every part and check it against its rank's record, then the staging as the
     single-table commit checks it; returns ``own`` plus the files found in the staging that no
     rank reported (hashed now, recorded as the committer's)."""
-    blobs = storage.run_concurrently([
-        (lambda r=r: storage.read_bytes(f"{key}/{parts.part_name(r)}")) for r in range(len(records))])  # type: ignore[misc]
+    blobs = storage.run_concurrently(
+        [(lambda r=r: storage.read_bytes(f"{key}/{parts.part_name(r)}")) for r in range(len(records))]  # type: ignore[misc]
+    )
     reports: list[dict[str, Any]] = []
     for rank, (blob, record) in enumerate(zip(blobs, records)):
         if isinstance(blob, BaseException) or parts.node_digest(blob) != record.part:
             raise TransactionAbortedError(
                 f"rank {rank}'s part of the manifest in the staging is missing or is not the one it reported "
                 f"({blob if isinstance(blob, BaseException) else 'digest differs'}): deleted or rewritten "
-                "by hand, or by a gc that took this writer for dead; nothing was committed")
+                "by hand, or by a gc that took this writer for dead; nothing was committed"
+            )
         files = decode_part(blob, rank, txid, f"{key}/{parts.part_name(rank)}").files
         reports.append({"rank": rank, "files": {n: e.to_json() for n, e in files.items()}})
     if own:
         reports.append({"rank": 0, "files": {n: e.to_json() for n, e in own.items()}})
     everything = staged_files(storage, key, agree_files(reports), durable, relink)
-    in_parts = {n for r in reports[:len(records)] for n in r["files"]}
+    in_parts = {n for r in reports[: len(records)] for n in r["files"]}
     return {n: e for n, e in everything.items() if n not in in_parts}
 
 
 _PARTS_PREFIX = parts.PARTS_DIR + "/"
 
 
-def staged_files(storage: Storage, key: str, files: dict[str, FileEntry], durable: bool,
-                 relink: Relink) -> dict[str, FileEntry]:
+def staged_files(
+    storage: Storage, key: str, files: dict[str, FileEntry], durable: bool, relink: Relink
+) -> dict[str, FileEntry]:
     """Step 7 on the staging directory: ``files`` (every rank's reports) and the files code
     wrote straight into it (a shared local root) that no rank reported, hashed now (durable
     in the same pass) as rank 0's; raises if a reported file vanished or changed size. The

@@ -117,8 +117,9 @@ class RootContext:
     publication) is asked only where that state is not enough: an older checkpoint's commit,
     a checkpoint that moved, one that retention retired."""
 
-    def __init__(self, where: RootPath, storage: Storage, state: State,
-                 storage_options: Mapping[str, Any] | None = None):
+    def __init__(
+        self, where: RootPath, storage: Storage, state: State, storage_options: Mapping[str, Any] | None = None
+    ):
         self.where = where
         self.storage = storage
         self.state = state  # its newest State, read when the context was opened
@@ -134,8 +135,14 @@ class RootContext:
         return self._root
 
     @classmethod
-    def open(cls, path: str | os.PathLike, storage_options: Mapping[str, Any] | None, *,
-             check_name: bool = True, prefetch_manifest: bool = False) -> "RootContext | None":
+    def open(
+        cls,
+        path: str | os.PathLike,
+        storage_options: Mapping[str, Any] | None,
+        *,
+        check_name: bool = True,
+        prefetch_manifest: bool = False,
+    ) -> "RootContext | None":
         """The context of ``path``'s root, or None when ``path`` lies in none: no root shape, no
         log, or (``check_name``) not a home or a public name in the root's naming. Without
         ``check_name`` the caller asks :meth:`names_a_checkpoint` itself, when it must.
@@ -149,8 +156,9 @@ class RootContext:
             return None
         storage = open_storage(where.root, storage_options)
         prefetch = prefetch_manifest and storage.overlap_requests and where.key
-        manifest = storage.start_concurrently(lambda: storage.read_bytes(join(where.key, MANIFEST_NAME))) \
-            if prefetch else None
+        manifest = (
+            storage.start_concurrently(lambda: storage.read_bytes(join(where.key, MANIFEST_NAME))) if prefetch else None
+        )
         try:
             state = commit_log.read_state(storage)  # in this thread: it overlaps its own reads
         finally:
@@ -194,7 +202,8 @@ class RootContext:
                 f"{path}/{MANIFEST_NAME} is not the manifest the log committed for txid "
                 f"{manifest.txid} (digest {manifest.digest}, the commit entry recorded {digest}): "
                 "it was edited or replaced after the commit; the checkpoint is damaged; "
-                f"{FALLBACK_HINT} (`txckpt verify` lists what else is wrong)", path=f"{path}/{MANIFEST_NAME}",
+                f"{FALLBACK_HINT} (`txckpt verify` lists what else is wrong)",
+                path=f"{path}/{MANIFEST_NAME}",
             )
 
     def moved_to(self, txid: str | None, key: str) -> str | None:
@@ -227,8 +236,9 @@ class Found:
         return f"{self.key}/{name}" if self.key else name
 
 
-def read_own_manifest(storage: Storage, key: str, path: str, *, whole: bool = True,
-                      data: bytes | None = None) -> tuple[Manifest, bytes]:
+def read_own_manifest(
+    storage: Storage, key: str, path: str, *, whole: bool = True, data: bytes | None = None
+) -> tuple[Manifest, bytes]:
     """The manifest of the checkpoint at ``key`` of ``storage`` (``path``, in messages), its own
     digest checked, and its bytes as stored. ``whole=False``: a /2 manifest's parts are left
     unread (a loading rank reads its share with ``manifest.read_rank_files``). ``data``: its
@@ -269,8 +279,13 @@ def _is_a_root(storage: Storage, key: str) -> bool:
     return any(naming.step_of(name) is not None for name in storage.list_subdirs(key))
 
 
-def read_checked(path: str | os.PathLike, storage_options: Mapping[str, Any] | None,
-                 attempt: Callable[[Found], T], *, whole: bool = True) -> T:
+def read_checked(
+    path: str | os.PathLike,
+    storage_options: Mapping[str, Any] | None,
+    attempt: Callable[[Found], T],
+    *,
+    whole: bool = True,
+) -> T:
     """The one read path: resolve ``path`` to its root once, open one storage (the root's, or
     the checkpoint's outside a root), check the manifest, and return ``attempt(found)``, which
     reads the checkpoint's files. If that fails because the checkpoint moved since its path was
@@ -359,8 +374,16 @@ def _resume_verify(root: CheckpointRoot) -> Callable[[str], str]:
 CheckpointRoot.default_verify = _resume_verify
 
 
-def load(path: str | os.PathLike, *, files: list[str] | None, map_location: Any,
-         storage_options: Mapping[str, Any] | None, weights_only: bool, verify: bool, mmap: bool) -> dict[str, Any]:
+def load(
+    path: str | os.PathLike,
+    *,
+    files: list[str] | None,
+    map_location: Any,
+    storage_options: Mapping[str, Any] | None,
+    weights_only: bool,
+    verify: bool,
+    mmap: bool,
+) -> dict[str, Any]:
     """:func:`txckpt.load_checkpoint`: read each file once, check it, decode it."""
     names = None if files is None else list(files)
     timer = Timer("load", os.fspath(path))
@@ -374,9 +397,21 @@ def load(path: str | os.PathLike, *, files: list[str] | None, map_location: Any,
         timer.label = f"step {found.manifest.step}"
         timer.phase("manifest")
         wanted = _wanted(found, names)
-        return found, wanted, load_checkpoint_files(found.storage, found.manifest, found.path, names=wanted,
-                                                    verify=verify, early=early, decode=decode, mmap=mmap,
-                                                    at=found.key)
+        return (
+            found,
+            wanted,
+            load_checkpoint_files(
+                found.storage,
+                found.manifest,
+                found.path,
+                names=wanted,
+                verify=verify,
+                early=early,
+                decode=decode,
+                mmap=mmap,
+                at=found.key,
+            ),
+        )
 
     found, wanted, loaded = read_checked(path, storage_options, attempt)
     manifest = found.manifest

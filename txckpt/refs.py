@@ -41,8 +41,13 @@ class Ref:
         if not isinstance(d, dict):
             raise TypeError(f"a ref is a JSON object, not {d!r}")
         key, digest = d.get("key"), d.get("digest")
-        return cls(str(d["lineage"]), int(d["step"]), str(d["txid"]),
-                   None if key is None else str(key), None if digest is None else str(digest))
+        return cls(
+            str(d["lineage"]),
+            int(d["step"]),
+            str(d["txid"]),
+            None if key is None else str(key),
+            None if digest is None else str(digest),
+        )
 
 
 @dataclass(frozen=True)

@@ -88,8 +88,11 @@ def release_reserve(storage: ReserveStorage) -> bool:
         os.unlink(path)
     except FileNotFoundError:
         return False
-    log.warning("the disk of %s is full; released the space txckpt reserves for retention "
-                "(%s) to record what it deletes", storage.full_path(""), RESERVE_KEY)
+    log.warning(
+        "the disk of %s is full; released the space txckpt reserves for retention (%s) to record what it deletes",
+        storage.full_path(""),
+        RESERVE_KEY,
+    )
     return True
 
 

@@ -34,7 +34,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
-from .errors import CheckpointNotFoundError, CheckpointRetiredError, InvalidArgumentError, SpecialFileError, StorageError
+from .errors import (
+    CheckpointNotFoundError,
+    CheckpointRetiredError,
+    InvalidArgumentError,
+    SpecialFileError,
+    StorageError,
+)
 from .commit import fork
 from .lineage import Checkpoint, History, State
 from .storage.base import Storage
@@ -102,8 +108,9 @@ class RetentionPolicy:
 
     @property
     def is_noop(self) -> bool:
-        return (self.keep_last is None and self.keep_every is None and self.best_metric is None
-                and self.abandoned == "keep")
+        return (
+            self.keep_last is None and self.keep_every is None and self.best_metric is None and self.abandoned == "keep"
+        )
 
     # ----- the pure decision -------------------------------------------------------------------
     def decide(
@@ -181,8 +188,15 @@ class RetentionPolicy:
             if hit:
                 continue
             # The root's public name, or a home's (and a Trainer's) checkpoint-N.
-            step = (naming.step_of(parts[-1]) if naming.step_of(parts[-1]) is not None
-                    else parse_checkpoint_name(parts[-1])) if parts else None
+            step = (
+                (
+                    naming.step_of(parts[-1])
+                    if naming.step_of(parts[-1]) is not None
+                    else parse_checkpoint_name(parts[-1])
+                )
+                if parts
+                else None
+            )
             if step is not None:
                 out |= {c.txid for c in current if c.step == step}
                 # A name that is no longer the current lineage's (stale path): keep every owner.
@@ -276,8 +290,14 @@ def _read_metrics(root: Root, history: History, metric: str) -> dict[str, float]
     return out
 
 
-def plan_retention(root: Root, policy: RetentionPolicy, history: History | None = None,
-                   *, now: float | None = None, protect: Iterable[str] = ()) -> list[Checkpoint]:
+def plan_retention(
+    root: Root,
+    policy: RetentionPolicy,
+    history: History | None = None,
+    *,
+    now: float | None = None,
+    protect: Iterable[str] = (),
+) -> list[Checkpoint]:
     """What ``policy`` lets go now, with leases, keep_best paths and metrics resolved.
     ``protect``: txids kept whatever the policy says; so are those the root's session's
     ``retention_guards`` name (a tiered root's fast tier: what is not durable yet, protocol §14)."""
@@ -290,8 +310,15 @@ def plan_retention(root: Root, policy: RetentionPolicy, history: History | None 
     return policy.decide(history, now=now, protected=protected, metrics=metrics, naming=root.publication.naming)
 
 
-def retire(root: Root, txids: Iterable[str], *, policy: RetentionPolicy | None = None,
-           decided_at: int | None = None, now: float | None = None, protect: Iterable[str] = ()) -> list[str]:
+def retire(
+    root: Root,
+    txids: Iterable[str],
+    *,
+    policy: RetentionPolicy | None = None,
+    decided_at: int | None = None,
+    now: float | None = None,
+    protect: Iterable[str] = (),
+) -> list[str]:
     """Append one ``retire`` entry naming ``txids`` (phase one). Returns the txids it retired.
 
     The append validates against the newest state: a fork point or the head tip is never
@@ -352,8 +379,9 @@ def delete_checkpoint_data(root: Root, c: Checkpoint) -> list[str]:
     return root.publication.remove(c.ref, resolve)
 
 
-def apply_retention(root: Root, policy: RetentionPolicy, *, dry_run: bool = False,
-                    now: float | None = None, protect: Iterable[str] = ()) -> list[Any]:
+def apply_retention(
+    root: Root, policy: RetentionPolicy, *, dry_run: bool = False, now: float | None = None, protect: Iterable[str] = ()
+) -> list[Any]:
     """Retire and delete what ``policy`` lets go; returns their :class:`~txckpt.CheckpointInfo`
     as it was before (state "current" or "abandoned"). ``dry_run`` only reports. Also finishes
     the deletion of checkpoints retired earlier whose data a crash left behind. ``protect``: as
@@ -365,8 +393,7 @@ def apply_retention(root: Root, policy: RetentionPolicy, *, dry_run: bool = Fals
     infos = {i.txid: i for i in root.describe(going, history=history)} if going else {}
     if dry_run:
         return [infos[c.txid] for c in going if c.txid in infos]
-    retired = set(retire(root, [c.txid for c in going], policy=policy, decided_at=decided_at, now=now,
-                         protect=protect))
+    retired = set(retire(root, [c.txid for c in going], policy=policy, decided_at=decided_at, now=now, protect=protect))
     finish_retired(root, now=now)
     ensure_reserve(root.storage, durable=root.durable)  # again, if a full disk used it up
     return [infos[c.txid] for c in going if c.txid in retired and c.txid in infos]
@@ -408,14 +435,21 @@ def rewind(root: Root, keep: str, *, now: float | None = None) -> list[Checkpoin
     going = [c for t, c in view.items() if t not in still and t not in leased]
     # Re-decided inside the append if anything was appended after the fork: only what is still
     # abandoned then (abandoned=0 lets every abandoned checkpoint go, the current lineage stays).
-    retired = set(retire(root, [c.txid for c in going], policy=RetentionPolicy(abandoned=0),
-                         decided_at=fresh.state.seq, now=now))
+    retired = set(
+        retire(root, [c.txid for c in going], policy=RetentionPolicy(abandoned=0), decided_at=fresh.state.seq, now=now)
+    )
     finish_retired(root, now=now)
     gone = [c for c in going if c.txid in retired]
     if gone:
-        log.info("rolled the current lineage of %s back to step %d (txid %s) and retired the %d "
-                 "newer checkpoint(s) it left: %s", root.url, view[txid].step, txid, len(gone),
-                 ", ".join(f"step {c.step}" for c in gone))
+        log.info(
+            "rolled the current lineage of %s back to step %d (txid %s) and retired the %d "
+            "newer checkpoint(s) it left: %s",
+            root.url,
+            view[txid].step,
+            txid,
+            len(gone),
+            ", ".join(f"step {c.step}" for c in gone),
+        )
     return gone
 
 
@@ -439,8 +473,11 @@ def retired_present(root: Root, history: History | None = None) -> list[Checkpoi
     def elsewhere(c: Checkpoint) -> bool:
         # Anywhere outside tx/ it can be (a published ``checkpoint-N``, an adopted checkpoint's
         # own directory) is a key whose first component is a name at the root's top level.
-        return any(key.split("/", 1)[0] in top_names
-                   for key in root.publication.candidates(c.ref) if not key.startswith(TX_DIR + "/"))
+        return any(
+            key.split("/", 1)[0] in top_names
+            for key in root.publication.candidates(c.ref)
+            if not key.startswith(TX_DIR + "/")
+        )
 
     def may_be_elsewhere(c: Checkpoint) -> bool:
         # What ``elsewhere`` asks, cheaply: the keys outside tx/ that a publication's candidates
@@ -449,9 +486,14 @@ def retired_present(root: Root, history: History | None = None) -> list[Checkpoi
         return naming.public(c.step) in top_names or (c.key is not None and c.key.split("/", 1)[0] in top_names)
 
     # A txid the listing of tx/ shows is present already; any other needs its data located.
-    return sorted((c for c in retired.values() if c.txid in homes or (
-        may_be_elsewhere(c) and elsewhere(c) and root.publication.locate(c.ref) is not None)),
-        key=lambda c: history.retired[c.txid])
+    return sorted(
+        (
+            c
+            for c in retired.values()
+            if c.txid in homes or (may_be_elsewhere(c) and elsewhere(c) and root.publication.locate(c.ref) is not None)
+        ),
+        key=lambda c: history.retired[c.txid],
+    )
 
 
 def finish_retired(root: Root, *, now: float | None = None) -> list[Checkpoint]:
@@ -504,7 +546,12 @@ def retired_error(root: Root, history: History, c: Checkpoint, path: str) -> Che
         f"retention policy (log entry {seq}), which deletes its data: it cannot be loaded. `txckpt ls "
         f"{root.url} --all` lists it with the other retired checkpoints; resume from one that still has "
         f"its data (`txckpt ls {root.url}`), or keep more (RetentionPolicy, docs/retention.md)",
-        path=path, root=root.url, step=c.step, lineage=c.lineage, txid=c.txid, retired_seq=seq,
+        path=path,
+        root=root.url,
+        step=c.step,
+        lineage=c.lineage,
+        txid=c.txid,
+        retired_seq=seq,
     )
 
 
@@ -513,8 +560,11 @@ def retired_error_at(root: Root, history: History, key: str, path: str) -> Check
     published name, its adopted key; the most recently retired of several), or None if none was.
     Asked only once a read found nothing at ``key``: one pass over the retired checkpoints."""
     key = key.rstrip("/")
-    found = [c for txid in history.retired if (c := history.checkpoints.get(txid)) is not None
-             and key in root.publication.candidates(c.ref)]
+    found = [
+        c
+        for txid in history.retired
+        if (c := history.checkpoints.get(txid)) is not None and key in root.publication.candidates(c.ref)
+    ]
     if not found:
         return None
     return retired_error(root, history, max(found, key=lambda c: history.retired[c.txid]), path)
@@ -523,6 +573,5 @@ def retired_error_at(root: Root, history: History, key: str, path: str) -> Check
 def missing_checkpoint_error(root: Root, history: History, key: str, path: str) -> CheckpointNotFoundError:
     """What a resume from ``path`` (key ``key`` of ``root``), which has no manifest, raises."""
     return retired_error_at(root, history, key, path) or CheckpointNotFoundError(
-        f"{path} has no txckpt manifest: it is not a committed checkpoint of {root.url} (list them "
-        "with `txckpt ls`)"
+        f"{path} has no txckpt manifest: it is not a committed checkpoint of {root.url} (list them with `txckpt ls`)"
     )

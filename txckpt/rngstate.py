@@ -50,9 +50,13 @@ def rng_state() -> dict[str, Any]:
     numpy_state = None
     if np is not None:
         st = np.random.get_state(legacy=False)
-        numpy_state = {"bit_generator": str(st["bit_generator"]),
-                       "key": [int(x) for x in st["state"]["key"]], "pos": int(st["state"]["pos"]),
-                       "has_gauss": int(st["has_gauss"]), "gauss": float(st["gauss"])}
+        numpy_state = {
+            "bit_generator": str(st["bit_generator"]),
+            "key": [int(x) for x in st["state"]["key"]],
+            "pos": int(st["state"]["pos"]),
+            "has_gauss": int(st["has_gauss"]),
+            "gauss": float(st["gauss"]),
+        }
     cuda = [t.clone() for t in torch.cuda.get_rng_state_all()] if _cuda_initialised() else None
     return {
         "version": RNG_STATE_VERSION,
@@ -70,14 +74,20 @@ def _layout_of_state(state: Any) -> dict[str, Any]:
     missing = [k for k in ("version", "python", "torch") if k not in state]
     if missing:
         return {"missing": missing}
-    return {"version": state.get("version"), "numpy": state.get("numpy") is not None,
-            "cuda": len(cuda) if isinstance(cuda, (list, tuple)) else None}
+    return {
+        "version": state.get("version"),
+        "numpy": state.get("numpy") is not None,
+        "cuda": len(cuda) if isinstance(cuda, (list, tuple)) else None,
+    }
 
 
 def _layout_here() -> dict[str, Any]:
     cuda = deps.torch.cuda
-    return {"version": RNG_STATE_VERSION, "numpy": _numpy() is not None,
-            "cuda": cuda.device_count() if cuda.is_available() else None}
+    return {
+        "version": RNG_STATE_VERSION,
+        "numpy": _numpy() is not None,
+        "cuda": cuda.device_count() if cuda.is_available() else None,
+    }
 
 
 def _mismatch(found: dict[str, Any], here: dict[str, Any]) -> list[str]:
@@ -92,8 +102,10 @@ def _mismatch(found: dict[str, Any], here: dict[str, Any]) -> list[str]:
     if found["numpy"] and not here["numpy"]:
         why.append("it holds numpy's generator, and numpy does not import here")
     if found["cuda"] is not None and found["cuda"] != here["cuda"]:
-        why.append(f"it holds {found['cuda']} CUDA generator(s), and this process has "
-                   f"{'no CUDA' if here['cuda'] is None else str(here['cuda']) + ' CUDA device(s)'}")
+        why.append(
+            f"it holds {found['cuda']} CUDA generator(s), and this process has "
+            f"{'no CUDA' if here['cuda'] is None else str(here['cuda']) + ' CUDA device(s)'}"
+        )
     return why
 
 
@@ -112,7 +124,10 @@ def set_rng_state(state: dict[str, Any], *, strict: bool = True) -> None:
             f"txckpt.set_rng_state: the state cannot be restored exactly here: {'; '.join(why)}. "
             "Nothing was restored. Restore each rank's own state in a process with the same devices "
             "(and numpy, if it was captured with it), or pass strict=False to restore the generators "
-            "both have.", state_layout=found, process_layout=here)
+            "both have.",
+            state_layout=found,
+            process_layout=here,
+        )
     if why:
         log.warning("txckpt.set_rng_state(strict=False): not restored: %s", "; ".join(why))
     torch = deps.torch
@@ -124,9 +139,14 @@ def set_rng_state(state: dict[str, Any], *, strict: bool = True) -> None:
     cuda = state.get("cuda")
     random.setstate(py)
     if npst is not None and np is not None:
-        np.random.set_state({"bit_generator": npst["bit_generator"],
-                             "state": {"key": np.asarray(npst["key"], dtype=np.uint32), "pos": int(npst["pos"])},
-                             "has_gauss": int(npst["has_gauss"]), "gauss": float(npst["gauss"])})
+        np.random.set_state(
+            {
+                "bit_generator": npst["bit_generator"],
+                "state": {"key": np.asarray(npst["key"], dtype=np.uint32), "pos": int(npst["pos"])},
+                "has_gauss": int(npst["has_gauss"]),
+                "gauss": float(npst["gauss"]),
+            }
+        )
     torch.set_rng_state(cpu.to("cpu") if isinstance(cpu, torch.Tensor) else torch.as_tensor(cpu, dtype=torch.uint8))
     if cuda is not None and here["cuda"] is not None and len(cuda) == here["cuda"]:
         torch.cuda.set_rng_state_all([t.to("cpu") for t in cuda])

@@ -23,6 +23,7 @@ from .errors import (
     LookupRaceError,
     RootNotFoundError,
 )
+
 # root_key: identity.py's (which spellings name one root); importable from here, as asyncsave does.
 from .identity import SessionState, Shared, root_key, root_names
 from .fallback import check_on_damaged, present_fallback, resume_intact
@@ -34,6 +35,7 @@ from .lineage import (  # CheckpointInfo: importable from here, as txckpt/__init
     State,
 )
 from .manifest import MANIFEST_NAME, Manifest, check_step, read_manifest_at
+
 # LOOKUP_ATTEMPTS lives below the root (fallback follows retired tips too); importable from here.
 from .publication import LOOKUP_ATTEMPTS, publication_for
 from .refs import Ref, same_ref
@@ -98,8 +100,9 @@ class CheckpointRoot:
     def _note_state(self, state: State) -> None:
         note_state(self, state)
 
-    def append_entry(self, build: Any, *, start: State | None = None, update_hint: bool = True,
-                     on_full: Any = None) -> dict[str, Any]:
+    def append_entry(
+        self, build: Any, *, start: State | None = None, update_hint: bool = True, on_full: Any = None
+    ) -> dict[str, Any]:
         """Append one log entry and remember the state it made (:func:`txckpt.commit.append`)."""
         return append(self, build, start=start, update_hint=update_hint, on_full=on_full)
 
@@ -156,7 +159,8 @@ class CheckpointRoot:
                 "%s has no txckpt log; using the highest checkpoint-N (%s) the way "
                 "transformers does, without lineage or integrity checks. The first txckpt save "
                 "adopts these checkpoints (or run `txckpt adopt`).",
-                self.url, dirs[-1][1],
+                self.url,
+                dirs[-1][1],
             )
             return dirs[-1][1]
         missed: set[str] = set()
@@ -182,7 +186,8 @@ class CheckpointRoot:
             f"{LOOKUP_ATTEMPTS} times in a row (a writer rotating with a small keep_last faster than "
             "this reader reads); retry, keep more checkpoints, or take a reader lease "
             "(txckpt.retention, docs/retention.md)",
-            root=self.url, attempts=LOOKUP_ATTEMPTS,
+            root=self.url,
+            attempts=LOOKUP_ATTEMPTS,
         )
 
     def require_exists(self) -> None:
@@ -196,7 +201,8 @@ class CheckpointRoot:
             raise RootNotFoundError(
                 f"{self.url} does not exist: there is no such directory, so there is no checkpoint "
                 "to look up. Check the path (a typo in output_dir?); for a new run, create it or skip "
-                "the lookup (a save creates the root)", root=self.url,
+                "the lookup (a save creates the root)",
+                root=self.url,
             )
         raise missing_bucket_error(self.storage, missing)
 
@@ -208,7 +214,9 @@ class CheckpointRoot:
                 "%s is a checkpoint directory, not a root (an output_dir): "
                 "get_last_checkpoint looks for checkpoints inside the directory it is given, and "
                 "finds none in a checkpoint. Pass its parent, %s, to find the newest checkpoint; "
-                "pass this path to load_checkpoint to read this one.", self.url, parent,
+                "pass this path to load_checkpoint to read this one.",
+                self.url,
+                parent,
             )
 
     def checkpoints(self, lineage: str = "current", *, with_paths: bool = True) -> list[CheckpointInfo]:
@@ -221,8 +229,9 @@ class CheckpointRoot:
             chosen = history.in_view(None if lineage == "current" else lineage)
         return self.describe(chosen, with_paths=with_paths, history=history)
 
-    def describe(self, chosen: Iterable[Checkpoint], *, with_paths: bool = True,
-                 history: History | None = None) -> list[CheckpointInfo]:
+    def describe(
+        self, chosen: Iterable[Checkpoint], *, with_paths: bool = True, history: History | None = None
+    ) -> list[CheckpointInfo]:
         """:class:`CheckpointInfo` of log checkpoints ``chosen``, in that order; with
         ``with_paths``, each is located on storage (a few reads per checkpoint, so callers that
         need a few describe only those, not every checkpoint ever committed). ``history``: the
@@ -236,17 +245,32 @@ class CheckpointRoot:
             key = self.publication.locate(c.ref) if with_paths else None
             current = c.step <= limits.get(c.lineage, -1)
             state = "retired" if c.txid in history.retired else ("current" if current else "abandoned")
-            out.append(CheckpointInfo(
-                c.step, c.lineage, c.txid, None if key is None else self.storage.full_path(key), state,
-                c.time, c.bytes, c.files, c.adopted,
-                # (a home is never a public name: no need to read the root's naming for it)
-                key is not None and not key.startswith(TX_DIR + "/") and key == self.publication.public_key(c.step),
-            ))
+            out.append(
+                CheckpointInfo(
+                    c.step,
+                    c.lineage,
+                    c.txid,
+                    None if key is None else self.storage.full_path(key),
+                    state,
+                    c.time,
+                    c.bytes,
+                    c.files,
+                    c.adopted,
+                    # (a home is never a public name: no need to read the root's naming for it)
+                    key is not None and not key.startswith(TX_DIR + "/") and key == self.publication.public_key(c.step),
+                )
+            )
         return out
 
     # ----- lineage changes ---------------------------------------------------------------------
-    def resume(self, step: int | None = None, *, path: str | os.PathLike | None = None,
-               on_damaged: str = "raise", verify: Any = None) -> str | None:
+    def resume(
+        self,
+        step: int | None = None,
+        *,
+        path: str | os.PathLike | None = None,
+        on_damaged: str = "raise",
+        verify: Any = None,
+    ) -> str | None:
         """Declare where this process continues from; see :func:`txckpt.resume`. ``verify``
         (``path -> path`` to use, IntegrityError on damage): how a restart checks the checkpoint
         it continues from (txckpt/fallback.py); with ``on_damaged="raise"`` only if given."""
@@ -345,7 +369,9 @@ class CheckpointRoot:
         kwargs.setdefault("incremental", self.incremental)
         return Transaction(self, step, **kwargs)
 
-    def save(self, step: int, files: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None, **kwargs: Any) -> str:
+    def save(
+        self, step: int, files: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> str:
         if not isinstance(files, Mapping) or not files:
             raise InvalidArgumentError("files must be a non-empty dict of file name -> object")
         kwargs.setdefault("incremental", self.incremental)
@@ -377,5 +403,14 @@ def forget_roots() -> None:
         _roots.clear()
 
 
-__all__ = ["CheckpointRoot", "CheckpointInfo", "durable_default", "open_root", "forget_roots", "root_key", "TX_DIR",
-           "INTENTS_DIR", "LOOKUP_ATTEMPTS"]
+__all__ = [
+    "CheckpointRoot",
+    "CheckpointInfo",
+    "durable_default",
+    "open_root",
+    "forget_roots",
+    "root_key",
+    "TX_DIR",
+    "INTENTS_DIR",
+    "LOOKUP_ATTEMPTS",
+]

@@ -27,10 +27,22 @@ def _dtype_names() -> dict[Any, str]:
     if not _SAFETENSORS_DTYPES:
         torch = deps.torch
         table = {
-            "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-            "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
-            "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-            "uint16": "U16", "uint32": "U32", "uint64": "U64", "complex64": "C64",
+            "float64": "F64",
+            "float32": "F32",
+            "float16": "F16",
+            "bfloat16": "BF16",
+            "int64": "I64",
+            "int32": "I32",
+            "int16": "I16",
+            "int8": "I8",
+            "uint8": "U8",
+            "bool": "BOOL",
+            "float8_e4m3fn": "F8_E4M3",
+            "float8_e5m2": "F8_E5M2",
+            "uint16": "U16",
+            "uint32": "U32",
+            "uint64": "U64",
+            "complex64": "C64",
         }
         for attr, name in table.items():
             dt = getattr(torch, attr, None)
@@ -39,18 +51,26 @@ def _dtype_names() -> dict[Any, str]:
     return _SAFETENSORS_DTYPES
 
 
-def write_safetensors(tensors: Mapping[str, Any], out: BinaryIO, metadata: Mapping[str, str] | None = None,
-                      *, name: str = "a .safetensors file") -> None:
+def write_safetensors(
+    tensors: Mapping[str, Any],
+    out: BinaryIO,
+    metadata: Mapping[str, str] | None = None,
+    *,
+    name: str = "a .safetensors file",
+) -> None:
     """Stream ``tensors`` in the safetensors format (byte-compatible with ``safetensors.torch``
     readers) without building the file in memory. ``name``: the file, for error messages."""
     torch = deps.torch
     names = _dtype_names()
     where = name if name == "a .safetensors file" else repr(name)
-    advice = ("a .safetensors file holds only tensors: save other values in a file named .pt "
-              "(torch.save: any picklable object) or .json (plain data)")
+    advice = (
+        "a .safetensors file holds only tensors: save other values in a file named .pt "
+        "(torch.save: any picklable object) or .json (plain data)"
+    )
     if not isinstance(tensors, Mapping):
         raise InvalidArgumentError(
-            f"{where} takes a dict of name -> torch.Tensor, not a {type(tensors).__name__}; {advice}")
+            f"{where} takes a dict of name -> torch.Tensor, not a {type(tensors).__name__}; {advice}"
+        )
     prepared = []
     header: dict[str, Any] = {}
     offset = 0
@@ -60,11 +80,13 @@ def write_safetensors(tensors: Mapping[str, Any], out: BinaryIO, metadata: Mappi
     for key, t in items:
         if not isinstance(t, torch.Tensor):
             raise InvalidArgumentError(
-                f"{where}: its entry {key!r} is a {type(t).__name__}, not a torch.Tensor; {advice}")
+                f"{where}: its entry {key!r} is a {type(t).__name__}, not a torch.Tensor; {advice}"
+            )
         if t.dtype not in names:
             raise InvalidArgumentError(
                 f"{where}: safetensors cannot store dtype {t.dtype} (entry {key!r}); convert it, or save it in "
-                "a .pt file")
+                "a .pt file"
+            )
         t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
@@ -130,8 +152,9 @@ def _torch_save_config():
         return contextlib.nullcontext()
 
 
-def read_object(name: str, kind: str, data: Any, *, map_location: Any = "cpu", weights_only: bool = True,
-                where: str | None = None) -> Any:
+def read_object(
+    name: str, kind: str, data: Any, *, map_location: Any = "cpu", weights_only: bool = True, where: str | None = None
+) -> Any:
     """Turn verified bytes back into the object ``write_object`` wrote. ``data`` is ``bytes``
     or a ``torch.uint8`` tensor holding the file (what verification read it into): the tensors
     of a safetensors or torch file are then views of that buffer, each on its own storage slice
@@ -167,11 +190,12 @@ def _weights_only_error(where: str, e: Exception) -> WeightsOnlyError:
     m = re.search(r"GLOBAL ([\w.]+)", str(e))
     g = m.group(1) if m else None
     what = f"refused to unpickle the global {g}" if g else f"refused the file ({e})"
-    allow = (f"allow it with torch.serialization.add_safe_globals([{g}]) before loading, or " if g else "")
+    allow = f"allow it with torch.serialization.add_safe_globals([{g}]) before loading, or " if g else ""
     return WeightsOnlyError(
         f"{where}: torch's weights_only loader (txckpt's default) {what}. The bytes are intact (they "
         f"matched their checksum). If you trust this checkpoint, {allow}load it with weights_only=False",
-        path=where, global_name=g,
+        path=where,
+        global_name=g,
     )
 
 
@@ -209,7 +233,7 @@ def _safetensors_views(buf: Any) -> dict[str, Any] | None:
     if hlen > total - 8:
         return None
     try:
-        header = json.loads(bytes(view[8:8 + hlen]))
+        header = json.loads(bytes(view[8 : 8 + hlen]))
     except ValueError:
         return None
     if not isinstance(header, dict):
@@ -239,11 +263,11 @@ def _safetensors_views(buf: Any) -> dict[str, Any] | None:
             t = torch.empty(shape, dtype=dtype)
         elif start % itemsize:
             # Unaligned for its dtype (never in files txckpt writes): a copy of its own.
-            t = buf[start:base + end].clone().view(dtype).reshape(shape)
+            t = buf[start : base + end].clone().view(dtype).reshape(shape)
         else:
             # torch's stub lists set_(source) and set_(source, offset, size, stride); the
             # three-argument form (contiguous strides) that torch accepts is missing from it.
-            t = torch.empty(0, dtype=dtype).set_(storage[start:base + end], 0, shape)  # type: ignore[call-overload]
+            t = torch.empty(0, dtype=dtype).set_(storage[start : base + end], 0, shape)  # type: ignore[call-overload]
         out[name] = t
     # Like safetensors: the tensors tile the data section exactly, no gaps, no overlaps.
     pos = 0
@@ -273,8 +297,9 @@ def _torch_load_buffer(buf: Any, map_location: Any, weights_only: bool) -> Any:
                     weights_only = True  # as torch.load does
                 module = S._weights_only_unpickler if weights_only else pickle
                 try:
-                    return S._load(reader, map_location, module, overall_storage=buf.untyped_storage(),
-                                   encoding="utf-8")
+                    return S._load(
+                        reader, map_location, module, overall_storage=buf.untyped_storage(), encoding="utf-8"
+                    )
                 except pickle.UnpicklingError as e:
                     if not weights_only:
                         raise
@@ -324,7 +349,7 @@ class _BufferReader(io.RawIOBase):
         end = min(len(self._view), self._pos + len(b))
         n = max(0, end - self._pos)
         if n:
-            memoryview(b).cast("B")[:n] = self._view[self._pos:end]
+            memoryview(b).cast("B")[:n] = self._view[self._pos : end]
             self._pos = end
         return n
 

@@ -50,8 +50,9 @@ class SnapshotPool:
         """Free every buffer (the next snapshot allocates again)."""
         self._buffers.clear()
 
-    def snapshot(self, files: Mapping[str, Any], live: frozenset[int] = frozenset(),
-                 only: frozenset[int] | None = None) -> dict[str, Any]:
+    def snapshot(
+        self, files: Mapping[str, Any], live: frozenset[int] = frozenset(), only: frozenset[int] | None = None
+    ) -> dict[str, Any]:
         """A copy of ``files`` that shares no mutable object with it. Raises InvalidArgumentError
         for an object it cannot copy (the save would not see what the caller passed).
 
@@ -68,7 +69,8 @@ class SnapshotPool:
         except Exception as e:
             raise InvalidArgumentError(
                 f"txckpt.async_save could not snapshot the state ({type(e).__name__}: {e}); "
-                "save it with txckpt.save_checkpoint instead") from e
+                "save it with txckpt.save_checkpoint instead"
+            ) from e
         # Buffers this snapshot did not use are dropped: the pool holds one state's worth.
         self._buffers = run.used
         return out
@@ -83,8 +85,7 @@ class SnapshotPool:
 class _Run:
     """One snapshot: the copies made so far (memo), the buffers taken, the streams to wait on."""
 
-    def __init__(self, pool: SnapshotPool, live: frozenset[int] = frozenset(),
-                 only: frozenset[int] | None = None):
+    def __init__(self, pool: SnapshotPool, live: frozenset[int] = frozenset(), only: frozenset[int] | None = None):
         self.pool = pool
         self.live = live
         self.only = only

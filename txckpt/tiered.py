@@ -70,12 +70,18 @@ class TieredRoot:
     may wait for replication before a warning says replication lags (None: no bound).
     """
 
-    def __init__(self, fast: str | os.PathLike, durable: str | os.PathLike,
-                 storage_options: Mapping[str, Any] | None = None, *,
-                 fast_storage_options: Mapping[str, Any] | None = None,
-                 max_pending: int | None = None):
-        if max_pending is not None and (isinstance(max_pending, bool) or not isinstance(max_pending, int)
-                                        or max_pending < 1):
+    def __init__(
+        self,
+        fast: str | os.PathLike,
+        durable: str | os.PathLike,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        fast_storage_options: Mapping[str, Any] | None = None,
+        max_pending: int | None = None,
+    ):
+        if max_pending is not None and (
+            isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1
+        ):
             raise InvalidArgumentError(f"max_pending must be a positive int or None, not {max_pending!r}")
         self.fast = os.fspath(fast)
         self.fast_storage_options = dict(fast_storage_options or {})
@@ -92,8 +98,8 @@ class TieredRoot:
         # lineage there, so a zombie's can no longer commit (§10).
         self._source = CheckpointRoot(self.fast, fast_storage_options)
         self._target = CheckpointRoot(self.durable, self.storage_options)
-        self._lock = threading.Lock()        # one replication pass at a time
-        self._cond = threading.Condition()   # the thread's requests and results
+        self._lock = threading.Lock()  # one replication pass at a time
+        self._cond = threading.Condition()  # the thread's requests and results
         self._requested = self._done = 0
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -106,7 +112,7 @@ class TieredRoot:
         #: as of the newest commit (counted when ``max_pending`` is set).
         self.lag = 0
         self._durable_txids: set[str] = set()  # what this process saw committed on the durable tier
-        self._durable_seen = False             # ... once it has read the durable tier's history
+        self._durable_seen = False  # ... once it has read the durable tier's history
         self._start_seq = self.fast_root.state().seq if max_pending is not None else -1
         # A fold of the fast log of its own, for questions asked from any thread (an async
         # saver's commit hook, a lookup beside it): one thread at a time extends it.
@@ -172,7 +178,8 @@ class TieredRoot:
                 f"already committed in lineage {head} of {self.durable_root.url}, "
                 "which this fast tier continues (another node saved there, this is a new node, or the "
                 "lineage was forked there from that step). Nothing was written. txckpt.resume(root) "
-                "returns that checkpoint: load it and save a newer step; or resume(root, step=K) to roll back")
+                "returns that checkpoint: load it and save a newer step; or resume(root, step=K) to roll back"
+            )
         return why is None and fstate.head_tip is not None
 
     # ----- the two logs, compared -------------------------------------------------------------
@@ -184,9 +191,14 @@ class TieredRoot:
         except (RemoteAccessError, OSError) as e:
             if doing not in self._outage_told:  # once per outage for each thing it degrades
                 self._outage_told.add(doing)
-                log.warning("the durable tier %s is unreachable (%s); %s. Saves go on committing on the "
-                            "fast tier, which keeps every checkpoint that is not durable; replication "
-                            "retries with each save", self.durable_root.url, e, doing)
+                log.warning(
+                    "the durable tier %s is unreachable (%s); %s. Saves go on committing on the "
+                    "fast tier, which keeps every checkpoint that is not durable; replication "
+                    "retries with each save",
+                    self.durable_root.url,
+                    e,
+                    doing,
+                )
             self.durable_unreachable = e
             return default
         self.durable_unreachable = None
@@ -241,9 +253,16 @@ class TieredRoot:
             "saw it; the fast tier's lineage %s (newest step %s) was abandoned there: another node "
             "resumed or rolled back. Following the durable tier: lookups answer its checkpoint and "
             "the next save continues lineage %s; the fast tier's checkpoints of %s stay on disk "
-            "(`txckpt ls`), never resumed again", self.durable_root.url, dstate.head,
-            dtip.step if dtip else None, self.fast_root.url, fstate.head, ftip.step if ftip else None,
-            dstate.head, fstate.head)
+            "(`txckpt ls`), never resumed again",
+            self.durable_root.url,
+            dstate.head,
+            dtip.step if dtip else None,
+            self.fast_root.url,
+            fstate.head,
+            ftip.step if ftip else None,
+            dstate.head,
+            fstate.head,
+        )
 
     def _follow(self, dstate: State | None) -> None:
         """Make the durable tier's current lineage the fast tier's, under the same id, continuing
@@ -258,12 +277,14 @@ class TieredRoot:
                 f"the fast tier {fast.url} left lineage {dstate.head}, which is the current lineage of "
                 f"{self.durable_root.url} again: the fast tier cannot follow it back. Remove the fast "
                 "directory (every durable checkpoint stays on the durable tier) and restart",
-                durable=self.durable_root.url)
+                durable=self.durable_root.url,
+            )
         tip = dstate.head_tip
         parent = (self.durable_root.locate(tip) if tip is not None else None) or self.durable_root.url
         new_lineage(fast, external_parent=parent, lineage_id=dstate.head)
-        log.info("the fast tier %s continues lineage %s of %s from %s", fast.url, dstate.head,
-                 self.durable_root.url, parent)
+        log.info(
+            "the fast tier %s continues lineage %s of %s from %s", fast.url, dstate.head, self.durable_root.url, parent
+        )
 
     def issue(self, path: str | None) -> str | None:
         """``path`` (either tier's) as a CheckpointPath that load_checkpoint reads through this root."""
@@ -296,14 +317,22 @@ class TieredRoot:
             self._lag_warned = False
         elif not self._lag_warned:
             self._lag_warned = True
-            cause = (f"the durable tier is unreachable ({self.durable_unreachable})" if self.durable_unreachable
-                     else "replication is slower than saving")
+            cause = (
+                f"the durable tier is unreachable ({self.durable_unreachable})"
+                if self.durable_unreachable
+                else "replication is slower than saving"
+            )
             log.warning(
                 "replication of %s to %s lags: %d checkpoints committed on the fast tier are not durable "
                 "yet (max_pending=%d): %s. Training goes on and the fast tier keeps every one of them, "
                 "but losing this node now loses them. Check the durable tier, save less often, or call "
-                "root.wait_durable() to let replication catch up", self.fast_root.url,
-                self.durable_root.url, self.lag, self.max_pending, cause)
+                "root.wait_durable() to let replication catch up",
+                self.fast_root.url,
+                self.durable_root.url,
+                self.lag,
+                self.max_pending,
+                cause,
+            )
 
     def _run(self) -> None:
         while True:
@@ -319,9 +348,13 @@ class TieredRoot:
                 error = e
                 if isinstance(e, RemoteAccessError):
                     self.durable_unreachable = e
-                log.warning("replicating %s to %s failed (the checkpoint stays committed on the "
-                            "fast tier, which keeps it; the next save retries): %s",
-                            self.fast_root.url, self.durable_root.url, e)
+                log.warning(
+                    "replicating %s to %s failed (the checkpoint stays committed on the "
+                    "fast tier, which keeps it; the next save retries): %s",
+                    self.fast_root.url,
+                    self.durable_root.url,
+                    e,
+                )
             with self._cond:
                 self._done, self._error = target, error
                 self._cond.notify_all()
@@ -339,29 +372,37 @@ class TieredRoot:
             if self._thread is not None:
                 target = self._requested
                 if not self._cond.wait_for(lambda: self._done >= target, timeout):
-                    raise TimeoutError(f"replication of {self.fast_root.url} to {self.durable_root.url} "
-                                       f"did not finish within {timeout} s")
+                    raise TimeoutError(
+                        f"replication of {self.fast_root.url} to {self.durable_root.url} "
+                        f"did not finish within {timeout} s"
+                    )
                 if self._error is not None:
                     error, self._error = self._error, None
                     if isinstance(error, ReplicationError):
                         raise error
-                    raise ReplicationError(f"replication to {self.durable_root.url} failed: {error}",
-                                           durable=self.durable_root.url) from error
+                    raise ReplicationError(
+                        f"replication to {self.durable_root.url} failed: {error}", durable=self.durable_root.url
+                    ) from error
         try:
             return self.replicate()  # anything left (a restart's backlog): now, on this thread
         except (RemoteAccessError, OSError) as e:
-            raise ReplicationError(f"replication to {self.durable_root.url} failed: {e}; the fast tier "
-                                   "keeps every checkpoint that is not durable", durable=self.durable_root.url) from e
+            raise ReplicationError(
+                f"replication to {self.durable_root.url} failed: {e}; the fast tier "
+                "keeps every checkpoint that is not durable",
+                durable=self.durable_root.url,
+            ) from e
 
     def pending(self) -> list[Checkpoint]:
         """The fast tier's committed checkpoints that are not durable yet, oldest first. While the
         durable tier is unreachable (:attr:`durable_unreachable` holds the error, and one warning
         says so) it answers from what this process knows: every fast checkpoint it has not seen
         committed on the durable tier."""
+
         def read() -> list[Checkpoint]:
             todo, done = tiered_copy.pending(self.fast_root, self.durable_root)
             self._learn_durable(done)
             return todo
+
         found = self._read_durable("pending() answers from what this process knows", read, None)
         return self._pending_known(self.fast_root) if found is None else found
 
@@ -373,9 +414,17 @@ class TieredRoot:
         """The fast commits after log entry ``since`` this process has not seen durable (no durable
         read; the lag counts only its own commits until it has read the durable tier)."""
         fast_hist = tiered_copy.history_of(fast)
-        return sorted((c for c in fast_hist.checkpoints.values()
-                       if c.seq > since and c.txid not in self._durable_txids and c.txid not in fast_hist.retired
-                       and not c.adopted), key=lambda c: c.seq)
+        return sorted(
+            (
+                c
+                for c in fast_hist.checkpoints.values()
+                if c.seq > since
+                and c.txid not in self._durable_txids
+                and c.txid not in fast_hist.retired
+                and not c.adopted
+            ),
+            key=lambda c: c.seq,
+        )
 
     def replicate(self) -> list[str]:
         """One replication pass, on this thread: every checkpoint :meth:`pending` lists, in
@@ -427,16 +476,19 @@ class TieredRoot:
         key = self.fast_root.publication.locate(tip)
         if key is not None:
             return self.issue(self._fast_path(key))
-        durable = self._read_durable("the fast tier's newest checkpoint has no files and cannot be fetched",
-                                     lambda: tiered_copy.history_of(self.durable_root).checkpoints.get(tip.txid),
-                                     None)
+        durable = self._read_durable(
+            "the fast tier's newest checkpoint has no files and cannot be fetched",
+            lambda: tiered_copy.history_of(self.durable_root).checkpoints.get(tip.txid),
+            None,
+        )
         return None if durable is None else self.issue(self.durable_root.locate(durable.ref))
 
     def _fast_path(self, key: str) -> str:
         return os.path.join(self.fast, *key.split("/"))
 
-    def resume(self, step: int | None = None, *, path: str | os.PathLike | None = None,
-               on_damaged: str = "raise") -> str | None:
+    def resume(
+        self, step: int | None = None, *, path: str | os.PathLike | None = None, on_damaged: str = "raise"
+    ) -> str | None:
         """:func:`txckpt.resume`: a restart continues the newest checkpoint of the current
         lineage (a fast tier that is behind the durable tier follows it first: its lineage, and
         its tip by its durable path). A rollback forks on the fast tier when the fast tier is up
@@ -459,8 +511,9 @@ class TieredRoot:
             elif fstate.head_tip is None:
                 found = self.get_last_checkpoint()
             else:
-                found = self.fast_root.resume(on_damaged=on_damaged,
-                                              verify=self._repair_then_verify if on_damaged == "fallback" else None)
+                found = self.fast_root.resume(
+                    on_damaged=on_damaged, verify=self._repair_then_verify if on_damaged == "fallback" else None
+                )
         elif why is None and self._fast_holds(step, path):
             found = self.fast_root.resume(step, path=path, on_damaged=on_damaged)
         else:
@@ -499,7 +552,8 @@ class TieredRoot:
             raise CheckpointNotFoundError(
                 f"{os.fspath(path)} is not durable on {self.durable_root.url}, whose lineage moved on "
                 "since this fast tier saved it: roll back to a durable checkpoint (`txckpt ls "
-                f"{self.fast} --durable {self.durable}`)")
+                f"{self.fast} --durable {self.durable}`)"
+            )
         return where
 
     def local_path(self, path: str | os.PathLike) -> str | None:
@@ -550,8 +604,13 @@ class TieredRoot:
         except (IntegrityError, CheckpointNotFoundError, FileNotFoundError) as e:
             if not self.repair(where):
                 raise
-            log.warning("%s was damaged on the fast tier (%s); restored %s from %s", where, e,
-                        ", ".join(sorted(self.last_fetched)), self.durable_root.url)
+            log.warning(
+                "%s was damaged on the fast tier (%s); restored %s from %s",
+                where,
+                e,
+                ", ".join(sorted(self.last_fetched)),
+                self.durable_root.url,
+            )
         return reader.load(where, **_load_defaults(kwargs))
 
     def repair(self, path: str | os.PathLike) -> dict[str, int]:
@@ -564,8 +623,9 @@ class TieredRoot:
 
 
 # ----- for writers and readers that take a root (txckpt.integrations.dcp) -----------------------
-def save_target(root: "str | os.PathLike[str] | TieredRoot", step: int,
-                storage_options: Mapping[str, Any] | None) -> tuple[str, Mapping[str, Any] | None]:
+def save_target(
+    root: "str | os.PathLike[str] | TieredRoot", step: int, storage_options: Mapping[str, Any] | None
+) -> tuple[str, Mapping[str, Any] | None]:
     """(path, storage_options) that a writer given ``root`` saves ``step`` to: a TieredRoot's
     fast tier (its lineage continued first, §14; its commits wake the replicator), else ``root``."""
     if isinstance(root, TieredRoot):
@@ -574,8 +634,9 @@ def save_target(root: "str | os.PathLike[str] | TieredRoot", step: int,
     return os.fspath(root), storage_options
 
 
-def load_source(path: "str | os.PathLike[str] | TieredRoot",
-                storage_options: Mapping[str, Any] | None) -> tuple[str, Mapping[str, Any] | None]:
+def load_source(
+    path: "str | os.PathLike[str] | TieredRoot", storage_options: Mapping[str, Any] | None
+) -> tuple[str, Mapping[str, Any] | None]:
     """(path, storage_options) that a reader given ``path`` reads: a TieredRoot's newest
     checkpoint (its fast copy repaired from the durable tier first, or its durable copy), else
     ``path``."""
@@ -591,8 +652,14 @@ def load_source(path: "str | os.PathLike[str] | TieredRoot",
 
 
 def _load_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
-    out = {"files": None, "map_location": "cpu", "weights_only": True, "verify": True, "mmap": False,
-           "storage_options": None}
+    out = {
+        "files": None,
+        "map_location": "cpu",
+        "weights_only": True,
+        "verify": True,
+        "mmap": False,
+        "storage_options": None,
+    }
     out.update(kwargs)
     return out
 

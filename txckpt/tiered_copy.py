@@ -43,16 +43,21 @@ def pending(fast: CheckpointRoot, durable: CheckpointRoot) -> tuple[list[Checkpo
     # A lineage that both tiers have left (the durable tier by another node's rollback, the fast
     # tier by following it, §14) can take no commit on the durable tier: what the fast tier
     # committed to it before it was replicated is abandoned there, not pending.
-    left = {lid for lid in durable_hist.state.lineages
-            if lid not in (durable_hist.state.head, fast_hist.state.head)}
-    todo = sorted((c for c in fast_hist.checkpoints.values()
-                   if c.txid not in done and c.txid not in fast_hist.retired and not c.adopted
-                   and c.lineage not in left), key=lambda c: c.seq)
+    left = {lid for lid in durable_hist.state.lineages if lid not in (durable_hist.state.head, fast_hist.state.head)}
+    todo = sorted(
+        (
+            c
+            for c in fast_hist.checkpoints.values()
+            if c.txid not in done and c.txid not in fast_hist.retired and not c.adopted and c.lineage not in left
+        ),
+        key=lambda c: c.seq,
+    )
     return todo, set(done)
 
 
-def replicate_one(src: CheckpointRoot, dst: CheckpointRoot, c: Checkpoint, src_hist: History, *,
-                  hold: bool = True) -> str:
+def replicate_one(
+    src: CheckpointRoot, dst: CheckpointRoot, c: Checkpoint, src_hist: History, *, hold: bool = True
+) -> str:
     """§14 steps 1-6 for ``src``'s checkpoint ``c``: its lineage on ``dst`` (forked or claimed;
     ``hold=False``: the caller made ``dst``'s head the lineage to commit into), then a ``dst``
     transaction under ``c``'s txid and step whose files are shared or copied and checked
@@ -61,11 +66,17 @@ def replicate_one(src: CheckpointRoot, dst: CheckpointRoot, c: Checkpoint, src_h
     if key is None:
         raise ReplicationError(
             f"checkpoint step {c.step} (txid {c.txid}) is committed on {src.url} but its files are gone "
-            "there, so it cannot be copied; nothing else is affected", txid=c.txid, durable=dst.url)
+            "there, so it cannot be copied; nothing else is affected",
+            txid=c.txid,
+            durable=dst.url,
+        )
     manifest = read_manifest(src, key)
     if manifest.txid != c.txid or manifest.digest != c.digest:
-        raise ReplicationError(f"the manifest at {src.storage.full_path(key)} is not the one the log "
-                               f"committed for {c.txid}", txid=c.txid, durable=dst.url)
+        raise ReplicationError(
+            f"the manifest at {src.storage.full_path(key)} is not the one the log committed for {c.txid}",
+            txid=c.txid,
+            durable=dst.url,
+        )
     if hold:
         hold_lineage(dst, c.lineage, src_hist)
     # A replication of this txid that a crash interrupted left its staging (files, maybe a
@@ -73,8 +84,9 @@ def replicate_one(src: CheckpointRoot, dst: CheckpointRoot, c: Checkpoint, src_h
     # that this one holds the lineage, so it goes, and the save below starts from nothing.
     dst.storage.delete_tree(tx_key(c.txid))
     try:
-        with Transaction(dst, c.step, metadata=manifest.metadata, coordinator=SingleProcess(),
-                         incremental=True, txid=c.txid) as tx:
+        with Transaction(
+            dst, c.step, metadata=manifest.metadata, coordinator=SingleProcess(), incremental=True, txid=c.txid
+        ) as tx:
             for name, entry in sorted(manifest.files.items()):
                 if not tx.share_copy(name, entry):
                     _copy_in(tx, src, f"{key}/{name}", name, entry)
@@ -83,8 +95,9 @@ def replicate_one(src: CheckpointRoot, dst: CheckpointRoot, c: Checkpoint, src_h
             raise
         if isinstance(e, (StepConflictError, ConcurrentWriterError)):
             raise _owned_elsewhere(dst, c, src_hist, e) from e
-        raise ReplicationError(f"replicating step {c.step} (txid {c.txid}) to {dst.url} failed: {e}",
-                               txid=c.txid, durable=dst.url) from e
+        raise ReplicationError(
+            f"replicating step {c.step} (txid {c.txid}) to {dst.url} failed: {e}", txid=c.txid, durable=dst.url
+        ) from e
     assert tx.path is not None
     return tx.path
 
@@ -94,15 +107,19 @@ def _owned_elsewhere(dst: CheckpointRoot, c: Checkpoint, src_hist: History, e: T
     info = dst.state().lineages.get(c.lineage)
     tip = info.tip if info is not None else None
     if tip is None or tip.txid in src_hist.checkpoints:
-        return ReplicationError(f"replicating step {c.step} (txid {c.txid}) to {dst.url} failed: {e}",
-                                txid=c.txid, durable=dst.url)
+        return ReplicationError(
+            f"replicating step {c.step} (txid {c.txid}) to {dst.url} failed: {e}", txid=c.txid, durable=dst.url
+        )
     return ReplicationError(
         f"cannot make step {c.step} (txid {c.txid}) durable: another job owns lineage {c.lineage} on "
         f"{dst.url}. It committed step {tip.step} (txid {tip.txid}) there, which this fast tier never "
         "held: this fast tier is stale (a requeue onto another node continued the lineage), or two "
         "jobs run on one durable root. If the other job still runs, stop this one; if this job is the "
         "newest, restart it with txckpt.resume(root) (or load txckpt.get_last_checkpoint(root)), which "
-        "follows the durable tier. This checkpoint stays on the fast tier.", txid=c.txid, durable=dst.url)
+        "follows the durable tier. This checkpoint stays on the fast tier.",
+        txid=c.txid,
+        durable=dst.url,
+    )
 
 
 def hold_lineage(durable: CheckpointRoot, lineage: str, fast_hist: History) -> None:
@@ -119,7 +136,9 @@ def hold_lineage(durable: CheckpointRoot, lineage: str, fast_hist: History) -> N
                 raise ReplicationError(
                     f"lineage {lineage} forks from txid {parent.txid}, which is not durable on "
                     f"{durable.url} (retired on the fast tier before it was replicated)",
-                    txid=parent.txid, durable=durable.url)
+                    txid=parent.txid,
+                    durable=durable.url,
+                )
             fork(durable, at.ref, hist, reason="fork", announce=False, lineage_id=lineage)
         else:
             external = parent.path if isinstance(parent, ExternalParent) else None
@@ -132,7 +151,9 @@ def hold_lineage(durable: CheckpointRoot, lineage: str, fast_hist: History) -> N
             "this job requeued onto another node, or a second job on the same durable root). The fast "
             f"tier's checkpoints of {lineage} stay where they are. If the other job still runs, stop "
             "this one; if this job is the newest, restart it with txckpt.resume(root), which follows "
-            "the durable tier's lineage", durable=durable.url)
+            "the durable tier's lineage",
+            durable=durable.url,
+        )
     if durable.shared.writer_lineage != lineage:
         claim(durable, state)
 
@@ -146,7 +167,9 @@ def _copy_in(tx: Transaction, fast: CheckpointRoot, src_key: str, name: str, ent
         if (size, digest) != (entry.size, entry.checksum):
             raise IntegrityError(
                 f"{fast.storage.full_path(src_key)} does not match its manifest (size {size}, xxh3-128 "
-                f"{digest}); run `txckpt verify` on {fast.url}", path=fast.storage.full_path(src_key))
+                f"{digest}); run `txckpt verify` on {fast.url}",
+                path=fast.storage.full_path(src_key),
+            )
         f.close()
     except BaseException:
         f.abort()
@@ -184,7 +207,8 @@ def fetch(durable: CheckpointRoot, key: str, local: str, entry: FileEntry) -> in
             raise IntegrityError(
                 f"{durable.storage.full_path(key)} fails its checksum as well: the file verifies on "
                 "neither tier; resume an older checkpoint (txckpt.resume(root, on_damaged='fallback'))",
-                path=durable.storage.full_path(key))
+                path=durable.storage.full_path(key),
+            )
         # A rename, not a write into the old file: a damaged copy may be a hard link that other
         # checkpoints share (incremental saves); each keeps its own until it is repaired.
         os.replace(tmp, local)
@@ -202,8 +226,11 @@ def repair(fast: CheckpointRoot, durable: CheckpointRoot, path: str | os.PathLik
     if key is None:
         raise CheckpointNotFoundError(f"{os.fspath(path)} is not in the fast tier {fast.url}")
     manifest = read_manifest(fast, key)
-    bad = [name for name, entry in sorted(manifest.files.items())
-           if not verifies(fast.storage.local_path(f"{key}/{name}"), entry)]
+    bad = [
+        name
+        for name, entry in sorted(manifest.files.items())
+        if not verifies(fast.storage.local_path(f"{key}/{name}"), entry)
+    ]
     fetched: dict[str, int] = {}
     if bad:
         copy = history_of(durable).checkpoints.get(manifest.txid)
@@ -213,7 +240,8 @@ def repair(fast: CheckpointRoot, durable: CheckpointRoot, path: str | os.PathLik
                 f"{os.fspath(path)} has damaged or missing files ({', '.join(bad)}) and is not "
                 f"durable on {durable.url} yet: nothing to restore them from; resume "
                 "an older checkpoint (txckpt.resume(root, on_damaged='fallback'))",
-                path=os.fspath(path))
+                path=os.fspath(path),
+            )
         for name in bad:
             local = fast.storage.local_path(f"{key}/{name}")
             assert local is not None  # the fast tier is a local directory

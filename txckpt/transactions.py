@@ -26,8 +26,17 @@ from .commit import append_commit, clear_intent, committed_path, finish_commit, 
 from .incremental import Sharing, Source
 from .intents import reclaim_after_save, write_intent
 from .layout import checkpoint_name, intent_key
-from .manifest import (MANIFEST_NAME, FileEntry, Manifest, agree_files, check_file_name, check_new_file_name,
-                       check_step, kind_for_name, written_to_json)
+from .manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    agree_files,
+    check_file_name,
+    check_new_file_name,
+    check_step,
+    kind_for_name,
+    written_to_json,
+)
 from .progress import Timer
 from .rankparts import parts_manifest, staged_files, write_part
 from .publication import Root
@@ -167,8 +176,11 @@ class Transaction:
         # Asked once: alone, this rank commits and every collective returns what it was given.
         self._alone = self._coord.world_size == 1
         self._committer = self._alone or self._coord.is_committer
-        plan = (self._plan_save() if self._alone else
-                decide_on_rank0(self._plan_save, phase="save plan", coordinator=self._coord))
+        plan = (
+            self._plan_save()
+            if self._alone
+            else decide_on_rank0(self._plan_save, phase="save plan", coordinator=self._coord)
+        )
         self._plan = plan
         self.txid = plan.txid
         self._timer.phase("staging")
@@ -199,8 +211,7 @@ class Transaction:
         outcome = self._broadcast(self._gather_parts(report))
         if outcome.get("gather_errors"):
             reports = self._coord.gather(report if "error" in report else None)
-            outcome = self._broadcast(self._commit_or_abort([r for r in reports or [] if r])
-                                      if self._committer else {})
+            outcome = self._broadcast(self._commit_or_abort([r for r in reports or [] if r]) if self._committer else {})
         return outcome
 
     def _gather_parts(self, report: dict[str, Any]) -> dict[str, Any]:
@@ -250,8 +261,9 @@ class Transaction:
             return
         try:  # in a group, with the directory of the ranks' manifest parts (protocol §3a)
             assert self._coord is not None
-            makedirs_durable(staging if self._coord.world_size < 2 else os.path.join(staging, parts.PARTS_DIR),
-                             self._root.durable)
+            makedirs_durable(
+                staging if self._coord.world_size < 2 else os.path.join(staging, parts.PARTS_DIR), self._root.durable
+            )
         except BaseException:
             self._abort(plan)
             raise
@@ -338,7 +350,8 @@ class Transaction:
         """A tiered root's replica (txckpt.tiered): share ``name`` if a committed file has the
         size and checksum ``entry`` (its source's record) gives; False: the caller copies it."""
         return self._sharing is not None and self._share(
-            name, lambda sharing: (s, entry.kind) if (s := sharing.matching(entry.size, entry.checksum)) else None)
+            name, lambda sharing: (s, entry.kind) if (s := sharing.matching(entry.size, entry.checksum)) else None
+        )
 
     def _share(self, name: str, find: Callable[[Sharing], tuple[Source, str] | None]) -> bool:
         """The incremental path (txckpt.incremental): True if ``find`` names the committed file
@@ -373,8 +386,10 @@ class Transaction:
         try:
             report = self._rank_report(exc)
             if "files" in report:
-                timer.phase("data" if self.world_size == 1 else f"data (rank {self.rank})",
-                            sum(f["size"] for f in report["files"].values()))
+                timer.phase(
+                    "data" if self.world_size == 1 else f"data (rank {self.rank})",
+                    sum(f["size"] for f in report["files"].values()),
+                )
             outcome = self._outcome(report)
             if "path" in outcome and self._committer and not self._root.shared.staging_reclaimed:
                 # Committed, and every rank has its path: now the session's first save reclaims
@@ -446,26 +461,49 @@ class Transaction:
                     source = sharing.unchanged_file(path) if sharing is not None else None
                     if source is not None:  # a committed file's bytes: shared below, not uploaded
                         sharing.pending[name] = source  # type: ignore[union-attr]
-                        files[name] = dataclasses.replace(source.entry, kind=kind_for_name(name), rank=self.rank).to_json()
+                        files[name] = dataclasses.replace(
+                            source.entry, kind=kind_for_name(name), rank=self.rank
+                        ).to_json()
                         continue
-                    size, digest = self._writes.upload_file(path, f"{self.staging_key}/{name}", durable=self._root.durable)
+                    size, digest = self._writes.upload_file(
+                        path, f"{self.staging_key}/{name}", durable=self._root.durable
+                    )
                     files[name] = FileEntry(size, digest, kind_for_name(name), self.rank).to_json()
             elif self._claims:  # shared staging: this rank hashes what it claims; rank 0 only stats it
-                files.update(hash_claimed(self._root.storage, self.staging_key, self._claims, set(files),
-                                          self._root.durable, self.rank, sharing.relink if sharing is not None else None))
+                files.update(
+                    hash_claimed(
+                        self._root.storage,
+                        self.staging_key,
+                        self._claims,
+                        set(files),
+                        self._root.durable,
+                        self.rank,
+                        sharing.relink if sharing is not None else None,
+                    )
+                )
             if sharing is not None:  # no code writes into the staging any more
                 sharing.place(self.staging_key, self._root.durable, files)
             record = None
             try:
                 if not self._alone:  # this rank's part (protocol §3a), durable with its files in one wait
                     assert self._plan is not None
-                    record = write_part(self._root.storage, self.staging_key, self.rank, self._plan.txid, files,
-                                        durable=self._root.durable, open_write=self._writes.open_write,
-                                        directory=self._local_dir is not None and not self._temp_root)
+                    record = write_part(
+                        self._root.storage,
+                        self.staging_key,
+                        self.rank,
+                        self._plan.txid,
+                        files,
+                        durable=self._root.durable,
+                        open_write=self._writes.open_write,
+                        directory=self._local_dir is not None and not self._temp_root,
+                    )
                 self._writes.wait()
             except OSError as e:
-                raise storage_error(e, "upload the checkpoint's files" + (" and this rank's part of the manifest"
-                                                                          if not self._alone else "")) from e
+                raise storage_error(
+                    e,
+                    "upload the checkpoint's files"
+                    + (" and this rank's part of the manifest" if not self._alone else ""),
+                ) from e
             return {"rank": self.rank, "files": files, **({"record": record} if record else {})}
         except Exception as e:
             self._cancel_writes()
@@ -479,7 +517,9 @@ class Transaction:
         except Exception:  # pragma: no cover - cancel ignores upload failures by contract
             log.warning("waiting for the uploads of %s failed", self.txid, exc_info=True)
 
-    def _commit_or_abort(self, reports: list[dict[str, Any]], records: list[parts.Record] | None = None) -> dict[str, Any]:
+    def _commit_or_abort(
+        self, reports: list[dict[str, Any]], records: list[parts.Record] | None = None
+    ) -> dict[str, Any]:
         plan = self._plan
         assert plan is not None
         failed = [r for r in reports if "error" in r]
@@ -504,8 +544,7 @@ class Transaction:
                         pass  # gc removes the intent of a committed txid
                     return {"error": errors.encode_error(lost, rank=self.rank)}
                 if committed is not None:  # the commit point was passed: never delete
-                    log.warning("checkpoint %s committed, but finishing it failed: %s",
-                                plan.txid, e)
+                    log.warning("checkpoint %s committed, but finishing it failed: %s", plan.txid, e)
                     return {"path": committed}
                 failed = [{"rank": self.rank, "error": errors.encode_error(e, rank=self.rank)}]
                 log.debug("commit of %s failed", plan.txid, exc_info=True)
@@ -515,8 +554,10 @@ class Transaction:
         if first["rank"] != self.rank or self.world_size > 1:
             err = errors.reworded(err, f"rank {first['rank']}: {err['message']}")
         if not errors.is_txckpt_error(err):
-            err = errors.encode_error(TransactionAbortedError(
-                f"checkpoint step {plan.step} was not committed: {err['message']}"), rank=self.rank)
+            err = errors.encode_error(
+                TransactionAbortedError(f"checkpoint step {plan.step} was not committed: {err['message']}"),
+                rank=self.rank,
+            )
         return {"error": err}
 
     def _commit(self, reports: list[dict[str, Any]], records: list[parts.Record] | None = None) -> str:
@@ -531,16 +572,30 @@ class Transaction:
         if records is not None:  # steps 6-8 on the parts: txckpt/rankparts.py
             own = agree_files(reports) if reports else {}
             manifest, structures = parts_manifest(
-                root.storage, plan, records, own, previous=root.shared.part_structures, durable=root.durable,
-                relink=relink, created=time.time(), metadata=self.metadata)
+                root.storage,
+                plan,
+                records,
+                own,
+                previous=root.shared.part_structures,
+                durable=root.durable,
+                relink=relink,
+                created=time.time(),
+                metadata=self.metadata,
+            )
         else:
             # Step 6: one rank per name. Step 7: every reported file still there with its size;
             # the files other code wrote into the staging hashed; all durable but its entries.
             files = staged_files(root.storage, plan.key, agree_files(reports), root.durable, relink)
             # Step 8: the manifest, create-if-absent and durable (fsyncing the staging directory).
             manifest = Manifest(
-                txid=plan.txid, lineage=plan.lineage, step=plan.step, parent=plan.parent,
-                files=files, created=time.time(), world_size=self.world_size, metadata=self.metadata,
+                txid=plan.txid,
+                lineage=plan.lineage,
+                step=plan.step,
+                parent=plan.parent,
+                files=files,
+                created=time.time(),
+                world_size=self.world_size,
+                metadata=self.metadata,
             )
             root.storage.create_exclusive(f"{plan.key}/{MANIFEST_NAME}", manifest.encode(), durable=root.durable)
         self._manifest = manifest

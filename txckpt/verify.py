@@ -25,8 +25,8 @@ _BUFFER_KINDS = ("safetensors", "torch")
 
 #: What a message about a damaged checkpoint tells the user to do (errors and docs quote it).
 FALLBACK_HINT = (
-    "resume from another checkpoint: on a restart, txckpt.resume(root, on_damaged=\"fallback\") "
-    "(Trainer: txckpt_on_damaged=\"fallback\") forks from the newest checkpoint that verifies and "
+    'resume from another checkpoint: on a restart, txckpt.resume(root, on_damaged="fallback") '
+    '(Trainer: txckpt_on_damaged="fallback") forks from the newest checkpoint that verifies and '
     "keeps this one on disk; or pick one with `txckpt ls` and `txckpt resume ROOT --step K`"
 )
 
@@ -105,8 +105,16 @@ def _no_check() -> None:
     pass
 
 
-def check_file(storage: Storage, key: str, entry: FileEntry, *, keep: bool = False, verify: bool = True,
-               pipeline: bool = True, stream: bool = False) -> tuple[int, Any]:
+def check_file(
+    storage: Storage,
+    key: str,
+    entry: FileEntry,
+    *,
+    keep: bool = False,
+    verify: bool = True,
+    pipeline: bool = True,
+    stream: bool = False,
+) -> tuple[int, Any]:
     """The one check of a stored file against its manifest entry: ``(size, content)``, where
     content is None unless ``keep`` (see :func:`verify_checkpoint_files`); raises
     :class:`FileProblem`. ``verify=False`` checks sizes only. A FIFO, socket or device raises
@@ -153,8 +161,16 @@ def check_file(storage: Storage, key: str, entry: FileEntry, *, keep: bool = Fal
 _OVERLAP_MIN = 16 << 20
 
 
-def read_file(storage: Storage, key: str, entry: FileEntry, *, verify: bool = True, pipeline: bool = True,
-              overlap: bool = True, mmap: bool = False) -> Deferred:
+def read_file(
+    storage: Storage,
+    key: str,
+    entry: FileEntry,
+    *,
+    verify: bool = True,
+    pipeline: bool = True,
+    overlap: bool = True,
+    mmap: bool = False,
+) -> Deferred:
     """Read one stored file whole, once, and start its check: a :class:`Deferred` whose
     ``check()`` raises :class:`FileProblem` (sizes are checked before this returns).
 
@@ -230,12 +246,21 @@ def _problem_error(p: FileProblem, where: str, name: str, entry: FileEntry) -> E
     return _wrong_checksum(where, name)
 
 
-def _read_one(storage: Storage, manifest: Manifest, where: str, name: str, keep: bool, verify: bool,
-              pipeline: bool = True, at: str = ""):
+def _read_one(
+    storage: Storage,
+    manifest: Manifest,
+    where: str,
+    name: str,
+    keep: bool,
+    verify: bool,
+    pipeline: bool = True,
+    at: str = "",
+):
     entry = manifest.files[name]
     try:
-        return name, check_file(storage, f"{at}/{name}" if at else name, entry, keep=keep, verify=verify,
-                                pipeline=pipeline)[1]
+        return name, check_file(
+            storage, f"{at}/{name}" if at else name, entry, keep=keep, verify=verify, pipeline=pipeline
+        )[1]
     except FileProblem as p:
         raise _problem_error(p, where, name, entry) from None
 
@@ -254,8 +279,18 @@ class DecodeFailed:
 Decoder = Callable[..., Any]
 
 
-def _load_one(storage: Storage, manifest: Manifest, where: str, name: str, verify: bool, pipeline: bool,
-              decode: Decoder, early: Collection[str], mmap: bool, at: str = "") -> tuple[str, bool, Any]:
+def _load_one(
+    storage: Storage,
+    manifest: Manifest,
+    where: str,
+    name: str,
+    verify: bool,
+    pipeline: bool,
+    decode: Decoder,
+    early: Collection[str],
+    mmap: bool,
+    at: str = "",
+) -> tuple[str, bool, Any]:
     """``(name, decoded?, value)``: read ``name`` once and check it; a file whose kind is in
     ``early`` is decoded while its hash finishes, and what it decoded is dropped unless the hash
     matches."""
@@ -307,8 +342,9 @@ def _stat_size(path: str) -> int:
 _REMOTE_READERS = 8
 
 
-def _plan(storage: Storage, manifest: Manifest, where: str, names: Iterable[str] | None, workers: int
-          ) -> tuple[list[str], int, set[str]]:
+def _plan(
+    storage: Storage, manifest: Manifest, where: str, names: Iterable[str] | None, workers: int
+) -> tuple[list[str], int, set[str]]:
     """(names, how many to read at once (1: one after the other, in this thread), the names
     whose hash gets a thread of its own)."""
     names = sorted(manifest.files) if names is None else list(names)
@@ -329,7 +365,7 @@ def _plan(storage: Storage, manifest: Manifest, where: str, names: Iterable[str]
     readers = 1 if sequential else min(workers, len(names))
     spare = _cpus() - readers
     by_size = sorted(names, key=lambda n: -manifest.files[n].size)
-    pipelined = set(by_size[:spare + 1]) if _cpus() > 1 else set()
+    pipelined = set(by_size[: spare + 1]) if _cpus() > 1 else set()
     at_once = 1 if sequential else min(max(workers, _REMOTE_READERS) if remote else workers, len(names))
     return names, at_once, pipelined
 

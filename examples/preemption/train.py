@@ -41,8 +41,12 @@ def main() -> None:
     p.add_argument("--root", required=True, help="the checkpoint root (a directory or an s3:// URL)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--save-every", type=int, default=50)
-    p.add_argument("--grace", type=float, default=None,
-                   help="seconds after the signal to exit anyway; a little less than the scheduler's grace")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=None,
+        help="seconds after the signal to exit anyway; a little less than the scheduler's grace",
+    )
     args = p.parse_args()
 
     txckpt.preemption.install(grace_s=args.grace)  # SIGTERM / SIGUSR1: save at the step's end, then exit
@@ -68,10 +72,16 @@ def main() -> None:
         _wait_for_a_signal_here(step)
         stop = txckpt.preemption.requested()  # every rank, every step (one all-reduce under torchrun)
         if stop or step % args.save_every == 0 or step == args.steps:
-            txckpt.save_checkpoint(args.root, step, {"model.safetensors": model.state_dict(),
-                                                      "optimizer.pt": opt.state_dict(),
-                                                      "rng.pt": txckpt.rng_state(),
-                                                      "loop.json": {"step": step, "loss": loss.item()}})
+            txckpt.save_checkpoint(
+                args.root,
+                step,
+                {
+                    "model.safetensors": model.state_dict(),
+                    "optimizer.pt": opt.state_dict(),
+                    "rng.pt": txckpt.rng_state(),
+                    "loop.json": {"step": step, "loss": loss.item()},
+                },
+            )
         if stop:
             print(f"preempted at step {step}: saved, exiting with {txckpt.preemption.exit_status()}", flush=True)
             txckpt.preemption.exit()

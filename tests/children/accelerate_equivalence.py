@@ -25,6 +25,7 @@ Each process appends ``[step, loss]`` to ``OUT.losses.r{R}``; every process prin
 ``WEIGHTS <sha1>`` at the end. With ``--world 2`` the processes rendezvous on ``--store`` (a
 FileStore, gloo) before the accelerator, as tests/children/accelerate_preempt.py's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,14 @@ def main() -> None:
     if world > 1:  # one process: no group, no variables
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
         import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"file://{a.store}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
+
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{a.store}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
@@ -73,9 +80,13 @@ def main() -> None:
     project = os.path.join(a.out, "project")
     config = ProjectConfiguration(project_dir=project)
     loading = DataLoaderConfiguration(use_seedable_sampler=a.seedable)
-    acc = (Accelerator(cpu=True, project_config=config, dataloader_config=loading) if a.stock else
-           TransactionalAccelerator(cpu=True, project_config=config, dataloader_config=loading,
-                                    save_on_preemption=kind == "term"))
+    acc = (
+        Accelerator(cpu=True, project_config=config, dataloader_config=loading)
+        if a.stock
+        else TransactionalAccelerator(
+            cpu=True, project_config=config, dataloader_config=loading, save_on_preemption=kind == "term"
+        )
+    )
     assert acc.num_processes == world, (acc.num_processes, world)
 
     torch.manual_seed(0)  # the same initial weights and data on every process

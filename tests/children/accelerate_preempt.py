@@ -26,6 +26,7 @@ With ``--world 2`` it is one rank of a gloo group rendezvousing on ``--store`` (
 initialised before the accelerator as tests/children/accelerate_workers.py's ranks are (the
 launcher's group, then RANK / WORLD_SIZE / LOCAL_RANK for accelerate).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,8 +90,10 @@ def main() -> None:
         import datetime
 
         import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"file://{a.store}", rank=r, world_size=a.world,
-                                timeout=datetime.timedelta(seconds=120))
+
+        dist.init_process_group(
+            "gloo", init_method=f"file://{a.store}", rank=r, world_size=a.world, timeout=datetime.timedelta(seconds=120)
+        )
     from accelerate.utils import ProjectConfiguration
 
     from txckpt import preemption
@@ -98,8 +101,9 @@ def main() -> None:
 
     torch.manual_seed(0)
     save_on_preemption = False if a.mode == "stock" else (True if a.grace is None else a.grace)
-    acc = TransactionalAccelerator(cpu=True, project_config=ProjectConfiguration(project_dir=a.project),
-                                   save_on_preemption=save_on_preemption)
+    acc = TransactionalAccelerator(
+        cpu=True, project_config=ProjectConfiguration(project_dir=a.project), save_on_preemption=save_on_preemption
+    )
     assert acc.num_processes == a.world, (acc.num_processes, a.world)
     assert preemption.installed() == (a.mode == "save")
     model = torch.nn.Linear(4, 4)
@@ -121,10 +125,19 @@ def main() -> None:
     if a.resume:
         loaded = acc.load_state()
         w = acc.unwrap_model(model).weight.detach().flatten()
-        _put(os.path.join(a.hs, f"resumed-rank{r}.json"), json.dumps({
-            "path": loaded, "model": float(w[0]), "uniform": bool((w == w[0]).all()),
-            "lr": float(opt.param_groups[0]["lr"]), "tag": tag.tag,
-            "iteration": int(acc.project_configuration.iteration)}))
+        _put(
+            os.path.join(a.hs, f"resumed-rank{r}.json"),
+            json.dumps(
+                {
+                    "path": loaded,
+                    "model": float(w[0]),
+                    "uniform": bool((w == w[0]).all()),
+                    "lr": float(opt.param_groups[0]["lr"]),
+                    "tag": tag.tag,
+                    "iteration": int(acc.project_configuration.iteration),
+                }
+            ),
+        )
         start = int(acc.project_configuration.iteration)  # one past the step loaded
     for step in range(start, a.max_steps + 1):
         current["step"] = step
@@ -138,15 +151,18 @@ def main() -> None:
         try:
             acc.save_state_if_preempted(out)  # every rank, every step: one all-reduce
         except SystemExit as e:
-            _put(os.path.join(a.hs, f"result-rank{r}.json"),
-                 json.dumps({"stopped_at": step, "received": preemption.received(), "status": e.code}))
+            _put(
+                os.path.join(a.hs, f"result-rank{r}.json"),
+                json.dumps({"stopped_at": step, "received": preemption.received(), "status": e.code}),
+            )
             raise
         if a.every and step % a.every == 0:
             acc.save_state(out)
         _put(os.path.join(a.hs, f"step-rank{r}"), str(step))
     acc.end_training()  # a run that ends without a signal: the handlers the accelerator installed go back
-    print(f"finished at step {a.max_steps}; handlers installed after end_training: {preemption.installed()}",
-          flush=True)
+    print(
+        f"finished at step {a.max_steps}; handlers installed after end_training: {preemption.installed()}", flush=True
+    )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,15 @@ def _kill_job(pid_dir: str) -> None:
     os.kill(me, signal.SIGKILL)
 
 
-def make_accelerator(kind: str, project: str | None, *, total_limit: int | None, auto: bool,
-                     storage_options: dict | None, local_dir: str | None):
+def make_accelerator(
+    kind: str,
+    project: str | None,
+    *,
+    total_limit: int | None,
+    auto: bool,
+    storage_options: dict | None,
+    local_dir: str | None,
+):
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
@@ -42,8 +49,9 @@ def make_accelerator(kind: str, project: str | None, *, total_limit: int | None,
         return Accelerator(cpu=True, project_config=config)
     from txckpt.integrations.accelerate import TransactionalAccelerator
 
-    return TransactionalAccelerator(cpu=True, project_config=config, txckpt_storage_options=storage_options,
-                                    txckpt_local_dir=local_dir)
+    return TransactionalAccelerator(
+        cpu=True, project_config=config, txckpt_storage_options=storage_options, txckpt_local_dir=local_dir
+    )
 
 
 class Counter:
@@ -59,9 +67,20 @@ class Counter:
         self.tag = state["tag"]
 
 
-def job(rank: int, world: int, *, kind: str, project: str | None, ops: list, pid_dir: str,
-        total_limit: int | None = None, auto: bool = True, storage_options: dict | None = None,
-        local_dir: str | None = None, crash_file: str | None = None) -> list:
+def job(
+    rank: int,
+    world: int,
+    *,
+    kind: str,
+    project: str | None,
+    ops: list,
+    pid_dir: str,
+    total_limit: int | None = None,
+    auto: bool = True,
+    storage_options: dict | None = None,
+    local_dir: str | None = None,
+    crash_file: str | None = None,
+) -> list:
     """Run ``ops`` and return one observation per op:
 
     * ``["train", tag]``: set the model's weights and the optimizer's lr (and the custom object)
@@ -74,15 +93,17 @@ def job(rank: int, world: int, *, kind: str, project: str | None, ops: list, pid
     * ``["crash"]``: SIGKILL every rank now.
     * ``crash_file``: SIGKILL every rank while the save writes the file of that name (just before).
     """
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1"
+    )
     with open(os.path.join(pid_dir, f"pid{rank}"), "w") as f:
         f.write(str(os.getpid()))
     import torch
 
     torch.manual_seed(0)
-    acc = make_accelerator(kind, project, total_limit=total_limit, auto=auto, storage_options=storage_options,
-                           local_dir=local_dir)
+    acc = make_accelerator(
+        kind, project, total_limit=total_limit, auto=auto, storage_options=storage_options, local_dir=local_dir
+    )
     assert acc.num_processes == world, (acc.num_processes, world)
     model, opt, counter = prepare(acc)
     if crash_file:
@@ -145,8 +166,12 @@ def train(acc, model, opt, counter, tag: float) -> None:
 
 def observe(acc, model, opt, counter) -> dict:
     w = acc.unwrap_model(model).weight.detach().flatten()
-    return {"model": float(w[0]), "uniform": bool((w == w[0]).all()),
-            "lr": float(opt.param_groups[0]["lr"]), "custom": counter.tag}
+    return {
+        "model": float(w[0]),
+        "uniform": bool((w == w[0]).all()),
+        "lr": float(opt.param_groups[0]["lr"]),
+        "custom": counter.tag,
+    }
 
 
 def _arm_crash(name: str, pid_dir: str) -> None:

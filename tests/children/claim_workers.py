@@ -15,8 +15,9 @@ def _write(path: str, data: bytes) -> None:
         f.write(data)
 
 
-def claim_own_files(rank: int, world: int, *, root: str, step: int, claims: str = "own",
-                    missing: int | None = None) -> Any:
+def claim_own_files(
+    rank: int, world: int, *, root: str, step: int, claims: str = "own", missing: int | None = None
+) -> Any:
     """Each rank writes ``global_step{step}/zero_pp_rank_{r}_mp_rank_00_model_states.pt`` and
     ``model/__{r}_0.distcp`` into tx.directory; rank 0 also writes ``config.json``, claimed by no
     one. ``claims``: "own" (each rank claims its files, the second by glob), "both" (every rank
@@ -45,6 +46,11 @@ def claim_own_files(rank: int, world: int, *, root: str, step: int, claims: str 
     # Staging paths are <root>/.txckpt/tx/<txid>/checkpoint-<step>/<name>: keep <name>.
     marker = f"/checkpoint-{step}/"
     # Directories opened to fsync them and the manifest rank 0 writes (and links) are no data.
-    read = sorted({n for n in (p.split(marker, 1)[1] for p in opened if "/.txckpt/tx/" in p and marker in p)
-                   if n in files and n != txckpt.MANIFEST_NAME})
+    read = sorted(
+        {
+            n
+            for n in (p.split(marker, 1)[1] for p in opened if "/.txckpt/tx/" in p and marker in p)
+            if n in files and n != txckpt.MANIFEST_NAME
+        }
+    )
     return {"path": path, "read": read}

@@ -6,6 +6,7 @@ re-imports this file, hence the ``__main__`` guard.
 
     torchrun --nproc_per_node 2 dcp_async_process.py ROOT STEPS REF_DIR
 """
+
 import json
 import os
 import sys
@@ -22,8 +23,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in steps:
-        out = cw.save(rank, world, root=root, step=step, ref_file=os.path.join(ref_dir, f"ref-{step}.pt"),
-                      mode="async-process")
+        out = cw.save(
+            rank, world, root=root, step=step, ref_file=os.path.join(ref_dir, f"ref-{step}.pt"), mode="async-process"
+        )
         # One write(2) per line: both ranks share torchrun's stdout, and print's separate writes
         # of its parts interleaved there ("RESULTRESULT 0 ...").
         os.write(1, f"RESULT {rank} {json.dumps({'step': step, **out})}\n".encode())

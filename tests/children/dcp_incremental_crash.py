@@ -50,8 +50,16 @@ def _save(root: str, step: int, seeds: dict[str, int], world: int, rank: int, so
     return path[0]
 
 
-def saves(rank: int, world: int, *, root: str, steps: list[int], storage_options: dict | None = None,
-          full_first: bool = False, seeds: dict[str, dict[str, int]] | None = None) -> list[str]:
+def saves(
+    rank: int,
+    world: int,
+    *,
+    root: str,
+    steps: list[int],
+    storage_options: dict | None = None,
+    full_first: bool = False,
+    seeds: dict[str, dict[str, int]] | None = None,
+) -> list[str]:
     """The sweep's template: ``steps`` saved one after the other (incrementally, except the first
     when ``full_first``), every adapter of its own step but those ``seeds[str(step)]`` names."""
     from txckpt.integrations.dcp import TransactionalWriter
@@ -87,10 +95,24 @@ def _tracer(backend: str, kill_at: Any, when: str, label_file: str | None, root:
     return dw.tracer(kill_at, when, label_file, root)
 
 
-def killed_save(rank: int, world: int, *, root: str, step: int, seeds: dict[str, int], victim: int,
-                kill_at: Any, when: str, backend: str = "local", prefix: str = "",
-                resume_step: int | None = None, retention: bool = False, storage_options: dict | None = None,
-                ops_file: str | None = None, label_file: str | None = None) -> Any:
+def killed_save(
+    rank: int,
+    world: int,
+    *,
+    root: str,
+    step: int,
+    seeds: dict[str, int],
+    victim: int,
+    kill_at: Any,
+    when: str,
+    backend: str = "local",
+    prefix: str = "",
+    resume_step: int | None = None,
+    retention: bool = False,
+    storage_options: dict | None = None,
+    ops_file: str | None = None,
+    label_file: str | None = None,
+) -> Any:
     """A restarted job resumes (``resume_step``: a rollback, forking a new lineage) and saves
     ``step`` incrementally; with ``retention``, rank 0 then retires every checkpoint but the new
     one. Rank ``victim`` traces its operations and SIGKILLs itself at ``kill_at``
@@ -135,8 +157,9 @@ def _verify_all(root: str, so: dict | None, when: str) -> list[str]:
         try:
             txckpt.verify_checkpoint(c.path, storage_options=so)
         except Exception as e:  # noqa: BLE001 - a violation, reported
-            out.append(f"{when}: committed step {c.step} ({c.state}) fails verification: {type(e).__name__}: "
-                       f"{str(e)[:200]}")
+            out.append(
+                f"{when}: committed step {c.step} ({c.state}) fails verification: {type(e).__name__}: {str(e)[:200]}"
+            )
     return out
 
 
@@ -161,8 +184,12 @@ def load_differences(path: str, world: int, rank: int, so: dict | None) -> Any:
 
     def local(t: Any) -> Any:
         return t.to_local() if hasattr(t, "to_local") else t
-    return sorted(k for k in want if not (torch.equal(local(got[k]), local(want[k])) if isinstance(want[k], torch.Tensor)
-                                          else got[k] == want[k]))
+
+    return sorted(
+        k
+        for k in want
+        if not (torch.equal(local(got[k]), local(want[k])) if isinstance(want[k], torch.Tensor) else got[k] == want[k])
+    )
 
 
 def _first_check(root: str, so: dict | None, before: list[str], prev_step: int, new_step: int) -> dict[str, Any]:
@@ -194,8 +221,17 @@ def _first_check(root: str, so: dict | None, before: list[str], prev_step: int, 
     return {"violations": v, "committed": committed}
 
 
-def after_kill(rank: int, world: int, *, root: str, before: list[str], prev_step: int, new_step: int,
-               seeds: dict[str, int], storage_options: dict | None = None) -> Any:
+def after_kill(
+    rank: int,
+    world: int,
+    *,
+    root: str,
+    before: list[str],
+    prev_step: int,
+    new_step: int,
+    seeds: dict[str, int],
+    storage_options: dict | None = None,
+) -> Any:
     """Fresh ranks after the kill: rank 0 checks the root (:func:`_first_check`); then both retry
     the save (a restart: resume, save the step the killed save was saving, or the next one if it
     committed), which must commit, be the newest, and load bit-exact at 2 ranks; then rank 0 retires

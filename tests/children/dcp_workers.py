@@ -88,9 +88,21 @@ def compare(got: dict[str, Any], ref_file: str) -> dict[str, Any]:
     return {"tensors": len(b), "different": diff[:10]}
 
 
-def save(rank: int, world: int, *, root: str, step: int, seed: int | None = None, ref_file: str | None = None,
-         mode: str = "sync", storage_options: dict | None = None, resume_step: int | None = None,
-         optim: bool = True, planner: str | None = None, **kw: Any) -> Any:
+def save(
+    rank: int,
+    world: int,
+    *,
+    root: str,
+    step: int,
+    seed: int | None = None,
+    ref_file: str | None = None,
+    mode: str = "sync",
+    storage_options: dict | None = None,
+    resume_step: int | None = None,
+    optim: bool = True,
+    planner: str | None = None,
+    **kw: Any,
+) -> Any:
     """One dcp.save through TransactionalWriter of an FSDP2 model (+ Adam); rank 0 writes the
     full state to ``ref_file`` (outside the root) to compare loads with. ``planner``:
     ``"drops-storage-data"`` for a planner that does not pass the local plans' storage_data on."""
@@ -126,9 +138,11 @@ def save(rank: int, world: int, *, root: str, step: int, seed: int | None = None
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         md = dcp.async_save(sd, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
-        return {"path": md.storage_meta.checkpoint_id if md is not None and md.storage_meta else None,
-                "returned": md.storage_meta.checkpoint_id if md is not None and md.storage_meta else None,
-                "warned": kw.get("warned")}
+        return {
+            "path": md.storage_meta.checkpoint_id if md is not None and md.storage_meta else None,
+            "returned": md.storage_meta.checkpoint_id if md is not None and md.storage_meta else None,
+            "warned": kw.get("warned"),
+        }
     else:
         md = dcp.save(sd, storage_writer=writer, planner=kw.get("planner"))
     return {"path": writer.path, "returned": md.storage_meta.checkpoint_id, "warned": kw.get("warned")}
@@ -156,8 +170,9 @@ def expect_error(rank: int, world: int, **kw: Any) -> Any:
     return None
 
 
-def expect_error_per_rank(rank: int, world: int, *, roots: list[str], steps: list[int],
-                          new_lineages: tuple[int, ...] = (), **kw: Any) -> Any:
+def expect_error_per_rank(
+    rank: int, world: int, *, roots: list[str], steps: list[int], new_lineages: tuple[int, ...] = (), **kw: Any
+) -> Any:
     """:func:`expect_error` with this rank's own root and step (``roots[rank]``, ``steps[rank]``):
     ranks that disagree on what they save. ``new_lineages``: ranks that first, one after the
     other in that order, start a new lineage on their own (``collective=False``): the last one's
@@ -171,8 +186,17 @@ def expect_error_per_rank(rank: int, world: int, *, roots: list[str], steps: lis
     return expect_error(rank, world, root=roots[rank], step=steps[rank], **kw)
 
 
-def load(rank: int, world: int, *, path: str, ref_file: str, seed: int = 99, verify: str = "full",
-         storage_options: dict | None = None, optim: bool = True) -> Any:
+def load(
+    rank: int,
+    world: int,
+    *,
+    path: str,
+    ref_file: str,
+    seed: int = 99,
+    verify: str = "full",
+    storage_options: dict | None = None,
+    optim: bool = True,
+) -> Any:
     """dcp.load through TransactionalReader into a fresh model of ``world`` ranks (1: plain,
     unsharded), then every tensor compared with the saved full state."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -208,8 +232,18 @@ def load(rank: int, world: int, *, path: str, ref_file: str, seed: int = 99, ver
 # Crash sweep: rank ``victim`` traces its file operations and SIGKILLs itself at one
 
 
-def crash_save(rank: int, world: int, *, root: str, step: int, victim: int, kill_at: Any, when: str,
-               ops_file: str | None = None, label_file: str | None = None) -> Any:
+def crash_save(
+    rank: int,
+    world: int,
+    *,
+    root: str,
+    step: int,
+    victim: int,
+    kill_at: Any,
+    when: str,
+    ops_file: str | None = None,
+    label_file: str | None = None,
+) -> Any:
     """A restarted job (resume on every rank, rank 0 appends the claim) saves ``step`` through
     DCP; the model (no optimizer: the sweep is about the commit) is the one seeded by ``step``."""
     import txckpt
@@ -320,6 +354,7 @@ def frozen_state(step: int, shapes: dict[str, Any], world: int, rank: int) -> di
     """The state at ``step`` as ``dcp.save`` gets it: at 2 ranks, DTensors sharded by rows (each
     rank makes only its own rows); at 1 rank, the plain full tensors (both ranks' rows); the
     small items replicated."""
+
     def rows(name: str, shape: tuple[int, int]) -> torch.Tensor:
         if world == 2:
             return _rows(name, step, rank, shape)
@@ -339,12 +374,25 @@ def frozen_state(step: int, shapes: dict[str, Any], world: int, rank: int) -> di
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = init_device_mesh("cpu", (world,))
-    return {k: DTensor.from_local(v, mesh, [Shard(0)], run_check=False) if isinstance(v, torch.Tensor) and v.dim() == 2
-            else v for k, v in out.items()}
+    return {
+        k: DTensor.from_local(v, mesh, [Shard(0)], run_check=False)
+        if isinstance(v, torch.Tensor) and v.dim() == 2
+        else v
+        for k, v in out.items()
+    }
 
 
-def frozen_saves(rank: int, world: int, *, root: str, steps: list[int], frozen_mib: float = 12,
-                 adapter_mib: float = 4, incremental: bool = True, storage_options: dict | None = None) -> Any:
+def frozen_saves(
+    rank: int,
+    world: int,
+    *,
+    root: str,
+    steps: list[int],
+    frozen_mib: float = 12,
+    adapter_mib: float = 4,
+    incremental: bool = True,
+    storage_options: dict | None = None,
+) -> Any:
     """dcp.save of steps ``steps`` one after the other (each a checkpoint): their paths."""
     from txckpt.integrations.dcp import TransactionalWriter
 
@@ -357,8 +405,16 @@ def frozen_saves(rank: int, world: int, *, root: str, steps: list[int], frozen_m
     return paths
 
 
-def frozen_load(rank: int, world: int, *, paths: list[str], frozen_mib: float = 12, adapter_mib: float = 4,
-                verify: str = "full", storage_options: dict | None = None) -> Any:
+def frozen_load(
+    rank: int,
+    world: int,
+    *,
+    paths: list[str],
+    frozen_mib: float = 12,
+    adapter_mib: float = 4,
+    verify: str = "full",
+    storage_options: dict | None = None,
+) -> Any:
     """dcp.load of each of ``paths`` through TransactionalReader into zeroed targets sharded
     over ``world`` ranks; per path, the names whose loaded rows differ from its step's, or the
     error of each rank."""
@@ -374,14 +430,27 @@ def frozen_load(rank: int, world: int, *, paths: list[str], frozen_mib: float = 
         want = frozen_state(step, shapes, world, rank)
         got = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0.0) for k, v in want.items()}
         try:
-            dcp.load(got, storage_reader=TransactionalReader(path, storage_options=storage_options, verify=verify),
-                     no_dist=world == 1)
+            dcp.load(
+                got,
+                storage_reader=TransactionalReader(path, storage_options=storage_options, verify=verify),
+                no_dist=world == 1,
+            )
         except CheckpointException as e:
             out[path] = {"errors": {r: [type(x).__name__, str(x)[:300]] for r, (x, _tb) in e.failures.items()}}
             continue
 
         def local(t: Any) -> Any:
             return t.to_local() if hasattr(t, "to_local") else t
-        out[path] = {"different": sorted(k for k in want if not (
-            torch.equal(local(got[k]), local(want[k])) if isinstance(want[k], torch.Tensor) else got[k] == want[k]))}
+
+        out[path] = {
+            "different": sorted(
+                k
+                for k in want
+                if not (
+                    torch.equal(local(got[k]), local(want[k]))
+                    if isinstance(want[k], torch.Tensor)
+                    else got[k] == want[k]
+                )
+            )
+        }
     return out

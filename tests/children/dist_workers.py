@@ -32,9 +32,18 @@ def payload(rank: int, step: int, n: int = 64) -> dict[str, Any]:
     }
 
 
-def save_files(rank: int, world: int, *, root: str, step: int, api: str = "save_checkpoint",
-               names: str | None = None, raise_on: int | None = None, timeout: float | None = None,
-               saves: int = 1) -> Any:
+def save_files(
+    rank: int,
+    world: int,
+    *,
+    root: str,
+    step: int,
+    api: str = "save_checkpoint",
+    names: str | None = None,
+    raise_on: int | None = None,
+    timeout: float | None = None,
+    saves: int = 1,
+) -> Any:
     """One (or ``saves``) coordinated save(s) of this rank's files; returns the path(s) and the
     number of collectives each save used."""
     import torch
@@ -49,6 +58,7 @@ def save_files(rank: int, world: int, *, root: str, step: int, api: str = "save_
         def wrapper(self, *a, **kw):
             calls["n"] += 1
             return orig[m](self, *a, **kw)
+
         return wrapper
 
     for m in orig:
@@ -81,8 +91,17 @@ def save_files(rank: int, world: int, *, root: str, step: int, api: str = "save_
     return {"paths": paths, "collectives": per_save}
 
 
-def slow_rank(rank: int, world: int, *, root: str, step: int, slow: int, release: Any,
-              timeout: float | None = None, hold: float = 60.0) -> Any:
+def slow_rank(
+    rank: int,
+    world: int,
+    *,
+    root: str,
+    step: int,
+    slow: int,
+    release: Any,
+    timeout: float | None = None,
+    hold: float = 60.0,
+) -> Any:
     """A quick save of ``step`` (which creates txckpt's group with the default timeout), then a
     save of ``step + 1`` with ``timeout`` in which rank ``slow`` blocks until ``release`` is set
     (by the test, after the other ranks gave up): the others must time out, not hang."""
@@ -174,8 +193,11 @@ def reads_of_others(rank: int, world: int, *, root: str, step: int) -> Any:
 
     with spying_reads() as opened:
         path = txckpt.save_checkpoint(root, step, payload(rank, step))
-    others = [p for p in opened if "/.txckpt/tx/" in p and f"rank{rank}." not in os.path.basename(p)
-              and os.path.basename(p).startswith("rank")]
+    others = [
+        p
+        for p in opened
+        if "/.txckpt/tx/" in p and f"rank{rank}." not in os.path.basename(p) and os.path.basename(p).startswith("rank")
+    ]
     return {"path": path, "others": others}
 
 
@@ -195,21 +217,40 @@ def _stable(name: str) -> str:
     return _RANDOM.sub("<id>", name)
 
 
-def tracer(kill_at: tuple[str, int] | None = None, when: str = "before", label_file: str | None = None,
-           root: str | None = None) -> Tracer:
+def tracer(
+    kill_at: tuple[str, int] | None = None, when: str = "before", label_file: str | None = None, root: str | None = None
+) -> Tracer:
     """The suite's tracer (tests/harness/tracer.py) as a rank's crash sweep counts: ops named with
     paths relative to the root and random ids out, a crash point is (name, occurrence) (ranks race
     to create shared directories, so the index of an op can differ by one between runs while its
     name and occurrence do not), and a run of consecutive writes to one file is one op (they land
     in a userspace buffer: torch.save issues dozens of tiny ones; "after" a run means before the
     next operation). ``label_file`` records the op this process dies at."""
-    return Tracer(kill_at, when, by_occurrence=True, coalesce_writes=True, root=root, write_sizes=False,
-                  rename=_stable, label_file=label_file)
+    return Tracer(
+        kill_at,
+        when,
+        by_occurrence=True,
+        coalesce_writes=True,
+        root=root,
+        write_sizes=False,
+        rename=_stable,
+        label_file=label_file,
+    )
 
 
-def crash_save(rank: int, world: int, *, root: str, step: int, victim: int,
-               kill_at: tuple[str, int] | None, when: str, ops_file: str | None = None,
-               label_file: str | None = None, timeout: float = 60.0) -> Any:
+def crash_save(
+    rank: int,
+    world: int,
+    *,
+    root: str,
+    step: int,
+    victim: int,
+    kill_at: tuple[str, int] | None,
+    when: str,
+    ops_file: str | None = None,
+    label_file: str | None = None,
+    timeout: float = 60.0,
+) -> Any:
     """A coordinated save in which rank ``victim`` traces its file operations (and SIGKILLs
     itself at op ``kill_at``). With ``kill_at=None`` it only counts, writing the ops to
     ``ops_file``."""
@@ -256,10 +297,15 @@ def check_after_crash(root: str, prev_step: int, new_step: int, world: int) -> d
     manifest = txckpt.read_manifest(last)
     expect_step = new_step if committed else prev_step
     if manifest.step != expect_step:
-        violations.append(f"get_last_checkpoint gave step {manifest.step}, expected {expect_step} "
-                          f"(commit entry for {new_step}: {bool(committed)})")
-    expected_files = ({n for r in range(world) for n in payload(r, new_step)} if manifest.step == new_step
-                      else set(payload(0, prev_step)))
+        violations.append(
+            f"get_last_checkpoint gave step {manifest.step}, expected {expect_step} "
+            f"(commit entry for {new_step}: {bool(committed)})"
+        )
+    expected_files = (
+        {n for r in range(world) for n in payload(r, new_step)}
+        if manifest.step == new_step
+        else set(payload(0, prev_step))
+    )
     if set(manifest.files) != expected_files:
         violations.append(f"step {manifest.step} holds {sorted(manifest.files)}, expected {sorted(expected_files)}")
     if manifest.step == new_step:

@@ -1,6 +1,7 @@
 """A tiny Lightning run for tests/test_lightning*.py: a linear model on seeded random data, CPU,
 no progress bar or logger, with one ModelCheckpoint. Imported in-process by the tests and run
 in forked children (tests/harness/procs.run_child) where a crash must be a real SIGKILL."""
+
 from __future__ import annotations
 
 import os
@@ -52,13 +53,23 @@ def data(seed: int, n: int = 64) -> DataLoader:
 def trainer(dirpath: str, max_steps: int, plugins: list[Any], **checkpoint: Any) -> tuple[L.Trainer, ModelCheckpoint]:
     options = {"every_n_train_steps": 5, "save_top_k": -1, "save_last": True, **checkpoint}
     cb = ModelCheckpoint(dirpath=dirpath, **options)
-    t = L.Trainer(max_steps=max_steps, callbacks=[cb], plugins=plugins, enable_progress_bar=False, logger=False,
-                  enable_model_summary=False, accelerator="cpu", devices=1, num_sanity_val_steps=0)
+    t = L.Trainer(
+        max_steps=max_steps,
+        callbacks=[cb],
+        plugins=plugins,
+        enable_progress_bar=False,
+        logger=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        num_sanity_val_steps=0,
+    )
     return t, cb
 
 
-def fit(dirpath: str, *, seed: int, max_steps: int, ckpt_path: str | None, plugins: list[Any],
-        **checkpoint: Any) -> dict[str, Any]:
+def fit(
+    dirpath: str, *, seed: int, max_steps: int, ckpt_path: str | None, plugins: list[Any], **checkpoint: Any
+) -> dict[str, Any]:
     """Train; return where it started, where it ended and what ModelCheckpoint recorded."""
     torch.manual_seed(0)
     t, cb = trainer(dirpath, max_steps, plugins, **checkpoint)
@@ -66,9 +77,14 @@ def fit(dirpath: str, *, seed: int, max_steps: int, ckpt_path: str | None, plugi
     t.callbacks.append(start)
     model = TinyModule()
     t.fit(model, data(seed), ckpt_path=ckpt_path)
-    return {"ckpt_path": t.ckpt_path and str(t.ckpt_path), "global_step": t.global_step, "resumed": start.step,
-            "best": cb.best_model_path, "last": cb.last_model_path,
-            "weight": model.layer.weight.detach().clone().flatten().tolist()}
+    return {
+        "ckpt_path": t.ckpt_path and str(t.ckpt_path),
+        "global_step": t.global_step,
+        "resumed": start.step,
+        "best": cb.best_model_path,
+        "last": cb.last_model_path,
+        "weight": model.layer.weight.detach().clone().flatten().tolist(),
+    }
 
 
 def die_committing(step: int) -> None:

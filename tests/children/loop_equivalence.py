@@ -20,6 +20,7 @@ Usage: loop_equivalence.py OUT WORKERS ASYNC STOP [resume | resume-without-rng] 
 
 Each rank appends ``[step, loss]`` to ``OUT.losses.r{R}``; rank 0 prints ``WEIGHTS <sha1>`` at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,8 +66,14 @@ def main() -> None:
     rank, world = a.rank, a.world
     if world > 1:
         import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"file://{a.store}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
+
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{a.store}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
     root = os.path.join(a.out, "ckpt")
     kind, _, at = a.stop.partition(":")
     stop_step = int(at) if at else None
@@ -103,8 +110,14 @@ def main() -> None:
         if sampler is not None:
             sampler.set_epoch(epoch)
         at_epoch_start = loader_gen.get_state()  # what rebuilds this epoch's order on a resume
-        loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=sampler is None, sampler=sampler,
-                                             num_workers=a.workers, generator=loader_gen)
+        loader = torch.utils.data.DataLoader(
+            data,
+            batch_size=BATCH,
+            shuffle=sampler is None,
+            sampler=sampler,
+            num_workers=a.workers,
+            generator=loader_gen,
+        )
         it = iter(loader)
         for _ in range(done):  # a resume skips the batches this epoch already trained on
             next(it)
@@ -128,8 +141,13 @@ def main() -> None:
             if step % EVERY == 0 or stop:
                 files = {f"rng_{rank}.pt": {"rng": txckpt.rng_state(), "loader_at_epoch_start": at_epoch_start}}
                 if rank == 0:
-                    files.update({"model.safetensors": dict(model.state_dict()), "optimizer.pt": opt.state_dict(),
-                                  "loop.json": {"epoch": epoch, "done": done, "step": step}})
+                    files.update(
+                        {
+                            "model.safetensors": dict(model.state_dict()),
+                            "optimizer.pt": opt.state_dict(),
+                            "loop.json": {"epoch": epoch, "done": done, "step": step},
+                        }
+                    )
                 if a.use_async:
                     txckpt.async_save(root, step, files)
                 else:

@@ -27,6 +27,7 @@ For the preemption campaign (tests/test_preemption_campaign.py):
 
 With ``--world 2`` it is one rank of a gloo group rendezvousing on ``--store`` (a FileStore).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,12 @@ def main() -> None:
     p.add_argument("--grace", type=float, default=None)
     p.add_argument("--block-step", type=int, default=None)
     p.add_argument("--no-final-save", action="store_true")
-    p.add_argument("--last-periodic", type=int, default=None,
-                   help="no periodic save after this step (so a held save never blocks the loop)")
+    p.add_argument(
+        "--last-periodic",
+        type=int,
+        default=None,
+        help="no periodic save after this step (so a held save never blocks the loop)",
+    )
     p.add_argument("--max-steps", type=int, default=1_000_000)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world", type=int, default=1)
@@ -88,8 +93,10 @@ def main() -> None:
         import datetime
 
         import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"file://{a.store}", rank=r, world_size=a.world,
-                                timeout=datetime.timedelta(seconds=60))
+
+        dist.init_process_group(
+            "gloo", init_method=f"file://{a.store}", rank=r, world_size=a.world, timeout=datetime.timedelta(seconds=60)
+        )
 
     real_save = txckpt.CheckpointRoot.save
 
@@ -110,6 +117,7 @@ def main() -> None:
             e = concurrent.futures.Future.exception(f)
             path = None if e is not None else concurrent.futures.Future.result(f)
             saved(step, f"error {type(e).__name__}: {e}" if e is not None else f"ok {path}")
+
         return report
 
     def save_step(step: int, w: torch.Tensor) -> None:
@@ -148,9 +156,10 @@ def main() -> None:
             preemption.uninstall()
             return
         if stop:
-            _put(os.path.join(a.hs, f"result-rank{r}.json"),
-                 json.dumps({"stopped_at": step, "received": preemption.received(),
-                             "status": preemption.exit_status()}))
+            _put(
+                os.path.join(a.hs, f"result-rank{r}.json"),
+                json.dumps({"stopped_at": step, "received": preemption.received(), "status": preemption.exit_status()}),
+            )
             preemption.exit()
     raise SystemExit("the loop ran out of steps: no signal came")
 

@@ -4,6 +4,7 @@ back to ROLLBACK_STEP), loads what it resumed, saves each step of STEPS (comma-s
 newer than it, waits until they are durable, and prints one JSON line: the step it resumed, the
 steps it saved, and a refused save's error class (it first tries to save the step it resumed again,
 as a script retraining from a stale step would)."""
+
 import json
 import sys
 
@@ -27,8 +28,9 @@ def main() -> None:
     saved = []
     for step in steps:
         if step > resumed:
-            txckpt.save_checkpoint(root, step, {"state.json": {"step": step},
-                                                "w.safetensors": {"w": torch.full((64,), float(step))}})
+            txckpt.save_checkpoint(
+                root, step, {"state.json": {"step": step}, "w.safetensors": {"w": torch.full((64,), float(step))}}
+            )
             saved.append(step)
     root.wait_durable()
     print(json.dumps({"resumed": resumed, "saved": saved, "refused": refused, "pending": len(root.pending())}))

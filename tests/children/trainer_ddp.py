@@ -7,6 +7,7 @@ that step: after writing its rng_state_1.pth into staging, before the transactio
 TXCKPT_TEST_ROOT / TXCKPT_TEST_STORAGE_OPTIONS: a remote txckpt root; TXCKPT_TEST_ASYNC=1: async
 saves, and rank 1 dies in the background save instead (see tests/harness/tiny.root_kwargs).
 """
+
 import os
 import signal
 import sys
@@ -14,7 +15,9 @@ import sys
 import torch
 from transformers import Trainer
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository: tests.harness
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)  # the repository: tests.harness
 from tests.harness.tiny import Data, Start, TinyConfig, TinyModel, make_args, root_kwargs
 from txckpt.integrations.transformers import TransactionalTrainer
 
@@ -40,9 +43,12 @@ if __name__ == "__main__":
 
             def background_save(obj, f, *args, **kwargs):
                 real_save(obj, f, *args, **kwargs)
-                if isinstance(f, str) and os.path.basename(f) == "rng_state_1.pth" \
-                        and threading.current_thread() is not threading.main_thread() \
-                        and os.path.basename(os.path.dirname(f)) == f"checkpoint-{kill_step}":
+                if (
+                    isinstance(f, str)
+                    and os.path.basename(f) == "rng_state_1.pth"
+                    and threading.current_thread() is not threading.main_thread()
+                    and os.path.basename(os.path.dirname(f)) == f"checkpoint-{kill_step}"
+                ):
                     print(f"rank 1: killing myself while saving step {kill_step} in the background", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -52,8 +58,13 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     stock = bool(os.environ.get("TXCKPT_TEST_STOCK_TRAINER"))
     cls = Trainer if stock else TransactionalTrainer
-    trainer = cls(model=TinyModel(TinyConfig()), args=make_args(out, max_steps),
-                  train_dataset=Data(0), callbacks=[Start()], **({} if stock else root_kwargs()))
+    trainer = cls(
+        model=TinyModel(TinyConfig()),
+        args=make_args(out, max_steps),
+        train_dataset=Data(0),
+        callbacks=[Start()],
+        **({} if stock else root_kwargs()),
+    )
     trainer.train(resume_from_checkpoint=resume)
     print(f"rank {trainer.args.process_index}: finished at step {trainer.state.global_step}", flush=True)
     # Tear the process groups down (the default one and txckpt's coordination group) before the

@@ -10,6 +10,7 @@ LIMIT ("-": none): save_total_limit.
 The DeepSpeed config is CPU-friendly: ZeRO stage 3, fp32, no offload, and the Trainer's own
 torch AdamW (no DeepSpeed optimizer, so no fused or JIT-built optimizer op).
 """
+
 import os
 import signal
 import sys
@@ -17,7 +18,9 @@ import sys
 import torch
 from transformers import Trainer
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository: tests.harness
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)  # the repository: tests.harness
 from tests.harness.tiny import Data, Start, TinyConfig, TinyModel, make_args
 from txckpt.integrations.transformers import TransactionalTrainer
 
@@ -46,10 +49,10 @@ if __name__ == "__main__":
 
         Trainer._save_optimizer_and_scheduler = _save_optimizer_and_scheduler
     torch.manual_seed(0)
-    args = make_args(out, int(max_steps), deepspeed=ZERO3,
-                     save_total_limit=None if limit == "-" else int(limit))
-    trainer = TransactionalTrainer(model=TinyModel(TinyConfig()), args=args,
-                                   train_dataset=Data(int(seed)), callbacks=[Start()])
+    args = make_args(out, int(max_steps), deepspeed=ZERO3, save_total_limit=None if limit == "-" else int(limit))
+    trainer = TransactionalTrainer(
+        model=TinyModel(TinyConfig()), args=args, train_dataset=Data(int(seed)), callbacks=[Start()]
+    )
     trainer.train(resume_from_checkpoint=resume)
     print(f"rank {trainer.args.process_index}: finished at step {trainer.state.global_step}", flush=True)
     if torch.distributed.is_initialized():  # see ddp.py: tear the groups down before exit

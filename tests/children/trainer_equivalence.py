@@ -18,6 +18,7 @@ tests/children/trainer_ddp.py. ``TXCKPT_TEST_STOCK_TRAINER=1``: the same run wit
 ``transformers.Trainer`` (its own checkpoint-<step> directories; SIGTERM then simply kills it),
 for the "stock vs txckpt" column of docs/preemption.md's table.
 """
+
 import hashlib
 import json
 import os
@@ -71,12 +72,22 @@ if __name__ == "__main__":
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     stock = os.environ.get("TXCKPT_TEST_STOCK_TRAINER") == "1"
     torch.manual_seed(0)
-    args = make_args(out, 12, save_steps=2, logging_strategy="steps", logging_steps=1,
-                     dataloader_num_workers=workers, seed=42)
-    common = dict(model=DropoutModel(TinyConfig()), args=args, train_dataset=Data(0, n=96),
-                  callbacks=[Record(f"{out}.losses.r{rank}", stop, rank, world)])
-    trainer = Trainer(**common) if stock else TransactionalTrainer(
-        **common, txckpt_async_save=use_async, txckpt_save_on_preemption=stop.startswith("term"))
+    args = make_args(
+        out, 12, save_steps=2, logging_strategy="steps", logging_steps=1, dataloader_num_workers=workers, seed=42
+    )
+    common = dict(
+        model=DropoutModel(TinyConfig()),
+        args=args,
+        train_dataset=Data(0, n=96),
+        callbacks=[Record(f"{out}.losses.r{rank}", stop, rank, world)],
+    )
+    trainer = (
+        Trainer(**common)
+        if stock
+        else TransactionalTrainer(
+            **common, txckpt_async_save=use_async, txckpt_save_on_preemption=stop.startswith("term")
+        )
+    )
     trainer.train(resume_from_checkpoint=True if resume else None)
     digest = hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in trainer.model.parameters())).hexdigest()
     sys.stdout.write(f"WEIGHTS {digest}\n")  # one write: two ranks share torchrun's unbuffered stdout

@@ -9,6 +9,7 @@ With TXCKPT_TEST_ASYNC=1 the Trainer saves asynchronously (tests/harness/tiny.ro
 regular save happens before MAX_STEPS (save_steps is past it): a checkpoint before the end is
 the preemption's.
 """
+
 import os
 import signal
 import sys
@@ -40,7 +41,13 @@ if __name__ == "__main__":
     # The restart restores the callbacks' and the control's state from the checkpoint, where a
     # stopping run's control says should_training_stop (the mixin clears it on resume).
     extra = {"restore_callback_states_from_checkpoint": True} if mode == "resume" else {}
-    trainer = TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(out, max_steps, save_steps=100, **extra),
-                                   train_dataset=Data(0), callbacks=callbacks, **kw, **root_kwargs())
+    trainer = TransactionalTrainer(
+        model=TinyModel(TinyConfig()),
+        args=make_args(out, max_steps, save_steps=100, **extra),
+        train_dataset=Data(0),
+        callbacks=callbacks,
+        **kw,
+        **root_kwargs(),
+    )
     trainer.train(resume_from_checkpoint=True if mode == "resume" else None)
     print(f"  finished at global_step={trainer.state.global_step}", flush=True)

@@ -13,6 +13,7 @@ With TXCKPT_TEST_ASYNC=1 the Trainer saves asynchronously, and torn dies in the 
 right after it wrote model.safetensors. With TXCKPT_TEST_ROOT (and TXCKPT_TEST_STORAGE_OPTIONS, JSON) set, the txckpt root is that URL
 and OUT stays the local output_dir; run B still passes OUT/checkpoint-2, the stock spelling.
 """
+
 import os
 import signal
 import sys
@@ -20,16 +21,22 @@ import sys
 import torch
 from transformers import Trainer
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository: tests.harness
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)  # the repository: tests.harness
 from tests.harness.tiny import Data, Start, TinyConfig, TinyModel, make_args, root_kwargs
 from txckpt.integrations.transformers import TransactionalTrainer
 
 
 def train(out, data_seed, max_steps, resume):
     torch.manual_seed(0)
-    TransactionalTrainer(model=TinyModel(TinyConfig()), args=make_args(out, max_steps),
-                         train_dataset=Data(data_seed), callbacks=[Start()],
-                         **root_kwargs()).train(resume_from_checkpoint=resume)
+    TransactionalTrainer(
+        model=TinyModel(TinyConfig()),
+        args=make_args(out, max_steps),
+        train_dataset=Data(data_seed),
+        callbacks=[Start()],
+        **root_kwargs(),
+    ).train(resume_from_checkpoint=resume)
 
 
 def die(how):

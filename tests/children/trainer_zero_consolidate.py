@@ -6,6 +6,7 @@ Verifies CHECKPOINT, shows that from_pretrained cannot read it (no weights file)
 fp32 weights with DeepSpeed's get_fp32_state_dict_from_zero_checkpoint, saves them to DEST with
 save_pretrained and loads DEST back with from_pretrained. Prints one JSON line of findings.
 """
+
 import json
 import os
 import sys
@@ -13,7 +14,10 @@ import sys
 import torch
 
 import txckpt
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository: tests.harness
+
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)  # the repository: tests.harness
 from tests.harness.tiny import TinyConfig, TinyModel
 
 if __name__ == "__main__":

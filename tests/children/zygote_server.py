@@ -54,8 +54,12 @@ def _preload() -> list[str]:
         loaded.append(name)
     if "transformers" in loaded:
         # transformers resolves its names lazily: these load the Trainer's modules.
-        from transformers import (PreTrainedModel, Trainer, TrainerCallback,  # noqa: F401
-                                  TrainingArguments)
+        from transformers import (  # noqa: F401
+            PreTrainedModel,
+            Trainer,
+            TrainerCallback,
+            TrainingArguments,
+        )
     for name in ("txckpt", "tests"):
         assert not any(m == name or m.startswith(name + ".") for m in sys.modules), f"{name} was imported"
     return loaded
@@ -111,7 +115,9 @@ def _stdio(env: dict) -> None:
         if errors:
             kw["errors"] = errors
     sys.stdout.reconfigure(line_buffering=os.isatty(1), write_through=unbuffered, **kw)
-    sys.stderr.reconfigure(line_buffering=True, write_through=unbuffered, **({"encoding": kw["encoding"]} if "encoding" in kw else {}))
+    sys.stderr.reconfigure(
+        line_buffering=True, write_through=unbuffered, **({"encoding": kw["encoding"]} if "encoding" in kw else {})
+    )
     if "encoding" in kw:
         sys.stdin.reconfigure(**kw)
 
@@ -244,8 +250,10 @@ def serve(path: str) -> None:
     sel.register(0, selectors.EVENT_READ, "lifeline")
     children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, the client's connection)
     sys.path[:] = _BASE_PATH  # tests/children/ is not for the children
-    print(json.dumps({"pid": os.getpid(), "threads": _threads(), "preloaded": loaded,
-                      "set_by_imports": set_by_imports}), flush=True)
+    print(
+        json.dumps({"pid": os.getpid(), "threads": _threads(), "preloaded": loaded, "set_by_imports": set_by_imports}),
+        flush=True,
+    )
     while True:
         for key, _ in sel.select():
             if key.data == "lifeline":

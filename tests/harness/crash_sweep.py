@@ -118,9 +118,10 @@ def report(result: "SweepResult") -> None:
     from tests import conftest
 
     tried = sampling.describe(result.crash_points, 2 * len(result.ops), full=not result.sampled)
-    line = (f"crash sweep [{result.name}]: {len(result.ops)} file operations, crash points (SIGKILL before "
-            f"or after an op): {tried}, {len(result.violations)} violations")
+    line = (
+        f"crash sweep [{result.name}]: {len(result.ops)} file operations, crash points (SIGKILL before "
+        f"or after an op): {tried}, {len(result.violations)} violations"
+    )
     conftest.SUMMARY_LINES.append(line)
     print(line)
     assert not result.violations, "\n".join(result.violations[:20])
-

@@ -5,6 +5,7 @@ needs (a step finished, a save begun, a result); the test polls them with a dead
 sleeping to synchronise, and fails with the child's output when it exits or stalls first.
 Subclasses start ``proc`` (their own command line) in their ``__init__``.
 """
+
 from __future__ import annotations
 
 import json

@@ -116,7 +116,10 @@ def _entry(rank: int, world: int, store: str, result_dir: str, target: Callable,
     # A FileStore (no port to pick, so no port race between concurrent runs); gloo itself
     # connects over 127.0.0.1.
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
     t0 = time.monotonic()
@@ -139,8 +142,16 @@ def _entry(rank: int, world: int, store: str, result_dir: str, target: Callable,
     os._exit(code)
 
 
-def launch(world: int, target: Callable, result_dir: str, *, deadline: float = 90.0,
-           env: dict | None = None, per_rank: dict[int, dict] | None = None, **kwargs: Any) -> Run:
+def launch(
+    world: int,
+    target: Callable,
+    result_dir: str,
+    *,
+    deadline: float = 90.0,
+    env: dict | None = None,
+    per_rank: dict[int, dict] | None = None,
+    **kwargs: Any,
+) -> Run:
     """Run ``target`` on ``world`` ranks; wait at most ``deadline`` seconds for all of them."""
     ctx = context()
     os.makedirs(result_dir, exist_ok=True)
@@ -169,8 +180,18 @@ def launch(world: int, target: Callable, result_dir: str, *, deadline: float = 9
         if os.path.exists(path):
             with open(path) as f:
                 data = json.load(f)
-        results.append(RankResult(r, None if r in hung else p.exitcode, r in hung, data.get("ok"),
-                                  data.get("error_type"), data.get("error"), data.get("elapsed"), data.get("trace")))
+        results.append(
+            RankResult(
+                r,
+                None if r in hung else p.exitcode,
+                r in hung,
+                data.get("ok"),
+                data.get("error_type"),
+                data.get("error"),
+                data.get("elapsed"),
+                data.get("trace"),
+            )
+        )
     return Run(results, wall)
 
 

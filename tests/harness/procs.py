@@ -23,6 +23,7 @@ import sys
 import traceback
 from typing import Any, Callable
 
+
 def after_fork() -> None:
     """Run first in every child the suite forks from a process that may have used torch: one
     intra-op thread. GNU OpenMP's thread pool does not survive ``fork``: a child's first parallel
@@ -51,8 +52,11 @@ def run_child(fn: Callable[[], Any], *, timeout: float | None = None) -> tuple[i
                 signal.alarm(int(timeout) + 1)  # self-destruct (SIGALRM kills by default)
             result = {"ok": fn()}
         except BaseException as e:  # report, never unwind into the parent's code
-            result = {"error": f"{type(e).__name__}: {e}", "type": type(e).__name__,
-                      "trace": traceback.format_exc(limit=-4)}
+            result = {
+                "error": f"{type(e).__name__}: {e}",
+                "type": type(e).__name__,
+                "trace": traceback.format_exc(limit=-4),
+            }
             code = 3
         try:
             data = json.dumps(result, default=str).encode()
@@ -87,13 +91,20 @@ def child_value(fn: Callable[[], Any], what: str, timeout: float | None = 300) -
     """Run ``fn`` in a fresh child and return its value; raise if it failed."""
     code, out = run_child(fn, timeout=timeout)
     if code != 0 or not out or "ok" not in out:
-        raise RuntimeError(f"{what} failed in a child (exit {code}): {out and out.get('error')}\n"
-                           f"{out and out.get('trace')}")
+        raise RuntimeError(
+            f"{what} failed in a child (exit {code}): {out and out.get('error')}\n{out and out.get('trace')}"
+        )
     return out["ok"]
 
 
-def torchrun(script: str, *args: Any, nproc: int = 2, env: dict[str, str] | None = None, timeout: float = 300,
-             expect_ok: bool = True) -> "subprocess.CompletedProcess[str]":
+def torchrun(
+    script: str,
+    *args: Any,
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    expect_ok: bool = True,
+) -> "subprocess.CompletedProcess[str]":
     """``python -m torch.distributed.run --standalone --nproc_per_node N script args...`` in the
     script's directory: real ranks that are nobody's daemonic children (DCP's process-based async
     save and DeepSpeed start processes of their own). Collectives time out after 60 s and each
@@ -101,11 +112,22 @@ def torchrun(script: str, *args: Any, nproc: int = 2, env: dict[str, str] | None
     when the exit status is not what ``expect_ok`` says."""
     run_env = dict(os.environ, TXCKPT_COORDINATION_TIMEOUT="60", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     run_env.update(env or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           script, *map(str, args)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env,
-                       cwd=os.path.dirname(os.path.abspath(script)))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        script,
+        *map(str, args),
+    ]
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=run_env, cwd=os.path.dirname(os.path.abspath(script))
+    )
     if (p.returncode == 0) != expect_ok:
-        raise AssertionError(f"{os.path.basename(script)} {list(map(str, args))}: rc {p.returncode}\n"
-                             f"--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-6000:]}")
+        raise AssertionError(
+            f"{os.path.basename(script)} {list(map(str, args))}: rc {p.returncode}\n"
+            f"--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-6000:]}"
+        )
     return p

@@ -40,8 +40,15 @@ def sweep_seed() -> int:
     return _seed
 
 
-def sample(name: str, points: Sequence[T], critical: Callable[[T], bool] = lambda p: False, *,
-           full: bool = False, share: float = SHARE, at_least: int = 2) -> list[T]:
+def sample(
+    name: str,
+    points: Sequence[T],
+    critical: Callable[[T], bool] = lambda p: False,
+    *,
+    full: bool = False,
+    share: float = SHARE,
+    at_least: int = 2,
+) -> list[T]:
     """The points of sweep ``name`` to try, in their order: all of them under ``TXCKPT_FULL_SWEEP=1``
     or ``full``; else every point ``critical`` accepts, the first and the last, and a draw of
     ``share`` of the rest (at least ``at_least`` of them) seeded by :func:`sweep_seed` and ``name``."""
@@ -58,5 +65,7 @@ def describe(tried: int, total: int, *, full: bool = False) -> str:
     """How a sweep's summary line says what it tried and how to reproduce or widen it."""
     if full or FULL or tried == total:
         return f"all {total} points"
-    return (f"{tried} of {total} points (seed {sweep_seed()}: TXCKPT_SWEEP_SEED={sweep_seed()} reproduces the draw, "
-            f"TXCKPT_FULL_SWEEP=1 tries all)")
+    return (
+        f"{tried} of {total} points (seed {sweep_seed()}: TXCKPT_SWEEP_SEED={sweep_seed()} reproduces the draw, "
+        f"TXCKPT_FULL_SWEEP=1 tries all)"
+    )

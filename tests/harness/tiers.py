@@ -52,19 +52,41 @@ TIERS = {
 #: Fixtures that start (or stand on) a server of their own.
 SERVER_FIXTURES = frozenset({"s3_server", "gcs_server", "azure_server", "seaweedfs_cluster"})
 #: Markers that imply another marker.
-IMPLIED = {"s3": ("server",), "gcs": ("server", "campaign"), "azure": ("server", "campaign"),
-           "seaweedfs": ("server", "campaign"),
-           "distributed": ("process",), "slow": ("campaign",)}
+IMPLIED = {
+    "s3": ("server",),
+    "gcs": ("server", "campaign"),
+    "azure": ("server", "campaign"),
+    "seaweedfs": ("server", "campaign"),
+    "distributed": ("process",),
+    "slow": ("campaign",),
+}
 
 
 #: Names whose use starts a child process: the standard library's and the suite's own starters
 #: (tests/harness/procs.py, tests/harness/launcher.py, tests/harness/crash_sweep.py, tests/harness/zygote.py,
 #: the campaign's runner).
-SPAWNERS = frozenset({
-    "subprocess", "Popen", "fork", "forkpty", "posix_spawn", "multiprocessing", "get_context",
-    "run_child", "child_value", "torchrun", "run_torchrun", "launch", "run_in_fresh_process",
-    "sweep", "count_ops", "run_cases", "run_python", "popen_python",
-})
+SPAWNERS = frozenset(
+    {
+        "subprocess",
+        "Popen",
+        "fork",
+        "forkpty",
+        "posix_spawn",
+        "multiprocessing",
+        "get_context",
+        "run_child",
+        "child_value",
+        "torchrun",
+        "run_torchrun",
+        "launch",
+        "run_in_fresh_process",
+        "sweep",
+        "count_ops",
+        "run_cases",
+        "run_python",
+        "popen_python",
+    }
+)
 
 
 @lru_cache(maxsize=None)
@@ -108,8 +130,12 @@ def _starts_a_process(item) -> bool:
 
 
 def pytest_addoption(parser) -> None:
-    parser.addoption("--tier", choices=sorted(TIERS), default=None,
-                     help="run one tier of the suite: " + "; ".join(f"{k}: -m '{v}'" for k, v in TIERS.items()))
+    parser.addoption(
+        "--tier",
+        choices=sorted(TIERS),
+        default=None,
+        help="run one tier of the suite: " + "; ".join(f"{k}: -m '{v}'" for k, v in TIERS.items()),
+    )
 
 
 def pytest_configure(config) -> None:
@@ -117,9 +143,13 @@ def pytest_configure(config) -> None:
     if tier:
         given = config.option.markexpr
         config.option.markexpr = f"({TIERS[tier]}) and ({given})" if given else TIERS[tier]
-    config.addinivalue_line("markers", "campaign: a long campaign, run by `make campaign` only (tests/harness/tiers.py)")
+    config.addinivalue_line(
+        "markers", "campaign: a long campaign, run by `make campaign` only (tests/harness/tiers.py)"
+    )
     config.addinivalue_line("markers", "process: starts a child process: not in `make test-fast`")
-    config.addinivalue_line("markers", "server: uses a server (moto, fake-gcs-server, Azurite): not in `make test-fast`")
+    config.addinivalue_line(
+        "markers", "server: uses a server (moto, fake-gcs-server, Azurite): not in `make test-fast`"
+    )
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -173,6 +203,7 @@ def _fast_tier_guard(request, monkeypatch):
             refused.append(f"{what}: mark it `{marker}` (tests/harness/tiers.py)")
             # pytest's Failed is a BaseException: library code's `except Exception` lets it by.
             pytest.fail(refused[-1], pytrace=False)
+
         return refusing
 
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
@@ -183,8 +214,9 @@ def _fast_tier_guard(request, monkeypatch):
         monkeypatch.setattr(_posixsubprocess, "fork_exec", child)
         if hasattr(subprocess, "_fork_exec"):  # the name subprocess bound at its import (3.11+)
             monkeypatch.setattr(subprocess, "_fork_exec", child)
-    monkeypatch.setattr(socket.socket, "listen",
-                        refuse("a listening socket in the fast tier", "server", socket.socket.listen))
+    monkeypatch.setattr(
+        socket.socket, "listen", refuse("a listening socket in the fast tier", "server", socket.socket.listen)
+    )
     yield
     if refused and not audit and not request.node.stash.get(_CALL_FAILED, False):  # swallowed on the way
         pytest.fail(f"{request.node.nodeid}: {refused[0]}", pytrace=False)

@@ -3,6 +3,7 @@ and the tests (a library).
 
 Works with transformers 4.57 (PretrainedConfig) and 5.x (PreTrainedConfig).
 """
+
 import hashlib
 import json
 import os
@@ -56,9 +57,17 @@ class Start(TrainerCallback):
 
 
 def make_args(out, max_steps, **overrides):
-    kw = dict(output_dir=out, max_steps=max_steps, save_steps=2, learning_rate=1e-2,
-              per_device_train_batch_size=4, use_cpu=True, report_to="none",
-              logging_strategy="no", disable_tqdm=True)
+    kw = dict(
+        output_dir=out,
+        max_steps=max_steps,
+        save_steps=2,
+        learning_rate=1e-2,
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        report_to="none",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
     kw.update(overrides)
     return TrainingArguments(**kw)
 
@@ -80,5 +89,8 @@ def root_kwargs():
     root = os.environ.get("TXCKPT_TEST_ROOT")
     if not root:
         return kw
-    return {**kw, "txckpt_root": root,
-            "txckpt_storage_options": json.loads(os.environ.get("TXCKPT_TEST_STORAGE_OPTIONS") or "{}")}
+    return {
+        **kw,
+        "txckpt_root": root,
+        "txckpt_storage_options": json.loads(os.environ.get("TXCKPT_TEST_STORAGE_OPTIONS") or "{}"),
+    }

@@ -73,7 +73,7 @@ def short(args: Any, root: str | None = None) -> str:
         if isinstance(a, (str, bytes, os.PathLike)):
             p = os.fsdecode(a)
             if root and (p == root or p.startswith(root + "/")):
-                p = "<root>" + p[len(root):]
+                p = "<root>" + p[len(root) :]
             else:
                 p = "/".join(p.split("/")[-3:])
             out.append(p)
@@ -83,13 +83,23 @@ def short(args: Any, root: str | None = None) -> str:
 
 
 class Tracer:
-    def __init__(self, kill_at: int | tuple[str, int] | None = None, when: str = "before", *,
-                 mode: str | None = "kill", on_crash: Callable[[], None] | None = None,
-                 by_occurrence: bool = False, coalesce_writes: bool = False, count_nested: bool = True,
-                 under: str | None = None, root: str | None = None, write_sizes: bool = True,
-                 rename: Callable[[str], str] | None = None, label_file: str | None = None):
-        self.kill_at: int | tuple[str, int] | None = (
-            tuple(kill_at) if by_occurrence and kill_at else kill_at)  # type: ignore[arg-type]  # a JSON list
+    def __init__(
+        self,
+        kill_at: int | tuple[str, int] | None = None,
+        when: str = "before",
+        *,
+        mode: str | None = "kill",
+        on_crash: Callable[[], None] | None = None,
+        by_occurrence: bool = False,
+        coalesce_writes: bool = False,
+        count_nested: bool = True,
+        under: str | None = None,
+        root: str | None = None,
+        write_sizes: bool = True,
+        rename: Callable[[str], str] | None = None,
+        label_file: str | None = None,
+    ):
+        self.kill_at: int | tuple[str, int] | None = tuple(kill_at) if by_occurrence and kill_at else kill_at  # type: ignore[arg-type]  # a JSON list
         self.when = when
         self.mode = mode if kill_at is not None else None
         self.on_crash = on_crash
@@ -139,14 +149,23 @@ class Tracer:
         if self.label_file:  # which op this process dies at (the op order can vary a little)
             done = self.ops if completed is None else self.ops[:completed]
             with self._real_open(self.label_file, "w") as f:
-                json.dump({"k": self.kill_at, "when": self.when, "op": self.ops[-1] if self.ops else None,
-                           "done": done}, f)
+                json.dump(
+                    {"k": self.kill_at, "when": self.when, "op": self.ops[-1] if self.ops else None, "done": done}, f
+                )
         if self.on_crash is not None:
             self.on_crash()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def op(self, name: str, fn: Callable, *args: Any, mut: bool = True, write_key: str | None = None,
-           inject: bool = True, **kwargs: Any) -> Any:
+    def op(
+        self,
+        name: str,
+        fn: Callable,
+        *args: Any,
+        mut: bool = True,
+        write_key: str | None = None,
+        inject: bool = True,
+        **kwargs: Any,
+    ) -> Any:
         """Run ``fn(*args, **kwargs)`` as the operation ``name``, counted and judged."""
         depth = getattr(self._tls, "depth", 0)
         if depth and not self.count_nested:
@@ -204,8 +223,11 @@ class Tracer:
         for a in args:
             if isinstance(a, (str, bytes, os.PathLike)):
                 p = os.path.abspath(os.fsdecode(a))
-                return (p == self.under or p.startswith(self.under + os.sep)
-                        or os.path.realpath(p).startswith(self.under + os.sep))
+                return (
+                    p == self.under
+                    or p.startswith(self.under + os.sep)
+                    or os.path.realpath(p).startswith(self.under + os.sep)
+                )
         return True  # fd-based (fsync): counted
 
     def name(self, what: str, args: Any, extra: str = "") -> str:
@@ -218,35 +240,48 @@ class Tracer:
 
         tracer = self
         for attr in OS_OPS:
+
             def factory(real: Any, attr: str = attr) -> Any:
                 def wrapper(*args: Any, **kwargs: Any) -> Any:
                     if not tracer._mine(args):
                         return real(*args, **kwargs)
-                    return tracer.op(tracer.name(attr, args), real, *args,
-                                     inject=attr not in _NO_SPACE_NEEDED, **kwargs)
+                    return tracer.op(
+                        tracer.name(attr, args), real, *args, inject=attr not in _NO_SPACE_NEEDED, **kwargs
+                    )
+
                 return wrapper
+
             self._patch(os, attr, factory)
 
         def rn_factory(real: Any) -> Any:
             def wrapper(*args: Any, **kwargs: Any) -> Any:
                 return tracer.op(tracer.name("rename_noreplace", args), real, *args, **kwargs)
+
             return wrapper
+
         self._patch(local, "rename_noreplace", rn_factory)
 
         def rx_factory(real: Any) -> Any:
             def wrapper(*args: Any, **kwargs: Any) -> Any:
                 return tracer.op(tracer.name("rename_exchange", args), real, *args, **kwargs)
+
             return wrapper
+
         self._patch(fileio, "rename_exchange", rx_factory)  # called as fileio.rename_exchange
 
         def open_factory(real_open: Any) -> Any:
             def traced_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-                if not (set(mode) & _WRITE_MODES) or not isinstance(file, (str, bytes, os.PathLike)) \
-                        or not tracer._mine((file,)):
+                if (
+                    not (set(mode) & _WRITE_MODES)
+                    or not isinstance(file, (str, bytes, os.PathLike))
+                    or not tracer._mine((file,))
+                ):
                     return real_open(file, mode, *args, **kwargs)
                 f = tracer.op(tracer.name("open", (file,), f", {mode}"), real_open, file, mode, *args, **kwargs)
                 return TracedFile(f, tracer, os.fsdecode(file))
+
             return traced_open
+
         self._patch(builtins, "open", open_factory)
         return self
 
@@ -277,8 +312,9 @@ class TracedFile:
         size = ""
         if self._tracer.write_sizes:
             size = f", {len(data) if isinstance(data, str) else memoryview(data).nbytes}"
-        return self._tracer.op(self._tracer.name("write", (self._path,), size), self._f.write, data,
-                               write_key=self._path)
+        return self._tracer.op(
+            self._tracer.name("write", (self._path,), size), self._f.write, data, write_key=self._path
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)

@@ -68,18 +68,58 @@ SET_BY_IMPORTS: dict[str, str] = {}
 
 #: Read by the interpreter at start-up or by the preloaded libraries at import: a child whose
 #: environment differs from the zygote's in one of these cannot be a fork of it.
-_IMPORT_TIME_PREFIXES = ("TRANSFORMERS_", "HF_", "HUGGINGFACE_", "ACCELERATE_", "TORCH", "PYTORCH_",
-                         "CUDA_", "NCCL_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "TOKENIZERS_", "XDG_",
-                         "DEEPSPEED", "DS_", "USE_", "PYTHON", "LD_", "MALLOC_")
-_IMPORT_TIME_NAMES = frozenset({"HOME", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                "MASTER_ADDR", "MASTER_PORT", "LC_ALL", "LC_CTYPE", "LANG"})
+_IMPORT_TIME_PREFIXES = (
+    "TRANSFORMERS_",
+    "HF_",
+    "HUGGINGFACE_",
+    "ACCELERATE_",
+    "TORCH",
+    "PYTORCH_",
+    "CUDA_",
+    "NCCL_",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "OPENBLAS_",
+    "TOKENIZERS_",
+    "XDG_",
+    "DEEPSPEED",
+    "DS_",
+    "USE_",
+    "PYTHON",
+    "LD_",
+    "MALLOC_",
+)
+_IMPORT_TIME_NAMES = frozenset(
+    {
+        "HOME",
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "LC_ALL",
+        "LC_CTYPE",
+        "LANG",
+    }
+)
 #: Handled in the child (tests/children/zygote_server.py) or not read at start-up. The last two
 #: match the prefixes but are read when used, not at import (the child's os.environ is the
 #: request's): accelerate's is_cuda_available() leaves PYTORCH_NVML_BASED_CUDA_CHECK=1 in a test
 #: process that ran a Trainer in-process, and torch's inductor sets TORCHINDUCTOR_CACHE_DIR when
 #: imported; a clean-clone `make test` fell back to plain subprocesses for every launch after them.
-_HANDLED = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONDONTWRITEBYTECODE",
-                      "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR"})
+_HANDLED = frozenset(
+    {
+        "PYTHONPATH",
+        "PYTHONUNBUFFERED",
+        "PYTHONIOENCODING",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTORCH_NVML_BASED_CUDA_CHECK",
+        "TORCHINDUCTOR_CACHE_DIR",
+    }
+)
 #: Import-time variables whose value, where a request's differs from the suite's, gets a zygote of
 #: its own started with that value (instead of a plain subprocess), for a value the suite sets for
 #: a group of torch-importing children. None does yet: test_trainer_remote.py's one OMP_NUM_THREADS=1
@@ -124,8 +164,14 @@ class _Server:
         # numpy's OpenBLAS starts a worker thread at import unless told otherwise: the zygote must
         # fork with one thread (the children's BLAS then runs on one thread, a cost, not a result).
         env = {"OPENBLAS_NUM_THREADS": "1", **self.start_env}
-        self.proc = subprocess.Popen([sys.executable, SERVER, self.path], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, env=env, cwd=self.dir)
+        self.proc = subprocess.Popen(
+            [sys.executable, SERVER, self.path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+            cwd=self.dir,
+        )
         line = self.proc.stdout.readline()  # once the heavy imports are done
         if not line:
             self.proc.wait()
@@ -215,9 +261,18 @@ def _fd_for(spec: Any, default: int, mode: str, opened: list[int]) -> tuple[int,
 class ZygoteProcess:
     """A child forked by the zygote: the parts of :class:`subprocess.Popen` the suite uses."""
 
-    def __init__(self, argv: Sequence[str], *, env: dict | None = None, cwd: str | None = None,
-                 stdin: Any = None, stdout: Any = None, stderr: Any = None, text: bool = False,
-                 zygote: _Server | None = None) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        env: dict | None = None,
+        cwd: str | None = None,
+        stdin: Any = None,
+        stdout: Any = None,
+        stderr: Any = None,
+        text: bool = False,
+        zygote: _Server | None = None,
+    ) -> None:
         self.args = [sys.executable, *map(str, argv)]
         self.returncode: int | None = None
         self._lock = threading.Lock()
@@ -248,6 +303,7 @@ class ZygoteProcess:
                 return None
             f = io.open(fd, mode + "b")
             return io.TextIOWrapper(f, encoding="utf-8" if mode == "r" else None) if text else f
+
         self.stdin = wrap(our_in, "w")
         self.stdout = wrap(our_out, "r")
         self.stderr = wrap(our_err, "r")
@@ -365,28 +421,58 @@ def _route(argv: Sequence[str], env: dict | None) -> tuple[str | None, _Server |
     return None, zygote
 
 
-def popen_python(argv: Sequence[str], *, env: dict | None = None, cwd: str | None = None, stdin: Any = None,
-                 stdout: Any = None, stderr: Any = None, text: bool = False) -> Any:
+def popen_python(
+    argv: Sequence[str],
+    *,
+    env: dict | None = None,
+    cwd: str | None = None,
+    stdin: Any = None,
+    stdout: Any = None,
+    stderr: Any = None,
+    text: bool = False,
+) -> Any:
     """``subprocess.Popen([sys.executable, *argv], ...)``, forked by the zygote."""
     why, zygote = _route(argv, env)
     if why:
         FALLBACKS.append(why)
-        return subprocess.Popen([sys.executable, *map(str, argv)], env=env, cwd=cwd, stdin=stdin, stdout=stdout,
-                                stderr=stderr, text=text)
+        return subprocess.Popen(
+            [sys.executable, *map(str, argv)], env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text
+        )
     return ZygoteProcess(argv, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text, zygote=zygote)
 
 
-def run_python(argv: Sequence[str], *, env: dict | None = None, cwd: str | None = None,
-               timeout: float | None = None, input: str | None = None) -> subprocess.CompletedProcess:
+def run_python(
+    argv: Sequence[str],
+    *,
+    env: dict | None = None,
+    cwd: str | None = None,
+    timeout: float | None = None,
+    input: str | None = None,
+) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, *argv], capture_output=True, text=True, ...)``, forked by
     the zygote."""
     why, zygote = _route(argv, env)
     if why:
         FALLBACKS.append(why)
-        return subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True, env=env, cwd=cwd,
-                              timeout=timeout, input=input)
-    p = ZygoteProcess(argv, env=env, cwd=cwd, stdin=subprocess.PIPE if input is not None else None,
-                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, zygote=zygote)
+        return subprocess.run(
+            [sys.executable, *map(str, argv)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=cwd,
+            timeout=timeout,
+            input=input,
+        )
+    p = ZygoteProcess(
+        argv,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.PIPE if input is not None else None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        zygote=zygote,
+    )
     try:
         out, err = p.communicate(input, timeout=timeout)
     except subprocess.TimeoutExpired:

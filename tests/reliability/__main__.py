@@ -21,12 +21,17 @@ from .core import REPO, Case, Ctx, Result, machine, run_cases, scratch_base, war
 def all_cases() -> list[Case]:
     from . import badinput, concurrency, crash, powerloss, ranks, soak
 
-    return (crash.cases() + powerloss.cases() + concurrency.cases() + badinput.cases() + ranks.cases()
-            + soak.cases())
+    return crash.cases() + powerloss.cases() + concurrency.cases() + badinput.cases() + ranks.cases() + soak.cases()
 
 
-def run(quick: bool, only: list[str] | None = None, workers: int = 2, seed: int = 0,
-        budget: float | None = None, progress=print) -> tuple[list[Result], float, dict[str, str]]:
+def run(
+    quick: bool,
+    only: list[str] | None = None,
+    workers: int = 2,
+    seed: int = 0,
+    budget: float | None = None,
+    progress=print,
+) -> tuple[list[Result], float, dict[str, str]]:
     """Run the (selected) cases; returns (results, wall seconds, machine info)."""
     logging.getLogger("txckpt").addHandler(logging.NullHandler())
     logging.getLogger("txckpt").propagate = False
@@ -50,8 +55,9 @@ def run(quick: bool, only: list[str] | None = None, workers: int = 2, seed: int 
     load_before = os.getloadavg()
     t0 = time.monotonic()
     try:
-        results = run_cases(cases, Ctx(workdir, quick, seed, endpoint), workers=workers, budget=budget,
-                            progress=progress)
+        results = run_cases(
+            cases, Ctx(workdir, quick, seed, endpoint), workers=workers, budget=budget, progress=progress
+        )
     finally:
         if server is not None:
             server.stop()
@@ -62,9 +68,11 @@ def run(quick: bool, only: list[str] | None = None, workers: int = 2, seed: int 
     info = machine()
     info["Mode"] = ("quick" if quick else "full") + f", seed {seed}, {workers} cases at a time"
     # The wall time depends on what else the 2 cores run: say how busy they were.
-    info["Load average"] = (f"{' '.join(f'{x:.2f}' for x in load_before)} at the start, "
-                            f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end (1/5/15 min; "
-                            f"the campaign itself keeps about {workers} busy)")
+    info["Load average"] = (
+        f"{' '.join(f'{x:.2f}' for x in load_before)} at the start, "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end (1/5/15 min; "
+        f"the campaign itself keeps about {workers} busy)"
+    )
     return results, wall, info
 
 
@@ -79,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cmd = "python -m tests.reliability" + (" --quick" if args.quick else "")
     print(f"{cmd}: running...", flush=True)
-    results, wall, info = run(args.quick, args.only, args.workers, args.seed,
-                              progress=lambda s: print(s, flush=True))
+    results, wall, info = run(args.quick, args.only, args.workers, args.seed, progress=lambda s: print(s, flush=True))
     from .report import render
 
     text = render(results, info, quick=args.quick, wall=wall, command=cmd)
@@ -92,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     new = sum(len(r.violations) for r in results)
     errors = sum(1 for r in results if r.error)
     known = sum(len(r.known_violations) for r in results)
-    print(f"{len(results)} cases, {new} unexplained violations, {errors} harness errors, {known} known-issue "
-          f"violations; {wall / 60:.1f} min; wrote {args.out}")
+    print(
+        f"{len(results)} cases, {new} unexplained violations, {errors} harness errors, {known} known-issue "
+        f"violations; {wall / 60:.1f} min; wrote {args.out}"
+    )
     return 1 if new or errors else 0
 
 

@@ -92,20 +92,28 @@ def _actor_main(cmd: Any, res: Any, env: dict[str, str], inherit: dict[str, Any]
         try:
             res.put(("ok", fn(state, *args, **kwargs)))
         except BaseException as e:  # noqa: BLE001 - every outcome goes back to the test
-            res.put(("err", type(e).__name__, str(e), traceback.format_exc(limit=-4),
-                     isinstance(e, txckpt.TxckptError)))
+            res.put(
+                ("err", type(e).__name__, str(e), traceback.format_exc(limit=-4), isinstance(e, txckpt.TxckptError))
+            )
     os._exit(0)
 
 
 class Actor:
-    def __init__(self, name: str, env: dict[str, str] | None = None, timeout: float = 180.0,
-                 inherit: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        name: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 180.0,
+        inherit: dict[str, Any] | None = None,
+    ):
         ctx = multiprocessing.get_context("fork")
         self.name = name
         self.timeout = timeout
         self.cmd = ctx.Queue()
         self.res = ctx.Queue()
-        self.proc = ctx.Process(target=_actor_main, args=(self.cmd, self.res, dict(env or {}), dict(inherit or {})), daemon=True)
+        self.proc = ctx.Process(
+            target=_actor_main, args=(self.cmd, self.res, dict(env or {}), dict(inherit or {})), daemon=True
+        )
         self.proc.start()
 
     # ----- calls -------------------------------------------------------------------------------
@@ -119,8 +127,10 @@ class Actor:
         deadline = time.monotonic() + self.timeout
         while True:
             # Wake on an answer or on the actor's exit, whichever comes first.
-            multiprocessing.connection.wait([self.res._reader, self.proc.sentinel],  # type: ignore[attr-defined]
-                                            max(deadline - time.monotonic(), 0.0))
+            multiprocessing.connection.wait(
+                [self.res._reader, self.proc.sentinel],  # type: ignore[attr-defined]
+                max(deadline - time.monotonic(), 0.0),
+            )
             try:
                 return self.res.get(block=False)
             except queue.Empty:

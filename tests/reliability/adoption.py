@@ -95,11 +95,11 @@ def _template(ctx: Ctx) -> tuple[str, dict[str, str]]:
     return template, child_value(build, "building the legacy template")
 
 
-def _verdict(root: str, legacy: dict[str, str], modes: tuple[str, str], label: str,
-             so: dict | None = None) -> list[str]:
+def _verdict(
+    root: str, legacy: dict[str, str], modes: tuple[str, str], label: str, so: dict | None = None
+) -> list[str]:
     allowed = [f"L-{LEGACY_STEPS[-1]}"] + [f"{n}-40" for n, m in zip("ab", modes) if m == "save"]
-    code, out = run_child(lambda: check(root, so, {"allowed": allowed, "before": {}, "legacy": legacy}),
-                          timeout=300)
+    code, out = run_child(lambda: check(root, so, {"allowed": allowed, "before": {}, "legacy": legacy}), timeout=300)
     if code != 0 or not out or "ok" not in out:
         return [f"{label}: [harness] the checker failed: {out and out.get('error')}"]
     return [f"{label}: {v}" for v in out["ok"]]
@@ -178,10 +178,12 @@ def concurrency_rounds(ctx: Ctx, case: Case, result: Result) -> None:
         for x in actors.values():
             x.stop()
     result.tried, result.points, result.unit = rounds, rounds, "rounds"
-    result.notes.append(f"{rounds} rounds over adopt+adopt, save+save, adopt+save: "
-                        + ", ".join(f"{v} {k}" for k, v in styles.items())
-                        + f"; {killed} victims SIGKILLed at their pause point, the others finished before it "
-                        "(they lost early)")
+    result.notes.append(
+        f"{rounds} rounds over adopt+adopt, save+save, adopt+save: "
+        + ", ".join(f"{v} {k}" for k, v in styles.items())
+        + f"; {killed} victims SIGKILLed at their pause point, the others finished before it "
+        "(they lost early)"
+    )
     classify(result, found, case.known)
 
 
@@ -275,21 +277,41 @@ def crash_rounds(ctx: Ctx, case: Case, result: Result) -> None:
         found += _verdict(root, legacy, modes, label)
         shutil.rmtree(root, ignore_errors=True)
     result.tried, result.points, result.unit = rounds, rounds, "rounds"
-    result.notes.append(f"{rounds} rounds over adopt+adopt, save+save, adopt+save; alone, an adoption makes "
-                        f"{counts['adopt']} file ops and a first save {counts['save']}; {killed} victims were "
-                        f"SIGKILLed at their drawn op, the others finished first (fewer ops beside a peer)")
+    result.notes.append(
+        f"{rounds} rounds over adopt+adopt, save+save, adopt+save; alone, an adoption makes "
+        f"{counts['adopt']} file ops and a first save {counts['save']}; {killed} victims were "
+        f"SIGKILLed at their drawn op, the others finished first (fewer ops beside a peer)"
+    )
     classify(result, found, case.known)
 
 
 def concurrency_cases() -> list[Case]:
-    return [Case(f"concurrency/{backend}/adoption-race", "concurrency",
-                 "two processes adopt one legacy root (adopt+adopt, save+save, adopt+save): released together, "
-                 "paused after hashing, or one SIGKILLed at a pause point", backend, concurrency_rounds,
-                 cost=25 if backend == "s3" else 10, cost_full=150 if backend == "s3" else 60,
-                 needs_s3=backend == "s3") for backend in ("local", "s3")]
+    return [
+        Case(
+            f"concurrency/{backend}/adoption-race",
+            "concurrency",
+            "two processes adopt one legacy root (adopt+adopt, save+save, adopt+save): released together, "
+            "paused after hashing, or one SIGKILLed at a pause point",
+            backend,
+            concurrency_rounds,
+            cost=25 if backend == "s3" else 10,
+            cost_full=150 if backend == "s3" else 60,
+            needs_s3=backend == "s3",
+        )
+        for backend in ("local", "s3")
+    ]
 
 
 def crash_cases() -> list[Case]:
-    return [Case("crash/local/adoption-race", "crash",
-                 "two processes adopt one legacy root (adopt+adopt, save+save, adopt+save), one SIGKILLed at a "
-                 "random file op", "local", crash_rounds, cost=25, cost_full=250)]
+    return [
+        Case(
+            "crash/local/adoption-race",
+            "crash",
+            "two processes adopt one legacy root (adopt+adopt, save+save, adopt+save), one SIGKILLed at a "
+            "random file op",
+            "local",
+            crash_rounds,
+            cost=25,
+            cost_full=250,
+        )
+    ]

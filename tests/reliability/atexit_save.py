@@ -61,8 +61,14 @@ def child_main(root: str, kill_at: int, when: str, out: str) -> None:
 
 def _run(root: str, kill_at: int, when: str, out: str) -> tuple[int, dict[str, Any] | None, str]:
     env = dict(os.environ, PYTHONPATH=REPO)
-    p = subprocess.run([sys.executable, "-m", "tests.reliability.atexit_save", root, str(kill_at), when, out],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "tests.reliability.atexit_save", root, str(kill_at), when, out],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     report = None
     if os.path.exists(out):
         with open(out) as f:
@@ -97,15 +103,20 @@ def atexit_sweep(ctx: Ctx, case: Case, result: Result) -> None:
     code, report, err = _run(root, 0, "before", root + ".json")
     result.tried = 1
     if code != 0 or not report or report["outcome"] != os.path.join(root, f"checkpoint-{STEP_ATEXIT}"):
-        classify(result, [f"[lost] the atexit save did not commit (exit {code}; "
-                          f"{report and report['outcome']}): {err}"], case.known)
+        classify(
+            result,
+            [f"[lost] the atexit save did not commit (exit {code}; {report and report['outcome']}): {err}"],
+            case.known,
+        )
         return
     if report["done_at_return"] is not True:
-        found.append("[atexit] async_save from an atexit handler returned before its save finished: "
-                     "nothing would wait for it")
+        found.append(
+            "[atexit] async_save from an atexit handler returned before its save finished: nothing would wait for it"
+        )
     # The finished run: step 4 is the newest, for a fresh process, with every invariant.
-    ccode, verdict = run_child(lambda: check(root, None, {"allowed": [f"A-{STEP_ATEXIT}"], "before": before}),
-                               timeout=300)
+    ccode, verdict = run_child(
+        lambda: check(root, None, {"allowed": [f"A-{STEP_ATEXIT}"], "before": before}), timeout=300
+    )
     if ccode != 0:
         found.append(f"completed run: [harness] the checker failed: {verdict and verdict.get('error')}")
     else:
@@ -133,17 +144,28 @@ def atexit_sweep(ctx: Ctx, case: Case, result: Result) -> None:
             found += [f"{label}: {x}" for x in verdict["ok"]]
         rmtree(os.path.dirname(u))
     result.points = len(pts)
-    result.notes.append(f"{len(ops)} file ops in the atexit save, {len(pts)} points"
-                        + (" (sampled)" if len(pts) < 2 * len(ops) else "")
-                        + (f", {unreached} not reached (fewer ops; the completed state was checked)" if unreached else "")
-                        + "; the unkilled run exits 0 with step 4 committed")
+    result.notes.append(
+        f"{len(ops)} file ops in the atexit save, {len(pts)} points"
+        + (" (sampled)" if len(pts) < 2 * len(ops) else "")
+        + (f", {unreached} not reached (fewer ops; the completed state was checked)" if unreached else "")
+        + "; the unkilled run exits 0 with step 4 committed"
+    )
     classify(result, found, case.known)
 
 
 def crash_cases() -> list[Case]:
-    return [Case("crash/local/async-atexit", "crash",
-                 "async_save from an atexit handler (a save of main still pending at exit), the interpreter "
-                 "SIGKILLed at each file op of the atexit save", "local", atexit_sweep, cost=40, cost_full=200)]
+    return [
+        Case(
+            "crash/local/async-atexit",
+            "crash",
+            "async_save from an atexit handler (a save of main still pending at exit), the interpreter "
+            "SIGKILLed at each file op of the atexit save",
+            "local",
+            atexit_sweep,
+            cost=40,
+            cost_full=200,
+        )
+    ]
 
 
 if __name__ == "__main__":

@@ -66,8 +66,15 @@ def build_base(url: str, so: dict | None) -> dict[str, Any]:
     lease = acquire_reader_lease(r, by_tag["A-2"].txid, seconds=10 * 365 * 86400)
     dead = f"8-{by_tag['B-4'].lineage}-0123456789"
     st.create_exclusive(f".txckpt/tx/{dead}/checkpoint-8/model.safetensors", b"partial", durable=False)
-    intent = {"txid": dead, "step": 8, "lineage": by_tag["B-4"].lineage, "host": socket.gethostname(),
-              "pid": 999999, "time": time.time() - 100, "world_size": 1}
+    intent = {
+        "txid": dead,
+        "step": 8,
+        "lineage": by_tag["B-4"].lineage,
+        "host": socket.gethostname(),
+        "pid": 999999,
+        "time": time.time() - 100,
+        "world_size": 1,
+    }
     st.create_exclusive(f".txckpt/intents/{dead}.json", json.dumps(intent).encode(), durable=False)
 
     # A history snapshot of the newest entry (protocol §4a; written by retention and gc every
@@ -98,8 +105,12 @@ def build_base(url: str, so: dict | None) -> dict[str, Any]:
     targets["intent"] = f".txckpt/intents/{dead}.json"
     targets["lease"] = lease
     targets["snapshot"] = commit_log.snapshot_key(hist.state.seq)
-    return {"tags": tags, "targets": targets, "keys": {t: key_of(c) for t, c in by_tag.items()},
-            "txids": {t: c.txid for t, c in by_tag.items()}}
+    return {
+        "tags": tags,
+        "targets": targets,
+        "keys": {t: key_of(c) for t, c in by_tag.items()},
+        "txids": {t: c.txid for t, c in by_tag.items()},
+    }
 
 
 # =================================================================================================
@@ -128,8 +139,15 @@ def committed_files(url: str, so: dict | None, info: dict[str, Any]) -> dict[str
     return {k: h for k, h in idx.items() if any(k.startswith(p) for p in prefixes) and not k.endswith(".tmp")}
 
 
-def probe(url: str, so: dict | None, info: dict[str, Any], before: dict[str, str],
-          exempt: set[str], want: str = "B-4", extra: Callable | None = None) -> dict[str, Any]:
+def probe(
+    url: str,
+    so: dict | None,
+    info: dict[str, Any],
+    before: dict[str, str],
+    exempt: set[str],
+    want: str = "B-4",
+    extra: Callable | None = None,
+) -> dict[str, Any]:
     import txckpt
     from txckpt.errors import TxckptError
     from txckpt.gc import collect_garbage
@@ -197,9 +215,11 @@ def probe(url: str, so: dict | None, info: dict[str, Any], before: dict[str, str
                 except Exception:
                     continue
                 if m.digest != digests.get(c.txid) and len(m.files) != c.files:
-                    v.append(f"[silent] {expected or c.txid} loads without a warning from a manifest listing "
-                             f"{len(m.files)} files, while its commit entry recorded {c.files} files and another "
-                             "manifest digest")
+                    v.append(
+                        f"[silent] {expected or c.txid} loads without a warning from a manifest listing "
+                        f"{len(m.files)} files, while its commit entry recorded {c.files} files and another "
+                        "manifest digest"
+                    )
     if extra is not None:
         v += extra(url, so, attempt)
     attempt("gc", lambda: collect_garbage(CheckpointRoot(url, so)))
@@ -295,8 +315,14 @@ class Campaign:
         self.n = 0
         self.outcomes: dict[str, int] = {}
 
-    def run(self, label: str, damage: Callable[[Damage], set[str]], want: str = "B-4",
-            extra: Callable | None = None, prepare: Callable | None = None) -> dict | None:
+    def run(
+        self,
+        label: str,
+        damage: Callable[[Damage], set[str]],
+        want: str = "B-4",
+        extra: Callable | None = None,
+        prepare: Callable | None = None,
+    ) -> dict | None:
         """Copy the base root, apply ``damage`` (returns keys whose content it changed or removed),
         probe it in a fresh process."""
         self.n += 1
@@ -341,6 +367,7 @@ def _flip(key: str, pos: int) -> Callable[[Damage], set[str]]:
         b[pos] ^= 0x01
         d.write(key, bytes(b))
         return {key}
+
     return f
 
 
@@ -350,6 +377,7 @@ def _truncate(key: str, how: str) -> Callable[[Damage], set[str]]:
         n = {"half": len(b) // 2, "zero": 0, "minus1": len(b) - 1}[how]
         d.write(key, b[:n])
         return {key}
+
     return f
 
 
@@ -357,16 +385,19 @@ def _delete(key: str) -> Callable[[Damage], set[str]]:
     def f(d: Damage) -> set[str]:
         d.delete(key)
         return {key}
+
     return f
 
 
 def _fifo(key: str) -> Callable[[Damage], set[str]]:
     """Replace the file with a FIFO (local roots): a reader that opens it blocking hangs forever,
     which the probe's timeout turns into a harness failure."""
+
     def f(d: Damage) -> set[str]:
         d.delete(key)
         os.mkfifo(d._path(key))
         return {key}
+
     return f
 
 
@@ -386,6 +417,7 @@ def file_damage(ctx: Ctx, case: Case, result: Result) -> None:
             def both(d: Damage) -> set[str]:
                 d.delete(t["snapshot"])
                 return damage(d) | {t["snapshot"]}
+
             return original(label, both, *a, **kw)
 
         c.run = run_without_snapshot  # type: ignore[method-assign]
@@ -400,15 +432,18 @@ def file_damage(ctx: Ctx, case: Case, result: Result) -> None:
         # commit entry, the newest manifest, the hint, intent and lease), every 3rd byte of the others;
         # a sample on S3 (~2 s a probe).
         sample = ctx.quick or case.backend == "s3"
-        positions = flip_positions(len(data), sample, data, ctx.seed + len(name), every) \
-            if is_json else sorted({0, len(data) // 2, len(data) - 1})
+        positions = (
+            flip_positions(len(data), sample, data, ctx.seed + len(name), every)
+            if is_json
+            else sorted({0, len(data) // 2, len(data) - 1})
+        )
         if small:
             positions = positions[:4] if is_json else positions[1:2]
         elif case.backend == "s3" and is_json:
             positions = sorted(random.Random(ctx.seed).sample(positions, min(8, len(positions))))
         for pos in positions:
             c.run(f"{name}: flip byte {pos}/{len(data)}", _flip(key, pos))
-        for how in (("half",) if small else ("half", "zero", "minus1")):
+        for how in ("half",) if small else ("half", "zero", "minus1"):
             if len(data) > 1 or how == "zero":
                 c.run(f"{name}: truncate ({how})", _truncate(key, how))
         c.run(f"{name}: delete", _delete(key))
@@ -422,7 +457,9 @@ def _read_template(c: Campaign, key: str) -> bytes:
         with open(os.path.join(c.turl, *key.split("/")), "rb") as f:
             return f.read()
     if c.backend == "s3":
-        return c.roots.client.get_object(Bucket=c.roots.bucket, Key=c.roots.s3_prefix_of(c.turl) + "/" + key)["Body"].read()
+        return c.roots.client.get_object(Bucket=c.roots.bucket, Key=c.roots.s3_prefix_of(c.turl) + "/" + key)[
+            "Body"
+        ].read()
     raise ValueError(c.backend)
 
 
@@ -450,6 +487,7 @@ def hostile_manifests(ctx: Ctx, case: Case, result: Result) -> None:
             body["digest"] = _digest(body)
             d.write(mkey, json.dumps(body).encode())
             return {mkey}
+
         return f
 
     for name in ["../x", "../../outside/secret.bin", "/etc/passwd", secret, "a/../../x", "..", "./a", "a//b", "a\\b"]:
@@ -463,6 +501,7 @@ def hostile_manifests(ctx: Ctx, case: Case, result: Result) -> None:
             body["digest"] = _digest(body) if redigest else json.loads(d.read(mkey))["digest"]
             d.write(mkey, json.dumps(body).encode())
             return {mkey}
+
         return f
 
     def bump_size(b):
@@ -470,7 +509,10 @@ def hostile_manifests(ctx: Ctx, case: Case, result: Result) -> None:
 
     def swap_checksums(b):
         f = b["files"]
-        f["optimizer.pt"]["xxh3_128"], f["extra.dat"]["xxh3_128"] = f["extra.dat"]["xxh3_128"], f["optimizer.pt"]["xxh3_128"]
+        f["optimizer.pt"]["xxh3_128"], f["extra.dat"]["xxh3_128"] = (
+            f["extra.dat"]["xxh3_128"],
+            f["optimizer.pt"]["xxh3_128"],
+        )
 
     def drop_file(b):
         del b["files"]["extra.dat"]
@@ -479,7 +521,9 @@ def hostile_manifests(ctx: Ctx, case: Case, result: Result) -> None:
     c.run("manifest edited (two checksums swapped), digest recomputed", edit(swap_checksums, True))
     c.run("manifest edited (a file removed from it), digest recomputed", edit(drop_file, True))
     # A manifest copied from another root (same step, digest valid, other txid).
-    other_url = os.path.join(ctx.workdir, "other", "root") if c.backend == "local" else c.turl.replace("/template/", "/other/")
+    other_url = (
+        os.path.join(ctx.workdir, "other", "root") if c.backend == "local" else c.turl.replace("/template/", "/other/")
+    )
     tso = c.tso
 
     def other_manifest():
@@ -559,23 +603,33 @@ def by_hand(ctx: Ctx, case: Case, result: Result) -> None:
                 for k in s3.keys(c.roots.client, c.roots.bucket, pre):
                     c.roots.client.delete_object(Bucket=c.roots.bucket, Key=k)
             return {k for k in c.info["before"] if k.startswith(key + "/")}
+
         return f
 
     c.run("the newest checkpoint's directory deleted by hand", rm_tree(keys["B-4"]), want="A-2")
     c.run("an abandoned checkpoint's directory deleted by hand", rm_tree(keys["A-6"]))
     c.run("the fork point (checkpoint-2) deleted by hand", rm_tree(keys["A-2"]))
     if local:
+
         def rename(src, dst):
             def f(d: Damage) -> set[str]:
                 os.rename(d._path(src), d._path(dst))
                 return set()
+
             return f
 
         c.run("checkpoint-4 renamed to checkpoint-4.bak by hand", rename(keys["B-4"], "checkpoint-4.bak"), want="A-2")
         c.run("checkpoint-4 renamed to checkpoint-5 by hand", rename(keys["B-4"], "checkpoint-5"), want="A-2")
-        c.run("checkpoint-2 and checkpoint-4 swapped by hand",
-              lambda d: (os.rename(d._path("checkpoint-2"), d._path("x")), os.rename(d._path("checkpoint-4"), d._path("checkpoint-2")),
-                         os.rename(d._path("x"), d._path("checkpoint-4")), set())[-1], want="A-2")
+        c.run(
+            "checkpoint-2 and checkpoint-4 swapped by hand",
+            lambda d: (
+                os.rename(d._path("checkpoint-2"), d._path("x")),
+                os.rename(d._path("checkpoint-4"), d._path("checkpoint-2")),
+                os.rename(d._path("x"), d._path("checkpoint-4")),
+                set(),
+            )[-1],
+            want="A-2",
+        )
 
     def edit_head(d: Damage) -> set[str]:
         key = c.info["targets"]["log/newest"]
@@ -599,17 +653,23 @@ def by_hand(ctx: Ctx, case: Case, result: Result) -> None:
         def f(d: Damage) -> set[str]:
             from txckpt.storage import open_storage
 
-            write_legacy(open_storage(c.roots.template()[0] if False else d.url, c.tso), f"checkpoint-{step}", f"L-{step}", step)
+            write_legacy(
+                open_storage(c.roots.template()[0] if False else d.url, c.tso), f"checkpoint-{step}", f"L-{step}", step
+            )
             return set()
+
         return f
 
     res10 = c.run("a stock Trainer's checkpoint-10 (no manifest) among txckpt's", add_legacy(10))
     c.run("a stock Trainer's checkpoint-3 (no manifest) among txckpt's", add_legacy(3))
     note = ""
     if res10 is not None:
-        note = ("lookup with a newer legacy checkpoint-10 present: "
-                + ("warns" if res10["warned"] else "returns B-4 without a warning (checkpoint-10 is not a txckpt "
-                                                    "checkpoint; the restart's save of 50 is unaffected)"))
+        note = "lookup with a newer legacy checkpoint-10 present: " + (
+            "warns"
+            if res10["warned"]
+            else "returns B-4 without a warning (checkpoint-10 is not a txckpt "
+            "checkpoint; the restart's save of 50 is unaffected)"
+        )
     c.finish(note)
 
 
@@ -630,12 +690,24 @@ def clock(ctx: Ctx, case: Case, result: Result) -> None:
     tags = child_value(lambda: sorted(read_tags(last, None)), "tags")
     if tags != ["W-6"]:
         found.append(f"[clock] with the writer's clock going backwards, lookup returns {tags}, not W-6")
-    gone = child_value(lambda: [c.step for c in __import__("txckpt").root.CheckpointRoot(root).checkpoints("all")
-                                if c.state != "retired"], "list")
+    gone = child_value(
+        lambda: [
+            c.step for c in __import__("txckpt").root.CheckpointRoot(root).checkpoints("all") if c.state != "retired"
+        ],
+        "list",
+    )
     if sorted(gone) != [4, 5, 6]:
         found.append(f"[clock] keep_last=3 under a backwards clock kept steps {sorted(gone)}, not [4, 5, 6]")
-    child_value(lambda: [[i.kind, i.key] for i in __import__("txckpt.gc", fromlist=["x"]).collect_garbage(
-        __import__("txckpt").root.CheckpointRoot(root)).items if i.kind not in ("retired",)], "gc")
+    child_value(
+        lambda: [
+            [i.kind, i.key]
+            for i in __import__("txckpt.gc", fromlist=["x"])
+            .collect_garbage(__import__("txckpt").root.CheckpointRoot(root))
+            .items
+            if i.kind not in ("retired",)
+        ],
+        "gc",
+    )
     # (b) The writer's clock is an hour behind while gc runs beside its save.
     root2 = os.path.join(ctx.workdir, "clock2", "root")
     with Actor("writer") as w, Actor("gc") as g2:
@@ -654,8 +726,9 @@ def clock(ctx: Ctx, case: Case, result: Result) -> None:
         path = out[1]
         code, v = run_child(lambda: __import__("txckpt").verify_checkpoint(path) and "ok", timeout=60)
         if code != 0:
-            found.append(f"[clock] the writer's save returned {path}, committed, but it does not verify: "
-                         f"{v and v.get('error')}")
+            found.append(
+                f"[clock] the writer's save returned {path}, committed, but it does not verify: {v and v.get('error')}"
+            )
     elif out[1] not in ("TransactionAbortedError", "StorageError", "IntegrityError"):
         found.append(f"[clock] the writer's save failed with {out[1]}: {out[2]}")
     result.tried, result.points, result.unit = 2, 7, "probes"
@@ -685,7 +758,8 @@ def readonly(ctx: Ctx, case: Case, result: Result) -> None:
     -rm``) when the machine allows it, else EROFS simulated at every mutating file operation."""
     base = os.path.join(ctx.workdir, "ro", "root")
     child_value(lambda: build_base(base, None), "base")
-    code = r"""
+    code = (
+        r"""
 import json, os, sys, hashlib, logging
 logging.getLogger("txckpt").addHandler(logging.NullHandler()); logging.getLogger("txckpt").propagate = False
 root = sys.argv[1]
@@ -716,13 +790,23 @@ attempt("gc", gc)
 from txckpt.retention import RetentionPolicy, apply_retention
 attempt("retention", lambda: apply_retention(CheckpointRoot(root), RetentionPolicy(keep_last=1)))
 print(json.dumps(out))
-""" % REPO
+"""
+        % REPO
+    )
     before = _tree_hash(base)
     how = "a read-only bind mount (unshare -rm)"
     env = dict(os.environ, PYTHONPATH=REPO)
-    cmd = ["unshare", "-rm", "sh", "-c",
-           'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && exec "$2" -c "$3" "$1"',
-           "sh", base, sys.executable, code]
+    cmd = [
+        "unshare",
+        "-rm",
+        "sh",
+        "-c",
+        'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && exec "$2" -c "$3" "$1"',
+        "sh",
+        base,
+        sys.executable,
+        code,
+    ]
     proc = None
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -730,8 +814,9 @@ print(json.dumps(out))
         proc = None
     if proc is None or proc.returncode != 0 or not proc.stdout.strip():
         how = "EROFS simulated at every mutating file operation (no mount namespace here)"
-        proc = subprocess.run([sys.executable, "-c", _SIMULATED_RO + code, base], capture_output=True, text=True,
-                              timeout=300, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-c", _SIMULATED_RO + code, base], capture_output=True, text=True, timeout=300, env=env
+        )
     found: list[str] = []
     try:
         out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -783,8 +868,14 @@ def _tree_hash(root: str) -> str:
     return h.hexdigest()
 
 
-DATA = ["B-4/model.safetensors", "B-4/optimizer.pt", "B-4/trainer_state.json", "B-4/extra.dat",
-        "A-6/model.safetensors", "A-6/optimizer.pt"]
+DATA = [
+    "B-4/model.safetensors",
+    "B-4/optimizer.pt",
+    "B-4/trainer_state.json",
+    "B-4/extra.dat",
+    "A-6/model.safetensors",
+    "A-6/optimizer.pt",
+]
 META = ["B-4/txckpt-manifest.json", "A-6/txckpt-manifest.json", "latest", "intent", "lease", "snapshot"]
 LOG = ["log/commit-A-4", "log/fork", "log/newest"]
 
@@ -794,42 +885,100 @@ def cases() -> list[Case]:
     for backend in ("local", "s3"):
         s3 = backend == "s3"
         out += [
-            Case(f"badinput/{backend}/data-files", "badinput",
-                 "flipped byte, truncation, deletion (local: also a FIFO in its place) of each data file kind "
-                 "(safetensors, torch, json, bytes)",
-                 backend, file_damage, cost=40 if s3 else 8, needs_s3=s3, params={"targets": DATA}),
-            Case(f"badinput/{backend}/manifest-hint-intent-lease", "badinput",
-                 "flipped bytes (every byte in full mode, every 3rd of the abandoned manifest and the history "
-                 "snapshot), truncation, deletion: manifests, latest hint, intent, reader lease, history snapshot",
-                 backend, file_damage, cost=40 if s3 else 10, needs_s3=s3,
-                 params={"targets": META, "every": {"A-6/txckpt-manifest.json": 3, "snapshot": 3}}),
-            Case(f"badinput/{backend}/log-entries", "badinput",
-                 "flipped bytes (full mode: every byte of the first, every 3rd of the others), truncation, deletion: a commit entry of an abandoned "
-                 "checkpoint, the fork entry, the newest entry (no history snapshot)", backend, file_damage,
-                 cost=40 if s3 else 10, needs_s3=s3,
-                 params={"targets": LOG, "every": {"log/fork": 3, "log/newest": 3}, "snapshot": False}, known=()),
-            Case(f"badinput/{backend}/log-entries-under-snapshot", "badinput",
-                 "flipped bytes (full mode: every 5th), truncation, deletion of the same older entries with a history "
-                 "snapshot of the newest entry present: lookups keep working, `txckpt verify` must report the damage",
-                 backend, file_damage, cost=30 if s3 else 6, needs_s3=s3,
-                 params={"targets": LOG[:2], "every": {"log/commit-A-4": 5, "log/fork": 5}}),
-            Case(f"badinput/{backend}/hostile-manifests", "badinput",
-                 "manifests with ../, absolute, empty or backslash names (digest forged), from another root; "
-                 "symlinks out of the root" if not s3 else
-                 "manifests with ../, absolute, empty or backslash names (digest forged), from another root",
-                 backend, hostile_manifests, cost=25 if s3 else 4, needs_s3=s3),
-            Case(f"badinput/{backend}/by-hand", "badinput",
-                 "checkpoint directories deleted or renamed by hand, head edited to a missing lineage, legacy "
-                 "checkpoint-N among txckpt's", backend, by_hand, cost=20 if s3 else 4, needs_s3=s3),
+            Case(
+                f"badinput/{backend}/data-files",
+                "badinput",
+                "flipped byte, truncation, deletion (local: also a FIFO in its place) of each data file kind "
+                "(safetensors, torch, json, bytes)",
+                backend,
+                file_damage,
+                cost=40 if s3 else 8,
+                needs_s3=s3,
+                params={"targets": DATA},
+            ),
+            Case(
+                f"badinput/{backend}/manifest-hint-intent-lease",
+                "badinput",
+                "flipped bytes (every byte in full mode, every 3rd of the abandoned manifest and the history "
+                "snapshot), truncation, deletion: manifests, latest hint, intent, reader lease, history snapshot",
+                backend,
+                file_damage,
+                cost=40 if s3 else 10,
+                needs_s3=s3,
+                params={"targets": META, "every": {"A-6/txckpt-manifest.json": 3, "snapshot": 3}},
+            ),
+            Case(
+                f"badinput/{backend}/log-entries",
+                "badinput",
+                "flipped bytes (full mode: every byte of the first, every 3rd of the others), truncation, deletion: a commit entry of an abandoned "
+                "checkpoint, the fork entry, the newest entry (no history snapshot)",
+                backend,
+                file_damage,
+                cost=40 if s3 else 10,
+                needs_s3=s3,
+                params={"targets": LOG, "every": {"log/fork": 3, "log/newest": 3}, "snapshot": False},
+                known=(),
+            ),
+            Case(
+                f"badinput/{backend}/log-entries-under-snapshot",
+                "badinput",
+                "flipped bytes (full mode: every 5th), truncation, deletion of the same older entries with a history "
+                "snapshot of the newest entry present: lookups keep working, `txckpt verify` must report the damage",
+                backend,
+                file_damage,
+                cost=30 if s3 else 6,
+                needs_s3=s3,
+                params={"targets": LOG[:2], "every": {"log/commit-A-4": 5, "log/fork": 5}},
+            ),
+            Case(
+                f"badinput/{backend}/hostile-manifests",
+                "badinput",
+                "manifests with ../, absolute, empty or backslash names (digest forged), from another root; "
+                "symlinks out of the root"
+                if not s3
+                else "manifests with ../, absolute, empty or backslash names (digest forged), from another root",
+                backend,
+                hostile_manifests,
+                cost=25 if s3 else 4,
+                needs_s3=s3,
+            ),
+            Case(
+                f"badinput/{backend}/by-hand",
+                "badinput",
+                "checkpoint directories deleted or renamed by hand, head edited to a missing lineage, legacy "
+                "checkpoint-N among txckpt's",
+                backend,
+                by_hand,
+                cost=20 if s3 else 4,
+                needs_s3=s3,
+            ),
         ]
     out += [
-        Case("badinput/local/clock", "badinput",
-             "the writer's clock goes backwards (between saves; an hour behind while gc runs beside its save)",
-             "local", clock, cost=3),
-        Case("badinput/local/enospc", "badinput",
-             "ENOSPC at each file operation of a save, a first save and a fork + save", "local", enospc,
-             cost=20, params={"scenarios": ["save", "first", "fork"]}),
-        Case("badinput/local/readonly", "badinput", "a read-only root: lookup, load, save, fork, gc, retention",
-             "local", readonly, known=(), cost=6),
+        Case(
+            "badinput/local/clock",
+            "badinput",
+            "the writer's clock goes backwards (between saves; an hour behind while gc runs beside its save)",
+            "local",
+            clock,
+            cost=3,
+        ),
+        Case(
+            "badinput/local/enospc",
+            "badinput",
+            "ENOSPC at each file operation of a save, a first save and a fork + save",
+            "local",
+            enospc,
+            cost=20,
+            params={"scenarios": ["save", "first", "fork"]},
+        ),
+        Case(
+            "badinput/local/readonly",
+            "badinput",
+            "a read-only root: lookup, load, save, fork, gc, retention",
+            "local",
+            readonly,
+            known=(),
+            cost=6,
+        ),
     ]
     return out

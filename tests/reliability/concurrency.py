@@ -83,7 +83,9 @@ def zombie_after_rollback(ctx: Ctx, case: Case, result: Result) -> None:
         z.go()
         out = z.wait()
         if out[0] != "err" or out[1] != "StaleLineageError":
-            found.append(f"[zombie] the zombie's in-flight save after a rollback: expected StaleLineageError, {_err(out)}")
+            found.append(
+                f"[zombie] the zombie's in-flight save after a rollback: expected StaleLineageError, {_err(out)}"
+            )
         z.unpause("txckpt.transactions:append_commit")
         out = z.call(op_save, root, 8, "A-8", so)
         if out[0] != "err" or out[1] != "StaleLineageError":
@@ -115,23 +117,29 @@ def zombie_beside_restart(ctx: Ctx, case: Case, result: Result) -> None:
         out = z.wait()
         points += 1
         if out[0] != "err" or out[1] not in ("StaleLineageError", "ConcurrentWriterError", "StepConflictError"):
-            found.append(f"[zombie] the zombie's in-flight save of step 6 after its restart saved 6: expected a "
-                         f"clear error, {_err(out)}")
+            found.append(
+                f"[zombie] the zombie's in-flight save of step 6 after its restart saved 6: expected a "
+                f"clear error, {_err(out)}"
+            )
         z.unpause("txckpt.transactions:append_commit")
         # (b) the zombie's next save, a step the restart has not reached yet.
         before = _snap(root, so)
         out = z.call(op_save, root, 8, "Z-8", so)
         points += 1
         if out[0] == "ok":
-            found.append("[zombie] the stale writer (the job its restart replaced) committed step 8 into the "
-                         "current lineage, after the restart resumed it and saved step 6")
+            found.append(
+                "[zombie] the stale writer (the job its restart replaced) committed step 8 into the "
+                "current lineage, after the restart resumed it and saved step 6"
+            )
         elif out[1] != "StaleLineageError":
             found.append(f"[zombie] the zombie's next save: expected StaleLineageError, {_err(out)}")
         out = r.call(op_save, root, 8, "R-8", so)
         points += 1
         if out[0] != "ok":
-            found.append(f"[zombie] the restarted job's save of step 8 was refused ({_err(out)}): the zombie took "
-                         "its place in the lineage")
+            found.append(
+                f"[zombie] the restarted job's save of step 8 was refused ({_err(out)}): the zombie took "
+                "its place in the lineage"
+            )
     allowed = ["R-8", "Z-8"]
     found += _final_check(root, so, allowed, before, "after zombie and restart")
     result.tried, result.points, result.unit = 1, points, "interleavings"
@@ -171,8 +179,10 @@ def same_command_twice(ctx: Ctx, case: Case, result: Result) -> None:
                     out = actors[name].call(op_save, root, step, f"{name}-{step}", so)
                     points += 1
                     if name == loser and out[0] == "ok":
-                        found.append(f"[twice] order {order}: the copy whose first save lost ({loser}) committed "
-                                     f"step {step} into the lineage of the other")
+                        found.append(
+                            f"[twice] order {order}: the copy whose first save lost ({loser}) committed "
+                            f"step {step} into the lineage of the other"
+                        )
             before = _snap(root, so)
         found += _final_check(root, so, [f"{winners[0]}-6"], before, f"same command twice ({order})")
     result.tried, result.points, result.unit = 2, points, "interleavings"
@@ -211,8 +221,9 @@ def race_same_step(ctx: Ctx, case: Case, result: Result) -> None:
             step += 1
         before = _snap(root, so)
         last = a.value(op_lookup, root, so)
-    tag = child_value(lambda: sorted(__import__("tests.reliability.invariants", fromlist=["x"]).read_tags(last, so)),
-                      "tags")[0]
+    tag = child_value(
+        lambda: sorted(__import__("tests.reliability.invariants", fromlist=["x"]).read_tags(last, so)), "tags"
+    )[0]
     found += _final_check(root, so, [tag], before, "after the races")
     result.tried, result.points, result.unit = 1, rounds, "races"
     classify(result, found, case.known)
@@ -252,16 +263,25 @@ def op_poll(state: dict, root: str, so: dict | None, max_iters: int) -> dict[str
 
                 r = CheckpointRoot(root, so)
                 h = r.history()
-                t = next((c for c in h.checkpoints.values() if path.rstrip("/").endswith(f"checkpoint-{c.step}")
-                          and (c.txid in path or f"checkpoint-{c.step}" == path.rstrip("/").rsplit("/", 1)[-1])), None)
+                t = next(
+                    (
+                        c
+                        for c in h.checkpoints.values()
+                        if path.rstrip("/").endswith(f"checkpoint-{c.step}")
+                        and (c.txid in path or f"checkpoint-{c.step}" == path.rstrip("/").rsplit("/", 1)[-1])
+                    ),
+                    None,
+                )
                 moved = "/.txckpt/tx/" in path and t is not None and t.txid not in h.retired
             except Exception:
                 moved = False
             if moved:
                 stats["moved"] = stats.get("moved", 0) + 1
                 if stats["moved"] <= 3:
-                    v.append(f"[reader] the home path lookup returned moved (published) before the load, which "
-                             f"then failed: {type(e).__name__}: {e}"[:400])
+                    v.append(
+                        f"[reader] the home path lookup returned moved (published) before the load, which "
+                        f"then failed: {type(e).__name__}: {e}"[:400]
+                    )
             else:
                 stats["lost_race"] += 1
             continue
@@ -333,10 +353,12 @@ def readers_polling(ctx: Ctx, case: Case, result: Result) -> None:
     result.tried = 1
     result.points = tot["iters"]
     result.unit = "reader lookups"
-    result.notes.append(f"{n} saves with keep_last=2 rotation and gc every 5; 2 readers: {tot['iters']} lookups, "
-                        f"{tot['loaded']} loads verified, {tot['lost_race']} lost a race with a deletion (typed "
-                        f"error), {tot['moved']} got a typed error because the home path lookup returned was "
-                        f"published (renamed) before the load, {tot['none']} found nothing")
+    result.notes.append(
+        f"{n} saves with keep_last=2 rotation and gc every 5; 2 readers: {tot['iters']} lookups, "
+        f"{tot['loaded']} loads verified, {tot['lost_race']} lost a race with a deletion (typed "
+        f"error), {tot['moved']} got a typed error because the home path lookup returned was "
+        f"published (renamed) before the load, {tot['none']} found nothing"
+    )
     classify(result, found, case.known)
 
 
@@ -364,13 +386,16 @@ def reader_outpaced(ctx: Ctx, case: Case, result: Result) -> None:
         out = r.wait()
         r.unpause(spec)
         if out[0] == "ok" and out[1] is None:
-            found.append("[reader] lookup returned None after step 5 was saved (its first read of the log "
-                         "saw step 3, which rotation then deleted)")
+            found.append(
+                "[reader] lookup returned None after step 5 was saved (its first read of the log "
+                "saw step 3, which rotation then deleted)"
+            )
         elif out[0] == "err" and not out[4]:
             found.append(f"[reader] lookup raised an untyped {out[1]}: {out[2]}")
         elif out[0] == "ok":
-            tags = child_value(lambda: sorted(__import__("tests.reliability.invariants", fromlist=["x"])
-                                              .read_tags(out[1], so)), "tags")
+            tags = child_value(
+                lambda: sorted(__import__("tests.reliability.invariants", fromlist=["x"]).read_tags(out[1], so)), "tags"
+            )
             if tags != ["W-5"]:
                 found.append(f"[reader] lookup returned {out[1]} holding {tags}, not the newest save W-5")
     result.tried, result.points, result.unit = 1, 1, "interleavings"
@@ -395,8 +420,15 @@ def leased_reader(ctx: Ctx, case: Case, result: Result) -> None:
             found.append(f"[lease] a checkpoint under a reader lease could not be loaded after rotation: {_err(out)}")
         r.value(op_release, root, so)
         w.value(op_retention, root, 1, so)  # the lease kept it from being retired; now it goes
-        gone = child_value(lambda: __import__("txckpt").root.CheckpointRoot(root, so).locate(
-            __import__("txckpt").root.CheckpointRoot(root, so).history().checkpoints[txid].ref) is None, "locate")
+        gone = child_value(
+            lambda: (
+                __import__("txckpt")
+                .root.CheckpointRoot(root, so)
+                .locate(__import__("txckpt").root.CheckpointRoot(root, so).history().checkpoints[txid].ref)
+                is None
+            ),
+            "locate",
+        )
         if not gone:
             found.append("[lease] the released checkpoint was not deleted by the next rotation")
     result.tried, result.points, result.unit = 1, 1, "interleavings"
@@ -418,20 +450,25 @@ def lease_during_deletion(ctx: Ctx, case: Case, result: Result) -> None:
         assert w.wait()[0] == "paused"
         out = r.call(op_lease, root, paths[1], False, so)
         if out[0] == "ok":
-            found.append("[lease] acquire_reader_lease granted a lease on checkpoint step 2 although a retire "
-                         "entry already named it (its deletion had begun)")
+            found.append(
+                "[lease] acquire_reader_lease granted a lease on checkpoint step 2 although a retire "
+                "entry already named it (its deletion had begun)"
+            )
             r.call(op_load_first, paths[1], so)
             w.go()
             w.wait()
             out = r.call(op_load_rest, so)
             if out[0] != "ok":
-                found.append(f"[lease] rotation deleted checkpoint step 2 while a reader that had announced itself "
-                             f"(lease taken before the deletion) was loading it: {_err(out)}")
+                found.append(
+                    f"[lease] rotation deleted checkpoint step 2 while a reader that had announced itself "
+                    f"(lease taken before the deletion) was loading it: {_err(out)}"
+                )
         else:
             # Refused, as documented: the reader does not read a checkpoint it could not lease.
             if out[1] != "CheckpointNotFoundError":
-                found.append(f"[lease] a lease on a retired checkpoint was refused with {_err(out)}, not "
-                             "CheckpointNotFoundError")
+                found.append(
+                    f"[lease] a lease on a retired checkpoint was refused with {_err(out)}, not CheckpointNotFoundError"
+                )
             w.go()
             out = w.wait()
             if out[0] != "ok":
@@ -469,8 +506,10 @@ def lease_three_parties(ctx: Ctx, case: Case, result: Result) -> None:
         d.wait()  # D deletes 2
         out = r.call(op_load_rest, so)
         if out[0] != "ok":
-            found.append(f"[lease] rotation deleted checkpoint step 2 while a reader holding a lease (taken, and "
-                         f"re-checked, before the retire entry) was loading it: {_err(out)}")
+            found.append(
+                f"[lease] rotation deleted checkpoint step 2 while a reader holding a lease (taken, and "
+                f"re-checked, before the retire entry) was loading it: {_err(out)}"
+            )
     result.tried, result.points, result.unit = 1, 1, "interleavings"
     classify(result, found, case.known)
 
@@ -504,39 +543,100 @@ def cases() -> list[Case]:
     for backend in ("local", "s3"):
         s3 = backend == "s3"
         out += [
-            Case(f"concurrency/{backend}/zombie-after-rollback", "concurrency",
-                 "a zombie writer (staged, and next save) after an operator's rollback", backend,
-                 zombie_after_rollback, cost=6 if s3 else 3, needs_s3=s3),
-            Case(f"concurrency/{backend}/zombie-beside-restart", "concurrency",
-                 "a zombie writer beside its restart, which resumed the newest checkpoint", backend,
-                 zombie_beside_restart, known=(), cost=6 if s3 else 3, needs_s3=s3),
-            Case(f"concurrency/{backend}/same-command-twice", "concurrency",
-                 "the same job launched twice on an empty root, first saves racing", backend,
-                 same_command_twice, cost=8 if s3 else 4, needs_s3=s3),
-            Case(f"concurrency/{backend}/race-same-step", "concurrency",
-                 "two writers of one lineage released together at the commit of the same step", backend,
-                 race_same_step, cost=10 if s3 else 4, needs_s3=s3),
-            Case(f"concurrency/{backend}/readers-polling", "concurrency",
-                 "2 readers polling lookup+load while a writer saves, rotates (keep_last=2) and runs gc", backend,
-                 readers_polling, cost=40 if s3 else 25, needs_s3=s3),
-            Case(f"concurrency/{backend}/reader-outpaced", "concurrency",
-                 "a reader held between its read of the log and its read of the tip while the writer "
-                 "saves, rotates the tip away (keep_last=2) and runs gc", backend, reader_outpaced,
-                 cost=4 if s3 else 2, needs_s3=s3),
-            Case(f"concurrency/{backend}/leased-reader", "concurrency",
-                 "a reader holding a lease loads while rotation and gc run; gc deletes after the release", backend,
-                 leased_reader, cost=6 if s3 else 3, needs_s3=s3),
-            Case(f"concurrency/{backend}/lease-during-deletion", "concurrency",
-                 "a reader leases (acquire, then read, as documented) between rotation's read of the leases "
-                 "and its deletion", backend, lease_during_deletion, cost=5 if s3 else 2,
-                 needs_s3=s3),
-            Case(f"concurrency/{backend}/lease-three-parties", "concurrency",
-                 "a reader that leases and re-checks; one rotation retires after the lease, another deletes "
-                 "with a lease list read before it", backend, lease_three_parties,
-                 cost=5 if s3 else 2, needs_s3=s3),
-            Case(f"concurrency/{backend}/gc-beside-live-writer", "concurrency",
-                 "gc (grace 3600 s and 0 s) while a writer's staging waits for its commit", backend,
-                 gc_beside_live_writer, cost=5 if s3 else 2, needs_s3=s3),
+            Case(
+                f"concurrency/{backend}/zombie-after-rollback",
+                "concurrency",
+                "a zombie writer (staged, and next save) after an operator's rollback",
+                backend,
+                zombie_after_rollback,
+                cost=6 if s3 else 3,
+                needs_s3=s3,
+            ),
+            Case(
+                f"concurrency/{backend}/zombie-beside-restart",
+                "concurrency",
+                "a zombie writer beside its restart, which resumed the newest checkpoint",
+                backend,
+                zombie_beside_restart,
+                known=(),
+                cost=6 if s3 else 3,
+                needs_s3=s3,
+            ),
+            Case(
+                f"concurrency/{backend}/same-command-twice",
+                "concurrency",
+                "the same job launched twice on an empty root, first saves racing",
+                backend,
+                same_command_twice,
+                cost=8 if s3 else 4,
+                needs_s3=s3,
+            ),
+            Case(
+                f"concurrency/{backend}/race-same-step",
+                "concurrency",
+                "two writers of one lineage released together at the commit of the same step",
+                backend,
+                race_same_step,
+                cost=10 if s3 else 4,
+                needs_s3=s3,
+            ),
+            Case(
+                f"concurrency/{backend}/readers-polling",
+                "concurrency",
+                "2 readers polling lookup+load while a writer saves, rotates (keep_last=2) and runs gc",
+                backend,
+                readers_polling,
+                cost=40 if s3 else 25,
+                needs_s3=s3,
+            ),
+            Case(
+                f"concurrency/{backend}/reader-outpaced",
+                "concurrency",
+                "a reader held between its read of the log and its read of the tip while the writer "
+                "saves, rotates the tip away (keep_last=2) and runs gc",
+                backend,
+                reader_outpaced,
+                cost=4 if s3 else 2,
+                needs_s3=s3,
+            ),
+            Case(
+                f"concurrency/{backend}/leased-reader",
+                "concurrency",
+                "a reader holding a lease loads while rotation and gc run; gc deletes after the release",
+                backend,
+                leased_reader,
+                cost=6 if s3 else 3,
+                needs_s3=s3,
+            ),
+            Case(
+                f"concurrency/{backend}/lease-during-deletion",
+                "concurrency",
+                "a reader leases (acquire, then read, as documented) between rotation's read of the leases "
+                "and its deletion",
+                backend,
+                lease_during_deletion,
+                cost=5 if s3 else 2,
+                needs_s3=s3,
+            ),
+            Case(
+                f"concurrency/{backend}/lease-three-parties",
+                "concurrency",
+                "a reader that leases and re-checks; one rotation retires after the lease, another deletes "
+                "with a lease list read before it",
+                backend,
+                lease_three_parties,
+                cost=5 if s3 else 2,
+                needs_s3=s3,
+            ),
+            Case(
+                f"concurrency/{backend}/gc-beside-live-writer",
+                "concurrency",
+                "gc (grace 3600 s and 0 s) while a writer's staging waits for its commit",
+                backend,
+                gc_beside_live_writer,
+                cost=5 if s3 else 2,
+                needs_s3=s3,
+            ),
         ]
     from .adoption import concurrency_cases
     from .spellings import concurrency_cases as spelling_cases

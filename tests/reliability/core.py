@@ -161,8 +161,15 @@ def _kill_case(pid: int) -> None:
     os.waitpid(pid, 0)
 
 
-def run_cases(cases: list[Case], base_ctx: Ctx, *, workers: int = 2, budget: float | None = None,
-              progress: Callable[[str], None] = print, case_limit: float | None = None) -> list[Result]:
+def run_cases(
+    cases: list[Case],
+    base_ctx: Ctx,
+    *,
+    workers: int = 2,
+    budget: float | None = None,
+    progress: Callable[[str], None] = print,
+    case_limit: float | None = None,
+) -> list[Result]:
     """Run every case in a forked worker process, ``workers`` at a time, longest first; a case
     still running ``case_limit`` seconds after it started (default :data:`CASE_LIMIT_S`) is
     killed and reported as an error."""
@@ -219,8 +226,10 @@ def run_cases(cases: list[Case], base_ctx: Ctx, *, workers: int = 2, budget: flo
                 os.close(fd)
                 del pidfds[fd], running[pid]
                 r = Result(case.id, case.campaign, case.title, case.backend)
-                r.error = (f"killed after {now - t0:.0f} s: the case passed its {limit:.0f}-second limit "
-                           f"(it hangs, or it needs a larger CASE_LIMIT_S in tests/reliability/core.py)")
+                r.error = (
+                    f"killed after {now - t0:.0f} s: the case passed its {limit:.0f}-second limit "
+                    f"(it hangs, or it needs a larger CASE_LIMIT_S in tests/reliability/core.py)"
+                )
                 r.seconds = now - t0
                 results[case.id] = r
                 progress(f"  {case.id}: KILLED (case limit)")
@@ -252,8 +261,12 @@ def run_cases(cases: list[Case], base_ctx: Ctx, *, workers: int = 2, budget: flo
                     res.error = f"the case's process died (status {status}) without a result"
                     res.seconds = time.monotonic() - t0
                 results[case.id] = res
-                flag = ("ERROR" if res.error else
-                        f"{len(res.violations)} violations" + (f", {len(res.known_violations)} known" if res.known_violations else ""))
+                flag = (
+                    "ERROR"
+                    if res.error
+                    else f"{len(res.violations)} violations"
+                    + (f", {len(res.known_violations)} known" if res.known_violations else "")
+                )
                 progress(f"  {case.id}: {res.points} {res.unit}, {flag} ({res.seconds:.0f} s)")
     finally:
         for fd in pidfds:
@@ -273,8 +286,10 @@ def payload(tag: str, step: int, n: int = 64) -> dict[str, Any]:
     import torch
 
     return {
-        "model.safetensors": {"w": torch.full((n,), float(step)),
-                              "tag": torch.tensor(list(tag.encode()), dtype=torch.uint8)},
+        "model.safetensors": {
+            "w": torch.full((n,), float(step)),
+            "tag": torch.tensor(list(tag.encode()), dtype=torch.uint8),
+        },
         "optimizer.pt": {"state": torch.full((n // 2,), float(step)), "tag": tag},
         "trainer_state.json": {"global_step": step, "tag": tag},
         "extra.dat": f"tag={tag};".encode() * 8,
@@ -291,7 +306,7 @@ def tags_of_loaded(data: dict[str, Any]) -> set[str]:
         tags.add(data["trainer_state.json"]["tag"])
     if "extra.dat" in data:
         raw = data["extra.dat"]
-        tags.add(raw.decode().split(";")[0][len("tag="):])
+        tags.add(raw.decode().split(";")[0][len("tag=") :])
     return tags
 
 
@@ -302,12 +317,14 @@ def tags_of_raw(read: Callable[[str], bytes]) -> set[str]:
     import torch
     from safetensors.torch import load as st_load
 
-    return tags_of_loaded({
-        "model.safetensors": st_load(read("model.safetensors")),
-        "optimizer.pt": torch.load(io.BytesIO(read("optimizer.pt")), weights_only=True),
-        "trainer_state.json": json.loads(read("trainer_state.json")),
-        "extra.dat": read("extra.dat"),
-    })
+    return tags_of_loaded(
+        {
+            "model.safetensors": st_load(read("model.safetensors")),
+            "optimizer.pt": torch.load(io.BytesIO(read("optimizer.pt")), weights_only=True),
+            "trainer_state.json": json.loads(read("trainer_state.json")),
+            "extra.dat": read("extra.dat"),
+        }
+    )
 
 
 def write_legacy(storage: Any, key: str, tag: str, step: int) -> dict[str, bytes]:
@@ -352,10 +369,12 @@ def machine() -> dict[str, str]:
     try:
         import subprocess
 
-        rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "txckpt"], capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", REPO, "status", "--porcelain", "--", "txckpt"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         info["txckpt"] = f"git {rev}" + (" + uncommitted changes in txckpt/" if dirty else "")
     except Exception:
         pass

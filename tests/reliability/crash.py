@@ -34,8 +34,9 @@ from .roots import Roots
 from .scenarios import SCENARIOS, Scenario
 
 
-def choose_points(ops: list[dict[str, Any]], backend: str, quick: bool, *, every: bool = False,
-                  cap: int | None = None, seed: int = 0) -> list[tuple[int, str]]:
+def choose_points(
+    ops: list[dict[str, Any]], backend: str, quick: bool, *, every: bool = False, cap: int | None = None, seed: int = 0
+) -> list[tuple[int, str]]:
     n = len(ops)
     if not n:
         return []
@@ -68,9 +69,15 @@ def phase_of(ops: list[dict[str, Any]]) -> list[str]:
     first_manifest = next((i for i, n in enumerate(names) if "manifest" in n), None)
     if first_manifest is None:
         return ["-"] * len(names)
-    commit = next((i for i in range(first_manifest, len(names))
-                   if ("link(" in names[i] or "if-none-match" in names[i] or "create_exclusive" in names[i])
-                   and ".txckpt/log/" in names[i]), None)
+    commit = next(
+        (
+            i
+            for i in range(first_manifest, len(names))
+            if ("link(" in names[i] or "if-none-match" in names[i] or "create_exclusive" in names[i])
+            and ".txckpt/log/" in names[i]
+        ),
+        None,
+    )
     out = []
     for i, n in enumerate(names):
         if i < first_manifest:
@@ -85,8 +92,16 @@ def phase_of(ops: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def sweep(ctx: Ctx, result: Result, backend: str, scenario: Scenario, *, mode: str = "kill",
-          cap: int | None = None, known: tuple[str, ...] = ()) -> None:
+def sweep(
+    ctx: Ctx,
+    result: Result,
+    backend: str,
+    scenario: Scenario,
+    *,
+    mode: str = "kill",
+    cap: int | None = None,
+    known: tuple[str, ...] = (),
+) -> None:
     roots = Roots(backend, ctx, scenario.name)
     url, so = roots.template()
 
@@ -103,8 +118,9 @@ def sweep(ctx: Ctx, result: Result, backend: str, scenario: Scenario, *, mode: s
     expect = built["expect"]
 
     def injector(u: str, **kw: Any):
-        return make_injector(backend, under=os.path.dirname(u) if backend == "local" else None,
-                             root_prefix=roots.s3_prefix_of(u), **kw)
+        return make_injector(
+            backend, under=os.path.dirname(u) if backend == "local" else None, root_prefix=roots.s3_prefix_of(u), **kw
+        )
 
     cu, cs = roots.fresh("count")
 
@@ -122,13 +138,22 @@ def sweep(ctx: Ctx, result: Result, backend: str, scenario: Scenario, *, mode: s
     if code != 0 or not out or "ok" not in out:
         # The operation fails without any crash: a defect of its own, reported as a violation.
         result.tried += 1
-        classify(result, [f"{backend} {scenario.name}: [error] the operation fails without any injected crash: "
-                          f"{out and out.get('error')}"], known)
+        classify(
+            result,
+            [
+                f"{backend} {scenario.name}: [error] the operation fails without any injected crash: "
+                f"{out and out.get('error')}"
+            ],
+            known,
+        )
         return
     ops = out["ok"]
     pts = choose_points(ops, backend, ctx.quick, cap=cap, seed=ctx.seed)
-    phases = phase_of(ops) if scenario.name in ("save", "txdir", "first", "fork", "foreign", "adopt-save") \
+    phases = (
+        phase_of(ops)
+        if scenario.name in ("save", "txdir", "first", "fork", "foreign", "adopt-save")
         else ["-"] * len(ops)
+    )
     by_phase: dict[str, int] = {}
     found: list[str] = []
     drift = 0
@@ -183,13 +208,16 @@ def sweep(ctx: Ctx, result: Result, backend: str, scenario: Scenario, *, mode: s
     result.tried += 1
     result.points += len(pts)
     if drift:
-        result.notes.append(f"{scenario.name}: {drift} point(s) not reached (the run had fewer ops than the "
-                            "counting run); the completed run's state was checked there")
+        result.notes.append(
+            f"{scenario.name}: {drift} point(s) not reached (the run had fewer ops than the "
+            "counting run); the completed run's state was checked there"
+        )
     result.notes.append(
         f"{scenario.name}: {len(ops)} ops"
         + (f" ({sum(1 for o in ops if o['mut'])} mutating)" if backend == "s3" else "")
         + f", {len(pts)} points"
-        + ("" if set(by_phase) <= {"-"} else " (" + ", ".join(f"{k} {v}" for k, v in by_phase.items()) + ")"))
+        + ("" if set(by_phase) <= {"-"} else " (" + ", ".join(f"{k} {v}" for k, v in by_phase.items()) + ")")
+    )
     classify(result, found, known)
 
 
@@ -221,9 +249,11 @@ def trainer_sweep(ctx: Ctx, case: Case, result: Result) -> None:
     template = os.path.join(ctx.workdir, "template")
     live = os.path.join(ctx.workdir, "live")  # the Trainer's output_dir: reset from the template per point
     torch.manual_seed(0)
-    trainer = TransactionalTrainer(model=TinyModel(TinyConfig()),
-                                   args=make_args(live, 2, save_total_limit=1, disable_tqdm=True),
-                                   train_dataset=Data(0))
+    trainer = TransactionalTrainer(
+        model=TinyModel(TinyConfig()),
+        args=make_args(live, 2, save_total_limit=1, disable_tqdm=True),
+        train_dataset=Data(0),
+    )
     with torch.no_grad():
         trainer.model.fc.bias.fill_(2.0)
     trainer.train()  # commits checkpoint-2 (the bias moved a little: set it back, then save 2 again)
@@ -257,8 +287,7 @@ def trainer_sweep(ctx: Ctx, case: Case, result: Result) -> None:
     reset()
     before = child_value(lambda: snapshot(live, None), "snapshot")
     # save_total_limit=1: once step 4 is committed, retention may retire step 2.
-    expect = {"allowed": ["T2", "T4"], "tagger": "trainer", "before": before,
-              "may_retire": list(before["checkpoints"])}
+    expect = {"allowed": ["T2", "T4"], "tagger": "trainer", "before": before, "may_retire": list(before["checkpoints"])}
     ops = child_value(lambda: save_in_child(LocalInjector(under=live)), "the Trainer's counting run")
     pts = choose_points(ops, "local", ctx.quick, every=True, cap=40 if ctx.quick else None, seed=ctx.seed)
     found = []
@@ -273,8 +302,9 @@ def trainer_sweep(ctx: Ctx, case: Case, result: Result) -> None:
             # fsync threads, see injectors.py; kept as a safety net). The finished state is checked.
             unreached.append(label)
         elif code != -9:
-            found.append(f"{label}: [harness] the child was not killed and failed (exit {code}: "
-                         f"{out and out.get('error')})")
+            found.append(
+                f"{label}: [harness] the child was not killed and failed (exit {code}: {out and out.get('error')})"
+            )
             continue
         ccode, verdict = run_child(lambda: check(live, None, expect), timeout=300)
         if ccode != 0:
@@ -284,10 +314,16 @@ def trainer_sweep(ctx: Ctx, case: Case, result: Result) -> None:
     result.tried = 1
     result.points = len(pts)
     names = {o["name"].split("(")[0] for o in ops}
-    result.notes.append(f"{len(ops)} Python-level file ops ({', '.join(sorted(names))}); {len(pts)} points"
-                        + (" (sampled)" if len(pts) < 2 * len(ops) else "")
-                        + (f"; {len(unreached)} not reached (the save had fewer operations), their finished "
-                           f"state checked: {'; '.join(unreached[:3])}" if unreached else ""))
+    result.notes.append(
+        f"{len(ops)} Python-level file ops ({', '.join(sorted(names))}); {len(pts)} points"
+        + (" (sampled)" if len(pts) < 2 * len(ops) else "")
+        + (
+            f"; {len(unreached)} not reached (the save had fewer operations), their finished "
+            f"state checked: {'; '.join(unreached[:3])}"
+            if unreached
+            else ""
+        )
+    )
     classify(result, found, case.known)
 
 
@@ -308,14 +344,20 @@ def ranks_sweep(ctx: Ctx, case: Case, result: Result) -> None:
 
     tests = ["test_crash_points_four_ranks"] + ([] if ctx.quick else ["test_crash_sweep_two_ranks"])
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-                         + [f"tests/test_distributed.py::{t}" for t in tests],
-                         cwd=REPO, capture_output=True, text=True, timeout=1500)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        + [f"tests/test_distributed.py::{t}" for t in tests],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("distributed crash")]
     result.tried = len(tests)
     if out.returncode != 0 or len(lines) < len(tests):
-        result.violations.append(f"[ranks] tests/test_distributed.py {' '.join(tests)} failed (exit {out.returncode}): "
-                                 f"{out.stdout[-3000:]}")
+        result.violations.append(
+            f"[ranks] tests/test_distributed.py {' '.join(tests)} failed (exit {out.returncode}): {out.stdout[-3000:]}"
+        )
     for line in lines:
         m = re.search(r"(\d+) crash points.*?(\d+) violations", line)
         if m:
@@ -333,8 +375,16 @@ def _sweep_case(backend: str, name: str, mode: str = "kill"):
     def run(ctx: Ctx, case: Case, result: Result) -> None:
         if backend == "memory" and mode == "raise":
             result.unit = "injection points"
-        sweep(ctx, result, backend, SCENARIOS[name], mode=mode, known=case.known,
-              cap=case.params.get("cap_quick") if ctx.quick else None)
+        sweep(
+            ctx,
+            result,
+            backend,
+            SCENARIOS[name],
+            mode=mode,
+            known=case.known,
+            cap=case.params.get("cap_quick") if ctx.quick else None,
+        )
+
     return run
 
 
@@ -345,20 +395,51 @@ def cases() -> list[Case]:
     out = []
     for name, sc in SCENARIOS.items():
         for backend in sc.backends:
-            out.append(Case(f"crash/{backend}/{name}", "crash", sc.title, backend, _sweep_case(backend, name),
-                            cost=_COST[backend] * (2 if name in ("gc", "retention", "fork", "incremental-fork",
-                                                                 "incremental-retention") else 1),
-                            needs_s3=backend == "s3",
-                            params={"cap_quick": 6 if backend == "s3" else None}))
+            out.append(
+                Case(
+                    f"crash/{backend}/{name}",
+                    "crash",
+                    sc.title,
+                    backend,
+                    _sweep_case(backend, name),
+                    cost=_COST[backend]
+                    * (2 if name in ("gc", "retention", "fork", "incremental-fork", "incremental-retention") else 1),
+                    needs_s3=backend == "s3",
+                    params={"cap_quick": 6 if backend == "s3" else None},
+                )
+            )
         if "memory" in sc.backends:
-            out.append(Case(f"crash/memory-raise/{name}", "crash", sc.title + " (exception at op k)", "memory",
-                            _sweep_case("memory", name, mode="raise"), cost=2.0))
-    out.append(Case("crash/local/trainer", "crash",
-                    "Trainer._save_checkpoint (TransactionalTrainer, tiny model, save_total_limit=1)", "local",
-                    trainer_sweep, cost=40.0))
-    out.append(Case("crash/ranks/save", "crash",
-                    "coordinated save on gloo ranks, one rank SIGKILLed at a file op (tests/test_distributed.py: 4 ranks "
-                    "at chosen points; full mode adds 2 ranks at every op)", "local", ranks_sweep, cost=60.0))
+            out.append(
+                Case(
+                    f"crash/memory-raise/{name}",
+                    "crash",
+                    sc.title + " (exception at op k)",
+                    "memory",
+                    _sweep_case("memory", name, mode="raise"),
+                    cost=2.0,
+                )
+            )
+    out.append(
+        Case(
+            "crash/local/trainer",
+            "crash",
+            "Trainer._save_checkpoint (TransactionalTrainer, tiny model, save_total_limit=1)",
+            "local",
+            trainer_sweep,
+            cost=40.0,
+        )
+    )
+    out.append(
+        Case(
+            "crash/ranks/save",
+            "crash",
+            "coordinated save on gloo ranks, one rank SIGKILLed at a file op (tests/test_distributed.py: 4 ranks "
+            "at chosen points; full mode adds 2 ranks at every op)",
+            "local",
+            ranks_sweep,
+            cost=60.0,
+        )
+    )
     from .adoption import crash_cases
     from .atexit_save import crash_cases as atexit_cases
 
@@ -394,8 +475,11 @@ def sweep_enospc(ctx: Ctx, result: Result, name: str, known: tuple[str, ...]) ->
     roots.discard(cu, "count")
     ks = [k for k in range(1, len(ops) + 1) if ops[k - 1]["inject"]]
     if ctx.quick:  # the first two writes of each write run (a failure inside a serializer), other ops
-        ks = [k for k in ks if k <= 2 or ops[k - 1]["group"] != ops[k - 2]["group"]
-              or ops[k - 2]["group"] != ops[k - 3]["group"]]
+        ks = [
+            k
+            for k in ks
+            if k <= 2 or ops[k - 1]["group"] != ops[k - 2]["group"] or ops[k - 2]["group"] != ops[k - 3]["group"]
+        ]
     found = []
     outcomes: dict[str, int] = {}
     for k in ks:
@@ -425,7 +509,7 @@ def sweep_enospc(ctx: Ctx, result: Result, name: str, known: tuple[str, ...]) ->
         kind = o.split(":")[0]
         outcomes[kind] = outcomes.get(kind, 0) + 1
         if o.startswith("untyped"):
-            found.append(f"{label}: [enospc] the operation raised an untyped {o[len('untyped '):][:300]}")
+            found.append(f"{label}: [enospc] the operation raised an untyped {o[len('untyped ') :][:300]}")
         elif o != "completed" and not o.startswith("StorageError") and "No space left" not in o:
             found.append(f"{label}: [enospc] expected StorageError, got {o[:300]}")
         ccode, verdict = run_child(lambda u=u, s=s: check(u, s, expect), timeout=300)
@@ -437,6 +521,8 @@ def sweep_enospc(ctx: Ctx, result: Result, name: str, known: tuple[str, ...]) ->
     result.tried += 1
     result.points += len(ks)
     result.unit = "ENOSPC points"
-    result.notes.append(f"{name}: {len(ops)} ops, ENOSPC at {len(ks)}; outcomes: "
-                        + ", ".join(f"{v}x {k}" for k, v in sorted(outcomes.items(), key=lambda x: -x[1])))
+    result.notes.append(
+        f"{name}: {len(ops)} ops, ENOSPC at {len(ks)}; outcomes: "
+        + ", ".join(f"{v}x {k}" for k, v in sorted(outcomes.items(), key=lambda x: -x[1]))
+    )
     classify(result, found, known)

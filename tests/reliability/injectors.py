@@ -57,10 +57,15 @@ class Injector(Tracer):
     runs, every write its own op (``records`` groups the writes of one run), and an op made while
     another of the same thread runs not counted. ``inj.records`` lists the ops."""
 
-    def __init__(self, kill_at: int | None = None, when: str = "before", mode: str | None = "kill",
-                 on_crash: Any = None, **kwargs: Any):
-        super().__init__(kill_at, when, mode=mode, on_crash=on_crash, count_nested=False, rename=stable,
-                         **kwargs)
+    def __init__(
+        self,
+        kill_at: int | None = None,
+        when: str = "before",
+        mode: str | None = "kill",
+        on_crash: Any = None,
+        **kwargs: Any,
+    ):
+        super().__init__(kill_at, when, mode=mode, on_crash=on_crash, count_nested=False, rename=stable, **kwargs)
 
 
 # =================================================================================================
@@ -123,7 +128,7 @@ def dump_to_file(url: str, path: str) -> None:
     try:
         view = memoryview(blob)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
 
@@ -135,13 +140,21 @@ class MemoryInjector(Injector):
         from txckpt.storage.memory import MemoryStorage
 
         inj = self
-        for owner, attr in ((MemoryFileSystem, "pipe_file"), (MemoryFileSystem, "_rm"),
-                            (MemoryFileSystem, "rmdir"), (MemoryFileSystem, "mkdir"),
-                            (MemoryFileSystem, "makedirs"), (MemoryStorage, "create_exclusive")):
+        for owner, attr in (
+            (MemoryFileSystem, "pipe_file"),
+            (MemoryFileSystem, "_rm"),
+            (MemoryFileSystem, "rmdir"),
+            (MemoryFileSystem, "mkdir"),
+            (MemoryFileSystem, "makedirs"),
+            (MemoryStorage, "create_exclusive"),
+        ):
+
             def factory(real, attr=attr):
                 def wrapper(self_, path, *args, **kwargs):
                     return inj.op(f"{attr}({'/'.join(str(path).split('/')[-3:])})", real, self_, path, *args, **kwargs)
+
                 return wrapper
+
             self._patch(owner, attr, factory)
         return self
 
@@ -157,8 +170,7 @@ def classify_request(request: Any, root_prefix: str = "") -> tuple[str, bool]:
 
     url = urllib.parse.urlsplit(request.url)
     headers = {k.lower(): v for k, v in dict(request.headers).items()}
-    environ = {"REQUEST_METHOD": request.method, "PATH_INFO": urllib.parse.unquote(url.path),
-               "QUERY_STRING": url.query}
+    environ = {"REQUEST_METHOD": request.method, "PATH_INFO": urllib.parse.unquote(url.path), "QUERY_STRING": url.query}
     if "x-amz-copy-source" in headers:
         environ["HTTP_X_AMZ_COPY_SOURCE"] = headers["x-amz-copy-source"]
     op = classify(environ)
@@ -167,10 +179,10 @@ def classify_request(request: Any, root_prefix: str = "") -> tuple[str, bool]:
     parts = [p for p in urllib.parse.unquote(url.path).split("/") if p]
     key = "/".join(parts[1:])
     if root_prefix and key.startswith(root_prefix):
-        key = key[len(root_prefix):].lstrip("/")
+        key = key[len(root_prefix) :].lstrip("/")
     if not key:
         q = urllib.parse.parse_qs(url.query)
-        key = "prefix=" + (q.get("prefix", [""])[0][len(root_prefix):].lstrip("/") if q.get("prefix") else "")
+        key = "prefix=" + (q.get("prefix", [""])[0][len(root_prefix) :].lstrip("/") if q.get("prefix") else "")
     return f"{op} {key}", request.method in ("PUT", "POST", "DELETE")
 
 
@@ -188,7 +200,9 @@ class S3Injector(Injector):
             async def wrapper(self_, request):
                 name, mut = classify_request(request, inj.root_prefix)
                 return await inj.op_async(name, real, self_, request, mut=mut)
+
             return wrapper
+
         self._patch(AioEndpoint, "_send", factory)
         return self
 

@@ -63,8 +63,14 @@ def snapshot(url: str, so: dict | None) -> dict[str, Any]:
         digest = None
         if key is not None:
             digest = txckpt.read_manifest(r.storage.full_path(key), storage_options=so).digest
-        out[txid] = {"digest": digest, "step": c.step, "lineage": c.lineage, "retired": txid in hist.retired,
-                     "current": txid in current, "present": key is not None}
+        out[txid] = {
+            "digest": digest,
+            "step": c.step,
+            "lineage": c.lineage,
+            "retired": txid in hist.retired,
+            "current": txid in current,
+            "present": key is not None,
+        }
     tip = hist.state.head_tip
     return {"checkpoints": out, "tip": tip and tip.txid, "seq": hist.state.seq}
 
@@ -162,8 +168,11 @@ def check(url: str, so: dict | None, expect: dict[str, Any]) -> list[str]:
                     v.append(f"[lookup] lookup returned retired {m.txid}")
                 elif m.txid not in current:
                     v.append(f"[lookup] lookup returned {m.txid}, which is not in the head's view")
-                elif hist.state.head_tip and m.txid != hist.state.head_tip.txid and not any(
-                        "missing" in w for w in warned.messages):
+                elif (
+                    hist.state.head_tip
+                    and m.txid != hist.state.head_tip.txid
+                    and not any("missing" in w for w in warned.messages)
+                ):
                     v.append(f"[lookup] lookup returned {m.txid}, not the head's tip, without a warning")
 
     # 2. Committed checkpoints of the pre-state: present, unchanged; retired only if allowed.

@@ -68,7 +68,11 @@ class _RecFile:
         self._pos = pos
 
     def write(self, data: Any) -> int:
-        raw = data.encode(getattr(self._f, "encoding", None) or "utf-8") if isinstance(data, str) else bytes(memoryview(data).cast("B"))
+        raw = (
+            data.encode(getattr(self._f, "encoding", None) or "utf-8")
+            if isinstance(data, str)
+            else bytes(memoryview(data).cast("B"))
+        )
         n = self._f.write(data)
         self._rec.events.append({"op": "write", "h": self._h, "off": self._pos, "data": raw})
         self._pos += len(raw)
@@ -193,6 +197,7 @@ class Recorder:
                         raise Unsupported(f"{name} across the recorded tree: {src} -> {dst}")
                     rec.events.append({"op": "link" if name == "link" else "rename", "src": a, "dst": b})
                 return out
+
             return fn
 
         def one(name, real):
@@ -204,6 +209,7 @@ class Recorder:
                 if p:
                     rec.events.append({"op": name, "path": p})
                 return out
+
             return fn
 
         for name in ("link", "rename", "replace"):
@@ -329,8 +335,9 @@ def replay(m: Model, base: str, events: list[dict[str, Any]]) -> list[Effect]:
             dd, dname, _ = lookup(ev["dst"])
             del ents[sd][sname]
             ents[dd][dname] = ino
-            out.append(Effect(i, "meta", dirs=tuple(sorted({sd, dd})),
-                              entries=(("del", sd, sname), ("set", dd, dname, ino))))
+            out.append(
+                Effect(i, "meta", dirs=tuple(sorted({sd, dd})), entries=(("del", sd, sname), ("set", dd, dname, ino)))
+            )
         elif op in ("unlink", "rmdir"):
             d, name, _ = lookup(ev["path"])
             del ents[d][name]
@@ -358,6 +365,7 @@ class CrashState:
                     walk(ino, p + "/")
                 else:
                     out[p] = self.content.get(ino, b"")
+
         walk(1, "")
         return out
 
@@ -386,6 +394,7 @@ class CrashState:
                     seen[ino] = full
                     with open(full, "wb") as f:
                         f.write(self.content.get(ino, b""))
+
         walk(1, target)
 
 
@@ -396,9 +405,9 @@ def _apply_data(base: bytes, ops: list[tuple]) -> bytes:
             off, data = op[1], op[2]
             if len(b) < off:
                 b.extend(b"\0" * (off - len(b)))
-            b[off:off + len(data)] = data
+            b[off : off + len(data)] = data
         else:
-            del b[op[1]:]
+            del b[op[1] :]
     return bytes(b)
 
 
@@ -473,7 +482,7 @@ class StateSpace:
     def _consistent(self, cuts: dict[Any, int]) -> set[int] | None:
         if self.model == "ordered":
             _, idxs, _ = self.meta_units[0]
-            return set(idxs[:cuts["global"]])
+            return set(idxs[: cuts["global"]])
         inc: dict[int, bool] = {}
         for d, idxs, _ in self.meta_units:
             for k, j in enumerate(idxs):
@@ -551,18 +560,27 @@ def _save(root: str, step: int, tag: str) -> str:
 
 
 PL_SCENARIOS = {
-    "save": dict(title="save over a root with one checkpoint",
-                 build=lambda root: _save(root, 2, "A-2"),
-                 run=lambda root: _save(root, 4, "A-4"),
-                 old=["A-2"], new="A-4"),
-    "first": dict(title="first save on an empty root (the root directory does not exist yet)",
-                  build=lambda root: None,
-                  run=lambda root: _save(root, 2, "A-2"),
-                  old=[None], new="A-2"),
-    "fork": dict(title="fork (resume to step 2 of 2,4,6) + re-save step 4",
-                 build=lambda root: [_save(root, s, f"A-{s}") for s in (2, 4, 6)],
-                 run=lambda root: (__import__("txckpt").resume(root, step=2), _save(root, 4, "B-4")),
-                 old=["A-6", "A-2"], new="B-4"),
+    "save": dict(
+        title="save over a root with one checkpoint",
+        build=lambda root: _save(root, 2, "A-2"),
+        run=lambda root: _save(root, 4, "A-4"),
+        old=["A-2"],
+        new="A-4",
+    ),
+    "first": dict(
+        title="first save on an empty root (the root directory does not exist yet)",
+        build=lambda root: None,
+        run=lambda root: _save(root, 2, "A-2"),
+        old=[None],
+        new="A-2",
+    ),
+    "fork": dict(
+        title="fork (resume to step 2 of 2,4,6) + re-save step 4",
+        build=lambda root: [_save(root, s, f"A-{s}") for s in (2, 4, 6)],
+        run=lambda root: (__import__("txckpt").resume(root, step=2), _save(root, 4, "B-4")),
+        old=["A-6", "A-2"],
+        new="B-4",
+    ),
 }
 
 
@@ -586,8 +604,11 @@ def record(ctx: Ctx, name: str) -> dict[str, Any]:
             sc["run"](root)
         finally:
             rec.uninstall()
-        return {"events": [dict(e, data=e["data"].hex()) if "data" in e else e for e in rec.events],
-                "before": before, "pre": pre}
+        return {
+            "events": [dict(e, data=e["data"].hex()) if "data" in e else e for e in rec.events],
+            "before": before,
+            "pre": pre,
+        }
 
     out = child_value(run, f"recording {name}")
     for e in out["events"]:
@@ -604,7 +625,9 @@ def commit_points(events: list[dict[str, Any]], base: str) -> tuple[int | None, 
     if not links:
         return None, None
     link = links[-1]
-    fs = next((i for i in range(link, len(events)) if events[i]["op"] == "fsync_dir" and events[i]["path"] == logdir), None)
+    fs = next(
+        (i for i in range(link, len(events)) if events[i]["op"] == "fsync_dir" and events[i]["path"] == logdir), None
+    )
     return link, fs
 
 
@@ -644,9 +667,13 @@ def explore(ctx: Ctx, case: Case, result: Result) -> None:
     for i in points:
         durable_commit = log_fsync is not None and i > log_fsync
         allowed = [sc["new"]] if durable_commit else sc["old"] + [sc["new"]]
-        expect = {"allowed": allowed, "before": before,
-                  # The restart and gc run on a sample (they are the slow part of a check).
-                  "restart": True, "gc": True}
+        expect = {
+            "allowed": allowed,
+            "before": before,
+            # The restart and gc run on a sample (they are the slow part of a check).
+            "restart": True,
+            "gc": True,
+        }
         for model in ("posix", "ordered"):
             space = StateSpace(m, effects, i, model)
             states, size = space.states(cap, rnd)
@@ -667,10 +694,20 @@ def explore(ctx: Ctx, case: Case, result: Result) -> None:
                 vs = seen[dg]
                 if vs:
                     per_model[model][1] += 1
-                    what = (events[i - 1]["op"] + " " + os.path.relpath(events[i - 1].get("path") or events[i - 1].get("dst") or events[i - 1].get("src") or base, base)
-                            if i else "before the first op")
-                    found += [f"{model}: power cut after op {i}/{len(events)} ({what}){' [commit durable]' if durable_commit else ''}: {v}"
-                              for v in vs[:2]]
+                    what = (
+                        events[i - 1]["op"]
+                        + " "
+                        + os.path.relpath(
+                            events[i - 1].get("path") or events[i - 1].get("dst") or events[i - 1].get("src") or base,
+                            base,
+                        )
+                        if i
+                        else "before the first op"
+                    )
+                    found += [
+                        f"{model}: power cut after op {i}/{len(events)} ({what}){' [commit durable]' if durable_commit else ''}: {v}"
+                        for v in vs[:2]
+                    ]
     result.tried = 1
     result.points = per_model["posix"][0] + per_model["ordered"][0]
     result.unit = "crash states"
@@ -679,16 +716,29 @@ def explore(ctx: Ctx, case: Case, result: Result) -> None:
         f"posix: {per_model['posix'][0]} states ({per_model['posix'][1]} with violations) of a space of "
         f"{per_model['posix'][2]}; ordered: {per_model['ordered'][0]} states ({per_model['ordered'][1]} with "
         f"violations) of {per_model['ordered'][2]}; commit entry linked at op {None if link is None else link + 1}, "
-        f"log/ fsynced at op {None if log_fsync is None else log_fsync + 1}")
+        f"log/ fsynced at op {None if log_fsync is None else log_fsync + 1}"
+    )
     classify(result, found, case.known)
     # Count per model in the notes for the report.
-    result.notes.append(f"by model: posix {per_model['posix'][0]} states / {per_model['posix'][1]} violating; "
-                        f"ordered {per_model['ordered'][0]} states / {per_model['ordered'][1]} violating")
+    result.notes.append(
+        f"by model: posix {per_model['posix'][0]} states / {per_model['posix'][1]} violating; "
+        f"ordered {per_model['ordered'][0]} states / {per_model['ordered'][1]} violating"
+    )
 
 
 def cases() -> list[Case]:
     out = []
     for name, sc in PL_SCENARIOS.items():
-        out.append(Case(f"powerloss/{name}", "powerloss", sc["title"], "local", explore, known=(),
-                        cost=30.0, params={"scenario": name}))
+        out.append(
+            Case(
+                f"powerloss/{name}",
+                "powerloss",
+                sc["title"],
+                "local",
+                explore,
+                known=(),
+                cost=30.0,
+                params={"scenario": name},
+            )
+        )
     return out

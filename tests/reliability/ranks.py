@@ -33,6 +33,7 @@ def _staged(root: str) -> tuple[list[str], list[str]]:
     def ls(d: str) -> list[str]:
         d = os.path.join(root, ".txckpt", d)
         return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
     return ls("intents"), ls("tx")
 
 
@@ -44,17 +45,30 @@ def _variant(ctx: Ctx, template: str, name: str) -> list[str]:
     steps, other_root, extra = VARIANTS[name]
     root, other = ctx.path(name, "root"), ctx.path(name, "other")
     shutil.copytree(template, root, symlinks=True)
-    run = launcher.launch(2, cw.expect_error_per_rank, ctx.path(name, "run"), deadline=180,
-                    roots=[root, other if other_root else root], steps=steps, seed=6, **extra)
-    bad = [f"rank {r.rank}: exit {r.exitcode}, {r.error_type}: {(r.error or '')[:300]}"
-           for r in run.results if r.exitcode != 0 or r.error_type is not None]
+    run = launcher.launch(
+        2,
+        cw.expect_error_per_rank,
+        ctx.path(name, "run"),
+        deadline=180,
+        roots=[root, other if other_root else root],
+        steps=steps,
+        seed=6,
+        **extra,
+    )
+    bad = [
+        f"rank {r.rank}: exit {r.exitcode}, {r.error_type}: {(r.error or '')[:300]}"
+        for r in run.results
+        if r.exitcode != 0 or r.error_type is not None
+    ]
     if bad:
         return [f"[{name}] a rank failed outside DCP's CheckpointException: {'; '.join(bad)}"]
     got = [r.ok for r in run.results]
     out = []
     if any(g is None for g in got):
-        out.append(f"[{name}] rank(s) {[i for i, g in enumerate(got) if g is None]} returned: the save "
-                   f"went through although the ranks saved steps {steps}" + (" into two roots" if other_root else ""))
+        out.append(
+            f"[{name}] rank(s) {[i for i, g in enumerate(got) if g is None]} returned: the save "
+            f"went through although the ranks saved steps {steps}" + (" into two roots" if other_root else "")
+        )
     elif got[0] != got[1]:
         out.append(f"[{name}] the ranks got different failures: {got}")
     else:
@@ -72,8 +86,9 @@ def _variant(ctx: Ctx, template: str, name: str) -> list[str]:
     intents, homes = _staged(root)
     if intents or not set(homes) <= {c.txid for c in ever}:
         out.append(f"[{name}] left staged: intents {intents}, transaction homes {homes}")
-    if os.path.isdir(other) and (_staged(other) != ([], []) or
-                                 any(n.startswith("checkpoint-") for n in os.listdir(other))):
+    if os.path.isdir(other) and (
+        _staged(other) != ([], []) or any(n.startswith("checkpoint-") for n in os.listdir(other))
+    ):
         out.append(f"[{name}] rank 1's root {other} holds {sorted(os.listdir(other))}, {_staged(other)}")
     after = launcher.launch(2, cw.save, ctx.path(name, "after"), deadline=180, root=root, step=8)
     if any(r.exitcode != 0 or r.error_type for r in after.results):
@@ -98,7 +113,7 @@ def dcp_disagreement(ctx: Ctx, case: Case, result: Result) -> None:
     if any(r.exitcode != 0 or r.error_type for r in base.results):
         raise RuntimeError(f"the template save failed: {base.describe()}")
     found: list[str] = []
-    for name in (QUICK if ctx.quick else tuple(VARIANTS)):
+    for name in QUICK if ctx.quick else tuple(VARIANTS):
         found += _variant(ctx, template, name)
         result.tried += 1
         result.points += 1
@@ -107,8 +122,16 @@ def dcp_disagreement(ctx: Ctx, case: Case, result: Result) -> None:
 
 
 def cases() -> list[Case]:
-    return [Case("badinput/ranks/dcp-disagreement", "badinput",
-                 "2 gloo ranks' dcp.save through TransactionalWriter with a step, a root or a lineage of their own "
-                 "(quick: a higher step; full: also another root, a lower step, a planner that drops storage_data, "
-                 "a superseded lineage): every rank raises the same typed error, nothing is committed or staged, "
-                 "the next agreeing save commits", "local", dcp_disagreement, cost=50.0)]
+    return [
+        Case(
+            "badinput/ranks/dcp-disagreement",
+            "badinput",
+            "2 gloo ranks' dcp.save through TransactionalWriter with a step, a root or a lineage of their own "
+            "(quick: a higher step; full: also another root, a lower step, a planner that drops storage_data, "
+            "a superseded lineage): every rank raises the same typed error, nothing is committed or staged, "
+            "the next agreeing save commits",
+            "local",
+            dcp_disagreement,
+            cost=50.0,
+        )
+    ]

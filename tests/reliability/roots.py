@@ -126,7 +126,9 @@ class Roots:
             prefix = url.split(f"s3://{self.bucket}/", 1)[1].rsplit("/", 1)[0] + "/"
             ks = s3.keys(self.client, self.bucket, prefix)
             for i in range(0, len(ks), 1000):
-                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in ks[i:i + 1000]], "Quiet": True})
+                self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in ks[i : i + 1000]], "Quiet": True}
+                )
 
     @property
     def s3_prefix_of(self):

@@ -36,8 +36,14 @@ class ServerProcess:
     def __init__(self) -> None:
         env = dict(os.environ, **fake_env())
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.reliability.s3"], cwd=REPO, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.reliability.s3"],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         line = self.proc.stdout.readline().strip()
         if not line.startswith("http://127.0.0.1:"):
             self.stop()
@@ -73,10 +79,14 @@ def client(endpoint: str):
     import boto3
 
     env = fake_env()
-    return boto3.client("s3", endpoint_url=endpoint, region_name=env["AWS_DEFAULT_REGION"],
-                        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-                        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-                        aws_session_token=env["AWS_SESSION_TOKEN"])
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name=env["AWS_DEFAULT_REGION"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        aws_session_token=env["AWS_SESSION_TOKEN"],
+    )
 
 
 def keys(c: Any, bucket: str, prefix: str) -> list[str]:
@@ -94,8 +104,11 @@ def copy_prefix(c: Any, bucket: str, src: str, dst: str) -> int:
     """Server-side copy of every object under ``src/`` to ``dst/`` (a fresh root per crash point)."""
     n = 0
     for k in keys(c, bucket, src.rstrip("/") + "/"):
-        c.copy_object(Bucket=bucket, Key=dst.rstrip("/") + "/" + k[len(src.rstrip("/")) + 1:],
-                      CopySource={"Bucket": bucket, "Key": k})
+        c.copy_object(
+            Bucket=bucket,
+            Key=dst.rstrip("/") + "/" + k[len(src.rstrip("/")) + 1 :],
+            CopySource={"Bucket": bucket, "Key": k},
+        )
         n += 1
     return n
 

@@ -103,8 +103,11 @@ def run_fork(url, so, expect, save=_save):
 def build_foreign(url, so):
     _save(url, so, 2, "A-2")
     files = write_legacy(_root(url, so).storage, "checkpoint-4", "F-4", 4)
-    return {"allowed": ["A-2", "A-4"], "foreign_names": ["checkpoint-4"],
-            "foreign": {"name": "checkpoint-4", "files": _b64({k.split("/", 1)[1]: v for k, v in files.items()})}}
+    return {
+        "allowed": ["A-2", "A-4"],
+        "foreign_names": ["checkpoint-4"],
+        "foreign": {"name": "checkpoint-4", "files": _b64({k.split("/", 1)[1]: v for k, v in files.items()})},
+    }
 
 
 # ----- retention --------------------------------------------------------------------------------
@@ -178,16 +181,26 @@ def build_gc(url, so):
     # A save that crashed before its commit, whose writer is dead.
     dead = f"7-deadbeef-{os.urandom(5).hex()}"
     st.create_exclusive(f".txckpt/tx/{dead}/checkpoint-7/model.safetensors", b"partial", durable=False)
-    intent = {"txid": dead, "step": 7, "lineage": "deadbeef", "host": socket.gethostname(),
-              "pid": _dead_pid(), "time": time.time() - 100, "world_size": 1}
+    intent = {
+        "txid": dead,
+        "step": 7,
+        "lineage": "deadbeef",
+        "host": socket.gethostname(),
+        "pid": _dead_pid(),
+        "time": time.time() - 100,
+        "world_size": 1,
+    }
     st.create_exclusive(f".txckpt/intents/{dead}.json", json.dumps(intent).encode(), durable=False)
     # The intent of a save that committed but died before removing it.
     intent = dict(intent, txid=b[3], step=3)
     st.create_exclusive(f".txckpt/intents/{b[3]}.json", json.dumps(intent).encode(), durable=False)
     # A temp file of an interrupted log append, and an expired reader lease.
     st.create_exclusive(".txckpt/log/.00000000000000000099.json.0123456789ab.tmp", b"{", durable=False)
-    st.create_exclusive(".txckpt/readers/x.0123456789ab.json",
-                        json.dumps({"txid": a[2], "expires": time.time() - 86400, "pid": 1}).encode(), durable=False)
+    st.create_exclusive(
+        ".txckpt/readers/x.0123456789ab.json",
+        json.dumps({"txid": a[2], "expires": time.time() - 86400, "pid": 1}).encode(),
+        durable=False,
+    )
     txckpt.forget_roots()
     going = [c.txid for c in plan_retention(_root(url, so), _gc_policy())]
     assert going == [b[3]], going
@@ -234,8 +247,9 @@ def _frozen():
 def _save_inc(url, so, step, tag):
     import txckpt
 
-    return txckpt.save_checkpoint(url, step, {**payload(tag, step), "frozen.safetensors": _frozen()},
-                                  storage_options=so, incremental=True)
+    return txckpt.save_checkpoint(
+        url, step, {**payload(tag, step), "frozen.safetensors": _frozen()}, storage_options=so, incremental=True
+    )
 
 
 def build_incremental(url, so):
@@ -284,29 +298,76 @@ def build_incremental_retention(url, so):
     return build_retention(url, so, save=_save_inc)
 
 
-SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
-    Scenario("save", "save (3 kinds + raw bytes) over a root with one checkpoint: staging, commit, publish",
-             build_save, run_save),
-    Scenario("txdir", "transaction with files written into tx.directory by other code (commit hashes them)",
-             build_save, run_txdir),
-    Scenario("first", "first save on an empty root (creates the lineage and the log)", build_first, run_first),
-    Scenario("fork", "fork (resume to step 2 of 2,4,6) + re-save step 4 + publish over the other lineage's name",
-             build_fork, run_fork),
-    Scenario("foreign", "publish over a checkpoint-N written by another tool (moved to orphans/)",
-             build_foreign, run_save, backends=("local",)),
-    Scenario("retention", "retention keep_last=2, abandoned TTL 0 (retire entry, then deletion of 4 checkpoints)",
-             build_retention, run_retention),
-    Scenario("gc", "gc with a policy: dead staging, retired data, stale intents, temp file, expired lease, "
-             "half-done publish and unpublish", build_gc, run_gc),
-    Scenario("adopt", "adoption of a legacy root (txckpt adopt)", build_adopt, run_adopt),
-    Scenario("adopt-save", "first txckpt save on a legacy root (adopts, then saves)", build_adopt_save, run_adopt_save),
-    Scenario("incremental", "incremental save sharing an unchanged file with the previous checkpoint",
-             build_incremental, run_incremental),
-    Scenario("incremental-txdir", "incremental transaction whose unchanged file other code wrote into "
-             "tx.directory (shared once hashed, or instead of its upload)", build_incremental_txdir,
-             run_incremental_txdir),
-    Scenario("incremental-fork", "fork (resume to step 2 of 2,4,6) + incremental re-save of step 4, sharing with "
-             "the abandoned lineage", build_incremental_fork, run_incremental_fork),
-    Scenario("incremental-retention", "retention (as 'retention') of checkpoints that all share one file",
-             build_incremental_retention, run_retention),
-]}
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in [
+        Scenario(
+            "save",
+            "save (3 kinds + raw bytes) over a root with one checkpoint: staging, commit, publish",
+            build_save,
+            run_save,
+        ),
+        Scenario(
+            "txdir",
+            "transaction with files written into tx.directory by other code (commit hashes them)",
+            build_save,
+            run_txdir,
+        ),
+        Scenario("first", "first save on an empty root (creates the lineage and the log)", build_first, run_first),
+        Scenario(
+            "fork",
+            "fork (resume to step 2 of 2,4,6) + re-save step 4 + publish over the other lineage's name",
+            build_fork,
+            run_fork,
+        ),
+        Scenario(
+            "foreign",
+            "publish over a checkpoint-N written by another tool (moved to orphans/)",
+            build_foreign,
+            run_save,
+            backends=("local",),
+        ),
+        Scenario(
+            "retention",
+            "retention keep_last=2, abandoned TTL 0 (retire entry, then deletion of 4 checkpoints)",
+            build_retention,
+            run_retention,
+        ),
+        Scenario(
+            "gc",
+            "gc with a policy: dead staging, retired data, stale intents, temp file, expired lease, "
+            "half-done publish and unpublish",
+            build_gc,
+            run_gc,
+        ),
+        Scenario("adopt", "adoption of a legacy root (txckpt adopt)", build_adopt, run_adopt),
+        Scenario(
+            "adopt-save", "first txckpt save on a legacy root (adopts, then saves)", build_adopt_save, run_adopt_save
+        ),
+        Scenario(
+            "incremental",
+            "incremental save sharing an unchanged file with the previous checkpoint",
+            build_incremental,
+            run_incremental,
+        ),
+        Scenario(
+            "incremental-txdir",
+            "incremental transaction whose unchanged file other code wrote into "
+            "tx.directory (shared once hashed, or instead of its upload)",
+            build_incremental_txdir,
+            run_incremental_txdir,
+        ),
+        Scenario(
+            "incremental-fork",
+            "fork (resume to step 2 of 2,4,6) + incremental re-save of step 4, sharing with the abandoned lineage",
+            build_incremental_fork,
+            run_incremental_fork,
+        ),
+        Scenario(
+            "incremental-retention",
+            "retention (as 'retention') of checkpoints that all share one file",
+            build_incremental_retention,
+            run_retention,
+        ),
+    ]
+}

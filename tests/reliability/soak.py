@@ -78,8 +78,7 @@ def cycle(root: str, c: int, seed: int, kill_at: int | None, when: str, report_f
         inj.uninstall()
 
 
-def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool, retained: bool,
-                memo: str) -> dict[str, Any]:
+def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool, retained: bool, memo: str) -> dict[str, Any]:
     """The soak's invariants (see the module doc), in a fresh process.
 
     ``memo``: a pickle of the history the previous check read, which this check extends with the
@@ -126,8 +125,10 @@ def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool, retained:
             except Exception as e:
                 v.append(f"[load] {path}: {type(e).__name__}: {e}")
             if last and last["lineage"] == hist.state.head and m.step < last["step"]:
-                v.append(f"[lookup] lookup returned step {m.step}, older than step {last['step']}, which a save "
-                         "returned in this lineage")
+                v.append(
+                    f"[lookup] lookup returned step {m.step}, older than step {last['step']}, which a save "
+                    "returned in this lineage"
+                )
     # Committed, not retired: present, verifies, matches its commit entry's digest.
     kept = 0
     kept_bytes = 0
@@ -158,8 +159,10 @@ def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool, retained:
         h.apply(e)
     forks = len(hist.fork_points())
     if retained and kept > KEEP_LAST + forks:
-        v.append(f"[bound] {kept} checkpoints are not retired after a completed retention; the policy keeps "
-                 f"{KEEP_LAST} + {forks} fork points")
+        v.append(
+            f"[bound] {kept} checkpoints are not retired after a completed retention; the policy keeps "
+            f"{KEEP_LAST} + {forks} fork points"
+        )
     # The next check needs only the entries after this one's (the replay is at hist's seq).
     hist.entries = []
     h.entries = []
@@ -167,8 +170,16 @@ def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool, retained:
         pickle.dump({"hist": hist, "replay": h}, f)
     os.replace(memo + ".tmp", memo)
     used = _bytes(root)
-    out = {"violations": v, "kept": kept, "forks": forks, "bytes": used, "kept_bytes": kept_bytes,
-           "seq": hist.state.seq, "log_bytes": used - _bytes(root, skip_log=True), "snapshot": snapshots_used}
+    out = {
+        "violations": v,
+        "kept": kept,
+        "forks": forks,
+        "bytes": used,
+        "kept_bytes": kept_bytes,
+        "seq": hist.state.seq,
+        "log_bytes": used - _bytes(root, skip_log=True),
+        "snapshot": snapshots_used,
+    }
     if full_gc:
         rep = collect_garbage(r, now=time.time() + 7200)
         for item in rep.errors:
@@ -251,21 +262,25 @@ def soak(ctx: Ctx, case: Case, result: Result) -> None:
             stats["gc_checks"] += 1
         found += [f"cycle {c}: {x}" for x in res["violations"]]
         if c == n:
-            bound_note = (f"end: {res['kept']} checkpoints kept ({res['forks']} fork points), "
-                          f"{res.get('bytes_after_gc', 0)} bytes outside the log after gc vs "
-                          f"{res['kept_bytes']} in kept checkpoints; the log has {res['seq'] + 1} entries, "
-                          f"{res['log_bytes']} bytes (never compacted: it grows with every save and rotation, "
-                          f"each entry of bounded size: the head lineage's record, protocol §4)")
+            bound_note = (
+                f"end: {res['kept']} checkpoints kept ({res['forks']} fork points), "
+                f"{res.get('bytes_after_gc', 0)} bytes outside the log after gc vs "
+                f"{res['kept_bytes']} in kept checkpoints; the log has {res['seq'] + 1} entries, "
+                f"{res['log_bytes']} bytes (never compacted: it grows with every save and rotation, "
+                f"each entry of bounded size: the head lineage's record, protocol §4)"
+            )
         if len(found) > 50:
             found.append("[harness] more than 50 violations: stopped")
             break
     result.tried = n
     result.points = n
     result.unit = "cycles"
-    result.notes.append(f"{n} cycles: {stats['killed']} SIGKILLed at a random file op, {stats['saves_returned']} "
-                        f"saves returned, {stats['forks']} rollbacks (forks); {stats['checks']} fresh-process checks, "
-                        f"{stats['gc_checks']} with gc and the leak/bytes check; max {stats['max_bytes']} bytes on "
-                        f"disk between gcs. {bound_note}")
+    result.notes.append(
+        f"{n} cycles: {stats['killed']} SIGKILLed at a random file op, {stats['saves_returned']} "
+        f"saves returned, {stats['forks']} rollbacks (forks); {stats['checks']} fresh-process checks, "
+        f"{stats['gc_checks']} with gc and the leak/bytes check; max {stats['max_bytes']} bytes on "
+        f"disk between gcs. {bound_note}"
+    )
     classify(result, found, case.known)
 
 
@@ -293,6 +308,16 @@ def _run_with_pipe(fn, rfd: int, wfd: int) -> tuple[tuple[int, list[dict]], Any]
 
 
 def cases() -> list[Case]:
-    return [Case("soak/local/save-rotate-kill", "soak",
-                 "save/rotate cycles (keep_last=3, abandoned TTL 0, gc every 5) with random SIGKILLs, restarts "
-                 "and rollbacks", "local", soak, cost=40, cost_full=900, params={"quick": 60, "full": 1000})]
+    return [
+        Case(
+            "soak/local/save-rotate-kill",
+            "soak",
+            "save/rotate cycles (keep_last=3, abandoned TTL 0, gc every 5) with random SIGKILLs, restarts "
+            "and rollbacks",
+            "local",
+            soak,
+            cost=40,
+            cost_full=900,
+            params={"quick": 60, "full": 1000},
+        )
+    ]

@@ -98,8 +98,10 @@ def one_root_many_spellings(ctx: Ctx, case: Case, result: Result) -> None:
             out = job.call(op_save, a, step, f"J-{step}", so)
             points += 1
             if out[0] != "ok":
-                found.append(f"[spelling] save of step {step} through {a!r} after saves through other names of the "
-                             f"root: {out[1]}: {out[2]}")
+                found.append(
+                    f"[spelling] save of step {step} through {a!r} after saves through other names of the "
+                    f"root: {out[1]}: {out[2]}"
+                )
             elif not _in_spelling(out[1], a):
                 found.append(f"[spelling] a save through {a!r} returned {out[1]!r}, not a path in that spelling")
             step += 1
@@ -110,17 +112,23 @@ def one_root_many_spellings(ctx: Ctx, case: Case, result: Result) -> None:
             else:
                 saved, last, tags = out[1]
                 if tags != [f"J-{step}"]:
-                    found.append(f"[spelling] a lookup through {b!r} right after async_save of step {step} through "
-                                 f"{a!r} returned {last!r} (tags {tags}), not the pending save")
+                    found.append(
+                        f"[spelling] a lookup through {b!r} right after async_save of step {step} through "
+                        f"{a!r} returned {last!r} (tags {tags}), not the pending save"
+                    )
                 if not _in_spelling(saved, a) or not _in_spelling(last, b):
-                    found.append(f"[spelling] paths not in the spelling asked: async_save through {a!r} gave "
-                                 f"{saved!r}, the lookup through {b!r} gave {last!r}")
+                    found.append(
+                        f"[spelling] paths not in the spelling asked: async_save through {a!r} gave "
+                        f"{saved!r}, the lookup through {b!r} gave {last!r}"
+                    )
             step += 2
             out = job.call(op_async_then_save, a, b, step - 1, (f"J-{step - 1}", f"J-{step}"), so)
             points += 1
             if out[0] != "ok" or not all(_in_spelling(p, n) for p, n in zip(out[1], (a, b))):
-                found.append(f"[spelling] async_save of step {step - 1} through {a!r}, then a synchronous save of "
-                             f"{step} through {b!r}: {out[1:3] if out[0] != 'ok' else out[1]}")
+                found.append(
+                    f"[spelling] async_save of step {step - 1} through {a!r}, then a synchronous save of "
+                    f"{step} through {b!r}: {out[1:3] if out[0] != 'ok' else out[1]}"
+                )
         lineages = job.value(op_lineages, names[-1], so)
         if lineages != 1:
             found.append(f"[spelling] one job saving through {len(names)} names of its root made {lineages} lineages")
@@ -132,8 +140,10 @@ def one_root_many_spellings(ctx: Ctx, case: Case, result: Result) -> None:
             out = job.call(op_save, names[2 % len(names)], step + 1, f"J-{step + 1}", so)
             points += 1
             if out[0] != "err" or out[1] != "StaleLineageError":
-                found.append(f"[spelling] the replaced job's save through {names[2 % len(names)]!r} after its restart "
-                             f"resumed through {names[1]!r}: expected StaleLineageError, {out[:3]}")
+                found.append(
+                    f"[spelling] the replaced job's save through {names[2 % len(names)]!r} after its restart "
+                    f"resumed through {names[1]!r}: expected StaleLineageError, {out[:3]}"
+                )
             # The restart is SIGKILLed just before the commit of a save through another name.
             restart.pause("txckpt.transactions:append_commit")
             restart.send(op_save, names[-1], step + 1, f"K-{step + 1}", so)
@@ -149,15 +159,29 @@ def one_root_many_spellings(ctx: Ctx, case: Case, result: Result) -> None:
         out = again.call(op_save, names[1], step + 1, f"A-{step + 1}", so)
         if out[0] != "ok":
             found.append(f"[spelling] the second restart's save of step {step + 1} through {names[1]!r}: {out[:3]}")
-    found += [f"after the restarts: {v}" for v in child_value(
-        lambda: check(root, so, {"allowed": [f"A-{step + 1}"], "before": before}), "checking the root")]
+    found += [
+        f"after the restarts: {v}"
+        for v in child_value(
+            lambda: check(root, so, {"allowed": [f"A-{step + 1}"], "before": before}), "checking the root"
+        )
+    ]
     result.tried, result.points, result.unit = len(names), points, "calls"
     classify(result, found, case.known)
 
 
 def concurrency_cases() -> list[Case]:
-    return [Case(f"concurrency/{backend}/one-root-many-spellings", "concurrency",
-                 "one job saving and looking up through several names of its root (a symlink, a trailing "
-                 "slash, a relative path; S3 URL spellings), async beside sync; restarts through other "
-                 "names, one SIGKILLed before its commit", backend, one_root_many_spellings,
-                 cost=30 if backend == "s3" else 5, cost_full=50 if backend == "s3" else 10, needs_s3=backend == "s3") for backend in ("local", "s3")]
+    return [
+        Case(
+            f"concurrency/{backend}/one-root-many-spellings",
+            "concurrency",
+            "one job saving and looking up through several names of its root (a symlink, a trailing "
+            "slash, a relative path; S3 URL spellings), async beside sync; restarts through other "
+            "names, one SIGKILLed before its commit",
+            backend,
+            one_root_many_spellings,
+            cost=30 if backend == "s3" else 5,
+            cost_full=50 if backend == "s3" else 10,
+            needs_s3=backend == "s3",
+        )
+        for backend in ("local", "s3")
+    ]

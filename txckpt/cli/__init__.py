@@ -20,5 +20,14 @@ from .app import build_parser, main
 from .common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, Problem, UsageError, parse_storage_options
 from .verify import run_verify
 
-__all__ = ["main", "build_parser", "parse_storage_options", "run_verify", "UsageError", "Problem",
-           "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE"]
+__all__ = [
+    "main",
+    "build_parser",
+    "parse_storage_options",
+    "run_verify",
+    "UsageError",
+    "Problem",
+    "EXIT_OK",
+    "EXIT_PROBLEM",
+    "EXIT_USAGE",
+]

@@ -90,8 +90,7 @@ def _looks_like_root(root: CheckpointRoot) -> bool:
     s = root.storage
     # Entry 0 first: listing a log of 10,000 entries to see that it is not empty cost every
     # command 9 ms on such a root; the listing still catches a log that lost entry 0.
-    return s.exists(entry_key(0)) or bool(s.list_dir(LOG_DIR)) or bool(root.legacy_checkpoints()) \
-        or s.exists(META_DIR)
+    return s.exists(entry_key(0)) or bool(s.list_dir(LOG_DIR)) or bool(root.legacy_checkpoints()) or s.exists(META_DIR)
 
 
 def configure_logging(verbose: bool) -> None:

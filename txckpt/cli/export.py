@@ -11,8 +11,16 @@ from ..errors import CheckpointNotFoundError, IntegrityError, UnsafePathError
 from ..progress import bar as progress_bar, bar_wanted
 from ..storage import open_storage
 from ..storage.local import lies_within
-from .common import (EXIT_OK, EXIT_PROBLEM, UsageError, human_bytes, is_url, open_root_arg,
-                     parse_storage_options, print_json)
+from .common import (
+    EXIT_OK,
+    EXIT_PROBLEM,
+    UsageError,
+    human_bytes,
+    is_url,
+    open_root_arg,
+    parse_storage_options,
+    print_json,
+)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -43,32 +51,46 @@ def cmd_export(args: argparse.Namespace) -> int:
         # take the export for garbage there).
         inside = inside or lies_within(dest_local, src.local_path(""))
     if inside:
-        raise UsageError(f"DEST {args.dest} lies inside ROOT (its real path, symlinks resolved); "
-                         "export outside the root")
+        raise UsageError(
+            f"DEST {args.dest} lies inside ROOT (its real path, symlinks resolved); export outside the root"
+        )
     if dest.exists("") and dest.list_dir(""):
         raise UsageError(f"DEST {args.dest} exists and is not empty; export into a new or empty directory")
     # A local DEST is installed by rename, at its real path (a symlink to a directory stays).
     target = os.path.realpath(dest_local) if dest_local is not None else args.dest
     problem: Exception | None = None
-    with progress_bar("export", total=manifest.total_bytes,
-                      enabled=bar_wanted(args.no_progress, args.json)) as bar:
+    with progress_bar("export", total=manifest.total_bytes, enabled=bar_wanted(args.no_progress, args.json)) as bar:
         try:
-            fetch_checkpoint(source, target, storage_options=args.storage_options,
-                             dest_storage_options=None if dest_local is not None else dest_options,
-                             with_manifest=not args.no_manifest, durable=not args.no_sync,
-                             progress=bar.update)
+            fetch_checkpoint(
+                source,
+                target,
+                storage_options=args.storage_options,
+                dest_storage_options=None if dest_local is not None else dest_options,
+                with_manifest=not args.no_manifest,
+                durable=not args.no_sync,
+                progress=bar.update,
+            )
         except (IntegrityError, UnsafePathError) as e:
             problem = e
     if problem is not None:
         print(f"PROBLEM: {problem}", file=sys.stderr)
         print(f"export aborted; removed what it had written to {args.dest}", file=sys.stderr)
         return EXIT_PROBLEM
-    result = {"source": source, "dest": dest.full_path(""), "step": c.step, "txid": c.txid,
-              "lineage": c.lineage, "files": len(manifest.files), "bytes": manifest.total_bytes,
-              "manifest": not args.no_manifest}
+    result = {
+        "source": source,
+        "dest": dest.full_path(""),
+        "step": c.step,
+        "txid": c.txid,
+        "lineage": c.lineage,
+        "files": len(manifest.files),
+        "bytes": manifest.total_bytes,
+        "manifest": not args.no_manifest,
+    }
     if args.json:
         print_json(result)
     else:
-        print(f"exported step {c.step} (lineage {c.lineage}, txid {c.txid}): {len(manifest.files)} file(s), "
-              f"{human_bytes(manifest.total_bytes)}, each verified against its checksum, to {result['dest']}")
+        print(
+            f"exported step {c.step} (lineage {c.lineage}, txid {c.txid}): {len(manifest.files)} file(s), "
+            f"{human_bytes(manifest.total_bytes)}, each verified against its checksum, to {result['dest']}"
+        )
     return EXIT_OK

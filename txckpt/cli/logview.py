@@ -19,8 +19,9 @@ from .common import human_time, table
 STEPS_SHOWN = 8
 
 
-def build_graph(root: CheckpointRoot, history: Any, *, max_count: int | None = None,
-                include_retired: bool = False) -> dict[str, Any]:
+def build_graph(
+    root: CheckpointRoot, history: Any, *, max_count: int | None = None, include_retired: bool = False
+) -> dict[str, Any]:
     """The lineage graph as data: nodes newest first, with lanes and the text drawing.
 
     ``include_retired``: also show checkpoints retention retired (their data is deleted).
@@ -71,11 +72,21 @@ def build_graph(root: CheckpointRoot, history: Any, *, max_count: int | None = N
     for c in chosen:  # only the nodes shown are located: a few reads each on an object store
         path = root.locate(c.ref)
         st = "retired" if c.txid in retired else ("current" if c.txid in current else "abandoned")
-        nodes.append({
-            "txid": c.txid, "step": c.step, "lineage": c.lineage, "state": st, "adopted": c.adopted,
-            "path": path, "key": _key_display(root, path) if path else None, "bytes": c.bytes,
-            "time": c.time, "parent": parent_of(c), "labels": [],
-        })
+        nodes.append(
+            {
+                "txid": c.txid,
+                "step": c.step,
+                "lineage": c.lineage,
+                "state": st,
+                "adopted": c.adopted,
+                "path": path,
+                "key": _key_display(root, path) if path else None,
+                "bytes": c.bytes,
+                "time": c.time,
+                "parent": parent_of(c),
+                "labels": [],
+            }
+        )
     index = {n["txid"]: n for n in nodes}
     # Decorations, git-style: lineage tips (HEAD first), fork points.
     virtual: list[dict[str, Any]] = []
@@ -87,11 +98,21 @@ def build_graph(root: CheckpointRoot, history: Any, *, max_count: int | None = N
             if own[-1].txid in index:
                 index[own[-1].txid]["labels"].append(label)
         elif lid == head:
-            virtual.append({
-                "txid": None, "step": None, "lineage": lid, "state": "head", "adopted": False, "path": None,
-                "key": None, "bytes": 0, "time": info.created_time, "parent": lineage_parent(lid),
-                "labels": [f"{label}; no checkpoints of its own yet"],
-            })
+            virtual.append(
+                {
+                    "txid": None,
+                    "step": None,
+                    "lineage": lid,
+                    "state": "head",
+                    "adopted": False,
+                    "path": None,
+                    "key": None,
+                    "bytes": 0,
+                    "time": info.created_time,
+                    "parent": lineage_parent(lid),
+                    "labels": [f"{label}; no checkpoints of its own yet"],
+                }
+            )
     for txid, children in forks.items():
         if txid in index:
             index[txid]["labels"].append("fork point of " + ", ".join(sorted(children)))
@@ -102,23 +123,33 @@ def build_graph(root: CheckpointRoot, history: Any, *, max_count: int | None = N
     for lid, info in sorted(state.lineages.items(), key=lambda kv: kv[1].created_seq):
         own = by_lineage.get(lid, [])
         p = info.parent
-        lineages.append({
-            "id": lid,
-            "head": lid == head,
-            "reason": info.reason,
-            "created": info.created_time,
-            "parent_lineage": p.lineage if isinstance(p, Ref) else None,
-            "fork_step": p.step if isinstance(p, Ref) else None,
-            "external_parent": p.path if isinstance(p, ExternalParent) else None,
-            "description": lineage_desc(state, lid),
-            "steps": [c.step for c in own],
-            "abandoned_steps": [c.step for c in own if c.txid not in current and c.txid not in retired],
-            "retired_steps": [c.step for c in own if c.txid in retired],
-            # Drawn in this graph (with -n, lineages older than what is shown are left out).
-            "shown": lid in drawn_lineages or lid == head or max_count is None,
-        })
-    return {"head": head, "lines": lines, "nodes": nodes, "lineages": lineages, "omitted": omitted,
-            "hidden_retired": hidden_retired, "max_count": max_count, "include_retired": include_retired}
+        lineages.append(
+            {
+                "id": lid,
+                "head": lid == head,
+                "reason": info.reason,
+                "created": info.created_time,
+                "parent_lineage": p.lineage if isinstance(p, Ref) else None,
+                "fork_step": p.step if isinstance(p, Ref) else None,
+                "external_parent": p.path if isinstance(p, ExternalParent) else None,
+                "description": lineage_desc(state, lid),
+                "steps": [c.step for c in own],
+                "abandoned_steps": [c.step for c in own if c.txid not in current and c.txid not in retired],
+                "retired_steps": [c.step for c in own if c.txid in retired],
+                # Drawn in this graph (with -n, lineages older than what is shown are left out).
+                "shown": lid in drawn_lineages or lid == head or max_count is None,
+            }
+        )
+    return {
+        "head": head,
+        "lines": lines,
+        "nodes": nodes,
+        "lineages": lineages,
+        "omitted": omitted,
+        "hidden_retired": hidden_retired,
+        "max_count": max_count,
+        "include_retired": include_retired,
+    }
 
 
 def lineage_desc(state: Any, lid: str) -> str:
@@ -159,8 +190,7 @@ def draw(nodes: list[dict[str, Any]], head_first: str | None) -> list[tuple[str,
         me = n["txid"] if n["txid"] is not None else "HEAD"
         hits = [i for i, t in enumerate(columns) if t == me]
         if not hits:
-            col = next(i for i in range(len(columns) + 2)
-                       if (i >= len(columns) or columns[i] is None) and i != above)
+            col = next(i for i in range(len(columns) + 2) if (i >= len(columns) or columns[i] is None) and i != above)
             columns.extend([None] * (col + 1 - len(columns)))
             columns[col] = me
             hits = [col]
@@ -208,20 +238,29 @@ def render_text(graph: dict[str, Any]) -> str:
         state = n["state"] + (",adopted" if n["adopted"] else "")
         where = n["key"] or "(data missing)" if n["state"] != "retired" else (n["key"] or "(deleted)")
         out.append(
-            f"{prefix.ljust(width)}  step {str(n['step']).ljust(6)} {n['lineage']}  {state.ljust(9)}  "
-            f"{where}{labels}"
+            f"{prefix.ljust(width)}  step {str(n['step']).ljust(6)} {n['lineage']}  {state.ljust(9)}  {where}{labels}"
         )
     with_retired = graph["include_retired"]
     out.append("")
     out.append("lineages:")
     rows = []
     for l in reversed([l for l in graph["lineages"] if l["shown"]]):
-        steps = abbreviate_steps([
-            f"{s}{'*' if s in l['abandoned_steps'] else ''}{'~' if s in l['retired_steps'] else ''}"
-            for s in l["steps"] if with_retired or s not in l["retired_steps"]
-        ])
-        rows.append([f"  {l['id']}", "HEAD" if l["head"] else "", l["description"],
-                     f"created {human_time(l['created'])}", f"steps: {steps}"])
+        steps = abbreviate_steps(
+            [
+                f"{s}{'*' if s in l['abandoned_steps'] else ''}{'~' if s in l['retired_steps'] else ''}"
+                for s in l["steps"]
+                if with_retired or s not in l["retired_steps"]
+            ]
+        )
+        rows.append(
+            [
+                f"  {l['id']}",
+                "HEAD" if l["head"] else "",
+                l["description"],
+                f"created {human_time(l['created'])}",
+                f"steps: {steps}",
+            ]
+        )
     out.append(table(rows, ["", "", "", "", ""]).split("\n", 1)[1] if rows else "  (none)")
     hidden_lineages = sum(not l["shown"] for l in graph["lineages"])
     notes = []
@@ -230,9 +269,11 @@ def render_text(graph: dict[str, Any]) -> str:
     if with_retired and any(l["retired_steps"] for l in graph["lineages"] if l["shown"]):
         notes.append("~ retired by the retention policy")
     if graph["omitted"]:
-        notes.append(f"{graph['omitted']} older checkpoint(s)"
-                     + (f" and {hidden_lineages} lineage(s)" if hidden_lineages else "")
-                     + f" not shown (-n {graph['max_count']})")
+        notes.append(
+            f"{graph['omitted']} older checkpoint(s)"
+            + (f" and {hidden_lineages} lineage(s)" if hidden_lineages else "")
+            + f" not shown (-n {graph['max_count']})"
+        )
     if graph["hidden_retired"] and not with_retired:
         notes.append(f"{graph['hidden_retired']} retired checkpoint(s) hidden (--all shows them)")
     out.extend(f"  ({note})" for note in notes)
@@ -298,10 +339,13 @@ def render_dot(graph: dict[str, Any], title: str) -> str:
             attrs.append('style="dashed"' if n["state"] == "abandoned" else 'style="dotted"')
         out.append(f"  {ids[parent]} -> {me}" + (f" [{', '.join(attrs)}]" if attrs else "") + ";")
     head_node = next((n for n in nodes if n["txid"] is None), None) or next(
-        (n for n in nodes if any(t.startswith("HEAD ->") for t in n["labels"])), None)
+        (n for n in nodes if any(t.startswith("HEAD ->") for t in n["labels"])), None
+    )
     if head_node is not None:
         out.append('  HEAD [shape=plaintext, fontcolor="#1f5f99", label="HEAD"];')
-        out.append(f'  HEAD -> {ids[head_node["txid"] if head_node["txid"] is not None else "HEAD"]} '
-                   '[color="#1f5f99", arrowhead="vee"];')
+        out.append(
+            f"  HEAD -> {ids[head_node['txid'] if head_node['txid'] is not None else 'HEAD']} "
+            '[color="#1f5f99", arrowhead="vee"];'
+        )
     out.append("}")
     return "\n".join(out)

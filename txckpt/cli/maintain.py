@@ -21,7 +21,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     policy = None
     if args.keep_last is not None or args.keep_every is not None or args.abandoned_ttl is not None:
         policy = RetentionPolicy(
-            keep_last=args.keep_last, keep_every=args.keep_every, keep_best=args.keep or [],
+            keep_last=args.keep_last,
+            keep_every=args.keep_every,
+            keep_best=args.keep or [],
             abandoned="keep" if args.abandoned_ttl is None else args.abandoned_ttl,
         )
     with progress_bar("gc", enabled=not args.dry_run and bar_wanted(args.no_progress, args.json)):
@@ -32,7 +34,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     verb_remove = "would remove" if args.dry_run else "removed"
     for item in report.items:
         if item.kind in ("publish", "unpublish"):
-            verb = ("would " + item.kind) if args.dry_run else (item.kind + "ed" if item.done else item.kind + " FAILED")
+            verb = (
+                ("would " + item.kind) if args.dry_run else (item.kind + "ed" if item.done else item.kind + " FAILED")
+            )
         elif item.kind == "policy":
             verb = "would remove" if args.dry_run else ("removed" if item.done else "kept")
         else:
@@ -45,20 +49,32 @@ def cmd_gc(args: argparse.Namespace) -> int:
     for item in report.kept:
         print(f"{'kept':<16} {item.kind:<9} {item.key}  ({item.reason})")
     for o in report.orphans:
-        print(f"{'orphan (kept)':<16} {'orphan':<9} {o}  (moved aside by txckpt; inspect it, then delete "
-              "it or move it back by hand)")
+        print(
+            f"{'orphan (kept)':<16} {'orphan':<9} {o}  (moved aside by txckpt; inspect it, then delete "
+            "it or move it back by hand)"
+        )
     if not report.items:
         print("nothing to collect")
     else:
         n = len([i for i in report.items if i.kind not in ("publish", "unpublish")])
-        names = [f"{k} checkpoint name(s) {'would be ' if args.dry_run else ''}{kind}ed"
-                 for kind in ("publish", "unpublish")
-                 if (k := sum(i.kind == kind and (args.dry_run or i.done) for i in report.items))]
-        held = (f"; {human_bytes(report.held)} of their files {'would stay' if args.dry_run else 'stay'}, held by "
-                "live checkpoints' links") if report.held else ""
-        print(f"{n} item(s), {human_bytes(report.bytes)} {'reclaimable' if args.dry_run else 'reclaimed'}{held}"
-              + "".join(f"; {x}" for x in names)
-              + (f", {len(report.errors)} error(s)" if report.errors else ""))
+        names = [
+            f"{k} checkpoint name(s) {'would be ' if args.dry_run else ''}{kind}ed"
+            for kind in ("publish", "unpublish")
+            if (k := sum(i.kind == kind and (args.dry_run or i.done) for i in report.items))
+        ]
+        held = (
+            (
+                f"; {human_bytes(report.held)} of their files {'would stay' if args.dry_run else 'stay'}, held by "
+                "live checkpoints' links"
+            )
+            if report.held
+            else ""
+        )
+        print(
+            f"{n} item(s), {human_bytes(report.bytes)} {'reclaimable' if args.dry_run else 'reclaimed'}{held}"
+            + "".join(f"; {x}" for x in names)
+            + (f", {len(report.errors)} error(s)" if report.errors else "")
+        )
     return EXIT_PROBLEM if report.errors else EXIT_OK
 
 
@@ -71,10 +87,17 @@ def cmd_adopt(args: argparse.Namespace) -> int:
         steps = root.legacy_checkpoints()
         with progress_bar("adopt", enabled=bar_wanted(args.no_progress, args.json)):  # bytes hashed
             lid = root.adopt()
-        msg = {"adopted": lid, "steps": steps,
-               "message": (f"adopted steps {', '.join(map(str, steps))} of {root.url} as lineage {lid}" if lid
-                           else f"another process adopted {root.url} first; nothing to do"
-                           if root.state().seq >= 0 else "nothing to adopt")}
+        msg = {
+            "adopted": lid,
+            "steps": steps,
+            "message": (
+                f"adopted steps {', '.join(map(str, steps))} of {root.url} as lineage {lid}"
+                if lid
+                else f"another process adopted {root.url} first; nothing to do"
+                if root.state().seq >= 0
+                else "nothing to adopt"
+            ),
+        }
     if args.json:
         print_json(msg)
     else:
@@ -91,10 +114,14 @@ def cmd_resume(args: argparse.Namespace) -> int:
     tip = before.state.head_tip
     verified = _verify_resume_point(root, before, args) if args.step is not None else None
     if not args.json and args.step is not None:  # before the fork's warning (stderr) names what it abandons
-        print(f"verified step {args.step}: {len(verified.files)} file(s), {human_bytes(verified.total_bytes)}, "
-              "each against its checksum" if verified is not None else
-              f"step {args.step} was NOT verified (--no-verify): a damaged file shows only when a restart loads "
-              "it; `txckpt verify` checks it", flush=True)
+        print(
+            f"verified step {args.step}: {len(verified.files)} file(s), {human_bytes(verified.total_bytes)}, "
+            "each against its checksum"
+            if verified is not None
+            else f"step {args.step} was NOT verified (--no-verify): a damaged file shows only when a restart loads "
+            "it; `txckpt verify` checks it",
+            flush=True,
+        )
     if args.step is None or (tip is not None and tip.step == args.step):
         # Nothing to roll back: only say where a restart continues. root.resume() would also
         # claim the lineage for this command's session, fencing off the job that is writing
@@ -107,7 +134,10 @@ def cmd_resume(args: argparse.Namespace) -> int:
     abandoned = [c for t, c in current_before.items() if t not in current_after]
     forked = after.state.head != head_before
     result = {
-        "path": path, "head": after.state.head, "forked": forked, "previous_head": head_before,
+        "path": path,
+        "head": after.state.head,
+        "forked": forked,
+        "previous_head": head_before,
         "abandoned": [{"step": c.step, "lineage": c.lineage, "txid": c.txid} for c in abandoned],
         "verified": verified is not None,
     }
@@ -117,10 +147,14 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if path is None:
         print(f"{root.url} has no checkpoint to resume from; training starts from scratch")
     elif forked:
-        print(f"resumed at {path}: new lineage {after.state.head} (the current one from now on); "
-              f"{len(abandoned)} checkpoint(s) of lineage {head_before} are abandoned and kept intact.")
-        print("A training job still writing this root with the old lineage will be refused "
-              "(StaleLineageError) at its next save; restart it with resume.")
+        print(
+            f"resumed at {path}: new lineage {after.state.head} (the current one from now on); "
+            f"{len(abandoned)} checkpoint(s) of lineage {head_before} are abandoned and kept intact."
+        )
+        print(
+            "A training job still writing this root with the old lineage will be refused "
+            "(StaleLineageError) at its next save; restart it with resume."
+        )
     else:
         print(f"{path} is already the newest checkpoint of the current lineage {after.state.head}; nothing changed")
     return EXIT_OK
@@ -138,11 +172,13 @@ def _verify_resume_point(root: CheckpointRoot, history: History, args: argparse.
     if key is None:
         raise CheckpointNotFoundError(
             f"step {c.step} (txid {c.txid}) is committed but its data is missing; nothing was forked. Pick "
-            "another step (`txckpt ls`)")
+            "another step (`txckpt ls`)"
+        )
     try:
         return verify_checkpoint(root.storage.full_path(key), storage_options=args.storage_options)
     except IntegrityError as e:
         raise IntegrityError(
             f"refusing to resume at step {c.step}: it fails verification ({e}); nothing was forked. Pick "
             "another step (`txckpt ls`, `txckpt verify ROOT`), or pass --no-verify to fork onto it anyway",
-            path=e.path) from e
+            path=e.path,
+        ) from e

@@ -44,8 +44,10 @@ def _check_file(task: _Task) -> tuple[int, str | None]:
             return 0, f"{where}: a directory where the manifest lists a file"
         if p.kind == "size":
             return p.size, f"{where}: {p.size} bytes, the manifest says {entry.size} (truncated or rewritten)"
-        return p.size, (f"{where}: checksum mismatch (xxh3-128 {p.digest}, the manifest says {entry.checksum}): "
-                        "its bytes changed after the commit")
+        return p.size, (
+            f"{where}: checksum mismatch (xxh3-128 {p.digest}, the manifest says {entry.checksum}): "
+            "its bytes changed after the commit"
+        )
     except SpecialFileError as e:
         return 0, f"{where}: a {e.kind}, not a regular file (not read: reading would block)"
     except OSError as e:
@@ -53,8 +55,9 @@ def _check_file(task: _Task) -> tuple[int, str | None]:
     return size, None
 
 
-def _plan_checkpoint(storage: Storage, key: str, where: str, expected: Any | None,
-                     problems: list[str], warnings: list[str]) -> tuple[Manifest | None, list[_Task]]:
+def _plan_checkpoint(
+    storage: Storage, key: str, where: str, expected: Any | None, problems: list[str], warnings: list[str]
+) -> tuple[Manifest | None, list[_Task]]:
     prefix = f"{key}/" if key else ""
     try:
         data = storage.read_bytes(f"{prefix}{MANIFEST_NAME}")
@@ -74,22 +77,35 @@ def _plan_checkpoint(storage: Storage, key: str, where: str, expected: Any | Non
             problems.append(f"{where}/{MANIFEST_NAME}: names txid {manifest.txid}, the log expects {expected.txid}")
             return None, []
         if manifest.digest != expected.digest:
-            problems.append(f"{where}/{MANIFEST_NAME}: differs from the manifest the log committed "
-                            f"(digest {manifest.digest}, committed {expected.digest}): replaced after the commit")
-    tasks = [_Task(storage, f"{prefix}{name}", f"{where}/{name}", entry) for name, entry in sorted(manifest.files.items())]
+            problems.append(
+                f"{where}/{MANIFEST_NAME}: differs from the manifest the log committed "
+                f"(digest {manifest.digest}, committed {expected.digest}): replaced after the commit"
+            )
+    tasks = [
+        _Task(storage, f"{prefix}{name}", f"{where}/{name}", entry) for name, entry in sorted(manifest.files.items())
+    ]
     try:
         listed = {name for name, _ in storage.walk_files(key)}
         extra = sorted(listed - set(manifest.files) - {MANIFEST_NAME} - set(manifest.meta_files()))
         if extra:
-            warnings.append(f"{where}: {len(extra)} file(s) not in the manifest (added after the commit?): "
-                            + ", ".join(extra[:10]) + (" ..." if len(extra) > 10 else ""))
+            warnings.append(
+                f"{where}: {len(extra)} file(s) not in the manifest (added after the commit?): "
+                + ", ".join(extra[:10])
+                + (" ..." if len(extra) > 10 else "")
+            )
     except OSError:
         pass
     return manifest, tasks
 
 
-def run_verify(target: str, options: dict[str, Any], *, workers: int | None = None,
-               progress: bool = False, include_abandoned: bool = True) -> dict[str, Any]:
+def run_verify(
+    target: str,
+    options: dict[str, Any],
+    *,
+    workers: int | None = None,
+    progress: bool = False,
+    include_abandoned: bool = True,
+) -> dict[str, Any]:
     """Verify a root (every committed checkpoint that is not retired) or one checkpoint."""
     storage = open_storage(target, options)
     problems: list[str] = []
@@ -99,8 +115,7 @@ def run_verify(target: str, options: dict[str, Any], *, workers: int | None = No
     if not is_url(target) and not os.path.isdir(target):
         raise UsageError(f"{target} is not a directory")
     if storage.exists(MANIFEST_NAME) or (
-        names_a_checkpoint(target, options) and not storage.exists(META_DIR)
-        and not storage.list_dir(LOG_DIR)
+        names_a_checkpoint(target, options) and not storage.exists(META_DIR) and not storage.list_dir(LOG_DIR)
     ):
         manifest, t = _plan_checkpoint(storage, "", target.rstrip("/"), None, problems, warnings)
         tasks += t
@@ -131,8 +146,10 @@ def run_verify(target: str, options: dict[str, Any], *, workers: int | None = No
         if history is not None and history.state.seq < 0:
             legacy = root.legacy_checkpoints()
             if legacy:
-                warnings.append(f"{root.url} has no txckpt log: its {len(legacy)} legacy checkpoint(s) carry no "
-                                "checksums to verify; `txckpt adopt` records them")
+                warnings.append(
+                    f"{root.url} has no txckpt log: its {len(legacy)} legacy checkpoint(s) carry no "
+                    "checksums to verify; `txckpt adopt` records them"
+                )
         elif history is not None:
             current = {c.txid for c in history.in_view(None)}
             for c in sorted(history.checkpoints.values(), key=lambda c: (c.step, c.seq)):
@@ -141,19 +158,27 @@ def run_verify(target: str, options: dict[str, Any], *, workers: int | None = No
                 key = root.publication.locate(c.ref)
                 label = f"step {c.step} (lineage {c.lineage}, txid {c.txid})"
                 if key is None:
-                    problems.append(f"{label}: committed, but its data is missing from {root.url} "
-                                    "(no manifest naming it at checkpoint-N or its home)")
+                    problems.append(
+                        f"{label}: committed, but its data is missing from {root.url} "
+                        "(no manifest naming it at checkpoint-N or its home)"
+                    )
                     continue
                 manifest, t = _plan_checkpoint(root.storage, key, root.storage.full_path(key), c, problems, warnings)
                 tasks += t
-                checked.append({"path": root.storage.full_path(key), "step": c.step, "txid": c.txid,
-                                "lineage": c.lineage, "state": "current" if c.txid in current else "abandoned",
-                                "files": len(t)})
+                checked.append(
+                    {
+                        "path": root.storage.full_path(key),
+                        "step": c.step,
+                        "txid": c.txid,
+                        "lineage": c.lineage,
+                        "state": "current" if c.txid in current else "abandoned",
+                        "files": len(t),
+                    }
+                )
     total = sum(t.entry.size for t in tasks)
     workers = workers or min(8, max(2, 2 * (os.cpu_count() or 1)))
     read = 0
-    with progress_bar("verify", total=total, enabled=progress) as bar, \
-            ThreadPoolExecutor(max_workers=workers) as pool:
+    with progress_bar("verify", total=total, enabled=progress) as bar, ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(_check_file, t) for t in tasks]
         for done in as_completed(futures):  # the bar moves as each file finishes, in any order
             bar.update(done.result()[0])
@@ -161,8 +186,16 @@ def run_verify(target: str, options: dict[str, Any], *, workers: int | None = No
             read += size
             if problem:
                 problems.append(problem)
-    return {"target": target, "kind": kind, "checkpoints": checked, "files": len(tasks), "bytes": read,
-            "problems": problems, "warnings": warnings, "ok": not problems}
+    return {
+        "target": target,
+        "kind": kind,
+        "checkpoints": checked,
+        "files": len(tasks),
+        "bytes": read,
+        "problems": problems,
+        "warnings": warnings,
+        "ok": not problems,
+    }
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -179,6 +212,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"PROBLEM: {p}")
         n = len(result["checkpoints"])
         verdict = "OK" if result["ok"] else f"{len(result['problems'])} problem(s)"
-        print(f"verified {n} checkpoint(s), {result['files']} file(s), {human_bytes(result['bytes'])} "
-              f"in {result['seconds']:.2f}s: {verdict}")
+        print(
+            f"verified {n} checkpoint(s), {result['files']} file(s), {human_bytes(result['bytes'])} "
+            f"in {result['seconds']:.2f}s: {verdict}"
+        )
     return EXIT_OK if result["ok"] else EXIT_PROBLEM

@@ -17,8 +17,18 @@ from ..layout import LOG_DIR, TX_DIR
 from ..reader import enclosing_root
 from ..refs import ExternalParent, Ref, parent_to_json
 from ..root import CheckpointRoot
-from .common import (EXIT_OK, EXIT_PROBLEM, UsageError, human_bytes, human_time, is_url, open_root_arg,
-                     parse_storage_options, print_json, table)
+from .common import (
+    EXIT_OK,
+    EXIT_PROBLEM,
+    UsageError,
+    human_bytes,
+    human_time,
+    is_url,
+    open_root_arg,
+    parse_storage_options,
+    print_json,
+    table,
+)
 from .logview import build_graph, render_dot, render_text
 
 
@@ -38,11 +48,16 @@ def cmd_log(args: argparse.Namespace) -> int:
                 names = dict(root.legacy_dirs())
             except AmbiguousCheckpointNameError:
                 names = {}
-            print("digraph txckpt {\n  " + " -> ".join(f'"{names.get(s) or naming.public(s)} (legacy)"'
-                                                       for s in legacy) + "\n}")
+            print(
+                "digraph txckpt {\n  "
+                + " -> ".join(f'"{names.get(s) or naming.public(s)} (legacy)"' for s in legacy)
+                + "\n}"
+            )
         else:
-            print(f"{root.url} has no txckpt log; legacy {naming.public('N')} steps: {legacy or 'none'}. "
-                  "Run `txckpt adopt ROOT` to record them as a lineage.")
+            print(
+                f"{root.url} has no txckpt log; legacy {naming.public('N')} steps: {legacy or 'none'}. "
+                "Run `txckpt adopt ROOT` to record them as a lineage."
+            )
         return EXIT_OK
     graph = build_graph(root, history, max_count=args.max_count or None, include_retired=args.all)
     if args.json:
@@ -70,11 +85,21 @@ def staged_leftovers(root: CheckpointRoot, history: Any) -> list[dict[str, Any]]
         intent = intents.get(txid)
         gone, why = writer_status(intent, now=now, grace_seconds=float("inf"))
         t = (intent or {}).get("time") or root.storage.modified_time(key)
-        out.append({
-            "step": step, "lineage": lineage, "txid": txid, "state": "staged-leftover" if gone else "staging",
-            "bytes": tree_bytes(root.storage, key), "time": t, "path": root.storage.full_path(key),
-            "key": key, "adopted": False, "published": False, "writer": why,
-        })
+        out.append(
+            {
+                "step": step,
+                "lineage": lineage,
+                "txid": txid,
+                "state": "staged-leftover" if gone else "staging",
+                "bytes": tree_bytes(root.storage, key),
+                "time": t,
+                "path": root.storage.full_path(key),
+                "key": key,
+                "adopted": False,
+                "published": False,
+                "writer": why,
+            }
+        )
     return out
 
 
@@ -111,21 +136,40 @@ def cmd_ls(args: argparse.Namespace) -> int:
     omitted = 0
     if history.state.seq < 0:
         for step, key in root.legacy_dirs():
-            rows_json.append({"step": step, "lineage": "-", "txid": None, "state": "legacy",
-                              "bytes": sum(max(0, s) for _, s in root.storage.walk_files(key)),
-                              "time": root.storage.modified_time(key), "path": root.storage.full_path(key),
-                              "key": key, "adopted": False, "published": True})
+            rows_json.append(
+                {
+                    "step": step,
+                    "lineage": "-",
+                    "txid": None,
+                    "state": "legacy",
+                    "bytes": sum(max(0, s) for _, s in root.storage.walk_files(key)),
+                    "time": root.storage.modified_time(key),
+                    "path": root.storage.full_path(key),
+                    "key": key,
+                    "adopted": False,
+                    "published": True,
+                }
+            )
     else:
         chosen, omitted = _ls_choose(root, history, args)
         for info in root.describe(chosen, history=history):
-            rows_json.append({
-                "step": info.step, "lineage": info.lineage, "txid": info.txid, "state": info.state,
-                "bytes": info.bytes, "time": info.time, "path": info.path,
-                "key": root.storage.key_of(info.path) if info.path else None,
-                "adopted": info.adopted, "published": info.published, "files": info.files,
-                "missing": info.path is None and info.state != "retired",
-                "shared_bytes": _shared_bytes_at(info.path),
-            })
+            rows_json.append(
+                {
+                    "step": info.step,
+                    "lineage": info.lineage,
+                    "txid": info.txid,
+                    "state": info.state,
+                    "bytes": info.bytes,
+                    "time": info.time,
+                    "path": info.path,
+                    "key": root.storage.key_of(info.path) if info.path else None,
+                    "adopted": info.adopted,
+                    "published": info.published,
+                    "files": info.files,
+                    "missing": info.path is None and info.state != "retired",
+                    "shared_bytes": _shared_bytes_at(info.path),
+                }
+            )
     durable_error = _mark_durable(rows_json, args) if args.durable is not None else None
     if args.lineage is None:
         rows_json.extend(staged_leftovers(root, history))
@@ -144,8 +188,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if note:
         print(note, file=sys.stderr)
     if durable_error is not None:
-        print(f"txckpt ls: the durable tier {args.durable} could not be read ({durable_error}): "
-              "DURABLE shows '?'", file=sys.stderr)
+        print(
+            f"txckpt ls: the durable tier {args.durable} could not be read ({durable_error}): DURABLE shows '?'",
+            file=sys.stderr,
+        )
         return EXIT_PROBLEM
     return EXIT_OK
 
@@ -176,8 +222,17 @@ def _print_ls_table(rows_json: list[dict[str, Any]]) -> None:
         if r.get("missing"):
             state += " (data missing!)"
         where = r["key"] if r["key"] is not None else ("(deleted)" if r["state"] == "retired" else "(missing)")
-        rows.append([str(r["step"] if r["step"] is not None else "?"), r["lineage"], human_bytes(r["bytes"]),
-                     human_bytes(r.get("shared_bytes") or 0), human_time(r["time"]), state, where])
+        rows.append(
+            [
+                str(r["step"] if r["step"] is not None else "?"),
+                r["lineage"],
+                human_bytes(r["bytes"]),
+                human_bytes(r.get("shared_bytes") or 0),
+                human_time(r["time"]),
+                state,
+                where,
+            ]
+        )
     headers = ["STEP", "LINEAGE", "SIZE", "SHARED", "TIME", "STATE", "PATH"]
     if any("durable" in r for r in rows_json):  # ls --durable: a tiered root's fast tier
         for row, r in zip(rows, rows_json):
@@ -275,11 +330,20 @@ def cmd_show(args: argparse.Namespace) -> int:
                 status += " (HEAD tip)"
     shared = _shared_bytes(path, manifest)
     info = {
-        "path": path, "txid": manifest.txid, "lineage": manifest.lineage, "step": manifest.step,
-        "parent": parent_to_json(manifest.parent), "created": manifest.created, "world_size": manifest.world_size,
-        "adopted": manifest.adopted, "checksum_algorithm": checksum.ALGORITHM, "digest": manifest.digest,
-        "bytes": manifest.total_bytes, "shared_bytes": shared,
-        "metadata": manifest.metadata, "state": status,
+        "path": path,
+        "txid": manifest.txid,
+        "lineage": manifest.lineage,
+        "step": manifest.step,
+        "parent": parent_to_json(manifest.parent),
+        "created": manifest.created,
+        "world_size": manifest.world_size,
+        "adopted": manifest.adopted,
+        "checksum_algorithm": checksum.ALGORITHM,
+        "digest": manifest.digest,
+        "bytes": manifest.total_bytes,
+        "shared_bytes": shared,
+        "metadata": manifest.metadata,
+        "state": status,
         "files": {n: manifest.files[n].to_json() for n in sorted(manifest.files)},
     }
     if args.json:
@@ -304,12 +368,24 @@ def cmd_show(args: argparse.Namespace) -> int:
     if manifest.adopted:
         print("adopted     yes (checksums computed at adoption)")
     print(f"checksums   {checksum.ALGORITHM}, manifest digest {manifest.digest}")
-    print(f"files       {len(manifest.files)}, {human_bytes(manifest.total_bytes)}"
-          + (f" ({human_bytes(shared)} of it shared with other checkpoints: hard links, docs/incremental.md)"
-             if shared else ""))
-    rows = [[n, human_bytes(e.size), str(e.size), e.kind, str(e.rank), e.checksum]
-            for n, e in sorted(manifest.files.items())]
-    print("\n" + "\n".join("  " + line for line in table(rows, ["FILE", "SIZE", "BYTES", "KIND", "RANK", "XXH3-128"]).splitlines()))
+    print(
+        f"files       {len(manifest.files)}, {human_bytes(manifest.total_bytes)}"
+        + (
+            f" ({human_bytes(shared)} of it shared with other checkpoints: hard links, docs/incremental.md)"
+            if shared
+            else ""
+        )
+    )
+    rows = [
+        [n, human_bytes(e.size), str(e.size), e.kind, str(e.rank), e.checksum]
+        for n, e in sorted(manifest.files.items())
+    ]
+    print(
+        "\n"
+        + "\n".join(
+            "  " + line for line in table(rows, ["FILE", "SIZE", "BYTES", "KIND", "RANK", "XXH3-128"]).splitlines()
+        )
+    )
     if manifest.metadata:
         print("\nmetadata")
         for line in json.dumps(manifest.metadata, indent=2, sort_keys=True, default=str).splitlines():

@@ -102,8 +102,9 @@ def _preemption_grace(save_on_preemption: Any) -> float | None:
     except (TypeError, ValueError):
         grace_s = float("nan")
     if not (0 <= grace_s < float("inf")):
-        raise InvalidArgumentError(f"save_on_preemption must be True, False or a grace in seconds (>= 0), "
-                                   f"not {save_on_preemption!r}")
+        raise InvalidArgumentError(
+            f"save_on_preemption must be True, False or a grace in seconds (>= 0), not {save_on_preemption!r}"
+        )
     return grace_s
 
 
@@ -135,10 +136,18 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
       first restores the durable tier's newest checkpoint there (docs/tiered.md).
     """
 
-    def __init__(self, *args: Any, txckpt_storage_options: Mapping[str, Any] | None = None,
-                 txckpt_local_dir: str | os.PathLike[str] | None = None, txckpt_timeout: float | None = None,
-                 on_damaged: str = "raise", save_on_preemption: bool | float | None = False,
-                 incremental: bool = False, tiered: txckpt.TieredRoot | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        txckpt_storage_options: Mapping[str, Any] | None = None,
+        txckpt_local_dir: str | os.PathLike[str] | None = None,
+        txckpt_timeout: float | None = None,
+        on_damaged: str = "raise",
+        save_on_preemption: bool | float | None = False,
+        incremental: bool = False,
+        tiered: txckpt.TieredRoot | None = None,
+        **kwargs: Any,
+    ):
         check_on_damaged(on_damaged)
         if tiered is not None and not isinstance(tiered, txckpt.TieredRoot):
             raise InvalidArgumentError(f"tiered must be a txckpt.TieredRoot, not {type(tiered).__name__}")
@@ -166,7 +175,8 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
             return self.txckpt_tiered.fast
         if self.project_dir is None:
             raise InvalidArgumentError(
-                "automatic_checkpoint_naming needs a project_dir (ProjectConfiguration(project_dir=...))")
+                "automatic_checkpoint_naming needs a project_dir (ProjectConfiguration(project_dir=...))"
+            )
         return _join(os.fspath(self.project_dir), "checkpoints")
 
     def _scratch(self) -> str:
@@ -242,8 +252,9 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
             stock_save(directory, safe_serialization=safe_serialization, **kwargs)
             self._write_epoch_starts(directory)
 
-        path = save_dir(d, step, save_into,
-                        main=self.is_main_process, timeout=self.txckpt_timeout, durable=durable_default())
+        path = save_dir(
+            d, step, save_into, main=self.is_main_process, timeout=self.txckpt_timeout, durable=durable_default()
+        )
         self.project_configuration.iteration = step + 1
         return path
 
@@ -265,8 +276,12 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
         write_epoch_starts(self._dataloaders, self.process_index, directory)
 
     # ----- save --------------------------------------------------------------------------------
-    def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True,
-                   **save_model_func_kwargs: Any) -> str:
+    def save_state(
+        self,
+        output_dir: str | os.PathLike[str] | None = None,
+        safe_serialization: bool = True,
+        **save_model_func_kwargs: Any,
+    ) -> str:
         """Save everything accelerate saves as one committed checkpoint; returns its path."""
         auto = bool(self.project_configuration.automatic_checkpoint_naming)
         if auto:
@@ -276,7 +291,8 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
         else:
             if output_dir is None:
                 raise InvalidArgumentError(
-                    "save_state needs output_dir unless ProjectConfiguration(automatic_checkpoint_naming=True)")
+                    "save_state needs output_dir unless ProjectConfiguration(automatic_checkpoint_naming=True)"
+                )
             placed = self._placement(os.fspath(output_dir))
             if placed is None and not is_url(os.fspath(output_dir)):
                 return self._save_dir(os.fspath(output_dir), safe_serialization, save_model_func_kwargs)
@@ -288,8 +304,14 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
                 root, naming, step = placed
                 self._use_naming(root, naming)
         local_dir = self._scratch() if is_url(root) else None
-        with txckpt.transaction(root, step, storage_options=self.txckpt_storage_options,
-                                timeout=self.txckpt_timeout, local_dir=local_dir, incremental=self.incremental) as tx:
+        with txckpt.transaction(
+            root,
+            step,
+            storage_options=self.txckpt_storage_options,
+            timeout=self.txckpt_timeout,
+            local_dir=local_dir,
+            incremental=self.incremental,
+        ) as tx:
             self.project_configuration.automatic_checkpoint_naming = False  # write where told
             try:
                 super().save_state(tx.directory, safe_serialization=safe_serialization, **save_model_func_kwargs)
@@ -309,11 +331,9 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
         policy; deletion is two-phase (docs/retention.md). A failure never fails the save."""
         try:
             for c in apply_retention(self._root(root), RetentionPolicy(keep_last=max(limit, 1))):
-                log.info("total_limit=%d: retired %s (txid %s)", limit,
-                         ACCELERATE_NAMING.public(c.step), c.txid)
+                log.info("total_limit=%d: retired %s (txid %s)", limit, ACCELERATE_NAMING.public(c.step), c.txid)
         except Exception as e:  # the checkpoint is committed; the next save retries retention
-            log.warning("retention after the save failed (%s: %s); the next save retries it",
-                        type(e).__name__, e)
+            log.warning("retention after the save failed (%s: %s); the next save retries it", type(e).__name__, e)
 
     # ----- preemption --------------------------------------------------------------------------
     def preemption_requested(self) -> bool:
@@ -325,8 +345,12 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
         no ``txckpt.preemption.install()``), still collectively."""
         return preemption.requested()
 
-    def save_state_if_preempted(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True,
-                                **save_model_func_kwargs: Any) -> None:
+    def save_state_if_preempted(
+        self,
+        output_dir: str | os.PathLike[str] | None = None,
+        safe_serialization: bool = True,
+        **save_model_func_kwargs: Any,
+    ) -> None:
         """The step boundary of a preemptible loop, in one call on every process: returns at
         once (after the one collective of :meth:`preemption_requested`) while no process has been
         signalled; otherwise ``save_state(output_dir, ...)`` saves this step on every process
@@ -335,8 +359,10 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
         SystemExit carries 128 + the signal's number (143 for SIGTERM) to the scheduler."""
         if not self.preemption_requested():
             return
-        log.warning("txckpt: preemption: saving the state at this step boundary, then the process exits with "
-                    "status %d", preemption.exit_status())
+        log.warning(
+            "txckpt: preemption: saving the state at this step boundary, then the process exits with status %d",
+            preemption.exit_status(),
+        )
         path = self.save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
         log.warning("txckpt: preemption: saved %s", path)
         preemption.exit()
@@ -350,8 +376,12 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
             preemption.uninstall()
 
     # ----- load --------------------------------------------------------------------------------
-    def load_state(self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None,
-                   **load_model_func_kwargs: Any) -> str:
+    def load_state(
+        self,
+        input_dir: str | os.PathLike[str] | None = None,
+        load_kwargs: dict[str, Any] | None = None,
+        **load_model_func_kwargs: Any,
+    ) -> str:
         """``None``: the newest committed checkpoint of the current lineage (a restart). A path:
         that committed checkpoint; an older one forks a new lineage (a rollback). Returns the
         path loaded."""
@@ -367,12 +397,14 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
                 raise InvalidArgumentError(
                     "No input_dir provided and automatic checkpoint naming is disabled: pass the directory "
                     "save_state wrote, or set ProjectConfiguration(project_dir=...) to resume its newest "
-                    "checkpoint")
+                    "checkpoint"
+                )
             where = txckpt.resume(root, on_damaged=self.on_damaged, storage_options=self.txckpt_storage_options)
             if where is None:
                 raise CheckpointNotFoundError(
                     f"{root} has no committed checkpoint of the current lineage to load; "
-                    "start from scratch (skip load_state) or pass a checkpoint's path")
+                    "start from scratch (skip load_state) or pass a checkpoint's path"
+                )
         else:
             where = self._resume_at(os.fspath(input_dir))
         local = self._local_copy(where)

@@ -95,15 +95,17 @@ def reclaim(parent: str, name: str) -> None:
                 owner = json.load(f)
         except (OSError, ValueError):
             owner = None
-        gone, why = writer_status(owner if isinstance(owner, dict) else None, now=time.time(),
-                                  grace_seconds=GRACE_SECONDS)
+        gone, why = writer_status(
+            owner if isinstance(owner, dict) else None, now=time.time(), grace_seconds=GRACE_SECONDS
+        )
         if not gone:
             continue
         previous = os.path.join(path, PREVIOUS_NAME)
         if not os.path.lexists(d) and _manifest_of(previous) is not None:
             local.rename_noreplace(previous, d)
-            log.warning("%s was missing (a save was killed while replacing it); put back its previous "
-                        "content from %s", d, path)
+            log.warning(
+                "%s was missing (a save was killed while replacing it); put back its previous content from %s", d, path
+            )
         shutil.rmtree(path, ignore_errors=True)
         log.info("removed %s, left by a save of %s that did not finish (%s)", path, d, why)
 
@@ -113,8 +115,8 @@ def _check_replaceable(d: str, new: Manifest) -> None:
         raise InvalidArgumentError(f"save_state({d!r}): it exists and is not a directory")
     if fileio.lies_within(os.getcwd(), d):
         raise InvalidArgumentError(
-            f"save_state({d!r}) would replace the working directory (or one above it); save into "
-            "a directory of its own")
+            f"save_state({d!r}) would replace the working directory (or one above it); save into a directory of its own"
+        )
     old = _manifest_of(d)
     allowed = set(new.files) | set(old.files if old is not None else ()) | {MANIFEST_NAME}
     if old is not None and old.parts is not None:  # a multi-rank checkpoint's parts and tree (format /2)
@@ -135,7 +137,8 @@ def _check_replaceable(d: str, new: Manifest) -> None:
         raise InvalidArgumentError(
             f"save_state({d!r}) was not committed: {d} holds files that are neither the checkpoint's "
             f"nor the previous checkpoint's ({', '.join(sorted(foreign)[:5])}), which replacing it "
-            "would delete. Save into an empty or new directory, or remove them")
+            "would delete. Save into an empty or new directory, or remove them"
+        )
 
 
 def _install(d: str, committed: str, private: str, durable: bool) -> str:
@@ -163,8 +166,9 @@ def _install(d: str, committed: str, private: str, durable: bool) -> str:
         shutil.rmtree(private, ignore_errors=True)
 
 
-def save_dir(d: str, step: int, write: Callable[[str], None], *, main: bool, timeout: float | None,
-             durable: bool) -> str:
+def save_dir(
+    d: str, step: int, write: Callable[[str], None], *, main: bool, timeout: float | None, durable: bool
+) -> str:
     """Save into ``d`` by ``write(directory)`` on every rank, committed as one transaction and
     swapped in atomically (module doc). Returns ``d`` (absolute). Every rank calls it."""
     d = os.path.abspath(os.path.expanduser(d))
@@ -175,8 +179,13 @@ def save_dir(d: str, step: int, write: Callable[[str], None], *, main: bool, tim
         reclaim(parent, name)
         private = os.path.join(parent, private_prefix(name) + uuid.uuid4().hex[:12])
         fileio.makedirs_durable(private, durable)
-        owner = {"host": socket.gethostname(), "pid": os.getpid(), "process_start": process_start(),
-                 "time": time.time(), "directory": d}
+        owner = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "process_start": process_start(),
+            "time": time.time(),
+            "directory": d,
+        }
         with open(os.path.join(private, OWNER_NAME), "w") as f:
             json.dump(owner, f)
         return private

@@ -58,8 +58,11 @@ class EpochStart:
 def _generators(loader: Any) -> list[torch.Generator]:
     """The generators the loader's sampling draws from, each once, in a fixed order."""
     found: list[torch.Generator] = []
-    for g in (getattr(loader, "synchronized_generator", None), getattr(loader.base_dataloader, "generator", None),
-              getattr(get_sampler(loader), "generator", None)):
+    for g in (
+        getattr(loader, "synchronized_generator", None),
+        getattr(loader.base_dataloader, "generator", None),
+        getattr(get_sampler(loader), "generator", None),
+    ):
         if isinstance(g, torch.Generator) and all(g is not h for h in found):
             found.append(g)
     return found
@@ -78,8 +81,11 @@ class _TrackedShard:
             for g, state in zip(record.generators, pending["generators"]):
                 g.set_state(state)
             self.iteration = pending["iteration"]
-        record.start = {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in record.generators],
-                        "iteration": self.iteration}
+        record.start = {
+            "torch": torch.get_rng_state(),
+            "generators": [g.get_state() for g in record.generators],
+            "iteration": self.iteration,
+        }
         record.live = self
         for batch in super().__iter__():  # type: ignore[misc]  # the DataLoader class it is mixed into
             if pending is not None:  # the epoch's draws are done: continue from the saved step's state
@@ -130,7 +136,9 @@ def write_epoch_starts(dataloaders: list, process_index: int, directory: str) ->
         start = None if record is None else record.start
         mid_epoch = live is not None and not live.end_of_dataloader and start is not None
         entries.append(dict(start, mid_epoch=True) if mid_epoch and start is not None else {"mid_epoch": False})
-    torch.save({"version": 1, "loaders": entries}, os.path.join(directory, EPOCH_START_FILE.format(process=process_index)))
+    torch.save(
+        {"version": 1, "loaders": entries}, os.path.join(directory, EPOCH_START_FILE.format(process=process_index))
+    )
 
 
 def read_epoch_starts(dataloaders: list, process_index: int, directory: str) -> None:

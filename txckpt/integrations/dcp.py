@@ -107,7 +107,8 @@ def _disagreement(what: str, rank: int, mine: Any, coordinator: int, planned: An
     return TransactionAbortedError(
         f"ranks disagree on the {what}: rank {rank} saves {what} {mine}, the coordinator (rank {coordinator}) "
         f"saves {what} {planned}. Every rank must pass the same root and step to TransactionalWriter; "
-        "nothing was committed")
+        "nothing was committed"
+    )
 
 
 class TransactionalWriter(StorageWriter):
@@ -125,9 +126,15 @@ class TransactionalWriter(StorageWriter):
     committed checkpoints is not written again; its file is shared (docs/incremental.md, "DCP").
     """
 
-    def __init__(self, root: str | os.PathLike[str] | TieredRoot, step: int, *,
-                 storage_options: Mapping[str, Any] | None = None, metadata: Mapping[str, Any] | None = None,
-                 incremental: bool = False):
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | TieredRoot,
+        step: int,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        incremental: bool = False,
+    ):
         super().__init__()
         self.root, storage_options = save_target(root, step, storage_options)  # a TieredRoot: its fast tier
         self.step = step
@@ -153,14 +160,16 @@ class TransactionalWriter(StorageWriter):
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.root:
             raise InvalidArgumentError(
                 f"TransactionalWriter saves into its root {self.root!r}, not checkpoint_id={os.fspath(checkpoint_id)!r}: "
-                "leave checkpoint_id out (the committed path is writer.path after the save)")
+                "leave checkpoint_id out (the committed path is writer.path after the save)"
+            )
         self.path, self._tx, self._save_id = None, None, uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("use_collectives", True) is False:
             raise InvalidArgumentError(
                 "dcp.save(use_collectives=False) has no coordinator that sees every rank's files, "
-                "so no single checkpoint can commit: use the default use_collectives=True")
+                "so no single checkpoint can commit: use the default use_collectives=True"
+            )
         self._coordinator = bool(is_coordinator)
         self._rank = int(kwargs.get("rank") or 0)
 
@@ -174,7 +183,8 @@ class TransactionalWriter(StorageWriter):
             raise InvalidArgumentError(
                 "the planner replays a cached plan (plan caching, e.g. DefaultSavePlanner(enable_plan_caching=True)): "
                 "it would hand every rank an earlier save's staging; TransactionalWriter plans each save "
-                "afresh, so use a planner without plan caching. Nothing was saved")
+                "afresh, so use a planner without plan caching. Nothing was saved"
+            )
         for p in plans:  # before any staging exists: a plan that dropped storage_data is checked in write_data
             asked = p.storage_data
             if isinstance(asked, _Asked) and asked.step != self.step:
@@ -184,10 +194,23 @@ class TransactionalWriter(StorageWriter):
         tx = root.transaction(self.step, metadata=self.metadata)
         plan = tx.begin_external(len(plans))
         self._tx = tx
-        return [dataclasses.replace(p, storage_data=_Assignment(plan.key, plan.txid, f"__{i}_", root.durable,
-                                                                plan.step, plan.lineage, self.root, self._rank,
-                                                                len(plans)))
-                for i, p in enumerate(plans)]
+        return [
+            dataclasses.replace(
+                p,
+                storage_data=_Assignment(
+                    plan.key,
+                    plan.txid,
+                    f"__{i}_",
+                    root.durable,
+                    plan.step,
+                    plan.lineage,
+                    self.root,
+                    self._rank,
+                    len(plans),
+                ),
+            )
+            for i, p in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results: list[WriteResult] = []
@@ -233,16 +256,28 @@ class TransactionalWriter(StorageWriter):
             files[name] = FileEntry(w.size, w.digest, kind_for_name(name), self._rank).to_json()
             ranges[name] = {"0": [w.size, w.digest]} if whole else w.ranges
 
-        buckets = shards.writes() if shards is not None else [
-            (f"{a.prefix}{i}{DEFAULT_SUFFIX}", b) for i, b in enumerate(_split_by_size_and_type(1, plan.items))]
+        buckets = (
+            shards.writes()
+            if shards is not None
+            else [(f"{a.prefix}{i}{DEFAULT_SUFFIX}", b) for i, b in enumerate(_split_by_size_and_type(1, plan.items))]
+        )
         done: queue.Queue[Any] = queue.Queue()
         results: list[WriteResult] = []
         try:
             for name, bucket in buckets:
                 todo: queue.Queue[Any] = queue.Queue()
                 todo.put((name, name, bucket))
-                _write_files_from_queue(create_stream, todo, done, planner, _StorageWriterTransforms(), 10_000_000,
-                                        False, 1, SerializationFormat.TORCH_SAVE)
+                _write_files_from_queue(
+                    create_stream,
+                    todo,
+                    done,
+                    planner,
+                    _StorageWriterTransforms(),
+                    10_000_000,
+                    False,
+                    1,
+                    SerializationFormat.TORCH_SAVE,
+                )
             batch.wait()  # every upload is complete before the report leaves this rank
             if shards is not None:  # after this rank's writes: a shared name is never opened for writing
                 shared_files, shared_ranges = shards.place(a.key, a.durable, files)
@@ -259,9 +294,16 @@ class TransactionalWriter(StorageWriter):
             results += done.get_nowait()
         # In a group, this rank's part of the manifest (protocol §3a), durable in the staging, holds
         # its files and their range digests: the coordinator gets its fixed-size record instead.
-        report = {"rank": self._rank, "files": files, "ranges": ranges} if a.world < 2 else {
-            "rank": self._rank, "record": write_part(storage, a.key, self._rank, a.txid, files, durable=a.durable,
-                                                     directory=False, ranges=ranges).encode()}
+        report = (
+            {"rank": self._rank, "files": files, "ranges": ranges}
+            if a.world < 2
+            else {
+                "rank": self._rank,
+                "record": write_part(
+                    storage, a.key, self._rank, a.txid, files, durable=a.durable, directory=False, ranges=ranges
+                ).encode(),
+            }
+        )
         if shards is not None:
             report["items"], report["packed"] = shards.keys, shards.packed
         return results, report
@@ -274,7 +316,8 @@ class TransactionalWriter(StorageWriter):
             if self._tx is None or a.txid != self._tx.txid:
                 raise InvalidArgumentError(
                     f"the plan names transaction {a.txid}, not this save's: the planner returned a plan of "
-                    "an earlier save; use a planner without plan caching. Nothing was committed")
+                    "an earlier save; use a planner without plan caching. Nothing was committed"
+                )
             return
         if a.step != self.step:
             raise _disagreement("step", self._rank, self.step, a.coordinator, a.step)
@@ -283,7 +326,8 @@ class TransactionalWriter(StorageWriter):
                 f"ranks disagree on the root: rank {self._rank} saves into {self.root!r} and cannot see there the "
                 f"transaction record that the coordinator (rank {a.coordinator}) wrote under {a.root!r}: the "
                 "ranks do not share the checkpoint root. Every rank must pass the same root, on storage that "
-                "all ranks see (see docs/distributed.md); nothing was committed")
+                "all ranks see (see docs/distributed.md); nothing was committed"
+            )
         if root.writer_lineage is not None and root.writer_lineage != a.lineage:
             raise _disagreement("lineage", self._rank, root.writer_lineage, a.coordinator, a.lineage)
 
@@ -305,7 +349,8 @@ class TransactionalWriter(StorageWriter):
                 if sorted(r["rank"] for r in reports) != list(range(tx.world_size)):
                     raise TransactionAbortedError(
                         f"the write results hold the reports of ranks {sorted(r['rank'] for r in reports)}, "
-                        f"expected 0..{tx.world_size - 1}: nothing was committed")
+                        f"expected 0..{tx.world_size - 1}: nothing was committed"
+                    )
                 metadata.version = CURRENT_DCP_VERSION
                 metadata.storage_data = storage_md
                 metadata.storage_meta = StorageMeta(checkpoint_id=tx.final_path, save_id=self._save_id)
@@ -314,14 +359,18 @@ class TransactionalWriter(StorageWriter):
                     ranges = {n: rg for r in reports for n, rg in r.get("ranges", {}).items()}
                     own[RANGES_NAME] = json.dumps(ranges, sort_keys=True).encode()
                 if any("items" in r for r in reports):  # an incremental save: the next one looks its keys up
-                    own[ITEMS_NAME] = encode_items({n: k for r in reports for n, k in r.get("items", {}).items()},
-                                                   [p for r in reports for p in r.get("packed", [])])
+                    own[ITEMS_NAME] = encode_items(
+                        {n: k for r in reports for n, k in r.get("items", {}).items()},
+                        [p for r in reports for p in r.get("packed", [])],
+                    )
                 own_files = self._write_own(tx, own)
         except Exception as e:
             reports.append({"rank": self._rank, "error": errors.encode_error(e, rank=self._rank)})
         failed, own_report = [r for r in reports if "error" in r], {"rank": self._rank, "files": own_files}
         if failed or any("record" not in r for r in reports):  # a failure aborts; one rank: format /1
-            self.path = tx.commit_reports(failed or [{"rank": r["rank"], "files": r["files"]} for r in reports] + [own_report])
+            self.path = tx.commit_reports(
+                failed or [{"rank": r["rank"], "files": r["files"]} for r in reports] + [own_report]
+            )
         else:
             self.path = tx.commit_reports([own_report], [r["record"] for r in sorted(reports, key=lambda r: r["rank"])])
         self._tx = None
@@ -354,8 +403,11 @@ def _need(found: Found, name: str, ranges: dict[str, RangeTable]) -> None:
         manifest.files.update(part.files)
         ranges.update(part.ranges)
     if name not in manifest.files:
-        raise IntegrityError(f"{found.path}/{METADATA_NAME} names {name!r}, which the manifest does not list: the "
-                             f"checkpoint is damaged; {FALLBACK_HINT}", path=f"{found.path}/{METADATA_NAME}")
+        raise IntegrityError(
+            f"{found.path}/{METADATA_NAME} names {name!r}, which the manifest does not list: the "
+            f"checkpoint is damaged; {FALLBACK_HINT}",
+            path=f"{found.path}/{METADATA_NAME}",
+        )
 
 
 class TransactionalReader(StorageReader):
@@ -371,8 +423,13 @@ class TransactionalReader(StorageReader):
     an IntegrityError naming the file (inside DCP's CheckpointException, on every rank).
     """
 
-    def __init__(self, path: str | os.PathLike[str] | TieredRoot, *, storage_options: Mapping[str, Any] | None = None,
-                 verify: str = "full"):
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | TieredRoot,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        verify: str = "full",
+    ):
         super().__init__()
         if verify not in VERIFY_MODES:
             raise InvalidArgumentError(f"verify={verify!r}: choose one of {VERIFY_MODES}")
@@ -399,11 +456,15 @@ class TransactionalReader(StorageReader):
         def attempt(found: Found) -> tuple[Found, dict[str, Any]]:
             path, manifest = found.path, found.manifest
             if METADATA_NAME not in manifest.files:
-                raise ManifestError(f"{path} is a txckpt checkpoint without {METADATA_NAME}: it was not "
-                                    "saved through DCP; load it with txckpt.load_checkpoint", path=path)
+                raise ManifestError(
+                    f"{path} is a txckpt checkpoint without {METADATA_NAME}: it was not "
+                    "saved through DCP; load it with txckpt.load_checkpoint",
+                    path=path,
+                )
             names = [n for n in (METADATA_NAME, RANGES_NAME) if n in manifest.files]
-            return found, verify_checkpoint_files(found.storage, manifest, path, names=names, keep_bytes=True,
-                                                  at=found.key)
+            return found, verify_checkpoint_files(
+                found.storage, manifest, path, names=names, keep_bytes=True, at=found.key
+            )
 
         # whole=False: of a /2 manifest (protocol §3a) this rank reads only the parts of the ranks
         # whose shards it loads (_need), each checked against the manifest's Merkle root.
@@ -464,13 +525,12 @@ class TransactionalReader(StorageReader):
         if local is not None and entry.size > 0 and not storage.is_symlink_escape(key):
             view = _mapped(local, entry.size)  # None: missing or resized, which the check below names
         if view is None:
-            data = verify_checkpoint_files(storage, manifest, path, names=[name], keep_bytes=True,
-                                           at=found.key)[name]
+            data = verify_checkpoint_files(storage, manifest, path, names=[name], keep_bytes=True, at=found.key)[name]
             raw: Any = data.numpy() if isinstance(data, torch.Tensor) else data  # a uint8 buffer or bytes
             view = memoryview(raw).cast("B")
         elif digest_bytes(view) != entry.checksum:
             raise _wrong_checksum(path, name)
-        return [view[i.offset:i.offset + i.length] for i in infos]
+        return [view[i.offset : i.offset + i.length] for i in infos]
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -516,7 +576,7 @@ class _ViewReader(io.RawIOBase):
         return self._pos
 
     def readinto(self, b: Any) -> int:
-        piece = self._view[self._pos:self._pos + len(memoryview(b).cast("B"))]
+        piece = self._view[self._pos : self._pos + len(memoryview(b).cast("B"))]
         n = len(piece)
         memoryview(b).cast("B")[:n] = piece
         self._pos += n
@@ -534,8 +594,10 @@ def _load_item(req: ReadItem, blob: Any, planner: LoadPlanner) -> None:
     tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
     target = planner.resolve_tensor(req).detach()
     if target.size() != tensor.size():
-        raise IntegrityError(f"item {req.storage_index} holds a tensor of size {tuple(tensor.size())}, the load "
-                             f"expects {tuple(target.size())}: the checkpoint does not match its metadata")
+        raise IntegrityError(
+            f"item {req.storage_index} holds a tensor of size {tuple(tensor.size())}, the load "
+            f"expects {tuple(target.size())}: the checkpoint does not match its metadata"
+        )
     target.copy_(tensor)
     planner.commit_tensor(req, target)
 

@@ -35,8 +35,17 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
 #: The parameters the integration passes, in order, to the private functions it calls.
 PARAMETERS: dict[str, tuple[str, ...]] = {
     "_split_by_size_and_type": ("bins", "items"),
-    "_write_files_from_queue": ("create_stream", "file_queue", "result_queue", "planner", "transforms",
-                                "inflight_threshhold", "use_fsync", "thread_count", "serialization_format"),
+    "_write_files_from_queue": (
+        "create_stream",
+        "file_queue",
+        "result_queue",
+        "planner",
+        "transforms",
+        "inflight_threshhold",
+        "use_fsync",
+        "thread_count",
+        "serialization_format",
+    ),
 }
 
 
@@ -67,7 +76,8 @@ def incompatible_torch(missing: list[str]) -> ImportError:
         f"{', '.join(missing)} (private to torch.distributed.checkpoint, which txckpt uses to write "
         "DCP's own file format). Install a torch release this txckpt supports (its tests pin "
         "torch 2.13.0: see its Makefile), or a txckpt release made for this torch; txckpt's other "
-        "APIs do not need these names")
+        "APIs do not need these names"
+    )
 
 
 try:
@@ -87,6 +97,16 @@ if _resigned:
     raise incompatible_torch(_resigned)
 
 
-__all__ = ["PRIVATE_NAMES", "PARAMETERS", "missing_names", "incompatible_torch", "narrow_tensor_by_index",
-           "CURRENT_DCP_VERSION", "DEFAULT_SUFFIX", "_split_by_size_and_type", "_StorageInfo",
-           "_StorageWriterTransforms", "_write_files_from_queue"]
+__all__ = [
+    "PRIVATE_NAMES",
+    "PARAMETERS",
+    "missing_names",
+    "incompatible_torch",
+    "narrow_tensor_by_index",
+    "CURRENT_DCP_VERSION",
+    "DEFAULT_SUFFIX",
+    "_split_by_size_and_type",
+    "_StorageInfo",
+    "_StorageWriterTransforms",
+    "_write_files_from_queue",
+]

@@ -111,9 +111,23 @@ def _header(t: torch.Tensor, storage_offset: int | None = None) -> Any:
     save = serialization_config.save
     hasher = new_hasher()
     offset = t.storage_offset() if storage_offset is None else storage_offset
-    hasher.update(repr(("txckpt-dcp-item/1", torch.__version__, sys.byteorder, save.compute_crc32,
-                        save.storage_alignment, str(t.dtype), tuple(t.shape), t.stride(), offset,
-                        t.is_conj(), t.is_neg())).encode())
+    hasher.update(
+        repr(
+            (
+                "txckpt-dcp-item/1",
+                torch.__version__,
+                sys.byteorder,
+                save.compute_crc32,
+                save.storage_alignment,
+                str(t.dtype),
+                tuple(t.shape),
+                t.stride(),
+                offset,
+                t.is_conj(),
+                t.is_neg(),
+            )
+        ).encode()
+    )
     return hasher
 
 
@@ -123,8 +137,15 @@ def prefix_key(tensor: torch.Tensor) -> str | None:
     is a contiguous view of a larger storage (its bytes are the copy's, at offset 0 with the
     same strides: what FSDP's padded shards are). None where tensor_key is None."""
     t = tensor.detach()
-    if (type(t) is torch.Tensor and t.layout == torch.strided and not t.is_quantized and not t.is_conj()
-            and not t.is_neg() and t.is_contiguous() and t.numel()):
+    if (
+        type(t) is torch.Tensor
+        and t.layout == torch.strided
+        and not t.is_quantized
+        and not t.is_conj()
+        and not t.is_neg()
+        and t.is_contiguous()
+        and t.numel()
+    ):
         t = t.cpu()
         hasher = _header(t, storage_offset=0)
         hasher.update(t.reshape(-1).view(torch.uint8)[:PREFIX_BYTES].numpy().data)
@@ -224,8 +245,7 @@ def _items(root: Root, listed: Source) -> "_Items":
 
 def encode_items(keys: dict[str, list[str]], packed: list[str]) -> bytes:
     """ITEMS_NAME's bytes for a save's one-item files' keys and its packed items' prefix keys."""
-    return json.dumps({"format": ITEMS_FORMAT, "files": keys, "packed": sorted(set(packed))},
-                      sort_keys=True).encode()
+    return json.dumps({"format": ITEMS_FORMAT, "files": keys, "packed": sorted(set(packed))}, sort_keys=True).encode()
 
 
 def decode_items(data: bytes) -> "_Items":
@@ -235,8 +255,9 @@ def decode_items(data: bytes) -> "_Items":
         return {str(k): (_str(v), None) for k, v in obj.items()}, []
     if obj["format"] != ITEMS_FORMAT:
         raise ValueError(f"unknown {ITEMS_NAME} format {obj['format']!r}")
-    files: dict[str, tuple[str, str | None]] = {str(k): (_str(v[0]), _str(v[1])) for k, v in obj["files"].items()
-                                                if len(v) == 2}
+    files: dict[str, tuple[str, str | None]] = {
+        str(k): (_str(v[0]), _str(v[1])) for k, v in obj["files"].items() if len(v) == 2
+    }
     return files, [_str(p) for p in obj["packed"]]
 
 
@@ -288,8 +309,10 @@ class IncrementalShards:
         self._packed = (f"{prefix}0{DEFAULT_SUFFIX}", small)
         #: large items in the plan's item order: (name of their file when alone, item); the name
         #: does not depend on the order in which keys are computed
-        self._large = [(f"{prefix}{n}{DEFAULT_SUFFIX}", item)
-                       for n, item in enumerate((i for i in items if _item_bytes(i) >= OWN_FILE_BYTES), 1)]
+        self._large = [
+            (f"{prefix}{n}{DEFAULT_SUFFIX}", item)
+            for n, item in enumerate((i for i in items if _item_bytes(i) >= OWN_FILE_BYTES), 1)
+        ]
         #: the names of one-item files: their range is the whole file
         self.single: set[str] = {name for name, _ in self._large}
         #: one-item file name -> [tensor key, prefix key]
@@ -319,8 +342,11 @@ class IncrementalShards:
             if self._stop.is_set():
                 return
             known = self._candidates.known
-            changed = [(item, p) for name, item in self._large
-                       if known and (p := prefixes[name]) is not None and not self._candidates.may_hold(p)]
+            changed = [
+                (item, p)
+                for name, item in self._large
+                if known and (p := prefixes[name]) is not None and not self._candidates.may_hold(p)
+            ]
             self._keyed.put(changed)  # first: what file 0 holds beside the small items
             packed = {id(item) for item, _ in changed}
             for name, item in sorted(self._large, key=lambda ni: _item_bytes(ni[1])):
@@ -375,8 +401,9 @@ class IncrementalShards:
             if source is not None and self._sharing.lease(source):
                 self._sharing.pending[name] = source
                 size = source.entry.size
-                self.results.append(WriteResult(index=item.index, size_in_bytes=size,
-                                                storage_data=_StorageInfo(name, 0, size)))
+                self.results.append(
+                    WriteResult(index=item.index, size_in_bytes=size, storage_data=_StorageInfo(name, 0, size))
+                )
             else:
                 yield name, [item]
 
@@ -396,11 +423,14 @@ class IncrementalShards:
         keying = self._writing.pop(name, None)
         if keying is None or keying.tensor is None:
             return
-        key = keying.hasher.hexdigest() if key_writes == 1 and keying.hasher is not None else _digest(keying.tensor, None)
+        key = (
+            keying.hasher.hexdigest() if key_writes == 1 and keying.hasher is not None else _digest(keying.tensor, None)
+        )
         self.keys[name] = [key, keying.prefix]
 
-    def place(self, staging_key: str, durable: bool,
-              written: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    def place(
+        self, staging_key: str, durable: bool, written: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Make every shared file a file of the staging (after this rank's writes are done):
         their manifest entries and txckpt ranges (one range: the whole file). ``written``: the
         entries of the files this rank wrote, trusted by the next save without a read back
@@ -423,5 +453,16 @@ class IncrementalShards:
         self._sharing.release()
 
 
-__all__ = ["ITEMS_NAME", "ITEMS_FORMAT", "OWN_FILE_BYTES", "PREFIX_BYTES", "Committed", "IncrementalShards",
-           "committed_items", "decode_items", "encode_items", "prefix_key", "tensor_key"]
+__all__ = [
+    "ITEMS_NAME",
+    "ITEMS_FORMAT",
+    "OWN_FILE_BYTES",
+    "PREFIX_BYTES",
+    "Committed",
+    "IncrementalShards",
+    "committed_items",
+    "decode_items",
+    "encode_items",
+    "prefix_key",
+    "tensor_key",
+]

@@ -64,7 +64,7 @@ class RangeHashingWriter(HashingWriter):
         # Piece by piece, so the range hash, the file hash and the write all find the piece in
         # the CPU cache (one pass over memory, as HashingWriter's own).
         for start in range(0, len(view), PIECE):
-            piece = view[start:start + PIECE]
+            piece = view[start : start + PIECE]
             self._range.update(piece)
             super().write(piece)
         return len(view)
@@ -105,28 +105,35 @@ def read_ranges(found: Found, ranges: dict[str, RangeTable], name: str, infos: l
     where, entry = f"{found.path}/{name}", found.manifest.files[name]
     recorded = ranges.get(name)
     if recorded is None:
-        raise IntegrityError(f"{where} has no recorded range digests ({_looked_in(found, name)}); "
-                             "load it with verify=\"full\"", path=where)
+        raise IntegrityError(
+            f'{where} has no recorded range digests ({_looked_in(found, name)}); load it with verify="full"', path=where
+        )
     if storage.is_symlink_escape(key):
         raise errors.UnsafePathError(f"{where} is a symlink that leaves the root; refusing to read it")
     try:
         f = storage.open_read(key)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        raise IntegrityError(f"{where} is missing (the manifest lists it): the checkpoint is damaged; "
-                             f"{FALLBACK_HINT}", path=where) from None
+        raise IntegrityError(
+            f"{where} is missing (the manifest lists it): the checkpoint is damaged; {FALLBACK_HINT}", path=where
+        ) from None
     out = []
     with f:
         size = os.fstat(f.fileno()).st_size if storage.local_path(key) is not None else getattr(f, "size", None)
         if size != entry.size:
-            raise IntegrityError(f"{where} has {size} bytes, the manifest says {entry.size} (truncated or "
-                                 f"rewritten): the checkpoint is damaged; {FALLBACK_HINT}", path=where)
+            raise IntegrityError(
+                f"{where} has {size} bytes, the manifest says {entry.size} (truncated or "
+                f"rewritten): the checkpoint is damaged; {FALLBACK_HINT}",
+                path=where,
+            )
         for info in infos:
             f.seek(info.offset)
             blob = f.read(info.length)
             if [len(blob), digest_bytes(blob)] != recorded.get(str(info.offset)):
                 raise IntegrityError(
                     f"{where} bytes {info.offset}..{info.offset + info.length} do not match their recorded "
-                    f"xxh3-128: the checkpoint is damaged; {FALLBACK_HINT}", path=where)
+                    f"xxh3-128: the checkpoint is damaged; {FALLBACK_HINT}",
+                    path=where,
+                )
             out.append(blob)
     return out
 

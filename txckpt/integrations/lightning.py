@@ -74,9 +74,14 @@ class TransactionalCheckpointIO(CheckpointIO):
     byte for byte is shared, not written (docs/incremental.md).
     """
 
-    def __init__(self, root: str | os.PathLike | None = None, *,
-                 storage_options: Mapping[str, Any] | None = None,
-                 async_save: bool = False, incremental: bool = False) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike | None = None,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        async_save: bool = False,
+        incremental: bool = False,
+    ) -> None:
         super().__init__()
         self.root = os.fspath(root) if root is not None else None
         self.storage_options = dict(storage_options) if storage_options else None
@@ -98,7 +103,8 @@ class TransactionalCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise InvalidArgumentError(
                 "TransactionalCheckpointIO takes its storage_options once, at construction "
-                "(TransactionalCheckpointIO(storage_options=...)), not per save")
+                "(TransactionalCheckpointIO(storage_options=...)), not per save"
+            )
         self._raise_failures()
         root_path, name = split(path, self.root)
         r = open_root(root_path, self.storage_options)
@@ -121,13 +127,18 @@ class TransactionalCheckpointIO(CheckpointIO):
         metadata = {"lightning": {"name": name, "epoch": checkpoint.get("epoch"), "global_step": step}}
         if self.async_save:
             self._check_single_process()
-            future = txckpt_async_save(root_path, step, files, storage_options=self.storage_options,
-                                       metadata=metadata, incremental=self.incremental)
+            future = txckpt_async_save(
+                root_path,
+                step,
+                files,
+                storage_options=self.storage_options,
+                metadata=metadata,
+                incremental=self.incremental,
+            )
             saved = _Saved(step, name, future)
             self._pending.append(future)
         else:
-            where = r.save(step, files, metadata=metadata, incremental=self.incremental,
-                           coordinator=SingleProcess())
+            where = r.save(step, files, metadata=metadata, incremental=self.incremental, coordinator=SingleProcess())
             saved = _Saved(step, name, where)
         self._saved[r.url] = saved
         if is_last(name):
@@ -161,8 +172,9 @@ class TransactionalCheckpointIO(CheckpointIO):
             if tip is not None and found.record.txid == tip.txid:
                 keep.append((saved, directory))
                 continue
-            if is_local(r) and [n for n in names_in(directory, os.path.join(found.checkpoint, found.file))
-                                if not is_last(n)]:
+            if is_local(r) and [
+                n for n in names_in(directory, os.path.join(found.checkpoint, found.file)) if not is_last(n)
+            ]:
                 continue  # a top-k name holds it: ModelCheckpoint's rotation decides
             going.append(found.record.txid)
         self._last_named[r.url] = keep
@@ -185,8 +197,12 @@ class TransactionalCheckpointIO(CheckpointIO):
             return
         state = r.state() if r.storage.exists(".txckpt") else None
         if state is not None and state.head_tip is not None:
-            log.warning("%s: this run loaded no checkpoint, so it starts a new lineage; the checkpoints "
-                        "already there stay (`txckpt log %s`)", r.url, r.url)
+            log.warning(
+                "%s: this run loaded no checkpoint, so it starts a new lineage; the checkpoints "
+                "already there stay (`txckpt log %s`)",
+                r.url,
+                r.url,
+            )
             r.new_lineage()
 
     def _add_name(self, r: CheckpointRoot, saved: _Saved, path: str) -> None:
@@ -203,8 +219,13 @@ class TransactionalCheckpointIO(CheckpointIO):
             try:
                 link_name(os.path.join(where, saved.name), path, durable=r.durable)
             except OSError as e:  # the bytes are committed; only the link is missing
-                log.warning("could not link %s to committed checkpoint %s (%s); it still loads "
-                            "through the plugin (the log), not with torch.load", path, where, e)
+                log.warning(
+                    "could not link %s to committed checkpoint %s (%s); it still loads "
+                    "through the plugin (the log), not with torch.load",
+                    path,
+                    where,
+                    e,
+                )
 
         if isinstance(result, Future):
             linked = threading.Event()
@@ -216,6 +237,7 @@ class TransactionalCheckpointIO(CheckpointIO):
                         publish(f.result())
                 finally:
                     linked.set()
+
             result.add_done_callback(when_done)
         else:
             publish(result)
@@ -226,20 +248,29 @@ class TransactionalCheckpointIO(CheckpointIO):
             raise InvalidArgumentError(
                 "TransactionalCheckpointIO(async_save=True) saves from rank 0 alone, which "
                 "txckpt's background saver cannot do inside a process group yet; use "
-                "async_save=False with multi-process strategies (docs/lightning.md)")
+                "async_save=False with multi-process strategies (docs/lightning.md)"
+            )
 
     # ----- load ---------------------------------------------------------------------------------
-    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
         self.wait()
         found = resolve(path, self.root, self.storage_options)
         if found is None:
-            log.warning("%s is not a checkpoint committed by txckpt (no log, or a file written "
-                        "without it): loaded as Lightning loads it, unverified", path)
+            log.warning(
+                "%s is not a checkpoint committed by txckpt (no log, or a file written "
+                "without it): loaded as Lightning loads it, unverified",
+                path,
+            )
             return lightning_load(path, map_location=map_location, weights_only=weights_only)
-        state = txckpt_load(found.checkpoint, files=[found.file], storage_options=self.storage_options,
-                            map_location=map_location if map_location is not None else "cpu",
-                            weights_only=True if weights_only is None else weights_only)
+        state = txckpt_load(
+            found.checkpoint,
+            files=[found.file],
+            storage_options=self.storage_options,
+            map_location=map_location if map_location is not None else "cpu",
+            weights_only=True if weights_only is None else weights_only,
+        )
         self._loaded[found.root] = found
         return state[found.file]
 
@@ -263,13 +294,21 @@ class TransactionalCheckpointIO(CheckpointIO):
             return None
         found, r = max(candidates, key=lambda fr: fr[0].record.time)
         history = r.history()
-        newer = [c for c in history.checkpoints.values() if c.step > found.record.step and c.txid not in history.retired]
+        newer = [
+            c for c in history.checkpoints.values() if c.step > found.record.step and c.txid not in history.retired
+        ]
         if newer:
             top = max(newer, key=lambda c: c.step)
-            log.warning('ckpt_path="last" resumes step %d, the newest checkpoint of the current lineage of %s; '
-                        "step %d (lineage %s) is newer but not of the current lineage: a rollback or a run "
-                        "from scratch abandoned it (`txckpt log %s`)",
-                        found.record.step, r.url, top.step, top.lineage, r.url)
+            log.warning(
+                'ckpt_path="last" resumes step %d, the newest checkpoint of the current lineage of %s; '
+                "step %d (lineage %s) is newer but not of the current lineage: a rollback or a run "
+                "from scratch abandoned it (`txckpt log %s`)",
+                found.record.step,
+                r.url,
+                top.step,
+                top.lineage,
+                r.url,
+            )
         return f"{found.checkpoint.rstrip('/')}/{found.file}"
 
     # ----- remove -------------------------------------------------------------------------------
@@ -285,14 +324,24 @@ class TransactionalCheckpointIO(CheckpointIO):
         if found is not None and found.record.lineage != r.state().head:
             log.info("%s names a checkpoint of lineage %s, not the current one: kept", path, found.record.lineage)
             return
-        local = is_local(r) and found is not None and found.checkpoint.rstrip("/") != os.path.dirname(
-            os.path.abspath(os.fspath(path)))
+        local = (
+            is_local(r)
+            and found is not None
+            and found.checkpoint.rstrip("/") != os.path.dirname(os.path.abspath(os.fspath(path)))
+        )
         if local and os.path.isfile(os.fspath(path)):
             os.unlink(os.fspath(path))
         if found is None or is_last(name):
             return
-        others = names_in(os.path.dirname(os.path.abspath(os.fspath(path))),
-                          os.path.join(found.checkpoint, found.file), besides=name) if is_local(r) else []
+        others = (
+            names_in(
+                os.path.dirname(os.path.abspath(os.fspath(path))),
+                os.path.join(found.checkpoint, found.file),
+                besides=name,
+            )
+            if is_local(r)
+            else []
+        )
         if [n for n in others if not is_last(n)]:
             return  # a second callback's name still holds these bytes
         # A last*.ckpt name does not keep a checkpoint: it follows the newest, which is never
@@ -354,7 +403,9 @@ def _parse_ckpt_path(original: Callable[..., Any], checkpoint_class: type) -> Ca
                 if isinstance(cb, checkpoint_class):
                     # dirpath=None: Lightning's own default (default_root_dir/.../checkpoints),
                     # as its _find_last_checkpoints resolves it.
-                    dirpath = getattr(cb, "dirpath", None) or getattr(cb, "_ModelCheckpoint__resolve_ckpt_dir")(self.trainer)  # noqa: B009  (name-mangled private method)
+                    # getattr: a name-mangled private method of ModelCheckpoint.
+                    resolve = getattr(cb, "_ModelCheckpoint__resolve_ckpt_dir")  # noqa: B009
+                    dirpath = getattr(cb, "dirpath", None) or resolve(self.trainer)
                     roots.append(os.fspath(dirpath))
             found = io.last_checkpoint_path(roots)
             if found is not None:

@@ -64,7 +64,7 @@ def is_last(name: str) -> bool:
     """Whether ``name`` is a ``last`` name: the current lineage's newest, whatever it links to.
     (Lightning's names, not txckpt's checkpoint names: string tests, as ModelCheckpoint's own.)"""
     stem = name.rsplit(".", 1)[0] if "." in name else name
-    version = stem[len(_LAST) + 2:]
+    version = stem[len(_LAST) + 2 :]
     return stem == _LAST or (stem.startswith(_LAST + "-v") and version.isdigit())
 
 
@@ -73,7 +73,7 @@ def _step_hint(name: str) -> int | None:
     if at < 0 or (at > 0 and (name[at - 1].isalnum() or name[at - 1] == "_")):
         return None
     digits = ""
-    for ch in name[at + len(_STEP_KEY):]:
+    for ch in name[at + len(_STEP_KEY) :]:
         if not ch.isdigit():
             break
         digits += ch
@@ -90,7 +90,8 @@ def committed_file(manifest: Manifest) -> str:
     if len(names) != 1:
         raise CheckpointNotFoundError(
             f"checkpoint {manifest.txid} holds {len(names)} files ({', '.join(names[:4])}), not the one "
-            "Lightning file a TransactionalCheckpointIO save commits; load it with txckpt.load_checkpoint")
+            "Lightning file a TransactionalCheckpointIO save commits; load it with txckpt.load_checkpoint"
+        )
     return names[0]
 
 
@@ -134,8 +135,7 @@ def newest(r: CheckpointRoot) -> Resolved | None:
     return Resolved(r.url, where, committed_file(manifest), record)
 
 
-def resolve(path: str | os.PathLike, root: str | None,
-            storage_options: Mapping[str, Any] | None) -> Resolved | None:
+def resolve(path: str | os.PathLike, root: str | None, storage_options: Mapping[str, Any] | None) -> Resolved | None:
     """The committed checkpoint a Lightning path names, or None if no committed checkpoint of
     its root does (a root without a log, a file txckpt did not write)."""
     p = os.fspath(path)
@@ -250,5 +250,4 @@ def names_in(directory: str, committed: str, *, besides: str | None = None) -> l
     return found
 
 
-__all__ = ["Resolved", "split", "is_last", "is_local", "committed_file", "newest", "resolve", "link_name",
-           "names_in"]
+__all__ = ["Resolved", "split", "is_last", "is_local", "committed_file", "newest", "resolve", "link_name", "names_in"]

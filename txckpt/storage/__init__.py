@@ -14,8 +14,18 @@ from .local import LocalStorage
 from .memory import MemoryStorage
 from .s3 import S3Storage
 
-__all__ = ["Storage", "WriteBatch", "LocalStorage", "FsspecStorage", "MemoryStorage", "S3Storage", "open_storage",
-           "check_relative_key", "join", "missing_dependency"]
+__all__ = [
+    "Storage",
+    "WriteBatch",
+    "LocalStorage",
+    "FsspecStorage",
+    "MemoryStorage",
+    "S3Storage",
+    "open_storage",
+    "check_relative_key",
+    "join",
+    "missing_dependency",
+]
 
 
 def open_storage(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Storage:
@@ -23,7 +33,7 @@ def open_storage(root: str | os.PathLike, storage_options: Mapping[str, Any] | N
     root = os.fspath(root)
     if is_local_path(root):
         if root.startswith("file://"):
-            root = root[len("file://"):]
+            root = root[len("file://") :]
         return LocalStorage(root)
     try:
         fs, path = deps.fsspec.core.url_to_fs(root, **dict(storage_options or {}))
@@ -37,9 +47,13 @@ def open_storage(root: str | os.PathLike, storage_options: Mapping[str, Any] | N
 
 #: fsspec protocol -> (the package that implements it, the txckpt extra that installs it).
 BACKEND_EXTRAS = {
-    "s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"),
-    "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"),
-    "az": ("adlfs", "azure"), "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure"),
+    "s3": ("s3fs", "s3"),
+    "s3a": ("s3fs", "s3"),
+    "gs": ("gcsfs", "gcs"),
+    "gcs": ("gcsfs", "gcs"),
+    "az": ("adlfs", "azure"),
+    "abfs": ("adlfs", "azure"),
+    "abfss": ("adlfs", "azure"),
 }
 
 
@@ -61,8 +75,10 @@ def missing_dependency(root: str, error: ImportError) -> MissingDependencyError:
     why = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}".rstrip(": ")
     package, extra = BACKEND_EXTRAS.get(protocol or "", (None, None))
     if extra is not None:
-        message = (f"{root} needs {package}, which cannot be imported ({why}): "
-                   f"pip install 'txckpt[{extra}]' (or pip install {package})")
+        message = (
+            f"{root} needs {package}, which cannot be imported ({why}): "
+            f"pip install 'txckpt[{extra}]' (or pip install {package})"
+        )
     else:
         message = f"{root}: fsspec cannot load the filesystem of {protocol or 'this URL'}: {error}"
         if cause is not error:

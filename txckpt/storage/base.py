@@ -64,9 +64,7 @@ def check_relative_key(key: str) -> str:
         raise UnsafePathError(f"file name {key!r} is absolute; give a path relative to the checkpoint")
     parts = key.split("/")
     if any(p in ("", ".", "..") for p in parts):
-        raise UnsafePathError(
-            f"file name {key!r} has an empty, '.' or '..' component; give a plain relative path"
-        )
+        raise UnsafePathError(f"file name {key!r} has an empty, '.' or '..' component; give a plain relative path")
     return key
 
 
@@ -218,7 +216,7 @@ class Storage(abc.ABC):
         if path == root:
             return ""
         if path.startswith(root + "/"):
-            return path[len(root) + 1:]
+            return path[len(root) + 1 :]
         return None
 
     def identity(self) -> str:
@@ -341,8 +339,9 @@ class Storage(abc.ABC):
         for each file it copies; S3 answers with parallel ranged GETs."""
         return None
 
-    def read_to_file(self, key: str, size: int, fd: int,
-                     progress: Callable[[int], Any] | None = None) -> tuple[int, str] | None:
+    def read_to_file(
+        self, key: str, size: int, fd: int, progress: Callable[[int], Any] | None = None
+    ) -> tuple[int, str] | None:
         """Copy the whole file at ``key``, which must hold ``size`` bytes, into the new local
         file open for reading and writing at ``fd`` (bytes 0 .. ``size``, in any order),
         hashing it; ``(size, xxh3-128)``; ``progress`` is called with the size of each block

@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 from .. import deps
 from ..errors import CredentialsError, EndpointUnreachableError, RootNotFoundError, TxckptError
 
+
 class Backend(Protocol):
     """What the mapping reads of a storage (``storage.base.Storage``, which imports this module);
     the rest (its client, ``fs``, ``bucket``) it looks up with ``getattr``, backend by backend."""
@@ -46,15 +47,26 @@ class Backend(Protocol):
 
 #: The Storage methods that talk to the backend; map_errors wraps these.
 OPERATIONS = (
-    "open_write", "create_exclusive", "replace", "upload_file", "read_bytes", "open_read",
-    "exists", "list_dir", "list_subdirs", "walk_files", "modified_time", "delete_file", "delete_tree",
-    "rename_noreplace", "missing_root",
+    "open_write",
+    "create_exclusive",
+    "replace",
+    "upload_file",
+    "read_bytes",
+    "open_read",
+    "exists",
+    "list_dir",
+    "list_subdirs",
+    "walk_files",
+    "modified_time",
+    "delete_file",
+    "delete_tree",
+    "rename_noreplace",
+    "missing_root",
 )
 
 #: Exception classes by the module their client defines them in (its prefix) -> what they mean.
 _NO_CREDENTIALS = {
-    "botocore": {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
-                 "NoAuthTokenError"},
+    "botocore": {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "NoAuthTokenError"},
     "google.auth": {"DefaultCredentialsError", "RefreshError"},
     "azure.core": {"ClientAuthenticationError"},
 }
@@ -70,23 +82,23 @@ _HOWTO = "see 'Using a remote root' in docs/remote.md"
 
 _CREDENTIALS_HOWTO = {
     "s3": "Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or a profile (AWS_PROFILE, or storage "
-          "option profile=NAME), or pass storage options key= and secret= (CLI: -o key=... -o "
-          "secret=...)",
+    "option profile=NAME), or pass storage options key= and secret= (CLI: -o key=... -o "
+    "secret=...)",
     "gs": "Pass storage option token= (a service-account JSON file, 'google_default' after `gcloud "
-          "auth application-default login`, or 'anon' for a public bucket), or set "
-          "GOOGLE_APPLICATION_CREDENTIALS",
+    "auth application-default login`, or 'anon' for a public bucket), or set "
+    "GOOGLE_APPLICATION_CREDENTIALS",
     "az": "Pass storage options account_name= with account_key=, sas_token= or connection_string=, "
-          "or set AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_NAME and "
-          "AZURE_STORAGE_ACCOUNT_KEY)",
+    "or set AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_NAME and "
+    "AZURE_STORAGE_ACCOUNT_KEY)",
 }
 _ENDPOINT_HOWTO = {
-    "s3": "Check the endpoint (storage option client_kwargs={\"endpoint_url\": URL}, CLI -o "
-          "endpoint_url=URL, or AWS_ENDPOINT_URL) and that the server is running; AWS_MAX_ATTEMPTS=N "
-          "sets the attempts",
+    "s3": 'Check the endpoint (storage option client_kwargs={"endpoint_url": URL}, CLI -o '
+    "endpoint_url=URL, or AWS_ENDPOINT_URL) and that the server is running; AWS_MAX_ATTEMPTS=N "
+    "sets the attempts",
     "gs": "Check the endpoint (storage option endpoint_url=URL, or STORAGE_EMULATOR_HOST) and that "
-          "the server is running",
+    "the server is running",
     "az": "Check the account's blob endpoint (BlobEndpoint= of the connection string, or "
-          "account_host=) and that the server is running",
+    "account_host=) and that the server is running",
 }
 
 
@@ -129,13 +141,17 @@ def _chain(e: BaseException) -> Iterator[BaseException]:
 
 def _classes(e: BaseException) -> list[tuple[str, str]]:
     """(module, class name) of ``e``'s class and its bases, for the clients' modules only."""
-    return [(c.__module__, c.__name__) for c in type(e).__mro__
-            if c.__module__.startswith(("botocore", "google", "azure", "aiohttp", "gcsfs"))]
+    return [
+        (c.__module__, c.__name__)
+        for c in type(e).__mro__
+        if c.__module__.startswith(("botocore", "google", "azure", "aiohttp", "gcsfs"))
+    ]
 
 
 def _is(cause: BaseException, table: dict[str, set[str]]) -> bool:
-    return any(module.startswith(prefix) and name in table[prefix]
-               for module, name in _classes(cause) for prefix in table)
+    return any(
+        module.startswith(prefix) and name in table[prefix] for module, name in _classes(cause) for prefix in table
+    )
 
 
 def _status(cause: BaseException) -> int | None:
@@ -173,8 +189,9 @@ def _scheme(storage: Backend) -> str:
     return {"gcs": "gs", "abfs": "az", "adl": "az", "abfss": "az"}.get(scheme, scheme)
 
 
-def translate(e: BaseException, storage: Backend, seconds: float = 0.0,
-              operation: str | None = None) -> BaseException | None:
+def translate(
+    e: BaseException, storage: Backend, seconds: float = 0.0, operation: str | None = None
+) -> BaseException | None:
     """The typed txckpt error for ``e``, raised by ``operation`` of ``storage`` that ran for
     ``seconds``; None when ``e`` is not one of the cases above (raise it as it is)."""
     if isinstance(e, TxckptError):
@@ -189,7 +206,10 @@ def translate(e: BaseException, storage: Backend, seconds: float = 0.0,
             return CredentialsError(
                 f"no valid credentials for {root} ({where}): {_first_line(cause)}. "
                 f"{_CREDENTIALS_HOWTO.get(scheme, 'Pass the credentials in storage_options')}; "
-                f"{_HOWTO}", root=root, endpoint=endpoint)
+                f"{_HOWTO}",
+                root=root,
+                endpoint=endpoint,
+            )
         if kind == "unreachable":
             endpoint = _base_url(getattr(cause, "kwargs", {}).get("endpoint_url")) or endpoint
             attempts = _attempts(storage)
@@ -198,14 +218,17 @@ def translate(e: BaseException, storage: Backend, seconds: float = 0.0,
                 f"cannot connect to {endpoint or where} for {root}: {tried} in {seconds:.1f} s "
                 f"({_first_line(cause)}). "
                 f"{_ENDPOINT_HOWTO.get(scheme, 'Check the endpoint and that the server is running')}; "
-                f"{_HOWTO}", root=root, endpoint=endpoint, attempts=attempts, seconds=seconds)
+                f"{_HOWTO}",
+                root=root,
+                endpoint=endpoint,
+                attempts=attempts,
+                seconds=seconds,
+            )
         if kind == "bucket":
             response = getattr(cause, "response", None)
             named = response.get("Error", {}).get("BucketName") if isinstance(response, dict) else None
-            return missing_bucket_error(storage, getattr(storage, "bucket", None) or named
-                                        or _bucket_of_root(storage))
-    if (operation in _WRITES and isinstance(e, FileNotFoundError) and scheme
-            and scheme not in ("file", "local")):
+            return missing_bucket_error(storage, getattr(storage, "bucket", None) or named or _bucket_of_root(storage))
+    if operation in _WRITES and isinstance(e, FileNotFoundError) and scheme and scheme not in ("file", "local"):
         # An object store has no directories: a write finds nothing only when the bucket is gone
         # (gcsfs says so with the bare URL it posted to). Ask the backend to be sure.
         try:
@@ -237,7 +260,10 @@ def missing_bucket_error(storage: Backend, bucket: str | None) -> RootNotFoundEr
     return RootNotFoundError(
         f"the {word} {bucket_url} of the root {root} does not exist at {where}: check the {word} "
         f"name, the endpoint and the account or region, or create the {word} (txckpt never creates "
-        f"one); {_HOWTO}", root=root, bucket=bucket_url)
+        f"one); {_HOWTO}",
+        root=root,
+        bucket=bucket_url,
+    )
 
 
 def _first_line(e: BaseException) -> str:
@@ -251,9 +277,11 @@ def endpoint_of(storage: Backend) -> str | None:
     client = getattr(fs, "_s3", None)
     url = getattr(getattr(client, "meta", None), "endpoint_url", None)
     if url is None and fs is not None:
-        url = (getattr(fs, "endpoint_url", None)
-               or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")
-               or getattr(fs, "_endpoint", None))  # gcsfs: endpoint_url= as given, else None
+        url = (
+            getattr(fs, "endpoint_url", None)
+            or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")
+            or getattr(fs, "_endpoint", None)
+        )  # gcsfs: endpoint_url= as given, else None
         service = getattr(fs, "service_client", None)  # adlfs: the account's blob endpoint
         if url is None and service is not None and not isinstance(service, (list, tuple)):
             url = getattr(service, "url", None)
@@ -312,8 +340,15 @@ def log_retries(fs: Any) -> None:
         _log.debug("not logging S3 retries: %s: %s", type(e).__name__, e)
 
 
-def _note_retry(fs_ref: weakref.ref[Any], attempts: int = 0, caught_exception: BaseException | None = None,
-                response: Any = None, endpoint: Any = None, operation: Any = None, **_: Any) -> None:
+def _note_retry(
+    fs_ref: weakref.ref[Any],
+    attempts: int = 0,
+    caught_exception: BaseException | None = None,
+    response: Any = None,
+    endpoint: Any = None,
+    operation: Any = None,
+    **_: Any,
+) -> None:
     """botocore's ``needs-retry`` event, after every attempt: log a failed one that it retries.
     Attempt 1 at INFO; attempt 2 at WARNING, so that Python's default level shows one line
     within the first second of a wrong endpoint; later ones at INFO. The last attempt is not
@@ -332,7 +367,13 @@ def _note_retry(fs_ref: weakref.ref[Any], attempts: int = 0, caught_exception: B
     total = _client_attempts(getattr(fs, "_s3", None))
     if attempts >= total:
         return None
-    _log.log(logging.WARNING if attempts == 2 else logging.INFO,
-             "S3 %s to %s: attempt %d of %d failed (%s); retrying", getattr(operation, "name", "request"),
-             _base_url(getattr(endpoint, "host", None)) or "the default endpoint", attempts, total, why)
+    _log.log(
+        logging.WARNING if attempts == 2 else logging.INFO,
+        "S3 %s to %s: attempt %d of %d failed (%s); retrying",
+        getattr(operation, "name", "request"),
+        _base_url(getattr(endpoint, "host", None)) or "the default endpoint",
+        attempts,
+        total,
+        why,
+    )
     return None

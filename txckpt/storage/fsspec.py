@@ -75,7 +75,7 @@ class FsspecStorage(Storage):
         if stripped == self.root:
             return ""
         if stripped.startswith(self.root + "/"):
-            return stripped[len(self.root) + 1:]
+            return stripped[len(self.root) + 1 :]
         return None
 
     def _fresh(self, key: str, tree: bool = False) -> None:
@@ -180,7 +180,7 @@ class FsspecStorage(Storage):
         for e in entries:
             path = self.fs._strip_protocol(e["name"]).rstrip("/")
             if path.startswith(base):
-                name = path[len(base):]
+                name = path[len(base) :]
                 if name and "/" not in name:
                     out.append((name, e.get("type") == "directory"))
         return out
@@ -196,7 +196,7 @@ class FsspecStorage(Storage):
         for path, info in sorted(found.items()):
             path = self.fs._strip_protocol(path)
             if path.startswith(base) and info.get("type", "file") != "directory":
-                out.append((path[len(base):], int(info.get("size") or 0)))
+                out.append((path[len(base) :], int(info.get("size") or 0)))
         return iter(out)
 
     def modified_time(self, key: str) -> float | None:

@@ -11,6 +11,7 @@ from typing import BinaryIO, Hashable, Iterator, Sequence
 
 from ..checksum import AbortOnError
 from ..errors import TempFileRemovedError
+
 # The low-level file operations live in fileio (below storage/). They are called through this
 # module's names, so a test that patches ``txckpt.storage.local.rename_noreplace`` (the crash and
 # power-loss tracers do) sees every rename LocalStorage makes; lies_within and makedirs_durable
@@ -110,8 +111,7 @@ class _DurableFile(AbortOnError):
         if self._durable and sync_file_range is not None and self._written - self._flushed_to >= _WRITE_BEHIND:
             self._drain()
             # Queue write-back of what is written so far; never waits for the disk.
-            sync_file_range(self._f.fileno(), self._flushed_to, self._written - self._flushed_to,
-                            SYNC_FILE_RANGE_WRITE)
+            sync_file_range(self._f.fileno(), self._flushed_to, self._written - self._flushed_to, SYNC_FILE_RANGE_WRITE)
             self._flushed_to = self._written
             self._drop_behind()
         return n
@@ -323,7 +323,7 @@ class LocalStorage(Storage):
         if path == self.root:
             return ""
         if path.startswith(self.root + os.sep):
-            return path[len(self.root) + 1:].replace(os.sep, "/")
+            return path[len(self.root) + 1 :].replace(os.sep, "/")
         return None
 
     # ----- writing -----------------------------------------------------------------------------
@@ -342,8 +342,9 @@ class LocalStorage(Storage):
         _ensure_dir(os.path.dirname(path), True)
         # replace: the share is made under a temp name and renamed over the written file, so
         # ``dst`` is never missing and a failed share leaves it as it was.
-        target = os.path.join(os.path.dirname(path), temp_name(os.path.basename(path), hidden=True)) \
-            if replace else path
+        target = (
+            os.path.join(os.path.dirname(path), temp_name(os.path.basename(path), hidden=True)) if replace else path
+        )
         # A clone first (copy-on-write: a later in-place write into either name changes that
         # file only); a hard link where the file system cannot clone.
         if not clone_file(source, target):

@@ -50,8 +50,8 @@ _DELETE_BATCH = 1000  # DeleteObjects limit
 
 def _parent_dirs(obj: str, prefix: str) -> list[str]:
     """The directory keys (``a/b/``) between ``prefix`` (which ends in ``/``) and object ``obj``."""
-    rest = obj[len(prefix):].split("/")[:-1]
-    return [prefix + "/".join(rest[:i + 1]) + "/" for i in range(len(rest))]
+    rest = obj[len(prefix) :].split("/")[:-1]
+    return [prefix + "/".join(rest[: i + 1]) + "/" for i in range(len(rest))]
 
 
 class S3Storage(FsspecStorage):
@@ -94,8 +94,7 @@ class S3Storage(FsspecStorage):
         self.prefix = prefix.strip("/")
         self.part_size = max(S3_PART_SIZE, _S3_MIN_PART)
         self.max_in_flight = max(1, min(S3_MAX_IN_FLIGHT, getattr(fs, "max_concurrency", 10)))
-        self.multipart_threshold = max(S3_MULTIPART_THRESHOLD or self.part_size * self.max_in_flight,
-                                       self.part_size)
+        self.multipart_threshold = max(S3_MULTIPART_THRESHOLD or self.part_size * self.max_in_flight, self.part_size)
         log_retries(fs)  # what botocore retries is logged while it retries (storage/errors.py)
         # Set once a ranged GET came back 200 with the whole object (_ranged): read in one GET.
         self._ranges_ignored = False
@@ -158,7 +157,10 @@ class S3Storage(FsspecStorage):
         """
         botocore = deps.botocore_exceptions
         ClientError, ConnectTimeoutError, EndpointConnectionError = (
-            botocore.ClientError, botocore.ConnectTimeoutError, botocore.EndpointConnectionError)
+            botocore.ClientError,
+            botocore.ConnectTimeoutError,
+            botocore.EndpointConnectionError,
+        )
         translate_boto_error = deps.s3fs.errors.translate_boto_error
         fs = self.fs
         await fs.set_session()
@@ -166,9 +168,7 @@ class S3Storage(FsspecStorage):
         method = client.put_object
         # The client is called directly (not through s3fs's retrying wrapper) so that every
         # attempt is known; s3fs's kwargs (SSE, RequestPayer, ...) still apply.
-        kwargs = fs._get_s3_method_kwargs(
-            method, Bucket=self.bucket, Key=obj, Body=data, IfNoneMatch="*"
-        )
+        kwargs = fs._get_s3_method_kwargs(method, Bucket=self.bucket, Key=obj, Body=data, IfNoneMatch="*")
         retries = max(int(getattr(fs, "retries", 5)), 1)
         sent_before = False
         last: BaseException | None = None
@@ -194,9 +194,12 @@ class S3Storage(FsspecStorage):
                         if existing == data:
                             return
                     raise FileExistsError(17, "already exists", f"s3://{self.bucket}/{obj}") from None
-                if code == "ConditionalRequestConflict" or status == 409 or (
-                    isinstance(status, int) and status >= 500
-                ) or code in ("SlowDown", "RequestTimeout", "InternalError"):
+                if (
+                    code == "ConditionalRequestConflict"
+                    or status == 409
+                    or (isinstance(status, int) and status >= 500)
+                    or code in ("SlowDown", "RequestTimeout", "InternalError")
+                ):
                     sent_before = True
                     last = e
                     continue
@@ -263,11 +266,12 @@ class S3Storage(FsspecStorage):
         async def _get(offset: int, length: int) -> bytes:
             if length <= 0:
                 return b""
-            resp = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=obj,
-                                          Range=f"bytes={offset}-{offset + length - 1}")
+            resp = await self.fs._call_s3(
+                "get_object", Bucket=self.bucket, Key=obj, Range=f"bytes={offset}-{offset + length - 1}"
+            )
             try:
                 if _whole_object(resp):  # a server that ignores Range (HTTP allows it): cut it out
-                    return (await resp["Body"].read())[offset:offset + length]
+                    return (await resp["Body"].read())[offset : offset + length]
                 return await resp["Body"].read()
             finally:
                 resp["Body"].close()
@@ -280,22 +284,41 @@ class S3Storage(FsspecStorage):
     def start_read(self, key: str, size: int, *, hash: bool) -> BufferRead | None:
         if size <= S3_READ_PART or self._ranges_ignored:
             return None  # one GET (read_bytes) is as fast, in one request
-        return self._ranged(key, lambda: ranged_read(self.fs, self.bucket, self._obj(key), size, hash=hash,
-                                                     part=S3_READ_PART, in_flight=S3_READ_IN_FLIGHT))
+        return self._ranged(
+            key,
+            lambda: ranged_read(
+                self.fs, self.bucket, self._obj(key), size, hash=hash, part=S3_READ_PART, in_flight=S3_READ_IN_FLIGHT
+            ),
+        )
 
     def read_through(self, key: str, size: int, write: Callable[[memoryview], Any]) -> tuple[int, str] | None:
         if size <= S3_READ_PART or self._ranges_ignored:
             return None  # one GET streamed is as fast, in one request
-        return self._ranged(key, lambda: ranged_copy(self.fs, self.bucket, self._obj(key), size, write,
-                                                     part=S3_READ_PART, in_flight=S3_READ_IN_FLIGHT))
+        return self._ranged(
+            key,
+            lambda: ranged_copy(
+                self.fs, self.bucket, self._obj(key), size, write, part=S3_READ_PART, in_flight=S3_READ_IN_FLIGHT
+            ),
+        )
 
-    def read_to_file(self, key: str, size: int, fd: int,
-                     progress: Callable[[int], Any] | None = None) -> tuple[int, str] | None:
+    def read_to_file(
+        self, key: str, size: int, fd: int, progress: Callable[[int], Any] | None = None
+    ) -> tuple[int, str] | None:
         if size <= S3_READ_PART or self._ranges_ignored:
             return None  # one GET streamed is as fast, in one request
-        return self._ranged(key, lambda: ranged_to_file(self.fs, self.bucket, self._obj(key), size, fd,
-                                                        part=S3_READ_PART, in_flight=S3_READ_IN_FLIGHT,
-                                                        progress=progress))
+        return self._ranged(
+            key,
+            lambda: ranged_to_file(
+                self.fs,
+                self.bucket,
+                self._obj(key),
+                size,
+                fd,
+                part=S3_READ_PART,
+                in_flight=S3_READ_IN_FLIGHT,
+                progress=progress,
+            ),
+        )
 
     def _ranged(self, key: str, read: Callable[[], _T]) -> _T | None:
         """``read()``, a download in ranged parts; None (the caller reads the object in one plain
@@ -305,8 +328,13 @@ class S3Storage(FsspecStorage):
             return read()
         except RangeIgnored as e:
             if not self._ranges_ignored:
-                log.warning("%s: %s; the server (or a proxy before it) ignores Range headers: reading "
-                            "each file of %s in one GET instead of parallel parts", self.url, e, self.url)
+                log.warning(
+                    "%s: %s; the server (or a proxy before it) ignores Range headers: reading "
+                    "each file of %s in one GET instead of parallel parts",
+                    self.url,
+                    e,
+                    self.url,
+                )
             self._ranges_ignored = True
             return None
 
@@ -340,11 +368,11 @@ class S3Storage(FsspecStorage):
         out: set[tuple[str, bool]] = set()
         for page in self._list(prefix, "/"):
             for cp in page.get("CommonPrefixes", []):
-                name = cp["Prefix"][len(prefix):].rstrip("/")
+                name = cp["Prefix"][len(prefix) :].rstrip("/")
                 if name:
                     out.add((name, True))
             for obj in page.get("Contents", []):
-                name = obj["Key"][len(prefix):]
+                name = obj["Key"][len(prefix) :]
                 if name and "/" not in name:
                     out.add((name, False))
         return list(out)
@@ -354,7 +382,7 @@ class S3Storage(FsspecStorage):
         out = []
         for page in self._list(prefix, None):
             for obj in page.get("Contents", []):
-                rel = obj["Key"][len(prefix):]
+                rel = obj["Key"][len(prefix) :]
                 if rel and not rel.endswith("/"):  # skip "directory marker" objects
                     out.append((rel, int(obj.get("Size", 0))))
         return iter(out)
@@ -409,8 +437,10 @@ class S3Storage(FsspecStorage):
         errors = [e for e in out.get("Errors", []) if e.get("Code") != "NoSuchKey"]
         if errors:
             first = errors[0]
-            raise OSError(f"S3 refused to delete {len(errors)} object(s), e.g. "
-                          f"{first.get('Key')}: {first.get('Code')} {first.get('Message')}")
+            raise OSError(
+                f"S3 refused to delete {len(errors)} object(s), e.g. "
+                f"{first.get('Key')}: {first.get('Code')} {first.get('Message')}"
+            )
 
     def list_incomplete_uploads(self, under: str = "") -> list[dict[str, Any]]:
         """ListMultipartUploads pages below ``under`` (fresh: no cache involved)."""
@@ -420,8 +450,14 @@ class S3Storage(FsspecStorage):
             page = self._call("list_multipart_uploads", **kwargs)
             for up in page.get("Uploads", []) or []:
                 obj = up["Key"]
-                out.append({"key": obj[len(base):] if obj.startswith(base) else obj, "object": obj,
-                            "upload_id": up["UploadId"], "initiated": up.get("Initiated")})
+                out.append(
+                    {
+                        "key": obj[len(base) :] if obj.startswith(base) else obj,
+                        "object": obj,
+                        "upload_id": up["UploadId"],
+                        "initiated": up.get("Initiated"),
+                    }
+                )
             if not page.get("IsTruncated"):
                 return out
             kwargs["KeyMarker"] = page.get("NextKeyMarker", "")

@@ -82,14 +82,18 @@ async def _get_part(fs: Any, bucket: str, obj: str, size: int, a: int, into: mem
             chunk = await body.read(len(into) - pos)
             if not chunk:  # shorter than the range: the object changed size meanwhile
                 raise SizeMismatch(a + pos)
-            into[pos:pos + len(chunk)] = chunk
+            into[pos : pos + len(chunk)] = chunk
             pos += len(chunk)
     finally:
         resp["Body"].close()
 
 
-async def _get_all(count: int, get: Callable[[int], Awaitable[None]], in_flight: int,
-                   may_start: Callable[[int], Awaitable[None]] | None = None) -> None:
+async def _get_all(
+    count: int,
+    get: Callable[[int], Awaitable[None]],
+    in_flight: int,
+    may_start: Callable[[int], Awaitable[None]] | None = None,
+) -> None:
     """``get(i)`` for each part ``i``, at most ``in_flight`` at once, part 0 alone first (its
     ``Content-Range`` says whether the size is right); ``may_start(i)`` is awaited before part
     ``i`` starts (a bound on the parts held in memory). On an error every other part is
@@ -159,8 +163,7 @@ def ranged_read(fs: Any, bucket: str, obj: str, size: int, *, hash: bool, part: 
     the last byte is in it, its hash possibly still finishing (:class:`~txckpt.fileio.BufferRead`)."""
     buf = new_buffer(size)
     if PREFAULT and _libc_madvise() is not None:
-        threading.Thread(target=_prefault, args=(buf, size, part), name="txckpt-prefault",
-                         daemon=True).start()
+        threading.Thread(target=_prefault, args=(buf, size, part), name="txckpt-prefault", daemon=True).start()
     view = memoryview(buf.numpy())
     hasher = new_hasher() if hash else None
     worker = HashWorker(hasher) if hasher is not None else None
@@ -188,8 +191,9 @@ def ranged_read(fs: Any, bucket: str, obj: str, size: int, *, hash: bool, part: 
     return BufferRead(buf, hasher, worker)
 
 
-def ranged_copy(fs: Any, bucket: str, obj: str, size: int, write: Callable[[memoryview], Any], *,
-                part: int, in_flight: int) -> tuple[int, str]:
+def ranged_copy(
+    fs: Any, bucket: str, obj: str, size: int, write: Callable[[memoryview], Any], *, part: int, in_flight: int
+) -> tuple[int, str]:
     """Copy object ``obj`` (``size`` bytes, ``size`` > 0) to ``write``, which is given its bytes
     in order (a file being written: a fetch), hashing them; returns ``(size, xxh3-128)``.
 
@@ -301,16 +305,26 @@ def _hash_file(fd: int, size: int, hasher: Any, pos: int = 0, view: memoryview |
     if view is None:
         view = memoryview(bytearray(min(size - pos, _HASH_BLOCK)))
     while pos < size:
-        n = os.preadv(fd, [view[:min(len(view), size - pos)]], pos)
+        n = os.preadv(fd, [view[: min(len(view), size - pos)]], pos)
         if n <= 0:
             raise SizeMismatch(pos)  # the file is shorter than written: truncated meanwhile
         hasher.update(view[:n])
         pos += n
 
 
-def ranged_to_file(fs: Any, bucket: str, obj: str, size: int, fd: int, *, part: int, in_flight: int,
-                   progress: Callable[[int], Any] | None = None, hash_mode: str | None = None,
-                   writers: int | None = None) -> tuple[int, str]:
+def ranged_to_file(
+    fs: Any,
+    bucket: str,
+    obj: str,
+    size: int,
+    fd: int,
+    *,
+    part: int,
+    in_flight: int,
+    progress: Callable[[int], Any] | None = None,
+    hash_mode: str | None = None,
+    writers: int | None = None,
+) -> tuple[int, str]:
     """Copy object ``obj`` (``size`` bytes, ``size`` > 0) into the local file open for writing
     at ``fd`` (written at offsets 0 .. ``size``), hashing it; returns ``(size, xxh3-128)``.
 
@@ -377,7 +391,7 @@ def ranged_to_file(fs: Any, bucket: str, obj: str, size: int, fd: int, *, part: 
         nonlocal next_hash
         a, b = parts[i]
         buffer = free.pop() if free else memoryview(bytearray(part))
-        data = buffer[:b - a]
+        data = buffer[: b - a]
         try:
             try:
                 await _get_part(fs, bucket, obj, size, a, data)
@@ -445,8 +459,17 @@ def ranged_to_file(fs: Any, bucket: str, obj: str, size: int, fd: int, *, part: 
     return size, hasher.hexdigest()
 
 
-def _to_file_on_loop(fs: Any, bucket: str, obj: str, size: int, fd: int, *, part: int, in_flight: int,
-                     progress: Callable[[int], Any] | None) -> tuple[int, str]:
+def _to_file_on_loop(
+    fs: Any,
+    bucket: str,
+    obj: str,
+    size: int,
+    fd: int,
+    *,
+    part: int,
+    in_flight: int,
+    progress: Callable[[int], Any] | None,
+) -> tuple[int, str]:
     """:func:`ranged_to_file` ("loop", the default): every chunk of every part is written at its
     offset by the download loop itself as it comes off the connection (no part buffers: the
     bytes held are what the ``in_flight`` connections have buffered), and each time the parts

@@ -27,16 +27,15 @@ _S3_MAX_PARTS = 10_000
 
 def _run(fs: Any, coro, timeout: float | None = None):
     """Run ``coro`` on s3fs's event loop thread and wait for it."""
+
     async def _wrapped():
         return await coro
 
     return deps.fsspec_asyn.sync(fs.loop, _wrapped, timeout=timeout)
 
 
-async def _upload_part(fs: Any, bucket: str, key: str, upload_id: str, number: int,
-                       body: bytes) -> str:
-    out = await fs._call_s3(
-        "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
+async def _upload_part(fs: Any, bucket: str, key: str, upload_id: str, number: int, body: bytes) -> str:
+    out = await fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
     return out["ETag"]
 
 
@@ -67,8 +66,14 @@ async def _put_object(fs: Any, bucket: str, key: str, body: io.BytesIO, crc32: i
     await _error_wrapper(attempt, kwargs=kwargs, retries=fs.retries)
 
 
-async def _complete_upload(fs: Any, bucket: str, key: str, upload_id: str, etags: dict[int, str],
-                           inflight: dict[concurrent.futures.Future, int]) -> None:
+async def _complete_upload(
+    fs: Any,
+    bucket: str,
+    key: str,
+    upload_id: str,
+    etags: dict[int, str],
+    inflight: dict[concurrent.futures.Future, int],
+) -> None:
     """Wait for the parts in flight, then complete the upload; on any failure abort it (once
     every part has landed or failed), so that nothing remains, and re-raise."""
     try:
@@ -79,8 +84,9 @@ async def _complete_upload(fs: Any, bucket: str, key: str, upload_id: str, etags
                 raise result
             etags[inflight[f]] = result
         parts = [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]
-        await fs._call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
-                          MultipartUpload={"Parts": parts})
+        await fs._call_s3(
+            "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+        )
     except BaseException:
         try:
             await _abort_upload(fs, bucket, key, upload_id, [])
@@ -89,8 +95,9 @@ async def _complete_upload(fs: Any, bucket: str, key: str, upload_id: str, etags
         raise
 
 
-async def _abort_upload(fs: Any, bucket: str, key: str, upload_id: str,
-                        inflight: list[concurrent.futures.Future]) -> None:
+async def _abort_upload(
+    fs: Any, bucket: str, key: str, upload_id: str, inflight: list[concurrent.futures.Future]
+) -> None:
     # Let parts already on the wire finish first (at most max_in_flight of them): S3 may keep a
     # part that lands after the abort, and cancelling a request does not unsend it.
     if inflight:
@@ -252,8 +259,7 @@ class _S3Writer(AbortOnError, io.RawIOBase):
 
     def _send_part(self, body: bytes, number: int | None = None) -> None:
         if self._upload_id is None:
-            out = _run(self._fs, self._fs._call_s3(
-                "create_multipart_upload", Bucket=self._st.bucket, Key=self._obj))
+            out = _run(self._fs, self._fs._call_s3("create_multipart_upload", Bucket=self._st.bucket, Key=self._obj))
             self._upload_id = out["UploadId"]
         self._wait(self._st.max_in_flight - 1)
         if number is None:
@@ -269,8 +275,7 @@ class _S3Writer(AbortOnError, io.RawIOBase):
     def _wait(self, at_most: int) -> None:
         """Block until at most ``at_most`` parts are in flight; re-raise a part's failure."""
         while len(self._inflight) > at_most:
-            done, _ = concurrent.futures.wait(
-                list(self._inflight), return_when=concurrent.futures.FIRST_COMPLETED)
+            done, _ = concurrent.futures.wait(list(self._inflight), return_when=concurrent.futures.FIRST_COMPLETED)
             for f in done:
                 number = self._inflight.pop(f)
                 self._etags[number] = f.result()
@@ -405,8 +410,18 @@ def _upload_failure(path: str, e: BaseException) -> OSError:
     ``OSError(errno, ...)`` is again a PermissionError and ``storage_error`` gives its advice."""
     code = getattr(e, "errno", None) if isinstance(e, OSError) else None
     if not code:
-        code = next((c for cls, c in ((PermissionError, errno.EACCES), (FileNotFoundError, errno.ENOENT),
-                                      (FileExistsError, errno.EEXIST)) if isinstance(e, cls)), errno.EIO)
+        code = next(
+            (
+                c
+                for cls, c in (
+                    (PermissionError, errno.EACCES),
+                    (FileNotFoundError, errno.ENOENT),
+                    (FileExistsError, errno.EEXIST),
+                )
+                if isinstance(e, cls)
+            ),
+            errno.EIO,
+        )
     err = OSError(code, f"upload of {path} failed: {e}")
     err.__cause__ = e
     return err

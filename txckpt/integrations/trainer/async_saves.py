@@ -51,8 +51,7 @@ from txckpt.root import open_root
 from .patches import torch_save_into
 from .preempt import note_committed
 from .rank_files import rank_patterns
-from .paths import (STAGING_DIR_NAME, STAGING_ENV, TRAINER_NAMING, TRAINER_STATE_NAME, is_remote, is_within,
-                           public_name)
+from .paths import STAGING_DIR_NAME, STAGING_ENV, TRAINER_NAMING, TRAINER_STATE_NAME, is_remote, is_within, public_name
 
 log = logging.getLogger("txckpt.transformers")
 
@@ -95,7 +94,8 @@ class _Capture:
     def check_not_rewritten(self) -> None:
         if self.rewritten:
             raise _errors.InvalidArgumentError(
-                f"{self.rewritten[0]!r} was written through the transaction and then written again")
+                f"{self.rewritten[0]!r} was written through the transaction and then written again"
+            )
 
     def name_of(self, f: Any) -> str | None:
         """The file's name inside the checkpoint if ``f`` is a path in it written by this thread."""
@@ -148,6 +148,7 @@ def _recording(capture: _Capture) -> Iterator[None]:
             if name is None:
                 return real(tensors, filename, metadata=metadata, **kwargs)
             capture.record(name, SAFETENSORS, tensors, dict(kwargs, metadata=metadata), real)
+
         return save_file
 
     torch.save = save
@@ -166,8 +167,9 @@ def _recording(capture: _Capture) -> Iterator[None]:
 class _Job:
     """One async save: what the training thread does after its commit."""
 
-    def __init__(self, step: int, root: str, future: Future, capture_root: str, push: Any,
-                 state: Any, best_before: str | None):
+    def __init__(
+        self, step: int, root: str, future: Future, capture_root: str, push: Any, state: Any, best_before: str | None
+    ):
         self.step, self.root, self.future = step, root, future
         self.capture_root, self.push, self.state, self.best_before = capture_root, push, state, best_before
         self.on_save: list[Any] = []  # the deferred on_save event (args), at most one
@@ -265,14 +267,35 @@ class AsyncSaves:
                 # Everything but the parameters and the optimizer state is copied now (buffers,
                 # RNG states, arguments: forward may change them); those two change only in the
                 # next optimizer step, whose pre-hook waits until the background has copied them.
-                lazy = asyncsave.LazySnapshot(eager, objs, [self._optimizer()], params=t.model.parameters(),
-                                              remedy='saves with txckpt_async_save="copy" (copy-first)')
+                lazy = asyncsave.LazySnapshot(
+                    eager,
+                    objs,
+                    [self._optimizer()],
+                    params=t.model.parameters(),
+                    remedy='saves with txckpt_async_save="copy" (copy-first)',
+                )
             else:
                 snap = pool.snapshot(objs)
             plan = [(name, how, kw, writer) for name, (how, _, kw, writer) in capture.writes.items()]
-            return asyncsave.Job(functools.partial(
-                _write_and_commit, root, so, step, meta, plan, snap, small, state, capture_root, local_dir,
-                (pool, lazy), functools.partial(rank_patterns, t), incremental=t.txckpt_incremental), lazy)
+            return asyncsave.Job(
+                functools.partial(
+                    _write_and_commit,
+                    root,
+                    so,
+                    step,
+                    meta,
+                    plan,
+                    snap,
+                    small,
+                    state,
+                    capture_root,
+                    local_dir,
+                    (pool, lazy),
+                    functools.partial(rank_patterns, t),
+                    incremental=t.txckpt_incremental,
+                ),
+                lazy,
+            )
 
         future = asyncsave.submit(root, so, prepare)
         self._job = _Job(step, root, future, capture_root, push, state, best_before)
@@ -317,8 +340,12 @@ class AsyncSaves:
                 t.state.best_model_checkpoint = job.best_before
             if raise_error:
                 raise e
-            log.error("the async save of %s failed: %s: %s", public_name(job.root, t.txckpt_storage_options, job.step),
-                      type(e).__name__, e)
+            log.error(
+                "the async save of %s failed: %s: %s",
+                public_name(job.root, t.txckpt_storage_options, job.step),
+                type(e).__name__,
+                e,
+            )
             return
         committed, expected = job.future.result()
         t._txckpt_last_step = job.step
@@ -327,9 +354,13 @@ class AsyncSaves:
             if state.best_model_checkpoint is not None and is_within(state.best_model_checkpoint, job.capture_root):
                 state.best_model_checkpoint = committed
         if committed != expected:
-            log.warning("%s was committed at %s, not at %s; trainer_state.json inside it "
-                        "names %s as best_model_checkpoint",
-                        public_name(job.root, t.txckpt_storage_options, job.step), committed, expected, expected)
+            log.warning(
+                "%s was committed at %s, not at %s; trainer_state.json inside it names %s as best_model_checkpoint",
+                public_name(job.root, t.txckpt_storage_options, job.step),
+                committed,
+                expected,
+                expected,
+            )
         if t._txckpt_prune_after_commit:
             t._txckpt_prune_after_commit = False
             t._txckpt_remote.drop_cached_copies()
@@ -353,8 +384,13 @@ class AsyncSaves:
     def install(self) -> None:
         """Route the callback handler's on_save through :meth:`on_save` (per instance)."""
         if self._t.txckpt_async_save:
-            engine = ("DeepSpeed" if getattr(self._t, "is_deepspeed_enabled", False)
-                      else "FSDP" if getattr(self._t, "is_fsdp_enabled", False) else None)
+            engine = (
+                "DeepSpeed"
+                if getattr(self._t, "is_deepspeed_enabled", False)
+                else "FSDP"
+                if getattr(self._t, "is_fsdp_enabled", False)
+                else None
+            )
             if engine is not None:
                 # Their saves write sharded state through their own collectives and writers,
                 # which the recorded-write snapshot does not capture: refuse, not half-save.
@@ -362,16 +398,30 @@ class AsyncSaves:
                     f"txckpt_async_save is not supported with {engine} yet: its sharded save is "
                     "written by the engine itself. Use txckpt_async_save=False (the save is still "
                     "transactional), or save through torch.distributed.checkpoint with "
-                    "txckpt.integrations.dcp.TransactionalWriter and dcp.async_save (docs/distributed.md)")
+                    "txckpt.integrations.dcp.TransactionalWriter and dcp.async_save (docs/distributed.md)"
+                )
         handler = self._t.callback_handler
         real = handler.on_save
         handler.on_save = functools.partial(self.on_save, real)
 
 
-def _write_and_commit(root: str, so: Any, step: int, meta: Any, plan: list, snap: dict | None, small: dict,
-                      state: Any, capture_root: str, local_dir: str | None, lazy: tuple,
-                      claims: Callable[[int], list[str]], coordinator: Any, *, incremental: bool = False,
-                      ) -> tuple[str, str]:
+def _write_and_commit(
+    root: str,
+    so: Any,
+    step: int,
+    meta: Any,
+    plan: list,
+    snap: dict | None,
+    small: dict,
+    state: Any,
+    capture_root: str,
+    local_dir: str | None,
+    lazy: tuple,
+    claims: Callable[[int], list[str]],
+    coordinator: Any,
+    *,
+    incremental: bool = False,
+) -> tuple[str, str]:
     """The background job: replay the recorded writes from the snapshot in one transaction. Lazy
     mode (``snap`` None): complete the snapshot first (``lazy``: the pool and the
     LazySnapshot), here, which lets the optimizer step go on.
@@ -381,13 +431,17 @@ def _write_and_commit(root: str, so: Any, step: int, meta: Any, plan: list, snap
         pool, pending = lazy
         snap = pending.take(pool)
 
-    with open_root(root, so).transaction(step, metadata=meta, coordinator=coordinator,
-                                         local_dir=local_dir, incremental=incremental) as tx:
+    with open_root(root, so).transaction(
+        step, metadata=meta, coordinator=coordinator, local_dir=local_dir, incremental=incremental
+    ) as tx:
         expected = tx.final_path
         directory = tx.directory
         for name, data in small.items():
-            if name == TRAINER_STATE_NAME and state.best_model_checkpoint is not None \
-                    and is_within(state.best_model_checkpoint, capture_root):
+            if (
+                name == TRAINER_STATE_NAME
+                and state.best_model_checkpoint is not None
+                and is_within(state.best_model_checkpoint, capture_root)
+            ):
                 # The best is this step: the published path, as the sync path's _txckpt_publish_best.
                 fixed = copy.deepcopy(state)
                 fixed.best_model_checkpoint = expected

@@ -22,14 +22,16 @@ def inexact_resume_reasons(trainer: Any) -> list[str]:
     if getattr(trainer.args, "ignore_data_skip", False):
         reasons.append(
             "args.ignore_data_skip=True: a resumed run trains its epoch from the first batch again "
-            "instead of skipping the batches it already trained on (leave it False for an exact resume)")
+            "instead of skipping the batches it already trained on (leave it False for an exact resume)"
+        )
     data = getattr(trainer, "train_dataset", None)
     if isinstance(data, torch.utils.data.IterableDataset) and not callable(getattr(data, "state_dict", None)):
         reasons.append(
             f"train_dataset is an IterableDataset ({type(data).__name__}) without state_dict(): a resumed "
             "run reads it again from its start and skips the batches already seen, which are the same "
             "batches only if it yields the same items in the same order every time (give it "
-            "state_dict()/load_state_dict() and save them, or use a map-style Dataset)")
+            "state_dict()/load_state_dict() and save them, or use a map-style Dataset)"
+        )
     return reasons
 
 
@@ -40,5 +42,4 @@ def warn_inexact_resume_once(trainer: Any) -> None:
     trainer._txckpt_inexact_checked = True
     reasons = inexact_resume_reasons(trainer)
     if reasons:
-        log.warning("a run resumed from this run's checkpoints will not continue it exactly: %s",
-                    "; ".join(reasons))
+        log.warning("a run resumed from this run's checkpoints will not continue it exactly: %s", "; ".join(reasons))

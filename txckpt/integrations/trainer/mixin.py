@@ -83,6 +83,7 @@ from .resume import committed_step_path, resolve_on_rank0, tiered_for, tiered_se
 
 log = logging.getLogger("txckpt.transformers")
 
+
 class TransactionalCheckpointMixin:
     """Make a ``transformers.Trainer`` save every checkpoint as one txckpt transaction and resume
     along lineages. Place it **leftmost**: ``class MyTrainer(TransactionalCheckpointMixin, Trainer)``.
@@ -145,22 +146,33 @@ class TransactionalCheckpointMixin:
         super().__init_subclass__(**kwargs)
         _check_mro(cls)
 
-    def __init__(self, *args: Any, txckpt_root: str | os.PathLike | txckpt.TieredRoot | None = None,
-                 txckpt_storage_options: dict[str, Any] | None = None,
-                 txckpt_cache_dir: str | os.PathLike | None = None,
-                 txckpt_timeout: float | None = None, txckpt_on_damaged: str | None = None,
-                 txckpt_async_save: bool | str | None = None, txckpt_save_on_preemption: bool | float | None = None,
-                 txckpt_incremental: bool | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        txckpt_root: str | os.PathLike | txckpt.TieredRoot | None = None,
+        txckpt_storage_options: dict[str, Any] | None = None,
+        txckpt_cache_dir: str | os.PathLike | None = None,
+        txckpt_timeout: float | None = None,
+        txckpt_on_damaged: str | None = None,
+        txckpt_async_save: bool | str | None = None,
+        txckpt_save_on_preemption: bool | float | None = None,
+        txckpt_incremental: bool | None = None,
+        **kwargs: Any,
+    ):
         _check_mro(type(self))
         txckpt_root, txckpt_storage_options, self._txckpt_tiered = tiered_settings(txckpt_root, txckpt_storage_options)
         if txckpt_on_damaged is not None:
             check_on_damaged(txckpt_on_damaged)
-        given = {"txckpt_on_damaged": txckpt_on_damaged, "txckpt_timeout": txckpt_timeout,
-                 "txckpt_root": None if txckpt_root is None else os.fspath(txckpt_root),
-                 "txckpt_storage_options": None if txckpt_storage_options is None else dict(txckpt_storage_options),
-                 "txckpt_cache_dir": None if txckpt_cache_dir is None else os.fspath(txckpt_cache_dir),
-                 "txckpt_async_save": None if txckpt_async_save is None else check_mode(txckpt_async_save),
-                 "txckpt_save_on_preemption": txckpt_save_on_preemption, "txckpt_incremental": txckpt_incremental}
+        given = {
+            "txckpt_on_damaged": txckpt_on_damaged,
+            "txckpt_timeout": txckpt_timeout,
+            "txckpt_root": None if txckpt_root is None else os.fspath(txckpt_root),
+            "txckpt_storage_options": None if txckpt_storage_options is None else dict(txckpt_storage_options),
+            "txckpt_cache_dir": None if txckpt_cache_dir is None else os.fspath(txckpt_cache_dir),
+            "txckpt_async_save": None if txckpt_async_save is None else check_mode(txckpt_async_save),
+            "txckpt_save_on_preemption": txckpt_save_on_preemption,
+            "txckpt_incremental": txckpt_incremental,
+        }
         for name, value in given.items():
             if value is not None:
                 setattr(self, name, value)
@@ -181,8 +193,9 @@ class TransactionalCheckpointMixin:
         self._txckpt_install_jit()
         self._txckpt_async.install()
         preempt = self.txckpt_save_on_preemption
-        self._txckpt_preempt = None if preempt is False else PreemptionSave(
-            self, None if preempt is True else float(preempt))
+        self._txckpt_preempt = (
+            None if preempt is False else PreemptionSave(self, None if preempt is True else float(preempt))
+        )
 
     # ----- where things go ---------------------------------------------------------------------
     def _txckpt_already_committed(self, trial: Any) -> bool:
@@ -192,8 +205,10 @@ class TransactionalCheckpointMixin:
         step = int(self.state.global_step)
         if self._txckpt_last_step is None or step != self._txckpt_last_step:
             return False
-        log.info("%s is already committed in this lineage; not saving it again",
-                 public_name(self._txckpt_root(trial), self.txckpt_storage_options, step))
+        log.info(
+            "%s is already committed in this lineage; not saving it again",
+            public_name(self._txckpt_root(trial), self.txckpt_storage_options, step),
+        )
         return True
 
     def _txckpt_root(self, trial: Any = None) -> str:
@@ -234,8 +249,12 @@ class TransactionalCheckpointMixin:
         root = self._txckpt_root(trial)
         self._txckpt_pending_push = None
         with txckpt.transaction(
-            root, step, storage_options=self.txckpt_storage_options,
-            metadata=self._txckpt_metadata(trial), timeout=self.txckpt_timeout, incremental=self.txckpt_incremental,
+            root,
+            step,
+            storage_options=self.txckpt_storage_options,
+            metadata=self._txckpt_metadata(trial),
+            timeout=self.txckpt_timeout,
+            incremental=self.txckpt_incremental,
         ) as tx:
             self._txckpt_tx = tx
             try:
@@ -259,9 +278,11 @@ class TransactionalCheckpointMixin:
             if self.state.best_model_checkpoint == expected:
                 self.state.best_model_checkpoint = committed
             log.warning(
-                "%s was committed at %s, not at %s; trainer_state.json inside it "
-                "names %s as best_model_checkpoint", public_name(root, self.txckpt_storage_options, step),
-                committed, expected, expected,
+                "%s was committed at %s, not at %s; trainer_state.json inside it names %s as best_model_checkpoint",
+                public_name(root, self.txckpt_storage_options, step),
+                committed,
+                expected,
+                expected,
             )
         if self._txckpt_prune_after_commit:
             self._txckpt_prune_after_commit = False
@@ -284,8 +305,12 @@ class TransactionalCheckpointMixin:
         while it is written. Only in upstream's plain case: DeepSpeed, FSDP, XLA and SageMaker
         MP save as upstream does, and their files are hashed at commit."""
         tx = self._txckpt_tx
-        if tx is None or not self.txckpt_stream_optimizer or not self._txckpt_plain_optimizer_save() \
-                or not same_dir(output_dir, tx.directory):
+        if (
+            tx is None
+            or not self.txckpt_stream_optimizer
+            or not self._txckpt_plain_optimizer_save()
+            or not same_dir(output_dir, tx.directory)
+        ):
             return super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)  # type: ignore[misc]
         with torch_save_through(tx, self._txckpt_streamed):
             return super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)  # type: ignore[misc]
@@ -298,8 +323,11 @@ class TransactionalCheckpointMixin:
             fn = getattr(hf_trainer, probe, None)
             if fn is None or fn():
                 return False
-        return not (getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False)
-                    or getattr(self, "is_fsdp_xla_enabled", False))
+        return not (
+            getattr(self, "is_deepspeed_enabled", False)
+            or getattr(self, "is_fsdp_enabled", False)
+            or getattr(self, "is_fsdp_xla_enabled", False)
+        )
 
     def _txckpt_check_streamed(self, tx: Any) -> None:
         """A file written through the transaction and then rewritten in staging by other code
@@ -364,8 +392,12 @@ class TransactionalCheckpointMixin:
             try:
                 copy = self._txckpt_remote.push_copy(os.fspath(checkpoint_folder))
             except Exception as e:  # noqa: BLE001 - the checkpoint is committed; a push is optional
-                log.warning("not pushing %s to the Hub: fetching a local copy failed (%s: %s)",
-                            checkpoint_folder, type(e).__name__, e)
+                log.warning(
+                    "not pushing %s to the Hub: fetching a local copy failed (%s: %s)",
+                    checkpoint_folder,
+                    type(e).__name__,
+                    e,
+                )
                 return
             checkpoint_folder = copy
         with hub_uploads_skip_txckpt(self._txckpt_hub_ignores()):
@@ -426,8 +458,9 @@ class TransactionalCheckpointMixin:
                 txckpt.read_manifest(remote[-1], storage_options=self.txckpt_storage_options)
                 self.state.best_model_checkpoint = remote[-1]
             except (_errors.CheckpointNotFoundError, _errors.ManifestError):
-                log.warning("the best checkpoint %s recorded in the resumed state is gone; "
-                            "ignoring it for this run", remote[-1])
+                log.warning(
+                    "the best checkpoint %s recorded in the resumed state is gone; ignoring it for this run", remote[-1]
+                )
         return result
 
     def _rotate_checkpoints(self, use_mtime: bool = False, output_dir: str | None = None) -> None:
@@ -436,8 +469,9 @@ class TransactionalCheckpointMixin:
         the transaction's staging root, which holds just the checkpoint being saved.)"""
         return None
 
-    def _sorted_checkpoints(self, output_dir: str | None = None, checkpoint_prefix: str = PREFIX_CHECKPOINT_DIR,
-                            use_mtime: bool = False) -> list[str]:
+    def _sorted_checkpoints(
+        self, output_dir: str | None = None, checkpoint_prefix: str = PREFIX_CHECKPOINT_DIR, use_mtime: bool = False
+    ) -> list[str]:
         """transformers 4.x: feeds rotation and the end-of-training ``save_total_limit == 1``
         cleanup, which would delete every other lineage's checkpoint-N. Nothing for them."""
         return []
@@ -474,8 +508,13 @@ class TransactionalCheckpointMixin:
         try:
             gone = rewind(txckpt.open_root(root, self.txckpt_storage_options), best)
         except Exception as e:  # noqa: BLE001 - the checkpoints are committed; this only frees space
-            log.warning("save_total_limit=1: keeping only the best checkpoint %s at the end of "
-                        "training failed (%s: %s); the newest is kept too", best, type(e).__name__, e)
+            log.warning(
+                "save_total_limit=1: keeping only the best checkpoint %s at the end of "
+                "training failed (%s: %s); the newest is kept too",
+                best,
+                type(e).__name__,
+                e,
+            )
             return
         if gone:  # (rewind logs what it retired) the lineage's newest is the best now
             self._txckpt_last_step = checkpoint_name_step(best)
@@ -490,8 +529,12 @@ class TransactionalCheckpointMixin:
         try:
             _apply_retention(root, self.txckpt_storage_options, limit, self.state.best_model_checkpoint)
         except Exception as e:  # noqa: BLE001 - retention must not kill a training run
-            log.warning("retention after the commit failed (%s: %s); nothing was deleted "
-                        "that must be kept; `txckpt gc` retries", type(e).__name__, e)
+            log.warning(
+                "retention after the commit failed (%s: %s); nothing was deleted "
+                "that must be kept; `txckpt gc` retries",
+                type(e).__name__,
+                e,
+            )
 
     # ----- JIT checkpointing (transformers 5.x) ------------------------------------------------
     def _txckpt_install_jit(self) -> None:
@@ -521,8 +564,13 @@ class TransactionalCheckpointMixin:
         with plain_cpu_map_location():
             return super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)  # type: ignore[misc]
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
-              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         if "model_path" in kwargs:  # transformers 4.x's deprecated alias
             warnings.warn("`model_path` is deprecated; use `resume_from_checkpoint`", FutureWarning, stacklevel=2)
             resume_from_checkpoint = kwargs.pop("model_path")
@@ -536,8 +584,11 @@ class TransactionalCheckpointMixin:
                 resume_from_checkpoint=resolved, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
             )
             self._txckpt_async.finish()  # transformers 4.x (no _finalize_training): the last commit
-            if not hasattr(Trainer, "_finalize_training") and self.args.save_total_limit == 1 \
-                    and self.state.best_model_checkpoint is not None:
+            if (
+                not hasattr(Trainer, "_finalize_training")
+                and self.args.save_total_limit == 1
+                and self.state.best_model_checkpoint is not None
+            ):
                 # transformers 4.x: its inline end-of-training cleanup got no checkpoints from
                 # _sorted_checkpoints; keep only the best here, as 5.x's _finalize_training does.
                 self._txckpt_keep_only_best(trial)
@@ -566,7 +617,9 @@ class TransactionalCheckpointMixin:
         if path is not None and is_remote(path):
             local = self._txckpt_remote.fetch_committed(path)
         log_resume(self, path, local)
-        self._txckpt_last_step = step_of(local) if path is not None and local is not None and is_within(path, root) else None
+        self._txckpt_last_step = (
+            step_of(local) if path is not None and local is not None and is_within(path, root) else None
+        )
         return local
 
 
@@ -589,8 +642,12 @@ def _apply_retention(root: str, storage_options: dict | None, keep_last: int, be
     r = txckpt.open_root(root, storage_options)
     gone = apply_retention(r, policy)
     for c in gone:
-        log.info("retention (save_total_limit=%d) deleted %s (txid %s)", keep_last,
-                 r.publication.naming.name_of(c.step, c.key), c.txid)
+        log.info(
+            "retention (save_total_limit=%d) deleted %s (txid %s)",
+            keep_last,
+            r.publication.naming.name_of(c.step, c.key),
+            c.txid,
+        )
 
 
 class TransactionalTrainer(TransactionalCheckpointMixin, Trainer):

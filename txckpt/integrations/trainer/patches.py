@@ -33,6 +33,7 @@ def hub_uploads_skip_txckpt(ignores: list[str] | None = None) -> Iterator[None]:
     the block: 5.x calls ``hf_api().upload_folder`` (an HfApi instance), 4.x the module-level
     ``upload_folder`` that ``transformers.trainer`` imported (a bound method of huggingface_hub's
     default HfApi)."""
+
     def with_ignores(kwargs: dict[str, Any]) -> dict[str, Any]:
         patterns = kwargs.get("ignore_patterns") or []
         patterns = [patterns] if isinstance(patterns, str) else list(patterns)

@@ -52,7 +52,9 @@ def named_step(path: str, parent: str) -> int | None:
         return None
     head, name = (path.rstrip("/").rsplit("/", 1) + [""])[:2] if is_url(path) else os.path.split(path)
     step = TRAINER_NAMING.step_of(name)
-    same = head.rstrip("/") == parent.rstrip("/") if is_url(path) else os.path.realpath(head) == os.path.realpath(parent)
+    same = (
+        head.rstrip("/") == parent.rstrip("/") if is_url(path) else os.path.realpath(head) == os.path.realpath(parent)
+    )
     return step if same else None
 
 

@@ -35,8 +35,11 @@ class _SaveAndStop(TrainerCallback):
         if self.step is None and preemption.requested():  # every rank, every step: one collective
             self.step = int(state.global_step)
             control.should_save = control.should_training_stop = True
-            log.warning("txckpt: preemption: saving step %d, then training stops and the process exits "
-                        "with status %d", self.step, preemption.exit_status())
+            log.warning(
+                "txckpt: preemption: saving step %d, then training stops and the process exits with status %d",
+                self.step,
+                preemption.exit_status(),
+            )
         return control
 
 
@@ -71,8 +74,9 @@ class PreemptionSave:
         try:
             if completed and self._callback.step is not None:
                 if self._committed is not None:
-                    log.warning("txckpt: preemption (exit): committed %s (step %d)", self._committed,
-                                self._callback.step)
+                    log.warning(
+                        "txckpt: preemption (exit): committed %s (step %d)", self._committed, self._callback.step
+                    )
                 preemption.exit()  # raises SystemExit(128 + signum)
         finally:
             if self._installed_here:

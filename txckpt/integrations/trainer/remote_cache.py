@@ -165,7 +165,7 @@ class RemoteCache:
         t = self._trainer
         if int(getattr(t.args, "local_process_index", 0)) == 0:
             cache = self.directory
-            for name in (os.listdir(cache) if os.path.isdir(cache) else []):
+            for name in os.listdir(cache) if os.path.isdir(cache) else []:
                 if name not in (STAGING_DIR_NAME, PUSH_DIR_NAME):
                     shutil.rmtree(os.path.join(cache, name), ignore_errors=True)
         current_coordinator(t.txckpt_timeout, "cache cleanup").barrier()

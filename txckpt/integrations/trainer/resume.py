@@ -47,14 +47,23 @@ def resolve_on_rank0(trainer: Any, resume: str | bool | None, root: str) -> str 
     if resume and tiered is not None:
         resume = _onto_fast_tier(tiered, resume)
     if resume is True:
-        path = txckpt.open_root(root, so).resume(
-            on_damaged=trainer.txckpt_on_damaged, verify=resume_check(trainer, root),
-        ) if _exists(root, so) else None
+        path = (
+            txckpt.open_root(root, so).resume(
+                on_damaged=trainer.txckpt_on_damaged,
+                verify=resume_check(trainer, root),
+            )
+            if _exists(root, so)
+            else None
+        )
         if path is None:
             path = _external_parent_of_empty_head(root, so)
             if path is not None:
-                log.warning("the current lineage of %s has no checkpoint yet; it started from "
-                            "the external checkpoint %s, resuming from there", root, path)
+                log.warning(
+                    "the current lineage of %s has no checkpoint yet; it started from "
+                    "the external checkpoint %s, resuming from there",
+                    root,
+                    path,
+                )
         if path is None:
             where = trainer.args.output_dir if trainer.txckpt_root is None else root
             raise ValueError(f"No valid checkpoint found in output directory ({where})")
@@ -67,7 +76,9 @@ def resolve_on_rank0(trainer: Any, resume: str | bool | None, root: str) -> str 
                     "train(resume_from_checkpoint=None) on %s, which has committed checkpoints "
                     "(newest: %s). Starting from scratch on a new lineage; the existing checkpoints are "
                     "kept but no longer resumed by resume_from_checkpoint=True. To continue them, pass "
-                    "resume_from_checkpoint=True.", root, os.path.basename(newest),
+                    "resume_from_checkpoint=True.",
+                    root,
+                    os.path.basename(newest),
                 )
             txckpt.new_lineage(root, storage_options=so, collective=False)
         return None
@@ -121,8 +132,9 @@ def _onto_fast_tier(tiered: TieredRoot, resume: str | bool) -> str | bool:
     return resume
 
 
-def tiered_settings(root: str | os.PathLike | TieredRoot | None, storage_options: dict | None
-                    ) -> tuple[str | os.PathLike | None, dict | None, TieredRoot | None]:
+def tiered_settings(
+    root: str | os.PathLike | TieredRoot | None, storage_options: dict | None
+) -> tuple[str | os.PathLike | None, dict | None, TieredRoot | None]:
     """``txckpt_root=TieredRoot(...)``: the Trainer saves to, and resumes from, its fast tier
     as a plain root (its commits are replicated, its retention guarded: txckpt.tiered); a
     restart on an empty fast tier first restores the durable tip there (``restore``)."""
@@ -131,7 +143,8 @@ def tiered_settings(root: str | os.PathLike | TieredRoot | None, storage_options
     if storage_options is not None:
         raise _errors.InvalidArgumentError(
             "txckpt_storage_options with txckpt_root=TieredRoot(...): give the storage options to the "
-            "TieredRoot (storage_options= for its durable tier, fast_storage_options= for its fast one)")
+            "TieredRoot (storage_options= for its durable tier, fast_storage_options= for its fast one)"
+        )
     return root.fast, root.fast_storage_options or None, root
 
 
@@ -150,10 +163,14 @@ def tiered_for(trainer: Any, root: str) -> TieredRoot | None:
         rel = os.path.relpath(root, os.path.abspath(tiered.fast))
         if rel == os.pardir or rel.startswith(os.pardir + os.sep):  # not under the fast tier
             return None
-        durable = (tiered.durable.rstrip("/") + "/" + rel.replace(os.sep, "/") if is_url(tiered.durable)
-                   else os.path.join(tiered.durable, rel))
-        trials[root] = TieredRoot(root, durable, tiered.storage_options,
-                                  fast_storage_options=tiered.fast_storage_options)
+        durable = (
+            tiered.durable.rstrip("/") + "/" + rel.replace(os.sep, "/")
+            if is_url(tiered.durable)
+            else os.path.join(tiered.durable, rel)
+        )
+        trials[root] = TieredRoot(
+            root, durable, tiered.storage_options, fast_storage_options=tiered.fast_storage_options
+        )
     return trials[root]
 
 

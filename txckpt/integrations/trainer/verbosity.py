@@ -68,9 +68,12 @@ def follow_transformers_verbosity(args: Any = None) -> None:
     if resume_log.level in (logging.NOTSET, getattr(resume_log, "_txckpt_level_from_transformers", None)):
         # Chosen: by the Trainer's log_level, the environment, a level the application set on
         # the txckpt logger, or the application's own root handler (which prints at its level).
-        chosen = (getattr(args, "log_level", "passive") != "passive" or "TRANSFORMERS_VERBOSITY" in os.environ
-                  or log.level != getattr(log, "_txckpt_level_from_transformers", None)
-                  or bool(logging.getLogger().handlers))
+        chosen = (
+            getattr(args, "log_level", "passive") != "passive"
+            or "TRANSFORMERS_VERBOSITY" in os.environ
+            or log.level != getattr(log, "_txckpt_level_from_transformers", None)
+            or bool(logging.getLogger().handlers)
+        )
         resume_log.setLevel(logging.NOTSET if chosen else min(logging.INFO, log.getEffectiveLevel()))
         resume_log._txckpt_level_from_transformers = resume_log.level  # type: ignore[attr-defined]
     if not any(isinstance(h, _TrainerOutput) for h in log.handlers):
