@@ -3,6 +3,7 @@ passes over everything Python in the tree, and those settings select the bug-cat
 pyproject.toml lists (a mutable default argument, a loop variable a closure binds late, an unused
 import are errors). `.ci/run` runs the same check (`make lint`); this test keeps a plain `pytest`
 run honest where CI's step is not run, and keeps the rule set from being emptied."""
+
 import os
 import subprocess
 
@@ -16,8 +17,13 @@ ruff = pytest.importorskip("ruff")  # in the test extra, pinned (pyproject.toml)
 
 
 def _ruff_check(*args, cwd):
-    return subprocess.run([ruff.find_ruff_bin(), "check", "--no-cache", "--output-format", "concise",
-                           "--config", PYPROJECT, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [ruff.find_ruff_bin(), "check", "--no-cache", "--output-format", "concise", "--config", PYPROJECT, *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+    )
 
 
 def test_tree_is_lint_clean():
@@ -25,7 +31,19 @@ def test_tree_is_lint_clean():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-SNIPPET = '''
+def test_tree_is_formatted():
+    # [tool.ruff.format]: a change that is not formatted fails here as in `make check` and .ci/run.
+    r = subprocess.run(
+        [ruff.find_ruff_bin(), "format", "--check", "--no-cache", "--config", PYPROJECT, *LINTED],
+        capture_output=True,
+        text=True,
+        cwd=HERE,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+SNIPPET = """
 import json
 import collections
 import os
@@ -43,7 +61,7 @@ def callbacks():
     for i in range(3):
         out.append(lambda: i)
     return out
-'''
+"""
 
 
 def test_config_selects_the_bug_rules(tmp_path):
