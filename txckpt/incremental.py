@@ -441,15 +441,15 @@ class Sharing:
         save of this process shares them without reading them back."""
         storage = self._root.storage
         # A stat there; a request per file on an object store, where a file's first share reads
-        # it once instead.
-        for name, entry in sorted((written or {}).items()):
-            if name not in self.pending and storage.local_path(staging_key) is not None:
+        # it once instead. Where the staging directory is, and the storage's identity, are the
+        # same for every written file: asked once, not once per file.
+        if written and storage.local_path(staging_key) is not None:
+            where = storage.identity()
+            for name, entry in sorted(written.items()):
+                if name in self.pending:
+                    continue
                 try:
-                    _remember(
-                        storage.identity(),
-                        storage.file_identity(f"{staging_key}/{name}"),
-                        FileEntry.from_json(name, entry),
-                    )
+                    _remember(where, storage.file_identity(f"{staging_key}/{name}"), FileEntry.from_json(name, entry))
                 except (OSError, ManifestError):  # not the caller's to fail: read when first shared
                     pass
         for name, source in sorted(self.pending.items()):
