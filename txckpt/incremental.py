@@ -306,8 +306,8 @@ class Sharing:
     def relink(self, storage_key: str, hashed: dict[str, FileEntry]) -> set[str]:
         """Files other code wrote into a local staging directory ``storage_key`` and this
         process has just hashed (``hashed``: name -> entry): each whose size and checksum equal
-        a committed file's is replaced by a share of that file (a hard link), so the
-        checkpoints hold its bytes once. The bytes were written once already (a Trainer's
+        a committed file's, once :meth:`trusted` holds for that file, is replaced by a share of
+        it (``share_file``: a clone, or a read-only hard link), so the checkpoints hold its bytes once. The bytes were written once already (a Trainer's
         ``save_pretrained`` writes its own files), to memory: the caller fsyncs only the files
         not shared, so a replaced file's pages leave with its inode, never written to the disk.
         Returns the names shared."""
