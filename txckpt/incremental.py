@@ -376,7 +376,8 @@ class Sharing:
             identity = storage.file_identity(key)
         except FileNotFoundError:
             return False
-        cache_key = (storage.identity(), identity)
+        where = storage.identity()
+        cache_key = (where, identity)
         if identity is not None:
             with _CHECK_LOCK:
                 if cache_key in _DAMAGED:
@@ -392,11 +393,15 @@ class Sharing:
         except FileNotFoundError:
             return False
         if found != (entry.size, entry.checksum):
-            with _CHECK_LOCK:
-                first = cache_key not in _DAMAGED
-                _DAMAGED.add(cache_key)
-                _CHECKED.pop(cache_key, None)
-            if first or identity is None:
+            # Without an identity nothing marks the file (it is read, and fails, each time it
+            # is offered); with one, only its first failure warns.
+            first = True
+            if identity is not None:
+                with _CHECK_LOCK:
+                    first = cache_key not in _DAMAGED
+                    _DAMAGED.add(cache_key)
+                    _CHECKED.pop(cache_key, None)
+            if first:
                 log.warning(
                     "%s, a file of checkpoint step %d (txid %s), does not match its manifest entry (size %d, "
                     "xxh3-128 %s; it has size %d, xxh3-128 %s): that checkpoint is damaged, and every "
@@ -411,7 +416,7 @@ class Sharing:
                     found[1] or "unknown",
                 )
             return False
-        _remember(storage.identity(), identity, entry)
+        _remember(where, identity, entry)
         self._identities[key] = identity
         return True
 
