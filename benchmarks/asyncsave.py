@@ -37,7 +37,8 @@ COPY = "copy into preallocated buffers"
 SYNC = "txckpt.save_checkpoint"
 
 
-def _sizes(s: h.Settings) -> list[int]:
+def sizes(s: h.Settings) -> list[int]:
+    """The state sizes an async-save benchmark runs (benchmarks/lightning.py's too, so that their rows compare)."""
     if s.tiny:
         return list(s.sizes)
     if s.quick:
@@ -198,7 +199,7 @@ def run(quick: bool) -> dict[str, Any]:
 
     s = h.settings()
     rows: list[dict[str, Any]] = []
-    for size in _sizes(s):
+    for size in sizes(s):
         reps = s.reps.get(size, 2 if s.tiny else 5)
         h.log(f"asyncsave: {h.fmt_size(size)}, {reps} rounds")
         weights, optim = make_state(size)

@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 from . import harness as h
+from .asyncsave import sizes
 from .state import make_state
 
 TITLE = "Lightning async save"
@@ -25,14 +26,6 @@ TITLE = "Lightning async save"
 TX = "TransactionalCheckpointIO(async_save=True) (blocked)"
 LIGHTNING = "AsyncCheckpointIO(TorchCheckpointIO()) (blocked)"
 SYNC = "TransactionalCheckpointIO() (sync save)"
-
-
-def _sizes(s: h.Settings) -> list[int]:
-    if s.tiny:
-        return list(s.sizes)
-    if s.quick:
-        return [64 * h.MiB]
-    return [512 * h.MiB, 2 * h.GiB]
 
 
 def methods(weights: dict[str, Any], optim: dict[str, Any], root: str, plain: str) -> tuple[list[h.Method], Any]:
@@ -87,7 +80,7 @@ def run(quick: bool) -> dict[str, Any]:
 
     s = h.settings()
     rows: list[dict[str, Any]] = []
-    for size in _sizes(s):
+    for size in sizes(s):
         reps = s.reps.get(size, 2 if s.tiny else 5)
         h.log(f"lightning: {h.fmt_size(size)}, {reps} rounds")
         weights, optim = make_state(size)

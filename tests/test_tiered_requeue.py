@@ -152,6 +152,17 @@ def test_the_readme_idiom_repairs_a_missing_fast_file_and_reads_a_new_nodes_dura
     assert isinstance(last, str) and type(pickle.loads(pickle.dumps(last))) is str
 
 
+def test_a_tiered_root_loaded_with_storage_options_still_reads_and_repairs_through_its_tiers(tmp_path):
+    # Its tiers have their own storage options: the ones given to load_checkpoint change nothing
+    # (as before lookups issued paths), never an AssertionError.
+    root = node(tmp_path, "a", (str(tmp_path / "durable"), {}))
+    run(root, (1, 2))
+    os.unlink(os.path.join(root.get_last_checkpoint(), "model.safetensors"))
+    state = txckpt.load_checkpoint(root, storage_options={})
+    assert state["trainer_state.json"]["global_step"] == 2 and state["model.safetensors"]["w"][0] == 2.0
+    assert list(root.last_fetched) == ["model.safetensors"]
+
+
 @pytest.mark.s3
 def test_a_remote_roots_lookup_carries_its_storage_options(s3_root):
     from txckpt.issued import CheckpointPath

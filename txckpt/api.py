@@ -242,17 +242,13 @@ def load_checkpoint(
     with any file missing or damaged there fetched from the durable tier first (docs/tiered.md).
     So is a path a tiered root's lookup returned; a path a lookup returned is read with the
     storage options of its root unless ``storage_options`` is given (txckpt/issued.py)."""
-    owner: Any
-    path_of_owner: str | os.PathLike | None
-    if isinstance(path, TieredRoot):
-        owner, path_of_owner = path, None
-    else:
-        owner, path_of_owner = getattr(issued(path), "owner", None), path
+    if isinstance(path, TieredRoot):  # its tiers have their own storage options
+        return path.load(files=files, map_location=map_location, weights_only=weights_only, verify=verify, mmap=mmap)
+    owner = getattr(issued(path), "owner", None)
     if owner is not None and storage_options is None:  # a tiered root reads (and repairs) its paths
         return owner.load(
-            path_of_owner, files=files, map_location=map_location, weights_only=weights_only, verify=verify, mmap=mmap
+            path, files=files, map_location=map_location, weights_only=weights_only, verify=verify, mmap=mmap
         )
-    assert not isinstance(path, TieredRoot)
     return reader.load(
         path,
         files=files,

@@ -306,8 +306,8 @@ class Sharing:
     def relink(self, storage_key: str, hashed: dict[str, FileEntry]) -> set[str]:
         """Files other code wrote into a local staging directory ``storage_key`` and this
         process has just hashed (``hashed``: name -> entry): each whose size and checksum equal
-        a committed file's is replaced by a share of that file (a hard link), so the
-        checkpoints hold its bytes once. The bytes were written once already (a Trainer's
+        a committed file's, once :meth:`trusted` holds for that file, is replaced by a share of
+        it (``share_file``: a clone, or a read-only hard link), so the checkpoints hold its bytes once. The bytes were written once already (a Trainer's
         ``save_pretrained`` writes its own files), to memory: the caller fsyncs only the files
         not shared, so a replaced file's pages leave with its inode, never written to the disk.
         Returns the names shared."""
@@ -376,7 +376,8 @@ class Sharing:
             identity = storage.file_identity(key)
         except FileNotFoundError:
             return False
-        cache_key = (storage.identity(), identity)
+        where = storage.identity()
+        cache_key = (where, identity)
         if identity is not None:
             with _CHECK_LOCK:
                 if cache_key in _DAMAGED:
@@ -392,11 +393,15 @@ class Sharing:
         except FileNotFoundError:
             return False
         if found != (entry.size, entry.checksum):
-            with _CHECK_LOCK:
-                first = cache_key not in _DAMAGED
-                _DAMAGED.add(cache_key)
-                _CHECKED.pop(cache_key, None)
-            if first or identity is None:
+            # Without an identity nothing marks the file (it is read, and fails, each time it
+            # is offered); with one, only its first failure warns.
+            first = True
+            if identity is not None:
+                with _CHECK_LOCK:
+                    first = cache_key not in _DAMAGED
+                    _DAMAGED.add(cache_key)
+                    _CHECKED.pop(cache_key, None)
+            if first:
                 log.warning(
                     "%s, a file of checkpoint step %d (txid %s), does not match its manifest entry (size %d, "
                     "xxh3-128 %s; it has size %d, xxh3-128 %s): that checkpoint is damaged, and every "
@@ -411,7 +416,7 @@ class Sharing:
                     found[1] or "unknown",
                 )
             return False
-        _remember(storage.identity(), identity, entry)
+        _remember(where, identity, entry)
         self._identities[key] = identity
         return True
 
@@ -441,15 +446,15 @@ class Sharing:
         save of this process shares them without reading them back."""
         storage = self._root.storage
         # A stat there; a request per file on an object store, where a file's first share reads
-        # it once instead.
-        for name, entry in sorted((written or {}).items()):
-            if name not in self.pending and storage.local_path(staging_key) is not None:
+        # it once instead. Where the staging directory is, and the storage's identity, are the
+        # same for every written file: asked once, not once per file.
+        if written and storage.local_path(staging_key) is not None:
+            where = storage.identity()
+            for name, entry in sorted(written.items()):
+                if name in self.pending:
+                    continue
                 try:
-                    _remember(
-                        storage.identity(),
-                        storage.file_identity(f"{staging_key}/{name}"),
-                        FileEntry.from_json(name, entry),
-                    )
+                    _remember(where, storage.file_identity(f"{staging_key}/{name}"), FileEntry.from_json(name, entry))
                 except (OSError, ManifestError):  # not the caller's to fail: read when first shared
                     pass
         for name, source in sorted(self.pending.items()):

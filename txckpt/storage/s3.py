@@ -15,7 +15,7 @@ from ..fileio import BufferRead, open_regular_file
 from .base import WriteBatch
 from .errors import log_retries
 from .fsspec import FsspecStorage
-from .s3_download import RangeIgnored, _whole_object, ranged_copy, ranged_read, ranged_to_file
+from .s3_download import RangeIgnored, ranged_copy, ranged_read, ranged_to_file, whole_object
 from .s3_upload import _run, _S3Writer, _S3WriteBatch
 
 log = logging.getLogger("txckpt")
@@ -270,7 +270,7 @@ class S3Storage(FsspecStorage):
                 "get_object", Bucket=self.bucket, Key=obj, Range=f"bytes={offset}-{offset + length - 1}"
             )
             try:
-                if _whole_object(resp):  # a server that ignores Range (HTTP allows it): cut it out
+                if whole_object(resp):  # a server that ignores Range (HTTP allows it): cut it out
                     return (await resp["Body"].read())[offset : offset + length]
                 return await resp["Body"].read()
             finally:

@@ -46,7 +46,7 @@ class RangeIgnored(Exception):
     one plain GET instead (S3Storage does). Not damage: the bytes are fine, only unranged."""
 
 
-def _whole_object(resp: dict[str, Any]) -> bool:
+def whole_object(resp: dict[str, Any]) -> bool:
     """Whether a ranged GET's answer is the whole object: status 200, no ``Content-Range``."""
     status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
     return not resp.get("ContentRange") and status == 200
@@ -63,7 +63,7 @@ async def _get_part(fs: Any, bucket: str, obj: str, size: int, a: int, into: mem
     b = a + len(into)
     resp = await fs._call_s3("get_object", Bucket=bucket, Key=obj, Range=f"bytes={a}-{b - 1}")
     try:
-        whole = _whole_object(resp)
+        whole = whole_object(resp)
         total = resp.get("ContentLength") if whole else _total_of(resp)
         if total is not None and total != size:
             raise SizeMismatch(total)
@@ -504,4 +504,4 @@ def _to_file_on_loop(
     return size, hasher.hexdigest()
 
 
-__all__ = ["RangeIgnored", "ranged_copy", "ranged_read", "ranged_to_file"]
+__all__ = ["RangeIgnored", "ranged_copy", "ranged_read", "ranged_to_file", "whole_object"]
