@@ -147,7 +147,7 @@ class _StepGate:
         with self._lock:
             pending, self._pending = self._pending, []
         # torch passes the step's own arguments with the optimizer first: (self, closure?).
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        closure: Any = kwargs.get("closure", args[1] if len(args) > 1 else None)
         later = [e for e, after in pending if after and callable(closure)]
         self._wait([e for e, after in pending if not (after and callable(closure))])
         if not later:
