@@ -241,8 +241,8 @@ class _CountedEvent(threading.Event):
         return super().wait(timeout)
 
 
-@pytest.mark.parametrize("with_closure", [True, False])
-def test_a_copy_held_after_closure_is_waited_for_after_the_steps_closure(with_closure):
+@pytest.mark.parametrize("closure_given", ["positional", "keyword", None])
+def test_a_copy_held_after_closure_is_waited_for_after_the_steps_closure(closure_given):
     """Lightning's automatic optimization runs forward and backward inside ``step(closure)``: the
     lazy mode's wait comes after them, before the update; a step without a closure waits first."""
     p = torch.nn.Parameter(torch.zeros(3))
@@ -255,8 +255,11 @@ def test_a_copy_held_after_closure_is_waited_for_after_the_steps_closure(with_cl
         p.grad = torch.ones(3)
         return torch.zeros(())
 
-    if with_closure:
+    if closure_given == "positional":
         opt.step(closure)
+        assert order == ["closure", "wait"]
+    elif closure_given == "keyword":
+        opt.step(closure=closure)
         assert order == ["closure", "wait"]
     else:
         closure()

@@ -73,8 +73,9 @@ class TransactionalCheckpointIO(CheckpointIO):
     is raised by the next save or the teardown. ``async_save="lazy"``: the same, but the
     Trainer's optimizers' parameters and state are copied by the background, and their next
     step waits for that copy after its forward and backward (docs/lightning.md, "Lazy async
-    saves"); without a Trainer (Fabric, a direct call) it saves as ``async_save=True``. ``incremental=True``: a file already committed
-    byte for byte is shared, not written (docs/incremental.md).
+    saves"); without a Trainer (Fabric, a direct call) it saves as ``async_save=True``.
+    ``incremental=True``: a file already committed byte for byte is shared, not written
+    (docs/incremental.md).
     """
 
     def __init__(
