@@ -112,17 +112,23 @@ class _StepGate:
     """The step pre-hook of one optimizer: each step first waits for the background copies of
     the lazy snapshots that hold the optimizer's tensors. ``waits``: the seconds the latest
     steps that had a copy to wait for waited (what a lazy save blocked the loop for after its
-    call returned; the benchmarks read it)."""
+    call returned; the benchmarks read it).
+
+    A copy held ``after_closure`` (the Lightning plugin's lazy mode) is waited for inside the
+    step's closure, after it returns: Lightning's automatic optimization runs the forward and
+    backward in the closure ``step()`` calls, so a wait before it would hide nothing. Torch's
+    optimizers call the closure before they change anything; a step without a closure waits
+    first, as for any other copy."""
 
     def __init__(self, optimizer: Any):
         self._lock = threading.Lock()
-        self._pending: list[threading.Event] = []
+        self._pending: list[tuple[threading.Event, bool]] = []
         self.waits: "collections.deque[float]" = collections.deque(maxlen=1024)
         optimizer.register_step_pre_hook(self._before_step)
 
-    def hold(self, copied: threading.Event) -> None:
+    def hold(self, copied: threading.Event, after_closure: bool = False) -> None:
         with self._lock:
-            self._pending.append(copied)
+            self._pending.append((copied, after_closure))
 
     def forget(self) -> None:
         """Drop what the next step would wait for (a forked child: nobody will set it). A
@@ -130,14 +136,33 @@ class _StepGate:
         self._lock = threading.Lock()
         self._pending = []
 
-    def _before_step(self, *_: Any) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-        if pending:
+    def _wait(self, events: list[threading.Event]) -> None:
+        if events:
             t0 = time.perf_counter()
-            for copied in pending:
+            for copied in events:
                 copied.wait()
             self.waits.append(time.perf_counter() - t0)
+
+    def _before_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        # torch passes the step's own arguments with the optimizer first: (self, closure?).
+        closure: Any = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        later = [e for e, after in pending if after and callable(closure)]
+        self._wait([e for e, after in pending if not (after and callable(closure))])
+        if not later:
+            return None
+
+        def closure_then_wait() -> Any:
+            try:
+                return closure()
+            finally:
+                self._wait(later)
+                later.clear()  # LBFGS calls its closure again: those waits are done
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_wait}
+        return (args[0], closure_then_wait, *args[2:]), kwargs
 
 
 _gates: "weakref.WeakKeyDictionary[Any, _StepGate]" = weakref.WeakKeyDictionary()
@@ -192,6 +217,7 @@ class LazySnapshot:
         optimizers: Sequence[Any],
         params: Iterable[Any] = (),
         remedy: str = "saves without optimizer=, which copies everything before it returns",
+        after_closure: bool = False,
     ):
         self._remedy = remedy
         inners = [torch_optimizer(o) for o in optimizers]
@@ -204,7 +230,7 @@ class LazySnapshot:
         self.files = eager.snapshot(files, live=self.live)
         self.copied = threading.Event()
         for o in inners:
-            step_gate(o).hold(self.copied)
+            step_gate(o).hold(self.copied, after_closure)
 
     def take(self, pool: SnapshotPool) -> dict[str, Any]:
         """The whole snapshot: the live tensors copied into ``pool`` (background thread)."""

@@ -34,7 +34,7 @@ except ImportError:  # only `lightning` installed: the usual case
 from .. import deps
 from ..api import async_save as txckpt_async_save
 from ..api import load_checkpoint as txckpt_load
-from ..asyncsave import wait_for_root
+from ..asyncsave import Job, LazySnapshot, submit, wait_for_root
 from ..coordination import SingleProcess
 from ..errors import InvalidArgumentError
 from ..retention import finish_retired, retire
@@ -70,8 +70,12 @@ class TransactionalCheckpointIO(CheckpointIO):
     of each path Lightning saves to, the ModelCheckpoint's ``dirpath``. ``storage_options`` go to
     fsspec. ``async_save=True``: the state is snapshotted before ``save_checkpoint`` returns and
     committed in the background (txckpt.async_save); ``teardown()`` waits for it, and a failure
-    is raised by the next save or the teardown. ``incremental=True``: a file already committed
-    byte for byte is shared, not written (docs/incremental.md).
+    is raised by the next save or the teardown. ``async_save="lazy"``: the same, but the
+    Trainer's optimizers' parameters and state are copied by the background, and their next
+    step waits for that copy after its forward and backward (docs/lightning.md, "Lazy async
+    saves"); without a Trainer (Fabric, a direct call) it saves as ``async_save=True``.
+    ``incremental=True``: a file already committed byte for byte is shared, not written
+    (docs/incremental.md).
     """
 
     def __init__(
@@ -79,13 +83,18 @@ class TransactionalCheckpointIO(CheckpointIO):
         root: str | os.PathLike | None = None,
         *,
         storage_options: Mapping[str, Any] | None = None,
-        async_save: bool = False,
+        async_save: bool | str = False,
         incremental: bool = False,
     ) -> None:
         super().__init__()
+        if async_save not in (True, False, "lazy"):
+            raise InvalidArgumentError(
+                f'async_save takes False, True (copy before returning) or "lazy" (the optimizers\' '
+                f"tensors copied in the background, their next step waiting for it), not {async_save!r}"
+            )
         self.root = os.fspath(root) if root is not None else None
         self.storage_options = dict(storage_options) if storage_options else None
-        self.async_save = bool(async_save)
+        self.async_save: bool | str = async_save if async_save == "lazy" else bool(async_save)
         self.incremental = bool(incremental)
         self._loaded: dict[str, Resolved] = {}  # root url -> what was loaded since its last save
         self._saved: dict[str, _Saved] = {}  # root url -> this plugin's newest save there
@@ -97,6 +106,9 @@ class TransactionalCheckpointIO(CheckpointIO):
         # root url -> this plugin's saves committed under a last*.ckpt name, with the directory
         # of that name: stock Lightning overwrites last.ckpt, so one superseded here is retired.
         self._last_named: dict[str, list[tuple[_Saved, str]]] = {}
+        #: The optimizers of the Trainer whose checkpoint is being saved, set by its
+        #: dump_checkpoint (_dump_checkpoint below) just before it hands the dict here.
+        self.trainer_optimizers: list[Any] = []
 
     # ----- save ---------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
@@ -105,6 +117,8 @@ class TransactionalCheckpointIO(CheckpointIO):
                 "TransactionalCheckpointIO takes its storage_options once, at construction "
                 "(TransactionalCheckpointIO(storage_options=...)), not per save"
             )
+        # This save's Trainer's optimizers (set by its dump_checkpoint), never a later save's.
+        optimizers, self.trainer_optimizers = self.trainer_optimizers, []
         self._raise_failures()
         root_path, name = split(path, self.root)
         r = open_root(root_path, self.storage_options)
@@ -127,14 +141,17 @@ class TransactionalCheckpointIO(CheckpointIO):
         metadata = {"lightning": {"name": name, "epoch": checkpoint.get("epoch"), "global_step": step}}
         if self.async_save:
             self._check_single_process()
-            future = txckpt_async_save(
-                root_path,
-                step,
-                files,
-                storage_options=self.storage_options,
-                metadata=metadata,
-                incremental=self.incremental,
-            )
+            if self.async_save == "lazy" and optimizers:
+                future = self._lazy_save(root_path, step, files, metadata, optimizers)
+            else:
+                future = txckpt_async_save(
+                    root_path,
+                    step,
+                    files,
+                    storage_options=self.storage_options,
+                    metadata=metadata,
+                    incremental=self.incremental,
+                )
             saved = _Saved(step, name, future)
             self._pending.append(future)
         else:
@@ -144,6 +161,32 @@ class TransactionalCheckpointIO(CheckpointIO):
         if is_last(name):
             self._last_named.setdefault(r.url, []).append((saved, os.path.dirname(os.path.abspath(os.fspath(path)))))
         self._add_name(r, saved, os.fspath(path))
+
+    def _lazy_save(
+        self, root_path: str, step: int, files: dict[str, Any], metadata: dict[str, Any], optimizers: list[Any]
+    ) -> Future:
+        """txckpt.async_save(..., optimizer=) with the wait moved after the step's closure:
+        Lightning's automatic optimization runs forward and backward inside ``step(closure)``."""
+        so = self.storage_options
+
+        def prepare(pool: Any, eager: Any) -> Job:
+            lazy = LazySnapshot(
+                eager,
+                files,
+                optimizers,
+                remedy='saves with TransactionalCheckpointIO(async_save=True), which copies before it returns, not "lazy"',
+                after_closure=True,
+            )
+
+            def run(coordinator: Any) -> str:
+                snapshot = lazy.take(pool)  # first: the optimizers' next step waits for it
+                return open_root(root_path, so).save(
+                    step, snapshot, metadata=metadata, coordinator=coordinator, incremental=self.incremental
+                )
+
+            return Job(run, lazy)
+
+        return submit(root_path, so, prepare, step=step)
 
     def _retire_superseded(self, r: CheckpointRoot) -> None:
         """Retire this plugin's checkpoints that were committed under a ``last*.ckpt`` name and
@@ -416,9 +459,27 @@ def _parse_ckpt_path(original: Callable[..., Any], checkpoint_class: type) -> Ca
     return parse
 
 
+def _dump_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The Trainer's checkpoint dict, made just before the strategy hands it to its CheckpointIO:
+    where that is ours, it learns the Trainer's optimizers (a CheckpointIO never sees the Trainer)
+    for ``async_save="lazy"``."""
+
+    def dump(self: Any, weights_only: Any = None) -> Any:
+        checkpoint = original(self, weights_only)
+        io = getattr(self.trainer.strategy, "checkpoint_io", None)
+        if isinstance(io, TransactionalCheckpointIO) and io.async_save == "lazy" and not weights_only:
+            io.trainer_optimizers = list(self.trainer.optimizers)
+        return checkpoint
+
+    dump.__wrapped__ = original  # type: ignore[attr-defined]
+    return dump
+
+
 def _install(connector: Any, checkpoint_class: type) -> None:
     if not hasattr(connector._parse_ckpt_path, "__wrapped__"):  # once per process
         connector._parse_ckpt_path = _parse_ckpt_path(connector._parse_ckpt_path, checkpoint_class)
+    if not hasattr(connector.dump_checkpoint, "__wrapped__"):
+        connector.dump_checkpoint = _dump_checkpoint(connector.dump_checkpoint)
 
 
 _install(_CheckpointConnector, ModelCheckpoint)
