@@ -61,7 +61,7 @@ $(STAMP4): pyproject.toml
 campaign: $(STAMP) $(STAMP4)
 	$(PY) -m pytest -q -rs --durations=25 --tier campaign $(PYTEST_ARGS)
 	$(PY4) -c "import transformers; print('transformers', transformers.__version__)"
-	$(PY4) -m pytest -q -rs --durations=10 -m trainer -n $(TEST_JOBS) $(PYTEST_ARGS)
+	$(PY4) -m pytest -q -rs --durations=10 -m "trainer and not lightning" -n $(TEST_JOBS) $(PYTEST_ARGS)
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

@@ -23,7 +23,7 @@ from txckpt.errors import IntegrityError, InvalidArgumentError  # noqa: E402
 from txckpt.snapshot import SnapshotPool  # noqa: E402
 from txckpt.integrations.lightning import TransactionalCheckpointIO  # noqa: E402
 
-pytestmark = pytest.mark.trainer
+pytestmark = [pytest.mark.trainer, pytest.mark.lightning]
 
 
 def _ckpts(d: str) -> list[str]:

@@ -24,7 +24,7 @@ from tests.harness.procs import run_child  # noqa: E402
 from txckpt.integrations.lightning import TransactionalCheckpointIO  # noqa: E402
 from txckpt.integrations.lightning_names import resolve  # noqa: E402
 
-pytestmark = [pytest.mark.trainer, pytest.mark.process]
+pytestmark = [pytest.mark.trainer, pytest.mark.lightning, pytest.mark.process]
 
 
 def _stock_die_writing(step: int) -> None:
