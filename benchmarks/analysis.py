@@ -7,7 +7,7 @@ different picture; a table whose goals are all met shows none of this.
 """
 
 _CRC = (
-    "**torch.save's zip CRC32** (`txckpt/serialization.py`, `write_object`, the `torch.save` "
+    "**torch.save's zip CRC32** (`txckpt/_save/serialization.py`, `write_object`, the `torch.save` "
     "branch). torch.save computes a CRC32 of every record by default: a second pass over every "
     "byte at ~1.3 GB/s on this CPU (measured: 134 ms for 170 MiB of optimizer state, against "
     "~1 ms to serialise the same state with the CRC off, and 19 ms to xxh3-hash it). It is "
@@ -23,7 +23,7 @@ ANALYSIS: dict[str, str] = {
     "save-device": (
         "**The page-cache footprint.** A durable local save now drops what is on the disk once "
         "the save has 128 MiB in the page cache, waiting for the write-back of what lies 128 "
-        "MiB behind each writer (`txckpt/storage/local.py`, `_CACHE_BUDGET`, `_DROP_LAG`; it "
+        "MiB behind each writer (`txckpt/_storage/local/store.py`, `_CACHE_BUDGET`, `_DROP_LAG`; it "
         "was 2 GiB and 64 MiB). This VM is a KVM guest whose balloon reports free memory to the "
         "host, so a page the cache has never held is a fault the host serves: with the cache "
         "left to grow, five durable 1.2 GiB saves in a row took 7.2 / 8.3 / 7.0 / 2.4 / 2.4 s "
@@ -44,13 +44,13 @@ ANALYSIS: dict[str, str] = {
     ),
     "save-fsync": (
         "What a durable save does on top of the raw side's copy into the page cache: the xxh3 "
-        "pass over every byte (`HashingWriter.write` in `txckpt/checksum.py` hashes a whole "
+        "pass over every byte (`HashingWriter.write` in `txckpt/_base/checksum.py` hashes a whole "
         "tensor, then writes it: two passes over memory, the write's no longer from the cache), "
         "and fixed costs that matter at 64 MiB: 10 fsyncs per save (census above: the three "
         "directories `.txckpt/tx/<txid>/checkpoint-N` created on a fresh root, one per data "
         "file, then manifest, staging directory, log entry, log directory, root), and the files "
         "written and fsynced one after the other (the first file's fsync blocks before the "
-        "second file starts). `txckpt/storage/local.py` now starts write-back every 4 MiB (was "
+        "second file starts). `txckpt/_storage/local/store.py` now starts write-back every 4 MiB (was "
         "32 MiB: 64 MiB, 25 interleaved rounds, 1.53 -> 1.37) with a 1 MiB buffer that large "
         "writes bypass.\n\n"
         "What would close it: (1) `HashingWriter.write` hashing and writing in 1 MiB pieces, "
@@ -83,7 +83,7 @@ ANALYSIS: dict[str, str] = {
         "reader right after each chunk, from its cache. Each reader decodes its file while the "
         "rest of its hash runs (safetensors and `weights_only=True` torch files; an "
         "unrestricted pickle only once checked) and nothing is returned before every digest "
-        "matched (`txckpt/verify.py`, `load_checkpoint_files`; protocol §6a).\n\n"
+        "matched (`txckpt/_manifest/verify.py`, `load_checkpoint_files`; protocol §6a).\n\n"
         "In this run the warm misses are 1.059 (256 MiB) and 1.057 (1 GiB) as medians of "
         "per-round ratios, 1.01 and 1.01 median ÷ median; 4 GiB is 0.962 (it was 1.57: the "
         "rounds that drew pages the host had to find again, which the steal ticks in the note "
@@ -236,7 +236,7 @@ ANALYSIS: dict[str, str] = {
     ),
     "memory": (
         "The save streams: the peak above the state is the 1 MiB write buffer of "
-        "`_DurableFile` (`txckpt/storage/local.py`, `_WRITE_BUFFER`; 8 MiB before 335f343) plus "
+        "`_DurableFile` (`txckpt/_storage/local/store.py`, `_WRITE_BUFFER`; 8 MiB before 335f343) plus "
         "pickling scratch; a miss at the smallest size is that constant against a small state, "
         "or the machine's noise in VmHWM."
     ),
@@ -245,8 +245,8 @@ ANALYSIS: dict[str, str] = {
         "while written, no zip CRC32, write-back during the write) and the commit re-reads only "
         "what upstream wrote itself (`model.safetensors`, the JSON and small files). A miss "
         "is the commit's re-read of `model.safetensors` (`claims.hash_staged`, "
-        "`txckpt/claims.py`): it once read with an 8 MiB buffer and fsynced after hashing; "
-        "`txckpt.fileio.hash_file(path, fsync=durable)` reads through a 1 MiB buffer (hashed "
+        "`txckpt/_manifest/claims.py`): it once read with an 8 MiB buffer and fsynced after hashing; "
+        "`txckpt._base.fileio.hash_file(path, fsync=durable)` reads through a 1 MiB buffer (hashed "
         "from the cache) and starts the file's write-back before hashing (interleaved A/B, "
         "1.2 GiB: 0.69 -> 0.59 of the stock Trainer + fsync)."
     ),

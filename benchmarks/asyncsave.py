@@ -52,7 +52,7 @@ def methods(weights: dict[str, Any], optim: dict[str, Any], root: str) -> tuple[
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     import txckpt
-    from txckpt import asyncsave
+    from txckpt._async import asyncsave
 
     files = files_of(weights, optim)
     tensors = tensors_of(weights, optim)
@@ -155,7 +155,7 @@ def _s3_table() -> dict[str, Any]:
     if missing:
         return {"title": title, "status": "skipped", "reason": f"needs s3fs and moto[server] ({missing})", "rows": []}
     import txckpt
-    from txckpt import asyncsave
+    from txckpt._async import asyncsave
 
     from .s3 import BUCKET, _server_module
 
@@ -195,7 +195,7 @@ def _s3_table() -> dict[str, Any]:
 
 
 def run(quick: bool) -> dict[str, Any]:
-    from txckpt import asyncsave
+    from txckpt._async import asyncsave
 
     s = h.settings()
     rows: list[dict[str, Any]] = []

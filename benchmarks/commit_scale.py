@@ -86,8 +86,8 @@ def _staged(r: Any, step: int, w: int, parts: bool) -> tuple[Any, Any, list[Any]
     """A transaction of ``w`` simulated DCP ranks with their shards (and parts) in its staging,
     and the committer's own files; the reports (before: every rank's table and the committer's
     own; after: the committer's own) and the records (after)."""
-    from txckpt.checksum import digest_bytes
-    from txckpt.rankparts import write_part
+    from txckpt._base.checksum import digest_bytes
+    from txckpt._manifest.rankparts import write_part
 
     tx = r.transaction(step)
     plan = tx.begin_external(w)
@@ -128,7 +128,7 @@ def _staged(r: Any, step: int, w: int, parts: bool) -> tuple[Any, Any, list[Any]
 
 def _ranges(step: int, name: str) -> dict[str, list[Any]]:
     """A simulated rank's range digests of its shard: RANGE_LENGTHS' ranges, each its own digest."""
-    from txckpt.checksum import digest_bytes
+    from txckpt._base.checksum import digest_bytes
 
     out, offset = {}, 0
     for length in RANGE_LENGTHS:
@@ -141,7 +141,7 @@ def _load_read(storage: Any, key: str, path: str, rank: int) -> dict[str, int]:
     """What a DCP loading rank reads to know its own files and their range digests (checked
     against the Merkle root), by what the storage calls returned: the manifest, its part (with
     its ranges), its proof's tree nodes: TransactionalReader's read (``read_rank_part``)."""
-    from txckpt.manifest import MANIFEST_NAME, Manifest, read_rank_part
+    from txckpt._manifest.manifest import MANIFEST_NAME, Manifest, read_rank_part
 
     got = {"manifest": 0, "part": 0, "proof": 0}
     real_bytes, real_ranges = storage.read_bytes, storage.read_ranges
@@ -171,8 +171,8 @@ def _load_read(storage: Any, key: str, path: str, rank: int) -> dict[str, int]:
 
 def _one(w: int) -> dict[str, Any]:
     import txckpt
-    from txckpt import parts as P
-    from txckpt.manifest import MANIFEST_NAME
+    from txckpt._manifest import parts as P
+    from txckpt._manifest.manifest import MANIFEST_NAME
 
     root = h.fresh_dir(f"commit-{w}")
     out: dict[str, Any] = {}

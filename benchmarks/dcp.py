@@ -13,7 +13,7 @@ is the slowest rank's:
   manifest checked against the log, every shard read whole and hashed before use) ÷ ``dcp.load``
   through ``FileSystemReader`` of the plain save, both into preallocated tensors, both from the
   page cache: rank 0 reads both sides' files once, untimed, after the saves (a durable txckpt
-  save drops what is on the disk from the cache, txckpt/storage/local.py ``_CACHE_BUDGET``;
+  save drops what is on the disk from the cache, txckpt/_storage/local/store.py ``_CACHE_BUDGET``;
   DCP's writer leaves it cached).
 
 Reported: the median over rounds of the per-round ratios, against the goals of issue 17 (save

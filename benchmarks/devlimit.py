@@ -42,7 +42,7 @@ _SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
 
 
 def _sync_file_range() -> Any:
-    from txckpt.fileio import sync_file_range  # libc's, loaded once by txckpt
+    from txckpt._base.fileio import sync_file_range  # libc's, loaded once by txckpt
 
     return sync_file_range
 

@@ -6,7 +6,7 @@
 
 A **hop** is one Python call executed, in the calling thread, from a frame of one txckpt module
 into a frame of another txckpt module (``frame.f_globals["__name__"]``, ``txckpt`` or
-``txckpt.*``; the storage backends ``txckpt.storage.*`` count like any other module and are also
+``txckpt.*``; the storage backends ``txckpt._storage.*`` count like any other module and are also
 reported apart). The caller is the nearest txckpt frame below the callee on the stack, so a call
 that goes through the standard library or torch (a callback, a ``sorted`` key, a ``with``
 block's ``__exit__``) still counts as the edge between the two txckpt modules; a call within one
@@ -15,7 +15,7 @@ the operation is traced (not the setup), after one identical operation to warm t
 caches (the root cache, the log's state), the way a training loop saves and loads.
 
 **Storage opens**: the ``Storage`` objects constructed during the operation (calls of
-``txckpt.storage.base.Storage.__init__``, whatever built them; ``open_storage`` is the factory,
+``txckpt._storage.base.Storage.__init__``, whatever built them; ``open_storage`` is the factory,
 its calls are reported too).
 
 The state saved and loaded is small (a 16-float safetensors file and a JSON file), so the
@@ -43,12 +43,12 @@ class Trace:
     hops: int = 0
     edges: collections.Counter = field(default_factory=collections.Counter)
     storage_opens: int = 0  # Storage objects constructed
-    open_storage_calls: int = 0  # calls of the factory txckpt.storage.open_storage
-    into_storage: int = 0  # hops whose callee is a txckpt.storage.* module
+    open_storage_calls: int = 0  # calls of the factory txckpt._storage.open_storage
+    into_storage: int = 0  # hops whose callee is a txckpt._storage.* module
 
     def summary(self, what: str) -> str:
         return (
-            f"{what}: {self.hops} hops, {self.into_storage} of them into txckpt.storage.*; "
+            f"{what}: {self.hops} hops, {self.into_storage} of them into txckpt._storage.*; "
             f"storage opened {self.storage_opens} times ({self.open_storage_calls} open_storage calls)"
         )
 
@@ -60,8 +60,8 @@ def _txckpt_module(frame: Any) -> str | None:
 
 def trace(operation: Callable[[], Any]) -> Trace:
     """Run ``operation()`` once under ``sys.setprofile`` and count its hops (module docstring)."""
-    from txckpt import storage as storage_pkg
-    from txckpt.storage.base import Storage
+    from txckpt import _storage as storage_pkg
+    from txckpt._storage.base import Storage
 
     init_code = Storage.__init__.__code__
     factory_code = storage_pkg.open_storage.__code__
@@ -90,7 +90,7 @@ def trace(operation: Callable[[], Any]) -> Trace:
         if caller != callee:
             out.hops += 1
             out.edges[(caller, callee)] += 1
-            if callee.startswith("txckpt.storage"):
+            if callee.startswith("txckpt._storage"):
                 out.into_storage += 1
 
     sys.setprofile(profile)
@@ -102,7 +102,7 @@ def trace(operation: Callable[[], Any]) -> Trace:
 
 
 def _state(step: int) -> dict[str, Any]:
-    from txckpt import deps
+    from txckpt._base import deps
 
     return {
         FILES_NAMES[0]: {"weight": deps.torch.arange(16, dtype=deps.torch.float32) + step},

@@ -50,7 +50,7 @@ def methods(
     from lightning.fabric.plugins import TorchCheckpointIO
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-    from txckpt import asyncsave
+    from txckpt._async import asyncsave
     from txckpt.integrations.lightning import TransactionalCheckpointIO
 
     steps = itertools.count(1)
@@ -142,7 +142,7 @@ def run(quick: bool) -> dict[str, Any]:
             "reason": "lightning is not installed (pip install 'txckpt[lightning]')",
             "rows": [],
         }
-    from txckpt import asyncsave
+    from txckpt._async import asyncsave
 
     s = h.settings()
     rows: list[dict[str, Any]] = []

@@ -103,7 +103,9 @@ def trace_load(path: str) -> str:
     digest, and the kernel's stall counters. cProfile sees only the calling thread, which waits
     on the readers' lock the whole time; this shows what the readers do."""
     import txckpt
-    from txckpt import api, fileio, verify
+    from txckpt import _api as api
+    from txckpt._base import fileio
+    from txckpt._manifest import verify
 
     events: list[tuple[float, float, str, str, str]] = []
     lock = threading.Lock()
@@ -156,7 +158,7 @@ def memory_child(path: str, verify: bool) -> dict[str, Any]:
     __import__("torch")  # before the baseline, as a training script has it
 
     import txckpt
-    from txckpt.manifest import MANIFEST_NAME, Manifest
+    from txckpt._manifest.manifest import MANIFEST_NAME, Manifest
 
     nbytes = Manifest.decode(open(os.path.join(path, MANIFEST_NAME), "rb").read()).total_bytes
     base = h.proc_status("VmRSS")

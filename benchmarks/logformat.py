@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _build(path: str, commits: int, lineages: int) -> dict:
-    import txckpt.log as commit_log
+    import txckpt._log.log as commit_log
 
     stamp_path = path + ".json"
     want = {
@@ -101,7 +101,7 @@ def _soak(cycles: int, scratch: str) -> tuple[float, float, float, float]:
     import logging
 
     from txckpt import CheckpointRoot
-    from txckpt.retention import RetentionPolicy, apply_retention
+    from txckpt._maintenance.retention import RetentionPolicy, apply_retention
 
     logging.getLogger("txckpt").setLevel(logging.ERROR)
     path = os.path.join(scratch, "soak")
@@ -139,7 +139,7 @@ def main() -> int:
     p.add_argument("--cycles", type=int, default=1000)
     args = p.parse_args()
     os.makedirs(args.scratch, exist_ok=True)
-    import txckpt.log as commit_log
+    import txckpt._log.log as commit_log
 
     tag = f"{commit_log.FORMAT}-{getattr(commit_log, 'SNAPSHOT_FORMAT', '')}".replace("/", "-")
     roots = {"10,000 commits / 50 lineages": (10_000, 50), "50 commits / 1 lineage": (50, 1)}

@@ -27,8 +27,8 @@ def _shape() -> tuple[int, int]:
 
 
 def _stamp(commits: int, lineages: int) -> dict[str, Any]:
-    from txckpt import log as commit_log
-    from txckpt import manifest
+    from txckpt._log import log as commit_log
+    from txckpt._manifest import manifest
 
     # The snapshot format too: a root built before txckpt-snapshot/3 has no snapshot every
     # SNAPSHOT_EVERY commits, and would measure the old writer, not the reader.
@@ -109,7 +109,7 @@ def _history_rows(big: str, big_stamp: dict[str, Any], label: str, reps: int) ->
     """Fresh-process `txckpt ls ROOT` and `resume(root, step=tip-3)` (a rollback, on a fresh copy
     of the root each time, copied untimed) on the big root against the same on a root of 50
     commits in one lineage: history costs nothing when the ratio is near 1."""
-    from txckpt.cli.views import LS_DEFAULT_COUNT
+    from txckpt._cli.views import LS_DEFAULT_COUNT
 
     small, small_stamp = _cached_root(50, 1)
     scratch = h.fresh_dir("lookup-history")

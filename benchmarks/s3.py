@@ -66,7 +66,7 @@ def _reps(size: int) -> int:
 
 def _defaults() -> tuple[int, int]:
     """txckpt's S3 part size and parts in flight, as ``S3Storage`` applies them."""
-    from txckpt.storage import s3 as fst
+    from txckpt._storage.s3 import store as fst
 
     return max(fst.S3_PART_SIZE, 5 * h.MiB), fst.S3_MAX_IN_FLIGHT
 
@@ -158,7 +158,7 @@ class _Tuning:
         self.part_size, self.in_flight = part_size, in_flight
 
     def __enter__(self):
-        from txckpt.storage import s3 as fst
+        from txckpt._storage.s3 import store as fst
 
         self.saved = fst.S3_PART_SIZE, fst.S3_MAX_IN_FLIGHT
         if self.part_size:
@@ -168,7 +168,7 @@ class _Tuning:
         return self
 
     def __exit__(self, *exc):
-        from txckpt.storage import s3 as fst
+        from txckpt._storage.s3 import store as fst
 
         fst.S3_PART_SIZE, fst.S3_MAX_IN_FLIGHT = self.saved
 

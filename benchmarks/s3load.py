@@ -151,7 +151,7 @@ def _methods(url: str, so: dict[str, Any], path: str, client: Any, bucket: str, 
     from boto3.s3.transfer import TransferConfig
 
     import txckpt
-    from txckpt.storage import s3 as s3mod
+    from txckpt._storage.s3 import store as s3mod
 
     fs = s3fs.S3FileSystem(**so)
     # The emulators' options open a new s3fs client per call (skip_instance_cache: test
@@ -199,7 +199,7 @@ def _methods(url: str, so: dict[str, Any], path: str, client: Any, bucket: str, 
 
     def fetch_mode(mode):
         def run(ctx):
-            from txckpt.storage import s3_download
+            from txckpt._storage.s3 import download as s3_download
 
             saved = s3_download.HASH_MODE
             s3_download.HASH_MODE = mode

@@ -121,7 +121,7 @@ def _write_all(fd: int, view: memoryview) -> int:
 def fsync_tree(path: str) -> None:
     """fsync every file and directory under ``path``, then ``path``'s parent: what a stock writer
     would have to do to be as durable as a txckpt commit."""
-    from txckpt import fileio
+    from txckpt._base import fileio
 
     fileio.fsync_tree(path)
     fileio.fsync_dir(os.path.dirname(os.path.abspath(path)))

@@ -54,7 +54,7 @@ def _overhead(s: h.Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     import transformers
     from transformers import GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
-    from txckpt import asyncsave
+    from txckpt._async import asyncsave
     from txckpt.integrations.transformers import TransactionalTrainer
 
     transformers.utils.logging.set_verbosity_error()
@@ -220,7 +220,7 @@ def child(size: int, saves: int, directory: str) -> dict[str, Any]:
     import torch
 
     import txckpt
-    from txckpt.retention import RetentionPolicy, apply_retention
+    from txckpt._maintenance.retention import RetentionPolicy, apply_retention
 
     from .state import files_of, make_state, state_bytes
 

@@ -121,8 +121,8 @@ def forge_snapshot(data: bytes, edit) -> bytes:
     digests made to match again: a snapshot that verifies on its own, to test the checks after."""
     import json
 
-    from txckpt import log as commit_log
-    from txckpt.checksum import digest_bytes
+    from txckpt._log import log as commit_log
+    from txckpt._base.checksum import digest_bytes
 
     line, _, rest = data.partition(b"\n")
     head, body = json.loads(line), json.loads(rest)

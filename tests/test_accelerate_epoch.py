@@ -1,4 +1,4 @@
-"""txckpt/integrations/accelerate_epoch.py in one process: a restart mid-epoch
+"""txckpt/integrations/_accelerate/epoch.py in one process: a restart mid-epoch
 (``load_state()`` then ``acc.skip_first_batches(loader, done)``) yields the batches the
 uninterrupted epoch yielded next, and the torch RNG continues where the saved step left it (a
 dropout draw after each batch stands for the model's). The control: stock ``Accelerator`` on the

@@ -1,4 +1,4 @@
-"""Names on an Accelerate root (naming ``checkpoint_<i>``, txckpt/naming.py): every message that
+"""Names on an Accelerate root (naming ``checkpoint_<i>``, txckpt/_base/naming.py): every message that
 names a checkpoint by its public name uses the root's naming, never the default ``checkpoint-N``
 (homes, ``.txckpt/tx/<txid>/checkpoint-N``, keep theirs: protocol §2)."""
 
@@ -11,8 +11,8 @@ import re
 import torch
 
 import txckpt
-from txckpt.naming import Naming, record_naming
-from txckpt.root import open_root
+from txckpt._base.naming import Naming, record_naming
+from txckpt._root.root import open_root
 
 from .harness.fs import flip_byte
 
@@ -106,7 +106,7 @@ def test_warnings_name_adopted_zero_padded_checkpoints_as_they_are_named(tmp_pat
 def test_a_retired_checkpoint_left_at_its_accelerate_name_is_found(tmp_path):
     """Retention finishes a retired checkpoint whose data is still at its public name: on an
     Accelerate root that name is checkpoint_0 (retired_present looked for checkpoint-0)."""
-    from txckpt.retention import finish_retired, retire, retired_present
+    from txckpt._maintenance.retention import finish_retired, retire, retired_present
 
     root = str(tmp_path / "checkpoints")
     _accelerate_root(root, 3)
@@ -125,7 +125,7 @@ def test_a_retired_checkpoint_left_at_its_accelerate_name_is_found(tmp_path):
 def test_keep_best_by_an_accelerate_name_keeps_that_step(tmp_path):
     """A keep_best path that no longer exists (a stale copy's) is resolved by its name, in the
     root's naming: ``.../checkpoint_1`` keeps step 1 of an Accelerate root."""
-    from txckpt.retention import RetentionPolicy, plan_retention
+    from txckpt._maintenance.retention import RetentionPolicy, plan_retention
 
     root = str(tmp_path / "checkpoints")
     _accelerate_root(root, 4)
@@ -136,7 +136,7 @@ def test_keep_best_by_an_accelerate_name_keeps_that_step(tmp_path):
 
 def test_log_of_a_legacy_accelerate_project_names_its_directories(tmp_path, capsys):
     """``txckpt log`` of a stock accelerate project (checkpoint_<i>, no log) names them so."""
-    from txckpt.cli import app
+    from txckpt._cli import app
 
     root = str(tmp_path / "checkpoints")
     for i in (0, 1):

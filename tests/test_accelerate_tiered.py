@@ -18,7 +18,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import ProjectConfiguration  # noqa: E402
 
 from txckpt.integrations.accelerate import TransactionalAccelerator  # noqa: E402
-from txckpt.root import forget_roots  # noqa: E402
+from txckpt._root.root import forget_roots  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -19,11 +19,11 @@ import torch
 
 import txckpt
 from txckpt.errors import AdoptionInProgressError, AmbiguousCheckpointNameError
-from txckpt.gc import collect_garbage
-from txckpt.intents import intent_record
-from txckpt.manifest import MANIFEST_NAME, Manifest
-from txckpt.layout import INTENTS_DIR
-from txckpt.root import CheckpointRoot
+from txckpt._maintenance.gc import collect_garbage
+from txckpt._maintenance.intents import intent_record
+from txckpt._manifest.manifest import MANIFEST_NAME, Manifest
+from txckpt._base.layout import INTENTS_DIR
+from txckpt._root.root import CheckpointRoot
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -294,7 +294,7 @@ def test_an_empty_legacy_directory_is_never_committed(tmp_path, txlog):
 
 def test_zero_padded_names_on_every_backend(any_root):
     """Object stores keep an adopted checkpoint at the key it was found at: the padded name."""
-    from txckpt.storage import open_storage
+    from txckpt._storage import open_storage
 
     url, opts = any_root
     storage = open_storage(url, opts)

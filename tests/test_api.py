@@ -227,8 +227,8 @@ def test_resume_from_a_path_of_an_abandoned_lineage(root):
 def test_resume_from_a_path_refuses_what_the_log_did_not_commit_or_retired(root):
     """resume(path=...) takes only a checkpoint the log committed with that very manifest: not a
     manifest edited after the commit, not one the retention policy retired."""
-    from txckpt.manifest import Manifest
-    from txckpt.retention import retire
+    from txckpt._manifest.manifest import Manifest
+    from txckpt._maintenance.retention import retire
 
     for s in (1, 2, 3):
         txckpt.save_checkpoint(root, s, state(s, "A"))

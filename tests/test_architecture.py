@@ -5,7 +5,7 @@ names the one concept it owns in its docstring's first line, whatever its length
 600-line cap decided where code went, not the concept); the core does not import the frameworks
 the integrations adapt; imports are at the top of their modules (at most 30 inside functions in
 txckpt/, issue 28), and ``import txckpt`` leaves torch and the optional backends to first use
-(txckpt/deps.py)."""
+(txckpt/_base/deps.py)."""
 
 import ast
 import json
@@ -19,10 +19,10 @@ import pytest
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(HERE, "txckpt")
 #: Imports inside functions (any depth) allowed in txckpt/ in all: a module's neighbours are in its
-#: header. What waits for first use (torch, the optional backends) goes through txckpt/deps.py,
+#: header. What waits for first use (torch, the optional backends) goes through txckpt/_base/deps.py,
 #: one loader (one import) per module, not one import per call site (issue 28).
 MAX_FUNCTION_IMPORTS = 30
-#: What ``import txckpt`` (and the CLI's ``import txckpt.cli``) must not import: txckpt/deps.py
+#: What ``import txckpt`` (and the CLI's ``import txckpt.cli``) must not import: txckpt/_base/deps.py
 #: imports these on first use (torch brings torch.distributed), and the frameworks are the
 #: integrations' (docs/architecture.md).
 DEFERRED = ("torch", "safetensors", "fsspec", "s3fs", "boto3", "botocore", "aiobotocore", "gcsfs", "adlfs", "tqdm")
@@ -84,8 +84,14 @@ def _floors() -> dict[str, int]:
     return floors
 
 
+#: The packages whose modules on one floor may import each other (docs/architecture.md, "Floors"):
+#: a backend family's modules, the CLI's commands, an integration's rooms. Nowhere else does an
+#: import stay on its floor.
+SIBLING_PACKAGES = ("txckpt._storage", "txckpt._cli", "txckpt.integrations")
+
+
 def _package(mod: str) -> str:
-    # txckpt.storage (the package's __init__) belongs to the storage package, like its modules.
+    # txckpt._storage (the package's __init__) belongs to the storage package, like its modules.
     parts = mod.split(".")
     return ".".join(parts[:2]) if len(parts) >= 2 else mod
 
@@ -104,7 +110,7 @@ def test_imports_run_down_the_floors():
             if name not in floors or dep not in floors:
                 continue  # reported by test_every_module_is_on_one_floor
             below = floors[dep] < floors[name]
-            sibling = floors[dep] == floors[name] and _package(dep) == _package(name) != "txckpt"
+            sibling = floors[dep] == floors[name] and _package(dep) == _package(name) in SIBLING_PACKAGES
             if not (below or sibling):
                 wrong.append(f"{name} (floor {floors[name]}) imports {dep} (floor {floors[dep]})")
     assert wrong == []
@@ -138,7 +144,7 @@ def test_no_import_cycle():
                 comp.append(w)
                 if w == v:
                     break
-            # A package and its submodules (txckpt.cli -> txckpt.cli.app -> txckpt.cli.common)
+            # A package and its submodules (txckpt.cli -> txckpt._cli.app -> txckpt._cli.common)
             # are not a cycle unless a submodule imports the package back.
             if len(comp) > 1:
                 cycles.append(sorted(comp))
@@ -226,13 +232,13 @@ def test_the_function_import_counter_sees_every_nesting():
 def test_imports_are_at_the_top_of_their_modules():
     """At most MAX_FUNCTION_IMPORTS imports inside functions in txckpt/ (there were 129): an
     import that dodged a cycle or an upward import is a structure to fix (move the code to the
-    floor that owns it); one that waits for first use goes through txckpt/deps.py."""
+    floor that owns it); one that waits for first use goes through txckpt/_base/deps.py."""
     counts = _function_import_counts()
     total = sum(counts.values())
     by_file = ", ".join(f"{p}: {n}" for p, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
     assert total <= MAX_FUNCTION_IMPORTS, (
         f"txckpt/ has {total} imports inside functions (at most {MAX_FUNCTION_IMPORTS}): move them to the "
-        f"top of their modules, or read a deferred module through txckpt/deps.py ({by_file})"
+        f"top of their modules, or read a deferred module through txckpt/_base/deps.py ({by_file})"
     )
 
 
@@ -266,7 +272,7 @@ def test_import_txckpt_leaves_torch_and_the_backends_to_first_use():
 #: The modules that form and parse checkpoint names (``<prefix><step>``, ``checkpoint-N``); every
 #: other module asks them (Naming.public / step_of / name_of, split_public, layout.checkpoint_name,
 #: parse_checkpoint_name, integrations/trainer/paths.TRAINER_NAMING).
-NAME_MODULES = ("txckpt.naming", "txckpt.layout")
+NAME_MODULES = ("txckpt._base.naming", "txckpt._base.layout")
 _PREFIX_TEXT = re.compile(r"checkpoint[-_]$")
 #: A name formed from a prefix and a value: ``checkpoint-{}``, ``{PREFIX}-{}``, ``{PREFIX}{}``.
 _FORMED = re.compile(r"(checkpoint[-_]|\{PREFIX\}[-_]?)\{\}")

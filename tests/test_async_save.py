@@ -21,9 +21,10 @@ from tests.harness import launcher
 from tests.harness.crash_sweep import report, sweep
 from tests.test_crash_sweep import files as tagged_files
 from tests.test_crash_sweep import make_checker, snapshot as committed_digests
-from txckpt import asyncsave, transactions
+from txckpt._async import asyncsave
+from txckpt._save import transactions
 from txckpt.errors import RootNotFoundError, StepConflictError, TxckptError
-from txckpt.snapshot import SnapshotPool
+from txckpt._async.snapshot import SnapshotPool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

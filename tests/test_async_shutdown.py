@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import txckpt
-from txckpt import asyncsave, transactions
+from txckpt._async import asyncsave
+from txckpt._save import transactions
 from txckpt.errors import StepConflictError, StorageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

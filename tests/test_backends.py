@@ -9,7 +9,7 @@ import torch
 
 import txckpt
 from txckpt.errors import ConcurrentWriterError, IntegrityError, StaleLineageError, StepConflictError
-from txckpt.storage import open_storage
+from txckpt._storage import open_storage
 
 from tests.conftest import count_reads
 
@@ -117,7 +117,7 @@ def test_save_after_another_process_appended_commits_after_the_newest_entry(any_
     """The state a save planned against is stale (another process retired a checkpoint since):
     the commit's first attempt loses the create-if-absent race and it appends after the newest
     entry instead, validated against it."""
-    from txckpt.retention import retire
+    from txckpt._maintenance.retention import retire
 
     url, opts = any_root
     writer = txckpt.CheckpointRoot(url, opts)
@@ -298,7 +298,7 @@ def test_fetch_never_deletes_a_copy_that_appeared_meanwhile(any_root, tmp_path):
     first = txckpt.fetch_checkpoint(path, dest, storage_options=opts)
     inode = os.stat(os.path.join(first, "optimizer.pt")).st_ino
     # A second fetch into the same place (another rank) keeps the verified copy in place.
-    from txckpt.fetch import _install_fetched
+    from txckpt._read.fetch import _install_fetched
 
     scratch = tmp_path / "cache" / "scratch"
     import shutil
@@ -329,7 +329,7 @@ def test_retention_after_each_save_does_not_grow_with_what_was_retired_before(an
     """A Trainer with save_total_limit applies retention after every save: its storage requests
     must not grow with the number of checkpoints retired earlier in the run (a check per retired
     checkpoint made a save on S3 cost ~4 requests per checkpoint ever retired)."""
-    from txckpt.retention import RetentionPolicy, apply_retention
+    from txckpt._maintenance.retention import RetentionPolicy, apply_retention
 
     url, opts = any_root
     root = txckpt.CheckpointRoot(url, opts)

@@ -107,13 +107,13 @@ def test_garbage_manifest(root):
 
 def _forge(path, name, content=b"x"):
     """A manifest naming ``name``, with a digest that verifies (an attacker or a bug, not an edit)."""
-    from txckpt import checksum
-    from txckpt.manifest import FileEntry, Manifest
+    from txckpt._base import checksum
+    from txckpt._manifest.manifest import FileEntry, Manifest
 
     m = txckpt.read_manifest(path)
     body = m.body()
     body["files"][name] = FileEntry(len(content), checksum.digest_bytes(content), "bytes").to_json()
-    from txckpt.manifest import _digest
+    from txckpt._manifest.manifest import _digest
 
     body["digest"] = _digest({k: v for k, v in body.items() if k != "digest"})
     open(os.path.join(path, txckpt.MANIFEST_NAME), "w").write(json.dumps(body))
@@ -186,7 +186,7 @@ def test_read_only_root_gives_a_clear_error(root):
         # root ignores permission bits; a read-only bind mount needs privileges the suite avoids.
         import errno
 
-        from txckpt.storage.local import LocalStorage
+        from txckpt._storage.local.store import LocalStorage
 
         class ReadOnly(LocalStorage):
             def open_write(self, key, *, durable):
@@ -264,7 +264,7 @@ def test_committed_file_replaced_by_a_special_file_is_a_typed_error_not_a_hang(t
 
 
 def test_fileio_never_blocks_on_a_fifo(tmp_path):
-    from txckpt import fileio
+    from txckpt._base import fileio
     from txckpt.errors import SpecialFileError
 
     p = str(tmp_path / "fifo")
@@ -310,7 +310,7 @@ def test_a_file_and_a_directory_of_the_same_name_are_refused(root, first, second
 
 def test_a_directory_name_clash_across_ranks_is_refused_at_commit():
     from txckpt.errors import InvalidArgumentError
-    from txckpt.manifest import check_name_tree
+    from txckpt._manifest.manifest import check_name_tree
 
     check_name_tree(["a", "b/a", "ab/c"])
     with pytest.raises(InvalidArgumentError, match="'a/b/c' needs 'a/b'"):
@@ -354,8 +354,8 @@ def test_steps_outside_0_to_2_63_are_typed_errors(root, step):
 
 def test_temp_file_removed_by_gc_during_a_retention_append(root, monkeypatch):
     from txckpt.errors import StorageError, TempFileRemovedError
-    from txckpt.retention import RetentionPolicy, apply_retention
-    from txckpt.storage import local
+    from txckpt._maintenance.retention import RetentionPolicy, apply_retention
+    from txckpt._storage.local import store as local
 
     for s in (1, 2, 3):
         txckpt.save_checkpoint(root, s, {"w.bin": bytes([s]) * 1000})
@@ -436,7 +436,7 @@ def test_fifo_log_entry_hint_lease_and_intent_are_handled_without_blocking(root)
     for rel in ("latest", "readers/x.0000.json", "intents/9-abc-0000.json"):
         os.mkfifo(os.path.join(meta, rel))
     code = (
-        "import sys, txckpt\nfrom txckpt.gc import collect_garbage\n"
+        "import sys, txckpt\nfrom txckpt._maintenance.gc import collect_garbage\n"
         "r = sys.argv[1]\nprint(txckpt.get_last_checkpoint(r))\n"
         "rep = collect_garbage(txckpt.CheckpointRoot(r), grace_seconds=0)\n"
         "print(sorted(i.kind for i in rep.items if i.done))\n"

@@ -11,7 +11,7 @@ import pytest
 import txckpt
 from tests.children import claim_workers as cw
 from tests.harness import launcher
-from txckpt.claims import claimed_names, matches
+from txckpt._manifest.claims import claimed_names, matches
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -85,7 +85,7 @@ def test_claim_rules():
     with pytest.raises(txckpt.errors.InvalidArgumentError, match="claim only files"):
         claimed_names(["a.bin"], ["b.bin"], set())
     with pytest.raises(txckpt.errors.InvalidArgumentError):
-        txckpt.claims.check_claims(["../up.bin"])
+        txckpt._manifest.claims.check_claims(["../up.bin"])
 
 
 def test_claims_on_a_remote_root(memory_root):

@@ -214,7 +214,7 @@ def test_sweep_incremental_file_written_into_the_directory(tmp_path):
     Trainer's save): it is written, hashed, then replaced by a hard link to step 2's file under a
     temp name and a rename. A SIGKILL at any point leaves step 2 whole and lookup returning step 2
     or step 4, whole."""
-    from txckpt.serialization import write_object
+    from txckpt._save.serialization import write_object
 
     frozen = {"w": torch.arange(1 << 19, dtype=torch.float32)}  # 2 MiB
 

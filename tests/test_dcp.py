@@ -141,7 +141,7 @@ def test_two_ranks_write_format_2_with_each_ranks_range_digests_in_its_part(save
     """Protocol §3a: each rank's files and their range digests are in its part (the coordinator
     receives neither); the manifest lists only the coordinator's own .metadata: no
     txckpt-dcp-ranges.json, whose size grew with the ranks."""
-    from txckpt.manifest import MANIFEST_NAME, Manifest
+    from txckpt._manifest.manifest import MANIFEST_NAME, Manifest
 
     path = saved["out"][0]["path"]
     with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
@@ -191,9 +191,9 @@ def _old_layout(saved, tag: str, ranges_file: bool = True) -> str:
     import json
     import shutil
 
-    from txckpt import rankparts
-    from txckpt.checksum import digest_bytes
-    from txckpt.manifest import kind_for_name
+    from txckpt._manifest import rankparts
+    from txckpt._base.checksum import digest_bytes
+    from txckpt._manifest.manifest import kind_for_name
 
     src = saved["out"][0]["path"]
     root = txckpt.CheckpointRoot(str(saved["tmp"] / f"old-{tag}"))
@@ -503,7 +503,7 @@ def test_s3_root_round_trip(saved, s3_root):
 def test_every_unpublished_torch_name_the_dcp_integration_uses_resolves_on_this_torch():
     import importlib
 
-    from txckpt.integrations import dcp_compat
+    from txckpt.integrations._dcp import compat as dcp_compat
 
     assert dcp_compat.missing_names() == []
     for module, name in dcp_compat.PRIVATE_NAMES:  # the names the module binds are the listed ones
@@ -540,7 +540,7 @@ def _unpublished_torch_imports(path: str) -> list[str]:
 
 def test_torch_unpublished_dcp_names_are_imported_only_by_the_compat_module():
     import txckpt as pkg
-    from txckpt.integrations import dcp_compat
+    from txckpt.integrations._dcp import compat as dcp_compat
 
     base = os.path.dirname(pkg.__file__)
     found = {}
@@ -551,7 +551,7 @@ def test_torch_unpublished_dcp_names_are_imported_only_by_the_compat_module():
                 hits = _unpublished_torch_imports(path)
                 if hits:
                     found[os.path.relpath(path, base)] = hits
-    assert found == {}, f"import these through txckpt/integrations/dcp_compat.py (PRIVATE_NAMES): {found}"
+    assert found == {}, f"import these through txckpt/integrations/_dcp/compat.py (PRIVATE_NAMES): {found}"
     listed = {f"{m}.{n}" for m, n in dcp_compat.PRIVATE_NAMES}
     assert {h.split(" ")[0] for h in _unpublished_torch_imports(dcp_compat.__file__)} == listed
 
@@ -574,7 +574,8 @@ def test_a_torch_without_one_of_those_names_fails_the_import_naming_its_version_
 
     import torch
 
-    from txckpt.integrations import dcp as _dcp, dcp_compat  # imported the normal way: restored after
+    from txckpt.integrations import dcp as _dcp
+    from txckpt.integrations._dcp import compat as dcp_compat  # imported the normal way: restored after
 
     assert _dcp.narrow_tensor_by_index is dcp_compat.narrow_tensor_by_index
 
@@ -586,7 +587,7 @@ def test_a_torch_without_one_of_those_names_fails_the_import_naming_its_version_
         monkeypatch.setattr(importlib.import_module(module), name, lambda items, bins, sizes: [])
     else:
         monkeypatch.delattr(importlib.import_module(module), name)
-    for m in ("txckpt.integrations.dcp", "txckpt.integrations.dcp_compat"):
+    for m in ("txckpt.integrations.dcp", "txckpt.integrations._dcp.compat"):
         monkeypatch.delitem(sys.modules, m)
     with pytest.raises(ImportError) as got:
         importlib.import_module("txckpt.integrations.dcp")

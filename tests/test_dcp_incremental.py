@@ -16,7 +16,7 @@ import pytest
 import txckpt
 from tests.children import dcp_workers as cw
 from tests.harness import launcher
-from txckpt.integrations.dcp_incremental import ITEMS_NAME
+from txckpt.integrations._dcp.incremental import ITEMS_NAME
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -31,7 +31,7 @@ CHANGED_BYTES = sum(4 * 2 * SHAPES[n][0] * SHAPES[n][1] * 3 for n in SHAPES if n
 def test_a_tensor_key_follows_every_property_that_decides_the_saved_bytes():
     import torch
 
-    from txckpt.integrations.dcp_incremental import tensor_key
+    from txckpt.integrations._dcp.incremental import tensor_key
 
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     key = tensor_key(t)
@@ -43,7 +43,7 @@ def test_a_tensor_key_follows_every_property_that_decides_the_saved_bytes():
     assert len({key} | {tensor_key(o) for o in others}) == 1 + len(others)
     assert tensor_key(t.to_sparse()) is None
     # A prefix key is the minimal copy's, made or not (a contiguous view of a larger storage).
-    from txckpt.integrations import dcp_incremental as di
+    from txckpt.integrations._dcp import incremental as di
 
     big = torch.randn(3 << 18)
     for view in (big[1000 : 1000 + (1 << 18)], big[:600_000].reshape(600, 1000), big[:1000].reshape(10, 100).t()):
@@ -134,8 +134,8 @@ def test_a_stock_filesystem_reader_loads_an_incremental_checkpoint(saved):
 
 
 def test_retiring_the_checkpoint_that_first_held_the_bytes_leaves_the_later_ones_whole(saved):
-    from txckpt.retention import RetentionPolicy, apply_retention
-    from txckpt.root import CheckpointRoot
+    from txckpt._maintenance.retention import RetentionPolicy, apply_retention
+    from txckpt._root.root import CheckpointRoot
 
     root = str(saved["tmp"] / "retained")
     subprocess.run(["cp", "-a", saved["root"], root], check=True)  # -a keeps the hard links
@@ -152,7 +152,7 @@ def test_retiring_the_checkpoint_that_first_held_the_bytes_leaves_the_later_ones
 
 
 def test_a_damaged_shared_file_fails_every_checkpoint_that_holds_it(saved, capsys):
-    from txckpt.cli import app
+    from txckpt._cli import app
 
     root = str(saved["tmp"] / "damaged")
     subprocess.run(["cp", "-a", saved["root"], root], check=True)
@@ -212,7 +212,7 @@ def test_a_damaged_shared_file_is_reported_for_every_holder_and_fallback_skips_t
     shares nothing: a full save records no item keys), which loads bit-exact."""
     import json
 
-    from txckpt.cli import app
+    from txckpt._cli import app
 
     root = str(tmp_path / "root")
     full = _ok(launcher.launch(2, cw.frozen_saves, str(tmp_path / "full"), root=root, steps=[1], incremental=False))[0][
@@ -258,7 +258,7 @@ def test_changed_tensors_are_packed_and_only_the_unchanged_are_hashed_whole(tmp_
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from txckpt.integrations import dcp_incremental as di
+    from txckpt.integrations._dcp import incremental as di
     from txckpt.integrations.dcp import TransactionalReader, TransactionalWriter
 
     whole = []

@@ -216,7 +216,7 @@ def _data_deleted(root: str, so: dict | None, txid: str) -> bool:
     its data deleted: a stale lease of the killed save (docs/incremental.md) defers that deletion,
     so not every point gets that far."""
     import txckpt
-    from txckpt.root import open_root
+    from txckpt._root.root import open_root
 
     txckpt.forget_roots()
     return any(

@@ -20,7 +20,7 @@ import txckpt
 from tests import conftest
 from tests.children import dist_workers as dw
 from tests.harness import launcher
-from txckpt.manifest import read_rank_files
+from txckpt._manifest.manifest import read_rank_files
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -296,7 +296,7 @@ print("ok", tx.path)
 
 
 def test_coordination_timeout_setting(monkeypatch):
-    from txckpt.coordination import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, coordination_timeout
+    from txckpt._base.coordination import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, coordination_timeout
     from txckpt.errors import InvalidArgumentError
 
     monkeypatch.delenv(TIMEOUT_ENV, raising=False)

@@ -13,7 +13,7 @@ import pytest
 
 import txckpt
 from txckpt import errors
-from txckpt.coordination import Coordinator, SingleProcess, decide_on_rank0, raise_if_any_failed
+from txckpt._base.coordination import Coordinator, SingleProcess, decide_on_rank0, raise_if_any_failed
 
 ERROR_CLASSES = sorted(
     (c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.TxckptError)),
@@ -184,7 +184,7 @@ def test_raise_if_any_failed_raises_the_failed_ranks_error_everywhere():
 
 
 def test_a_failed_collective_says_its_phase():
-    from txckpt.coordination import TorchDistributed
+    from txckpt._base.coordination import TorchDistributed
 
     coord = TorchDistributed.__new__(TorchDistributed)
     coord.rank, coord.world_size, coord.timeout_s, coord.group, coord._gathered = 1, 2, 5.0, None, False

@@ -12,9 +12,9 @@ import torch
 import txckpt
 from txckpt import cli
 from txckpt.errors import IntegrityError, InvalidArgumentError, ManifestError, NoIntactCheckpointError
-from txckpt.log import read_state
-from txckpt.manifest import MANIFEST_NAME
-from txckpt.storage import open_storage
+from txckpt._log.log import read_state
+from txckpt._manifest.manifest import MANIFEST_NAME
+from txckpt._storage import open_storage
 
 WEIGHTS = "model.safetensors"
 DAMAGE = ["flipped_byte", "truncated", "deleted_file", "edited_manifest", "deleted_manifest"]

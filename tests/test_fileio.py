@@ -1,4 +1,4 @@
-"""txckpt.fileio (one-buffer reads, pipelined hashing, hash + fsync) and the load path built on
+"""txckpt._base.fileio (one-buffer reads, pipelined hashing, hash + fsync) and the load path built on
 it: verification reads each decoded file once, into the buffer its tensors live in."""
 
 import io
@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import txckpt
-from txckpt import checksum, fileio
+from txckpt._base import checksum
+from txckpt._base import fileio
 from txckpt.errors import IntegrityError
-from txckpt.serialization import read_object
+from txckpt._save.serialization import read_object
 
 
 @pytest.fixture
@@ -224,7 +225,7 @@ def test_trainer_optimizer_is_streamed_not_rehashed(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from tests.harness.tiny import Data, TinyConfig, TinyModel, make_args
 
-    from txckpt import rankparts
+    from txckpt._manifest import rankparts
     from txckpt.integrations.transformers import TransactionalTrainer
 
     rehashed = []
@@ -281,7 +282,7 @@ def test_trainer_refuses_a_streamed_file_rewritten_afterwards(tmp_path):
 def test_durable_file_keeps_the_order_of_small_and_large_writes(tmp_path, monkeypatch, durable):
     """Small writes are buffered, large ones go straight to the file: the bytes still land in
     the order written, across buffer drains and write-behind points."""
-    from txckpt.storage import local
+    from txckpt._storage.local import store as local
 
     monkeypatch.setattr(local, "_WRITE_BUFFER", 4096)
     monkeypatch.setattr(local, "_DIRECT_WRITE", 1024)

@@ -26,7 +26,7 @@ import pytest
 
 import txckpt
 from txckpt.cli import main
-from txckpt.cli.common import EXIT_MISSING_DEPENDENCY
+from txckpt._cli.common import EXIT_MISSING_DEPENDENCY
 from txckpt.errors import MissingDependencyError, RootNotFoundError, TxckptError
 
 REPO = os.path.join(os.path.dirname(__file__), os.pardir)

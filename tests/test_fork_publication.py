@@ -9,8 +9,8 @@ import pytest
 from transformers.trainer_utils import get_last_checkpoint as stock_get_last_checkpoint
 
 import txckpt
-from txckpt.gc import collect_garbage
-from txckpt.publication import manifest_txid
+from txckpt._maintenance.gc import collect_garbage
+from txckpt._log.publication import manifest_txid
 
 
 pytestmark = pytest.mark.non_durable  # TXCKPT_DURABLE=0 for every test here (tests/conftest.py)

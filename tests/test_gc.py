@@ -15,10 +15,10 @@ import pytest
 
 import txckpt
 from tests.harness.fs import tree
-from txckpt.gc import collect_garbage
-from txckpt.intents import pid_alive, process_start, writer_status
-from txckpt.layout import INTENTS_DIR, ORPHANS_DIR, READERS_DIR, TX_DIR, home_key
-from txckpt.retention import RetentionPolicy, acquire_reader_lease, retire
+from txckpt._maintenance.gc import collect_garbage
+from txckpt._maintenance.intents import pid_alive, process_start, writer_status
+from txckpt._base.layout import INTENTS_DIR, ORPHANS_DIR, READERS_DIR, TX_DIR, home_key
+from txckpt._maintenance.retention import RetentionPolicy, acquire_reader_lease, retire
 
 
 pytestmark = pytest.mark.non_durable  # TXCKPT_DURABLE=0 for every test here (tests/conftest.py)
@@ -178,7 +178,7 @@ def test_a_commit_whose_staging_vanished_after_the_check_raises(tmp_path, monkey
     appended, but the save must not return a path that holds nothing."""
     import shutil
 
-    from txckpt import transactions
+    from txckpt._save import transactions
     from txckpt.errors import CheckpointNotFoundError
 
     root = str(tmp_path / "out")

@@ -11,8 +11,9 @@ import pytest
 
 import txckpt
 from txckpt import cli
-from txckpt.gc import collect_garbage
-from txckpt.retention import RetentionPolicy
+from txckpt._cli.common import human_bytes
+from txckpt._maintenance.gc import collect_garbage
+from txckpt._maintenance.retention import RetentionPolicy
 
 pytestmark = pytest.mark.non_durable
 
@@ -90,7 +91,7 @@ def test_gc_summary_line_says_what_links_still_hold(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     freed = before - disk_bytes(root)
     assert (
-        out[-1] == f"1 item(s), {cli.common.human_bytes(freed)} reclaimed; 300.0 kB of their files stay, "
+        out[-1] == f"1 item(s), {human_bytes(freed)} reclaimed; 300.0 kB of their files stay, "
         "held by live checkpoints' links"
     )
     assert "(+300.0 kB held by other links)" in out[0]

@@ -15,10 +15,10 @@ import shutil
 import pytest
 
 import txckpt
-from txckpt import log as commit_log
+from txckpt._log import log as commit_log
 from txckpt.cli import main as cli_main
-from txckpt.cli.views import LS_DEFAULT_COUNT
-from txckpt.manifest import MANIFEST_NAME
+from txckpt._cli.views import LS_DEFAULT_COUNT
+from txckpt._manifest.manifest import MANIFEST_NAME
 
 from benchmarks.lookup import build_root
 from tests.conftest import count_reads
@@ -68,7 +68,7 @@ def test_a_fresh_ls_reads_what_it_shows_not_the_history(tmp_path, capsys, monkey
     r = fresh(root)
     entries = count_reads(monkeypatch, r, commit_log.LOG_DIR + "/")
     everything = count_reads(monkeypatch, r, "", methods=("read_bytes", "list_dir"))
-    monkeypatch.setattr("txckpt.cli.views.open_root_arg", lambda *a, **k: r)
+    monkeypatch.setattr("txckpt._cli.views.open_root_arg", lambda *a, **k: r)
     capsys.readouterr()
     assert cli_main(["ls", root]) == 0
     out, err = capsys.readouterr()
@@ -102,7 +102,7 @@ def test_a_rollback_moves_only_the_names_it_changes(tmp_path, monkeypatch):
     names = {n for n in os.listdir(root) if n.startswith("checkpoint-")}
     assert f"checkpoint-{tip - 3}" in names and not {f"checkpoint-{s}" for s in range(tip - 2, tip + 1)} & names
     # Nothing is left for gc to reconcile.
-    from txckpt.gc import collect_garbage
+    from txckpt._maintenance.gc import collect_garbage
 
     report = collect_garbage(fresh(root), dry_run=True)
     assert [i for i in report.items if i.kind in ("publish", "unpublish")] == []

@@ -13,13 +13,13 @@ import torch
 import xxhash
 
 import txckpt
-from txckpt.checksum import HashingWriter, next_boundary, prefix_boundaries
+from txckpt._base.checksum import HashingWriter, next_boundary, prefix_boundaries
 from txckpt.errors import IntegrityError, InvalidArgumentError
-from txckpt.incremental import Source, _Changed, _Probe
-from txckpt.manifest import FileEntry
-from txckpt.refs import Ref
-from txckpt.retention import RetentionPolicy, apply_retention
-from txckpt.root import CheckpointRoot
+from txckpt._save.incremental import Source, _Changed, _Probe
+from txckpt._manifest.manifest import FileEntry
+from txckpt._base.refs import Ref
+from txckpt._maintenance.retention import RetentionPolicy, apply_retention
+from txckpt._root.root import CheckpointRoot
 
 MiB = 1 << 20
 FROZEN = {"w": torch.arange(3 * MiB // 4, dtype=torch.float32)}  # 3 MiB: past two boundaries
@@ -195,7 +195,7 @@ def test_a_damaged_shared_file_fails_every_checkpoint_that_holds_it(root):
 
 
 def test_a_root_that_cannot_link_copies_and_checks_the_bytes(root, monkeypatch):
-    from txckpt.storage.local import LocalStorage
+    from txckpt._storage.local.store import LocalStorage
 
     one = txckpt.save_checkpoint(root, 1, files(1), incremental=True)
     monkeypatch.setattr(LocalStorage, "share_file", lambda self, src, dst: False)
@@ -241,7 +241,7 @@ def _flip(path: str, offset: int = MiB) -> None:
 
 
 def test_txckpt_verify_names_every_checkpoint_that_holds_a_damaged_shared_file(root, capsys):
-    from txckpt.cli import app
+    from txckpt._cli import app
 
     paths = [txckpt.save_checkpoint(root, s, files(s), incremental=True) for s in (1, 2, 3)]
     _flip(os.path.join(paths[0], "frozen.safetensors"))
@@ -270,7 +270,7 @@ def test_a_fallback_resume_skips_every_checkpoint_that_shares_the_damaged_bytes(
 def test_txckpt_show_says_how_many_bytes_are_shared(root, capsys):
     import json
 
-    from txckpt.cli import app
+    from txckpt._cli import app
 
     one = txckpt.save_checkpoint(root, 1, files(1), incremental=True)
     two = txckpt.save_checkpoint(root, 2, files(2), incremental=True)
@@ -397,7 +397,7 @@ def test_a_scratch_file_equal_to_a_streamed_one_is_told_by_its_prefixes(memory_r
     """On an object store, a file written into tx.directory (a local scratch) is compared before
     its upload: with the candidate's prefix digests the probe reads only up to the first
     boundary where it differs; equal, it is copied on the server, not uploaded."""
-    from txckpt import incremental
+    from txckpt._save import incremental
 
     url, so = memory_root
     data = os.urandom(40 * MiB)
@@ -427,7 +427,7 @@ def test_a_scratch_file_equal_to_a_streamed_one_is_told_by_its_prefixes(memory_r
 def test_txckpt_ls_says_how_many_bytes_each_checkpoint_shares(root, capsys):
     import json
 
-    from txckpt.cli import app
+    from txckpt._cli import app
 
     txckpt.save_checkpoint(root, 1, files(1))
     capsys.readouterr()

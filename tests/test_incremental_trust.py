@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import txckpt
-from txckpt import incremental
+from txckpt._save import incremental
 from txckpt.errors import IntegrityError
 
 MiB = 1 << 20
@@ -319,7 +319,7 @@ def test_a_checkpoint_a_load_found_damaged_is_never_shared_from(root, monkeypatc
     """Bit rot changes no file's identity: a process that checked the file before trusts it.
     A load that finds the checkpoint damaged tells the process's later saves not to share
     from it. (Identities here leave out mtime and ctime, as a bit flip on the medium would.)"""
-    from txckpt.storage.local import LocalStorage
+    from txckpt._storage.local.store import LocalStorage
 
     def rot_blind(self, key):
         st = os.lstat(self._p(key))

@@ -18,9 +18,9 @@ import torch  # noqa: E402
 
 import txckpt  # noqa: E402
 from tests.children.lightning_run import TinyModule, data, fit  # noqa: E402
-from txckpt.asyncsave import step_gate  # noqa: E402
+from txckpt._async.asyncsave import step_gate  # noqa: E402
 from txckpt.errors import IntegrityError, InvalidArgumentError  # noqa: E402
-from txckpt.snapshot import SnapshotPool  # noqa: E402
+from txckpt._async.snapshot import SnapshotPool  # noqa: E402
 from txckpt.integrations.lightning import TransactionalCheckpointIO  # noqa: E402
 
 pytestmark = [pytest.mark.trainer, pytest.mark.lightning]

@@ -22,7 +22,7 @@ import txckpt  # noqa: E402
 from tests.children.lightning_run import die_committing, fit  # noqa: E402
 from tests.harness.procs import run_child  # noqa: E402
 from txckpt.integrations.lightning import TransactionalCheckpointIO  # noqa: E402
-from txckpt.integrations.lightning_names import resolve  # noqa: E402
+from txckpt.integrations._lightning.names import resolve  # noqa: E402
 
 pytestmark = [pytest.mark.trainer, pytest.mark.lightning, pytest.mark.process]
 

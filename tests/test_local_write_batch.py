@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import txckpt
-from txckpt.storage import local
-from txckpt.storage.local import LocalStorage
+from txckpt._storage.local import store as local
+from txckpt._storage.local.store import LocalStorage
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 import txckpt
-from txckpt import log as commit_log
+from txckpt._log import log as commit_log
 from txckpt.cli import main as cli_main
 from txckpt.errors import LogCorruptError
 
@@ -180,7 +180,7 @@ def test_a_log_entry_replaced_by_a_directory_is_log_corruption_on_every_backend(
     """Every other kind of damage to the newest entry (garbage, a FIFO, a newer format) is a
     LogCorruptError from lookup and resume; a directory where the entry was is one too, never a
     bare IsADirectoryError, and the message says what is there."""
-    from txckpt.storage import open_storage
+    from txckpt._storage import open_storage
 
     url, so = any_root
     for step in (1, 2):
@@ -202,7 +202,7 @@ def test_a_log_entry_replaced_by_a_directory_is_log_corruption_on_every_backend(
 def test_a_latest_hint_replaced_by_a_directory_reads_as_a_missing_hint(any_root):
     """The hint only saves reads (a FIFO there reads as a missing hint, tests/test_bad_input.py);
     a directory there too: lookup probes the log and answers the newest checkpoint."""
-    from txckpt.storage import open_storage
+    from txckpt._storage import open_storage
 
     url, so = any_root
     for step in (1, 2):

@@ -8,12 +8,12 @@ import os
 import pytest
 
 import txckpt
-from txckpt import log as commit_log
+from txckpt._log import log as commit_log
 from txckpt.errors import LookupRaceError, RootNotFoundError
-from txckpt.gc import collect_garbage
-from txckpt.refs import Ref
-from txckpt.layout import home_key
-from txckpt.retention import RetentionPolicy, apply_retention
+from txckpt._maintenance.gc import collect_garbage
+from txckpt._base.refs import Ref
+from txckpt._base.layout import home_key
+from txckpt._maintenance.retention import RetentionPolicy, apply_retention
 
 
 pytestmark = pytest.mark.non_durable  # TXCKPT_DURABLE=0 for every test here (tests/conftest.py)
@@ -121,7 +121,7 @@ def test_lookup_gives_up_with_a_typed_error_when_always_outpaced(tmp_path, monke
     monkeypatch.setattr(reader, "state", state_then_rotate)
     with pytest.raises(LookupRaceError) as e:
         reader.get_last_checkpoint()
-    assert e.value.attempts == txckpt.root.LOOKUP_ATTEMPTS
+    assert e.value.attempts == txckpt._root.root.LOOKUP_ATTEMPTS
     assert e.value.root == reader.url and "reader lease" in str(e.value)
 
 
@@ -219,7 +219,7 @@ def test_a_legacy_lookup_skips_a_file_named_like_a_checkpoint(any_root, root_kin
     """transformers' get_last_checkpoint lists only directories: a regular file named
     ``checkpoint-50`` beside ``checkpoint-10/`` is not a checkpoint. On an object store a
     directory is a prefix with objects under it; a plain object named ``checkpoint-50`` is a file."""
-    from txckpt.storage import open_storage
+    from txckpt._storage import open_storage
 
     url, so = any_root
     s = open_storage(url, so)

@@ -16,11 +16,13 @@ import random
 import pytest
 
 import txckpt
-from txckpt import errors, parts, rankparts
-from txckpt.checksum import digest_bytes
-from txckpt.cli.verify import run_verify
+from txckpt import errors
+from txckpt._manifest import parts
+from txckpt._manifest import rankparts
+from txckpt._base.checksum import digest_bytes
+from txckpt._cli.verify import run_verify
 from txckpt.errors import ManifestError
-from txckpt.manifest import (
+from txckpt._manifest.manifest import (
     FORMAT,
     FORMAT_V2,
     MANIFEST_NAME,
@@ -273,7 +275,7 @@ def _proof_bytes_fetched(storage, key, manifest, rank, path, monkeypatch) -> tup
 def test_on_s3_a_loading_rank_fetches_its_part_and_its_proof_nodes_not_the_tree(tmp_path, s3_root, monkeypatch):
     """The proof's 16-byte nodes lie all over the tree file: s3fs's read-ahead would fetch from
     the first one to the end of the object (O(W)); ranged GETs fetch exactly the nodes."""
-    from txckpt.storage import open_storage
+    from txckpt._storage import open_storage
 
     root = txckpt.CheckpointRoot(str(tmp_path / "out"))
     world = 64

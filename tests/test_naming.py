@@ -1,4 +1,4 @@
-"""Per-root naming (txckpt/naming.py, protocol §2/§7/§9): a root records how its checkpoints
+"""Per-root naming (txckpt/_base/naming.py, protocol §2/§7/§9): a root records how its checkpoints
 are named (``checkpoint_N`` for accelerate) and publication, lookup, legacy detection, gc and
 path reads follow it; ``checkpoint-N`` stays the default."""
 
@@ -11,8 +11,8 @@ import pytest
 
 import txckpt
 from txckpt.errors import IntegrityError, InvalidArgumentError, NamingConflictError
-from txckpt.layout import NAMING_KEY
-from txckpt.naming import DEFAULT, Naming, record_naming, split_name
+from txckpt._base.layout import NAMING_KEY
+from txckpt._base.naming import DEFAULT, Naming, record_naming, split_name
 
 
 def _named_root(path: str, prefix: str = "checkpoint_") -> txckpt.CheckpointRoot:
@@ -113,7 +113,7 @@ def test_layout_parses_checkpoint_names_one_way():
     """layout.parse_checkpoint_name is the one parse of ``checkpoint-N`` (gc, lookup, retention,
     naming): zero padding gives the step; a number no step can be (>= 2**63, or thousands of
     digits) is no checkpoint name, and is not parsed into a huge int."""
-    from txckpt.layout import is_url, parse_checkpoint_name
+    from txckpt._base.layout import is_url, parse_checkpoint_name
 
     assert parse_checkpoint_name("checkpoint-500") == 500
     assert parse_checkpoint_name("checkpoint-00500") == 500
@@ -137,7 +137,7 @@ def test_layout_parses_checkpoint_names_one_way():
 def test_split_public_is_the_parse_of_a_name_of_unknown_prefix():
     """naming.split_public: what reader.parse (a path's shape) and split_name (accelerate's
     save_state(output_dir)) parse, with layout.parse_step's steps (issue 28: one parse)."""
-    from txckpt.naming import split_public
+    from txckpt._base.naming import split_public
 
     assert split_public("step_4") == ("step_", 4)
     assert split_public("checkpoint-00500") == ("checkpoint-", 500)
@@ -149,7 +149,7 @@ def test_split_public_is_the_parse_of_a_name_of_unknown_prefix():
 
 
 def test_path_shapes_follow_the_one_parse():
-    from txckpt.reader import parse
+    from txckpt._read.reader import parse
 
     assert parse("/r/checkpoint_4") == parse("/r/checkpoint_4/")
     where = parse("/r/checkpoint-0012")
@@ -161,7 +161,7 @@ def test_path_shapes_follow_the_one_parse():
 def test_trainer_names_are_parsed_by_the_core():
     """integrations/trainer/paths keeps upstream's PREFIX_CHECKPOINT_DIR but parses through the
     core's naming: a number no step can be is no step (it was an int of 5000 digits)."""
-    from txckpt.integrations.trainer import paths as tp
+    from txckpt.integrations._trainer import paths as tp
 
     assert tp.TRAINER_NAMING.public(7) == "checkpoint-7" == f"{tp.PREFIX_CHECKPOINT_DIR}-7"
     assert tp.checkpoint_name_step("/out/checkpoint-00500/") == 500
@@ -172,7 +172,7 @@ def test_trainer_names_are_parsed_by_the_core():
 
 
 def test_trainer_messages_name_a_step_by_the_roots_naming(root):
-    from txckpt.integrations.trainer.paths import public_name
+    from txckpt.integrations._trainer.paths import public_name
 
     assert public_name(root, None, 5) == "checkpoint-5"
     other = os.path.join(root, "named")

@@ -5,8 +5,8 @@ import pytest
 
 import txckpt
 from benchmarks.s3 import _upload_plan
-from txckpt.root import forget_roots
-from txckpt.storage import open_storage
+from txckpt._root.root import forget_roots
+from txckpt._storage import open_storage
 from tests.test_manifest_parts import _save
 
 pytestmark = pytest.mark.s3

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import txckpt
-from txckpt import asyncsave, preemption
+from txckpt import preemption
+from txckpt._async import asyncsave
 from txckpt.errors import InvalidArgumentError
 
 

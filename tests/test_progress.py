@@ -220,7 +220,7 @@ def test_in_a_process_group_the_summary_is_logged_once_by_rank_0_with_every_rank
 def test_following_transformers_verbosity_leaves_a_level_the_application_set_alone():
     from transformers.utils import logging as hf_logging
 
-    from txckpt.integrations.trainer.verbosity import follow_transformers_verbosity
+    from txckpt.integrations._trainer.verbosity import follow_transformers_verbosity
 
     logger = logging.getLogger("txckpt")
     before_level, before_handlers = logger.level, list(logger.handlers)

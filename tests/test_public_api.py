@@ -276,7 +276,7 @@ def _ours_or_framework(name: str) -> bool:
 def test_import_txckpt_imports_no_framework(monkeypatch):
     """A fresh ``import txckpt`` in this process, with every txckpt and framework module set
     aside (and put back after: other tests keep their objects) and the frameworks blocked."""
-    # No stub for ctypes.util.find_library: txckpt.fileio used to call it at import, which runs
+    # No stub for ctypes.util.find_library: txckpt._base.fileio used to call it at import, which runs
     # `ldconfig -p` in a child process; the fast tier's guard fails this test if it comes back.
     saved = {n: m for n, m in sys.modules.items() if _ours_or_framework(n)}
     for n in saved:

@@ -14,8 +14,8 @@ import sys
 import pytest
 
 import txckpt
-from txckpt import storage as storage_pkg
-from txckpt.storage.base import Storage
+from txckpt import _storage as storage_pkg
+from txckpt._storage.base import Storage
 
 from benchmarks import hops
 
@@ -64,7 +64,13 @@ def test_a_verified_local_load_opens_storage_once(tmp_path, monkeypatch, warm):
         calls.append(os.fspath(root))
         return real_factory(root, storage_options)
 
-    for module in ("txckpt.storage", "txckpt.reader", "txckpt.root", "txckpt.identity", "txckpt.fetch"):
+    for module in (
+        "txckpt._storage",
+        "txckpt._read.reader",
+        "txckpt._root.root",
+        "txckpt._log.identity",
+        "txckpt._read.fetch",
+    ):
         monkeypatch.setattr(f"{module}.open_storage", factory)
     opened = _opens(monkeypatch)
     out = txckpt.load_checkpoint(path)
@@ -110,17 +116,17 @@ def test_a_warm_synchronous_save_makes_at_most_112_hops():
 def test_the_hop_counter_counts_edges_between_modules_only():
     """Not vacuous: the operation's entry and calls inside one module are no hop; a call into
     another module is one; Storage constructions are counted."""
-    from txckpt import layout
+    from txckpt._base import layout
 
     t = hops.trace(lambda: layout.is_url("s3://b/k"))
     assert t.hops == 0  # is_url calls nothing of another module
-    t = hops.trace(lambda: txckpt.reader.parse("/x/checkpoint-3"))
+    t = hops.trace(lambda: txckpt._read.reader.parse("/x/checkpoint-3"))
     assert (
         dict(t.edges)
         == {
-            ("txckpt.reader", "txckpt.layout"): 1,
-            ("txckpt.reader", "txckpt.naming"): 1,
-            ("txckpt.naming", "txckpt.layout"): 1,
+            ("txckpt._read.reader", "txckpt._base.layout"): 1,
+            ("txckpt._read.reader", "txckpt._base.naming"): 1,
+            ("txckpt._base.naming", "txckpt._base.layout"): 1,
         }
         and t.hops == 3
     )

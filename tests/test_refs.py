@@ -4,8 +4,8 @@ import pickle
 
 import pytest
 
-from txckpt.refs import ExternalParent, Ref, parent_from_json, parent_to_json, same_ref
-from txckpt.saveplan import SavePlan
+from txckpt._base.refs import ExternalParent, Ref, parent_from_json, parent_to_json, same_ref
+from txckpt._base.saveplan import SavePlan
 
 
 def test_a_ref_is_written_as_the_dict_of_protocol_1_key_and_digest_only_when_set():

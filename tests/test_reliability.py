@@ -31,7 +31,7 @@ from tests.harness.procs import run_child
 from tests.reliability.core import payload
 from tests.reliability.known import KNOWN
 from txckpt.errors import CheckpointNotFoundError, LogCorruptError, StaleLineageError, StorageError, TxckptError
-from txckpt.root import CheckpointRoot
+from txckpt._root.root import CheckpointRoot
 
 
 def _xfail(kid: str):
@@ -110,7 +110,7 @@ def test_zombie_beside_its_restart_is_fenced(root):
 
 # Regression test of KI-lease, fixed in the core (was a strict xfail).
 def test_lease_is_refused_once_deletion_began(root):
-    from txckpt.retention import acquire_reader_lease, retire
+    from txckpt._maintenance.retention import acquire_reader_lease, retire
 
     paths = [_save(root, s, f"W-{s}") for s in (1, 2, 3)]
     txid = txckpt.read_manifest(paths[1]).txid
@@ -121,7 +121,7 @@ def test_lease_is_refused_once_deletion_began(root):
 
 # Regression test of KI-lease-order, fixed in the core (was a strict xfail).
 def test_finish_retired_reads_leases_after_the_retired_set(root, monkeypatch):
-    from txckpt import retention
+    from txckpt._maintenance import retention
 
     paths = [_save(root, s, f"W-{s}") for s in (1, 2, 3)]
     txid = txckpt.read_manifest(paths[1]).txid
@@ -183,8 +183,8 @@ def test_power_cut_after_commit_keeps_the_checkpoint(tmp_path):
 
 # Regression test of KI-log-unprotected, fixed in the core (was a strict xfail).
 def test_flipped_byte_in_a_log_entry_is_detected(root):
-    from txckpt.gc import collect_garbage
-    from txckpt.log import entry_key
+    from txckpt._maintenance.gc import collect_garbage
+    from txckpt._log.log import entry_key
 
     for s in (2, 4, 6):
         _save(root, s, f"A-{s}")
@@ -210,7 +210,7 @@ def test_flipped_byte_in_a_log_entry_is_detected(root):
 
 # Regression test of KI-log-rollback, fixed in the core (was a strict xfail).
 def test_a_deleted_newest_log_entry_is_not_silent(root, txlog):
-    from txckpt.log import entry_key
+    from txckpt._log.log import entry_key
 
     _save(root, 2, "A-2")
     newest = _save(root, 4, "A-4")
@@ -229,7 +229,7 @@ def test_a_deleted_newest_log_entry_is_not_silent(root, txlog):
 
 # Regression test of KI-gc-clock, fixed in the core (was a strict xfail).
 def test_gc_keeps_a_live_writers_staging_when_its_clock_is_behind(root, monkeypatch):
-    from txckpt.gc import collect_garbage
+    from txckpt._maintenance.gc import collect_garbage
 
     _save(root, 1, "W-1")
     real = time.time
@@ -263,7 +263,7 @@ def test_commit_refuses_when_the_staging_vanished(root):
 
 # Regression test of KI-storage-untyped, fixed in the core (was a strict xfail).
 def test_enospc_writing_the_intent_is_a_storage_error(root, monkeypatch):
-    from txckpt.storage.local import LocalStorage
+    from txckpt._storage.local.store import LocalStorage
 
     _save(root, 1, "W-1")
     real = LocalStorage.replace
@@ -299,7 +299,7 @@ def test_enospc_making_the_staging_directory_is_a_storage_error(root, monkeypatc
 # Regression test of KI-enospc-staging-fork, fixed in the core (was a strict xfail).
 def test_fork_with_a_full_disk_while_unpublishing_raises_only_typed_errors(root, monkeypatch):
     """The other half of KI-enospc-staging-fork (kept separate so that each half's fix shows)."""
-    import txckpt.storage.local as local
+    import txckpt._storage.local.store as local
 
     for s in (2, 4, 6):
         _save(root, s, f"A-{s}")
@@ -319,7 +319,7 @@ def test_fork_with_a_full_disk_while_unpublishing_raises_only_typed_errors(root,
 def test_enospc_inside_torch_save_is_a_storage_error(root, monkeypatch):
     import torch
 
-    from txckpt.storage import local
+    from txckpt._storage.local import store as local
 
     _save(root, 1, "W-1")
     real = local._DurableFile.write
@@ -337,7 +337,7 @@ def test_enospc_inside_torch_save_is_a_storage_error(root, monkeypatch):
 
 
 def test_load_follows_a_checkpoint_published_after_lookup(root, monkeypatch):
-    from txckpt.publication import RenamePublication
+    from txckpt._log.publication import RenamePublication
 
     _save(root, 1, "W-1")
     seen = {}
@@ -355,8 +355,8 @@ def test_load_follows_a_checkpoint_published_after_lookup(root, monkeypatch):
 
 # Regression test of KI-lookup-outpaced (concurrency/*/readers-polling on a loaded machine).
 def test_lookup_is_not_none_when_rotation_deletes_the_tip_it_read(root, monkeypatch):
-    from txckpt import log as commit_log
-    from txckpt.retention import RetentionPolicy, apply_retention
+    from txckpt._log import log as commit_log
+    from txckpt._maintenance.retention import RetentionPolicy, apply_retention
 
     writer = CheckpointRoot(root)
     for s in (1, 2, 3):
@@ -385,7 +385,7 @@ def test_a_commit_landing_while_the_history_is_folded_is_not_taken_for_lost_entr
     import subprocess
     import sys
 
-    from txckpt import log as commit_log
+    from txckpt._log import log as commit_log
 
     for step in (1, 2, 3):
         txckpt.save_checkpoint(root, step, {"a.bin": b"%d" % step})
@@ -436,7 +436,7 @@ def test_every_known_issue_has_a_reproducer():
 def test_forged_manifest_is_refused_by_load(root):
     import json as _json
 
-    from txckpt.manifest import _digest
+    from txckpt._manifest.manifest import _digest
 
     path = _save(root, 2, "A-2")
     mpath = os.path.join(path, txckpt.MANIFEST_NAME)
@@ -509,10 +509,10 @@ def test_an_actor_told_to_pause_where_nothing_is_says_so():
 
     a = Actor("probe", timeout=60)
     try:
-        with pytest.raises(RuntimeError, match="cannot pause txckpt.root:CheckpointRoot.no_such"):
-            a.pause("txckpt.root:CheckpointRoot.no_such")
-        a.pause("txckpt.transactions:append_commit")  # the commit point's owner today
-        a.unpause("txckpt.transactions:append_commit")
+        with pytest.raises(RuntimeError, match="cannot pause txckpt._root.root:CheckpointRoot.no_such"):
+            a.pause("txckpt._root.root:CheckpointRoot.no_such")
+        a.pause("txckpt._save.transactions:append_commit")  # the commit point's owner today
+        a.unpause("txckpt._save.transactions:append_commit")
     finally:
         a.stop()
 

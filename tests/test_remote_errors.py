@@ -15,7 +15,7 @@ import pytest
 
 import txckpt
 from txckpt.errors import CredentialsError, EndpointUnreachableError, RootNotFoundError, TxckptError
-from txckpt.storage import open_storage
+from txckpt._storage import open_storage
 
 from .conftest import SUMMARY_LINES
 
@@ -96,7 +96,7 @@ def test_a_missing_bucket_is_root_not_found_naming_the_bucket(s3_root):
 
 def _count_attempts(storage) -> list[str]:
     """Every HTTP attempt the storage's botocore client makes from now on (retries included)."""
-    from txckpt.storage.s3_upload import _run
+    from txckpt._storage.s3.upload import _run
 
     _run(storage.fs, storage.fs.set_session())
     sent: list[str] = []

@@ -13,8 +13,8 @@ import pytest
 
 import txckpt
 from txckpt.errors import CredentialsError, EndpointUnreachableError, RootNotFoundError, TxckptError
-from txckpt.storage import open_storage
-from txckpt.storage.errors import translate
+from txckpt._storage import open_storage
+from txckpt._storage.errors import translate
 
 
 def _calls(url, so):

@@ -12,9 +12,9 @@ import threading
 import pytest
 
 import txckpt
-from txckpt import log
-from txckpt.layout import LATEST_HINT, LOG_DIR
-from txckpt.manifest import MANIFEST_NAME
+from txckpt._log import log
+from txckpt._base.layout import LATEST_HINT, LOG_DIR
+from txckpt._manifest.manifest import MANIFEST_NAME
 
 pytestmark = pytest.mark.s3
 

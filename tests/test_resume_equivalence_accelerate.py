@@ -11,7 +11,7 @@ synchronous saves only: ``TransactionalAccelerator.save_state`` has no asynchron
 cells run in `make test`, the rest in the campaign, where each is also run with stock
 ``accelerate.Accelerator`` (resuming from its newest ``step_<n>`` directory; SIGTERM kills it):
 stock diverges in every cell (it restores the RNGs before the epoch's iterator draws its order
-and seeds: txckpt/integrations/accelerate_epoch.py), txckpt is exact."""
+and seeds: txckpt/integrations/_accelerate/epoch.py), txckpt is exact."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ import os
 import pytest
 
 import txckpt
-from txckpt.gc import collect_garbage
-from txckpt.retention import (
+from txckpt._maintenance.gc import collect_garbage
+from txckpt._maintenance.retention import (
     RetentionPolicy,
     acquire_reader_lease,
     apply_retention,
@@ -202,8 +202,8 @@ def test_a_deleter_whose_clock_runs_ahead_does_not_undercut_a_live_lease(any_roo
     retire and delete the leased checkpoint nor remove the lease, while it has 1 minute left."""
     import time
 
-    from txckpt.layout import READERS_DIR
-    from txckpt.retention import lease_clock_skew
+    from txckpt._base.layout import READERS_DIR
+    from txckpt._maintenance.retention import lease_clock_skew
 
     save(any_root, (1, 2, 3))
     reader = fresh(any_root)
@@ -227,8 +227,8 @@ def test_a_deleter_whose_clock_runs_ahead_does_not_undercut_a_live_lease(any_roo
 
 def test_a_lease_is_refused_once_retired_and_not_left_behind(tmp_path):
     from txckpt.errors import CheckpointNotFoundError
-    from txckpt.layout import READERS_DIR
-    from txckpt.retention import read_leases
+    from txckpt._base.layout import READERS_DIR
+    from txckpt._maintenance.retention import read_leases
 
     root = str(tmp_path / "out")
     save(root, (1, 2, 3))
@@ -502,7 +502,7 @@ def test_a_retired_checkpoint_given_by_path_says_it_was_retired_and_how_to_list_
     not "never committed": the error says it was committed, then retired by the retention policy
     (in which log entry), and that `txckpt ls ROOT --all` lists it."""
     from txckpt.errors import CheckpointNotFoundError, CheckpointRetiredError
-    from txckpt.storage import open_storage
+    from txckpt._storage import open_storage
 
     url, so = any_root, None
     root = txckpt.CheckpointRoot(url, so)

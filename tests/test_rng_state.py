@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import txckpt
-from txckpt import rngstate
+from txckpt._base import rngstate
 from txckpt.errors import InvalidArgumentError, RngStateError
 
 

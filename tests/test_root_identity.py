@@ -14,9 +14,10 @@ import threading
 import pytest
 
 import txckpt
-from txckpt import asyncsave, transactions
+from txckpt._async import asyncsave
+from txckpt._save import transactions
 from txckpt.errors import RootNotFoundError
-from txckpt.root import root_key
+from txckpt._root.root import root_key
 
 pytestmark = pytest.mark.non_durable
 

@@ -13,10 +13,10 @@ import pytest
 
 import txckpt
 from txckpt.errors import StorageError, TransactionAbortedError
-from txckpt.root import CheckpointRoot
-from txckpt.storage import open_storage
-from txckpt.storage import s3 as fst
-from txckpt.storage import s3_upload
+from txckpt._root.root import CheckpointRoot
+from txckpt._storage import open_storage
+from txckpt._storage.s3 import store as fst
+from txckpt._storage.s3 import upload as s3_upload
 
 pytestmark = pytest.mark.s3
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import txckpt
-from txckpt.storage import s3 as s3_storage
+from txckpt._storage.s3 import store as s3_storage
 
 pytestmark = pytest.mark.s3
 

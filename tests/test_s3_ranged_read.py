@@ -1,4 +1,4 @@
-"""Verified S3 reads as parallel ranged GETs (issue 31, item 2; txckpt/storage/s3_download.py): a
+"""Verified S3 reads as parallel ranged GETs (issue 31, item 2; txckpt/_storage/s3/download.py): a
 file larger than one part is read in parts straight into its buffer and hashed as they land;
 every byte is still checked against the manifest before anything is returned, a file of the
 wrong size or with a flipped byte is the same typed error as before, and a failed part fails the
@@ -13,7 +13,7 @@ import torch
 
 import txckpt
 from txckpt.errors import IntegrityError, StorageError
-from txckpt.storage import s3 as s3_storage
+from txckpt._storage.s3 import store as s3_storage
 
 pytestmark = pytest.mark.s3
 
@@ -156,7 +156,7 @@ def test_ranged_copy_holds_a_bounded_window_of_parts(s3_root, small_parts, monke
     and not yet written, whatever the object's size; a writer that fails fails the copy."""
     import threading
 
-    from txckpt.storage import s3_download
+    from txckpt._storage.s3 import download as s3_download
 
     url, so = s3_root
     st = _storage(url, so)
@@ -199,7 +199,7 @@ def hash_mode(request, monkeypatch):
     """Each way a fetch writes and hashes: chunks written and the file hashed by the download
     loop itself; or parts written from threads and the file hashed in order behind the writes,
     the part buffers hashed in order as they land, or the file hashed once written."""
-    from txckpt.storage import s3_download
+    from txckpt._storage.s3 import download as s3_download
 
     monkeypatch.setattr(s3_download, "HASH_MODE", request.param)
     return request.param
@@ -225,7 +225,7 @@ def test_parts_landing_out_of_order_are_written_at_their_offsets(
 
     import xxhash
 
-    from txckpt.storage import s3_download
+    from txckpt._storage.s3 import download as s3_download
 
     st = _storage(*s3_root)
     blob = _blob_on(st, 6)
@@ -268,7 +268,7 @@ def test_a_fetch_holds_at_most_its_window_of_parts(s3_root, small_parts, hash_mo
     parts held (downloaded, not yet written), not at the object's 20 parts; then all complete."""
     import threading
 
-    from txckpt.storage import s3_download
+    from txckpt._storage.s3 import download as s3_download
 
     if hash_mode == "loop":
         pytest.skip("the loop writes each chunk as it arrives: it has no part buffers to bound")
@@ -322,8 +322,8 @@ def test_a_fetch_of_a_damaged_object_publishes_nothing(s3_root, small_parts, has
 def test_prefaulting_a_buffer_keeps_what_already_landed_in_it():
     """The pages of a load's buffer are faulted in by a thread of their own while parts land:
     faulting in a page that already holds a part's bytes must leave them as they are."""
-    from txckpt.fileio import new_buffer
-    from txckpt.storage import s3_download
+    from txckpt._base.fileio import new_buffer
+    from txckpt._storage.s3 import download as s3_download
 
     if s3_download._libc_madvise() is None:
         pytest.skip("no madvise here: the loop faults the pages in itself")

@@ -16,8 +16,8 @@ import uuid
 import pytest
 
 import txckpt
-from txckpt.gc import collect_garbage
-from txckpt.layout import INTENTS_DIR, TX_DIR, home_key
+from txckpt._maintenance.gc import collect_garbage
+from txckpt._base.layout import INTENTS_DIR, TX_DIR, home_key
 
 BIG = 4 << 20  # the killed save's staged bytes
 
@@ -33,8 +33,8 @@ import txckpt
 mode, root, options, step = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) or None, int(sys.argv[4])
 txckpt.resume(root, storage_options=options)
 if mode == "kill-after-commit":
-    import txckpt.commit
-    txckpt.commit.clear_intent = lambda root, txid: os.kill(os.getpid(), signal.SIGKILL)
+    import txckpt._log.commit
+    txckpt._log.commit.clear_intent = lambda root, txid: os.kill(os.getpid(), signal.SIGKILL)
 if mode in ("save", "kill-after-commit"):
     print(txckpt.save_checkpoint(root, step, {"w.bin": b"s" * 1000}, storage_options=options), flush=True)
     sys.exit(0)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 import txckpt
-from txckpt import log as commit_log
+from txckpt._log import log as commit_log
 from txckpt.errors import LogCorruptError
-from txckpt.gc import collect_garbage
-from txckpt.retention import RetentionPolicy, apply_retention
+from txckpt._maintenance.gc import collect_garbage
+from txckpt._maintenance.retention import RetentionPolicy, apply_retention
 
 from tests.conftest import count_reads, forge_snapshot
 

@@ -1,4 +1,4 @@
-"""The Storage contract (txckpt/storage/base.py), method by method, on every backend.
+"""The Storage contract (txckpt/_storage/base.py), method by method, on every backend.
 
 Runs over ``any_root`` (local, memory, s3 via moto, gcs, azure; see emulators/), and here also on
 seaweedfs: a SeaweedFS cluster (three replicated volume servers behind its S3 gateway,
@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from txckpt.checksum import digest_bytes
-from txckpt.storage import open_storage
-from txckpt.storage.fsspec import FsspecStorage
-from txckpt.storage.s3 import S3Storage
+from txckpt._base.checksum import digest_bytes
+from txckpt._storage import open_storage
+from txckpt._storage.fsspec.store import FsspecStorage
+from txckpt._storage.s3.store import S3Storage
 
 from tests.harness.backends import STORE_KINDS
 

@@ -25,7 +25,7 @@ import pytest
 import txckpt
 from tests.harness.crash_sweep import report, sweep
 from tests.test_crash_sweep import files  # a three-file checkpoint whose every file carries a tag
-from txckpt.tiered import TieredRoot
+from txckpt._tiered.tiered import TieredRoot
 
 pytestmark = pytest.mark.slow
 

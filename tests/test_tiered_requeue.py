@@ -17,8 +17,8 @@ import torch
 
 import txckpt
 from txckpt.errors import ReplicationError, StepConflictError
-from txckpt.root import forget_roots
-from txckpt.tiered import TieredRoot
+from txckpt._root.root import forget_roots
+from txckpt._tiered.tiered import TieredRoot
 
 
 def files(step: int, tag: int | None = None):
@@ -165,7 +165,7 @@ def test_a_tiered_root_loaded_with_storage_options_still_reads_and_repairs_throu
 
 @pytest.mark.s3
 def test_a_remote_roots_lookup_carries_its_storage_options(s3_root):
-    from txckpt.issued import CheckpointPath
+    from txckpt._base.issued import CheckpointPath
 
     url, options = s3_root
     txckpt.save_checkpoint(url, 1, files(1), storage_options=options)

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import txckpt
-from txckpt import commit, save_checkpoint
+from txckpt import save_checkpoint
+from txckpt._log import commit
 from txckpt.errors import ConcurrentWriterError, ReplicationError, StepConflictError
-from txckpt.root import forget_roots, open_root
-from txckpt.tiered import TieredRoot
+from txckpt._root.root import forget_roots, open_root
+from txckpt._tiered.tiered import TieredRoot
 
 
 def test_a_fork_repeated_under_the_fast_tiers_lineage_id_names_the_same_lineage(tmp_path):

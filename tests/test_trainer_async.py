@@ -132,7 +132,7 @@ def test_same_checkpoints_as_sync_and_train_returns_committed(tmp_path):
     runs = {}
     for mode in ("sync", "async", "copy"):
         trainer, seen = train(out, {"sync": False, "async": True, "copy": "copy"}[mode])
-        assert txckpt.asyncsave.pending_saves() == 0
+        assert txckpt._async.asyncsave.pending_saves() == 0
         runs[mode] = (
             manifests(out),
             seen.saves,
@@ -196,7 +196,7 @@ def test_background_enospc_is_raised_by_train_at_the_next_save(tmp_path, monkeyp
     assert trainer.state.global_step == (6 if mode == "async" else 4)
     txckpt.forget_roots()
     assert [c.step for c in txckpt.CheckpointRoot(out).checkpoints(lineage="all")] == [2]
-    assert txckpt.asyncsave.pending_saves() == 0
+    assert txckpt._async.asyncsave.pending_saves() == 0
     txckpt.wait_for_saves()  # train() reported the error: it is not raised a second time
 
 
@@ -250,7 +250,7 @@ def test_true_is_lazy_unless_the_optimizer_changes_parameters_in_backward(optim,
 
     from transformers.training_args import OptimizerNames
 
-    from txckpt.integrations.trainer import async_saves as trainer_async
+    from txckpt.integrations._trainer import async_saves as trainer_async
 
     t = SimpleNamespace(
         args=SimpleNamespace(optim=OptimizerNames(optim)),
@@ -272,7 +272,7 @@ def test_true_is_lazy_unless_the_optimizer_changes_parameters_in_backward(optim,
 def test_lazy_snapshot_keeps_the_live_storages_and_copies_the_rest():
     """The eager half of a lazy snapshot: parameters' and optimizer state's storages stay live
     (the background copies them), everything else is copied at once."""
-    from txckpt.snapshot import SnapshotPool
+    from txckpt._async.snapshot import SnapshotPool
 
     weight, buffer = torch.ones(4), torch.zeros(2)
     view = weight[1:]
@@ -302,7 +302,10 @@ def test_jit_checkpoint_is_committed_before_training_goes_on(tmp_path, save_step
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 4:
-                self.seen = (txckpt.asyncsave.pending_saves(), txckpt.verify_checkpoint(out / "checkpoint-3").step)
+                self.seen = (
+                    txckpt._async.asyncsave.pending_saves(),
+                    txckpt.verify_checkpoint(out / "checkpoint-3").step,
+                )
 
     torch.manual_seed(0)
     req, check = RequestJIT(3), CommittedAt4()
@@ -330,7 +333,7 @@ def test_async_mode_refuses_engines_that_write_their_own_shards(engine):
     from types import SimpleNamespace
 
     from txckpt.errors import InvalidArgumentError
-    from txckpt.integrations.trainer.async_saves import AsyncSaves
+    from txckpt.integrations._trainer.async_saves import AsyncSaves
 
     handler = SimpleNamespace(on_save=lambda *a, **k: None)
     trainer = SimpleNamespace(txckpt_async_save=True, callback_handler=handler, **{engine: True})

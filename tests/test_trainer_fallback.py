@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 import txckpt  # noqa: E402
-import txckpt.fetch  # noqa: E402
+import txckpt._read.fetch  # noqa: E402
 from txckpt.errors import IntegrityError, InvalidArgumentError  # noqa: E402
 from txckpt.integrations.transformers import TransactionalTrainer  # noqa: E402
 
@@ -103,7 +103,7 @@ def test_the_option_is_checked_at_construction(tmp_path):
 
 @pytest.mark.s3
 def test_a_remote_restart_falls_back_and_downloads_what_it_loads_once(tmp_path, s3_root, monkeypatch):
-    from txckpt.storage import open_storage
+    from txckpt._storage import open_storage
 
     url, opts = s3_root
     out = tmp_path / "out"
@@ -116,7 +116,7 @@ def test_a_remote_restart_falls_back_and_downloads_what_it_loads_once(tmp_path, 
     fs.pipe_file(key, bytes(data))
 
     downloads: list[tuple[str, str]] = []
-    copy = txckpt.fetch.copy_hashing  # checksum's hash-while-copy loop, as the fetch calls it
+    copy = txckpt._read.fetch.copy_hashing  # checksum's hash-while-copy loop, as the fetch calls it
 
     def counting(reader, target, **kw):
         scratch = os.path.dirname(target.name)
@@ -125,7 +125,7 @@ def test_a_remote_restart_falls_back_and_downloads_what_it_loads_once(tmp_path, 
         downloads.append((os.path.basename(os.path.dirname(scratch)), os.path.relpath(target.name, scratch)))
         return copy(reader, target, **kw)
 
-    monkeypatch.setattr(txckpt.fetch, "copy_hashing", counting)
+    monkeypatch.setattr(txckpt._read.fetch, "copy_hashing", counting)
     txckpt.forget_roots()
     t = train(out, 6, resume=True, **mixin, txckpt_on_damaged="fallback")
     assert t.begin_step == 4

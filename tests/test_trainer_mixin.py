@@ -15,7 +15,7 @@ from transformers.trainer_utils import get_last_checkpoint as hf_get_last_checkp
 
 import txckpt  # noqa: E402
 from txckpt.integrations.transformers import TransactionalCheckpointMixin, TransactionalTrainer  # noqa: E402
-from txckpt.refs import ExternalParent  # noqa: E402
+from txckpt._base.refs import ExternalParent  # noqa: E402
 
 from tests.harness.tiny import Data, TinyConfig, TinyModel, digests, make_args  # noqa: E402
 
@@ -293,7 +293,7 @@ def test_the_mixin_must_come_first():
 
 def test_save_on_each_node_across_nodes_is_refused(monkeypatch):
     args = types.SimpleNamespace(save_on_each_node=True, world_size=4)
-    from txckpt.integrations.trainer import paths
+    from txckpt.integrations._trainer import paths
 
     for v in paths._LOCAL_WORLD_SIZE_VARS:
         monkeypatch.delenv(v, raising=False)

@@ -19,7 +19,7 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 
 import txckpt  # noqa: E402
 from txckpt.integrations.transformers import TransactionalTrainer  # noqa: E402
-from txckpt.storage import open_storage  # noqa: E402
+from txckpt._storage import open_storage  # noqa: E402
 
 from tests.harness.procs import torchrun as run_torchrun  # noqa: E402
 

@@ -14,7 +14,7 @@ from transformers import TrainerCallback  # noqa: E402
 
 import txckpt  # noqa: E402
 from txckpt.integrations.transformers import TransactionalTrainer  # noqa: E402
-from txckpt.root import forget_roots  # noqa: E402
+from txckpt._root.root import forget_roots  # noqa: E402
 from tests.harness.tiny import Data, TinyConfig, TinyModel, make_args  # noqa: E402
 
 pytestmark = pytest.mark.trainer

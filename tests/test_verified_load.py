@@ -1,4 +1,4 @@
-"""Verified loads decode while the hash finishes (txckpt.verify.load_checkpoint_files): a damaged
+"""Verified loads decode while the hash finishes (txckpt._manifest.verify.load_checkpoint_files): a damaged
 file is still refused, naming it, and nothing decoded from it is returned or kept alive; a file
 whose decoder is not safe on unchecked bytes (weights_only=False) is decoded only once checked.
 Local disk and S3 (moto), safetensors and torch files, a flipped byte at the start, middle and
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import txckpt
-from txckpt import fileio, reader, verify
+from txckpt._base import fileio
+from txckpt._read import reader
+from txckpt._manifest import verify
 from txckpt.errors import IntegrityError
 
 WEIGHTS, OPTIM = "model.safetensors", "optimizer.pt"
@@ -237,7 +239,7 @@ def test_the_hash_of_a_buffer_read_runs_behind_the_reader_and_is_checked_after(t
     monkeypatch.setattr(fileio, "_PIPELINE_MIN", 8192)
     import os
 
-    from txckpt import checksum
+    from txckpt._base import checksum
 
     data = os.urandom(100_003)
     p = tmp_path / "f.bin"

@@ -141,7 +141,7 @@ def test_popen_handle_signals_poll_and_pipes():
 
 
 def test_each_child_imports_txckpt_afresh():
-    mutate = "import txckpt.naming as n; print(n.__dict__.setdefault('_zygote_probe', 0)); n._zygote_probe = 1"
+    mutate = "import txckpt._base.naming as n; print(n.__dict__.setdefault('_zygote_probe', 0)); n._zygote_probe = 1"
     assert _c(mutate).stdout == "0\n"
     assert _c(mutate).stdout == "0\n"  # the first child's change died with it
 

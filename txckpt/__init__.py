@@ -10,7 +10,7 @@ The public API is what docs/api.md lists: the names below (``__all__``), :mod:`t
 tests/test_public_api.py checks both.
 """
 
-from .api import (
+from ._api import (
     async_save,
     fetch_checkpoint,
     forget_roots,
@@ -25,11 +25,11 @@ from .api import (
     verify_checkpoint,
 )
 from . import preemption
-from .asyncsave import release_buffers, wait_for_saves
-from .coordination import SingleProcess
+from ._async.asyncsave import release_buffers, wait_for_saves
+from ._base.coordination import SingleProcess
 from .errors import TxckptError
-from .gc import collect_garbage
-from .retention import (
+from ._maintenance.gc import collect_garbage
+from ._maintenance.retention import (
     RetentionPolicy,
     acquire_reader_lease,
     apply_retention,
@@ -37,10 +37,10 @@ from .retention import (
     release_reader_lease,
     rewind,
 )
-from .manifest import MANIFEST_NAME, Manifest
-from .rngstate import rng_state, set_rng_state
-from .root import CheckpointInfo, CheckpointRoot
-from .tiered import TieredRoot
+from ._manifest.manifest import MANIFEST_NAME, Manifest
+from ._base.rngstate import rng_state, set_rng_state
+from ._root.root import CheckpointInfo, CheckpointRoot
+from ._tiered.tiered import TieredRoot
 
 __version__ = "0.1.0"
 

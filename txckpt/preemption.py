@@ -28,9 +28,9 @@ import threading
 import time
 from typing import Any, Callable, NoReturn, Sequence
 
-from . import deps
-from .asyncsave import SaveFuture, mark_reported, recent_saves
-from .coordination import TorchDistributed, current_coordinator
+from ._base import deps
+from ._async.asyncsave import SaveFuture, mark_reported, recent_saves
+from ._base.coordination import TorchDistributed, current_coordinator
 from .errors import CoordinationTimeoutError, InvalidArgumentError, SignalNotCatchableError
 
 log = logging.getLogger("txckpt")

@@ -78,8 +78,8 @@ def saves(
 def retire_all_but_newest(root: str, so: dict | None) -> int:
     """Retention keep_last=1, abandoned checkpoints retired at once: deletes every checkpoint but
     the newest, among them the ones that first held the bytes it shares. How many it retired."""
-    from txckpt.retention import RetentionPolicy, apply_retention
-    from txckpt.root import open_root
+    from txckpt._maintenance.retention import RetentionPolicy, apply_retention
+    from txckpt._root.root import open_root
 
     return len(apply_retention(open_root(root, so), RetentionPolicy(keep_last=1, abandoned=0)))
 
@@ -139,7 +139,7 @@ def killed_save(
 
 
 def _committed(root: str, so: dict | None) -> list[Any]:
-    from txckpt.root import open_root
+    from txckpt._root.root import open_root
 
     return [c for c in open_root(root, so).checkpoints("all") if c.state != "retired"]
 
@@ -197,8 +197,8 @@ def _first_check(root: str, so: dict | None, before: list[str], prev_step: int, 
     newest is the previous step or (only if committed) the new one and loads bit-exact; gc then
     (dead staging, the killed save's leftovers) deletes nothing a committed manifest references."""
     import txckpt
-    from txckpt.gc import collect_garbage
-    from txckpt.root import open_root
+    from txckpt._maintenance.gc import collect_garbage
+    from txckpt._root.root import open_root
 
     v = _verify_all(root, so, "after the kill")
     new = [c for c in _committed(root, so) if c.txid not in before]
@@ -260,8 +260,8 @@ def after_kill(
         v.append(f"rank {rank}: the retry does not load bit-exact at 2 ranks: {diff}")
     dist.barrier()
     if rank == 0:
-        from txckpt.gc import collect_garbage
-        from txckpt.root import open_root
+        from txckpt._maintenance.gc import collect_garbage
+        from txckpt._root.root import open_root
 
         txckpt.forget_roots()
         out["retired"] = retire_all_but_newest(root, so)

@@ -272,7 +272,7 @@ def check_after_crash(root: str, prev_step: int, new_step: int) -> dict[str, Any
     staging is visible, and a restarted job saves the next step."""
     import txckpt
     from txckpt.integrations.dcp import TransactionalReader
-    from txckpt.root import CheckpointRoot
+    from txckpt._root.root import CheckpointRoot
 
     violations: list[str] = []
     committed = any(c.step == new_step for c in CheckpointRoot(root).history().checkpoints.values())

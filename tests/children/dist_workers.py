@@ -49,7 +49,7 @@ def save_files(
     import torch
 
     import txckpt
-    from txckpt import coordination
+    from txckpt._base import coordination
 
     calls = {"n": 0}
     orig = {m: getattr(coordination.TorchDistributed, m) for m in ("broadcast", "gather", "barrier", "gather_records")}
@@ -119,7 +119,7 @@ def die_after_gather(rank: int, world: int, *, root: str, step: int, victim: int
     """Rank ``victim`` SIGKILLs itself right after its report (the fixed-size record of its
     manifest part, protocol §3a) reached rank 0."""
     import txckpt
-    from txckpt import coordination
+    from txckpt._base import coordination
 
     if rank == victim:
         real = coordination.TorchDistributed.gather_records
@@ -286,7 +286,7 @@ def check_after_crash(root: str, prev_step: int, new_step: int, world: int) -> d
     """What a restarted job sees: the previous or the new checkpoint (new only if its commit
     entry exists), complete and verified; and it can save the next step."""
     import txckpt
-    from txckpt.root import CheckpointRoot
+    from txckpt._root.root import CheckpointRoot
 
     violations: list[str] = []
     history = CheckpointRoot(root).history()

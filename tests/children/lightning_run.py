@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-import txckpt.transactions
+import txckpt._save.transactions
 
 
 class TinyModule(L.LightningModule):
@@ -90,11 +90,11 @@ def fit(
 def die_committing(step: int) -> None:
     """SIGKILL this process inside the save of ``step``: its file staged and its manifest
     written, right before the commit entry (the commit point) is appended."""
-    real = txckpt.transactions.append_commit
+    real = txckpt._save.transactions.append_commit
 
     def append_commit(root: Any, manifest: Any, *args: Any, **kwargs: Any) -> Any:
         if manifest.step == step:
             os.kill(os.getpid(), signal.SIGKILL)
         return real(root, manifest, *args, **kwargs)
 
-    txckpt.transactions.append_commit = append_commit  # type: ignore[assignment]
+    txckpt._save.transactions.append_commit = append_commit  # type: ignore[assignment]

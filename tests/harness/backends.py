@@ -9,7 +9,7 @@ Fixtures
                            on 127.0.0.1, a free port); fake credentials are set in the environment
                            for the whole session, so spawned child processes inherit them.
 ``s3_root``    (function)  moto state reset, a fresh bucket, and ``(url, storage_options)`` for
-                           ``txckpt.storage.open_storage(url, storage_options)``.
+                           ``txckpt._storage.open_storage(url, storage_options)``.
 ``s3_requests`` (function) a :class:`~emulators.s3.RequestCounter` started at zero.
 ``any_root``   (function)  ``(url, storage_options)`` parametrized over local, memory and s3 (and
                            gcs / azure when their emulators are installed; see docs/remote.md).

@@ -16,7 +16,7 @@ index of an op can differ by one between runs while its name and occurrence do n
 
 :meth:`Tracer.install` interposes the Python-level file operations txckpt and its callers make:
 ``open`` for writing and every ``write`` on such a file, ``os.fsync/link/rename/replace/unlink/
-mkdir/rmdir``, ``txckpt.storage.local.rename_noreplace`` (renameat2) and ``txckpt.fileio.rename_exchange``. Writes done inside C or
+mkdir/rmdir``, ``txckpt._storage.local.store.rename_noreplace`` (renameat2) and ``txckpt._base.fileio.rename_exchange``. Writes done inside C or
 Rust code (``torch.save`` to a *path*, safetensors' ``save_file``) are not interposed: a crash point
 before and after the neighbouring operations brackets them. Subclasses interpose other layers
 (tests/reliability/injectors.py: fsspec's memory store, S3 requests) and call :meth:`op`.
@@ -235,8 +235,8 @@ class Tracer:
 
     def install(self) -> "Tracer":
         """Interpose the local file operations (see the module docstring)."""
-        import txckpt.fileio as fileio
-        import txckpt.storage.local as local
+        import txckpt._base.fileio as fileio
+        import txckpt._storage.local.store as local
 
         tracer = self
         for attr in OS_OPS:

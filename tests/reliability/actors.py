@@ -212,15 +212,15 @@ def op_tags(state: dict, path: str, so: dict | None = None) -> list[str]:
 
 
 def op_retention(state: dict, root: str, keep_last: int, so: dict | None = None) -> list[str]:
-    from txckpt.retention import RetentionPolicy, apply_retention
-    from txckpt.root import CheckpointRoot
+    from txckpt._maintenance.retention import RetentionPolicy, apply_retention
+    from txckpt._root.root import CheckpointRoot
 
     return [i.txid for i in apply_retention(CheckpointRoot(root, so), RetentionPolicy(keep_last=keep_last))]
 
 
 def op_gc(state: dict, root: str, so: dict | None = None, grace: float = 3600.0) -> list[list[str]]:
-    from txckpt.gc import collect_garbage
-    from txckpt.root import CheckpointRoot
+    from txckpt._maintenance.gc import collect_garbage
+    from txckpt._root.root import CheckpointRoot
 
     rep = collect_garbage(CheckpointRoot(root, so), grace_seconds=grace)
     return [[i.kind, i.key] for i in rep.items]
@@ -231,8 +231,8 @@ def op_lease(state: dict, root: str, path: str, recheck: bool = False, so: dict 
     is still committed and not retired); returns its txid."""
     import txckpt
     from txckpt.errors import CheckpointNotFoundError
-    from txckpt.retention import acquire_reader_lease
-    from txckpt.root import CheckpointRoot
+    from txckpt._maintenance.retention import acquire_reader_lease
+    from txckpt._root.root import CheckpointRoot
 
     r = CheckpointRoot(root, so)
     txid = txckpt.read_manifest(path, storage_options=so).txid
@@ -244,15 +244,15 @@ def op_lease(state: dict, root: str, path: str, recheck: bool = False, so: dict 
 
 def op_leases(state: dict, root: str, so: dict | None = None) -> list[str]:
     """The txids under a live reader lease."""
-    from txckpt.retention import read_leases
-    from txckpt.root import CheckpointRoot
+    from txckpt._maintenance.retention import read_leases
+    from txckpt._root.root import CheckpointRoot
 
     return sorted(read_leases(CheckpointRoot(root, so).storage)[0])
 
 
 def op_release(state: dict, root: str, so: dict | None = None) -> None:
-    from txckpt.retention import release_reader_lease
-    from txckpt.root import CheckpointRoot
+    from txckpt._maintenance.retention import release_reader_lease
+    from txckpt._root.root import CheckpointRoot
 
     release_reader_lease(CheckpointRoot(root, so), state.pop("lease"))
 

@@ -37,21 +37,21 @@ LEGACY_STEPS = (10, 20, 30)
 
 #: (function, when, nth) where a victim is paused and SIGKILLed.
 KILL_POINTS = (
-    ("txckpt.adoption:plan_adoption", "after", 1),
-    ("txckpt.adoption:_create_or_match", "after", 1),
-    ("txckpt.adoption:_create_or_match", "after", 2),
-    ("txckpt.adoption:_create_or_match", "after", 3),
-    ("txckpt.adoption:_other_live_adopters", "after", 1),
-    ("txckpt.adoption:_append_adopt_entry", "before", 1),
-    ("txckpt.adoption:_append_adopt_entry", "after", 1),
-    ("txckpt.transactions:append_commit", "before", 1),
+    ("txckpt._root.adoption:plan_adoption", "after", 1),
+    ("txckpt._root.adoption:_create_or_match", "after", 1),
+    ("txckpt._root.adoption:_create_or_match", "after", 2),
+    ("txckpt._root.adoption:_create_or_match", "after", 3),
+    ("txckpt._root.adoption:_other_live_adopters", "after", 1),
+    ("txckpt._root.adoption:_append_adopt_entry", "before", 1),
+    ("txckpt._root.adoption:_append_adopt_entry", "after", 1),
+    ("txckpt._save.transactions:append_commit", "before", 1),
 )
 
 
 def op_run(state: dict, root: str, mode: str, tag: str, so: dict | None = None) -> Any:
     """One copy of the job: ``txckpt adopt`` (mode "adopt") or its first save of step 40."""
     import txckpt
-    from txckpt.root import CheckpointRoot
+    from txckpt._root.root import CheckpointRoot
 
     from .core import payload
 
@@ -68,7 +68,7 @@ def _legacy_root(ctx: Ctx, backend: str, name: str) -> tuple[str, dict | None, d
     url, so = _root(ctx, backend, name)
 
     def build() -> dict[str, str]:
-        from txckpt.storage import open_storage
+        from txckpt._storage import open_storage
 
         st = open_storage(url, so)
         out = {}
@@ -83,7 +83,7 @@ def _template(ctx: Ctx) -> tuple[str, dict[str, str]]:
     template = os.path.join(ctx.workdir, "template")
 
     def build() -> dict[str, str]:
-        from txckpt.storage import open_storage
+        from txckpt._storage import open_storage
 
         os.makedirs(template)
         st = open_storage(template)
@@ -140,7 +140,7 @@ def concurrency_rounds(ctx: Ctx, case: Case, result: Result) -> None:
                 b.send(op_run, root, modes[1], "b", so)
                 outs = {"a": a.wait(), "b": b.wait()}
             elif style == "paused-after-hashing":
-                spec = "txckpt.adoption:plan_adoption"
+                spec = "txckpt._root.adoption:plan_adoption"
                 for x, m in zip((a, b), modes):
                     x.pause(spec, "after")
                     x.send(op_run, root, m, x.name, so)

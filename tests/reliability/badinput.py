@@ -47,9 +47,9 @@ from .roots import Roots
 def build_base(url: str, so: dict | None) -> dict[str, Any]:
     """A: 2, 4, 6; rollback to 2; B: 4. Plus a reader lease on A-2 and a dead writer's staging."""
     import txckpt
-    from txckpt.log import entry_key
-    from txckpt.retention import acquire_reader_lease
-    from txckpt.root import CheckpointRoot
+    from txckpt._log.log import entry_key
+    from txckpt._maintenance.retention import acquire_reader_lease
+    from txckpt._root.root import CheckpointRoot
 
     tags = {}
     for s in (2, 4, 6):
@@ -79,7 +79,7 @@ def build_base(url: str, so: dict | None) -> dict[str, Any]:
 
     # A history snapshot of the newest entry (protocol §4a; written by retention and gc every
     # 100 entries, here at once): damaged, it must be ignored, never trusted.
-    from txckpt import log as commit_log
+    from txckpt._log import log as commit_log
 
     every, commit_log.SNAPSHOT_EVERY = commit_log.SNAPSHOT_EVERY, 1
     try:
@@ -118,7 +118,7 @@ def build_base(url: str, so: dict | None) -> dict[str, Any]:
 # =================================================================================================
 def content_index(url: str, so: dict | None) -> dict[str, str]:
     """key -> sha1 of every file under the root."""
-    from txckpt.storage import open_storage
+    from txckpt._storage import open_storage
 
     from txckpt.errors import SpecialFileError
 
@@ -150,8 +150,8 @@ def probe(
 ) -> dict[str, Any]:
     import txckpt
     from txckpt.errors import TxckptError
-    from txckpt.gc import collect_garbage
-    from txckpt.root import CheckpointRoot
+    from txckpt._maintenance.gc import collect_garbage
+    from txckpt._root.root import CheckpointRoot
 
     txckpt.forget_roots()
     warned = capture_warnings()
@@ -184,7 +184,7 @@ def probe(
     rr = attempt("history", lambda: CheckpointRoot(url, so).checkpoints("all"))
     if isinstance(rr, list):
         # The history a fresh process reads (from a snapshot when one is usable) is the log's.
-        from txckpt import log as commit_log
+        from txckpt._log import log as commit_log
 
         from txckpt.cli import run_verify
         from txckpt.errors import TxckptError
@@ -466,8 +466,8 @@ def _read_template(c: Campaign, key: str) -> bytes:
 def hostile_manifests(ctx: Ctx, case: Case, result: Result) -> None:
     """Manifests that verify (a forged digest) but name unsafe paths; a manifest from another root;
     symlinks out of the root."""
-    from txckpt import checksum
-    from txckpt.manifest import FileEntry, _digest
+    from txckpt._base import checksum
+    from txckpt._manifest.manifest import FileEntry, _digest
 
     c = Campaign(ctx, case.backend, case, result)
     t = c.info["targets"]
@@ -530,7 +530,7 @@ def hostile_manifests(ctx: Ctx, case: Case, result: Result) -> None:
         import txckpt
 
         p = txckpt.save_checkpoint(other_url, 4, payload("B-4", 4), storage_options=tso)
-        from txckpt.storage import open_storage
+        from txckpt._storage import open_storage
 
         return base64.b64encode(open_storage(p, tso).read_bytes("txckpt-manifest.json")).decode()
 
@@ -651,7 +651,7 @@ def by_hand(ctx: Ctx, case: Case, result: Result) -> None:
 
     def add_legacy(step):
         def f(d: Damage) -> set[str]:
-            from txckpt.storage import open_storage
+            from txckpt._storage import open_storage
 
             write_legacy(
                 open_storage(c.roots.template()[0] if False else d.url, c.tso), f"checkpoint-{step}", f"L-{step}", step
@@ -701,7 +701,7 @@ def clock(ctx: Ctx, case: Case, result: Result) -> None:
     child_value(
         lambda: [
             [i.kind, i.key]
-            for i in __import__("txckpt.gc", fromlist=["x"])
+            for i in __import__("txckpt._maintenance.gc", fromlist=["x"])
             .collect_garbage(__import__("txckpt").root.CheckpointRoot(root))
             .items
             if i.kind not in ("retired",)
@@ -713,7 +713,7 @@ def clock(ctx: Ctx, case: Case, result: Result) -> None:
     with Actor("writer") as w, Actor("gc") as g2:
         w.value(op_save, root2, 1, "W-1")
         w.value(_set_clock_offset, -3600.0)
-        w.pause("txckpt.transactions:append_commit")
+        w.pause("txckpt._save.transactions:append_commit")
         w.send(op_save, root2, 2, "W-2")
         assert w.wait()[0] == "paused"
         items = g2.value(op_gc, root2)
@@ -766,7 +766,7 @@ root = sys.argv[1]
 sys.path.insert(0, %r)
 import txckpt
 from txckpt.errors import TxckptError, StorageError
-from txckpt.root import CheckpointRoot
+from txckpt._root.root import CheckpointRoot
 out = {}
 def attempt(name, fn):
     try:
@@ -782,12 +782,12 @@ attempt("save", lambda: txckpt.save_checkpoint(root, 8, {"a.dat": b"x"}))
 txckpt.forget_roots()
 attempt("resume(step=2)", lambda: txckpt.resume(root, step=2))
 txckpt.forget_roots()
-from txckpt.gc import collect_garbage
+from txckpt._maintenance.gc import collect_garbage
 def gc():
     rep = collect_garbage(CheckpointRoot(root))
     out["gc errors reported"] = str(len(rep.errors))
 attempt("gc", gc)
-from txckpt.retention import RetentionPolicy, apply_retention
+from txckpt._maintenance.retention import RetentionPolicy, apply_retention
 attempt("retention", lambda: apply_retention(CheckpointRoot(root), RetentionPolicy(keep_last=1)))
 print(json.dumps(out))
 """
@@ -851,7 +851,7 @@ def _open(file, mode="r", *a, **k):
 builtins.open = _open
 for _n in ("mkdir", "makedirs", "link", "rename", "replace", "unlink", "remove", "rmdir", "symlink"):
     setattr(_os, _n, _ro)
-import txckpt.storage.local as _l
+import txckpt._storage.local.store as _l
 _l.rename_noreplace = _ro
 """
 

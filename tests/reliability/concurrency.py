@@ -10,7 +10,7 @@
   never older than a save that returned before the lookup began, and never goes backwards. A
   reader that loses a race with the deletion of the checkpoint it looked up must get a typed
   error (txckpt gives unleased readers no grace period, docs/retention.md).
-* **Rotation vs a reader that announced itself** (txckpt.retention reader leases): a leased
+* **Rotation vs a reader that announced itself** (txckpt._maintenance.retention reader leases): a leased
   checkpoint must not be deleted while the reader loads it; plus two interleavings, forced with
   pauses, in which it is.
 * **gc beside a live writer**: its staging is kept.
@@ -74,7 +74,7 @@ def zombie_after_rollback(ctx: Ctx, case: Case, result: Result) -> None:
         z.value(op_save, root, 2, "A-2", so)
         z.value(op_save, root, 4, "A-4", so)
         # The zombie's next save is staged and about to commit when the operator rolls back.
-        z.pause("txckpt.transactions:append_commit")
+        z.pause("txckpt._save.transactions:append_commit")
         z.send(op_save, root, 6, "A-6", so)
         assert z.wait()[0] == "paused"
         op.value(op_resume, root, 2, so)
@@ -86,7 +86,7 @@ def zombie_after_rollback(ctx: Ctx, case: Case, result: Result) -> None:
             found.append(
                 f"[zombie] the zombie's in-flight save after a rollback: expected StaleLineageError, {_err(out)}"
             )
-        z.unpause("txckpt.transactions:append_commit")
+        z.unpause("txckpt._save.transactions:append_commit")
         out = z.call(op_save, root, 8, "A-8", so)
         if out[0] != "err" or out[1] != "StaleLineageError":
             found.append(f"[zombie] the zombie's next save after a rollback: expected StaleLineageError, {_err(out)}")
@@ -108,7 +108,7 @@ def zombie_beside_restart(ctx: Ctx, case: Case, result: Result) -> None:
         z.value(op_save, root, 2, "Z-2", so)
         z.value(op_save, root, 4, "Z-4", so)
         # (a) in flight: the zombie's save of 6 is staged when the restart takes over.
-        z.pause("txckpt.transactions:append_commit")
+        z.pause("txckpt._save.transactions:append_commit")
         z.send(op_save, root, 6, "Z-6", so)
         assert z.wait()[0] == "paused"
         r.value(op_resume, root, None, so)
@@ -121,7 +121,7 @@ def zombie_beside_restart(ctx: Ctx, case: Case, result: Result) -> None:
                 f"[zombie] the zombie's in-flight save of step 6 after its restart saved 6: expected a "
                 f"clear error, {_err(out)}"
             )
-        z.unpause("txckpt.transactions:append_commit")
+        z.unpause("txckpt._save.transactions:append_commit")
         # (b) the zombie's next save, a step the restart has not reached yet.
         before = _snap(root, so)
         out = z.call(op_save, root, 8, "Z-8", so)
@@ -157,14 +157,14 @@ def same_command_twice(ctx: Ctx, case: Case, result: Result) -> None:
         with Actor("a") as a, Actor("b") as b:
             actors = {"a": a, "b": b}
             for x in actors.values():
-                x.pause("txckpt.transactions:append_commit")
+                x.pause("txckpt._save.transactions:append_commit")
                 x.send(op_save, root, 2, f"{x.name}-2", so)
                 assert x.wait()[0] == "paused"
             outs = {}
             for name in order:
                 actors[name].go()
                 outs[name] = actors[name].wait()
-                actors[name].unpause("txckpt.transactions:append_commit")
+                actors[name].unpause("txckpt._save.transactions:append_commit")
             points += 1
             winners = [n for n, o in outs.items() if o[0] == "ok"]
             if len(winners) != 1:
@@ -203,7 +203,7 @@ def race_same_step(ctx: Ctx, case: Case, result: Result) -> None:
         for i in range(rounds):
             for x in (a, b):
                 x.value(op_resume, root, None, so)  # both follow the newest (as restarts do)
-                x.pause("txckpt.transactions:append_commit")
+                x.pause("txckpt._save.transactions:append_commit")
                 x.send(op_save, root, step, f"{x.name}-{step}", so)
                 assert x.wait()[0] == "paused"
             first, second = (a, b) if i % 2 == 0 else (b, a)
@@ -211,7 +211,7 @@ def race_same_step(ctx: Ctx, case: Case, result: Result) -> None:
             second.go()  # both race for the log entry
             outs = {first.name: first.wait(), second.name: second.wait()}
             for x in (a, b):
-                x.unpause("txckpt.transactions:append_commit")
+                x.unpause("txckpt._save.transactions:append_commit")
             wins = [n for n, o in outs.items() if o[0] == "ok"]
             if len(wins) != 1:
                 found.append(f"[race] step {step}: {len(wins)} writers committed: {outs}")
@@ -259,7 +259,7 @@ def op_poll(state: dict, root: str, so: dict | None, max_iters: int) -> dict[str
             # Typed. Why: retired and deleted between the lookup and the load, or moved (published
             # from its home to checkpoint-N) after the lookup returned its home path.
             try:
-                from txckpt.root import CheckpointRoot
+                from txckpt._root.root import CheckpointRoot
 
                 r = CheckpointRoot(root, so)
                 h = r.history()
@@ -370,7 +370,7 @@ def reader_outpaced(ctx: Ctx, case: Case, result: Result) -> None:
     backend = case.backend
     root, so = _root(ctx, backend, "outpaced")
     found: list[str] = []
-    spec = "txckpt.log:read_state"
+    spec = "txckpt._log.log:read_state"
     with Actor("writer") as w, Actor("reader") as r:
         for s in (1, 2, 3):
             w.value(op_save, root, s, f"W-{s}", so)
@@ -445,7 +445,7 @@ def lease_during_deletion(ctx: Ctx, case: Case, result: Result) -> None:
     with Actor("writer") as w, Actor("reader") as r:
         paths = [w.value(op_save, root, s, f"W-{s}", so) for s in (1, 2, 3)]
         # finish_retired's read of the leases is the second read_leases of apply_retention.
-        w.pause("txckpt.retention:read_leases", "after", nth=2)
+        w.pause("txckpt._maintenance.retention:read_leases", "after", nth=2)
         w.send(op_retention, root, 1, so)
         assert w.wait()[0] == "paused"
         out = r.call(op_lease, root, paths[1], False, so)
@@ -490,10 +490,10 @@ def lease_three_parties(ctx: Ctx, case: Case, result: Result) -> None:
     found: list[str] = []
     with Actor("writer") as w, Actor("reader") as r, Actor("finisher") as d:
         paths = [w.value(op_save, root, s, f"W-{s}", so) for s in (1, 2, 3)]
-        d.pause("txckpt.retention:read_leases", "after", nth=2)
+        d.pause("txckpt._maintenance.retention:read_leases", "after", nth=2)
         d.send(op_retention, root, 100, so)  # keeps everything; its finish_retired deletes retired data
         assert d.wait()[0] == "paused"
-        w.pause("txckpt.retention:read_leases", "after", nth=1)  # P has decided
+        w.pause("txckpt._maintenance.retention:read_leases", "after", nth=1)  # P has decided
         w.send(op_retention, root, 1, so)
         assert w.wait()[0] == "paused"
         out = r.call(op_lease, root, paths[1], True, so)
@@ -520,7 +520,7 @@ def gc_beside_live_writer(ctx: Ctx, case: Case, result: Result) -> None:
     found: list[str] = []
     with Actor("writer") as w, Actor("gc") as g:
         w.value(op_save, root, 1, "W-1", so)
-        w.pause("txckpt.transactions:append_commit")
+        w.pause("txckpt._save.transactions:append_commit")
         w.send(op_save, root, 2, "W-2", so)
         assert w.wait()[0] == "paused"
         for grace in (3600.0, 0.0):

@@ -395,9 +395,9 @@ def warm_up(trainer: bool = False, s3: bool = False) -> None:
 
     import txckpt
     import txckpt.cli  # noqa: F401
-    import txckpt.gc
-    import txckpt.retention  # noqa: F401
-    from txckpt.root import CheckpointRoot
+    import txckpt._maintenance.gc
+    import txckpt._maintenance.retention  # noqa: F401
+    from txckpt._root.root import CheckpointRoot
 
     d = tempfile.mkdtemp(dir=scratch_base(), prefix="txckpt-warm-")
     try:
@@ -406,7 +406,7 @@ def warm_up(trainer: bool = False, s3: bool = False) -> None:
         txckpt.load_checkpoint(p)
         with txckpt.transaction(root, 2) as tx:
             tx.save("a.pt", {"x": 1})
-        txckpt.gc.collect_garbage(CheckpointRoot(root))
+        txckpt._maintenance.gc.collect_garbage(CheckpointRoot(root))
         txckpt.resume(root, step=1)
         torch.load(io.BytesIO(b"not a checkpoint") if False else _buf(), weights_only=True)
         mem = f"memory://txckpt-warm-{os.getpid()}/root"

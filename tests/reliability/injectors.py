@@ -17,7 +17,7 @@ Where the operations are counted:
 
 * **local** (:class:`LocalInjector`): the Python-level file operations txckpt and its callers
   make: ``open`` for writing and every ``write`` on such a file, ``os.fsync/link/rename/replace/
-  unlink/mkdir/rmdir`` and ``txckpt.storage.local.rename_noreplace`` (renameat2). Writes done
+  unlink/mkdir/rmdir`` and ``txckpt._storage.local.store.rename_noreplace`` (renameat2). Writes done
   inside C or Rust code (``torch.save`` to a *path*, safetensors' ``save_file``; the Trainer
   uses both) are not interposed: a crash point before and after the neighbouring operations
   brackets them. Consecutive writes to one buffered file form a *write run*: a crash between two
@@ -137,7 +137,7 @@ class MemoryInjector(Injector):
     def install(self) -> "MemoryInjector":  # fsspec's store instead of the local files
         from fsspec.implementations.memory import MemoryFileSystem
 
-        from txckpt.storage.memory import MemoryStorage
+        from txckpt._storage.fsspec.memory import MemoryStorage
 
         inj = self
         for owner, attr in (

@@ -51,7 +51,7 @@ def snapshot(url: str, so: dict | None) -> dict[str, Any]:
     """txid -> {digest, step, lineage, retired, current} of every committed checkpoint, and the
     head's tip."""
     import txckpt
-    from txckpt.root import CheckpointRoot
+    from txckpt._root.root import CheckpointRoot
 
     txckpt.forget_roots()
     r = CheckpointRoot(url, so)
@@ -79,7 +79,7 @@ def read_tags(path: str, so: dict | None, tagger: str = "payload") -> set[str]:
     """The tags of the checkpoint at ``path``, loading (and so verifying) it."""
     import txckpt
     from txckpt.errors import ManifestError
-    from txckpt.storage import open_storage
+    from txckpt._storage import open_storage
 
     if tagger == "trainer":
         return trainer_tags(path, so)
@@ -112,7 +112,7 @@ def check(url: str, so: dict | None, expect: dict[str, Any]) -> list[str]:
     """Every invariant, then (``restart``) a restarted job's resume and save, then (``gc``) gc and
     the leak check. Runs in a fresh process (the caller forks)."""
     import txckpt
-    from txckpt.root import CheckpointRoot
+    from txckpt._root.root import CheckpointRoot
 
     v: list[str] = []
     tagger = expect.get("tagger", "payload")
@@ -195,7 +195,7 @@ def check(url: str, so: dict | None, expect: dict[str, Any]) -> list[str]:
 
     # 4. Public names (rename backends).
     if r.storage.atomic_dir_rename and hist.state.seq >= 0:
-        from txckpt.publication import manifest_txid
+        from txckpt._log.publication import manifest_txid
 
         allowed_foreign = set(expect.get("foreign_names") or [])
         for name in r.storage.list_dir(""):
@@ -218,7 +218,7 @@ def check(url: str, so: dict | None, expect: dict[str, Any]) -> list[str]:
 
     # 7. gc, leaks, and the kept checkpoints once more.
     if expect.get("gc", True):
-        from txckpt.gc import collect_garbage
+        from txckpt._maintenance.gc import collect_garbage
 
         txckpt.forget_roots()
         try:
@@ -281,7 +281,7 @@ def _check_legacy(r, expect: dict[str, Any]) -> list[str]:
     foreign = expect.get("foreign")
     if foreign:
         # Files another tool wrote under a checkpoint-N name: still there, or moved to orphans/.
-        from txckpt.publication import ORPHANS_DIR
+        from txckpt._log.publication import ORPHANS_DIR
 
         places = [foreign["name"]] + [f"{ORPHANS_DIR}/{n}" for n in r.storage.list_dir(ORPHANS_DIR)]
         want = {k: base64.b64decode(b) for k, b in foreign["files"].items()}
@@ -300,7 +300,7 @@ def _check_legacy(r, expect: dict[str, Any]) -> list[str]:
 
 def _restart(url: str, so: dict | None, tagger: str) -> list[str]:
     import txckpt
-    from txckpt.root import CheckpointRoot
+    from txckpt._root.root import CheckpointRoot
 
     v = []
     txckpt.forget_roots()
@@ -327,9 +327,9 @@ def _restart(url: str, so: dict | None, tagger: str) -> list[str]:
 
 def leaks(r, hist, expect: dict[str, Any]) -> list[str]:
     """After gc: no uncommitted staging, retired data, intents or temp files; names reconciled."""
-    from txckpt.gc import TEMP_DIRS
-    from txckpt.publication import TX_DIR, manifest_txid, public_key
-    from txckpt.root import INTENTS_DIR
+    from txckpt._maintenance.gc import TEMP_DIRS
+    from txckpt._log.publication import TX_DIR, manifest_txid, public_key
+    from txckpt._root.root import INTENTS_DIR
 
     v = []
     s = r.storage
@@ -340,7 +340,7 @@ def leaks(r, hist, expect: dict[str, Any]) -> list[str]:
             v.append(f"[leak] the data of retired {txid} survived gc")
     for name in s.list_dir(INTENTS_DIR):
         v.append(f"[leak] intent {name} survived gc")
-    from txckpt import log as commit_log
+    from txckpt._log import log as commit_log
 
     snapshots = commit_log.list_snapshots(s)
     if len(snapshots) > 1:

@@ -125,7 +125,7 @@ class Recorder:
         setattr(owner, attr, fn)
 
     def install(self) -> "Recorder":
-        import txckpt.storage.local as local
+        import txckpt._storage.local.store as local
 
         rec = self
         real_open, real_os_open, real_fsync = builtins.open, os.open, os.fsync

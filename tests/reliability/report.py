@@ -57,7 +57,7 @@ CAMPAIGNS = [
         "Real processes driven step by step through queues (no sleeps): a test can pause one inside txckpt (just "
         "before its commit, just after retention read the leases) and release it when another process has acted. "
         "Two writers (zombies, the same job twice, racing commits), readers polling during saves with rotation, "
-        "rotation against readers holding leases (txckpt.retention implements reader leases), gc beside a live "
+        "rotation against readers holding leases (txckpt._maintenance.retention implements reader leases), gc beside a live "
         "writer. Concurrent adoption of a legacy root (adopt+adopt, save+save, adopt+save): released together, both "
         "paused after hashing and released in a random order, or one paused at a random point of its adoption and "
         "SIGKILLed there (tests/reliability/adoption.py; the crash campaign's adoption-race row instead SIGKILLs one "

@@ -35,7 +35,7 @@ def _save(url, so, step, tag):
 
 
 def _root(url, so):
-    from txckpt.root import CheckpointRoot
+    from txckpt._root.root import CheckpointRoot
 
     return CheckpointRoot(url, so)
 
@@ -112,7 +112,7 @@ def build_foreign(url, so):
 
 # ----- retention --------------------------------------------------------------------------------
 def _retention_policy():
-    from txckpt.retention import RetentionPolicy
+    from txckpt._maintenance.retention import RetentionPolicy
 
     return RetentionPolicy(keep_last=2, abandoned=0)
 
@@ -120,7 +120,7 @@ def _retention_policy():
 def build_retention(url, so, save=_save):
     """A-1..A-5, a fork at 2, B-3 and B-4: retention lets 4 go. ``save``: how each is saved."""
     import txckpt
-    from txckpt.retention import plan_retention
+    from txckpt._maintenance.retention import plan_retention
 
     for s in (1, 2, 3, 4, 5):
         save(url, so, s, f"A-{s}")
@@ -134,14 +134,14 @@ def build_retention(url, so, save=_save):
 
 
 def run_retention(url, so, expect):
-    from txckpt.retention import apply_retention
+    from txckpt._maintenance.retention import apply_retention
 
     return [i.txid for i in apply_retention(_root(url, so), _retention_policy())]
 
 
 # ----- gc of every kind of garbage --------------------------------------------------------------
 def _gc_policy():
-    from txckpt.retention import RetentionPolicy
+    from txckpt._maintenance.retention import RetentionPolicy
 
     return RetentionPolicy(keep_last=1)
 
@@ -157,8 +157,8 @@ def _dead_pid() -> int:
 def build_gc(url, so):
     """A root holding every kind of garbage gc reclaims, and two half-done publications."""
     import txckpt
-    from txckpt.publication import home_key, public_key
-    from txckpt.retention import plan_retention, retire
+    from txckpt._log.publication import home_key, public_key
+    from txckpt._maintenance.retention import plan_retention, retire
 
     for s in (1, 2, 3, 4, 5):
         _save(url, so, s, f"A-{s}")
@@ -208,7 +208,7 @@ def build_gc(url, so):
 
 
 def run_gc(url, so, expect):
-    from txckpt.gc import collect_garbage
+    from txckpt._maintenance.gc import collect_garbage
 
     rep = collect_garbage(_root(url, so), policy=_gc_policy(), now=time.time() + 7200)
     return [(i.kind, i.key) for i in rep.items]
@@ -267,7 +267,7 @@ def _save_inc_txdir(url, so, step, tag):
     save): the frozen file equals the previous checkpoint's, so it is shared once hashed (a local
     root: a hard link renamed over the written file) or instead of its upload (an object store)."""
     import txckpt
-    from txckpt.serialization import write_object
+    from txckpt._save.serialization import write_object
 
     with txckpt.transaction(url, step, storage_options=so, incremental=True) as tx:
         for name, obj in {**payload(tag, step), "frozen.safetensors": _frozen()}.items():

@@ -37,7 +37,7 @@ KEEP_LAST = 3
 
 
 def _policy():
-    from txckpt.retention import RetentionPolicy
+    from txckpt._maintenance.retention import RetentionPolicy
 
     return RetentionPolicy(keep_last=KEEP_LAST, abandoned=0)
 
@@ -45,9 +45,9 @@ def _policy():
 def cycle(root: str, c: int, seed: int, kill_at: int | None, when: str, report_fd: int, gc_now: bool) -> None:
     """One restart of the job (in a child)."""
     import txckpt
-    from txckpt.gc import collect_garbage
-    from txckpt.retention import apply_retention
-    from txckpt.root import CheckpointRoot
+    from txckpt._maintenance.gc import collect_garbage
+    from txckpt._maintenance.retention import apply_retention
+    from txckpt._root.root import CheckpointRoot
 
     def report(**kw: Any) -> None:
         os.write(report_fd, (json.dumps(kw) + "\n").encode())
@@ -88,10 +88,10 @@ def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool, retained:
     import pickle
 
     import txckpt
-    from txckpt.gc import collect_garbage
-    from txckpt import log as commit_log
-    from txckpt.lineage import History
-    from txckpt.root import CheckpointRoot
+    from txckpt._maintenance.gc import collect_garbage
+    from txckpt._log import log as commit_log
+    from txckpt._log.lineage import History
+    from txckpt._root.root import CheckpointRoot
 
     v: list[str] = []
     txckpt.forget_roots()

@@ -145,7 +145,7 @@ def one_root_many_spellings(ctx: Ctx, case: Case, result: Result) -> None:
                     f"resumed through {names[1]!r}: expected StaleLineageError, {out[:3]}"
                 )
             # The restart is SIGKILLed just before the commit of a save through another name.
-            restart.pause("txckpt.transactions:append_commit")
+            restart.pause("txckpt._save.transactions:append_commit")
             restart.send(op_save, names[-1], step + 1, f"K-{step + 1}", so)
             assert restart.wait()[0] == "paused"
             restart.kill()

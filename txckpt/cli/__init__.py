@@ -11,14 +11,14 @@ The package: :mod:`.app` (the parser and :func:`main`, the console entry point
 ``txckpt.cli:main``), :mod:`.common` (exit codes, formatting, opening ROOT), one module per group
 of commands (:mod:`.views`: log, ls, show; :mod:`.verify`; :mod:`.export`; :mod:`.maintain`: gc,
 adopt, resume) and :mod:`.logview` (the lineage graph ``txckpt log`` draws). The commands call the
-library (txckpt.api, txckpt.verify, txckpt.root) and format what it finds.
+library (txckpt._api, txckpt._manifest.verify, txckpt._root.root) and format what it finds.
 """
 
 from __future__ import annotations
 
-from .app import build_parser, main
-from .common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, Problem, UsageError, parse_storage_options
-from .verify import run_verify
+from .._cli.app import build_parser, main
+from .._cli.common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, Problem, UsageError, parse_storage_options
+from .._cli.verify import run_verify
 
 __all__ = [
     "main",

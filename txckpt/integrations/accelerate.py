@@ -8,7 +8,7 @@ together on all processes, and whose ``load_state`` resumes along txckpt lineage
 docs/accelerate.md.
 
 * Automatic naming (``ProjectConfiguration(automatic_checkpoint_naming=True)``): the root is
-  ``project_dir/checkpoints``, whose naming (``txckpt/naming.py``) is accelerate's
+  ``project_dir/checkpoints``, whose naming (``txckpt/_base/naming.py``) is accelerate's
   ``checkpoint_<i>``; txckpt step i is accelerate's iteration i, taken from the lineage (the
   next step after the current lineage's newest), so a save after a rollback never collides with,
   nor deletes, anything. ``total_limit`` is txckpt's lineage-aware retention, after the commit.
@@ -16,7 +16,7 @@ docs/accelerate.md.
   is ``<root>/<prefix><step>`` and the root is ``project_dir`` or already a txckpt root of that
   naming (``project_dir/step_4``: step 4, naming ``step_``), published at that name. Any other
   directory (``initial``, a tempfile name, ``out/state``) is a directory of its own
-  (txckpt/integrations/accelerate_dirs.py): its content is replaced atomically, it holds only
+  (txckpt/integrations/_accelerate/dirs.py): its content is replaced atomically, it holds only
   the checkpoint and its manifest, and no directory becomes a root. The step is accelerate's
   iteration (one past the checkpoint last loaded or saved).
 * ``load_state()``: the newest committed checkpoint of the current lineage (a restart) of
@@ -38,7 +38,7 @@ docs/accelerate.md.
   generator states its iterator drew from), and the first iteration after ``load_state``
   replays that start, then continues from the saved step's RNG. Stock accelerate restores the
   RNGs before the loop makes the epoch's iterator, which then draws another order and shifts
-  every later dropout draw (txckpt/integrations/accelerate_epoch.py; docs/preemption.md).
+  every later dropout draw (txckpt/integrations/_accelerate/epoch.py; docs/preemption.md).
 
 The core of txckpt never imports accelerate; this module and its accelerate_* helpers are the
 only ones that do.
@@ -55,18 +55,18 @@ from accelerate import Accelerator
 
 import txckpt
 from txckpt import preemption
-from txckpt.coordination import decide_on_rank0
+from txckpt._base.coordination import decide_on_rank0
 from txckpt.errors import CheckpointNotFoundError, InvalidArgumentError
-from txckpt.fallback import check_on_damaged
-from txckpt.layout import entry_key, is_url
-from txckpt.naming import DEFAULT as DEFAULT_NAMING, Naming, record_naming, split_name
-from txckpt.reader import RootContext, names_a_checkpoint, parse
-from txckpt.retention import RetentionPolicy, apply_retention
-from txckpt.root import durable_default
-from txckpt.storage import open_storage
+from txckpt._root.fallback import check_on_damaged
+from txckpt._base.layout import entry_key, is_url
+from txckpt._base.naming import DEFAULT as DEFAULT_NAMING, Naming, record_naming, split_name
+from txckpt._read.reader import RootContext, names_a_checkpoint, parse
+from txckpt._maintenance.retention import RetentionPolicy, apply_retention
+from txckpt._root.root import durable_default
+from txckpt._storage import open_storage
 
-from .accelerate_dirs import dir_step, save_dir
-from .accelerate_epoch import read_epoch_starts, record_of, track, write_epoch_starts
+from ._accelerate.dirs import dir_step, save_dir
+from ._accelerate.epoch import read_epoch_starts, record_of, track, write_epoch_starts
 
 log = logging.getLogger("txckpt")
 
@@ -238,7 +238,7 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
         return None
 
     def _save_dir(self, d: str, safe_serialization: bool, kwargs: dict[str, Any]) -> str:
-        """save_state(d) into a local directory of its own (txckpt/integrations/accelerate_dirs.py)."""
+        """save_state(d) into a local directory of its own (txckpt/integrations/_accelerate/dirs.py)."""
         base = int(self.project_configuration.iteration)
 
         def plan() -> int:
@@ -261,7 +261,7 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
     # ----- data loaders ------------------------------------------------------------------------
     def prepare_data_loader(self, data_loader: Any, *args: Any, **kwargs: Any) -> Any:
         """accelerate's, and the loader records where each epoch starts (an exact resume
-        mid-epoch: txckpt/integrations/accelerate_epoch.py)."""
+        mid-epoch: txckpt/integrations/_accelerate/epoch.py)."""
         return track(super().prepare_data_loader(data_loader, *args, **kwargs))
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:

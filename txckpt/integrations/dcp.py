@@ -47,18 +47,19 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import errors, fileio
-from ..asyncsave import wait_for_root
-from ..checksum import HashingWriter, digest_bytes
+from .. import errors
+from .._base import fileio
+from .._async.asyncsave import wait_for_root
+from .._base.checksum import HashingWriter, digest_bytes
 from ..errors import IntegrityError, InvalidArgumentError, ManifestError, TransactionAbortedError
-from ..layout import intent_key
-from ..manifest import FileEntry, RangeTable, kind_for_name, read_rank_part
-from ..rankparts import write_part
-from ..reader import Found, read_checked
-from ..root import open_root
-from ..tiered import TieredRoot, load_source, save_target
-from ..verify import FALLBACK_HINT, _wrong_checksum, verify_checkpoint_files
-from .dcp_compat import (  # torch's unpublished DCP names (DCP's own file format, item by item)
+from .._base.layout import intent_key
+from .._manifest.manifest import FileEntry, RangeTable, kind_for_name, read_rank_part
+from .._manifest.rankparts import write_part
+from .._read.reader import Found, read_checked
+from .._root.root import open_root
+from .._tiered.tiered import TieredRoot, load_source, save_target
+from .._manifest.verify import FALLBACK_HINT, _wrong_checksum, verify_checkpoint_files
+from ._dcp.compat import (  # torch's unpublished DCP names (DCP's own file format, item by item)
     CURRENT_DCP_VERSION,
     DEFAULT_SUFFIX,
     _split_by_size_and_type,
@@ -67,8 +68,8 @@ from .dcp_compat import (  # torch's unpublished DCP names (DCP's own file forma
     _write_files_from_queue,
     narrow_tensor_by_index,
 )
-from .dcp_incremental import ITEMS_NAME, IncrementalShards, encode_items
-from .dcp_ranges import RANGES_NAME, RangeHashingWriter, read_ranges, shard_rank
+from ._dcp.incremental import ITEMS_NAME, IncrementalShards, encode_items
+from ._dcp.ranges import RANGES_NAME, RangeHashingWriter, read_ranges, shard_rank
 
 #: DCP's metadata file (the name FileSystemReader reads).
 METADATA_NAME = ".metadata"

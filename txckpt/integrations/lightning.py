@@ -31,15 +31,15 @@ try:  # the standalone packages: pytorch_lightning's Trainer checks lightning_fa
 except ImportError:  # only `lightning` installed: the usual case
     standalone_io = standalone_callbacks = standalone_connector = None  # type: ignore[assignment]
 
-from .. import deps
-from ..api import async_save as txckpt_async_save
-from ..api import load_checkpoint as txckpt_load
-from ..asyncsave import Job, LazySnapshot, submit, wait_for_root
-from ..coordination import SingleProcess
+from .._base import deps
+from .._api import async_save as txckpt_async_save
+from .._api import load_checkpoint as txckpt_load
+from .._async.asyncsave import Job, LazySnapshot, submit, wait_for_root
+from .._base.coordination import SingleProcess
 from ..errors import InvalidArgumentError
-from ..retention import finish_retired, retire
-from ..root import CheckpointRoot, open_root
-from .lightning_names import Resolved, is_last, is_local, link_name, names_in, newest, resolve, split
+from .._maintenance.retention import finish_retired, retire
+from .._root.root import CheckpointRoot, open_root
+from ._lightning.names import Resolved, is_last, is_local, link_name, names_in, newest, resolve, split
 
 log = logging.getLogger("txckpt")
 

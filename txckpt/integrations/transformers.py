@@ -9,12 +9,12 @@
         pass
 
 or use :class:`TransactionalTrainer`. docs/trainer.md is the guide; the implementation lives in
-the package txckpt.integrations.trainer (``mixin`` and its helper rooms), whose modules are
+the package txckpt.integrations._trainer (``mixin`` and its helper rooms), whose modules are
 internal: this module's ``__all__`` is the integration's public surface.
 """
 
 from __future__ import annotations
 
-from .trainer.mixin import TransactionalCheckpointMixin, TransactionalTrainer
+from ._trainer.mixin import TransactionalCheckpointMixin, TransactionalTrainer
 
 __all__ = ["TransactionalCheckpointMixin", "TransactionalTrainer"]

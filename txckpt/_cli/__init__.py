@@ -1,0 +1,4 @@
+"""The `txckpt` command's implementation: the parser, common formatting, one module per group of commands.
+
+Internal: the public entry point is `txckpt.cli`. Importing this package imports nothing.
+"""

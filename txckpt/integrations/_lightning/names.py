@@ -1,0 +1,253 @@
+"""The names Lightning gives checkpoints, resolved to txckpt's committed checkpoints.
+
+Lightning hands a ``CheckpointIO`` a file path (``dirpath/epoch=0-step=10.ckpt``) and later
+passes the same path to load and remove, and users ``torch.load`` it. A txckpt checkpoint is a
+committed directory holding that one file (under the name of its first save) and its manifest.
+The user-facing name is derived state, like txckpt's own ``checkpoint-N`` publication:
+
+* on a local root, ``dirpath/<name>.ckpt`` is a hard link to the committed file (same inode, the
+  same committed bytes: never a second write), replaced atomically (a link under a temp name
+  renamed over it), so stock ``torch.load`` reads it;
+* on an object store there is no link: the name is resolved through the log (the committed
+  checkpoint whose manifest lists that file name; ``last*.ckpt``: the current lineage's newest).
+
+This module owns that mapping (docs/lightning.md, "Layout"); the plugin
+(:mod:`txckpt.integrations.lightning`) owns when it changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+from ...errors import CheckpointNotFoundError
+from ..._base.fileio import fsync_dir
+from ..._base.layout import MANIFEST_NAME, is_url, temp_name, temp_target
+from ..._log.lineage import Checkpoint, History
+from ..._manifest.manifest import Manifest
+from ..._read.reader import parse
+from ..._root.root import CheckpointRoot, open_root
+from ..._storage.local.store import LocalStorage
+
+log = logging.getLogger("txckpt")
+
+#: ModelCheckpoint's ``CHECKPOINT_NAME_LAST``: ``last.ckpt`` and its versions ``last-v1.ckpt``.
+_LAST = "last"
+#: ``step=N`` in a name (ModelCheckpoint's default ``{epoch}-{step}``): which checkpoint to try first.
+_STEP_KEY = "step="
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Where a Lightning path's bytes are committed: the root, the checkpoint (its full path,
+    which :func:`txckpt.load_checkpoint` verifies), the file in it, and its log record."""
+
+    root: str
+    checkpoint: str
+    file: str
+    record: Checkpoint
+
+
+def split(path: str | os.PathLike, root: str | None) -> tuple[str, str]:
+    """(root, name) of a path Lightning gives: the plugin's root if it was given, else the
+    path's directory (the ModelCheckpoint's ``dirpath``); the name is the path's last part."""
+    p = os.fspath(path)
+    head, _, name = p.rstrip("/").rpartition("/")
+    if not is_url(p):
+        head, name = os.path.split(os.path.abspath(os.path.expanduser(p)))
+    return (root if root is not None else head), name
+
+
+def is_last(name: str) -> bool:
+    """Whether ``name`` is a ``last`` name: the current lineage's newest, whatever it links to.
+    (Lightning's names, not txckpt's checkpoint names: string tests, as ModelCheckpoint's own.)"""
+    stem = name.rsplit(".", 1)[0] if "." in name else name
+    version = stem[len(_LAST) + 2 :]
+    return stem == _LAST or (stem.startswith(_LAST + "-v") and version.isdigit())
+
+
+def _step_hint(name: str) -> int | None:
+    at = name.find(_STEP_KEY)
+    if at < 0 or (at > 0 and (name[at - 1].isalnum() or name[at - 1] == "_")):
+        return None
+    digits = ""
+    for ch in name[at + len(_STEP_KEY) :]:
+        if not ch.isdigit():
+            break
+        digits += ch
+    return int(digits) if digits else None
+
+
+def is_local(r: CheckpointRoot) -> bool:
+    return isinstance(r.storage, LocalStorage)
+
+
+def committed_file(manifest: Manifest) -> str:
+    """The one Lightning file a checkpoint this plugin committed holds."""
+    names = sorted(manifest.files)
+    if len(names) != 1:
+        raise CheckpointNotFoundError(
+            f"checkpoint {manifest.txid} holds {len(names)} files ({', '.join(names[:4])}), not the one "
+            "Lightning file a TransactionalCheckpointIO save commits; load it with txckpt.load_checkpoint"
+        )
+    return names[0]
+
+
+def read_manifest_of(r: CheckpointRoot, c: Checkpoint) -> tuple[str, Manifest] | None:
+    where = r.locate(c.ref)
+    if where is None:
+        return None
+    key = r.storage.key_of(where)
+    try:
+        return where, Manifest.decode(r.storage.read_bytes(f"{key}/{MANIFEST_NAME}"), f"{where}/{MANIFEST_NAME}")
+    except FileNotFoundError:  # moved or retired under us: not this one
+        return None
+
+
+def _candidates(history: History, name: str) -> Iterator[Checkpoint]:
+    """Every live committed checkpoint, the current lineage's first, newest first; those whose
+    step the name spells (``step=N``) before all others, so the usual lookup reads one manifest."""
+    current = list(history.in_view(None))
+    seen = {c.txid for c in current}
+    rest = [c for c in history.checkpoints.values() if c.txid not in seen and c.txid not in history.retired]
+    ordered = sorted(current, key=lambda c: -c.step) + sorted(rest, key=lambda c: -c.step)
+    step = _step_hint(name)
+    if step is not None:
+        ordered = [c for c in ordered if c.step == step] + [c for c in ordered if c.step != step]
+    return iter(ordered)
+
+
+def newest(r: CheckpointRoot) -> Resolved | None:
+    """The current lineage's newest committed checkpoint: what ``last`` means (protocol §6)."""
+    key = r.last_checkpoint_key()
+    if key is None:
+        return None
+    state = r.state()
+    tip = state.head_tip
+    history = r.history()
+    record = history.checkpoints.get(tip.txid) if tip is not None and tip.txid else None
+    if record is None:  # an adopted or legacy tip: not a Lightning checkpoint of this plugin
+        return None
+    where = r.storage.full_path(key)
+    manifest = Manifest.decode(r.storage.read_bytes(f"{key}/{MANIFEST_NAME}"), f"{where}/{MANIFEST_NAME}")
+    return Resolved(r.url, where, committed_file(manifest), record)
+
+
+def resolve(path: str | os.PathLike, root: str | None, storage_options: Mapping[str, Any] | None) -> Resolved | None:
+    """The committed checkpoint a Lightning path names, or None if no committed checkpoint of
+    its root does (a root without a log, a file txckpt did not write)."""
+    p = os.fspath(path)
+    inside = _inside_checkpoint(p, storage_options)
+    if inside is not None:
+        return inside
+    root_path, name = split(p, root)
+    r = open_root(root_path, storage_options)
+    try:
+        if r.state().seq < 0:
+            return None
+    except FileNotFoundError:
+        return None
+    if is_last(name):
+        return newest(r)
+    link = _inode(p) if is_local(r) else None
+    for c in _candidates(r.history(), name):
+        found = read_manifest_of(r, c)
+        if found is None:
+            continue
+        where, manifest = found
+        if name in manifest.files:
+            return Resolved(r.url, where, name, c)
+        if link is not None:
+            try:
+                own = os.path.join(where, committed_file(manifest))
+            except CheckpointNotFoundError:
+                continue
+            if _inode(own) == link:
+                return Resolved(r.url, where, os.path.basename(own), c)
+    return None
+
+
+def _inside_checkpoint(p: str, storage_options: Mapping[str, Any] | None) -> Resolved | None:
+    """A path to the file inside a committed checkpoint (what ``ckpt_path="last"`` resolves to)."""
+    head, _, name = p.rstrip("/").rpartition("/")
+    if not is_url(p):
+        head, name = os.path.split(os.path.abspath(os.path.expanduser(p)))
+    where = parse(head) if head else None  # checkpoint-N/ or a home: the shape alone, no I/O
+    if where is None:
+        return None
+    r = open_root(where.root, storage_options)
+    key = r.storage.key_of(head)
+    if key is None:
+        return None
+    try:
+        data = r.storage.read_bytes(f"{key}/{MANIFEST_NAME}")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    manifest = Manifest.decode(data, f"{head}/{MANIFEST_NAME}")
+    record = r.history().checkpoints.get(manifest.txid)
+    if record is None or name not in manifest.files:
+        return None
+    return Resolved(r.url, head, name, record)
+
+
+def _inode(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def link_name(committed: str, path: str, *, durable: bool) -> None:
+    """Make local ``path`` a hard link to the committed file ``committed``: linked under a temp
+    name in the same directory, then renamed over ``path``, so a reader sees the old bytes or
+    the new ones, never a partial name. Whatever ``path`` named before keeps its bytes where they
+    are committed (another lineage's checkpoint loses a name, never data)."""
+    directory, name = os.path.split(path)
+    _remove_leftover_links(directory, name)
+    tmp = os.path.join(directory, temp_name(name, hidden=True))
+    os.link(committed, tmp)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    if durable:
+        fsync_dir(directory)
+
+
+def _remove_leftover_links(directory: str, name: str) -> None:
+    """A crash between the link and the rename leaves ``.<name>.<12 hex>.tmp``: one more link to
+    committed bytes (never a partial file). Only this plugin links ``name`` (one writer per root),
+    so the next link of the same name removes it."""
+    prefix = "." + name + "."
+    with os.scandir(directory) as it:
+        leftovers = [e.path for e in it if e.name.startswith(prefix) and temp_target(e.name) == name]
+    for p in leftovers:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+def names_in(directory: str, committed: str, *, besides: str | None = None) -> list[str]:
+    """The names in ``directory`` (a local root's top level) that are links to the committed
+    file ``committed``, ``besides`` aside. A scan, not the link count: an incremental save's
+    shared files are links between checkpoints too (docs/incremental.md)."""
+    own = _inode(committed)
+    if own is None:
+        return []
+    found = []
+    with os.scandir(directory) as it:
+        for entry in it:
+            if entry.name == besides or entry.name.startswith(".") or not entry.is_file(follow_symlinks=False):
+                continue
+            st = entry.stat(follow_symlinks=False)
+            if (st.st_dev, st.st_ino) == own:
+                found.append(entry.name)
+    return found
+
+
+__all__ = ["Resolved", "split", "is_last", "is_local", "committed_file", "newest", "resolve", "link_name", "names_in"]
