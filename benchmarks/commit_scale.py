@@ -141,7 +141,8 @@ def _load_read(storage: Any, key: str, path: str, rank: int) -> dict[str, int]:
     """What a DCP loading rank reads to know its own files and their range digests (checked
     against the Merkle root), by what the storage calls returned: the manifest, its part (with
     its ranges), its proof's tree nodes: TransactionalReader's read (``read_rank_part``)."""
-    from txckpt._manifest.manifest import MANIFEST_NAME, Manifest, read_rank_part
+    from txckpt._base.layout import MANIFEST_NAME
+    from txckpt._manifest.manifest import Manifest, read_rank_part
 
     got = {"manifest": 0, "part": 0, "proof": 0}
     real_bytes, real_ranges = storage.read_bytes, storage.read_ranges
@@ -172,7 +173,7 @@ def _load_read(storage: Any, key: str, path: str, rank: int) -> dict[str, int]:
 def _one(w: int) -> dict[str, Any]:
     import txckpt
     from txckpt._manifest import parts as P
-    from txckpt._manifest.manifest import MANIFEST_NAME
+    from txckpt._base.layout import MANIFEST_NAME
 
     root = h.fresh_dir(f"commit-{w}")
     out: dict[str, Any] = {}

@@ -158,7 +158,8 @@ def memory_child(path: str, verify: bool) -> dict[str, Any]:
     __import__("torch")  # before the baseline, as a training script has it
 
     import txckpt
-    from txckpt._manifest.manifest import MANIFEST_NAME, Manifest
+    from txckpt._base.layout import MANIFEST_NAME
+    from txckpt._manifest.manifest import Manifest
 
     nbytes = Manifest.decode(open(os.path.join(path, MANIFEST_NAME), "rb").read()).total_bytes
     base = h.proc_status("VmRSS")

@@ -21,7 +21,8 @@ import txckpt
 from txckpt.errors import AdoptionInProgressError, AmbiguousCheckpointNameError
 from txckpt._maintenance.gc import collect_garbage
 from txckpt._maintenance.intents import intent_record
-from txckpt._manifest.manifest import MANIFEST_NAME, Manifest
+from txckpt._base.layout import MANIFEST_NAME
+from txckpt._manifest.manifest import Manifest
 from txckpt._base.layout import INTENTS_DIR
 from txckpt._root.root import CheckpointRoot
 

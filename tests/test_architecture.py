@@ -492,3 +492,103 @@ def test_child_process_entry_points_live_in_tests_children():
     assert found == [], f"entry points outside tests/children/ (move them there): {found}"
     for rel in ENTRY_POINTS_ELSEWHERE:  # an exception that stopped being one is removed from the list
         assert _has_main_block(open(os.path.join(HERE, rel)).read()), rel
+
+
+# ----- folders (issue 46): public paths, private rooms, one way down, one seam ------------------
+
+#: The modules users may import (docs/api.md, "Public modules"), and the two entry points run as
+#: ``python -m``; every other module has a ``_``-prefixed part in its path.
+PUBLIC_MODULES = (
+    "txckpt",
+    "txckpt.errors",
+    "txckpt.preemption",
+    "txckpt.cli",
+    "txckpt.integrations",
+    "txckpt.integrations.transformers",
+    "txckpt.integrations.accelerate",
+    "txckpt.integrations.dcp",
+    "txckpt.integrations.lightning",
+)
+ENTRY_POINTS = ("txckpt.__main__", "txckpt.demo")
+#: The backend families; only txckpt._storage (which chooses one) and they themselves import them.
+BACKENDS = ("txckpt._storage.local", "txckpt._storage.fsspec", "txckpt._storage.s3")
+
+
+def _folders() -> dict[str, int]:
+    text = open(os.path.join(HERE, "docs", "architecture.md")).read()
+    block = re.search(r"```folders\n(.*?)```", text, re.S)
+    assert block, "docs/architecture.md has no ```folders block"
+    levels: dict[str, int] = {}
+    for line in block.group(1).strip().splitlines():
+        m = re.fullmatch(r"level (\d+): (.+)", line.strip())
+        assert m, f"unreadable folders line: {line!r}"
+        for folder in (x.strip() for x in m.group(2).split(",")):
+            assert folder not in levels, f"{folder} is on two levels"
+            levels[folder] = int(m.group(1))
+    return levels
+
+
+def _folder_of(mod: str, levels: dict[str, int]) -> str:
+    """The longest folder of the block that ``mod`` is or lies in."""
+    owners = [f for f in levels if mod == f or mod.startswith(f + ".")]
+    assert owners, f"{mod} lies in no folder of docs/architecture.md's folders block"
+    return max(owners, key=len)
+
+
+def _under(mod: str, package: str) -> bool:
+    return mod == package or mod.startswith(package + ".")
+
+
+def test_every_internal_module_is_private():
+    public = set(PUBLIC_MODULES) | set(ENTRY_POINTS)
+    exposed = [m for m in _modules() if m not in public and not any(p.startswith("_") for p in m.split(".")[1:])]
+    assert exposed == [], "internal modules without a _-prefixed part in their path"
+
+
+def test_folders_import_one_way_down():
+    levels, modules = _folders(), _modules()
+    wrong = []
+    for name, path in sorted(modules.items()):
+        mine = _folder_of(name, levels)
+        for dep in sorted(_imports(name, path, modules)[0]):
+            theirs = _folder_of(dep, levels)
+            if theirs != mine and levels[theirs] >= levels[mine]:
+                wrong.append(f"{name} ({mine}, level {levels[mine]}) imports {dep} ({theirs}, level {levels[theirs]})")
+    assert wrong == []
+
+
+def test_no_backend_import_above_storage():
+    modules = _modules()
+    wrong = []
+    for name, path in sorted(modules.items()):
+        if _under(name, "txckpt._storage"):
+            continue  # the seam itself: open_storage chooses, a family imports its own modules
+        for dep in sorted(_imports(name, path, modules)[0]):
+            if any(_under(dep, b) for b in BACKENDS):
+                wrong.append(f"{name} imports {dep}")
+    assert wrong == [], "backend knowledge above storage/: ask the Storage instead"
+
+
+def test_internal_all_lists_only_what_the_module_defines():
+    """One address per name: an internal module does not re-export another module's names
+    (integrations/_dcp/compat.py excepted: it is the one place that names torch's private DCP
+    helpers, which it re-exports by design)."""
+    public = set(PUBLIC_MODULES) | set(ENTRY_POINTS)
+    wrong = []
+    for name, path in sorted(_modules().items()):
+        if name in public or name == "txckpt.integrations._dcp.compat":
+            continue
+        tree = ast.parse(open(path).read())
+        defined, listed = set(), []
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+            ):
+                listed = list(ast.literal_eval(node.value))
+        wrong += [f"{name}.{n}" for n in listed if n not in defined]
+    assert wrong == [], "re-exported names: import them from the module that defines them"

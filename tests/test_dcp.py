@@ -141,7 +141,8 @@ def test_two_ranks_write_format_2_with_each_ranks_range_digests_in_its_part(save
     """Protocol §3a: each rank's files and their range digests are in its part (the coordinator
     receives neither); the manifest lists only the coordinator's own .metadata: no
     txckpt-dcp-ranges.json, whose size grew with the ranks."""
-    from txckpt._manifest.manifest import MANIFEST_NAME, Manifest
+    from txckpt._base.layout import MANIFEST_NAME
+    from txckpt._manifest.manifest import Manifest
 
     path = saved["out"][0]["path"]
     with open(os.path.join(path, MANIFEST_NAME), "rb") as f:

@@ -13,7 +13,7 @@ import txckpt
 from txckpt import cli
 from txckpt.errors import IntegrityError, InvalidArgumentError, ManifestError, NoIntactCheckpointError
 from txckpt._log.log import read_state
-from txckpt._manifest.manifest import MANIFEST_NAME
+from txckpt._base.layout import MANIFEST_NAME
 from txckpt._storage import open_storage
 
 WEIGHTS = "model.safetensors"

@@ -18,7 +18,8 @@ from tests.harness.fs import tree
 from txckpt._maintenance.gc import collect_garbage
 from txckpt._maintenance.intents import pid_alive, process_start, writer_status
 from txckpt._base.layout import INTENTS_DIR, ORPHANS_DIR, READERS_DIR, TX_DIR, home_key
-from txckpt._maintenance.retention import RetentionPolicy, acquire_reader_lease, retire
+from txckpt._maintenance.retention import RetentionPolicy, retire
+from txckpt._maintenance.leases import acquire_reader_lease
 
 
 pytestmark = pytest.mark.non_durable  # TXCKPT_DURABLE=0 for every test here (tests/conftest.py)

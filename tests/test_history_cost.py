@@ -18,7 +18,7 @@ import txckpt
 from txckpt._log import log as commit_log
 from txckpt.cli import main as cli_main
 from txckpt._cli.views import LS_DEFAULT_COUNT
-from txckpt._manifest.manifest import MANIFEST_NAME
+from txckpt._base.layout import MANIFEST_NAME
 
 from benchmarks.lookup import build_root
 from tests.conftest import count_reads

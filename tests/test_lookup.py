@@ -121,7 +121,7 @@ def test_lookup_gives_up_with_a_typed_error_when_always_outpaced(tmp_path, monke
     monkeypatch.setattr(reader, "state", state_then_rotate)
     with pytest.raises(LookupRaceError) as e:
         reader.get_last_checkpoint()
-    assert e.value.attempts == txckpt._root.root.LOOKUP_ATTEMPTS
+    assert e.value.attempts == txckpt._log.publication.LOOKUP_ATTEMPTS
     assert e.value.root == reader.url and "reader lease" in str(e.value)
 
 

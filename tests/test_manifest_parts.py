@@ -25,13 +25,13 @@ from txckpt.errors import ManifestError
 from txckpt._manifest.manifest import (
     FORMAT,
     FORMAT_V2,
-    MANIFEST_NAME,
     Manifest,
     decode_part,
     encode_part,
     read_rank_files,
     read_rank_part,
 )
+from txckpt._base.layout import MANIFEST_NAME
 
 
 # ----- the tree and the record ----------------------------------------------------------------

@@ -110,7 +110,8 @@ def test_zombie_beside_its_restart_is_fenced(root):
 
 # Regression test of KI-lease, fixed in the core (was a strict xfail).
 def test_lease_is_refused_once_deletion_began(root):
-    from txckpt._maintenance.retention import acquire_reader_lease, retire
+    from txckpt._maintenance.leases import acquire_reader_lease
+    from txckpt._maintenance.retention import retire
 
     paths = [_save(root, s, f"W-{s}") for s in (1, 2, 3)]
     txid = txckpt.read_manifest(paths[1]).txid
@@ -121,6 +122,7 @@ def test_lease_is_refused_once_deletion_began(root):
 
 # Regression test of KI-lease-order, fixed in the core (was a strict xfail).
 def test_finish_retired_reads_leases_after_the_retired_set(root, monkeypatch):
+    from txckpt._maintenance.leases import acquire_reader_lease
     from txckpt._maintenance import retention
 
     paths = [_save(root, s, f"W-{s}") for s in (1, 2, 3)]
@@ -134,7 +136,7 @@ def test_finish_retired_reads_leases_after_the_retired_set(root, monkeypatch):
             calls.append(1)
             # After this deleter read the leases: a reader leases step 2 and checks it is not retired;
             # then another process's rotation (which decided earlier) retires it.
-            retention.acquire_reader_lease(CheckpointRoot(root), txid)
+            acquire_reader_lease(CheckpointRoot(root), txid)
             assert txid not in CheckpointRoot(root).history().retired
             retention.retire(CheckpointRoot(root), [txid])
         return out
@@ -184,7 +186,7 @@ def test_power_cut_after_commit_keeps_the_checkpoint(tmp_path):
 # Regression test of KI-log-unprotected, fixed in the core (was a strict xfail).
 def test_flipped_byte_in_a_log_entry_is_detected(root):
     from txckpt._maintenance.gc import collect_garbage
-    from txckpt._log.log import entry_key
+    from txckpt._base.layout import entry_key
 
     for s in (2, 4, 6):
         _save(root, s, f"A-{s}")
@@ -210,7 +212,7 @@ def test_flipped_byte_in_a_log_entry_is_detected(root):
 
 # Regression test of KI-log-rollback, fixed in the core (was a strict xfail).
 def test_a_deleted_newest_log_entry_is_not_silent(root, txlog):
-    from txckpt._log.log import entry_key
+    from txckpt._base.layout import entry_key
 
     _save(root, 2, "A-2")
     newest = _save(root, 4, "A-4")

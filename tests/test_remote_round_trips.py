@@ -14,7 +14,7 @@ import pytest
 import txckpt
 from txckpt._log import log
 from txckpt._base.layout import LATEST_HINT, LOG_DIR
-from txckpt._manifest.manifest import MANIFEST_NAME
+from txckpt._base.layout import MANIFEST_NAME
 
 pytestmark = pytest.mark.s3
 

@@ -9,14 +9,8 @@ import pytest
 
 import txckpt
 from txckpt._maintenance.gc import collect_garbage
-from txckpt._maintenance.retention import (
-    RetentionPolicy,
-    acquire_reader_lease,
-    apply_retention,
-    release_reader_lease,
-    retire,
-    rewind,
-)
+from txckpt._maintenance.retention import RetentionPolicy, apply_retention, retire, rewind
+from txckpt._maintenance.leases import acquire_reader_lease, release_reader_lease
 
 
 pytestmark = pytest.mark.non_durable  # TXCKPT_DURABLE=0 for every test here (tests/conftest.py)

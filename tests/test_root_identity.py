@@ -17,7 +17,7 @@ import txckpt
 from txckpt._async import asyncsave
 from txckpt._save import transactions
 from txckpt.errors import RootNotFoundError
-from txckpt._root.root import root_key
+from txckpt._log.identity import root_key
 
 pytestmark = pytest.mark.non_durable
 

@@ -12,34 +12,29 @@ tests/test_public_api.py checks both.
 
 from ._api import (
     async_save,
-    fetch_checkpoint,
-    forget_roots,
     get_last_checkpoint,
     load_checkpoint,
     new_lineage,
-    open_root,
     read_manifest,
     resume,
     save_checkpoint,
     transaction,
     verify_checkpoint,
 )
+from ._read.fetch import fetch_checkpoint
+from ._root.root import forget_roots, open_root
 from . import preemption
 from ._async.asyncsave import release_buffers, wait_for_saves
 from ._base.coordination import SingleProcess
 from .errors import TxckptError
 from ._maintenance.gc import collect_garbage
-from ._maintenance.retention import (
-    RetentionPolicy,
-    acquire_reader_lease,
-    apply_retention,
-    plan_retention,
-    release_reader_lease,
-    rewind,
-)
-from ._manifest.manifest import MANIFEST_NAME, Manifest
+from ._maintenance.retention import RetentionPolicy, apply_retention, plan_retention, rewind
+from ._maintenance.leases import acquire_reader_lease, release_reader_lease
+from ._base.layout import MANIFEST_NAME
+from ._manifest.manifest import Manifest
 from ._base.rngstate import rng_state, set_rng_state
-from ._root.root import CheckpointInfo, CheckpointRoot
+from ._log.lineage import CheckpointInfo
+from ._root.root import CheckpointRoot
 from ._tiered.tiered import TieredRoot
 
 __version__ = "0.1.0"

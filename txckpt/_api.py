@@ -15,13 +15,11 @@ from ._read import reader
 from ._async.asyncsave import wait_for_root
 from ._base.coordination import SingleProcess, decide_on_rank0
 from .errors import RootNotFoundError
-from ._read.fetch import fetch_checkpoint
 from ._base.issued import issue, issued, options_for
 from ._manifest.manifest import Manifest
 
 # The per-process root cache is root.py's; open_root/forget_roots stay importable from here.
-from ._root.root import forget_roots, open_root
-from ._storage import LocalStorage
+from ._root.root import open_root
 from ._tiered.tiered import TieredRoot
 from ._save.transactions import Transaction
 
@@ -134,7 +132,7 @@ def get_last_checkpoint(
     if key is None:
         return None
     given = os.fspath(root)
-    if isinstance(r.storage, LocalStorage) and not given.startswith("file://"):
+    if r.storage.local_path("") is not None and not given.startswith("file://"):
         return issue(os.path.join(given, *key.split("/")), storage_options)
     return issue(r.storage.full_path(key), storage_options)
 
@@ -272,7 +270,4 @@ __all__ = [
     "read_manifest",
     "verify_checkpoint",
     "load_checkpoint",
-    "fetch_checkpoint",
-    "open_root",
-    "forget_roots",
 ]

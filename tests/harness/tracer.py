@@ -259,7 +259,10 @@ class Tracer:
 
             return wrapper
 
+        # LocalStorage calls its own binding; the code above storage/ (fetch, Accelerate's
+        # directories) calls fileio's: each call passes one of the two wrappers, once.
         self._patch(local, "rename_noreplace", rn_factory)
+        self._patch(fileio, "rename_noreplace", rn_factory)
 
         def rx_factory(real: Any) -> Any:
             def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -231,7 +231,7 @@ def op_lease(state: dict, root: str, path: str, recheck: bool = False, so: dict 
     is still committed and not retired); returns its txid."""
     import txckpt
     from txckpt.errors import CheckpointNotFoundError
-    from txckpt._maintenance.retention import acquire_reader_lease
+    from txckpt._maintenance.leases import acquire_reader_lease
     from txckpt._root.root import CheckpointRoot
 
     r = CheckpointRoot(root, so)
@@ -251,7 +251,7 @@ def op_leases(state: dict, root: str, so: dict | None = None) -> list[str]:
 
 
 def op_release(state: dict, root: str, so: dict | None = None) -> None:
-    from txckpt._maintenance.retention import release_reader_lease
+    from txckpt._maintenance.leases import release_reader_lease
     from txckpt._root.root import CheckpointRoot
 
     release_reader_lease(CheckpointRoot(root, so), state.pop("lease"))

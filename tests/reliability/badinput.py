@@ -47,8 +47,8 @@ from .roots import Roots
 def build_base(url: str, so: dict | None) -> dict[str, Any]:
     """A: 2, 4, 6; rollback to 2; B: 4. Plus a reader lease on A-2 and a dead writer's staging."""
     import txckpt
-    from txckpt._log.log import entry_key
-    from txckpt._maintenance.retention import acquire_reader_lease
+    from txckpt._base.layout import entry_key
+    from txckpt._maintenance.leases import acquire_reader_lease
     from txckpt._root.root import CheckpointRoot
 
     tags = {}

@@ -281,7 +281,7 @@ def _check_legacy(r, expect: dict[str, Any]) -> list[str]:
     foreign = expect.get("foreign")
     if foreign:
         # Files another tool wrote under a checkpoint-N name: still there, or moved to orphans/.
-        from txckpt._log.publication import ORPHANS_DIR
+        from txckpt._base.layout import ORPHANS_DIR
 
         places = [foreign["name"]] + [f"{ORPHANS_DIR}/{n}" for n in r.storage.list_dir(ORPHANS_DIR)]
         want = {k: base64.b64decode(b) for k, b in foreign["files"].items()}
@@ -327,9 +327,10 @@ def _restart(url: str, so: dict | None, tagger: str) -> list[str]:
 
 def leaks(r, hist, expect: dict[str, Any]) -> list[str]:
     """After gc: no uncommitted staging, retired data, intents or temp files; names reconciled."""
-    from txckpt._maintenance.gc import TEMP_DIRS
-    from txckpt._log.publication import TX_DIR, manifest_txid, public_key
-    from txckpt._root.root import INTENTS_DIR
+    from txckpt._base.layout import TEMP_DIRS
+    from txckpt._base.layout import TX_DIR
+    from txckpt._log.publication import manifest_txid, public_key
+    from txckpt._base.layout import INTENTS_DIR
 
     v = []
     s = r.storage

@@ -125,6 +125,7 @@ class Recorder:
         setattr(owner, attr, fn)
 
     def install(self) -> "Recorder":
+        import txckpt._base.fileio as fileio
         import txckpt._storage.local.store as local
 
         rec = self
@@ -217,7 +218,9 @@ class Recorder:
         for name in ("unlink", "mkdir", "rmdir"):
             self._set(os, name, one(name, getattr(os, name)))
         self._set(os, "remove", one("unlink", os.remove))
+        # LocalStorage's own binding, and fileio's, which the code above storage/ calls (fetch).
         self._set(local, "rename_noreplace", two("rename", local.rename_noreplace))
+        self._set(fileio, "rename_noreplace", two("rename", fileio.rename_noreplace))
         return self
 
     def uninstall(self) -> None:

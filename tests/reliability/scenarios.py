@@ -157,7 +157,8 @@ def _dead_pid() -> int:
 def build_gc(url, so):
     """A root holding every kind of garbage gc reclaims, and two half-done publications."""
     import txckpt
-    from txckpt._log.publication import home_key, public_key
+    from txckpt._base.layout import home_key
+    from txckpt._log.publication import public_key
     from txckpt._maintenance.retention import plan_retention, retire
 
     for s in (1, 2, 3, 4, 5):

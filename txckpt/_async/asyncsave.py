@@ -44,7 +44,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from .._base import deps
 from .._base.coordination import Coordinator, SingleProcess, TorchDistributed, coordination_timeout
 from ..errors import CoordinationTimeoutError, InvalidArgumentError
-from .._root.root import open_root, root_key
+from .._root.root import open_root
+from .._log.identity import root_key
 from .snapshot import SnapshotPool
 
 log = logging.getLogger("txckpt")

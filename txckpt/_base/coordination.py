@@ -416,7 +416,6 @@ __all__ = [
     "decide_on_rank0",
     "raise_if_any_failed",
     "TIMEOUT_ENV",
-    "TransactionAbortedError",
 ]
 
 

@@ -6,21 +6,14 @@ import argparse
 import os
 import sys
 
-from .._api import fetch_checkpoint, read_manifest
+from .._read.fetch import fetch_checkpoint
+from .._api import read_manifest
 from ..errors import CheckpointNotFoundError, IntegrityError, UnsafePathError
 from .._base.progress import bar as progress_bar, bar_wanted
 from .._storage import open_storage
-from .._storage.local.store import lies_within
-from .common import (
-    EXIT_OK,
-    EXIT_PROBLEM,
-    UsageError,
-    human_bytes,
-    is_url,
-    open_root_arg,
-    parse_storage_options,
-    print_json,
-)
+from .._base.fileio import lies_within
+from .common import EXIT_OK, EXIT_PROBLEM, UsageError, human_bytes, open_root_arg, parse_storage_options, print_json
+from .._base.layout import is_url
 
 
 def cmd_export(args: argparse.Namespace) -> int:

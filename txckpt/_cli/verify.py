@@ -12,13 +12,15 @@ from typing import Any
 from .._log import log as commit_log
 from ..errors import ManifestError, SpecialFileError, TxckptError
 from .._base.layout import LOG_DIR, META_DIR
-from .._manifest.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest_at
+from .._base.layout import MANIFEST_NAME
+from .._manifest.manifest import FileEntry, Manifest, read_manifest_at
 from .._base.progress import bar as progress_bar, bar_wanted
 from .._read.reader import names_a_checkpoint
 from .._storage import open_storage
 from .._storage.base import Storage
 from .._manifest.verify import FileProblem, check_file
-from .common import EXIT_OK, EXIT_PROBLEM, UsageError, human_bytes, is_url, open_root_arg, print_json
+from .common import EXIT_OK, EXIT_PROBLEM, UsageError, human_bytes, open_root_arg, print_json
+from .._base.layout import is_url
 
 
 # ----- verify --------------------------------------------------------------------------------------

@@ -23,12 +23,12 @@ from .common import (
     UsageError,
     human_bytes,
     human_time,
-    is_url,
     open_root_arg,
     parse_storage_options,
     print_json,
     table,
 )
+from .._base.layout import is_url
 from .logview import build_graph, render_dot, render_text
 
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 from ..errors import SpecialFileError
 
 # TX_DIR, ORPHANS_DIR and home_key are layout's; importable from here as before.
-from .._base.layout import MANIFEST_NAME, ORPHANS_DIR, TX_DIR, entry_key, home_key, orphan_key, retiring_key, tx_key
+from .._base.layout import MANIFEST_NAME, entry_key, home_key, orphan_key, retiring_key, tx_key
 from .._base.naming import DEFAULT, Naming, read_naming
 from .._base.refs import Ref
 from .._storage.base import Storage
@@ -423,7 +423,4 @@ __all__ = [
     "publication_for",
     "public_key",
     "manifest_txid",
-    "home_key",
-    "TX_DIR",
-    "ORPHANS_DIR",
 ]

@@ -363,4 +363,4 @@ def _uploads(root: Root, report: GcReport, now: float, grace_seconds: float, hos
 
 
 # GcReport/GcItem are intents' (a save's reclaim reports with them too); gc's callers take them here.
-__all__ = ["collect_garbage", "GcReport", "GcItem", "GRACE_SECONDS", "TEMP_DIRS"]
+__all__ = ["collect_garbage"]

@@ -45,8 +45,8 @@ from .._log.commit import fork
 from .._log.lineage import Checkpoint, History, State
 from .._storage.base import Storage
 from .._base.layout import READERS_DIR, TX_DIR, parse_checkpoint_name
-from .leases import acquire_reader_lease, release_reader_lease
-from .._manifest.manifest import MANIFEST_NAME, Manifest
+from .._base.layout import MANIFEST_NAME
+from .._manifest.manifest import Manifest
 from .._base.naming import DEFAULT as DEFAULT_NAMING, Naming
 from .._log.publication import Root, manifest_txid
 from .._base.refs import Ref
@@ -527,12 +527,9 @@ __all__ = [
     "delete_checkpoint_data",
     "finish_retired",
     "retired_present",
-    "acquire_reader_lease",
-    "release_reader_lease",
     "read_leases",
     "lease_clock_skew",
     "protected_by_state",
-    "READERS_DIR",
 ]
 
 

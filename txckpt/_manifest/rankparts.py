@@ -23,8 +23,8 @@ import xxhash
 from . import parts
 from .claims import hash_staged
 from ..errors import InvalidArgumentError, TransactionAbortedError, UnsafePathError
+from .._base.layout import MANIFEST_NAME
 from .manifest import (
-    MANIFEST_NAME,
     FileEntry,
     Manifest,
     PartsInfo,

@@ -17,11 +17,11 @@ from .._base.checksum import copy_hashing
 from ..errors import IntegrityError, UnsafePathError
 from .._base.fileio import SizeMismatch
 from .._base.layout import is_url
-from .._manifest.manifest import MANIFEST_NAME, Manifest
+from .._base.layout import MANIFEST_NAME
+from .._manifest.manifest import Manifest
 from .._base.progress import Timer
 from .reader import Found, read_checked, read_manifest, verify_checkpoint
 from .._storage import open_storage
-from .._storage.local import store as local
 from .._storage.base import Storage
 from .._manifest.verify import FALLBACK_HINT
 
@@ -261,7 +261,7 @@ def _install_fetched(scratch: str, dest: str, manifest: Manifest) -> None:
     the same verified checkpoint, keep it; if it holds something else, move it aside first."""
     for _ in range(8):
         try:
-            local.rename_noreplace(scratch, dest)  # local's: the crash tests patch it there
+            fileio.rename_noreplace(scratch, dest)  # through the module: the crash tracer patches it there
             return
         except FileExistsError:
             pass

@@ -35,7 +35,8 @@ from ..errors import (
 from .._save.incremental import distrust
 from .._base.layout import LOG_DIR, TX_DIR, is_url, parse_checkpoint_name
 from .._log.lineage import State
-from .._manifest.manifest import MANIFEST_NAME, Manifest, read_manifest_at
+from .._base.layout import MANIFEST_NAME
+from .._manifest.manifest import Manifest, read_manifest_at
 from .._base.naming import DEFAULT as DEFAULT_NAMING, read_naming, split_public
 from .._base.progress import Timer
 from .._base.refs import Ref

@@ -25,21 +25,23 @@ from ..errors import (
 )
 
 # root_key: identity.py's (which spellings name one root); importable from here, as asyncsave does.
-from .._log.identity import SessionState, Shared, root_key, root_names
+from .._log.identity import SessionState, Shared, root_names
 from .fallback import check_on_damaged, present_fallback, resume_intact
-from .._base.layout import INTENTS_DIR, TX_DIR, parse_checkpoint_name
+from .._base.layout import TX_DIR, parse_checkpoint_name
 from .._log.lineage import (  # CheckpointInfo: importable from here, as txckpt/__init__ does
     Checkpoint,
     CheckpointInfo,
     History,
     State,
 )
-from .._manifest.manifest import MANIFEST_NAME, Manifest, check_step, read_manifest_at
+from .._base.layout import MANIFEST_NAME
+from .._manifest.manifest import Manifest, check_step, read_manifest_at
 
 # LOOKUP_ATTEMPTS lives below the root (fallback follows retired tips too); importable from here.
 from .._log.publication import LOOKUP_ATTEMPTS, publication_for
 from .._base.refs import Ref, same_ref
-from .._storage import Storage, open_storage
+from .._storage.base import Storage
+from .._storage import open_storage
 from .._storage.errors import missing_bucket_error
 from .._save.transactions import Transaction, save_files
 
@@ -403,14 +405,4 @@ def forget_roots() -> None:
         _roots.clear()
 
 
-__all__ = [
-    "CheckpointRoot",
-    "CheckpointInfo",
-    "durable_default",
-    "open_root",
-    "forget_roots",
-    "root_key",
-    "TX_DIR",
-    "INTENTS_DIR",
-    "LOOKUP_ATTEMPTS",
-]
+__all__ = ["CheckpointRoot", "durable_default", "open_root", "forget_roots"]

@@ -49,7 +49,8 @@ from ..errors import CheckpointNotFoundError, IntegrityError, InvalidArgumentErr
 from .._base.fileio import SizeMismatch, hash_file
 from .._maintenance.leases import acquire_reader_lease, release_reader_lease
 from .._log.lineage import Checkpoint
-from .._manifest.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest_at
+from .._base.layout import MANIFEST_NAME
+from .._manifest.manifest import FileEntry, Manifest, read_manifest_at
 from .._log.publication import Root
 from .._base.refs import Ref
 from .serialization import write_object

@@ -27,8 +27,8 @@ from .._log.commit import append_commit, clear_intent, committed_path, finish_co
 from .incremental import Sharing, Source
 from .._maintenance.intents import reclaim_after_save, write_intent
 from .._base.layout import checkpoint_name, intent_key
+from .._base.layout import MANIFEST_NAME
 from .._manifest.manifest import (
-    MANIFEST_NAME,
     FileEntry,
     Manifest,
     agree_files,
@@ -42,9 +42,8 @@ from .._base.progress import Timer
 from .._manifest.rankparts import parts_manifest, staged_files, write_part
 from .._log.publication import Root
 from .._base.saveplan import SavePlan
-from .._base.fileio import walk_relative
+from .._base.fileio import makedirs_durable, walk_relative
 from .serialization import write_object
-from .._storage.local.store import makedirs_durable
 from .txnames import TxNames
 
 log = logging.getLogger("txckpt")

@@ -8,24 +8,13 @@ from typing import Any, Mapping
 from .._base import deps
 from ..errors import MissingDependencyError
 from .._base.layout import is_local_path
-from .base import Storage, WriteBatch, check_relative_key, join
+from .base import Storage
 from .fsspec.store import FsspecStorage
 from .local.store import LocalStorage
-from .fsspec.memory import MemoryStorage
-from .s3.store import S3Storage
+from .fsspec import memory  # noqa: F401  (registers MemoryStorage with FsspecStorage)
+from .s3 import store as s3_store  # noqa: F401  (registers S3Storage with FsspecStorage)
 
-__all__ = [
-    "Storage",
-    "WriteBatch",
-    "LocalStorage",
-    "FsspecStorage",
-    "MemoryStorage",
-    "S3Storage",
-    "open_storage",
-    "check_relative_key",
-    "join",
-    "missing_dependency",
-]
+__all__ = ["open_storage", "missing_dependency"]
 
 
 def open_storage(root: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Storage:

@@ -22,7 +22,8 @@ from ..errors import (
 from .._base.fileio import fsync_dir, hash_file
 from .._base.layout import tx_key
 from .._log.lineage import Checkpoint, History
-from .._manifest.manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest_at
+from .._base.layout import MANIFEST_NAME
+from .._manifest.manifest import FileEntry, Manifest, read_manifest_at
 from .._base.refs import ExternalParent, Ref
 from .._root.root import CheckpointRoot
 from .._save.transactions import Transaction

@@ -14,13 +14,11 @@ from ...errors import TempFileRemovedError
 
 # The low-level file operations live in fileio (below storage/). They are called through this
 # module's names, so a test that patches ``txckpt._storage.local.store.rename_noreplace`` (the crash and
-# power-loss tracers do) sees every rename LocalStorage makes; lies_within and makedirs_durable
-# stay importable from here for the callers above storage/.
+# power-loss tracers do) sees every rename LocalStorage makes.
 from ..._base.fileio import (
     SYNC_FILE_RANGE_WRITE,
     clone_file,
     fsync_dir,
-    lies_within,
     make_read_only,
     makedirs_durable,
     open_regular,
@@ -31,7 +29,7 @@ from ..._base.fileio import (
 from ..._base.layout import temp_name
 from ..base import Storage, WriteBatch
 
-__all__ = ["LocalStorage", "fsync_dir", "lies_within", "makedirs_durable", "rename_noreplace"]
+__all__ = ["LocalStorage"]
 
 #: Buffer of a data file. It only gathers small writes (pickle opcodes, zip and safetensors
 #: headers, small tensors); larger writes bypass it. 1 MiB, not more: the

@@ -35,10 +35,11 @@ from txckpt._base import fileio
 from txckpt._base.coordination import decide_on_rank0
 from txckpt.errors import InvalidArgumentError, ManifestError
 from txckpt._maintenance.intents import GRACE_SECONDS, process_start, writer_status
-from txckpt._manifest.manifest import MANIFEST_NAME, Manifest, read_manifest_at
+from txckpt._base.layout import MANIFEST_NAME
+from txckpt._manifest.manifest import Manifest, read_manifest_at
 from txckpt._manifest.parts import TREE_NAME, part_name
 from txckpt._root.root import CheckpointRoot
-from txckpt._storage.local import store as local
+from txckpt._storage import open_storage
 
 log = logging.getLogger("txckpt")
 
@@ -61,7 +62,7 @@ def _manifest_of(d: str) -> Manifest | None:
     """The manifest ``d`` holds, or None (none, or not one txckpt wrote)."""
     try:
         with open(os.path.join(d, MANIFEST_NAME), "rb") as f:
-            return read_manifest_at(local.LocalStorage(d), "", Manifest.decode(f.read(), d), d)
+            return read_manifest_at(open_storage(d), "", Manifest.decode(f.read(), d), d)
     except (OSError, ValueError, ManifestError):
         return None
 
@@ -102,7 +103,7 @@ def reclaim(parent: str, name: str) -> None:
             continue
         previous = os.path.join(path, PREVIOUS_NAME)
         if not os.path.lexists(d) and _manifest_of(previous) is not None:
-            local.rename_noreplace(previous, d)
+            fileio.rename_noreplace(previous, d)
             log.warning(
                 "%s was missing (a save was killed while replacing it); put back its previous content from %s", d, path
             )
@@ -147,7 +148,7 @@ def _install(d: str, committed: str, private: str, durable: bool) -> str:
     try:
         if not os.path.lexists(d):
             try:
-                local.rename_noreplace(committed, d)
+                fileio.rename_noreplace(committed, d)
                 _sync(parent, durable)
                 return d
             except FileExistsError:
@@ -159,7 +160,7 @@ def _install(d: str, committed: str, private: str, durable: bool) -> str:
             previous = os.path.join(private, PREVIOUS_NAME)
             os.rename(d, previous)
             _sync(parent, durable)  # a crash here: no d; the next save puts previous back
-            local.rename_noreplace(committed, d)
+            fileio.rename_noreplace(committed, d)
         _sync(parent, durable)
         return d
     finally:

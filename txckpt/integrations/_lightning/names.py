@@ -29,7 +29,6 @@ from ..._log.lineage import Checkpoint, History
 from ..._manifest.manifest import Manifest
 from ..._read.reader import parse
 from ..._root.root import CheckpointRoot, open_root
-from ..._storage.local.store import LocalStorage
 
 log = logging.getLogger("txckpt")
 
@@ -81,7 +80,7 @@ def _step_hint(name: str) -> int | None:
 
 
 def is_local(r: CheckpointRoot) -> bool:
-    return isinstance(r.storage, LocalStorage)
+    return r.storage.local_path("") is not None
 
 
 def committed_file(manifest: Manifest) -> str:

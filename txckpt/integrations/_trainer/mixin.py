@@ -72,11 +72,11 @@ from .paths import (
     checkpoint_name_step,
     public_name,
     is_remote,
-    is_url,
     is_within,
     same_dir,
     step_of,
 )
+from ..._base.layout import is_url
 from .rank_files import claim_rank_files
 from .remote_cache import RemoteCache
 from .resume import committed_step_path, resolve_on_rank0, tiered_for, tiered_settings

@@ -20,7 +20,8 @@ from txckpt import errors as _errors
 from txckpt._base.refs import ExternalParent
 from txckpt._tiered.tiered import TieredRoot
 
-from .paths import is_remote, is_url, is_within, named_step
+from .paths import is_remote, is_within, named_step
+from ..._base.layout import is_url
 
 log = logging.getLogger("txckpt.transformers")
 
