@@ -2,6 +2,7 @@
 
     python -m benchmarks.hops load          # a verified txckpt.load_checkpoint on a local root
     python -m benchmarks.hops save          # a synchronous txckpt.save_checkpoint on a local root
+    python -m benchmarks.hops incremental   # an incremental save of an unchanged state (all shared)
     python -m benchmarks.hops load --edges  # and the table of edges (caller -> callee: count)
 
 A **hop** is one Python call executed, in the calling thread, from a frame of one txckpt module
@@ -129,7 +130,17 @@ def trace_load(root: str) -> Trace:
     return trace(lambda: txckpt.load_checkpoint(path))
 
 
-MODES = {"save": trace_save, "load": trace_load}
+def trace_incremental(root: str) -> Trace:
+    """A warm incremental ``txckpt.save_checkpoint`` of an unchanged state: every file shared."""
+    import txckpt
+
+    files = _state(1)
+    txckpt.save_checkpoint(root, 1, files, incremental=True)
+    txckpt.save_checkpoint(root, 2, files, incremental=True)  # warm-up: the sources are checked
+    return trace(lambda: txckpt.save_checkpoint(root, 3, files, incremental=True))
+
+
+MODES = {"save": trace_save, "load": trace_load, "incremental": trace_incremental}
 
 
 def measure(mode: str) -> Trace:
@@ -150,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("mode", choices=sorted(MODES) + ["both"])
     p.add_argument("--edges", action="store_true", help="print each edge (caller -> callee) with its count")
     args = p.parse_args(argv)
-    for mode in ["save", "load"] if args.mode == "both" else [args.mode]:
+    for mode in ["save", "load", "incremental"] if args.mode == "both" else [args.mode]:
         t = measure(mode)
         print(t.summary(mode))
         if args.edges:
