@@ -490,7 +490,7 @@ def test_a_pending_save_is_finished_at_interpreter_exit(tmp_path):
     done = _run_script(
         """
         import sys, threading, torch, txckpt
-        from txckpt import transactions
+        from txckpt._save import transactions
         main_returned = threading.Event()
         real = transactions.write_object
         def write_object(name, obj, out):

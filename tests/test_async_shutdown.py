@@ -155,7 +155,7 @@ def test_a_thread_saving_while_the_exit_hook_runs_saves_synchronously(tmp_path):
     done = _run_script(
         """
         import sys, threading, txckpt
-        from txckpt import asyncsave
+        from txckpt._async import asyncsave
         from txckpt.errors import StepConflictError
         root = sys.argv[1]
         def trainer():

@@ -270,7 +270,7 @@ def test_fileio_never_blocks_on_a_fifo(tmp_path):
     p = str(tmp_path / "fifo")
     os.mkfifo(p)
     code = (
-        "import sys; from txckpt import fileio\n"
+        "import sys; from txckpt._base import fileio\n"
         "for f in (lambda: fileio.hash_file(sys.argv[1]), lambda: fileio.read_into_buffer(sys.argv[1], 0, hash=True),\n"
         "          lambda: fileio.open_regular(sys.argv[1])):\n"
         "    try: f(); print('read')\n"

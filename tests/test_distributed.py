@@ -267,7 +267,7 @@ def test_without_a_process_group_torch_distributed_is_not_needed(tmp_path):
     code = f"""
 import sys
 import txckpt
-from txckpt import coordination
+from txckpt._base import coordination
 p = txckpt.save_checkpoint({root!r}, 1, {{"a.bin": b"abc"}})
 txckpt.load_checkpoint(p)
 assert "torch" not in sys.modules, "saving bytes imported torch"

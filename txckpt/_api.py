@@ -1,6 +1,8 @@
-"""The drop-in functional API, as facades: saves and lineage changes go through the process's
-CheckpointRoot (so the lineage a process resumed, or first saved to, is remembered across calls),
-reads through txckpt._read.reader (the read path's owner), fetches through txckpt._read.fetch."""
+"""The drop-in functional API, as facades over one root interface (txckpt/_root/interface.py):
+each call becomes one call of a RootInterface, a :class:`PathRoot` for a path or URL (the
+process's CheckpointRoot, so the lineage a process resumed, or first saved to, is remembered
+across calls) or a :class:`txckpt.TieredRoot`; reads of plain paths go through
+txckpt._read.reader, the read path's owner."""
 
 from __future__ import annotations
 
@@ -13,15 +15,70 @@ import functools
 from ._async import asyncsave
 from ._read import reader
 from ._async.asyncsave import wait_for_root
-from ._base.coordination import SingleProcess, decide_on_rank0
+from ._base.coordination import decide_once
 from .errors import RootNotFoundError
 from ._base.issued import issue, issued, options_for
 from ._manifest.manifest import Manifest
 
-# The per-process root cache is root.py's; open_root/forget_roots stay importable from here.
+from ._root.interface import RootInterface
 from ._root.root import open_root
 from ._tiered.tiered import TieredRoot
 from ._save.transactions import Transaction
+
+
+class PathRoot(RootInterface):
+    """A root named by a path or URL: the process's CheckpointRoot for it (txckpt/_root/root.py),
+    asked only once any asynchronous save of it has committed (that save changes its state)."""
+
+    def __init__(self, root: str | os.PathLike, storage_options: Mapping[str, Any] | None):
+        self.root = root
+        self.storage_options = storage_options
+
+    def _open(self):
+        wait_for_root(self.root, self.storage_options)
+        return open_root(self.root, self.storage_options)
+
+    def save(self, step, files, *, metadata=None, timeout=None, incremental=False) -> str:
+        return self._open().save(step, files, metadata=metadata, timeout=timeout, incremental=incremental)
+
+    def transaction(self, step, *, metadata=None, timeout=None, local_dir=None, incremental=False):
+        return self._open().transaction(
+            step, metadata=metadata, timeout=timeout, local_dir=local_dir, incremental=incremental
+        )
+
+    def async_target(self, step):
+        return self.root, self.storage_options
+
+    def last_checkpoint(self, *, missing_ok: bool = False) -> str | None:
+        r = self._open()
+        try:
+            key = r.last_checkpoint_key()
+        except RootNotFoundError as e:
+            if missing_ok and e.bucket is None:
+                return None
+            raise
+        if key is None:
+            return None
+        given = os.fspath(self.root)
+        if r.storage.local_path("") is not None and not given.startswith("file://"):
+            return issue(os.path.join(given, *key.split("/")), self.storage_options)
+        return issue(r.storage.full_path(key), self.storage_options)
+
+    def resume_at(self, step, *, path=None, on_damaged="raise", collective=None) -> str | None:
+        wait_for_root(self.root, self.storage_options)
+        root, options = self.root, self.storage_options
+        return issue(
+            decide_once(lambda: open_root(root, options).resume(step, path=path, on_damaged=on_damaged), collective),
+            options,
+        )
+
+    def read(self, path, **options: Any) -> dict[str, Any]:
+        assert path is not None  # a plain root reads the path a caller gives
+        return reader.load(path, storage_options=options_for(path, self.storage_options), **options)
+
+
+def _as_root(root: str | os.PathLike | RootInterface, storage_options: Mapping[str, Any] | None) -> RootInterface:
+    return root if isinstance(root, RootInterface) else PathRoot(root, storage_options)
 
 
 def save_checkpoint(
@@ -49,21 +106,15 @@ def save_checkpoint(
     ``root`` may be a :class:`txckpt.TieredRoot`: the save commits on its fast tier and is
     replicated to its durable tier in the background (docs/tiered.md).
     """
-    if isinstance(root, TieredRoot):
-        return root.save(step, files, metadata=metadata, timeout=timeout, incremental=incremental)
-    wait_for_root(root, storage_options)  # an async save of this root commits first
-    return open_root(root, storage_options).save(
+    return _as_root(root, storage_options).save(
         step, files, metadata=metadata, timeout=timeout, incremental=incremental
     )
 
 
 @functools.wraps(asyncsave.async_save)
 def async_save(root: str | os.PathLike | TieredRoot, step: int, files: Mapping[str, Any], **kwargs: Any):
-    if isinstance(root, TieredRoot):  # on the fast tier; its commit wakes the replicator
-        root._continue_durable_lineage(step)
-        kwargs["storage_options"] = root.fast_storage_options or None
-        root = root.fast
-    return asyncsave.async_save(root, step, files, **kwargs)
+    target, options = _as_root(root, kwargs.get("storage_options")).async_target(step)
+    return asyncsave.async_save(target, step, files, **{**kwargs, "storage_options": options})
 
 
 async_save.__doc__ = (
@@ -90,10 +141,7 @@ def transaction(
     ``local_dir``: where a remote root's local scratch directory (``tx.directory``) goes.
     ``incremental``: ``tx.save`` shares unchanged files, as :func:`save_checkpoint`. A
     :class:`txckpt.TieredRoot` commits on its fast tier and replicates in the background."""
-    if isinstance(root, TieredRoot):
-        return root.transaction(step, metadata=metadata, timeout=timeout, local_dir=local_dir, incremental=incremental)
-    wait_for_root(root, storage_options)  # an async save of this root commits first
-    return open_root(root, storage_options).transaction(
+    return _as_root(root, storage_options).transaction(
         step, metadata=metadata, timeout=timeout, local_dir=local_dir, incremental=incremental
     )
 
@@ -119,31 +167,7 @@ def get_last_checkpoint(
     The path returned is a ``str`` that also carries what reading it needs (the root's storage
     options, a tiered root's tier): ``load_checkpoint(get_last_checkpoint(root))`` reads it
     whatever the root (txckpt/_base/issued.py)."""
-    if isinstance(root, TieredRoot):
-        return root.get_last_checkpoint()
-    wait_for_root(root, storage_options)  # the state an async save of this root is changing
-    r = open_root(root, storage_options)
-    try:
-        key = r.last_checkpoint_key()
-    except RootNotFoundError as e:
-        if missing_ok and e.bucket is None:
-            return None
-        raise
-    if key is None:
-        return None
-    given = os.fspath(root)
-    if r.storage.local_path("") is not None and not given.startswith("file://"):
-        return issue(os.path.join(given, *key.split("/")), storage_options)
-    return issue(r.storage.full_path(key), storage_options)
-
-
-def _on_rank0(fn, collective: bool | None, phase: str = "lineage change"):
-    """Run a lineage change once per job: on rank 0, with the result broadcast to every rank.
-
-    ``collective=None`` means "if a torch.distributed group is initialised, every rank calls
-    this"; ``False`` means only this process calls it (e.g. a caller that already runs it on
-    rank 0 alone and broadcasts the answer itself)."""
-    return decide_on_rank0(fn, phase=phase, coordinator=SingleProcess() if collective is False else None)
+    return _as_root(root, storage_options).last_checkpoint(missing_ok=missing_ok)
 
 
 def resume(
@@ -178,15 +202,7 @@ def resume(
     the durable tier; a rollback to a step only the durable tier holds forks there. It starts
     replicating what a previous process left pending (docs/tiered.md).
     """
-    if isinstance(root, TieredRoot):
-        tiered = root
-        # Every rank gets the path with what reads it (the broadcast carries a plain str).
-        return tiered.issue(_on_rank0(lambda: tiered.resume(step, path=path, on_damaged=on_damaged), collective))
-    wait_for_root(root, storage_options)  # an async save of this root commits first
-    return issue(
-        _on_rank0(lambda: open_root(root, storage_options).resume(step, path=path, on_damaged=on_damaged), collective),
-        storage_options,
-    )
+    return _as_root(root, storage_options).resume_at(step, path=path, on_damaged=on_damaged, collective=collective)
 
 
 def new_lineage(
@@ -200,7 +216,9 @@ def new_lineage(
     recorded as ``external_parent``). Returns its id; warns if it abandons checkpoints. Called
     on every rank of a torch.distributed group, like :func:`resume`."""
     wait_for_root(root, storage_options)  # an async save of this root commits first
-    return _on_rank0(lambda: open_root(root, storage_options).new_lineage(external_parent=external_parent), collective)
+    return decide_once(
+        lambda: open_root(root, storage_options).new_lineage(external_parent=external_parent), collective
+    )
 
 
 def read_manifest(path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:
@@ -241,25 +259,15 @@ def load_checkpoint(
     with any file missing or damaged there fetched from the durable tier first (docs/tiered.md).
     So is a path a tiered root's lookup returned; a path a lookup returned is read with the
     storage options of its root unless ``storage_options`` is given (txckpt/_base/issued.py)."""
-    if isinstance(path, TieredRoot):  # its tiers have their own storage options
-        return path.load(files=files, map_location=map_location, weights_only=weights_only, verify=verify, mmap=mmap)
-    owner = getattr(issued(path), "owner", None)
-    if owner is not None and storage_options is None:  # a tiered root reads (and repairs) its paths
-        return owner.load(
-            path, files=files, map_location=map_location, weights_only=weights_only, verify=verify, mmap=mmap
-        )
-    return reader.load(
-        path,
-        files=files,
-        map_location=map_location,
-        storage_options=options_for(path, storage_options),
-        weights_only=weights_only,
-        verify=verify,
-        mmap=mmap,
-    )
+    options = dict(files=files, map_location=map_location, weights_only=weights_only, verify=verify, mmap=mmap)
+    if isinstance(path, RootInterface):  # a root itself: its newest checkpoint
+        return path.read(None, **options)
+    # A path a lookup issued is read by the root that issued it (a tiered root repairs it first),
+    # unless the caller names the storage options.
+    owner = getattr(issued(path), "owner", None) if storage_options is None else None
+    return (owner if isinstance(owner, RootInterface) else PathRoot(path, storage_options)).read(path, **options)
 
 
-#: open_root and forget_roots are root.py's (the per-process root cache); re-exported here.
 __all__ = [
     "save_checkpoint",
     "async_save",

@@ -407,6 +407,14 @@ def raise_if_any_failed(own: BaseException | None, *, phase: str, coordinator: C
         raise err
 
 
+def decide_once(fn: Callable[[], T], collective: bool | None, phase: str = "lineage change") -> T:
+    """Run a lineage change (or lookup) once per job: on rank 0, with the result broadcast to
+    every rank. ``collective=None`` means "if a torch.distributed group is initialised, every
+    rank calls this"; ``False`` means only this process calls it (e.g. a caller that already
+    runs it on rank 0 alone and broadcasts the answer itself)."""
+    return decide_on_rank0(fn, phase=phase, coordinator=SingleProcess() if collective is False else None)
+
+
 __all__ = [
     "Coordinator",
     "SingleProcess",
@@ -414,6 +422,7 @@ __all__ = [
     "current_coordinator",
     "coordination_timeout",
     "decide_on_rank0",
+    "decide_once",
     "raise_if_any_failed",
     "TIMEOUT_ENV",
 ]

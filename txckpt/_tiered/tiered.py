@@ -31,7 +31,7 @@ from .._maintenance import retention
 from . import replication as tiered_copy
 from .._async.asyncsave import wait_for_root
 from .._log.commit import claim, new_lineage
-from .._base.coordination import decide_on_rank0
+from .._base.coordination import decide_on_rank0, decide_once
 from ..errors import (
     CheckpointNotFoundError,
     IntegrityError,
@@ -42,6 +42,7 @@ from ..errors import (
 )
 from .._base.issued import issue
 from .._log.lineage import Checkpoint, History, State
+from .._root.interface import RootInterface
 from .._root.root import CheckpointRoot, open_root
 from .._save.transactions import Transaction
 
@@ -58,7 +59,7 @@ def _rank() -> int:
     return 0
 
 
-class TieredRoot:
+class TieredRoot(RootInterface):
     """One root on two tiers: ``fast`` (a local directory every rank of the job sees) and
     ``durable`` (a directory or an fsspec URL, with ``storage_options``).
 
@@ -154,6 +155,33 @@ class TieredRoot:
         self._continue_durable_lineage(step)
         with self.fast_root.transaction(step, **kwargs) as tx:
             yield tx
+
+    # ----- the root interface (txckpt/_root/interface.py): what the functional API calls -----------
+    def async_target(self, step: int) -> tuple[str | os.PathLike, Mapping[str, Any] | None]:
+        """An asynchronous save commits on the fast tier, once that follows the durable tier's
+        lineage; its commit wakes the replicator."""
+        self._continue_durable_lineage(step)
+        return self.fast, self.fast_storage_options or None
+
+    def last_checkpoint(self, *, missing_ok: bool = False) -> str | None:
+        """:meth:`get_last_checkpoint` (a missing fast tier directory is an empty one)."""
+        return self.get_last_checkpoint()
+
+    def resume_at(
+        self,
+        step: int | None,
+        *,
+        path: str | os.PathLike | None = None,
+        on_damaged: str = "raise",
+        collective: bool | None = None,
+    ) -> str | None:
+        """:meth:`resume`, decided on rank 0; every rank gets the path with what reads it (the
+        broadcast carries a plain str)."""
+        return self.issue(decide_once(lambda: self.resume(step, path=path, on_damaged=on_damaged), collective))
+
+    def read(self, path: str | os.PathLike | None, **options: Any) -> dict[str, Any]:
+        """:meth:`load`: the fast tier's copy, repaired from the durable tier where needed."""
+        return self.load(path, **options)
 
     def _continue_durable_lineage(self, step: int | None = None) -> None:
         """Before this process's first save, the fast tier follows the durable tier (§14: an
