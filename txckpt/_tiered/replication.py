@@ -18,13 +18,16 @@ from ..errors import (
     ReplicationError,
     StepConflictError,
     TxckptError,
+    UnsafePathError,
 )
-from .._base.fileio import fsync_dir, hash_file
+from .._base.fileio import fsync_dir
 from .._base.layout import tx_key
 from .._log.lineage import Checkpoint, History
 from .._base.layout import MANIFEST_NAME
 from .._manifest.manifest import FileEntry, Manifest, read_manifest_at
 from .._base.refs import ExternalParent, Ref
+from .._manifest.verify import verify_checkpoint_files
+from .._read import reader
 from .._root.root import CheckpointRoot
 from .._save.transactions import Transaction
 
@@ -186,13 +189,17 @@ def read_manifest(root: CheckpointRoot, key: str) -> Manifest:
     return read_manifest_at(root.storage, key, Manifest.decode(data, where=key), where)
 
 
-def verifies(local: str | None, entry: FileEntry) -> bool:
-    if local is None:
-        return False
-    try:
-        return hash_file(local) == (entry.size, entry.checksum)
-    except OSError:  # missing, or not a regular file
-        return False
+def damaged_files(fast: CheckpointRoot, key: str, manifest: Manifest) -> list[str]:
+    """The files of the fast tier's checkpoint at ``key`` that do not verify (missing, resized,
+    changed, not a regular file), each read by the one verify engine (txckpt/_manifest/verify.py)."""
+    where = fast.storage.full_path(key)
+    bad = []
+    for name in sorted(manifest.files):
+        try:
+            verify_checkpoint_files(fast.storage, manifest, where, names=[name], at=key)
+        except (IntegrityError, UnsafePathError, OSError):
+            bad.append(name)
+    return bad
 
 
 def fetch(durable: CheckpointRoot, key: str, local: str, entry: FileEntry) -> int:
@@ -226,12 +233,9 @@ def repair(fast: CheckpointRoot, durable: CheckpointRoot, path: str | os.PathLik
     key = fast.storage.key_of(os.fspath(path))
     if key is None:
         raise CheckpointNotFoundError(f"{os.fspath(path)} is not in the fast tier {fast.url}")
-    manifest = read_manifest(fast, key)
-    bad = [
-        name
-        for name, entry in sorted(manifest.files.items())
-        if not verifies(fast.storage.local_path(f"{key}/{name}"), entry)
-    ]
+    # Through the read path: the manifest checked against the fast tier's log, as any load's.
+    manifest = reader.read_manifest(fast.storage.full_path(key), storage_options=fast.storage_options or None)
+    bad = damaged_files(fast, key, manifest)
     fetched: dict[str, int] = {}
     if bad:
         copy = history_of(durable).checkpoints.get(manifest.txid)
