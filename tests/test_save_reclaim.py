@@ -194,7 +194,7 @@ def test_what_the_reclaim_costs_a_save(tmp_path, monkeypatch):
     monkeypatch.setattr(r.storage, "list_dir", list_dir)
     r.save(2, {"w.bin": b"2"})
     assert listed.count(INTENTS_DIR) == 1 and TX_DIR not in listed
-    assert r._history is None  # the history was not folded
+    assert r.folded_history is None  # the history was not folded
     listed.clear()
     r.save(3, {"w.bin": b"3"})
     r.save(4, {"w.bin": b"4"})

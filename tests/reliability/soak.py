@@ -100,9 +100,9 @@ def check_cycle(root: str, last: dict[str, Any] | None, full_gc: bool, retained:
     if os.path.exists(memo):
         with open(memo, "rb") as f:
             saved = pickle.load(f)
-        r._history = saved["hist"]
+        r.folded_history = saved["hist"]
     else:  # the whole log, not a snapshot: this check must see every entry
-        r._history = commit_log.read_history(r.storage, snapshots=False)
+        r.folded_history = commit_log.read_history(r.storage, snapshots=False)
     hist = r.history()
     # What a fresh process folds from the newest history snapshot must be what the whole log says.
     quick = commit_log.read_history(r.storage)

@@ -58,8 +58,8 @@ def append(
 def note_state(root: Root, state: State) -> None:
     """Remember ``state`` as the newest this session knows, unless it knows a newer one."""
     session = root.shared
-    if session._known_state is None or state.seq >= session._known_state.seq:
-        session._known_state = state
+    if session.known_state is None or state.seq >= session.known_state.seq:
+        session.known_state = state
 
 
 def clear_intent(root: Root, txid: str) -> None:
@@ -141,7 +141,7 @@ def fork(
         new_state = state.after_new_lineage(seq, now, lid, parent, reason, writer=session.session)
         # The entry does not list what it abandons (the fold derives it, §4): the views are
         # the folded history's, whose lineages are complete (the newest entry's are not).
-        fresh = session._history or history
+        fresh = session.folded_history or history
         after = fresh.state.after_new_lineage(seq, now, lid, parent, reason, writer=session.session)
         abandoned = fresh.abandoned_by(after, expected_head)
         restored = fresh.restored_by(after, expected_head)
@@ -221,13 +221,13 @@ def plan_save(root: Root, step: int, *, txid: str | None = None) -> SavePlan:
     transaction's first act) against the newest state; the plan the ranks share. ``txid``: a
     tiered root's replica commits under the fast tier's txid (protocol §14), not a new one."""
     session = root.shared
-    if session.writer_lineage is not None and session._known_state is not None:
+    if session.writer_lineage is not None and session.known_state is not None:
         # This session holds a lineage: plan against the newest state it knows (its own last
         # commit, usually) instead of reading the log. If another process appended since,
         # the commit's create-if-absent of entry seq+1 loses, and the commit re-reads and
         # re-validates against the newest state (§8 steps 1 and 9): a stale plan can only
         # fail later, never commit wrongly.
-        state = session._known_state
+        state = session.known_state
     else:
         state = root.state()
     if state.seq < 0 and root.legacy_checkpoints():
@@ -257,7 +257,7 @@ def plan_save(root: Root, step: int, *, txid: str | None = None) -> SavePlan:
     txid = txid or new_txid(step, lineage)
     # The commit appends after this state without re-reading the log (§8); only the newest
     # plan is kept, so an aborted save leaves nothing behind.
-    session._base_states = {txid: state}
+    session.base_states = {txid: state}
     return SavePlan(txid, lineage, step, parent, home_key(txid, step), session.session)
 
 
@@ -287,7 +287,7 @@ def append_commit(root: Root, manifest: Manifest, writer: str | None = None) -> 
         )
         return {"action": "commit", "checkpoint": record, "state": new_state}
 
-    return append(root, build, start=session._base_states.pop(manifest.txid, None), update_hint=False)
+    return append(root, build, start=session.base_states.pop(manifest.txid, None), update_hint=False)
 
 
 def finish_commit(root: Root, manifest: Manifest, entry: dict[str, Any]) -> str:

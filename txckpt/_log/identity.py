@@ -142,12 +142,13 @@ class SessionState:
         self.writer_lineage: str | None = None
         #: This writer session's token: it holds a lineage once it created, resumed or claimed it.
         self.session = uuid.uuid4().hex[:16]
-        self._history: History | None = None
+        #: The log history this process folded last (read_history extends it, never starts over).
+        self.folded_history: History | None = None
         #: The state each pending save of this process was planned against, by txid.
-        self._base_states: dict[str, State] = {}
+        self.base_states: dict[str, State] = {}
         #: The newest state this process has read or appended; a save of the lineage this
         #: session holds plans against it without reading the log (protocol §8 step 1).
-        self._known_state: State | None = None
+        self.known_state: State | None = None
         #: Whether this session's first commit reclaimed dead writers' staging (gc.reclaim_after_save).
         self.staging_reclaimed = False
         #: The digest of every rank's file names and kinds at this session's last multi-rank

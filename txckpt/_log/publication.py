@@ -50,9 +50,9 @@ class Session(Protocol):
 
     writer_lineage: str | None
     session: str
-    _history: "History | None"
-    _base_states: "dict[str, State]"
-    _known_state: "State | None"
+    folded_history: "History | None"
+    base_states: "dict[str, State]"
+    known_state: "State | None"
     staging_reclaimed: bool
     part_structures: bytes | None
     on_commit: "dict[str, Callable[[], None]]"

@@ -84,9 +84,9 @@ class CheckpointRoot:
 
     writer_lineage = Shared[str | None]()
     session = Shared[str]()
-    _history = Shared[History | None]()
-    _base_states = Shared[dict[str, State]]()
-    _known_state = Shared[State | None]()
+    folded_history = Shared[History | None]()
+    base_states = Shared[dict[str, State]]()
+    known_state = Shared[State | None]()
     staging_reclaimed = Shared[bool]()
 
     @property
@@ -115,11 +115,11 @@ class CheckpointRoot:
         ``snapshot``: leave a new snapshot if this fold read many entries past the last one.
         Operations that already write to the root pass it (retention, gc, forks); plain readers
         do not, so reading never needs write access."""
-        self._history = commit_log.read_history(self.storage, self._history)
-        self._note_state(self._history.state)
-        if snapshot and commit_log.write_snapshot_if_due(self.storage, self._history, durable=self.durable):
-            self._history.snapshot_seq = self._history.state.seq
-        return self._history
+        self.folded_history = commit_log.read_history(self.storage, self.folded_history)
+        self._note_state(self.folded_history.state)
+        if snapshot and commit_log.write_snapshot_if_due(self.storage, self.folded_history, durable=self.durable):
+            self.folded_history.snapshot_seq = self.folded_history.state.seq
+        return self.folded_history
 
     def legacy_checkpoints(self) -> list[int]:
         """Steps of plain checkpoint-N directories (a root written without txckpt)."""

@@ -212,7 +212,7 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
             r = self._root(root)
             # A session holding the head plans against the state it knows (its last commit), as
             # the save itself does (protocol §8 step 1): a stale plan fails at the commit.
-            state = r._known_state if r.writer_lineage is not None and r._known_state is not None else r.state()
+            state = r.known_state if r.writer_lineage is not None and r.known_state is not None else r.state()
             if state.seq < 0 and r.legacy_checkpoints():
                 r.adopt()  # a stock accelerate project: its checkpoint_<i> become a lineage
                 state = r.state()
