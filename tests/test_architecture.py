@@ -592,3 +592,33 @@ def test_internal_all_lists_only_what_the_module_defines():
                 listed = list(ast.literal_eval(node.value))
         wrong += [f"{name}.{n}" for n in listed if n not in defined]
     assert wrong == [], "re-exported names: import them from the module that defines them"
+
+
+def test_no_private_name_crosses_modules():
+    """A ``_name`` is its module's own: no txckpt module imports another's (the S3 family's
+    uploads and reads, the verify engine's messages, gc's removal and the Trainer's torch.save
+    settings were; integrations/_dcp/compat.py is the one module that names torch's private DCP
+    helpers, and its importers take those names from it)."""
+    modules = _modules()
+    wrong = []
+    for name, path in sorted(modules.items()):
+        tree = ast.parse(open(path).read())
+        package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")
+                mod = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if not (mod == "txckpt" or mod.startswith("txckpt.")) or mod == "txckpt.integrations._dcp.compat":
+                continue  # compat's _names are torch's private helpers, re-exported by design
+            for alias in node.names:
+                if (
+                    alias.name.startswith("_")
+                    and not alias.name.startswith("__")
+                    and f"{mod}.{alias.name}" not in modules
+                ):
+                    wrong.append(f"{name} imports {mod}.{alias.name}")
+    assert wrong == []

@@ -96,9 +96,9 @@ def test_a_missing_bucket_is_root_not_found_naming_the_bucket(s3_root):
 
 def _count_attempts(storage) -> list[str]:
     """Every HTTP attempt the storage's botocore client makes from now on (retries included)."""
-    from txckpt._storage.s3.upload import _run
+    from txckpt._storage.s3.upload import run_on_loop
 
-    _run(storage.fs, storage.fs.set_session())
+    run_on_loop(storage.fs, storage.fs.set_session())
     sent: list[str] = []
     storage.fs._s3.meta.events.register("before-send.s3", lambda request, **kw: sent.append(request.url))
     return sent

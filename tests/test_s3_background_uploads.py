@@ -1,5 +1,5 @@
 """S3: a save's files finish uploading in the background while the next file is written
-(``Storage.write_batch``, ``_S3WriteBatch``). What must hold: a failed background upload makes
+(``Storage.write_batch``, ``S3WriteBatch``). What must hold: a failed background upload makes
 the save raise a typed error and commit nothing; an aborted save waits for the uploads still in
 flight before it deletes its staging, so nothing lands after the delete; memory stays bounded by
 ``max_pending``; and a save sends the same requests as before."""

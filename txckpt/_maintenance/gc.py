@@ -53,7 +53,7 @@ from .intents import (
     GRACE_SECONDS,
     GcItem,
     GcReport,
-    _remove,
+    remove_item,
     tree_bytes,
     read_intents,
     reclaim_staging,
@@ -102,7 +102,7 @@ def collect_garbage(
     hostname = socket.gethostname()
     history = reclaim_staging(root, report, history, now=now, grace_seconds=grace_seconds, hostname=hostname)
     for key in expired_leases:
-        _remove(report, GcItem("lease", key, "expired reader lease"), storage.delete_file, key)
+        remove_item(report, GcItem("lease", key, "expired reader lease"), storage.delete_file, key)
 
     # (e) temp files of interrupted writes.
     for key in _temp_files(root):
@@ -110,7 +110,7 @@ def collect_garbage(
         if mtime is None or now - mtime <= grace_seconds:
             continue  # may belong to a write in progress
         size = _file_size(storage, key)
-        _remove(
+        remove_item(
             report,
             GcItem("temp", key, f"temp file of an interrupted write, {now - mtime:.0f}s old", size),
             storage.delete_file,
@@ -263,7 +263,7 @@ def _snapshots(storage: Storage, report: GcReport, known_usable: int = -1) -> No
             why = "damaged or foreign history snapshot (the log is read instead)"
         else:
             why = f"history snapshot superseded by the one at entry {newest_usable}"
-        _remove(report, GcItem("snapshot", key, why), storage.delete_file, key)
+        remove_item(report, GcItem("snapshot", key, why), storage.delete_file, key)
 
 
 def _file_size(storage: Storage, key: str) -> int:

@@ -287,7 +287,7 @@ def tree_bytes(storage: Storage, key: str) -> int:
         return 0
 
 
-def _remove(report: GcReport, item: GcItem, fn, *args) -> None:
+def remove_item(report: GcReport, item: GcItem, fn, *args) -> None:
     report.items.append(item)
     if report.dry_run:
         return
@@ -373,7 +373,7 @@ def reclaim_staging(
         step = staged_step(storage, key)
         desc = f"uncommitted staging{'' if step is None else f' of step {step}'}: {why}"
         freed, held = report.measure(storage, key)
-        _remove(report, GcItem("staging", key, desc, freed, held=held), storage.delete_tree, key)
+        remove_item(report, GcItem("staging", key, desc, freed, held=held), storage.delete_tree, key)
     staged = {t for t, _ in candidates}
     for txid in intents:
         if txid in live:
@@ -387,7 +387,7 @@ def reclaim_staging(
             gone, why = _judge(storage, txid, intents, now=now, grace_seconds=grace_seconds, hostname=hostname)
             if not gone:
                 continue
-        _remove(report, GcItem("intent", key, f"stale intent: {why}"), storage.delete_file, key)
+        remove_item(report, GcItem("intent", key, f"stale intent: {why}"), storage.delete_file, key)
     return history
 
 

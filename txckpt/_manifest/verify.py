@@ -47,7 +47,7 @@ def _wrong_size(where: str, name: str, actual: int, expected: int) -> IntegrityE
     )
 
 
-def _wrong_checksum(where: str, name: str) -> IntegrityError:
+def wrong_checksum(where: str, name: str) -> IntegrityError:
     return IntegrityError(
         f"{where}/{name} does not match its checksum (xxh3-128): its bytes changed after the "
         f"commit; the checkpoint is damaged; {FALLBACK_HINT}",
@@ -244,7 +244,7 @@ def _problem_error(p: FileProblem, where: str, name: str, entry: FileEntry) -> E
         return _missing(where, name)
     if p.kind == "size":
         return _wrong_size(where, name, p.size, entry.size)
-    return _wrong_checksum(where, name)
+    return wrong_checksum(where, name)
 
 
 def _read_one(

@@ -129,12 +129,12 @@ def write_object(name: str, obj: Any, out: BinaryIO) -> str:
             raise InvalidArgumentError(f"{name!r}: value is not JSON-serialisable ({e})") from None
         out.write(data)
         return "json"
-    with _torch_save_config():
+    with torch_save_config():
         deps.torch.save(obj, out)
     return "torch"
 
 
-def _torch_save_config():
+def torch_save_config():
     """torch.save computes a zip CRC32 of every record: a second pass over every byte at about
     1.3 GB/s, redundant with the xxh3-128 checksum txckpt computes on the way (torch.load never
     checks the CRCs). Off unless TXCKPT_TORCH_ZIP_CRC=1."""

@@ -58,7 +58,7 @@ from .._manifest.rankparts import write_part
 from .._read.reader import Found, read_checked
 from .._root.root import open_root
 from .._tiered.tiered import TieredRoot, load_source, save_target
-from .._manifest.verify import FALLBACK_HINT, _wrong_checksum, verify_checkpoint_files
+from .._manifest.verify import FALLBACK_HINT, wrong_checksum, verify_checkpoint_files
 from ._dcp.compat import (  # torch's unpublished DCP names (DCP's own file format, item by item)
     CURRENT_DCP_VERSION,
     DEFAULT_SUFFIX,
@@ -530,7 +530,7 @@ class TransactionalReader(StorageReader):
             raw: Any = data.numpy() if isinstance(data, torch.Tensor) else data  # a uint8 buffer or bytes
             view = memoryview(raw).cast("B")
         elif digest_bytes(view) != entry.checksum:
-            raise _wrong_checksum(path, name)
+            raise wrong_checksum(path, name)
         return [view[i.offset : i.offset + i.length] for i in infos]
 
     @classmethod

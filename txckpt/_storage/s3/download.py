@@ -29,7 +29,7 @@ from typing import Any, Awaitable, Callable
 
 from ..._base.checksum import new_hasher
 from ..._base.fileio import BufferRead, SizeMismatch, HashWorker, new_buffer
-from .upload import _run
+from .upload import run_on_loop
 
 
 def _total_of(response: dict[str, Any]) -> int | None:
@@ -183,7 +183,7 @@ def ranged_read(fs: Any, bucket: str, obj: str, size: int, *, hash: bool, part: 
             next_part += 1
 
     try:
-        _run(fs, _get_all(len(parts), get, in_flight))
+        run_on_loop(fs, _get_all(len(parts), get, in_flight))
     except BaseException:
         if worker is not None:
             worker.finish(check=False)  # stop the thread before the buffer it reads goes away
@@ -254,7 +254,7 @@ def ranged_copy(
     thread = threading.Thread(target=writer, name="txckpt-ranged-copy", daemon=True)
     thread.start()
     try:
-        _run(fs, _get_all(len(parts), get, in_flight, may_start))
+        run_on_loop(fs, _get_all(len(parts), get, in_flight, may_start))
     finally:
         ready.put(None)
         thread.join()
@@ -446,7 +446,7 @@ def ranged_to_file(
     if thread is not None:
         thread.start()
     try:
-        _run(fs, run_all())
+        run_on_loop(fs, run_all())
     finally:
         pool.shutdown(wait=True)  # no write lands after the caller closes or deletes the file
         if thread is not None:
@@ -498,7 +498,7 @@ def _to_file_on_loop(
             _hash_file(fd, end, hasher, state["hashed"], block)
             state["hashed"] = end
 
-    _run(fs, _get_all(len(parts), get, in_flight))
+    run_on_loop(fs, _get_all(len(parts), get, in_flight))
     if state["hashed"] != size:  # cannot happen: every part was written, so the prefix is whole
         raise SizeMismatch(state["hashed"])
     return size, hasher.hexdigest()

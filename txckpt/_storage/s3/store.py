@@ -16,13 +16,13 @@ from ..base import WriteBatch
 from ..errors import log_retries
 from ..fsspec.store import FsspecStorage
 from .download import RangeIgnored, ranged_copy, ranged_read, ranged_to_file, whole_object
-from .upload import _run, _S3Writer, _S3WriteBatch
+from .upload import run_on_loop, S3Writer, S3WriteBatch
 
 log = logging.getLogger("txckpt")
 _T = TypeVar("_T")
 
 #: Multipart upload tuning for S3 (see docs/remote.md for the measurements behind them).
-#: Memory held by one writer stays near ``part_size * (max_in_flight + 1)`` (see _S3Writer).
+#: Memory held by one writer stays near ``part_size * (max_in_flight + 1)`` (see S3Writer).
 S3_PART_SIZE = int(os.environ.get("TXCKPT_S3_PART_SIZE", 16 << 20))
 S3_MAX_IN_FLIGHT = int(os.environ.get("TXCKPT_S3_MAX_IN_FLIGHT", 4))
 #: A file no larger than this goes up as one PutObject at close(); a larger one as a multipart
@@ -114,7 +114,7 @@ class S3Storage(FsspecStorage):
         return obj + "/" if obj else ""
 
     def _call(self, method: str, **kwargs):
-        return _run(self.fs, self.fs._call_s3(method, Bucket=self.bucket, **kwargs))
+        return run_on_loop(self.fs, self.fs._call_s3(method, Bucket=self.bucket, **kwargs))
 
     def _list(self, prefix: str, delimiter: str | None) -> Iterator[dict]:
         """Pages of ListObjectsV2 under ``prefix`` (fresh: no cache involved)."""
@@ -137,15 +137,15 @@ class S3Storage(FsspecStorage):
 
     # ----- writing -----------------------------------------------------------------------------
     def open_write(self, key: str, *, durable: bool) -> BinaryIO:
-        return _S3Writer(self, key)  # type: ignore[return-value]
+        return S3Writer(self, key)  # type: ignore[return-value]
 
     def write_batch(self) -> WriteBatch:
         """Files closed through the batch finish uploading in the background (at most
         ``S3_PENDING_FILES`` of them, default 2) while the caller writes the next one."""
-        return _S3WriteBatch(self, S3_PENDING_FILES)
+        return S3WriteBatch(self, S3_PENDING_FILES)
 
     def create_exclusive(self, key: str, data: bytes, *, durable: bool) -> None:
-        _run(self.fs, self._put_if_absent(self._obj(key), bytes(data)))
+        run_on_loop(self.fs, self._put_if_absent(self._obj(key), bytes(data)))
         self._forget(key)
 
     async def _put_if_absent(self, obj: str, data: bytes) -> None:
@@ -227,8 +227,8 @@ class S3Storage(FsspecStorage):
         """Read the local file part by part (no extra copy), hash it, upload parts concurrently."""
         return self._upload_file(local_file, key, None)
 
-    def _upload_file(self, local_file: str, key: str, batch: "_S3WriteBatch | None") -> tuple[int, str]:
-        writer = _S3Writer(self, key, batch)
+    def _upload_file(self, local_file: str, key: str, batch: "S3WriteBatch | None") -> tuple[int, str]:
+        writer = S3Writer(self, key, batch)
         ok = False
         try:
             with open_regular_file(local_file, 0) as src:  # a FIFO in the scratch dir never blocks
@@ -251,7 +251,7 @@ class S3Storage(FsspecStorage):
             finally:
                 resp["Body"].close()
 
-        return _run(self.fs, _get())
+        return run_on_loop(self.fs, _get())
 
     def open_read(self, key: str) -> BinaryIO:
         self._forget(key)
@@ -279,7 +279,7 @@ class S3Storage(FsspecStorage):
         async def _all() -> list[bytes]:
             return list(await asyncio.gather(*(_get(o, n) for o, n in ranges)))
 
-        return _run(self.fs, _all()) if ranges else []
+        return run_on_loop(self.fs, _all()) if ranges else []
 
     def start_read(self, key: str, size: int, *, hash: bool) -> BufferRead | None:
         if size <= S3_READ_PART or self._ranges_ignored:

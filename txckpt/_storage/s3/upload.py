@@ -1,6 +1,6 @@
 """Uploads to S3 through s3fs's event loop: one object streamed as a single PutObject or a
-concurrent multipart upload (:class:`_S3Writer`), and the files of one transaction finishing in
-the background (:class:`_S3WriteBatch`). Used by :class:`txckpt._storage.s3.store.S3Storage`, which
+concurrent multipart upload (:class:`S3Writer`), and the files of one transaction finishing in
+the background (:class:`S3WriteBatch`). Used by :class:`txckpt._storage.s3.store.S3Storage`, which
 passes itself as ``storage`` (its ``fs``, ``bucket``, ``part_size``, ``max_in_flight``,
 ``multipart_threshold``, ``_obj``, ``_forget``, ``full_path``, ``_upload_file``): this module does
 not import it.
@@ -25,7 +25,7 @@ from ..base import Storage, WriteBatch
 _S3_MAX_PARTS = 10_000
 
 
-def _run(fs: Any, coro, timeout: float | None = None):
+def run_on_loop(fs: Any, coro, timeout: float | None = None):
     """Run ``coro`` on s3fs's event loop thread and wait for it."""
 
     async def _wrapped():
@@ -131,7 +131,7 @@ class S3Target(Protocol):
     def _forget(self, key: str) -> None: ...
 
 
-class _S3Writer(AbortOnError, io.RawIOBase):
+class S3Writer(AbortOnError, io.RawIOBase):
     """Streaming upload of one object, written exactly once (no copy, no rename).
 
     Bytes are copied once into a buffer (a BytesIO that becomes the request's body as it is) up
@@ -145,7 +145,7 @@ class _S3Writer(AbortOnError, io.RawIOBase):
     ``close()`` uploads the last part and completes the upload: the object appears whole, at once.
     ``abort()`` (or a failing ``close()``) aborts the multipart upload: nothing remains.
 
-    A writer of a :class:`_S3WriteBatch` does not wait at ``close()``: its PutObject (or its
+    A writer of a :class:`S3WriteBatch` does not wait at ``close()``: its PutObject (or its
     last parts and CompleteMultipartUpload) runs on the event loop while the caller goes on, and
     the batch's ``wait()`` reports the outcome. Before it hands its upload over, ``close()``
     waits until fewer than the batch's ``max_pending`` uploads are pending.
@@ -154,7 +154,7 @@ class _S3Writer(AbortOnError, io.RawIOBase):
     parts (16 MiB parts reach ~1 TiB); ``fixed_upload_size=True`` (Cloudflare R2) keeps them equal.
     """
 
-    def __init__(self, storage: "S3Target", key: str, batch: "_S3WriteBatch | None" = None):
+    def __init__(self, storage: "S3Target", key: str, batch: "S3WriteBatch | None" = None):
         super().__init__()
         self._st = storage
         self._batch = batch if batch is not None and batch.max_pending > 0 else None
@@ -259,7 +259,9 @@ class _S3Writer(AbortOnError, io.RawIOBase):
 
     def _send_part(self, body: bytes, number: int | None = None) -> None:
         if self._upload_id is None:
-            out = _run(self._fs, self._fs._call_s3("create_multipart_upload", Bucket=self._st.bucket, Key=self._obj))
+            out = run_on_loop(
+                self._fs, self._fs._call_s3("create_multipart_upload", Bucket=self._st.bucket, Key=self._obj)
+            )
             self._upload_id = out["UploadId"]
         self._wait(self._st.max_in_flight - 1)
         if number is None:
@@ -305,7 +307,7 @@ class _S3Writer(AbortOnError, io.RawIOBase):
                 coro = _complete_upload(self._fs, bucket, self._obj, upload_id, self._etags, inflight)
                 self._upload_id = None
             if self._batch is None:
-                _run(self._fs, coro)
+                run_on_loop(self._fs, coro)
             else:
                 self._batch.submit(self._key, asyncio.run_coroutine_threadsafe(coro, self._fs.loop))
         except BaseException:
@@ -338,7 +340,7 @@ class _S3Writer(AbortOnError, io.RawIOBase):
             # unfinished; the upload is then left to Storage.abort_incomplete_uploads.
             asyncio.ensure_future(abort)  # noqa: RUF006
         else:
-            _run(self._fs, abort, timeout=timeout)
+            run_on_loop(self._fs, abort, timeout=timeout)
 
     def __del__(self):  # an abandoned writer must not leave an upload running
         if sys.is_finalizing():  # the event loop thread may be gone: gc reclaims the upload
@@ -350,7 +352,7 @@ class _S3Writer(AbortOnError, io.RawIOBase):
             pass
 
 
-class _S3WriteBatch(WriteBatch):
+class S3WriteBatch(WriteBatch):
     """The staging files of one transaction on S3: each file's final request(s) run in the
     background while the next file is serialised (see :class:`txckpt._storage.base.WriteBatch`).
 
@@ -368,7 +370,7 @@ class _S3WriteBatch(WriteBatch):
         self._failure: OSError | None = None
 
     def open_write(self, key: str, *, durable: bool) -> BinaryIO:
-        return _S3Writer(self._target, key, self)  # type: ignore[return-value]
+        return S3Writer(self._target, key, self)  # type: ignore[return-value]
 
     def upload_file(self, local_file: str, key: str, *, durable: bool) -> tuple[int, str]:
         return self.storage._upload_file(local_file, key, self)  # type: ignore[attr-defined]

@@ -18,7 +18,7 @@ import transformers.trainer as hf_trainer
 from transformers.trainer_callback import TrainerState
 
 from txckpt._manifest.manifest import kind_for_name
-from txckpt._save.serialization import _torch_save_config
+from txckpt._save.serialization import torch_save_config
 
 from .paths import is_remote
 
@@ -64,7 +64,7 @@ def torch_save_into(tx: Any, name: str, obj: Any, save: Callable[[Any, Any], Any
     nothing in the transaction."""
     out = tx.open(name, "wb")
     try:
-        with _torch_save_config():
+        with torch_save_config():
             save(obj, out)
         out.kind = kind_for_name(name)
         out.close()
