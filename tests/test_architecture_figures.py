@@ -15,7 +15,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = {
-    "load": "verified load, now",
+    "load": "verified load, now (one lookup of the issued path, not two)",
     "save": "synchronous save, now",
     "incremental": "incremental save of an unchanged state, now",
 }

@@ -262,10 +262,12 @@ def load_checkpoint(
     options = dict(files=files, map_location=map_location, weights_only=weights_only, verify=verify, mmap=mmap)
     if isinstance(path, RootInterface):  # a root itself: its newest checkpoint
         return path.read(None, **options)
-    # A path a lookup issued is read by the root that issued it (a tiered root repairs it first),
-    # unless the caller names the storage options.
-    owner = getattr(issued(path), "owner", None) if storage_options is None else None
-    return (owner if isinstance(owner, RootInterface) else PathRoot(path, storage_options)).read(path, **options)
+    # A path a lookup issued is read by the root that issued it (a tiered root repairs it first)
+    # and with the storage options it carries, unless the caller names storage options.
+    known = issued(path) if storage_options is None else None
+    if known is not None and isinstance(known.owner, RootInterface):
+        return known.owner.read(path, **options)
+    return reader.load(path, storage_options=known.storage_options if known is not None else storage_options, **options)
 
 
 __all__ = [
