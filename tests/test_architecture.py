@@ -41,19 +41,23 @@ def _modules() -> dict[str, str]:
     return out
 
 
+def _from_module(node: ast.ImportFrom, name: str, path: str) -> str:
+    """The absolute module a ``from ... import`` in module ``name`` (at ``path``) reads from."""
+    if not node.level:
+        return node.module or ""
+    package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(name: str, path: str, modules: dict[str, str]) -> tuple[set[str], set[str]]:
     """(txckpt modules ``name`` imports, top-level names of other packages it imports)."""
     tree = ast.parse(open(path).read(), path)
-    package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
     inner, outer = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = _from_module(node, name, path)
             if mod == "txckpt" or mod.startswith("txckpt."):
                 for alias in node.names:  # `from . import log` names a module
                     sub = f"{mod}.{alias.name}"
@@ -70,18 +74,23 @@ def _imports(name: str, path: str, modules: dict[str, str]) -> tuple[set[str], s
     return {m for m in inner if m in modules}, outer
 
 
-def _floors() -> dict[str, int]:
+def _levels(block_name: str, word: str) -> dict[str, int]:
+    """docs/architecture.md's ```<block_name> block: ``<word> N: a, b, ...`` lines, name -> N."""
     text = open(os.path.join(HERE, "docs", "architecture.md")).read()
-    block = re.search(r"```floors\n(.*?)```", text, re.S)
-    assert block, "docs/architecture.md has no ```floors block"
-    floors: dict[str, int] = {}
+    block = re.search(rf"```{block_name}\n(.*?)```", text, re.S)
+    assert block, f"docs/architecture.md has no ```{block_name} block"
+    levels: dict[str, int] = {}
     for line in block.group(1).strip().splitlines():
-        m = re.fullmatch(r"floor (\d+): (.+)", line.strip())
-        assert m, f"unreadable floors line: {line!r}"
-        for mod in (x.strip() for x in m.group(2).split(",")):
-            assert mod not in floors, f"{mod} is on two floors"
-            floors[mod] = int(m.group(1))
-    return floors
+        m = re.fullmatch(rf"{word} (\d+): (.+)", line.strip())
+        assert m, f"unreadable {block_name} line: {line!r}"
+        for item in (x.strip() for x in m.group(2).split(",")):
+            assert item not in levels, f"{item} is on two {block_name}"
+            levels[item] = int(m.group(1))
+    return levels
+
+
+def _floors() -> dict[str, int]:
+    return _levels("floors", "floor")
 
 
 #: The packages whose modules on one floor may import each other (docs/architecture.md, "Floors"):
@@ -515,17 +524,7 @@ BACKENDS = ("txckpt._storage.local", "txckpt._storage.fsspec", "txckpt._storage.
 
 
 def _folders() -> dict[str, int]:
-    text = open(os.path.join(HERE, "docs", "architecture.md")).read()
-    block = re.search(r"```folders\n(.*?)```", text, re.S)
-    assert block, "docs/architecture.md has no ```folders block"
-    levels: dict[str, int] = {}
-    for line in block.group(1).strip().splitlines():
-        m = re.fullmatch(r"level (\d+): (.+)", line.strip())
-        assert m, f"unreadable folders line: {line!r}"
-        for folder in (x.strip() for x in m.group(2).split(",")):
-            assert folder not in levels, f"{folder} is on two levels"
-            levels[folder] = int(m.group(1))
-    return levels
+    return _levels("folders", "level")
 
 
 def _folder_of(mod: str, levels: dict[str, int]) -> str:
@@ -603,15 +602,10 @@ def test_no_private_name_crosses_modules():
     wrong = []
     for name, path in sorted(modules.items()):
         tree = ast.parse(open(path).read())
-        package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
         for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            if node.level:
-                base = package.split(".")
-                mod = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = _from_module(node, name, path)
             if not (mod == "txckpt" or mod.startswith("txckpt.")) or mod == "txckpt.integrations._dcp.compat":
                 continue  # compat's _names are torch's private helpers, re-exported by design
             for alias in node.names:
