@@ -138,7 +138,7 @@ class HashingWriter(AbortOnError, io.RawIOBase):
     writer raises RuntimeError "unexpected pos" after a failed write).
     """
 
-    def __init__(self, sink: BinaryIO, *, prefixes: bool = False):
+    def __init__(self, sink: BinaryIO, *, prefixes: bool = False, tap: Callable[[memoryview], Any] | None = None):
         super().__init__()
         self._sink = sink
         self._hasher = new_hasher()
@@ -155,6 +155,9 @@ class HashingWriter(AbortOnError, io.RawIOBase):
         #: while the piece is in the CPU cache (a second digest of those bytes at almost no cost
         #: in memory traffic).
         self._also: Any = None
+        #: Called with each piece right after it is hashed, in order (a tensor index's
+        #: indexer: it hashes chunks and tensors while the piece is in the CPU cache).
+        self._tap = tap
 
     def _failed(self, e: OSError) -> None:
         if self.sink_error is None:
@@ -178,6 +181,8 @@ class HashingWriter(AbortOnError, io.RawIOBase):
             self._hasher.update(piece)
             if self._also is not None:
                 self._also.update(piece)
+            if self._tap is not None:
+                self._tap(piece)
             try:
                 self._sink.write(piece)
             except OSError as e:

@@ -17,6 +17,7 @@ import fnmatch
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Iterable, Set
 
+from ._tensors.index import Indexer, is_safetensors_name
 from .checksum import digest_stream
 from .errors import InvalidArgumentError, UnsafePathError
 from .fileio import fsync_file, hash_file
@@ -104,12 +105,14 @@ def hash_staged(
 
     def one(name: str) -> FileEntry:
         local = storage.local_path(f"{key}/{name}")
-        if local is not None:
-            size, digest = hash_file(local, fsync=fsync_now)  # a FIFO here raises, never blocks
-        else:
+        if local is None:
             with storage.open_read(f"{key}/{name}") as f:
                 size, digest = digest_stream(f)
-        return FileEntry(size, digest, kind_for_name(name), rank)
+            return FileEntry(size, digest, kind_for_name(name), rank)
+        # The tensor index (protocol §3b) from the same read: the header as it goes by.
+        indexer = Indexer(safetensors=is_safetensors_name(name))
+        size, digest = hash_file(local, fsync=fsync_now, tap=indexer.update)  # a FIFO here raises, never blocks
+        return FileEntry(size, digest, kind_for_name(name), rank, index=indexer.finish(size))
 
     # Reading one file while another one's fsync waits for the disk: both release the GIL.
     with ThreadPoolExecutor(max_workers=min(4, max(1, len(names)))) as pool:

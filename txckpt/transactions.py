@@ -18,6 +18,7 @@ import time
 from typing import Any, BinaryIO, Callable, Iterable, Literal, Mapping
 
 from . import errors, parts
+from ._tensors.index import FileIndex, Indexer, is_safetensors_name
 from .checksum import HashingWriter
 from .claims import check_claims, claimed_names, hash_claimed
 from .coordination import Coordinator, GatheredElsewhere, current_coordinator, decide_on_rank0
@@ -89,7 +90,7 @@ class Transaction:
         self.txid: str | None = None
         self._plan: SavePlan | None = None
         # name -> (size, checksum, kind, prefixes), once closed (or, shared, once decided)
-        self._written: dict[str, tuple[int, str, str, tuple[str, ...]]] = {}
+        self._written: dict[str, tuple[int, str, str, tuple[str, ...], FileIndex | None]] = {}
         # incremental=True: the files tx.save finds unchanged, shared at this rank's end
         self._sharing = Sharing(root) if incremental else None
         self._open_writers: set[str] = set()
@@ -367,12 +368,14 @@ class Transaction:
         self._names.add(name, lambda n: n in self._written or n in self._open_writers, self._local_dir)
         source, kind = found
         self._sharing.pending[name] = source  # placed at this rank's end
-        self._written[name] = (source.entry.size, source.entry.checksum, kind, source.entry.prefixes)
+        self._written[name] = (source.entry.size, source.entry.checksum, kind, source.entry.prefixes, source.entry.index)
         return True
 
-    def _finished_file(self, name: str, size: int, digest: str, kind: str, prefixes: list[str]) -> None:
+    def _finished_file(
+        self, name: str, size: int, digest: str, kind: str, prefixes: list[str], index: FileIndex | None
+    ) -> None:
         self._open_writers.discard(name)
-        self._written[name] = (size, digest, kind, tuple(prefixes))
+        self._written[name] = (size, digest, kind, tuple(prefixes), index)
         if self._local_dir is not None:
             self._mark(name)
 
@@ -626,7 +629,9 @@ class Transaction:
 
 class _TrackedWriter(HashingWriter):
     def __init__(self, tx: Transaction, name: str, sink: BinaryIO):
-        super().__init__(sink, prefixes=tx._sharing is not None)
+        # The tensor index (protocol §3b) is built from the same pieces the writer hashes.
+        self._indexer = Indexer(safetensors=is_safetensors_name(name))
+        super().__init__(sink, prefixes=tx._sharing is not None, tap=self._indexer.update)
         self._tx = tx
         self._name = name
         self.kind = "bytes"  # raw bytes through tx.open; tx.save records what it serialised
@@ -635,7 +640,8 @@ class _TrackedWriter(HashingWriter):
         if self.closed:
             return
         super().close()
-        self._tx._finished_file(self._name, self.size, self.digest, self.kind, self.prefixes)
+        index = self._indexer.finish(self.size)
+        self._tx._finished_file(self._name, self.size, self.digest, self.kind, self.prefixes, index)
 
     def abort(self) -> None:
         if self.closed:
