@@ -17,7 +17,7 @@ import fnmatch
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Iterable, Set
 
-from ._tensors.index import Indexer, is_safetensors_name
+from ._tensors.index import Indexer
 from .checksum import digest_stream
 from .errors import InvalidArgumentError, UnsafePathError
 from .fileio import fsync_file, hash_file
@@ -110,7 +110,7 @@ def hash_staged(
                 size, digest = digest_stream(f)
             return FileEntry(size, digest, kind_for_name(name), rank)
         # The tensor index (protocol §3b) from the same read: the header as it goes by.
-        indexer = Indexer(safetensors=is_safetensors_name(name))
+        indexer = Indexer(name)
         size, digest = hash_file(local, fsync=fsync_now, tap=indexer.update)  # a FIFO here raises, never blocks
         return FileEntry(size, digest, kind_for_name(name), rank, index=indexer.finish(size))
 

@@ -18,7 +18,7 @@ import time
 from typing import Any, BinaryIO, Callable, Iterable, Literal, Mapping
 
 from . import errors, parts
-from ._tensors.index import FileIndex, Indexer, is_safetensors_name
+from ._tensors.index import FileIndex, Indexer
 from .checksum import HashingWriter
 from .claims import check_claims, claimed_names, hash_claimed
 from .coordination import Coordinator, GatheredElsewhere, current_coordinator, decide_on_rank0
@@ -630,7 +630,7 @@ class Transaction:
 class _TrackedWriter(HashingWriter):
     def __init__(self, tx: Transaction, name: str, sink: BinaryIO):
         # The tensor index (protocol §3b) is built from the same pieces the writer hashes.
-        self._indexer = Indexer(safetensors=is_safetensors_name(name))
+        self._indexer = Indexer(name)
         super().__init__(sink, prefixes=tx._sharing is not None, tap=self._indexer.update)
         self._tx = tx
         self._name = name

@@ -15,8 +15,14 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from ..checksum import ALGORITHM, digest_bytes, new_hasher
+import xxhash
+
 from ..errors import ManifestError
+
+# xxh3-128, the manifest's one algorithm (checksum.ALGORITHM), taken from xxhash itself: the
+# indexer runs beside the writer's own hasher, per piece, without a call into checksum for each.
+new_hasher = xxhash.xxh3_128
+digest_bytes = xxhash.xxh3_128_hexdigest
 
 #: The size of a chunk: every file's bytes are digested in chunks of this many bytes (the last
 #: one shorter), the part size of a ranged read of an object store.
@@ -128,15 +134,16 @@ def is_safetensors_name(name: str) -> bool:
 
 
 class Indexer:
-    """Builds one file's :class:`FileIndex` from its bytes, fed once and in order through
-    :meth:`update` (a memoryview or bytes; any split); :meth:`finish` gives the index. With
-    ``safetensors`` it reads the header from the first bytes and digests each tensor's bytes;
+    """Builds the :class:`FileIndex` of the file ``name`` from its bytes, fed once and in order
+    through :meth:`update` (a memoryview or bytes; any split); :meth:`finish` gives the index.
+    For a ``.safetensors`` name it reads the header from the first bytes and digests each tensor's bytes;
     a header that does not parse (a file that is not safetensors after all) leaves the index
     without tensors, never fails the save."""
 
     __slots__ = ("chunk_size", "_chunks", "_chunk", "_chunk_left", "_pos", "_head", "_need", "_spans", "_ti", "_th", "_done", "_bad")
 
-    def __init__(self, *, safetensors: bool, chunk_size: int = CHUNK_SIZE):
+    def __init__(self, name: str, *, chunk_size: int = CHUNK_SIZE):
+        safetensors = is_safetensors_name(name)
         self.chunk_size = chunk_size
         self._chunks: list[str] = []
         self._chunk = new_hasher()
@@ -265,14 +272,14 @@ class Indexer:
 
 def index_bytes(name: str, data: bytes | memoryview) -> FileIndex:
     """The index of a file of ``data`` named ``name``, in one call (tests, small files)."""
-    ix = Indexer(safetensors=is_safetensors_name(name))
+    ix = Indexer(name)
     ix.update(data)
     return ix.finish(len(data))
 
 
 def index_pieces(name: str, pieces: Iterable[bytes]) -> FileIndex:
     """The index of a file whose bytes are ``pieces``, in order."""
-    ix = Indexer(safetensors=is_safetensors_name(name))
+    ix = Indexer(name)
     size = 0
     for p in pieces:
         ix.update(p)
@@ -280,4 +287,4 @@ def index_pieces(name: str, pieces: Iterable[bytes]) -> FileIndex:
     return ix.finish(size)
 
 
-__all__ = ["ALGORITHM", "CHUNK_SIZE", "FileIndex", "Indexer", "TensorRecord", "index_bytes", "is_safetensors_name"]
+__all__ = ["CHUNK_SIZE", "FileIndex", "Indexer", "TensorRecord", "index_bytes", "is_safetensors_name"]
