@@ -41,6 +41,16 @@ from .manifest import MANIFEST_NAME, Manifest
 from .rngstate import rng_state, set_rng_state
 from .root import CheckpointInfo, CheckpointRoot
 from .tiered import TieredRoot
+from ._tensors.inspect import (
+    CheckpointContents,
+    CheckpointDiff,
+    FileInfo,
+    TensorChange,
+    TensorInfo,
+    diff_checkpoints,
+    inspect_checkpoint,
+)
+from ._tensors.load import load_tensors
 
 __version__ = "0.1.0"
 
@@ -55,6 +65,15 @@ __all__ = [
     "fetch_checkpoint",
     "Manifest",
     "MANIFEST_NAME",
+    # tensors: inspect, diff, verified partial loads (docs/inspect.md)
+    "inspect_checkpoint",
+    "diff_checkpoints",
+    "load_tensors",
+    "CheckpointContents",
+    "CheckpointDiff",
+    "TensorInfo",
+    "FileInfo",
+    "TensorChange",
     # roots and lineage
     "resume",
     "new_lineage",
