@@ -368,7 +368,13 @@ class Transaction:
         self._names.add(name, lambda n: n in self._written or n in self._open_writers, self._local_dir)
         source, kind = found
         self._sharing.pending[name] = source  # placed at this rank's end
-        self._written[name] = (source.entry.size, source.entry.checksum, kind, source.entry.prefixes, source.entry.index)
+        self._written[name] = (
+            source.entry.size,
+            source.entry.checksum,
+            kind,
+            source.entry.prefixes,
+            source.entry.index,
+        )
         return True
 
     def _finished_file(

@@ -111,7 +111,9 @@ class FileIndex:
                     )
                 )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ManifestError(f"the tensor index of {name!r} is malformed ({e!r}); the checkpoint is damaged") from None
+            raise ManifestError(
+                f"the tensor index of {name!r} is malformed ({e!r}); the checkpoint is damaged"
+            ) from None
         count = -(-size // chunk_size) if chunk_size > 0 else -1
         if chunk_size <= 0 or (chunks and len(chunks) != count) or (not chunks and count > 1):
             raise ManifestError(
@@ -140,7 +142,20 @@ class Indexer:
     a header that does not parse (a file that is not safetensors after all) leaves the index
     without tensors, never fails the save."""
 
-    __slots__ = ("chunk_size", "_chunks", "_chunk", "_chunk_left", "_pos", "_head", "_need", "_spans", "_ti", "_th", "_done", "_bad")
+    __slots__ = (
+        "chunk_size",
+        "_chunks",
+        "_chunk",
+        "_chunk_left",
+        "_pos",
+        "_head",
+        "_need",
+        "_spans",
+        "_ti",
+        "_th",
+        "_done",
+        "_bad",
+    )
 
     def __init__(self, name: str, *, chunk_size: int = CHUNK_SIZE):
         safetensors = is_safetensors_name(name)

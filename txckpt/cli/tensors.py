@@ -46,7 +46,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(table(rows, ["TENSOR", "FILE", "DTYPE", "SHAPE", "SIZE", "DIGEST"]))
     print()
     rows = [
-        [f.name, f.kind, human_bytes(f.size), "-" if f.tensors is None else str(f.tensors), str(f.chunks) if f.indexed else "no index"]
+        [
+            f.name,
+            f.kind,
+            human_bytes(f.size),
+            "-" if f.tensors is None else str(f.tensors),
+            str(f.chunks) if f.indexed else "no index",
+        ]
         for f in c.files
     ]
     print(table(rows, ["FILE", "KIND", "SIZE", "TENSORS", "CHUNKS"]))
