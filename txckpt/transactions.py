@@ -474,10 +474,13 @@ class Transaction:
                             source.entry, kind=kind_for_name(name), rank=self.rank
                         ).to_json()
                         continue
+                    indexer = Indexer(name)  # the tensor index, from the upload's own read
                     size, digest = self._writes.upload_file(
-                        path, f"{self.staging_key}/{name}", durable=self._root.durable
+                        path, f"{self.staging_key}/{name}", durable=self._root.durable, tap=indexer.update
                     )
-                    files[name] = FileEntry(size, digest, kind_for_name(name), self.rank).to_json()
+                    files[name] = FileEntry(
+                        size, digest, kind_for_name(name), self.rank, index=indexer.finish(size)
+                    ).to_json()
             elif self._claims:  # shared staging: this rank hashes what it claims; rank 0 only stats it
                 files.update(
                     hash_claimed(
