@@ -107,7 +107,7 @@ class FileIndex:
                             )
                             for t_name, t in raw.items()
                         ),
-                        key=lambda t: (t.offset, t.name),
+                        key=lambda t: (t.offset, t.length, t.name),  # file order, as the indexer lists them
                     )
                 )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -240,7 +240,7 @@ class Indexer:
         except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError):
             self._give_up()
             return
-        spans.sort(key=lambda s: (s[0], s[1]))
+        spans.sort(key=lambda s: (s[0], s[1], s[2]))
         if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):  # overlapping tensors: not indexed
             self._give_up()
             return
