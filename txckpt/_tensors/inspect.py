@@ -76,7 +76,7 @@ class FileInfo:
 class CheckpointContents:
     """What :func:`txckpt.inspect_checkpoint` returns: the checkpoint's ``path``, ``step``,
     ``lineage``, ``txid``, its ``tensors`` (every tensor of its safetensors files, by file then
-    offset) and ``files``; ``indexed``: whether every safetensors file has a tensor index (False
+    name) and ``files``; ``indexed``: whether every safetensors file has a tensor index (False
     for a checkpoint written before txckpt recorded one: its tensors are then unknown without
     reading the files)."""
 
@@ -135,7 +135,10 @@ def contents_of(path: str, manifest: Manifest) -> CheckpointContents:
                 True,
             )
         )
-        tensors.extend(TensorInfo(t.name, name, t.dtype, t.shape, t.length, t.checksum, t.offset) for t in records)
+        tensors.extend(
+            TensorInfo(t.name, name, t.dtype, t.shape, t.length, t.checksum, t.offset)
+            for t in sorted(records, key=lambda r: r.name)
+        )
     return CheckpointContents(path, manifest.step, manifest.lineage, manifest.txid, tensors, files, indexed)
 
 
