@@ -51,4 +51,5 @@ CASES = [
     "commit_scale",
     "tiered",
     "lightning",
+    "tensors",
 ]
