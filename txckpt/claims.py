@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Iterable, Set
 
 from ._tensors.index import Indexer
-from .checksum import digest_stream
+from .checksum import copy_hashing
 from .errors import InvalidArgumentError, UnsafePathError
 from .fileio import fsync_file, hash_file
 from .manifest import FileEntry, check_file_name, kind_for_name
@@ -105,13 +105,13 @@ def hash_staged(
 
     def one(name: str) -> FileEntry:
         local = storage.local_path(f"{key}/{name}")
-        if local is None:
-            with storage.open_read(f"{key}/{name}") as f:
-                size, digest = digest_stream(f)
-            return FileEntry(size, digest, kind_for_name(name), rank)
         # The tensor index (protocol §3b) from the same read: the header as it goes by.
         indexer = Indexer(name)
-        size, digest = hash_file(local, fsync=fsync_now, tap=indexer.update)  # a FIFO here raises, never blocks
+        if local is not None:
+            size, digest = hash_file(local, fsync=fsync_now, tap=indexer.update)  # a FIFO here raises, never blocks
+        else:
+            with storage.open_read(f"{key}/{name}") as f:
+                size, digest = copy_hashing(f, tap=indexer.update)
         return FileEntry(size, digest, kind_for_name(name), rank, index=indexer.finish(size))
 
     # Reading one file while another one's fsync waits for the disk: both release the GIL.
