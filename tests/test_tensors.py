@@ -485,3 +485,34 @@ def test_load_tensors_on_seaweedfs(seaweedfs_root):
     out = txckpt.load_tensors(path, ["b"], storage_options=so)
     assert torch.equal(out["b"], tensors["b"])
     assert len(txckpt.inspect_checkpoint(path, storage_options=so).tensors) == 3
+
+
+def test_a_multi_rank_checkpoint_carries_each_ranks_index_in_its_part(tmp_path):
+    """Format /2 (protocol §3a): a rank's files and their index travel in its part (the fixed-size
+    Record commits to the part's bytes); inspect and load_tensors read them through the parts."""
+    from safetensors.torch import save
+
+    from txckpt import rankparts
+
+    root = txckpt.CheckpointRoot(str(tmp_path / "out"))
+    tx = root.transaction(1)
+    plan = tx.begin_external(3)
+    staging = root.storage.local_path(plan.key)
+    records, shards = [], {}
+    for rank in range(3):
+        name = f"model-rank{rank}.safetensors"
+        shards[rank] = {f"layer.{rank}.weight": torch.full((4, 4), float(rank))}
+        data = save(shards[rank])
+        with open(os.path.join(staging, name), "wb") as f:
+            f.write(data)
+        entry = FileEntry(len(data), digest_bytes(data), "safetensors", rank, (), tindex.index_bytes(name, data))
+        records.append(
+            rankparts.write_part(
+                root.storage, plan.key, rank, plan.txid, {name: entry.to_json()}, durable=False, directory=False
+            ).encode()
+        )
+    path = tx.commit_reports([], records)
+    assert json.load(open(os.path.join(path, txckpt.MANIFEST_NAME)))["format"] == "txckpt-manifest/2"
+    c = txckpt.inspect_checkpoint(path)
+    assert c.indexed and sorted(t.name for t in c.tensors) == [f"layer.{r}.weight" for r in range(3)]
+    assert torch.equal(txckpt.load_tensors(path, ["layer.2.weight"])["layer.2.weight"], torch.full((4, 4), 2.0))
