@@ -516,3 +516,15 @@ def test_a_multi_rank_checkpoint_carries_each_ranks_index_in_its_part(tmp_path):
     c = txckpt.inspect_checkpoint(path)
     assert c.indexed and sorted(t.name for t in c.tensors) == [f"layer.{r}.weight" for r in range(3)]
     assert torch.equal(txckpt.load_tensors(path, ["layer.2.weight"])["layer.2.weight"], torch.full((4, 4), 2.0))
+
+
+def test_load_tensors_refuses_a_file_that_is_a_symlink_leaving_the_root(tmp_path):
+    from txckpt.errors import UnsafePathError
+
+    path = txckpt.save_checkpoint(str(tmp_path / "out"), 1, {"model.safetensors": _model()})
+    outside = tmp_path / "elsewhere.safetensors"
+    file = os.path.join(path, "model.safetensors")
+    os.replace(file, outside)
+    os.symlink(outside, file)
+    with pytest.raises(UnsafePathError, match="symlink"):
+        txckpt.load_tensors(path, ["steps"])

@@ -14,7 +14,13 @@ import os
 from typing import Any, Iterable, Mapping
 
 from .. import deps
-from ..errors import IntegrityError, InvalidArgumentError, TensorIntegrityError, TensorNotFoundError
+from ..errors import (
+    IntegrityError,
+    InvalidArgumentError,
+    TensorIntegrityError,
+    TensorNotFoundError,
+    UnsafePathError,
+)
 from ..issued import options_for
 from ..reader import Found, load as load_files, read_checked
 from ..serialization import torch_dtype
@@ -69,6 +75,8 @@ def _read_verified(found: Found, wanted: dict[str, TensorInfo]) -> dict[str, byt
     out: dict[str, bytes] = {}
     for file, keys in by_file.items():
         where = f"{found.path.rstrip('/')}/{file}"
+        if found.storage.is_symlink_escape(found.file_key(file)):  # protocol §3: never read through one
+            raise UnsafePathError(f"{where} is a symlink that leaves the root; refusing to read it", path=where)
         try:
             datas = found.storage.read_ranges(
                 found.file_key(file), [(wanted[k].offset, wanted[k].nbytes) for k in keys]
