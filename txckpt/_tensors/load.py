@@ -111,10 +111,24 @@ def _to_tensor(t: TensorInfo, data: bytes, device: Any) -> Any:
         raise InvalidArgumentError(
             f"tensor {t.name!r} of {t.file!r} has dtype {t.dtype}, which this torch cannot hold; upgrade torch"
         ) from None
-    if not data:
-        out = torch.empty(t.shape, dtype=dtype)
-    else:
-        out = torch.frombuffer(bytearray(data), dtype=dtype).reshape(t.shape)
+    try:
+        if not data:
+            out = torch.empty(t.shape, dtype=dtype)
+        else:
+            out = torch.frombuffer(bytearray(data), dtype=dtype).reshape(t.shape)
+    except (RuntimeError, ValueError) as e:  # the header's shape and byte range disagree
+        raise IntegrityError(
+            f"tensor {t.name!r} of {t.file!r} matched its digest but its {t.nbytes} bytes are not a "
+            f"{t.dtype} tensor of shape {list(t.shape)} ({e}): the file's safetensors header is malformed; "
+            "re-save it with safetensors",
+            path=t.file,
+        ) from None
+    if out.numel() * out.element_size() != t.nbytes:
+        raise IntegrityError(
+            f"tensor {t.name!r} of {t.file!r}: shape {list(t.shape)} of {t.dtype} is not its {t.nbytes} bytes "
+            "(a malformed safetensors header); re-save it with safetensors",
+            path=t.file,
+        )
     return out if device in (None, "cpu") else out.to(device)
 
 
