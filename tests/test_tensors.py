@@ -528,3 +528,16 @@ def test_load_tensors_refuses_a_file_that_is_a_symlink_leaving_the_root(tmp_path
     os.symlink(outside, file)
     with pytest.raises(UnsafePathError, match="symlink"):
         txckpt.load_tensors(path, ["steps"])
+
+
+def test_an_adopted_legacy_checkpoint_gets_its_tensor_index(tmp_path):
+    """`txckpt adopt` hashes every file of a stock output_dir: the index comes from that read."""
+    out = tmp_path / "out"
+    (out / "checkpoint-10").mkdir(parents=True)
+    save_file(_model(), str(out / "checkpoint-10" / "model.safetensors"))
+    (out / "checkpoint-10" / "trainer_state.json").write_text('{"global_step": 10}')
+    assert cli_main(["adopt", str(out)]) == 0
+    path = txckpt.get_last_checkpoint(str(out))
+    c = txckpt.inspect_checkpoint(path)
+    assert c.indexed and {t.name for t in c.tensors} == set(_model())
+    assert torch.equal(txckpt.load_tensors(path, ["steps"])["steps"], _model()["steps"])
