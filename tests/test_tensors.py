@@ -174,6 +174,11 @@ def test_files_of_several_chunks_verify_one_chunk_without_the_rest(tmp_path):
         assert rec.length == 36 * MiB
     out = txckpt.load_tensors(tx.path, ["other.safetensors:big", "tail"])
     assert torch.equal(out["other.safetensors:big"], big) and torch.equal(out["tail"], torch.ones(5))
+    assert torch.equal(
+        txckpt.load_tensors(tx.path, ["other.safetensors:tail"])["other.safetensors:tail"], torch.ones(5)
+    )
+    with pytest.raises(txckpt.errors.InvalidArgumentError, match="own.safetensors:big"):
+        txckpt.load_tensors(tx.path, ["big"])  # in two files: which one?
 
 
 def test_the_indexer_gives_the_same_index_however_the_bytes_are_split():

@@ -34,16 +34,18 @@ def _resolve(found: Found, names: list[str]) -> tuple[dict[str, TensorInfo], lis
     contents = contents_of(found.path, found.manifest)
     keys = contents.tensor_keys()
     by_name: dict[str, list[str]] = {}
+    qualified: dict[str, TensorInfo] = {}  # "<file>:<name>" names every tensor, unique or not
     for key, t in keys.items():
         by_name.setdefault(t.name, []).append(key)
+        qualified[f"{t.file}:{t.name}"] = t
     unindexed = [
         f.name for f in contents.files if f.kind == "safetensors" and f.tensors is None
     ]  # no tensor index: read whole
     wanted: dict[str, TensorInfo] = {}
     missing = []
     for name in names:
-        if name in keys:
-            wanted[name] = keys[name]
+        if name in keys or name in qualified:
+            wanted[name] = keys[name] if name in keys else qualified[name]
         elif len(by_name.get(name, ())) > 1:
             raise InvalidArgumentError(
                 f"{found.path} has a tensor {name!r} in {len(by_name[name])} files: name one as "
@@ -143,7 +145,7 @@ def load_tensors(
     on ``device``, reading only their bytes (ranged reads, locally and on object stores), each
     checked against its digest in the manifest's tensor index before anything is returned
     (``TensorIntegrityError`` names the file and tensor on a mismatch). A name is a tensor's
-    name, or ``"<file>:<name>"`` where two files hold that name. A name the checkpoint lacks
+    name, or ``"<file>:<name>"`` (needed where two files hold that name). A name the checkpoint lacks
     raises ``TensorNotFoundError`` listing the close ones. A checkpoint written before the
     tensor index has its safetensors files read whole, verified against their file digests."""
     wanted_names = [names] if isinstance(names, str) else list(names)
