@@ -546,3 +546,18 @@ def test_an_adopted_legacy_checkpoint_gets_its_tensor_index(tmp_path):
     c = txckpt.inspect_checkpoint(path)
     assert c.indexed and {t.name for t in c.tensors} == set(_model())
     assert torch.equal(txckpt.load_tensors(path, ["steps"])["steps"], _model()["steps"])
+
+
+def test_dcp_files_get_chunk_digests_and_no_tensor_index(tmp_path):
+    """DCP's files carry chunk digests (their items have range digests of their own, protocol
+    §3a); they are not safetensors, so inspect lists them as files without tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    from txckpt.integrations.dcp import TransactionalWriter
+
+    writer = TransactionalWriter(str(tmp_path / "root"), 1)
+    dcp.save({"w": torch.ones(4), "b": torch.zeros(2)}, storage_writer=writer, no_dist=True)
+    c = txckpt.inspect_checkpoint(txckpt.get_last_checkpoint(str(tmp_path / "root")))
+    distcp = [f for f in c.files if f.name.endswith(".distcp")]
+    assert distcp and all(f.indexed and f.chunks == 1 and f.tensors is None for f in distcp)
+    assert c.indexed and c.tensors == []  # no safetensors file: nothing unindexed either

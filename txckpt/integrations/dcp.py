@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .. import errors, fileio
+from .._tensors.index import Indexer
 from ..asyncsave import wait_for_root
 from ..checksum import HashingWriter, digest_bytes
 from ..errors import IntegrityError, InvalidArgumentError, ManifestError, TransactionAbortedError
@@ -243,7 +244,10 @@ class TransactionalWriter(StorageWriter):
         def create_stream(name: str, mode: str) -> Iterator[RangeHashingWriter]:
             whole = shards is not None and name in shards.single
             key = shards.stream_key(name) if whole and shards is not None else None
-            w = RangeHashingWriter(batch.open_write(f"{a.key}/{name}", durable=a.durable), whole, key)
+            indexer = Indexer(name)  # the file's chunk digests (protocol §3b), from the same pieces
+            w = RangeHashingWriter(
+                batch.open_write(f"{a.key}/{name}", durable=a.durable), whole, key, tap=indexer.update
+            )
             try:
                 yield w
             except BaseException:
@@ -253,7 +257,8 @@ class TransactionalWriter(StorageWriter):
             w.close()  # durable (or uploaded through the batch) from here
             if key is not None and shards is not None:  # a changed tensor: its key from this write
                 shards.written(name, w.key_writes)
-            files[name] = FileEntry(w.size, w.digest, kind_for_name(name), self._rank).to_json()
+            index = indexer.finish(w.size)
+            files[name] = FileEntry(w.size, w.digest, kind_for_name(name), self._rank, index=index).to_json()
             ranges[name] = {"0": [w.size, w.digest]} if whole else w.ranges
 
         buckets = (
@@ -381,9 +386,14 @@ class TransactionalWriter(StorageWriter):
         root = self._open()
         out = {}
         for name, data in blobs.items():
-            with HashingWriter(root.storage.open_write(f"{tx.staging_key}/{name}", durable=root.durable)) as w:
+            indexer = Indexer(name)
+            with HashingWriter(
+                root.storage.open_write(f"{tx.staging_key}/{name}", durable=root.durable), tap=indexer.update
+            ) as w:
                 w.write(data)
-            out[name] = FileEntry(w.size, w.digest, kind_for_name(name), self._rank).to_json()
+            out[name] = FileEntry(
+                w.size, w.digest, kind_for_name(name), self._rank, index=indexer.finish(w.size)
+            ).to_json()
         return out
 
     def storage_meta(self) -> StorageMeta | None:
