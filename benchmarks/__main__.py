@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from . import CASES
+from . import CASES, EXTRA_CASES
 from . import harness as h
 
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cases = a.cases.split(",") if a.cases else CASES
-    unknown = [c for c in cases if c not in CASES]
+    unknown = [c for c in cases if c not in CASES + EXTRA_CASES]
     if unknown:
         p.error(f"unknown case(s) {unknown}; known: {CASES}")
     h.log(

@@ -148,7 +148,13 @@ class RequestStats:
 
     ops: Counter = field(default_factory=Counter)
     uploaded_bytes: int = 0
+    #: (path, Range header or None) of every GetObject: what a read asked the server for.
+    gets: list[tuple[str, str | None]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record_get(self, path: str, byte_range: str | None) -> None:
+        with self.lock:
+            self.gets.append((path, byte_range))
 
     def record(self, op: str, nbytes: int) -> None:
         with self.lock:
@@ -181,8 +187,16 @@ class RequestCounter:
 
     def reset(self) -> "RequestCounter":
         self._base_ops, self._base_bytes = self._stats.snapshot()
+        with self._stats.lock:
+            self._base_gets = len(self._stats.gets)
         self._frozen = None
         return self
+
+    @property
+    def gets(self) -> list[tuple[str, str | None]]:
+        """(path, Range header or None: the whole object) of each GetObject since the reset."""
+        with self._stats.lock:
+            return list(self._stats.gets[self._base_gets :])
 
     def _now(self) -> tuple[Counter, int]:
         if self._frozen is not None:
@@ -239,6 +253,8 @@ class _Middleware:
             return self.app(environ, start_response)
         op = classify(environ)
         self.stats.record(op, _body_length(environ))
+        if op == "GetObject":
+            self.stats.record_get(environ.get("PATH_INFO", ""), environ.get("HTTP_RANGE"))
         if self.latency:
             time.sleep(self.latency)
         fault = self._take_fault(op, environ.get("PATH_INFO", ""))

@@ -15,8 +15,8 @@ import pytest
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = {
-    "load": "verified load, now (one lookup of the issued path, not two)",
-    "save": "synchronous save, now",
+    "load": "verified load, now (each file's `index` decoded, issue 47)",
+    "save": "synchronous save, now (the tensor index of each file, issue 47)",
     "incremental": "incremental save of an unchanged state, now",
 }
 

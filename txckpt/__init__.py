@@ -36,6 +36,16 @@ from ._base.rngstate import rng_state, set_rng_state
 from ._log.lineage import CheckpointInfo
 from ._root.root import CheckpointRoot
 from ._tiered.tiered import TieredRoot
+from ._tensors.inspect import (
+    CheckpointContents,
+    CheckpointDiff,
+    FileInfo,
+    TensorChange,
+    TensorInfo,
+    diff_checkpoints,
+    inspect_checkpoint,
+)
+from ._tensors.load import load_tensors
 
 __version__ = "0.1.0"
 
@@ -50,6 +60,15 @@ __all__ = [
     "fetch_checkpoint",
     "Manifest",
     "MANIFEST_NAME",
+    # tensors: inspect, diff, verified partial loads (docs/inspect.md)
+    "inspect_checkpoint",
+    "diff_checkpoints",
+    "load_tensors",
+    "CheckpointContents",
+    "CheckpointDiff",
+    "TensorInfo",
+    "FileInfo",
+    "TensorChange",
     # roots and lineage
     "resume",
     "new_lineage",

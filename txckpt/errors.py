@@ -213,6 +213,27 @@ class NoIntactCheckpointError(IntegrityError):
         super().__init__(message, path=path, root=root, damaged=list(damaged))
 
 
+class TensorIntegrityError(IntegrityError):
+    """The bytes of one tensor (or one chunk) of a checkpoint's file do not match the digest
+    its manifest's tensor index records (``txckpt.load_tensors``). ``path``: the file;
+    ``file``: its name in the checkpoint; ``tensor``: the tensor's name (None for a chunk).
+    Nothing was returned. The file is damaged: ``txckpt verify`` the checkpoint, load another
+    one, or restore the file from a copy."""
+
+    file: str | None
+    tensor: str | None
+
+
+class TensorNotFoundError(InvalidArgumentError):
+    """``txckpt.load_tensors`` was asked for a tensor that the checkpoint's tensor index does
+    not hold. ``path``: the checkpoint; ``tensor``: the name asked for; ``close_names``: the
+    index's names closest to it (difflib), maybe empty. ``txckpt inspect PATH`` lists them all."""
+
+    path: str | None
+    tensor: str | None
+    close_names: list[str] | None
+
+
 class UnsafePathError(ManifestError, InvalidArgumentError):
     """A file name escapes its checkpoint: ``..``, an absolute path, or a symlink that leaves the root."""
 
@@ -510,6 +531,8 @@ __all__ = [
     "SpecialFileError",
     "ManifestError",
     "NoIntactCheckpointError",
+    "TensorIntegrityError",
+    "TensorNotFoundError",
     "UnsafePathError",
     "NotACheckpointError",
     "WeightsOnlyError",

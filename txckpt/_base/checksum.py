@@ -29,7 +29,12 @@ def digest_stream(stream: BinaryIO, chunk: int = _READ_CHUNK) -> tuple[int, str]
 
 
 def copy_hashing(
-    src: BinaryIO, sink: Any = None, *, chunk: int | Callable[[], int] = _READ_CHUNK, piece: int | None = None
+    src: BinaryIO,
+    sink: Any = None,
+    *,
+    chunk: int | Callable[[], int] = _READ_CHUNK,
+    piece: int | None = None,
+    tap: Callable[[memoryview], Any] | None = None,
 ) -> tuple[int, str]:
     """The one hash-while-copy loop: read ``src`` to its end, hashing every byte and, with a
     ``sink``, writing it there; returns (size, xxh3-128 hex digest). The sink is not closed.
@@ -41,6 +46,8 @@ def copy_hashing(
       is given (an S3 part) need not copy them. With ``piece`` each block goes to the sink in
       pieces of that many bytes, each hashed right before it is written: the piece is still in
       the CPU cache when the sink copies it (one pass over memory instead of two).
+    * ``tap`` is called with every block (or piece) right after it is hashed, in order (a
+      tensor index's indexer: the same single read).
     """
     hasher = new_hasher()
     size = 0
@@ -55,12 +62,16 @@ def copy_hashing(
                 if not n:
                     break
                 hasher.update(view[:n])
+                if tap is not None:
+                    tap(view[:n])
             else:
                 block = src.read(n_buf)
                 if not block:
                     break
                 n = len(block)
                 hasher.update(block)
+                if tap is not None:
+                    tap(memoryview(block))
             size += n
         return size, hasher.hexdigest()
     while True:
@@ -69,12 +80,16 @@ def copy_hashing(
             break
         if piece is None:
             hasher.update(block)
+            if tap is not None:
+                tap(memoryview(block))
             sink.write(block)
         else:
             whole = memoryview(block)
             for start in range(0, len(whole), piece):
                 part = whole[start : start + piece]
                 hasher.update(part)
+                if tap is not None:
+                    tap(part)
                 sink.write(part)
         size += len(block)
     return size, hasher.hexdigest()
@@ -138,7 +153,7 @@ class HashingWriter(AbortOnError, io.RawIOBase):
     writer raises RuntimeError "unexpected pos" after a failed write).
     """
 
-    def __init__(self, sink: BinaryIO, *, prefixes: bool = False):
+    def __init__(self, sink: BinaryIO, *, prefixes: bool = False, tap: Callable[[memoryview], Any] | None = None):
         super().__init__()
         self._sink = sink
         self._hasher = new_hasher()
@@ -155,6 +170,9 @@ class HashingWriter(AbortOnError, io.RawIOBase):
         #: while the piece is in the CPU cache (a second digest of those bytes at almost no cost
         #: in memory traffic).
         self._also: Any = None
+        #: Called with each piece right after it is hashed, in order (a tensor index's
+        #: indexer: it hashes chunks and tensors while the piece is in the CPU cache).
+        self._tap = tap
 
     def _failed(self, e: OSError) -> None:
         if self.sink_error is None:
@@ -178,6 +196,8 @@ class HashingWriter(AbortOnError, io.RawIOBase):
             self._hasher.update(piece)
             if self._also is not None:
                 self._also.update(piece)
+            if self._tap is not None:
+                self._tap(piece)
             try:
                 self._sink.write(piece)
             except OSError as e:

@@ -32,7 +32,7 @@ import os
 import queue
 import stat
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from . import deps
 from .checksum import new_hasher
@@ -354,9 +354,11 @@ def new_buffer(size: int, *, huge: bool | None = None) -> Any:
     return torch.empty(size, dtype=torch.uint8)
 
 
-def hash_file(path: str, *, fsync: bool = False) -> tuple[int, str]:
+def hash_file(path: str, *, fsync: bool = False, tap: Callable[[memoryview], Any] | None = None) -> tuple[int, str]:
     """``(size, xxh3-128 hex digest)`` of the file at ``path``; with ``fsync`` the file is
-    durable when this returns (its write-back is started before hashing, so the two overlap)."""
+    durable when this returns (its write-back is started before hashing, so the two overlap).
+    ``tap`` is called with each block right after it is hashed, in order (a tensor index's
+    indexer: the same single read)."""
     fd = open_regular(path)
     try:
         if fsync:
@@ -371,6 +373,8 @@ def hash_file(path: str, *, fsync: bool = False) -> tuple[int, str]:
             if not n:
                 break
             hasher.update(view[:n])
+            if tap is not None:
+                tap(view[:n])
             size += n
         if fsync:
             os.fsync(fd)

@@ -23,6 +23,7 @@ from .common import (
 )
 from .export import cmd_export
 from .maintain import cmd_adopt, cmd_gc, cmd_resume
+from .tensors import add_parsers as add_tensor_parsers
 from .verify import cmd_verify
 from .views import LS_DEFAULT_COUNT, cmd_log, cmd_ls, cmd_show
 
@@ -256,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--no-verify", action="store_true", help="fork onto --step without verifying its files (says so)")
     sp.set_defaults(func=cmd_resume)
+
+    add_tensor_parsers(sub, common)  # inspect, diff
     return p
 
 

@@ -17,9 +17,10 @@ import fnmatch
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Iterable, Set
 
-from .._base.checksum import digest_stream
+from .._base.checksum import copy_hashing
 from ..errors import InvalidArgumentError, UnsafePathError
 from .._base.fileio import fsync_file, hash_file
+from .tensor_index import Indexer
 from .manifest import FileEntry, check_file_name, kind_for_name
 from .._storage.base import Storage
 
@@ -104,12 +105,14 @@ def hash_staged(
 
     def one(name: str) -> FileEntry:
         local = storage.local_path(f"{key}/{name}")
+        # The tensor index (protocol §3b) from the same read: the header as it goes by.
+        indexer = Indexer(name)
         if local is not None:
-            size, digest = hash_file(local, fsync=fsync_now)  # a FIFO here raises, never blocks
+            size, digest = hash_file(local, fsync=fsync_now, tap=indexer.update)  # a FIFO here raises, never blocks
         else:
             with storage.open_read(f"{key}/{name}") as f:
-                size, digest = digest_stream(f)
-        return FileEntry(size, digest, kind_for_name(name), rank)
+                size, digest = copy_hashing(f, tap=indexer.update)
+        return FileEntry(size, digest, kind_for_name(name), rank, index=indexer.finish(size))
 
     # Reading one file while another one's fsync waits for the disk: both release the GIL.
     with ThreadPoolExecutor(max_workers=min(4, max(1, len(names)))) as pool:

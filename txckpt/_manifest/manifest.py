@@ -18,6 +18,7 @@ from ..errors import FileNameConflictError, InvalidArgumentError, ManifestError,
 from .._base.layout import MANIFEST_NAME  # every name under a root is layout's; importable from here as before
 from .._base.refs import Parent, parent_from_json, parent_to_json
 from .._storage.base import Storage, check_relative_key
+from .tensor_index import FileIndex
 
 FORMAT = "txckpt-manifest/1"
 #: A multi-rank save's manifest (protocol §3a): the file table lives in per-rank parts, which
@@ -40,11 +41,16 @@ class FileEntry:
     #: incremental save (protocol §3), so the next one tells a changed file within the bytes
     #: before the first boundary where it differs. Empty otherwise.
     prefixes: tuple[str, ...] = ()
+    #: The file's chunk digests and, for a safetensors file, its tensor index (protocol §3b),
+    #: recorded as the file was hashed; None for a file written before the index existed.
+    index: FileIndex | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"size": self.size, "xxh3_128": self.checksum, "kind": self.kind, "rank": self.rank}
         if self.prefixes:
             out["prefixes"] = list(self.prefixes)
+        if self.index is not None:
+            out["index"] = self.index.to_json()
         return out
 
     @classmethod
@@ -53,21 +59,23 @@ class FileEntry:
             size, digest = int(d["size"]), str(d["xxh3_128"])
             kind, rank = str(d.get("kind", "bytes")), int(d.get("rank", 0))
             prefixes = tuple(str(p) for p in d.get("prefixes", ()))
-        except (KeyError, TypeError, ValueError) as e:
+            raw_index = d.get("index")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ManifestError(f"manifest entry for {name!r} is malformed ({e})") from None
         if size < 0 or kind not in KINDS:
             raise ManifestError(f"manifest entry for {name!r} has size {size} / kind {kind!r}")
-        return cls(size, digest, kind, rank, prefixes)
+        index = None if raw_index is None else FileIndex.from_json(name, raw_index, size)
+        return cls(size, digest, kind, rank, prefixes, index)
 
 
 def written_to_json(
-    written: Mapping[str, tuple[int, str, str, tuple[str, ...]]], rank: int
+    written: Mapping[str, tuple[int, str, str, tuple[str, ...], FileIndex | None]], rank: int
 ) -> dict[str, dict[str, Any]]:
     """The file table of a rank's report: each file it wrote or shared, ``name -> (size,
-    checksum, kind, prefixes)``, as the wire form of its FileEntry, recorded with ``rank``."""
+    checksum, kind, prefixes, index)``, as the wire form of its FileEntry, recorded with ``rank``."""
     return {
-        name: FileEntry(size, digest, kind, rank, prefixes).to_json()
-        for name, (size, digest, kind, prefixes) in written.items()
+        name: FileEntry(size, digest, kind, rank, prefixes, index).to_json()
+        for name, (size, digest, kind, prefixes, index) in written.items()
     }
 
 

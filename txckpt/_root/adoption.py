@@ -44,6 +44,7 @@ from .._log.lineage import State
 from .._manifest.manifest import FileEntry, Manifest, kind_for_name
 from .._log.publication import Root
 from .._base.refs import Parent, Ref
+from .._manifest.tensor_index import Indexer
 
 log = logging.getLogger("txckpt")
 
@@ -92,10 +93,11 @@ def _hash_dir(root: Root, step: int, key: str) -> _Dir:
         if s.is_symlink_escape(f"{key}/{name}"):
             log.warning("adoption skips %s/%s, a symlink out of the root", key, name)
             continue
+        indexer = Indexer(name)  # the tensor index (protocol §3b), from the same read
         with s.open_read(f"{key}/{name}") as f:
-            size, digest = checksum.digest_stream(f)
+            size, digest = checksum.copy_hashing(f, tap=indexer.update)
         progress.advance(size)
-        files[name] = FileEntry(size, digest, kind_for_name(name))
+        files[name] = FileEntry(size, digest, kind_for_name(name), index=indexer.finish(size))
         newest = max(newest, s.modified_time(f"{key}/{name}") or 0.0)
     return _Dir(step, key, files, newest)
 

@@ -51,6 +51,14 @@ def _dtype_names() -> dict[Any, str]:
     return _SAFETENSORS_DTYPES
 
 
+def torch_dtype(code: str) -> Any:
+    """The torch dtype of safetensors dtype string ``code`` (``"F32"``, ``"BF16"``, ...);
+    KeyError where this torch has none."""
+    if not _SAFETENSORS_BY_NAME:
+        _SAFETENSORS_BY_NAME.update({v: k for k, v in _dtype_names().items()})
+    return _SAFETENSORS_BY_NAME[code]
+
+
 def write_safetensors(
     tensors: Mapping[str, Any],
     out: BinaryIO,

@@ -24,6 +24,7 @@ from .._manifest.claims import check_claims, claimed_names, hash_claimed
 from .._base.coordination import Coordinator, GatheredElsewhere, current_coordinator, decide_on_rank0
 from ..errors import CheckpointNotFoundError, InvalidArgumentError, TransactionAbortedError, storage_error
 from .._log.commit import append_commit, clear_intent, committed_path, finish_commit, plan_save, snapshot_if_due
+from .._manifest.tensor_index import FileIndex, Indexer
 from .incremental import Sharing, Source
 from .._maintenance.intents import reclaim_after_save, write_intent
 from .._base.layout import checkpoint_name, intent_key
@@ -89,7 +90,7 @@ class Transaction:
         self.txid: str | None = None
         self._plan: SavePlan | None = None
         # name -> (size, checksum, kind, prefixes), once closed (or, shared, once decided)
-        self._written: dict[str, tuple[int, str, str, tuple[str, ...]]] = {}
+        self._written: dict[str, tuple[int, str, str, tuple[str, ...], FileIndex | None]] = {}
         # incremental=True: the files tx.save finds unchanged, shared at this rank's end
         self._sharing = Sharing(root) if incremental else None
         self._open_writers: set[str] = set()
@@ -367,12 +368,20 @@ class Transaction:
         self._names.add(name, lambda n: n in self._written or n in self._open_writers, self._local_dir)
         source, kind = found
         self._sharing.pending[name] = source  # placed at this rank's end
-        self._written[name] = (source.entry.size, source.entry.checksum, kind, source.entry.prefixes)
+        self._written[name] = (
+            source.entry.size,
+            source.entry.checksum,
+            kind,
+            source.entry.prefixes,
+            source.entry.index,
+        )
         return True
 
-    def _finished_file(self, name: str, size: int, digest: str, kind: str, prefixes: list[str]) -> None:
+    def _finished_file(
+        self, name: str, size: int, digest: str, kind: str, prefixes: list[str], index: FileIndex | None
+    ) -> None:
         self._open_writers.discard(name)
-        self._written[name] = (size, digest, kind, tuple(prefixes))
+        self._written[name] = (size, digest, kind, tuple(prefixes), index)
         if self._local_dir is not None:
             self._mark(name)
 
@@ -465,10 +474,13 @@ class Transaction:
                             source.entry, kind=kind_for_name(name), rank=self.rank
                         ).to_json()
                         continue
+                    indexer = Indexer(name)  # the tensor index, from the upload's own read
                     size, digest = self._writes.upload_file(
-                        path, f"{self.staging_key}/{name}", durable=self._root.durable
+                        path, f"{self.staging_key}/{name}", durable=self._root.durable, tap=indexer.update
                     )
-                    files[name] = FileEntry(size, digest, kind_for_name(name), self.rank).to_json()
+                    files[name] = FileEntry(
+                        size, digest, kind_for_name(name), self.rank, index=indexer.finish(size)
+                    ).to_json()
             elif self._claims:  # shared staging: this rank hashes what it claims; rank 0 only stats it
                 files.update(
                     hash_claimed(
@@ -626,7 +638,9 @@ class Transaction:
 
 class _TrackedWriter(HashingWriter):
     def __init__(self, tx: Transaction, name: str, sink: BinaryIO):
-        super().__init__(sink, prefixes=tx._sharing is not None)
+        # The tensor index (protocol §3b) is built from the same pieces the writer hashes.
+        self._indexer = Indexer(name)
+        super().__init__(sink, prefixes=tx._sharing is not None, tap=self._indexer.update)
         self._tx = tx
         self._name = name
         self.kind = "bytes"  # raw bytes through tx.open; tx.save records what it serialised
@@ -635,7 +649,8 @@ class _TrackedWriter(HashingWriter):
         if self.closed:
             return
         super().close()
-        self._tx._finished_file(self._name, self.size, self.digest, self.kind, self.prefixes)
+        index = self._indexer.finish(self.size)
+        self._tx._finished_file(self._name, self.size, self.digest, self.kind, self.prefixes, index)
 
     def abort(self) -> None:
         if self.closed:

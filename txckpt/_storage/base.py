@@ -98,8 +98,10 @@ class WriteBatch:
     def open_write(self, key: str, *, durable: bool) -> BinaryIO:
         return self.storage.open_write(key, durable=durable)
 
-    def upload_file(self, local_file: str, key: str, *, durable: bool) -> tuple[int, str]:
-        return self.storage.upload_file(local_file, key, durable=durable)
+    def upload_file(
+        self, local_file: str, key: str, *, durable: bool, tap: Callable[[memoryview], Any] | None = None
+    ) -> tuple[int, str]:
+        return self.storage.upload_file(local_file, key, durable=durable, tap=tap)
 
     def wait(self) -> None:
         """Block until every file of the batch is complete; raise the first failure (OSError)."""
@@ -263,13 +265,16 @@ class Storage(abc.ABC):
     def sync_dir(self, key: str) -> None:
         """Make the directory entries under ``key`` durable. No-op where there are no directories."""
 
-    def upload_file(self, local_file: str, key: str, *, durable: bool) -> tuple[int, str]:
-        """Copy a local file to ``key`` once, hashing on the way; returns (size, xxh3-128 hex)."""
+    def upload_file(
+        self, local_file: str, key: str, *, durable: bool, tap: Callable[[memoryview], Any] | None = None
+    ) -> tuple[int, str]:
+        """Copy a local file to ``key`` once, hashing on the way; returns (size, xxh3-128 hex).
+        ``tap`` gets every block right after it is hashed, in order (a tensor index's indexer)."""
         writer = self.open_write(key, durable=durable)
         ok = False
         try:
             with open_regular_file(local_file) as src:  # a FIFO there raises, never blocks
-                size, digest = copy_hashing(src, writer, chunk=16 << 20, piece=PIECE)
+                size, digest = copy_hashing(src, writer, chunk=16 << 20, piece=PIECE, tap=tap)
             ok = True
         finally:
             if ok:

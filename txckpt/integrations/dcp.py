@@ -51,6 +51,7 @@ from .. import errors
 from .._base import fileio
 from .._async.asyncsave import wait_for_root
 from .._base.checksum import HashingWriter, digest_bytes
+from .._manifest.tensor_index import Indexer
 from ..errors import IntegrityError, InvalidArgumentError, ManifestError, TransactionAbortedError
 from .._base.layout import intent_key
 from .._manifest.manifest import FileEntry, RangeTable, kind_for_name, read_rank_part
@@ -244,7 +245,10 @@ class TransactionalWriter(StorageWriter):
         def create_stream(name: str, mode: str) -> Iterator[RangeHashingWriter]:
             whole = shards is not None and name in shards.single
             key = shards.stream_key(name) if whole and shards is not None else None
-            w = RangeHashingWriter(batch.open_write(f"{a.key}/{name}", durable=a.durable), whole, key)
+            indexer = Indexer(name)  # the file's chunk digests (protocol §3b), from the same pieces
+            w = RangeHashingWriter(
+                batch.open_write(f"{a.key}/{name}", durable=a.durable), whole, key, tap=indexer.update
+            )
             try:
                 yield w
             except BaseException:
@@ -254,7 +258,8 @@ class TransactionalWriter(StorageWriter):
             w.close()  # durable (or uploaded through the batch) from here
             if key is not None and shards is not None:  # a changed tensor: its key from this write
                 shards.written(name, w.key_writes)
-            files[name] = FileEntry(w.size, w.digest, kind_for_name(name), self._rank).to_json()
+            index = indexer.finish(w.size)
+            files[name] = FileEntry(w.size, w.digest, kind_for_name(name), self._rank, index=index).to_json()
             ranges[name] = {"0": [w.size, w.digest]} if whole else w.ranges
 
         buckets = (
@@ -382,9 +387,14 @@ class TransactionalWriter(StorageWriter):
         root = self._open()
         out = {}
         for name, data in blobs.items():
-            with HashingWriter(root.storage.open_write(f"{tx.staging_key}/{name}", durable=root.durable)) as w:
+            indexer = Indexer(name)
+            with HashingWriter(
+                root.storage.open_write(f"{tx.staging_key}/{name}", durable=root.durable), tap=indexer.update
+            ) as w:
                 w.write(data)
-            out[name] = FileEntry(w.size, w.digest, kind_for_name(name), self._rank).to_json()
+            out[name] = FileEntry(
+                w.size, w.digest, kind_for_name(name), self._rank, index=indexer.finish(w.size)
+            ).to_json()
         return out
 
     def storage_meta(self) -> StorageMeta | None:

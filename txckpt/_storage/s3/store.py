@@ -223,17 +223,21 @@ class S3Storage(FsspecStorage):
         self._call("put_object", Key=self._obj(key), Body=bytes(data))
         self._forget(key)
 
-    def upload_file(self, local_file: str, key: str, *, durable: bool) -> tuple[int, str]:
+    def upload_file(
+        self, local_file: str, key: str, *, durable: bool, tap: Callable[[memoryview], Any] | None = None
+    ) -> tuple[int, str]:
         """Read the local file part by part (no extra copy), hash it, upload parts concurrently."""
-        return self._upload_file(local_file, key, None)
+        return self._upload_file(local_file, key, None, tap)
 
-    def _upload_file(self, local_file: str, key: str, batch: "S3WriteBatch | None") -> tuple[int, str]:
+    def _upload_file(
+        self, local_file: str, key: str, batch: "S3WriteBatch | None", tap: Callable[[memoryview], Any] | None = None
+    ) -> tuple[int, str]:
         writer = S3Writer(self, key, batch)
         ok = False
         try:
             with open_regular_file(local_file, 0) as src:  # a FIFO in the scratch dir never blocks
                 # Blocks of one part each, written whole: the writer keeps them as its parts (no copy).
-                size, digest = copy_hashing(src, writer, chunk=writer.next_part_size)
+                size, digest = copy_hashing(src, writer, chunk=writer.next_part_size, tap=tap)
             ok = True
         finally:
             if ok:

@@ -16,7 +16,7 @@ import errno
 import io
 import sys
 import zlib
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Callable, Protocol
 
 from ..._base import deps
 from ..._base.checksum import AbortOnError
@@ -372,8 +372,10 @@ class S3WriteBatch(WriteBatch):
     def open_write(self, key: str, *, durable: bool) -> BinaryIO:
         return S3Writer(self._target, key, self)  # type: ignore[return-value]
 
-    def upload_file(self, local_file: str, key: str, *, durable: bool) -> tuple[int, str]:
-        return self.storage._upload_file(local_file, key, self)  # type: ignore[attr-defined]
+    def upload_file(
+        self, local_file: str, key: str, *, durable: bool, tap: Callable[[memoryview], Any] | None = None
+    ) -> tuple[int, str]:
+        return self.storage._upload_file(local_file, key, self, tap)  # type: ignore[attr-defined]
 
     def submit(self, key: str, future: concurrent.futures.Future) -> None:
         self._pending.append((key, future))

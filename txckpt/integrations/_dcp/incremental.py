@@ -439,7 +439,7 @@ class IncrementalShards:
         files, ranges = {}, {}
         for name, source in self._sharing.pending.items():
             e = source.entry
-            files[name] = FileEntry(e.size, e.checksum, kind_for_name(name), self._rank).to_json()
+            files[name] = FileEntry(e.size, e.checksum, kind_for_name(name), self._rank, index=e.index).to_json()
             ranges[name] = {"0": [e.size, e.checksum]}
         return files, ranges
 

@@ -40,10 +40,11 @@ class RangeHashingWriter(HashingWriter):
 
     ``key``: (a hasher, n): every write of exactly n bytes (``torch.save`` writes a tensor's
     storage in one write) also goes into the hasher, piece by piece beside the file's hash;
-    :attr:`key_writes` counts them, so the caller can tell that the hasher saw that one write."""
+    :attr:`key_writes` counts them, so the caller can tell that the hasher saw that one write.
+    ``tap``: as HashingWriter's (the file's chunk digests, protocol §3b)."""
 
-    def __init__(self, sink: Any, whole: bool = False, key: tuple[Any, int] | None = None):
-        super().__init__(sink)
+    def __init__(self, sink: Any, whole: bool = False, key: tuple[Any, int] | None = None, tap: Any = None):
+        super().__init__(sink, tap=tap)
         self._whole = whole
         self._start = 0
         self._range = new_hasher()
