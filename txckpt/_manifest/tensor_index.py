@@ -15,14 +15,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-import xxhash
-
+from .._base.checksum import digest_bytes, new_hasher
 from ..errors import ManifestError
-
-# xxh3-128, the manifest's one algorithm (checksum.ALGORITHM), taken from xxhash itself: the
-# indexer runs beside the writer's own hasher, per piece, without a call into checksum for each.
-new_hasher = xxhash.xxh3_128
-digest_bytes = xxhash.xxh3_128_hexdigest
 
 #: The size of a chunk: every file's bytes are digested in chunks of this many bytes (the last
 #: one shorter), the part size of a ranged read of an object store.

@@ -24,7 +24,7 @@ from ..errors import (
 from .._base.issued import options_for
 from .._read.reader import Found, load as load_files, read_checked
 from .._save.serialization import torch_dtype
-from .._manifest.tensor_index import digest_bytes
+from .._base.checksum import digest_bytes
 from .inspect import TensorInfo, contents_of
 
 
