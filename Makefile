@@ -54,7 +54,7 @@ $(STAMP4): pyproject.toml
 	touch $(STAMP4)
 
 # The campaign tier runs in two steps. First the reliability campaign (tests/test_reliability.py)
-# alone: its module fixture runs its cases two at a time itself, keeping both cores busy, and on
+# alone: its module fixture runs its cases two at a time itself (~1.2 cores busy, measured), and on
 # an xdist worker beside the other worker's sweeps it passed its 900 s timeout (clean-clone trial
 # at fee55cb). Then the rest on TEST_JOBS xdist workers (--dist worksteal: a few tests take
 # minutes, and an idle worker takes queued tests from the busy one). Both steps draw from one sweep
