@@ -1,4 +1,5 @@
 import logging
+import os
 
 import pytest
 
@@ -50,6 +51,13 @@ def _non_durable(request, monkeypatch):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "non_durable: run with TXCKPT_DURABLE=0 (tests/conftest.py)")
+    # One sweep seed per run (tests/harness/sampling.py), drawn here in the controller and passed
+    # on in the environment: pytest-xdist's workers (the campaign tier runs on two) and the
+    # children of any test then draw from the seed the summary prints, not one each.
+    if not hasattr(config, "workerinput") and not os.environ.get("TXCKPT_SWEEP_SEED", "").strip():
+        from tests.harness import sampling
+
+        os.environ["TXCKPT_SWEEP_SEED"] = str(sampling.sweep_seed())
 
 
 @pytest.fixture

@@ -71,6 +71,13 @@ def flips_visibility(op: str) -> bool:
     return op.startswith(("link(", "rename(", "replace(")) and any(v in op for v in _VISIBLE)
 
 
+def request_flips_visibility(request: str) -> bool:
+    """The object-store counterpart of :func:`flips_visibility`, for a mutating S3 request as
+    tests/reliability/injectors.py names it (``PutObject(if-none-match) .txckpt/log/...``): one
+    that puts or removes a manifest, a log entry (the commit point) or `latest`."""
+    return any(v in request for v in _VISIBLE)
+
+
 def sweep(
     name: str,
     template: str,

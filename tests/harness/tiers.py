@@ -5,7 +5,8 @@
     make test        pytest --tier test: what every change runs, README's command (< 15 minutes).
     make campaign    pytest --tier campaign: the reliability campaign, the crash sweeps,
                      DeepSpeed, the GCS and Azure rows, then the Trainer tests on transformers
-                     4.57 (< 30 minutes together).
+                     4.57 (< 25 minutes together; the reliability campaign alone, then
+                     the rest on two xdist workers: the Makefile says why).
 
 ``--tier`` adds the tier's marker expression (TIERS below) to any ``-m`` given, so
 ``pytest --tier fast -k lookup`` is the fast part of the lookup tests.
