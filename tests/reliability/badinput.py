@@ -691,9 +691,7 @@ def clock(ctx: Ctx, case: Case, result: Result) -> None:
     if tags != ["W-6"]:
         found.append(f"[clock] with the writer's clock going backwards, lookup returns {tags}, not W-6")
     gone = child_value(
-        lambda: [
-            c.step for c in __import__("txckpt").root.CheckpointRoot(root).checkpoints("all") if c.state != "retired"
-        ],
+        lambda: [c.step for c in __import__("txckpt").CheckpointRoot(root).checkpoints("all") if c.state != "retired"],
         "list",
     )
     if sorted(gone) != [4, 5, 6]:
@@ -702,7 +700,7 @@ def clock(ctx: Ctx, case: Case, result: Result) -> None:
         lambda: [
             [i.kind, i.key]
             for i in __import__("txckpt._maintenance.gc", fromlist=["x"])
-            .collect_garbage(__import__("txckpt").root.CheckpointRoot(root))
+            .collect_garbage(__import__("txckpt").CheckpointRoot(root))
             .items
             if i.kind not in ("retired",)
         ],

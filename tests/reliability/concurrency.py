@@ -423,8 +423,8 @@ def leased_reader(ctx: Ctx, case: Case, result: Result) -> None:
         gone = child_value(
             lambda: (
                 __import__("txckpt")
-                .root.CheckpointRoot(root, so)
-                .locate(__import__("txckpt").root.CheckpointRoot(root, so).history().checkpoints[txid].ref)
+                .CheckpointRoot(root, so)
+                .locate(__import__("txckpt").CheckpointRoot(root, so).history().checkpoints[txid].ref)
                 is None
             ),
             "locate",
