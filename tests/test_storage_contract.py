@@ -438,6 +438,9 @@ def test_read_ranges_reads_each_range_and_stops_at_the_end(storage):
         bytes(range(96, 100)),
     ]
     assert storage.read_ranges("r/g", []) == []
+    # An empty range (a 0-element tensor of load_tensors) is b"" on every backend: Azure's client
+    # refused the empty ranged read's answer.
+    assert storage.read_ranges("r/g", [(7, 0), (3, 2)]) == [b"", bytes([3, 4])]
     with pytest.raises(FileNotFoundError):
         storage.read_ranges("r/none", [(0, 1)])
 

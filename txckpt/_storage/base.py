@@ -364,7 +364,8 @@ class Storage(abc.ABC):
         """The bytes at each ``(offset, length)`` of ``key`` (fewer where the file ends first),
         and no others: a remote store overrides it with one ranged request per range, where a
         stream's read-ahead would fetch the rest of the file (a loading rank's Merkle proof,
-        protocol §3a, must not cost it the whole tree). Raises FileNotFoundError."""
+        protocol §3a, must not cost it the whole tree). A range of length 0 is ``b""`` and asks
+        the store nothing. Raises FileNotFoundError."""
         out = []
         with self.open_read(key) as f:
             for offset, length in ranges:
