@@ -74,7 +74,7 @@ class PathRoot(RootInterface):
 
     def read(self, path, **options: Any) -> dict[str, Any]:
         assert path is not None  # a plain root reads the path a caller gives
-        return reader.load(path, storage_options=options_for(path, self.storage_options), **options)
+        return reader.load(path, storage_options=self.storage_options, **options)
 
 
 def _as_root(root: str | os.PathLike | RootInterface, storage_options: Mapping[str, Any] | None) -> RootInterface:
@@ -267,7 +267,7 @@ def load_checkpoint(
     known = issued(path) if storage_options is None else None
     if known is not None and isinstance(known.owner, RootInterface):
         return known.owner.read(path, **options)
-    return reader.load(path, storage_options=known.storage_options if known is not None else storage_options, **options)
+    return PathRoot(path, known.storage_options if known is not None else storage_options).read(path, **options)
 
 
 __all__ = [
