@@ -71,9 +71,9 @@ def hash_claimed(
     durable: bool,
     rank: int,
     relink: Relink | None = None,
-) -> dict[str, dict]:
+) -> dict[str, FileEntry]:
     """Hash (and with ``durable`` fsync) the files of the staging directory ``key`` that
-    ``claims`` match, less ``skip``: their manifest entries (JSON), recorded with ``rank``;
+    ``claims`` match, less ``skip``: their manifest entries, recorded with ``rank``;
     ``relink`` as for :func:`hash_staged`."""
     base = storage.local_path(key)
     if base is None:  # no local staging (an object store, tx.directory never asked for): no files
@@ -84,7 +84,7 @@ def hash_claimed(
         if storage.is_symlink_escape(f"{key}/{name}"):
             raise UnsafePathError(f"{name!r} in the checkpoint is a symlink that leaves the root")
 
-    return {name: e.to_json() for name, e in hash_staged(storage, key, names, durable, rank, relink).items()}
+    return hash_staged(storage, key, names, durable, rank, relink)
 
 
 #: An incremental save's ``Sharing.relink``: given the staging key and the files just hashed,

@@ -68,21 +68,31 @@ class FileEntry:
         return cls(size, digest, kind, rank, prefixes, index)
 
 
-def written_to_json(
+def written_entries(
     written: Mapping[str, tuple[int, str, str, tuple[str, ...], FileIndex | None]], rank: int
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, FileEntry]:
     """The file table of a rank's report: each file it wrote or shared, ``name -> (size,
-    checksum, kind, prefixes, index)``, as the wire form of its FileEntry, recorded with ``rank``."""
+    checksum, kind, prefixes, index)``, as its FileEntry, recorded with ``rank``. A report stays
+    in this form within the process; it takes its wire form (:meth:`FileEntry.to_json`) only
+    where it leaves it (a rank's part, another library's gather)."""
     return {
-        name: FileEntry(size, digest, kind, rank, prefixes, index).to_json()
+        name: FileEntry(size, digest, kind, rank, prefixes, index)
         for name, (size, digest, kind, prefixes, index) in written.items()
     }
 
 
+def as_entry(name: str, entry: "FileEntry | Mapping[str, Any]", rank: int | None = None) -> FileEntry:
+    """A report's entry for ``name``, given as a FileEntry or in its wire form (JSON, as another
+    library's gather brings it), recorded with ``rank`` where given."""
+    if isinstance(entry, FileEntry):
+        return entry if rank is None or entry.rank == rank else dataclasses.replace(entry, rank=rank)
+    return FileEntry.from_json(name, entry if rank is None else {**entry, "rank": rank})
+
+
 def files_from_json(raw: Mapping[str, Any], *, rank: int) -> dict[str, FileEntry]:
-    """The file table of one rank's report (:func:`written_to_json`), every file recorded with
-    ``rank``, the rank that sent it, whatever the entries say."""
-    return {name: FileEntry.from_json(name, {**entry, "rank": rank}) for name, entry in raw.items()}
+    """The file table of one rank's report (:func:`written_entries`, or its wire form), every
+    file recorded with ``rank``, the rank that sent it, whatever the entries say."""
+    return {name: as_entry(name, entry, rank) for name, entry in raw.items()}
 
 
 def agree_files(reports: list[dict[str, Any]]) -> dict[str, FileEntry]:
@@ -393,7 +403,7 @@ def encode_part(
     rank: int, txid: str, files_json: Mapping[str, Any], ranges: Mapping[str, RangeTable] | None = None
 ) -> bytes:
     """Rank ``rank``'s part of the manifest of ``txid``: its file table (the wire form of
-    :func:`written_to_json`, less each entry's ``rank``: the part's own ``rank`` is every one
+    :meth:`FileEntry.to_json` of :func:`written_entries`, less each entry's ``rank``: the part's own ``rank`` is every one
     of its files', and what a loading rank reads should not grow with the rank's digits) and,
     given ``ranges`` (DCP), the range digests of its own files, so that a loading rank finds
     them in its own share. Its digest (``parts.node_digest`` of these bytes) is its leaf: the

@@ -126,9 +126,9 @@ def check_file(
         got = read_file(storage, key, entry, verify=verify, pipeline=pipeline, overlap=False)
         got.check()
         return entry.size, got.content
-    if storage.is_symlink_escape(key):
+    escapes, local = storage.read_location(key)
+    if escapes:
         raise FileProblem("symlink")
-    local = storage.local_path(key)
     with _as_file_problems():
         if local is not None:
             if not verify:
@@ -184,9 +184,9 @@ def read_file(
 
     With ``mmap``, such a local file is mapped instead of read (:func:`txckpt._base.fileio.start_map_file`):
     the buffer is the page cache's pages, hashed in place."""
-    if storage.is_symlink_escape(key):
+    escapes, local = storage.read_location(key)
+    if escapes:
         raise FileProblem("symlink")
-    local = storage.local_path(key)
     with _as_file_problems():
         pending = None
         if local is not None and entry.kind in _BUFFER_KINDS:

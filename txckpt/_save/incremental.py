@@ -50,7 +50,7 @@ from .._base.fileio import SizeMismatch, hash_file
 from .._maintenance.leases import acquire_reader_lease, release_reader_lease
 from .._log.lineage import Checkpoint
 from .._base.layout import MANIFEST_NAME
-from .._manifest.manifest import FileEntry, Manifest, read_manifest_at
+from .._manifest.manifest import FileEntry, Manifest, as_entry, read_manifest_at
 from .._log.publication import Root
 from .._base.refs import Ref
 from .serialization import write_object
@@ -120,26 +120,38 @@ def distrust(root: Root, txids: Sequence[str], paths: Sequence[str | None] = ())
                 _CHECKED.pop((where, identity), None)
 
 
-def committed_files(root: Root, depth: int = DEPTH) -> list[Source]:
+def committed_files(root: Root, depth: int = DEPTH, *, where: str | None = None) -> list[Source]:
     """The files of the ``depth`` newest committed, not retired checkpoints of ``root``, newest
     checkpoint first. A checkpoint whose manifest cannot be read, or does not match the digest
-    its commit entry recorded, offers nothing (its bytes are not trusted to share)."""
+    its commit entry recorded, offers nothing (its bytes are not trusted to share). ``where``:
+    the root's storage identity, if the caller has it."""
     history = root.history()
-    where = root.storage.identity()
+    where = root.storage.identity() if where is None else where
     live = [
         c for c in history.checkpoints.values() if c.txid not in history.retired and (where, c.txid) not in _DISTRUSTED
     ]
     live.sort(key=lambda c: c.seq, reverse=True)
     out: list[Source] = []
     for c in live[:depth]:
-        manifest = _manifest(root, c)
+        manifest = _manifest(root, c, where)
         if manifest is not None:
-            out.extend(Source(c.ref, name, entry) for name, entry in sorted(manifest.files.items()))
+            ref = c.ref  # one Ref per checkpoint, shared by its files' sources
+            out.extend(Source(ref, name, entry) for name, entry in sorted(manifest.files.items()))
     return out
 
 
-def _manifest(root: Root, c: Checkpoint) -> Manifest | None:
-    cache_key = (root.storage.identity(), c.txid, c.digest)
+def remember_manifest(where: str, manifest: Manifest) -> None:
+    """A manifest this process has just committed (encoded, so its digest is set) on the
+    storage of identity ``where``: the next incremental save compares with it without reading
+    it back (it is byte for byte what the log's entry records)."""
+    with _MANIFESTS_LOCK:
+        _MANIFESTS[(where, manifest.txid, manifest.digest)] = manifest
+        while len(_MANIFESTS) > _MANIFESTS_KEPT:
+            _MANIFESTS.popitem(last=False)
+
+
+def _manifest(root: Root, c: Checkpoint, where: str) -> Manifest | None:
+    cache_key = (where, c.txid, c.digest)
     with _MANIFESTS_LOCK:  # an async save's thread and the caller's may both look
         if cache_key in _MANIFESTS:
             _MANIFESTS.move_to_end(cache_key)
@@ -155,10 +167,7 @@ def _manifest(root: Root, c: Checkpoint) -> Manifest | None:
         return None
     if manifest.txid != c.txid or manifest.digest != c.digest:
         return None
-    with _MANIFESTS_LOCK:
-        _MANIFESTS[cache_key] = manifest
-        while len(_MANIFESTS) > _MANIFESTS_KEPT:
-            _MANIFESTS.popitem(last=False)
+    remember_manifest(where, manifest)
     return manifest
 
 
@@ -260,6 +269,12 @@ class Sharing:
 
     def __init__(self, root: Root):
         self._root = root
+        #: The storage's identity (what this process's knowledge of files is keyed by): asked
+        #: once per save, not once per file.
+        self._where = root.storage.identity()
+        #: txid -> the key its checkpoint was found at during the probes (:meth:`trusted`);
+        #: :meth:`place` looks each source checkpoint up again, once.
+        self._homes: dict[str, str | None] = {}
         self._candidates: list[Source] | None = None
         self._leases: dict[str, str] = {}  # txid -> lease key
         #: name -> the committed file it shares, recorded by the transaction once the name is
@@ -317,7 +332,7 @@ class Sharing:
             source = self.matching(entry.size, entry.checksum)
             if source is None:
                 continue
-            home = self._root.publication.locate(source.ref)
+            home = self._home(source.ref)
             if home is None:  # pragma: no cover - the lease keeps it
                 continue
             try:
@@ -339,7 +354,7 @@ class Sharing:
 
     def _sources(self) -> list[Source]:
         if self._candidates is None:
-            self._candidates = committed_files(self._root)
+            self._candidates = committed_files(self._root, where=self._where)
         return self._candidates
 
     def lease(self, source: Source) -> bool:
@@ -369,15 +384,16 @@ class Sharing:
         over) is never trusted again at that identity; the first time, a warning names it and
         its checkpoint. False too where the file is gone."""
         storage = self._root.storage
-        home = self._root.publication.locate(source.ref)
+        home = self._home(source.ref)
         if home is None:
             return False
         key, entry = f"{home}/{source.name}", source.entry
         try:
             identity = storage.file_identity(key)
         except FileNotFoundError:
+            self._homes.pop(source.ref.txid, None)  # moved since it was found: look again next time
             return False
-        where = storage.identity()
+        where = self._where
         cache_key = (where, identity)
         if identity is not None:
             with _CHECK_LOCK:
@@ -421,6 +437,12 @@ class Sharing:
         self._identities[key] = identity
         return True
 
+    def _home(self, ref: Ref) -> str | None:
+        """Where checkpoint ``ref`` is, looked up once per save (its manifest read, locally)."""
+        if ref.txid not in self._homes:
+            self._homes[ref.txid] = self._root.publication.locate(ref)
+        return self._homes[ref.txid]
+
     def _shared(self, src: str, dst: str, entry: FileEntry) -> None:
         """After ``src`` was shared as ``dst``: what this process knows of ``src``'s bytes holds
         for its identity now (the share may have moved it: a hard link's ctime) and for
@@ -434,15 +456,15 @@ class Sharing:
         except FileNotFoundError:  # pragma: no cover - leased, and dst is this save's
             return
         with _CHECK_LOCK:
-            left = _CHECKED.pop((storage.identity(), before), [None, None])[1]
+            left = _CHECKED.pop((self._where, before), [None, None])[1]
         for identity in {after, copy} - {None}:
-            _remember(storage.identity(), identity, entry, left)
+            _remember(self._where, identity, entry, left)
         if after is not None:
             self._identities[src] = after
 
     def place(self, staging_key: str, durable: bool, written: dict[str, Any] | None = None) -> None:
         """Make every pending share a file of the staging directory (module doc, step 2).
-        ``written``: name -> manifest entry (JSON) of the files this rank wrote and hashed as
+        ``written``: name -> manifest entry (a FileEntry, or its JSON) of the files this rank wrote and hashed as
         it wrote them; on a local disk their identities are remembered as checked, so the next
         save of this process shares them without reading them back."""
         storage = self._root.storage
@@ -450,16 +472,19 @@ class Sharing:
         # it once instead. Where the staging directory is, and the storage's identity, are the
         # same for every written file: asked once, not once per file.
         if written and storage.local_path(staging_key) is not None:
-            where = storage.identity()
+            where = self._where
             for name, entry in sorted(written.items()):
                 if name in self.pending:
                     continue
                 try:
-                    _remember(where, storage.file_identity(f"{staging_key}/{name}"), FileEntry.from_json(name, entry))
+                    _remember(where, storage.file_identity(f"{staging_key}/{name}"), as_entry(name, entry))
                 except (OSError, ManifestError):  # not the caller's to fail: read when first shared
                     pass
+        # Each source checkpoint looked up again, once: it may have moved since the probes (a
+        # fork unpublishes what it abandons), and the lease only keeps it from deletion.
+        self._homes.clear()
         for name, source in sorted(self.pending.items()):
-            home = self._root.publication.locate(source.ref)
+            home = self._home(source.ref)
             if home is None:  # pragma: no cover - the lease keeps it
                 raise CheckpointNotFoundError(
                     f"checkpoint {source.ref.txid}, whose {source.name!r} this save shares, is gone "
@@ -505,8 +530,11 @@ class Sharing:
             return False
         return before is None or self.trusted(source)
 
-    def release(self) -> None:
-        """Give the leases back (the transaction has ended); never raises."""
+    def release(self, committed: Manifest | None = None) -> None:
+        """Give the leases back (the transaction has ended); never raises. ``committed``: the
+        manifest this save committed, remembered for the next save (:func:`remember_manifest`)."""
+        if committed is not None:
+            remember_manifest(self._where, committed)
         for key in self._leases.values():
             try:
                 release_reader_lease(self._root, key)

@@ -37,7 +37,7 @@ from .._manifest.manifest import (
     check_new_file_name,
     check_step,
     kind_for_name,
-    written_to_json,
+    written_entries,
 )
 from .._base.progress import Timer
 from .._manifest.rankparts import parts_manifest, staged_files, write_part
@@ -392,12 +392,13 @@ class Transaction:
     def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         timer = self._timer
         assert self._coord is not None and timer is not None  # both set by __enter__
+        outcome: dict[str, Any] = {}
         try:
             report = self._rank_report(exc)
             if "files" in report:
                 timer.phase(
                     "data" if self.world_size == 1 else f"data (rank {self.rank})",
-                    sum(f["size"] for f in report["files"].values()),
+                    sum(f.size for f in report["files"].values()),
                 )
             outcome = self._outcome(report)
             if "path" in outcome and self._committer and not self._root.shared.staging_reclaimed:
@@ -409,7 +410,9 @@ class Transaction:
             if self._temp_root:
                 shutil.rmtree(self._temp_root, ignore_errors=True)
             if self._sharing is not None:
-                self._sharing.release()
+                # A group's manifest is assembled from parts; only a lone rank's is remembered.
+                committed = self._manifest if self._alone and "path" in outcome else None
+                self._sharing.release(committed)
         if exc is not None:
             return False  # this rank's own exception propagates
         if "error" in outcome:
@@ -456,7 +459,7 @@ class Transaction:
             if self._local_dir is not None:  # files are marked once tx.directory is out (_mark)
                 self._names.check_not_rewritten(lambda n: self._root.storage.local_path(f"{self.staging_key}/{n}"))
             sharing = self._sharing
-            files = written_to_json(self._written, self.rank)
+            files = written_entries(self._written, self.rank)
             if self._temp_root and self._local_dir is not None:
                 # Remote root: upload what other code wrote into the local scratch directory
                 # (this rank's own: every file there is hashed and recorded as this rank's).
@@ -470,17 +473,13 @@ class Transaction:
                     source = sharing.unchanged_file(path) if sharing is not None else None
                     if source is not None:  # a committed file's bytes: shared below, not uploaded
                         sharing.pending[name] = source  # type: ignore[union-attr]
-                        files[name] = dataclasses.replace(
-                            source.entry, kind=kind_for_name(name), rank=self.rank
-                        ).to_json()
+                        files[name] = dataclasses.replace(source.entry, kind=kind_for_name(name), rank=self.rank)
                         continue
                     indexer = Indexer(name)  # the tensor index, from the upload's own read
                     size, digest = self._writes.upload_file(
                         path, f"{self.staging_key}/{name}", durable=self._root.durable, tap=indexer.update
                     )
-                    files[name] = FileEntry(
-                        size, digest, kind_for_name(name), self.rank, index=indexer.finish(size)
-                    ).to_json()
+                    files[name] = FileEntry(size, digest, kind_for_name(name), self.rank, index=indexer.finish(size))
             elif self._claims:  # shared staging: this rank hashes what it claims; rank 0 only stats it
                 files.update(
                     hash_claimed(
@@ -504,7 +503,7 @@ class Transaction:
                         self.staging_key,
                         self.rank,
                         self._plan.txid,
-                        files,
+                        {n: e.to_json() for n, e in files.items()},  # the part's wire form
                         durable=self._root.durable,
                         open_write=self._writes.open_write,
                         directory=self._local_dir is not None and not self._temp_root,

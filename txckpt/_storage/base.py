@@ -412,6 +412,12 @@ class Storage(abc.ABC):
         """True if ``key`` is (or passes through) a symlink that resolves outside the root."""
         return False
 
+    def read_location(self, key: str) -> tuple[bool, str | None]:
+        """(:meth:`is_symlink_escape`, :meth:`local_path`) of ``key``: the two questions a
+        verified read asks of every file before it reads it, in one call (a backend answers
+        both from one path)."""
+        return self.is_symlink_escape(key), self.local_path(key)
+
     def modified_time(self, key: str) -> float | None:
         """Last-modified time of ``key`` in seconds since the epoch, or None if unknown/absent."""
         return None

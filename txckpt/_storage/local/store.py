@@ -487,11 +487,17 @@ class LocalStorage(Storage):
             yield (st.st_dev, st.st_ino), st.st_size, st.st_nlink
 
     def is_symlink_escape(self, key: str) -> bool:
-        path = self._p(key)
+        return self._escapes(self._p(key))
+
+    def _escapes(self, path: str) -> bool:
         real = os.path.realpath(path)
         root_real = os.path.realpath(self.root)
         # Any symlink on the way is refused when it leaves the root; inside is tolerated.
         return not (real == root_real or real.startswith(root_real + os.sep))
+
+    def read_location(self, key: str) -> tuple[bool, str | None]:
+        path = self._p(key)
+        return self._escapes(path), path
 
     def modified_time(self, key: str) -> float | None:
         try:
