@@ -582,3 +582,22 @@ def make_read_only(path: str) -> None:
             os.chmod(path, stat.S_IMODE(mode) & ~0o222)  # a link this process just made: a regular file
     except PermissionError:  # another user's file: it stays as it was
         pass
+
+
+def share_inode(source: str, target: str) -> bool:
+    """Make the new file ``target`` hold ``source``'s bytes without copying them: a clone where
+    the file system can (a file of its own: a later in-place write into either name changes that
+    file only), else a hard link made read-only (one inode, which an ordinary tool can no longer
+    open for writing through either name). False, ``target`` not made, where neither works (a
+    file system without hard links, some network and FUSE mounts, or the source's link count
+    at its limit): the caller writes the bytes instead."""
+    if clone_file(source, target):
+        return True
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except OSError as e:
+        if e.errno in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return False
+        raise
+    make_read_only(target)
+    return True

@@ -290,9 +290,11 @@ def append_commit(root: Root, manifest: Manifest, writer: str | None = None) -> 
     return append(root, build, start=session.base_states.pop(manifest.txid, None), update_hint=False)
 
 
-def finish_commit(root: Root, manifest: Manifest, entry: dict[str, Any]) -> str:
+def finish_commit(root: Root, manifest: Manifest, entry: dict[str, Any], plan_key: str | None = None) -> str:
     """Steps 10-11 of a committed save: the ``latest`` hint, the publication and the intent's
-    deletion, which depend on nothing but the commit entry; returns the checkpoint's path."""
+    deletion, which depend on nothing but the commit entry; returns the checkpoint's path.
+    ``plan_key``: the staging directory the save committed in (its home), where the
+    publication takes it from."""
     storage = root.storage
     committed = Ref(manifest.lineage, manifest.step, manifest.txid)
     # Committed. What is left does not depend on each other (§8 steps 9-11), so on object
@@ -300,7 +302,7 @@ def finish_commit(root: Root, manifest: Manifest, entry: dict[str, Any]) -> str:
     _, where, cleared = storage.run_concurrently(
         [
             partial(commit_log.write_hint, storage, entry["seq"]),
-            partial(root.publication.publish, committed),
+            partial(root.publication.publish, committed, plan_key),
             partial(clear_intent, root, manifest.txid),
         ]
     )

@@ -180,8 +180,8 @@ class InPlacePublication:
                 return key
         return None
 
-    def publish(self, ref: Ref) -> str | None:
-        return self.locate(ref)
+    def publish(self, ref: Ref, at: str | None = None) -> str | None:
+        return at if at is not None else self.locate(ref)
 
     def unpublish(self, keep: set[str], known: set[str]) -> list[str]:
         return []
@@ -314,8 +314,11 @@ class RenamePublication(InPlacePublication):
         pub = self.public_key(ref.step)
         return [pub] + [k for k in keys if k != pub]
 
-    def publish(self, ref: Ref) -> str | None:
-        """Give committed checkpoint ``ref`` its public name (``checkpoint-<step>``). Returns its key."""
+    def publish(self, ref: Ref, at: str | None = None) -> str | None:
+        """Give committed checkpoint ``ref`` its public name (``checkpoint-<step>``). Returns its key.
+        ``at``: where the caller has just committed it (its home), so the first try renames
+        from there without reading its manifest back; another process's publication that
+        moved it meanwhile makes the rename miss, and the next try looks for it."""
         s = self.storage
         pub = self.public_key(ref.step)
         for _ in range(8):
@@ -324,16 +327,19 @@ class RenamePublication(InPlacePublication):
                 return pub
             # locate(ref), pub first read just above: the other candidates, then pub again only
             # if the checkpoint is in none of them (it got there meanwhile).
-            others = [k for k in super().candidates(ref) if k != pub]
-            src = self._holding(ref, others) or self._holding(ref, [pub])
+            src = at if at is not None and at != pub else None
+            if src is None:
+                others = [k for k in super().candidates(ref) if k != pub]
+                src = self._holding(ref, others) or self._holding(ref, [pub])
+            at = None
             if src is None:
                 return None
             if s.exists(pub):
                 self._evict(pub, ref.step, occupant)
             try:
                 s.rename_noreplace(src, pub)
-            except FileExistsError:
-                continue  # someone re-created the name between our check and the rename
+            except (FileExistsError, FileNotFoundError):
+                continue  # someone re-created the name, or moved the checkpoint, since we looked
             # One directory fsync makes the rename durable on journaling filesystems; and
             # publication is derived state: if it were lost, lookups find the home instead.
             self._sync("")

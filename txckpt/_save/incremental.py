@@ -200,6 +200,10 @@ def _hash_stored(storage: Storage, key: str, size: int) -> tuple[int, str | None
         return copy_hashing(f)
 
 
+#: Where every probe takes its first running digest (the first of ``prefix_boundaries``).
+_FIRST_BOUNDARY = next_boundary(0)
+
+
 class _Changed(Exception):
     """Raised inside the serializer when no candidate is left: the file is written instead."""
 
@@ -213,7 +217,7 @@ class _Probe(io.RawIOBase):
         super().__init__()
         self._alive = list(candidates)
         self._hasher = new_hasher()
-        self._boundary = next_boundary(0)
+        self._boundary = _FIRST_BOUNDARY
         self._index = 0  # of the next boundary in every candidate's prefixes
         self.size = 0
 

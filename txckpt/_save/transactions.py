@@ -104,6 +104,7 @@ class Transaction:
         self._alone = False  # a world of one rank (set by __enter__): no collective to make
         self._committer = False  # this rank commits (set by __enter__)
         self._manifest: Manifest | None = None
+        self._totals: tuple[int, int] | None = None  # (bytes, files) of the committed checkpoint
         self._claims: list[str] = []  # names and globs of tx.directory files this rank hashes itself
         self._replica_txid = txid  # a tiered root's replica commits under its source's txid
 
@@ -537,9 +538,8 @@ class Transaction:
         if not failed:
             try:
                 path = self._commit(reports, records)
-                m = self._manifest
-                assert m is not None and self._timer is not None  # _commit set it; __enter__ the timer
-                self._timer.done("saved", m.total_bytes, m.file_count, path)
+                assert self._totals is not None and self._timer is not None  # _commit set them; __enter__ the timer
+                self._timer.done("saved", *self._totals, path)
                 return {"path": path}
             except Exception as e:
                 if isinstance(e, OSError):
@@ -616,7 +616,8 @@ class Transaction:
         root.shared.part_structures = structures  # the next save's fast path (protocol §3a)
         timer.phase("commit")
         # Steps 10-11: the hint, the publication, the intent's deletion (overlapped remotely).
-        path = finish_commit(root, manifest, entry)
+        self._totals = (entry["checkpoint"]["bytes"], entry["checkpoint"]["files"])  # as the log records them
+        path = finish_commit(root, manifest, entry, plan.key)
         timer.phase("publish")
         # Step 11a: a history snapshot every SNAPSHOT_EVERY entries (best effort).
         snapshot_if_due(root, entry)

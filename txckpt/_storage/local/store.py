@@ -17,9 +17,8 @@ from ...errors import TempFileRemovedError
 # power-loss tracers do) sees every rename LocalStorage makes.
 from ..._base.fileio import (
     SYNC_FILE_RANGE_WRITE,
-    clone_file,
     fsync_dir,
-    make_read_only,
+    share_inode,
     makedirs_durable,
     open_regular,
     open_regular_file,
@@ -343,18 +342,9 @@ class LocalStorage(Storage):
         target = (
             os.path.join(os.path.dirname(path), temp_name(os.path.basename(path), hidden=True)) if replace else path
         )
-        # A clone first (copy-on-write: a later in-place write into either name changes that
-        # file only); a hard link where the file system cannot clone.
-        if not clone_file(source, target):
-            try:
-                os.link(source, target, follow_symlinks=False)
-            except OSError as e:
-                # A file system without hard links (some network and FUSE mounts), or the
-                # source's link count at its limit: the caller writes the bytes instead.
-                if e.errno in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
-                    return False
-                raise
-            make_read_only(target)
+        # A clone first; a read-only hard link where the file system cannot clone.
+        if not share_inode(source, target):
+            return False
         if replace:
             try:
                 os.replace(target, path)
