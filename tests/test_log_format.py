@@ -243,3 +243,32 @@ def test_a_log_directory_replaced_by_a_file_is_log_corruption(tmp_path):
         txckpt.forget_roots()
         with pytest.raises(LogCorruptError, match="is a file, not a directory"):
             call()
+
+
+def test_a_writer_notes_what_its_entry_records(tmp_path, caplog, monkeypatch):
+    """A writer does not read its own entry back: the state ``append`` returns is the head-only
+    state a reader gets from the entry (``entry_state``), after saves, a fork, a save on the
+    fork and retention, whichever lineages the built state held."""
+    from txckpt._log import commit as commit_room
+    from txckpt._root.root import open_root
+
+    appended = []
+    real_append = commit_log.append
+
+    def recording_append(storage, build, **kw):
+        entry, state = real_append(storage, build, **kw)
+        appended.append((storage, entry["seq"], state))
+        return entry, state
+
+    monkeypatch.setattr(commit_room.commit_log, "append", recording_append)
+    root = str(tmp_path / "run")
+    for step in (1, 2, 3):
+        txckpt.save_checkpoint(root, step, {"a.json": {"step": step}})
+    with caplog.at_level(logging.WARNING, logger="txckpt"):
+        txckpt.resume(root, step=1)
+    txckpt.save_checkpoint(root, 2, {"a.json": {"step": 22}})
+    txckpt.apply_retention(open_root(root), txckpt.RetentionPolicy(keep_last=1))
+    assert len(appended) >= 6  # three commits, the fork, the fork's commit, retention's entry
+    assert any(len(commit_log.read_history(s).state.lineages) > 1 for s, _, _ in appended[:1])
+    for storage, seq, state in appended:
+        assert state == commit_log.entry_state(commit_log.read_entry(storage, seq)), seq

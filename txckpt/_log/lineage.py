@@ -131,6 +131,15 @@ class State:
         info = self.head_info
         return None if info is None else {"id": info.id, **info.to_json()}
 
+    def head_only(self) -> "State":
+        """What :meth:`from_entry` reads back from the ``/2`` entry that records this state (its
+        head's record only, partial), without the round trip through JSON: the state a
+        writer notes after appending its own entry."""
+        info = self.head_info
+        if info is None:
+            return State(self.seq, partial=True)
+        return State(self.seq, info.id, {info.id: replace(info)}, partial=True)
+
     @classmethod
     def from_entry(cls, entry: dict[str, Any]) -> "State":
         """The state after one decoded entry: complete for a ``/1`` entry (it carries every

@@ -329,7 +329,7 @@ def append(
             # request whose first try succeeded): the entry id tells which.
             existing = read_entry(storage, seq)
             if existing is not None and existing.get("id") == entry_id:
-                entry = existing
+                entry, new_state = existing, entry_state(existing)  # what it records, as written
             else:
                 continue
         except OSError as e:
@@ -340,7 +340,8 @@ def append(
             raise storage_error(e, f"append log entry {seq}") from e
         if update_hint:
             write_hint(storage, seq)
-        return entry, entry_state(entry)
+        # The entry records new_state's head only: what a reader of the entry sees (entry_state).
+        return entry, new_state.head_only()
     raise ConcurrentWriterError(
         f"could not append to the log after {_MAX_APPEND_ATTEMPTS} attempts: too many concurrent writers on one root"
     )
