@@ -446,3 +446,21 @@ def test_txckpt_ls_says_how_many_bytes_each_checkpoint_shares(root, capsys):
     assert rows[2]["shared_bytes"] == m["config.json"].size and rows[1]["shared_bytes"] == 0
     assert app.main(["ls", root]) == 0
     assert "SHARED" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_a_source_moved_during_the_save_is_found_again_and_checked_there(root):
+    """The probes find step 1 under its public name; before the save places its shares, step 1
+    moves back to its home (what a fork's unpublication does to the checkpoints it abandons).
+    The save finds it there, checks it, and shares it: the commit holds step 1's inode."""
+    one = txckpt.save_checkpoint(root, 1, files(1), incremental=True)
+    ref = Ref(*(lambda m: (m.lineage, m.step, m.txid))(txckpt.read_manifest(one)))
+    frozen_ino = ino(one, "frozen.safetensors")
+    r = CheckpointRoot(root)
+    with txckpt.transaction(root, 2, incremental=True) as tx:
+        tx.save("frozen.safetensors", FROZEN)
+        assert r.publication.unpublish_refs([ref]) == ["checkpoint-1"]
+    assert not os.path.exists(one)
+    two = os.path.join(root, "checkpoint-2")
+    assert ino(two, "frozen.safetensors") == frozen_ino
+    txckpt.verify_checkpoint(two)
+    assert torch.equal(txckpt.load_checkpoint(two)["frozen.safetensors"]["w"], FROZEN["w"])

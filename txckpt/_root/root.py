@@ -115,10 +115,9 @@ class CheckpointRoot:
         ``snapshot``: leave a new snapshot if this fold read many entries past the last one.
         Operations that already write to the root pass it (retention, gc, forks); plain readers
         do not, so reading never needs write access."""
-        # One read of the session's field and one write (it is a descriptor over the shared
-        # session state): the fold is the local name from here on.
-        history = commit_log.read_history(self.storage, self.folded_history)
-        self.folded_history = history
+        session = self.shared  # the fold is the session's, shared by every spelling of the root
+        history = commit_log.read_history(self.storage, session.folded_history)
+        session.folded_history = history
         self._note_state(history.state)
         if snapshot and commit_log.write_snapshot_if_due(self.storage, history, durable=self.durable):
             history.snapshot_seq = history.state.seq

@@ -484,24 +484,8 @@ class Sharing:
                     _remember(where, storage.file_identity(f"{staging_key}/{name}"), as_entry(name, entry))
                 except (OSError, ManifestError):  # not the caller's to fail: read when first shared
                     pass
-        # Each source checkpoint looked up again, once: it may have moved since the probes (a
-        # fork unpublishes what it abandons), and the lease only keeps it from deletion.
-        self._homes.clear()
         for name, source in sorted(self.pending.items()):
-            home = self._home(source.ref)
-            if home is None:  # pragma: no cover - the lease keeps it
-                raise CheckpointNotFoundError(
-                    f"checkpoint {source.ref.txid}, whose {source.name!r} this save shares, is gone "
-                    "although leased; save again without incremental=True"
-                )
-            src, dst = f"{home}/{source.name}", f"{staging_key}/{name}"
-            if not self._unchanged_since_checked(src, source):
-                raise IntegrityError(
-                    f"{storage.full_path(src)}, which this save shares, changed while it saved and no longer "
-                    "matches its manifest (written by other code): save again (the next save writes the "
-                    "file), and run `txckpt verify` on the root",
-                    path=storage.full_path(src),
-                )
+            src, dst = self._checked_source(source), f"{staging_key}/{name}"
             try:
                 if storage.share_file(src, dst):
                     self._shared(src, dst, source.entry)
@@ -523,16 +507,36 @@ class Sharing:
                         path=storage.full_path(src),
                     )
 
-    def _unchanged_since_checked(self, src: str, source: Source) -> bool:
-        """Whether ``src`` still has the identity it had when checked (one stat or HEAD), else
-        whether its bytes still match (read again)."""
-        before = self._identities.get(src)
-        try:
-            if before is not None and self._root.storage.file_identity(src) == before:
-                return True
-        except FileNotFoundError:
-            return False
-        return before is None or self.trusted(source)
+    def _checked_source(self, source: Source) -> str:
+        """The key of ``source``'s file now, its bytes still those checked by the probes: the
+        same identity (one stat or HEAD), else read again. Its checkpoint is where the probes
+        found it, or, if it moved since (a fork unpublishes what it abandons; the lease only
+        keeps it from deletion), looked up again and checked there."""
+        storage = self._root.storage
+        for moved in (False, True):
+            home = self._home(source.ref)
+            if home is None:  # pragma: no cover - the lease keeps it
+                break
+            src = f"{home}/{source.name}"
+            before = self._identities.get(src)
+            try:
+                if before is not None and storage.file_identity(src) == before:
+                    return src
+            except FileNotFoundError:
+                self._homes.pop(source.ref.txid, None)
+                continue
+            if (before is None and not moved) or self.trusted(source):
+                return src
+            raise IntegrityError(
+                f"{storage.full_path(src)}, which this save shares, changed while it saved and no longer "
+                "matches its manifest (written by other code): save again (the next save writes the "
+                "file), and run `txckpt verify` on the root",
+                path=storage.full_path(src),
+            )
+        raise CheckpointNotFoundError(
+            f"checkpoint {source.ref.txid}, whose {source.name!r} this save shares, is gone "
+            "although leased; save again without incremental=True"
+        )
 
     def release(self, committed: Manifest | None = None) -> None:
         """Give the leases back (the transaction has ended); never raises. ``committed``: the
