@@ -15,8 +15,8 @@ import pytest
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = {
-    "load": "verified load, now (each file's `index` decoded, issue 47; xxh3 called unwrapped)",
-    "save": "synchronous save, now (the tensor index of each file, issue 47; xxh3 called unwrapped)",
+    "load": "verified load, now (one storage question per file: `read_location`)",
+    "save": "synchronous save, now (reports without a JSON round trip; publication from the home just written)",
     "incremental": "incremental save of an unchanged state, now",
 }
 
