@@ -19,9 +19,11 @@ Scenarios:
   new; then its rank 0 retires every checkpoint but the new one (keep_last=1,
   abandoned ones at once), so the kill also lands inside that retention.
 
-The campaign samples each rank's points (a few spread over its operations, and every point around
-the commit entry and the publication; on S3, rank 0's writes only: a point costs ~13 s there);
-``TXCKPT_DCP_FULL_SWEEP=1`` runs every point of both ranks (tests/test_dcp_crash.py's switch)."""
+The campaign samples each rank's points: every point around the commit entry and the publication,
+and a draw of the others (``DRAWN`` per rank, seeded by the run's sweep seed and printed in the
+summary line, so that coverage accumulates across runs: tests/harness/sampling.py); on S3, rank
+0's writes only (a point costs ~13 s there). ``TXCKPT_DCP_FULL_SWEEP=1`` (or
+``TXCKPT_FULL_SWEEP=1``) runs every point of both ranks (tests/test_dcp_crash.py's switch)."""
 
 from __future__ import annotations
 
@@ -34,14 +36,15 @@ import pytest
 
 from tests import conftest
 from tests.children import dcp_incremental_crash as ic
-from tests.harness import launcher
+from tests.harness import launcher, sampling
 from tests.harness.tracer import occurrences
 
-FULL = os.environ.get("TXCKPT_DCP_FULL_SWEEP") == "1"
+FULL = os.environ.get("TXCKPT_DCP_FULL_SWEEP") == "1" or sampling.FULL
 # A full sweep (every point of both ranks) is an offline run: the fork+retention one passed 30 min.
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(10800 if FULL else 1800)]
-#: Points of a sampled victim besides the commit-critical ones (spread evenly over its operations).
-SAMPLED = {"local": 2, "s3": 2}
+#: Ops of a sampled victim drawn besides the commit-critical ones (each tried before and after):
+#: rank 1 has none of those (it never commits), rank 0 the commit entry and the publication.
+DRAWN = {1: 2, 0: 1}
 #: Ops around which the outcome flips: the commit entry, the publication (local, S3).
 CRITICAL = ("link(<root>/.txckpt/log/", "rename_noreplace(", "PutObject(if-none-match) .txckpt/log/")
 
@@ -129,14 +132,17 @@ def _points(ops: list[list], backend: str) -> list[tuple[str, int]]:
     return [p for p, (name, mut) in zip(named, ops) if (mut if backend == "s3" else "(/" not in name)]
 
 
-def _chosen(ops: list[list], victim: int, backend: str) -> list[tuple[tuple[str, int], str]]:
-    points = _points(ops, backend)
-    if FULL:
-        idx = set(range(len(points)))
-    else:
-        idx = set(range(0, len(points), max(1, len(points) // SAMPLED[backend]))) | {len(points) - 1}
-        idx |= {i for i, p in enumerate(points) if p[0].startswith(CRITICAL)}
-    return [(points[i], w) for i in sorted(idx) for w in ("before", "after")]
+def _chosen(ops: list[list], victim: int, backend: str, sweep: str) -> list[tuple[tuple[str, int], str]]:
+    chosen = sampling.sample(
+        f"{sweep}:rank{victim}",
+        _points(ops, backend),
+        lambda p: p[0].startswith(CRITICAL),
+        full=FULL,
+        share=0.0,
+        at_least=DRAWN[victim],
+        ends=False,
+    )
+    return [(p, w) for p in chosen for w in ("before", "after")]
 
 
 def _kill_once(where: Root, template: str, sc: dict, victim: int, point, when: str, tag: str, backend: str) -> dict:
@@ -280,7 +286,7 @@ def _sweep(where: Root, scenario: str, backend: str, victims=(1, 0)) -> str:
             )
         ), names
         where.remove(root)
-        for i, (point, when) in enumerate(_chosen(ops, victim, backend)):
+        for i, (point, when) in enumerate(_chosen(ops, victim, backend, f"dcp-incremental:{scenario}:{backend}")):
             out = _kill_once(where, template, sc, victim, point, when, f"{scenario}-{victim}-{i}-{when}", backend)
             if out["unreached"]:
                 unreached += 1
@@ -290,7 +296,8 @@ def _sweep(where: Root, scenario: str, backend: str, victims=(1, 0)) -> str:
             first_holder_deleted += out["first_holder_deleted"]
             violations += [f"rank {victim} {when} {point[0]} #{point[1]}: {p}" for p in out["problems"]]
     line = (
-        f"incremental DCP crash sweep [{scenario}, {backend}, {'full' if FULL else 'sampled'}]: rank 1 "
+        f"incremental DCP crash sweep [{scenario}, {backend}, "
+        f"{'full' if FULL else f'sampled, seed {sampling.sweep_seed()}'}]: rank 1 "
         f"{counted.get(1, '-')}, rank 0 {counted.get(0, '-')}; {points} crash points "
         f"({unreached} not reached in 3 runs), {commits} left the new checkpoint committed, retention after "
         f"the retry deleted the first holder of the shared bytes at {first_holder_deleted}, {len(violations)} "

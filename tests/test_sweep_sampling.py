@@ -100,3 +100,18 @@ def test_the_default_seed_comes_from_the_clock_once_per_process(monkeypatch):
     assert sampling.sweep_seed() == 456_789
     monkeypatch.setattr(sampling.time, "time_ns", lambda: 1_765_000_999_000_001)
     assert sampling.sweep_seed() == 456_789  # drawn once: every sweep of a run prints the same seed
+
+
+def test_a_draw_of_a_fixed_number_without_the_ends_reaches_every_point_over_runs(seeded):
+    """The incremental DCP sweep's draw (a few points a run, each costing two rank launches): the
+    critical points and exactly ``at_least`` others, the ends drawn like the rest; over runs with
+    other seeds every point is tried."""
+    points = _points()
+    critical = [p for p in points if _critical(p)]
+    draws = []
+    for seed in range(120):
+        seeded(seed)
+        drawn = sampling.sample("dcp", points, _critical, share=0.0, at_least=1, ends=False)
+        assert set(critical) <= set(drawn) and len(drawn) == len(critical) + 1
+        draws.append(drawn)
+    assert set().union(*draws) == set(points)

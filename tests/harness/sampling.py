@@ -48,13 +48,15 @@ def sample(
     full: bool = False,
     share: float = SHARE,
     at_least: int = 2,
+    ends: bool = True,
 ) -> list[T]:
     """The points of sweep ``name`` to try, in their order: all of them under ``TXCKPT_FULL_SWEEP=1``
-    or ``full``; else every point ``critical`` accepts, the first and the last, and a draw of
-    ``share`` of the rest (at least ``at_least`` of them) seeded by :func:`sweep_seed` and ``name``."""
+    or ``full``; else every point ``critical`` accepts, the first and the last (unless ``ends`` is
+    false: then they are drawn like the rest), and a draw of ``share`` of the rest (at least
+    ``at_least`` of them) seeded by :func:`sweep_seed` and ``name``."""
     if full or FULL or not points:
         return list(points)
-    keep = {i for i, p in enumerate(points) if critical(p)} | {0, len(points) - 1}
+    keep = {i for i, p in enumerate(points) if critical(p)} | ({0, len(points) - 1} if ends else set())
     rest = [i for i in range(len(points)) if i not in keep]
     want = min(len(rest), max(at_least, round(share * len(rest))))
     rnd = random.Random(f"{sweep_seed()}:{name}")
