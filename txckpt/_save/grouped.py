@@ -56,6 +56,12 @@ def is_tensor_dict(obj: Any) -> bool:
     return all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
 
 
+def is_shard_name(name: str) -> bool:
+    """Whether ``name`` is a stock shard name (``<stem>-0000K-of-0000N.safetensors``)."""
+    stem = name[: -len("-00001-of-00002.safetensors")]
+    return len(stem) > 0 and _is_shard_of(name, stem)
+
+
 def _previous_files(sources: list[Any], parent_txid: str | None, name: str) -> list[list[TensorRecord]]:
     """The tensor records of the files ``name`` was saved as in the checkpoint the save follows
     (``parent_txid``; without one, the newest checkpoint offered): the one file ``name``, or its
@@ -217,6 +223,7 @@ __all__ = [
     "GROUPED_KEY",
     "grouped_request",
     "index_name",
+    "is_shard_name",
     "is_tensor_dict",
     "merge_grouped",
     "plan_groups",
