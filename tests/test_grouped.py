@@ -138,3 +138,24 @@ def test_plan_keeps_tied_tensors_in_one_file_and_hashes_nothing_assumed_changed(
         ["block.h", "block.w"],
         ["emb", "head.b", "head.w", "tied"],
     ]
+
+
+def test_grouped_file_in_a_folder_and_loads_that_name_its_shards(tmp_path):
+    root, name = str(tmp_path), "sub/model.safetensors"
+    for step in (1, 2):
+        path = txckpt.save_checkpoint(
+            root, step, {name: model(step), "other.safetensors.index.json": {"weight_map": {}}}, incremental=True
+        )
+    shards = ["sub/model-00001-of-00002.safetensors", "sub/model-00002-of-00002.safetensors"]
+    assert sorted(txckpt.read_manifest(path).files) == [
+        "other.safetensors.index.json",
+        *shards,
+        "sub/model.safetensors.index.json",
+    ]
+    loaded = txckpt.load_checkpoint(path)
+    # The grouped file comes back as saved; an index without txckpt's mark stays a JSON file.
+    assert sorted(loaded) == ["other.safetensors.index.json", name] and same(loaded[name], model(2))
+    # Named shards (or the index) are returned as the files they are.
+    direct = txckpt.load_checkpoint(path, files=[shards[1], "sub/model.safetensors.index.json"])
+    assert sorted(direct) == [shards[1], "sub/model.safetensors.index.json"]
+    assert sorted(direct[shards[1]]) == ["head.b", "head.w"]
