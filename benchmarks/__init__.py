@@ -54,4 +54,4 @@ CASES = [
 ]
 #: Cases run on their own (``python -m benchmarks.tensors``, or ``run --cases tensors``), not in
 #: every run: the smoke test's tiny run of CASES is at its time limit on a shared 2-core machine.
-EXTRA_CASES = ["tensors"]
+EXTRA_CASES = ["tensors", "frozen_base"]

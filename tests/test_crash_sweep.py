@@ -209,6 +209,36 @@ def test_sweep_incremental_save_that_shares_a_file(tmp_path):
     report(result)
 
 
+def test_sweep_grouped_incremental_save_sharing_a_frozen_shard(tmp_path):
+    """Issue 47: an incremental save of one model.safetensors whose frozen tensor sits in a stock
+    shard of its own (the grouped layout, docs/incremental.md): the shard is a hard link to step
+    3's, the changed tensors and the index are written. After a SIGKILL at any point, lookup
+    returns step 3 or step 4, whole (its shards loaded back as the one file), and step 3 verifies."""
+    base = torch.arange(1 << 19, dtype=torch.float32)  # 2 MiB, never trained
+
+    def grouped(tag: str, step: int) -> dict:
+        out = files(tag, step)
+        out["model.safetensors"] = {**out["model.safetensors"], "base": base}
+        return out
+
+    template = str(tmp_path / "template")
+    for step, tag in ((2, "A-2"), (3, "A-3")):  # step 3 writes the frozen shard once
+        txckpt.save_checkpoint(template, step, grouped(tag, step), incremental=True)
+    assert os.path.exists(os.path.join(template, "checkpoint-3", "model-00001-of-00002.safetensors"))
+    txckpt.forget_roots()
+    before = snapshot(template)
+    result = sweep(
+        "grouped incremental save sharing a frozen shard",
+        template,
+        str(tmp_path / "work"),
+        lambda root: txckpt.save_checkpoint(root, 4, grouped("A-4", 4), incremental=True),
+        make_checker({"A-3", "A-4"}, before, "R"),
+        sampled=True,
+    )
+    assert any(op.startswith("link") for op in result.ops), result.ops  # the frozen shard's share
+    report(result)
+
+
 def test_sweep_incremental_file_written_into_the_directory(tmp_path):
     """An incremental transaction whose unchanged file other code writes into tx.directory (a
     Trainer's save): it is written, hashed, then replaced by a hard link to step 2's file under a

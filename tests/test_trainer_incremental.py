@@ -6,6 +6,7 @@ object store they are copied on the server and only the changed files are upload
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -122,3 +123,65 @@ def test_s3_uploads_only_the_changed_files(tmp_path, s3_root, s3_requests):
     manifest = len(txckpt.read_manifest(cps[4].path, storage_options=so).encode())
     print(f"save 2: uploaded {uploaded} B; changed files {changed} B, manifest {manifest} B, shared {unchanged} B")
     assert uploaded <= 1.05 * changed + manifest + 8192, (uploaded, changed, manifest)
+
+
+def test_one_model_safetensors_gets_its_frozen_tensors_a_shard_of_their_own(tmp_path):
+    """Issue 47: a small GPT-2 below ``max_shard_size`` (one ``model.safetensors``), everything
+    frozen but the last block and ``ln_f``: with ``txckpt_incremental=True`` its frozen tensors go
+    in a stock shard of their own from the first save, shared by every later one; stock
+    ``from_pretrained`` of each checkpoint is the model as saved, tied ``lm_head`` included, and a
+    stock Trainer resumes."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    class Snapshots(TrainerCallback):
+        def __init__(self):
+            self.at = {}
+
+        def on_save(self, args, state, control, model=None, **kwargs):
+            self.at[state.global_step] = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def gpt2():
+        torch.manual_seed(0)
+        cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32, bos_token_id=0, eos_token_id=0)
+        model = GPT2LMHeadModel(cfg)
+        model.requires_grad_(False)
+        model.transformer.h[-1].requires_grad_(True)
+        model.transformer.ln_f.requires_grad_(True)
+        return model
+
+    ids = torch.randint(0, 96, (8, 12), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": i, "labels": i} for i in ids]
+    snaps = Snapshots()
+    out = tmp_path / "out"
+    TransactionalTrainer(
+        model=gpt2(), args=make_args(str(out), 6), train_dataset=data, callbacks=[snaps], txckpt_incremental=True
+    ).train()
+    paths = [str(out / f"checkpoint-{s}") for s in (2, 4, 6)]
+    layouts = [shards(p) for p in paths]
+    assert [sorted(s) for s in layouts] == [
+        ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    ] * 3
+    frozen_ino = {s["model-00001-of-00002.safetensors"] for s in layouts}
+    assert len(frozen_ino) == 1  # written once, shared by the later saves
+    assert len({s["model-00002-of-00002.safetensors"] for s in layouts}) == 3  # the trained block, new each time
+    with open(os.path.join(paths[0], "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    assert "lm_head.weight" not in weight_map  # tied to wte: written once, as save_pretrained does
+    assert {k for k, v in weight_map.items() if v == "model-00002-of-00002.safetensors"} == {
+        k for k, _ in gpt2().named_parameters() if k.startswith(("transformer.h.1.", "transformer.ln_f."))
+    }
+    for step, path in zip((2, 4, 6), paths):
+        txckpt.verify_checkpoint(path)
+        loaded = GPT2LMHeadModel.from_pretrained(path).state_dict()
+        for k, v in snaps.at[step].items():
+            assert torch.equal(loaded[k], v), (step, k)
+    stock = Trainer(model=gpt2(), args=make_args(str(tmp_path / "stock"), 8), train_dataset=data)
+    stock.train(resume_from_checkpoint=paths[1])
+    assert stock.state.global_step == 8
+    # txckpt's resume reads it too, and its next save shares the frozen shard again.
+    resumed = TransactionalTrainer(
+        model=gpt2(), args=make_args(str(out), 8), train_dataset=data, txckpt_incremental=True
+    )
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 8
+    assert shards(str(out / "checkpoint-8"))["model-00001-of-00002.safetensors"] in frozen_ino

@@ -101,7 +101,11 @@ def save_checkpoint(
 
     ``incremental=True``: a file whose bytes equal a file of one of the root's newest committed
     checkpoints is not written again but shared with it (a hard link on a local disk, a
-    server-side copy on an object store); every checkpoint stays whole (docs/incremental.md).
+    server-side copy on an object store); every checkpoint stays whole (docs/incremental.md). A
+    dict of two or more tensors named ``*.safetensors`` is then saved with the tensors unchanged
+    since the previous checkpoint in a stock shard of their own, which is shared (the sharded
+    layout; ``load_checkpoint`` returns the one file as saved: docs/incremental.md, "A frozen
+    base in one file").
 
     ``root`` may be a :class:`txckpt.TieredRoot`: the save commits on its fast tier and is
     replicated to its durable tier in the background (docs/tiered.md).

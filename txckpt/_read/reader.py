@@ -43,6 +43,7 @@ from .._base.refs import Ref
 from .._maintenance.retention import retired_error_at
 from .._root.root import CheckpointRoot, open_root
 from .._save.serialization import read_object
+from .._save.grouped import grouped_request, merge_grouped
 from .._storage import open_storage
 from .._storage.base import Storage, join
 from .._manifest.verify import FALLBACK_HINT, DecodeFailed, load_checkpoint_files, verify_checkpoint_files
@@ -398,7 +399,7 @@ def load(
     def attempt(found: Found) -> tuple[Found, list[str], dict[str, tuple[bool, Any]]]:
         timer.label = f"step {found.manifest.step}"
         timer.phase("manifest")
-        wanted = _wanted(found, names)
+        wanted = _wanted(found, names if names is None else grouped_request(found.manifest.files, names))
         return (
             found,
             wanted,
@@ -430,6 +431,14 @@ def load(
             # while it was read (read_checked looks for those).
             raise value.error
         out[n] = value if decoded else decode(n, manifest.files[n].kind, value, where=f"{found.path.rstrip('/')}/{n}")
+    # A grouped save's shards (txckpt._save.grouped) come back as the one file they were saved
+    # as, unless the caller named the shards or their index.
+    for n in [n for n in out if n.endswith(".safetensors.index.json")]:
+        merged = merge_grouped(n, out[n], out)
+        if merged is not None and (names is None or merged[0] in names):
+            for shard in (n, *merged[2]):
+                del out[shard]
+            out[merged[0]] = merged[1]
     timer.phase("decode")
     timer.done("loaded", nbytes, len(wanted), os.fspath(path))
     return out

@@ -356,6 +356,12 @@ class Sharing:
     def _first_leased(self, sources: Sequence[Source]) -> Source | None:
         return next((s for s in sources if self.lease(s)), None)
 
+    def sources(self) -> list[Source]:
+        """The committed files this save may share (:func:`committed_files`, read once per
+        save), newest checkpoint first: what a grouped save (txckpt._save.grouped) reads the
+        previous tensor index from."""
+        return self._sources()
+
     def _sources(self) -> list[Source]:
         if self._candidates is None:
             self._candidates = committed_files(self._root, where=self._where)

@@ -15,6 +15,7 @@ import pickle
 import re
 import struct
 import sys
+from dataclasses import dataclass
 from typing import IO, Any, BinaryIO, Mapping, cast
 
 from .._base import deps
@@ -59,6 +60,38 @@ def torch_dtype(code: str) -> Any:
     return _SAFETENSORS_BY_NAME[code]
 
 
+@dataclass(frozen=True)
+class SafetensorsFile:
+    """A dict of tensors to write as a ``.safetensors`` file with a header ``metadata``
+    (``__metadata__``; ``save_pretrained`` writes ``{"format": "pt"}``): what ``tx.save`` takes
+    where the file needs one, and how a grouped save (txckpt._save.grouped) asks for one file
+    without being grouped again."""
+
+    tensors: Mapping[str, Any]
+    metadata: Mapping[str, str] | None = None
+
+
+def dtype_code(t: Any) -> str | None:
+    """The safetensors dtype string of tensor ``t`` (``"F32"``, ...); None where it has none."""
+    return _dtype_names().get(t.dtype)
+
+
+def tensor_bytes(t: Any) -> memoryview:
+    """The bytes ``write_safetensors`` writes for tensor ``t``: its data, contiguous, on the CPU
+    (the bytes the tensor index digests for it in the file, protocol §3b)."""
+    return _raw_bytes(t, deps.torch.uint8)
+
+
+def _raw_bytes(t: Any, uint8: Any) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if not t.numel():
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(uint8).numpy())
+
+
 def write_safetensors(
     tensors: Mapping[str, Any],
     out: BinaryIO,
@@ -95,22 +128,19 @@ def write_safetensors(
                 f"{where}: safetensors cannot store dtype {t.dtype} (entry {key!r}); convert it, or save it in "
                 "a .pt file"
             )
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
+        data = _raw_bytes(t, torch.uint8)  # tensor_bytes(t), the bytes its digest is of
+        nbytes = len(data)
         header[key] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-        prepared.append(t)
+        prepared.append(data)
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     out.write(struct.pack("<Q", len(raw)) + raw)  # the length and the header: one write
-    for t in prepared:
-        if t.numel():
-            out.write(t.reshape(-1).view(torch.uint8).numpy().data)
+    for data in prepared:
+        if len(data):
+            out.write(data)
 
 
 def _itemsize(t: Any) -> int:
@@ -128,7 +158,10 @@ def write_object(name: str, obj: Any, out: BinaryIO) -> str:
         return "bytes"
     lower = name.lower()
     if lower.endswith(".safetensors"):
-        write_safetensors(obj, out, name=name)
+        if isinstance(obj, SafetensorsFile):
+            write_safetensors(obj.tensors, out, obj.metadata, name=name)
+        else:
+            write_safetensors(obj, out, name=name)
         return "safetensors"
     if lower.endswith(".json"):
         try:

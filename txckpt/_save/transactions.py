@@ -26,6 +26,7 @@ from ..errors import CheckpointNotFoundError, InvalidArgumentError, TransactionA
 from .._log.commit import append_commit, clear_intent, committed_path, finish_commit, plan_save, snapshot_if_due
 from .._manifest.tensor_index import FileIndex, Indexer
 from .incremental import Sharing, Source
+from .grouped import is_tensor_dict, save_grouped
 from .._maintenance.intents import reclaim_after_save, write_intent
 from .._base.layout import checkpoint_name, intent_key
 from .._base.layout import MANIFEST_NAME
@@ -324,7 +325,19 @@ class Transaction:
 
     def save(self, name: str, obj: Any) -> None:
         """Write ``obj`` as file ``name`` by the rules of :func:`txckpt.save_checkpoint`; with
-        ``incremental=True``, share it instead if a committed file has its bytes."""
+        ``incremental=True``, share it instead if a committed file has its bytes; and a
+        ``.safetensors`` dict of tensors is grouped (txckpt._save.grouped): the tensors unchanged
+        since the checkpoint this save follows go in files of their own, which are shared."""
+        # One tensor has one layout: the check of the dict's values is made for two or more.
+        if (
+            self._sharing is not None
+            and isinstance(obj, Mapping)
+            and len(obj) > 1
+            and name.lower().endswith(".safetensors")
+            and is_tensor_dict(obj)
+        ):
+            save_grouped(self, name, obj)
+            return
         if self._sharing is not None and self._share(name, lambda sharing: sharing.unchanged(name, obj)):
             return
         f: Any = self.open(name, "wb")  # a _TrackedWriter (kind, abort, sink_error), typed as a BinaryIO

@@ -38,6 +38,7 @@ patches, each held for one upstream call) and ``paths`` (names and path tests).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -59,6 +60,7 @@ from .async_saves import AsyncSaves, check_mode
 from .exactness import warn_inexact_resume_once
 from .patches import (
     HUB_IGNORE_PATTERNS,
+    grouped_weights_through,
     hub_uploads_skip_txckpt,
     plain_cpu_map_location,
     remote_best_checkpoints_kept,
@@ -265,7 +267,11 @@ class TransactionalCheckpointMixin:
                 expected = tx.final_path
                 self._txckpt_streamed = set()
                 self._txckpt_resolve_best(root, step)
-                super()._save_checkpoint(model, trial, *args, **kwargs)  # type: ignore[misc]
+                # Incremental: the model's one model.safetensors is saved grouped, its frozen
+                # tensors in a stock shard of their own that later saves share (issue 47).
+                grouped = grouped_weights_through(tx, self.model) if self.txckpt_incremental else None
+                with grouped if grouped is not None else contextlib.nullcontext():
+                    super()._save_checkpoint(model, trial, *args, **kwargs)  # type: ignore[misc]
                 self._txckpt_check_streamed(tx)
                 self._txckpt_publish_best(tx, expected)
             finally:

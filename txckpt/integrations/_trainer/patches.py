@@ -14,10 +14,12 @@ from typing import Any, Callable, Iterator
 
 import huggingface_hub
 import torch
+import transformers.modeling_utils as hf_modeling
 import transformers.trainer as hf_trainer
 from transformers.trainer_callback import TrainerState
 
 from txckpt._manifest.manifest import kind_for_name
+from txckpt._save.grouped import is_shard_name, save_grouped
 from txckpt._save.serialization import torch_save_config
 
 from .paths import is_remote
@@ -101,6 +103,39 @@ def torch_save_through(tx: Any, streamed: set[str]) -> Iterator[None]:
         yield
     finally:
         torch.save = real
+
+
+@contextlib.contextmanager
+def grouped_weights_through(tx: Any, model: Any) -> Iterator[None]:
+    """While the block runs, the one unsharded ``.safetensors`` file that ``save_pretrained``
+    writes into ``tx.directory`` from this thread (``model.safetensors``: the model is below
+    ``max_shard_size``) is saved grouped through ``tx`` instead (txckpt._save.grouped): the
+    tensors unchanged since the last checkpoint in a stock shard of their own, which is shared.
+    ``save_pretrained`` has already dropped tied weights (as it writes them) and passes its own
+    header metadata, both kept. ``model``'s parameters with ``requires_grad=False`` form the
+    frozen shard from the first save on; those it trains are assumed changed (never hashed).
+    Shards ``save_pretrained`` makes itself, and anything else, are written as upstream does."""
+    real = hf_modeling.safe_save_file
+    me = threading.get_ident()
+    directory = os.path.realpath(tx.directory)
+    params = dict(model.named_parameters()) if hasattr(model, "named_parameters") else {}
+    frozen = {n for n, p in params.items() if not p.requires_grad}
+    trained = set(params) - frozen
+
+    @functools.wraps(real)
+    def save_file(tensors: Any, filename: Any, metadata: Any = None) -> Any:
+        path = os.path.realpath(os.fspath(filename)) if isinstance(filename, (str, os.PathLike)) else ""
+        name = os.path.basename(path)
+        if threading.get_ident() != me or os.path.dirname(path) != directory or is_shard_name(name):
+            return real(tensors, filename, metadata=metadata)
+        save_grouped(tx, name, tensors, metadata=metadata, frozen=frozen, assume_changed=trained)
+        return None
+
+    setattr(hf_modeling, "safe_save_file", save_file)
+    try:
+        yield
+    finally:
+        setattr(hf_modeling, "safe_save_file", real)
 
 
 @contextlib.contextmanager

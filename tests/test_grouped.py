@@ -1,0 +1,161 @@
+"""Grouped safetensors (issue 47, "frozen tensors are never rewritten"): an incremental save of a
+dict of tensors puts the tensors unchanged since the last commit into a file of their own, in the
+stock sharded layout, which the next save shares (one inode) instead of writing it again; loads
+return the one dict a non-grouped save returns."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+import txckpt
+from txckpt._manifest.tensor_index import index_bytes
+from txckpt._save.grouped import plan_groups
+from txckpt._save.serialization import tensor_bytes, write_safetensors
+from txckpt._base.checksum import digest_bytes
+
+import io
+
+SHARD1, SHARD2, INDEX = (
+    "model-00001-of-00002.safetensors",
+    "model-00002-of-00002.safetensors",
+    "model.safetensors.index.json",
+)
+
+
+def model(step: int, *, trained: tuple[str, ...] = ("head.w", "head.b")) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = {
+        "emb": torch.randn(512, 64, generator=g),
+        "block.w": torch.randn(64, 64, generator=g),
+        "block.h": torch.randn(64, generator=g).to(torch.bfloat16),
+        "head.w": torch.randn(64, 64, generator=g),
+        "head.b": torch.randn(64, generator=g),
+    }
+    for name in trained:
+        out[name] = out[name] + step  # "trained": new bytes every step
+    return out
+
+
+def stat(path: str, name: str) -> os.stat_result:
+    return os.stat(os.path.join(path, name))
+
+
+def weight_map(path: str) -> dict[str, str]:
+    with open(os.path.join(path, INDEX)) as f:
+        return json.load(f)["weight_map"]
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tensor_digest_equals_the_index_digest_of_its_bytes_in_the_file():
+    tensors = {**model(3), "empty": torch.empty(0, 4), "strided": torch.randn(8, 6).t(), "flag": torch.ones(3) > 0}
+    buf = io.BytesIO()
+    write_safetensors(tensors, buf)
+    records = {r.name: r for r in (index_bytes("m.safetensors", buf.getvalue()).tensors or ())}
+    assert records.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert records[name].checksum == digest_bytes(tensor_bytes(t)), name
+
+
+def test_frozen_tensors_get_a_file_of_their_own_shared_by_every_later_save(tmp_path):
+    root = str(tmp_path)
+    first = txckpt.save_checkpoint(root, 1, {"model.safetensors": model(1)}, incremental=True)
+    assert sorted(os.listdir(first)) == ["model.safetensors", "txckpt-manifest.json"]  # a first save: one file
+    second = txckpt.save_checkpoint(root, 2, {"model.safetensors": model(2)}, incremental=True)
+    assert not os.path.exists(os.path.join(second, "model.safetensors"))
+    assert weight_map(second) == {
+        "emb": SHARD1,
+        "block.w": SHARD1,
+        "block.h": SHARD1,
+        "head.w": SHARD2,
+        "head.b": SHARD2,
+    }
+    third = txckpt.save_checkpoint(root, 3, {"model.safetensors": model(3)}, incremental=True)
+    # The frozen file is the second save's inode: never written again; the trained one is new.
+    assert stat(third, SHARD1).st_ino == stat(second, SHARD1).st_ino
+    assert stat(third, SHARD1).st_nlink == 2
+    assert stat(third, SHARD2).st_ino != stat(second, SHARD2).st_ino
+    assert weight_map(third) == weight_map(second)  # a stable layout: same names, same bytes
+    # Stock readers read it: safetensors' own reader, shard by shard, gives the model.
+    stock = {}
+    for shard in (SHARD1, SHARD2):
+        with safe_open(os.path.join(third, shard), framework="pt") as f:
+            stock.update({k: f.get_tensor(k) for k in f.keys()})
+    assert same(stock, model(3))
+    # load_checkpoint returns what a non-grouped save returns: one file, one dict.
+    for kwargs in ({}, {"files": ["model.safetensors"]}):
+        loaded = txckpt.load_checkpoint(third, **kwargs)
+        assert list(loaded) == ["model.safetensors"] and same(loaded["model.safetensors"], model(3))
+    plain = txckpt.save_checkpoint(str(tmp_path / "plain"), 3, {"model.safetensors": model(3)})
+    assert same(txckpt.load_checkpoint(plain)["model.safetensors"], txckpt.load_checkpoint(third)["model.safetensors"])
+    txckpt.verify_checkpoint(third)
+
+
+def test_a_tensor_that_unfreezes_or_changes_dtype_or_shape_moves_out_of_the_frozen_file(tmp_path):
+    root = str(tmp_path)
+    for step in (1, 2, 3):
+        path = txckpt.save_checkpoint(root, step, {"model.safetensors": model(step)}, incremental=True)
+    frozen_ino = stat(path, SHARD1).st_ino
+    # block.w starts training: the frozen file is no longer whole, the rest of it is regrouped.
+    sd = model(4, trained=("head.w", "head.b", "block.w"))
+    path = txckpt.save_checkpoint(root, 4, {"model.safetensors": sd}, incremental=True)
+    assert weight_map(path) == {"emb": SHARD1, "block.h": SHARD1, "block.w": SHARD2, "head.w": SHARD2, "head.b": SHARD2}
+    assert stat(path, SHARD1).st_ino != frozen_ino
+    assert same(txckpt.load_checkpoint(path)["model.safetensors"], sd)
+    # Same bytes, other dtype or shape: changed (its digest alone would call it equal).
+    sd = model(5, trained=("head.w", "head.b", "block.w"))
+    sd["emb"] = sd["emb"].view(torch.int32)
+    sd["block.h"] = sd["block.h"].reshape(8, 8)
+    path = txckpt.save_checkpoint(root, 5, {"model.safetensors": sd}, incremental=True)
+    assert sorted(os.listdir(path)) == ["model.safetensors", "txckpt-manifest.json"]  # nothing unchanged
+    assert same(txckpt.load_checkpoint(path)["model.safetensors"], sd)
+
+
+def test_plan_keeps_tied_tensors_in_one_file_and_hashes_nothing_assumed_changed():
+    sd = model(1)
+    sd["tied"] = sd["head.w"]  # one storage, as GPT-2's lm_head and wte
+    buf = io.BytesIO()
+    write_safetensors(sd, buf)
+    previous = [list(index_bytes("m.safetensors", buf.getvalue()).tensors or ())]
+    sd["head.b"] = sd["head.b"] + 1
+    groups = plan_groups(sd, previous)
+    assert groups == [["block.h", "block.w", "emb", "head.w", "tied"], ["head.b"]]
+    sd["head.w"].add_(1)  # both names change at once
+    assert plan_groups(sd, previous) == [["block.h", "block.w", "emb"], ["head.b", "head.w", "tied"]]
+    # A layout hint: tensors named frozen form the frozen file on a first save, and a tensor
+    # assumed changed is never compared (nor hashed) even when its bytes are the same.
+    assert plan_groups(sd, [], frozen={"emb", "block.w"}) == [
+        ["block.w", "emb"],
+        ["block.h", "head.b", "head.w", "tied"],
+    ]
+    assert plan_groups(sd, previous, assume_changed={"emb"}) == [
+        ["block.h", "block.w"],
+        ["emb", "head.b", "head.w", "tied"],
+    ]
+
+
+def test_grouped_file_in_a_folder_and_loads_that_name_its_shards(tmp_path):
+    root, name = str(tmp_path), "sub/model.safetensors"
+    for step in (1, 2):
+        path = txckpt.save_checkpoint(
+            root, step, {name: model(step), "other.safetensors.index.json": {"weight_map": {}}}, incremental=True
+        )
+    shards = ["sub/model-00001-of-00002.safetensors", "sub/model-00002-of-00002.safetensors"]
+    assert sorted(txckpt.read_manifest(path).files) == [
+        "other.safetensors.index.json",
+        *shards,
+        "sub/model.safetensors.index.json",
+    ]
+    loaded = txckpt.load_checkpoint(path)
+    # The grouped file comes back as saved; an index without txckpt's mark stays a JSON file.
+    assert sorted(loaded) == ["other.safetensors.index.json", name] and same(loaded[name], model(2))
+    # Named shards (or the index) are returned as the files they are.
+    direct = txckpt.load_checkpoint(path, files=[shards[1], "sub/model.safetensors.index.json"])
+    assert sorted(direct) == [shards[1], "sub/model.safetensors.index.json"]
+    assert sorted(direct[shards[1]]) == ["head.b", "head.w"]

@@ -1,0 +1,232 @@
+"""Grouped safetensors: an incremental save of a dict of tensors puts the tensors unchanged since
+the last commit into files of their own, so those files are byte for byte committed ones and get
+shared (txckpt._save.incremental) instead of written again (docs/incremental.md, "A frozen base
+in one file"; protocol §3c).
+
+The layout is the stock sharded one: ``<stem>-0000K-of-0000N.safetensors`` and
+``<stem>.safetensors.index.json`` (``metadata.total_size``, ``weight_map``), which
+``transformers`` and ``safetensors`` readers read as they read a ``save_pretrained`` output. The
+index also names the file the tensors were given as (``metadata.txckpt_grouped``), so
+``load_checkpoint`` returns them under that one name, as a save that did not group them.
+
+"Unchanged" is decided from digests: each tensor's xxh3-128 over its raw bytes
+(:func:`txckpt._save.serialization.tensor_bytes`, the bytes ``write_safetensors`` writes, which
+are the bytes the tensor index digests for that tensor in the file) compared with the tensor index
+of the checkpoint the save follows, read from its manifest as checked against the log
+(:func:`txckpt._save.incremental.committed_files`). Nothing is serialized to decide it.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Any, Collection, Mapping
+
+from .._base import deps
+from .._base.checksum import digest_bytes
+from .._manifest.tensor_index import TensorRecord
+from .serialization import SafetensorsFile, dtype_code, tensor_bytes
+
+#: The key of a grouped index's ``metadata`` that names the file its shards were saved as.
+GROUPED_KEY = "txckpt_grouped"
+
+
+def _is_shard_of(name: str, stem: str) -> bool:
+    """Whether ``name`` is a stock shard name of ``stem`` (``<stem>-0000K-of-0000N.safetensors``)."""
+    middle = name[len(stem) + 1 : -len(".safetensors")] if name.startswith(stem + "-") else ""
+    k, of, n = middle[:5], middle[5:9], middle[9:]
+    return name.endswith(".safetensors") and len(middle) == 14 and of == "-of-" and (k + n).isdigit()
+
+
+def shard_name(name: str, k: int, n: int) -> str:
+    """The stock name of shard ``k`` (from 1) of ``n`` of the file ``name`` (``x.safetensors``)."""
+    return f"{name[: -len('.safetensors')]}-{k:05d}-of-{n:05d}.safetensors"
+
+
+def index_name(name: str) -> str:
+    """The stock name of the sharded index of the file ``name``."""
+    return f"{name}.index.json"
+
+
+def is_tensor_dict(obj: Any) -> bool:
+    """Whether ``obj`` is a flat dict of two or more torch tensors (what grouping applies to: one
+    tensor has one layout, the one file)."""
+    if not isinstance(obj, Mapping) or len(obj) < 2:
+        return False
+    torch = deps.torch
+    return all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+
+
+def is_shard_name(name: str) -> bool:
+    """Whether ``name`` is a stock shard name (``<stem>-0000K-of-0000N.safetensors``)."""
+    stem = name[: -len("-00001-of-00002.safetensors")]
+    return len(stem) > 0 and _is_shard_of(name, stem)
+
+
+def _previous_files(sources: list[Any], parent_txid: str | None, name: str) -> list[list[TensorRecord]]:
+    """The tensor records of the files ``name`` was saved as in the checkpoint the save follows
+    (``parent_txid``; without one, the newest checkpoint offered): the one file ``name``, or its
+    shards in shard order. Empty where there is none, or a file has no tensor index."""
+    if not sources:
+        return []
+    txid = parent_txid if any(s.ref.txid == parent_txid for s in sources) else sources[0].ref.txid
+    files = {s.name: s.entry for s in sources if s.ref.txid == txid}
+    if name in files:
+        names = [name]
+    else:
+        stem = name[: -len(".safetensors")]
+        names = sorted(n for n in files if _is_shard_of(n, stem))
+    out = []
+    for n in names:
+        index = files[n].index
+        if index is None or index.tensors is None:
+            return []
+        out.append(list(index.tensors))
+    return out
+
+
+def _tie_sets(tensors: Mapping[str, Any]) -> dict[str, frozenset[str]]:
+    """Each tensor's set of tensors sharing its storage (tied weights): one unit of layout, so
+    tied tensors always land in one file."""
+    by_storage: dict[tuple[str, int], set[str]] = {}
+    for n, t in tensors.items():
+        if t.numel():
+            by_storage.setdefault((str(t.device), t.untyped_storage().data_ptr()), set()).add(n)
+    out = {n: frozenset([n]) for n in tensors}
+    for members in by_storage.values():
+        for n in members:
+            out[n] = frozenset(members)
+    return out
+
+
+def plan_groups(
+    tensors: Mapping[str, Any],
+    previous: list[list[TensorRecord]],
+    *,
+    frozen: Collection[str] = (),
+    assume_changed: Collection[str] = (),
+) -> list[list[str]]:
+    """The files to write ``tensors`` as, each a list of tensor names, in file order.
+
+    First each previous file whose every tensor is here unchanged (digest, dtype and shape), with
+    no tied partner outside it: the same tensor set, so the same bytes. Then one file of the
+    other tensors unchanged since the previous save or named in ``frozen`` (a layout hint: the
+    caller knows they will not change, e.g. ``requires_grad=False``), then one of the rest.
+    ``assume_changed``: tensors not hashed at all (the caller knows they are trained): never
+    unchanged. Tied tensors (one storage) move together."""
+    recorded = {r.name: r for recs in previous for r in recs}
+    ties = _tie_sets(tensors)
+    same: dict[str, bool] = {}
+
+    def unchanged(n: str) -> bool:
+        if n not in same:
+            r, t = recorded.get(n), tensors[n]
+            same[n] = (
+                r is not None
+                and n not in assume_changed
+                and r.dtype == dtype_code(t)
+                and r.shape == tuple(t.shape)
+                and r.checksum == digest_bytes(tensor_bytes(t))
+            )
+        return same[n]
+
+    groups: list[list[str]] = []
+    placed: set[str] = set()
+    for recs in previous:
+        names = [r.name for r in recs]
+        members = set(names)
+        if (
+            names
+            and all(n in tensors for n in names)
+            and all(ties[n] <= members for n in names)
+            and all(unchanged(n) for n in names)
+        ):
+            groups.append(names)
+            placed |= members
+    rest = [n for n in sorted(tensors) if n not in placed]
+    settled = [n for n in rest if all(m in frozen or unchanged(m) for m in ties[n])]
+    changed = [n for n in rest if n not in set(settled)]
+    groups += [g for g in (settled, changed) if g]
+    return groups
+
+
+def save_grouped(
+    tx: Any,
+    name: str,
+    tensors: Mapping[str, Any],
+    *,
+    metadata: Mapping[str, str] | None = None,
+    frozen: Collection[str] = (),
+    assume_changed: Collection[str] = (),
+) -> list[str]:
+    """Save ``tensors`` (the file ``name``) in ``tx`` grouped by :func:`plan_groups`: one file
+    ``name`` where the plan has one group (a first save, or nothing unchanged), else the stock
+    sharded layout. Each file goes through ``tx.save``, so an unchanged group is shared. Returns
+    the names written."""
+    sharing = tx._sharing
+    parent = tx._plan.parent if tx._plan is not None else None
+    previous = _previous_files(sharing.sources(), getattr(parent, "txid", None), name) if sharing is not None else []
+    groups = plan_groups(tensors, previous, frozen=frozen, assume_changed=assume_changed)
+    if len(groups) <= 1:
+        tx.save(name, SafetensorsFile(tensors, metadata))
+        return [name]
+    names = [shard_name(name, k, len(groups)) for k in range(1, len(groups) + 1)]
+    weight_map: dict[str, str] = {}
+    total = 0
+    for shard, group in zip(names, groups):
+        tx.save(shard, SafetensorsFile({n: tensors[n] for n in group}, metadata))
+        for n in group:
+            weight_map[n] = posixpath.basename(shard)
+            total += tensors[n].numel() * tensors[n].element_size()
+    index = {
+        "metadata": {"total_size": total, GROUPED_KEY: posixpath.basename(name)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    tx.save(index_name(name), index)
+    return [*names, index_name(name)]
+
+
+def merge_grouped(name: str, index: Any, loaded: Mapping[str, Any]) -> tuple[str, dict[str, Any], list[str]] | None:
+    """If ``name`` is the index of a grouped save (``metadata.txckpt_grouped``) whose shards are
+    all in ``loaded``: (the file it was saved as, its tensors merged, the shard names); else None."""
+    if not isinstance(index, dict) or not name.endswith(".safetensors.index.json"):
+        return None
+    meta, weight_map = index.get("metadata"), index.get("weight_map")
+    if not isinstance(meta, dict) or not isinstance(weight_map, dict) or GROUPED_KEY not in meta:
+        return None
+    folder = posixpath.dirname(name)
+    shards = sorted({posixpath.join(folder, str(f)) for f in weight_map.values()})
+    if not all(isinstance(loaded.get(s), dict) for s in shards):
+        return None
+    merged: dict[str, Any] = {}
+    for s in shards:
+        merged.update(loaded[s])
+    return name[: -len(".index.json")], merged, shards
+
+
+def grouped_request(files: Collection[str], names: list[str] | None) -> list[str] | None:
+    """``names`` (the files a load asks for; None: all) with each name a grouped save wrote as
+    shards (``x.safetensors``, absent, with ``x.safetensors.index.json`` present) replaced by
+    that index and the shards of that stem."""
+    if names is None:
+        return None
+    out: list[str] = []
+    for n in names:
+        if n in files or not n.endswith(".safetensors") or index_name(n) not in files:
+            out.append(n)
+            continue
+        stem = n[: -len(".safetensors")]
+        out += [index_name(n), *sorted(f for f in files if _is_shard_of(f, stem))]
+    return list(dict.fromkeys(out))
+
+
+__all__ = [
+    "GROUPED_KEY",
+    "grouped_request",
+    "index_name",
+    "is_shard_name",
+    "is_tensor_dict",
+    "merge_grouped",
+    "plan_groups",
+    "save_grouped",
+    "shard_name",
+]
