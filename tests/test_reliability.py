@@ -345,9 +345,9 @@ def test_load_follows_a_checkpoint_published_after_lookup(root, monkeypatch):
     seen = {}
     real = RenamePublication.publish
 
-    def publish(self, ref):
+    def publish(self, ref, *args, **kwargs):
         seen["path"] = CheckpointRoot(root).get_last_checkpoint()  # a reader, between commit and rename
-        return real(self, ref)
+        return real(self, ref, *args, **kwargs)
 
     monkeypatch.setattr(RenamePublication, "publish", publish)
     _save(root, 2, "W-2")
