@@ -266,3 +266,13 @@ def test_other_header_metadata_of_the_same_length_is_written_again(tmp_path):
     assert stat(paths[4], SHARD1).st_ino == stat(paths[3], SHARD1).st_ino  # then shared again
     with safe_open(os.path.join(paths[4], SHARD1), framework="pt") as f:
         assert f.metadata() == {"format": "tf"}
+
+
+def test_tensor_digests_on_threads_equal_one_at_a_time(monkeypatch):
+    import txckpt._save.grouped as grouped
+
+    tensors = {**big(1), "strided": torch.randn(64, 48).t(), "empty": torch.empty(0, 3)}
+    names = sorted(tensors)
+    serial = {n: digest_bytes(tensor_bytes(tensors[n])) for n in names}
+    monkeypatch.setattr(grouped, "PARALLEL_FROM", 0)  # contiguous ones on threads, the strided one copied
+    assert grouped._digests(tensors, names) == serial

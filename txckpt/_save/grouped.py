@@ -168,15 +168,24 @@ PARALLEL_FROM = 64 << 20
 
 
 def _digests(tensors: Mapping[str, Any], names: list[str]) -> dict[str, str]:
-    """The xxh3-128 of each named tensor's bytes (:func:`tensor_bytes`), one tensor per task on
-    up to as many threads as this process has cores, where there is enough to hash: the one
-    pass over a frozen base, bounded by memory bandwidth rather than one core where cores are
-    idle (one tensor is one sequential digest, so a base of one large tensor gains nothing)."""
-    workers = min(len(names), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, 8)
-    if workers < 2 or sum(tensors[n].nbytes for n in names) < PARALLEL_FROM:
-        return {n: digest_bytes(tensor_bytes(tensors[n])) for n in names}
+    """The xxh3-128 of each named tensor's bytes (:func:`tensor_bytes`). Tensors whose bytes are
+    a view (contiguous, on the CPU) are hashed one per task on up to as many threads as this
+    process has cores, where there is enough to hash: the one pass over a frozen base, bounded
+    by memory bandwidth rather than one core where cores are idle (one tensor is one sequential
+    digest, so a base of one large tensor gains nothing). The others (a GPU tensor, a strided
+    one) need a copy each: hashed one at a time meanwhile, so no more than one copy is held."""
+    digest = lambda n: digest_bytes(tensor_bytes(tensors[n]))  # noqa: E731 - one expression, twice
+    views = [n for n in names if tensors[n].device.type == "cpu" and tensors[n].is_contiguous()]
+    viewed = set(views)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    workers = min(len(views), cores, 8)
+    if workers < 2 or sum(tensors[n].nbytes for n in views) < PARALLEL_FROM:
+        return {n: digest(n) for n in names}
     with ThreadPoolExecutor(workers, thread_name_prefix="txckpt-hash") as pool:
-        return dict(zip(names, pool.map(lambda n: digest_bytes(tensor_bytes(tensors[n])), names)))
+        hashing = pool.map(digest, views)
+        copied = {n: digest(n) for n in names if n not in viewed}
+        out = dict(zip(views, hashing))
+    return {n: out[n] if n in out else copied[n] for n in names}
 
 
 def plan_groups(
