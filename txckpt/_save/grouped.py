@@ -13,7 +13,9 @@ index also names the file the tensors were given as (``metadata.txckpt_grouped``
 (:func:`txckpt._save.serialization.tensor_bytes`, the bytes ``write_safetensors`` writes, which
 are the bytes the tensor index digests for that tensor in the file) compared with the tensor index
 of the checkpoint the save follows, read from its manifest as checked against the log
-(:func:`txckpt._save.incremental.committed_files`). Nothing is serialized to decide it.
+(:func:`txckpt._save.incremental.committed_files`). Nothing is serialized to decide it, and a
+file that is a committed file's tensor set is shared from those digests and a check of its
+header (:func:`same_as_committed`), without the incremental probe's second pass over its bytes.
 """
 
 from __future__ import annotations
