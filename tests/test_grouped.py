@@ -15,7 +15,7 @@ import txckpt
 from txckpt._manifest.tensor_index import index_bytes
 from txckpt._save.grouped import plan_groups
 from txckpt._save.serialization import tensor_bytes, write_safetensors
-from txckpt._base.checksum import digest_bytes
+from txckpt._base.checksum import digest_bytes, new_hasher
 
 import io
 
@@ -159,3 +159,120 @@ def test_grouped_file_in_a_folder_and_loads_that_name_its_shards(tmp_path):
     direct = txckpt.load_checkpoint(path, files=[shards[1], "sub/model.safetensors.index.json"])
     assert sorted(direct) == [shards[1], "sub/model.safetensors.index.json"]
     assert sorted(direct[shards[1]]) == ["head.b", "head.w"]
+
+
+def big(step: int) -> dict[str, torch.Tensor]:
+    """model(step) with a 2 MiB frozen embedding: the frozen file passes its first prefix
+    boundary (1 MiB), as a real base does."""
+    out = model(step)
+    out["emb"] = torch.randn(2048, 256, generator=torch.Generator().manual_seed(1))
+    return out
+
+
+class HashCount:
+    """Counts what a grouped save hashes: the bytes each hasher function of txckpt._save.grouped
+    is given, and the files the incremental probe (Sharing.unchanged) serializes."""
+
+    def __init__(self, monkeypatch):
+        self.digests: list[int] = []  # tensor digests (plan_groups; on threads): the one pass over the frozen bytes
+        self.header_check = 0  # same_as_committed's hash of the header and what follows it
+        self.probed: list[str] = []
+        import txckpt._save.grouped as grouped
+        from txckpt._save.incremental import Sharing
+
+        real_digest, real_hasher, real_unchanged = grouped.digest_bytes, new_hasher, Sharing.unchanged
+        count = self
+
+        def digest(data):
+            count.digests.append(len(data))
+            return real_digest(data)
+
+        class Hasher:
+            def __init__(self):
+                self.h = real_hasher()
+
+            def update(self, data):
+                count.header_check += len(data)
+                self.h.update(data)
+
+            def hexdigest(self):
+                return self.h.hexdigest()
+
+        def unchanged(sharing, name, obj):
+            count.probed.append(name)
+            return real_unchanged(sharing, name, obj)
+
+        monkeypatch.setattr(grouped, "digest_bytes", digest)
+        monkeypatch.setattr(grouped, "new_hasher", Hasher, raising=False)  # (absent before the check)
+        monkeypatch.setattr(Sharing, "unchanged", unchanged)
+
+
+def test_frozen_file_is_shared_from_its_tensor_digests_in_one_pass(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    for step in (1, 2):
+        second = txckpt.save_checkpoint(root, step, {"model.safetensors": big(step)}, incremental=True)
+    count = HashCount(monkeypatch)
+    monkeypatch.setattr("txckpt._save.grouped.PARALLEL_FROM", 0, raising=False)  # the threads too
+    third = txckpt.save_checkpoint(root, 3, {"model.safetensors": big(3)}, incremental=True)
+    assert stat(third, SHARD1).st_ino == stat(second, SHARD1).st_ino  # shared: one inode
+    frozen = stat(third, SHARD1).st_size
+    assert frozen > 2 << 20
+    # The frozen file was not probed: its tensors were hashed once, to compare their digests,
+    # and its header checked with the bytes up to the first prefix boundary (1 MiB).
+    assert count.probed == [SHARD2, INDEX]
+    assert sorted(count.digests) == sorted(t.nbytes for t in big(3).values())  # each tensor once
+    assert count.header_check == 1 << 20
+    assert txckpt.read_manifest(third).files[SHARD1] == txckpt.read_manifest(second).files[SHARD1]
+    assert same(txckpt.load_checkpoint(third)["model.safetensors"], big(3))
+    txckpt.verify_checkpoint(third)
+
+
+def test_a_damaged_frozen_file_is_written_again_not_shared(tmp_path, caplog):
+    root = str(tmp_path)
+    for step in (1, 2):
+        second = txckpt.save_checkpoint(root, step, {"model.safetensors": big(step)}, incremental=True)
+    damaged = os.path.join(second, SHARD1)
+    os.chmod(damaged, 0o644)
+    with open(damaged, "r+b") as f:  # bit rot in the embedding: size and header unchanged
+        f.seek(stat(second, SHARD1).st_size - 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with caplog.at_level("WARNING", logger="txckpt"):
+        third = txckpt.save_checkpoint(root, 3, {"model.safetensors": big(3)}, incremental=True)
+    assert stat(third, SHARD1).st_ino != stat(second, SHARD1).st_ino  # written, not shared
+    assert "does not match its manifest entry" in caplog.text and SHARD1 in caplog.text
+    assert same(txckpt.load_checkpoint(third)["model.safetensors"], big(3))
+    txckpt.verify_checkpoint(third)
+
+
+def test_other_header_metadata_of_the_same_length_is_written_again(tmp_path):
+    from txckpt._save.grouped import same_as_committed, save_grouped
+    from txckpt._save.serialization import SafetensorsFile
+
+    root = str(tmp_path)
+    paths = {}
+    for step, fmt in ((1, "pt"), (2, "pt"), (3, "tf"), (4, "tf")):
+        with txckpt.transaction(root, step, incremental=True) as tx:
+            save_grouped(tx, "model.safetensors", big(step), metadata={"format": fmt})
+        paths[step] = txckpt.get_last_checkpoint(root)
+    # Same tensors, same sizes and offsets; only the metadata differs: not the committed file.
+    entry = txckpt.read_manifest(paths[2]).files[SHARD1]
+    frozen = {k: v for k, v in big(3).items() if k in weight_map(paths[2]) and weight_map(paths[2])[k] == SHARD1}
+    assert same_as_committed(SafetensorsFile(frozen, {"format": "pt"}), entry)
+    assert not same_as_committed(SafetensorsFile(frozen, {"format": "tf"}), entry)
+    assert stat(paths[3], SHARD1).st_size == stat(paths[2], SHARD1).st_size
+    assert stat(paths[3], SHARD1).st_ino != stat(paths[2], SHARD1).st_ino  # written with its own header
+    assert stat(paths[4], SHARD1).st_ino == stat(paths[3], SHARD1).st_ino  # then shared again
+    with safe_open(os.path.join(paths[4], SHARD1), framework="pt") as f:
+        assert f.metadata() == {"format": "tf"}
+
+
+def test_tensor_digests_on_threads_equal_one_at_a_time(monkeypatch):
+    import txckpt._save.grouped as grouped
+
+    tensors = {**big(1), "strided": torch.randn(64, 48).t(), "empty": torch.empty(0, 3)}
+    names = sorted(tensors)
+    serial = {n: digest_bytes(tensor_bytes(tensors[n])) for n in names}
+    monkeypatch.setattr(grouped, "PARALLEL_FROM", 0)  # contiguous ones on threads, the strided one copied
+    assert grouped._digests(tensors, names) == serial

@@ -13,18 +13,22 @@ index also names the file the tensors were given as (``metadata.txckpt_grouped``
 (:func:`txckpt._save.serialization.tensor_bytes`, the bytes ``write_safetensors`` writes, which
 are the bytes the tensor index digests for that tensor in the file) compared with the tensor index
 of the checkpoint the save follows, read from its manifest as checked against the log
-(:func:`txckpt._save.incremental.committed_files`). Nothing is serialized to decide it.
+(:func:`txckpt._save.incremental.committed_files`). Nothing is serialized to decide it, and a
+file that is a committed file's tensor set is shared from those digests and a check of its
+header (:func:`same_as_committed`), without the incremental probe's second pass over its bytes.
 """
 
 from __future__ import annotations
 
+import os
 import posixpath
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Collection, Mapping
 
 from .._base import deps
-from .._base.checksum import digest_bytes
+from .._base.checksum import digest_bytes, new_hasher, prefix_boundaries
 from .._manifest.tensor_index import TensorRecord
-from .serialization import SafetensorsFile, dtype_code, tensor_bytes
+from .serialization import SafetensorsFile, dtype_code, safetensors_header, tensor_bytes
 
 #: The key of a grouped index's ``metadata`` that names the file its shards were saved as.
 GROUPED_KEY = "txckpt_grouped"
@@ -62,10 +66,11 @@ def is_shard_name(name: str) -> bool:
     return len(stem) > 0 and _is_shard_of(name, stem)
 
 
-def _previous_files(sources: list[Any], parent_txid: str | None, name: str) -> list[list[TensorRecord]]:
-    """The tensor records of the files ``name`` was saved as in the checkpoint the save follows
-    (``parent_txid``; without one, the newest checkpoint offered): the one file ``name``, or its
-    shards in shard order. Empty where there is none, or a file has no tensor index."""
+def _previous_files(sources: list[Any], parent_txid: str | None, name: str) -> list[tuple[Any, list[TensorRecord]]]:
+    """The files ``name`` was saved as in the checkpoint the save follows (``parent_txid``;
+    without one, the newest checkpoint offered): the one file ``name``, or its shards in shard
+    order, each as (its manifest entry, its tensor records). Empty where there is none, or a
+    file has no tensor index. (An entry: txckpt._manifest.manifest.FileEntry, a floor above.)"""
     if not sources:
         return []
     txid = parent_txid if any(s.ref.txid == parent_txid for s in sources) else sources[0].ref.txid
@@ -80,7 +85,7 @@ def _previous_files(sources: list[Any], parent_txid: str | None, name: str) -> l
         index = files[n].index
         if index is None or index.tensors is None:
             return []
-        out.append(list(index.tensors))
+        out.append((files[n], list(index.tensors)))
     return out
 
 
@@ -98,6 +103,93 @@ def _tie_sets(tensors: Mapping[str, Any]) -> dict[str, frozenset[str]]:
     return out
 
 
+def _covering_digest(entry: Any, n: int) -> tuple[int, str]:
+    """The shortest start of the committed file ``entry`` of at least ``n`` bytes that its
+    entry has a digest of: (its length, the digest). A prefix digest (protocol §3, ``prefixes``:
+    recorded where the file was streamed by an incremental save), the first chunk's (§3b), or
+    the whole file's."""
+    found = [(entry.size, entry.checksum)]
+    boundaries = prefix_boundaries(entry.size)
+    if len(entry.prefixes) == len(boundaries):
+        found += [(b, d) for b, d in zip(boundaries, entry.prefixes) if b >= n][:1]
+    index = entry.index
+    if index is not None and index.chunks and index.chunk_size >= n:
+        found.append((index.chunk_size, index.chunks[0]))
+    return min(found)
+
+
+def same_as_committed(file: SafetensorsFile, entry: Any) -> bool:
+    """Whether ``file``, written, would be byte for byte the committed file ``entry`` records,
+    given that each of its tensors has the dtype, shape and digest of the record of that name
+    in ``entry``'s tensor index (:func:`plan_groups` found the group unchanged): decided
+    without hashing the tensors' bytes a second time (protocol §3c, "Unchanged without a
+    second pass").
+
+    The file's bytes are its header (:func:`safetensors_header`: length, JSON, padding; it
+    holds the names, dtypes, shapes, data offsets and ``metadata``) and then each tensor's
+    bytes at the offset the header gives. So the committed file has exactly these bytes when
+    (1) its tensor records are these tensors at these offsets and lengths, back to back from
+    the end of this header, and its size is where the last one ends: every byte after the
+    header lies in exactly one record's range, whose xxh3-128 equals this tensor's; and (2) a
+    digest the entry records over the file's first ``b >= len(header)`` bytes (the first prefix
+    digest that far, else the first chunk's, else the file's) equals the digest of this
+    header followed by the tensor bytes up to ``b``: the header's bytes themselves, metadata
+    and padding included. A size check alone would not do: a header of the same length with
+    other metadata (``{"format": "pt"}`` against ``{"format": "tf"}``) has the same size and
+    tensor ranges. Short of an xxh3-128 collision, both hold only for equal bytes. Cost: the
+    header and at most the bytes up to the first boundary past it (1 MiB for a usual header)."""
+    index = entry.index
+    records = index.tensors if index is not None else None
+    head, items = safetensors_header(file.tensors, file.metadata)
+    if records is None or len(records) != len(items):
+        return False
+    end = len(head)
+    for (key, t), r in zip(items, records):
+        length = t.numel() * t.element_size()
+        if (r.name, r.offset, r.length) != (key, end, length):
+            return False
+        end += length
+    if end != entry.size:
+        return False
+    covered, digest = _covering_digest(entry, len(head))
+    hasher = new_hasher()
+    hasher.update(head)
+    left = covered - len(head)
+    for _, t in items:
+        if left <= 0:
+            break
+        data = tensor_bytes(t)[:left]
+        hasher.update(data)
+        left -= len(data)
+    return bool(hasher.hexdigest() == digest)
+
+
+#: The bytes to hash from which a grouped save hashes its tensors on several threads (xxh3
+#: releases the GIL): below it, starting threads costs more than it saves.
+PARALLEL_FROM = 64 << 20
+
+
+def _digests(tensors: Mapping[str, Any], names: list[str]) -> dict[str, str]:
+    """The xxh3-128 of each named tensor's bytes (:func:`tensor_bytes`). Tensors whose bytes are
+    a view (contiguous, on the CPU) are hashed one per task on up to as many threads as this
+    process has cores, where there is enough to hash: the one pass over a frozen base, bounded
+    by memory bandwidth rather than one core where cores are idle (one tensor is one sequential
+    digest, so a base of one large tensor gains nothing). The others (a GPU tensor, a strided
+    one) need a copy each: hashed one at a time meanwhile, so no more than one copy is held."""
+    digest = lambda n: digest_bytes(tensor_bytes(tensors[n]))  # noqa: E731 - one expression, twice
+    views = [n for n in names if tensors[n].device.type == "cpu" and tensors[n].is_contiguous()]
+    viewed = set(views)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    workers = min(len(views), cores, 8)
+    if workers < 2 or sum(tensors[n].nbytes for n in views) < PARALLEL_FROM:
+        return {n: digest(n) for n in names}
+    with ThreadPoolExecutor(workers, thread_name_prefix="txckpt-hash") as pool:
+        hashing = pool.map(digest, views)
+        copied = {n: digest(n) for n in names if n not in viewed}
+        out = dict(zip(views, hashing))
+    return {n: out[n] if n in out else copied[n] for n in names}
+
+
 def plan_groups(
     tensors: Mapping[str, Any],
     previous: list[list[TensorRecord]],
@@ -113,25 +205,40 @@ def plan_groups(
     caller knows they will not change, e.g. ``requires_grad=False``), then one of the rest.
     ``assume_changed``: tensors not hashed at all (the caller knows they are trained): never
     unchanged. Tied tensors (one storage) move together."""
+    return _plan(tensors, previous, frozen=frozen, assume_changed=assume_changed)[0]
+
+
+def _plan(
+    tensors: Mapping[str, Any],
+    previous: list[list[TensorRecord]],
+    *,
+    frozen: Collection[str] = (),
+    assume_changed: Collection[str] = (),
+) -> tuple[list[list[str]], list[int]]:
+    """:func:`plan_groups`, and for each of its first groups that is a previous file (every
+    tensor unchanged: dtype, shape and digest), that file's place in ``previous``."""
     recorded = {r.name: r for recs in previous for r in recs}
     ties = _tie_sets(tensors)
     same: dict[str, bool] = {}
+    comparable = [
+        n
+        for n, t in tensors.items()
+        if (r := recorded.get(n)) is not None
+        and n not in assume_changed
+        and r.dtype == dtype_code(t)
+        and r.shape == tuple(t.shape)
+    ]
+    digests = _digests(tensors, comparable)
 
     def unchanged(n: str) -> bool:
         if n not in same:
-            r, t = recorded.get(n), tensors[n]
-            same[n] = (
-                r is not None
-                and n not in assume_changed
-                and r.dtype == dtype_code(t)
-                and r.shape == tuple(t.shape)
-                and r.checksum == digest_bytes(tensor_bytes(t))
-            )
+            same[n] = n in digests and recorded[n].checksum == digests[n]
         return same[n]
 
     groups: list[list[str]] = []
+    kept: list[int] = []
     placed: set[str] = set()
-    for recs in previous:
+    for k, recs in enumerate(previous):
         names = [r.name for r in recs]
         members = set(names)
         if (
@@ -141,12 +248,24 @@ def plan_groups(
             and all(unchanged(n) for n in names)
         ):
             groups.append(names)
+            kept.append(k)
             placed |= members
     rest = [n for n in sorted(tensors) if n not in placed]
     settled = [n for n in rest if all(m in frozen or unchanged(m) for m in ties[n])]
     changed = [n for n in rest if n not in set(settled)]
     groups += [g for g in (settled, changed) if g]
-    return groups
+    return groups, kept
+
+
+def _save_file(tx: Any, name: str, file: SafetensorsFile, entry: Any) -> None:
+    """Save ``file`` as ``name`` in ``tx``: where it is the committed file ``entry`` (its
+    tensors unchanged by their digests, and :func:`same_as_committed`), shared as that file
+    without a probe; else by ``tx.save`` (which probes it, and writes it unless shared).
+    ``share_copy`` leases a committed file of that size and checksum once
+    ``Sharing.trusted`` holds for it: a damaged one is refused (warned once), and the file is
+    written instead."""
+    if entry is None or not same_as_committed(file, entry) or not tx.share_copy(name, entry):
+        tx.save(name, file)
 
 
 def save_grouped(
@@ -165,15 +284,20 @@ def save_grouped(
     sharing = tx._sharing
     parent = tx._plan.parent if tx._plan is not None else None
     previous = _previous_files(sharing.sources(), getattr(parent, "txid", None), name) if sharing is not None else []
-    groups = plan_groups(tensors, previous, frozen=frozen, assume_changed=assume_changed)
+    groups, kept = _plan(tensors, [recs for _, recs in previous], frozen=frozen, assume_changed=assume_changed)
+    # The first groups are previous files' tensor sets, every tensor unchanged by its digest:
+    # each is that file unless its header differs (same_as_committed), so it is shared from
+    # the digests, not probed (its bytes hashed) a second time.
+    committed = [previous[k][0] for k in kept]
     if len(groups) <= 1:
-        tx.save(name, SafetensorsFile(tensors, metadata))
+        _save_file(tx, name, SafetensorsFile(tensors, metadata), committed[0] if committed else None)
         return [name]
     names = [shard_name(name, k, len(groups)) for k in range(1, len(groups) + 1)]
     weight_map: dict[str, str] = {}
     total = 0
-    for shard, group in zip(names, groups):
-        tx.save(shard, SafetensorsFile({n: tensors[n] for n in group}, metadata))
+    for i, (shard, group) in enumerate(zip(names, groups)):
+        file = SafetensorsFile({n: tensors[n] for n in group}, metadata)
+        _save_file(tx, shard, file, committed[i] if i < len(committed) else None)
         for n in group:
             weight_map[n] = posixpath.basename(shard)
             total += tensors[n].numel() * tensors[n].element_size()
@@ -227,6 +351,7 @@ __all__ = [
     "is_tensor_dict",
     "merge_grouped",
     "plan_groups",
+    "same_as_committed",
     "save_grouped",
     "shard_name",
 ]

@@ -92,16 +92,23 @@ def _raw_bytes(t: Any, uint8: Any) -> memoryview:
     return memoryview(t.reshape(-1).view(uint8).numpy())
 
 
-def write_safetensors(
+def safetensors_header(
     tensors: Mapping[str, Any],
-    out: BinaryIO,
     metadata: Mapping[str, str] | None = None,
     *,
     name: str = "a .safetensors file",
-) -> None:
-    """Stream ``tensors`` in the safetensors format (byte-compatible with ``safetensors.torch``
-    readers) without building the file in memory. ``name``: the file, for error messages."""
-    torch = deps.torch
+) -> tuple[bytes, list[tuple[str, Any]]]:
+    """The first bytes of ``tensors`` as a safetensors file (the header's length, 8 bytes little
+    endian, then the header's JSON, padded with spaces to a multiple of 8) and the tensors in
+    the order their bytes follow it: what :func:`write_safetensors` writes, computed from names,
+    dtypes, shapes and ``metadata`` alone (no tensor's bytes are read; a grouped save compares
+    it with a committed file's, txckpt._save.grouped). ``name``: the file, for error messages."""
+    return _header(tensors, metadata, name, deps.torch)
+
+
+def _header(
+    tensors: Mapping[str, Any], metadata: Mapping[str, str] | None, name: str, torch: Any
+) -> tuple[bytes, list[tuple[str, Any]]]:
     names = _dtype_names()
     where = name if name == "a .safetensors file" else repr(name)
     advice = (
@@ -112,7 +119,6 @@ def write_safetensors(
         raise InvalidArgumentError(
             f"{where} takes a dict of name -> torch.Tensor, not a {type(tensors).__name__}; {advice}"
         )
-    prepared = []
     header: dict[str, Any] = {}
     offset = 0
     # safetensors orders tensors by descending dtype alignment, then name, so every tensor stays
@@ -128,17 +134,30 @@ def write_safetensors(
                 f"{where}: safetensors cannot store dtype {t.dtype} (entry {key!r}); convert it, or save it in "
                 "a .pt file"
             )
-        data = _raw_bytes(t, torch.uint8)  # tensor_bytes(t), the bytes its digest is of
-        nbytes = len(data)
+        nbytes = t.numel() * t.element_size()  # len(tensor_bytes(t)), without making them
         header[key] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-        prepared.append(data)
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    out.write(struct.pack("<Q", len(raw)) + raw)  # the length and the header: one write
-    for data in prepared:
+    return struct.pack("<Q", len(raw)) + raw, items
+
+
+def write_safetensors(
+    tensors: Mapping[str, Any],
+    out: BinaryIO,
+    metadata: Mapping[str, str] | None = None,
+    *,
+    name: str = "a .safetensors file",
+) -> None:
+    """Stream ``tensors`` in the safetensors format (byte-compatible with ``safetensors.torch``
+    readers) without building the file in memory. ``name``: the file, for error messages."""
+    torch = deps.torch  # looked up once for the file
+    head, items = _header(tensors, metadata, name, torch)
+    out.write(head)  # the length and the header: one write
+    for _, t in items:
+        data = _raw_bytes(t, torch.uint8)  # tensor_bytes(t), the bytes its digest is of
         if len(data):
             out.write(data)
 

@@ -362,8 +362,10 @@ class Transaction:
             raise
 
     def share_copy(self, name: str, entry: FileEntry) -> bool:
-        """A tiered root's replica (txckpt._tiered.tiered): share ``name`` if a committed file has the
-        size and checksum ``entry`` (its source's record) gives; False: the caller copies it."""
+        """Share ``name`` if a committed file has the size and checksum ``entry`` gives (leased,
+        once trusted); False: the caller writes it. For a tiered root's replica
+        (txckpt._tiered.tiered: ``entry`` is its source's record) and a grouped save's file
+        proven equal to a committed one from its tensor digests (txckpt._save.grouped)."""
         return self._sharing is not None and self._share(
             name, lambda sharing: (s, entry.kind) if (s := sharing.matching(entry.size, entry.checksum)) else None
         )
