@@ -131,6 +131,7 @@ class TransactionalCheckpointMixin:
     # Set by Trainer.__init__ (declared for the type checker; the mixin goes before Trainer).
     args: Any
     state: Any
+    model: Any
 
     txckpt_root: str | None = None
     txckpt_storage_options: dict[str, Any] | None = None
@@ -555,7 +556,7 @@ class TransactionalCheckpointMixin:
     def _txckpt_execute_jit(self, manager: Any) -> None:
         manager.is_checkpoint_requested = False
         log.info("JIT checkpoint at step %d", self.state.global_step)
-        self._save_checkpoint(self.model, trial=None)  # type: ignore[attr-defined]
+        self._save_checkpoint(self.model, trial=None)
         self._txckpt_async.settle()  # async: a JIT checkpoint precedes a preemption; commit it now
 
     # ----- resume ------------------------------------------------------------------------------
