@@ -3,11 +3,12 @@
 plugins=[TransactionalCheckpointIO(...)])`` on CPU, a small model with dropout on shuffled data.
 
   lightning_preempt.py --dir DIR --hs HS [--mode save|stock] [--grace S] [--every K]
-                       [--max-steps N] [--workers W] [--async]
+                       [--max-steps N] [--workers W] [--async] [--exact]
                        [--term-at K | --kill-at K] [--rank R --world W --port P]
 
 - ``--mode save``: SaveOnPreemption is a callback; ``stock``: it is not (Lightning's own SIGTERM
   handling: the run stops without a save).
+- ``--exact``: ExactResume is a callback too (the resumed run continues bit for bit).
 - ``--every K``: ModelCheckpoint(every_n_train_steps=K, save_top_k=-1); 0: no periodic save.
 - ``--term-at K``: rank 0 sends itself SIGTERM right after step K (recorded by the handler, acted
   on at the step boundary); ``--kill-at K``: every rank SIGKILLs itself right after step K.
@@ -55,6 +56,7 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=1_000_000)
     p.add_argument("--epochs", type=int, default=-1)
     p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--exact", action="store_true", help="with ExactResume")
     p.add_argument("--async", dest="use_async", action="store_true")
     p.add_argument("--term-at", type=int, default=None)
     p.add_argument("--kill-at", type=int, default=None)
@@ -78,7 +80,7 @@ def main() -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from txckpt import preemption
-    from txckpt.integrations.lightning import SaveOnPreemption, TransactionalCheckpointIO
+    from txckpt.integrations.lightning import ExactResume, SaveOnPreemption, TransactionalCheckpointIO
 
     torch.set_num_threads(1)
     rank = a.rank
@@ -126,6 +128,8 @@ def main() -> None:
     callbacks: list[Any] = [handshake]
     if a.mode == "save":
         callbacks.append(SaveOnPreemption(grace_s=a.grace))
+    if a.exact:
+        callbacks.append(ExactResume())
     every = {"every_n_train_steps": a.every} if a.every else {"every_n_train_steps": 10**9}
     callbacks.append(ModelCheckpoint(dirpath=a.dir, save_top_k=-1, save_last=False, **every))
     L.seed_everything(0, verbose=False)

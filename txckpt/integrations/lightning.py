@@ -38,7 +38,8 @@ from .._base import deps
 from .._api import async_save as txckpt_async_save
 from .._api import load_checkpoint as txckpt_load
 from .._async.asyncsave import Job, LazySnapshot, submit, wait_for_root
-from .._base.coordination import SingleProcess
+from .._base.coordination import SingleProcess, TorchDistributed, current_coordinator
+from .._base.rngstate import rng_state, set_rng_state
 from ..errors import InvalidArgumentError
 from .._maintenance.retention import finish_retired, retire
 from .._root.root import CheckpointRoot, open_root
@@ -571,6 +572,131 @@ class SaveOnPreemption(Callback):
             log.error("txckpt: preemption: scontrol requeue %s exited %d: the job is not requeued", job, status)
 
 
+class ExactResume(Callback):
+    """Makes a run resumed from a checkpoint (``fit(ckpt_path="last")``, after a SIGKILL or a
+    preemption, mid-epoch or not) train as the uninterrupted run would have, bit for bit on CPU:
+    the same batches in the same order, the same dropout (docs/lightning.md, "Exact resume").
+
+    Stock Lightning 2.x, resuming mid-epoch with a DataLoader that has no ``state_dict``, starts
+    the epoch's iterator again from its first batch (it warns) and saves no random generator, so
+    the shuffle, the dropout and the batches after the resume point differ. This callback keeps,
+    per rank, in the checkpoint (its callback state, gathered from every rank at each save): the
+    generators (``txckpt.rng_state()``) at the save and at the epoch's iterator's creation, and
+    the number of batches the epoch had done. On a resume mid-epoch, when training starts, it builds
+    the epoch's iterator again from the epoch-start generators and the samplers' epoch (so the
+    shuffle and the workers' seeds are drawn the same), skips the batches done, then puts back
+    the generators of the save; at an epoch's end, it puts back the generators of the save
+    before Lightning builds the next epoch's iterator.
+
+    Needs a DataLoader of known length (``len()``): Lightning fetches one batch ahead otherwise.
+    A dataset whose items draw from generators of their own (not Python's, numpy's global or
+    torch's) is outside what it can restore.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._trainer: Any = None
+        self._epoch_start: dict[str, Any] | None = None  # this rank's generators before the epoch's iter()
+        #: After a load: the generators to build the epoch's iterator from, the batches it had
+        #: done (skipped), and the generators of the save (restored after the skip).
+        self._resume: tuple[dict[str, Any], int, dict[str, Any]] | None = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._trainer = trainer
+        # The first epoch's iterator is created by FitLoop.setup_data, after this hook and the
+        # checkpoint's restore, before any epoch hook: its generators are these.
+        self._epoch_start = rng_state()
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        # Later epochs create their iterator after this hook (the training epoch loop's start).
+        if trainer.current_epoch > 0:
+            self._epoch_start = rng_state()
+
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self._trainer
+        if trainer is None:  # a save outside fit: nothing to resume exactly
+            return {}
+        own = {"at_save": rng_state(), "epoch_start": self._epoch_start}
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        return {
+            "ranks": _gather(own),  # every rank dumps the checkpoint; rank 0's is written
+            "done": int(progress.processed),
+            "batches": trainer.num_training_batches,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        trainer = self._trainer
+        ranks = state_dict.get("ranks")
+        if trainer is None or not ranks:
+            return
+        if len(ranks) != trainer.world_size:
+            log.warning(
+                "txckpt: ExactResume: the checkpoint holds the generators of %d rank(s), this run has %d: "
+                "the resume is not exact (the dropout and the shuffle differ from the uninterrupted run)",
+                len(ranks),
+                trainer.world_size,
+            )
+            return
+        own = ranks[trainer.global_rank]
+        done, batches = int(state_dict["done"]), state_dict["batches"]
+        if 0 < done < batches and own["epoch_start"] is not None:
+            self._resume = (own["epoch_start"], done, own["at_save"])
+        else:  # at an epoch's end: the next epoch's iterator (FitLoop.setup_data makes it
+            # after this load) draws from the generators of the save
+            set_rng_state(own["at_save"])
+            self._resume = (own["at_save"], 0, own["at_save"])
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Rebuild the resumed epoch's iterator as the uninterrupted run built it. Lightning made
+        one already (FitLoop.setup_data), before the samplers' ``set_epoch`` and from other
+        generators: a DistributedSampler, or DataLoader workers that take their indices when the
+        iterator starts, would give the first epoch's order."""
+        resume, self._resume = self._resume, None
+        if resume is None:
+            return
+        epoch_start, done, at_save = resume
+        fit_loop = trainer.fit_loop
+        fetcher = fit_loop._data_fetcher
+        if fetcher is None or fetcher.length is None:
+            set_rng_state(at_save)
+            log.warning(
+                "txckpt: ExactResume: the training DataLoader has no length (Lightning fetches ahead): "
+                "the batches already trained on are not skipped; the resume is not exact"
+            )
+            return
+        epoch = fit_loop.epoch_progress.current.processed  # what Lightning's set_epoch passes next
+        epoch_samplers = [
+            sampler
+            for loader in fit_loop._combined_loader.flattened
+            for sampler in (
+                getattr(loader, "sampler", None),
+                getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+            )
+            if hasattr(sampler, "set_epoch")
+        ]
+        if not done and not epoch_samplers:
+            return  # at an epoch's end, with an order that no epoch number changes: as it is
+        for sampler in epoch_samplers:
+            sampler.set_epoch(epoch)
+        set_rng_state(epoch_start)  # the iterator draws its seeds (shuffle, workers) as the run did
+        iter(fetcher)
+        if done:
+            for _ in range(done):  # the epoch's first batches, trained on before the save
+                next(fetcher.iterator)
+            set_rng_state(at_save)  # (at an epoch's end the save's are what the iterator drew from)
+
+
+def _gather(own: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``own`` (in rank order) on every rank, on txckpt's gloo group; ``[own]``
+    outside a process group."""
+    coord = current_coordinator(phase="lightning-exact-resume")
+    if not isinstance(coord, TorchDistributed):
+        return [own]
+    out: list[Any] = [None] * coord.world_size
+    deps.torch_distributed.all_gather_object(out, own, group=coord.group)
+    return out
+
+
 def _parse_ckpt_path(original: Callable[..., Any], checkpoint_class: type) -> Callable[..., Any]:
     """``ckpt_path="last"`` read from the log where the strategy's CheckpointIO is ours, instead
     of Lightning's newest-mtime ``last*.ckpt`` of the dirpaths (stock behaviour otherwise)."""
@@ -626,4 +752,4 @@ if standalone_io is not None:
     standalone_io.CheckpointIO.register(TransactionalCheckpointIO)
     _install(standalone_connector._CheckpointConnector, standalone_callbacks.ModelCheckpoint)
 
-__all__ = ["TransactionalCheckpointIO", "SaveOnPreemption"]
+__all__ = ["TransactionalCheckpointIO", "SaveOnPreemption", "ExactResume"]
