@@ -7,7 +7,7 @@ same command (``fit(ckpt_path="last")``). With ExactResume every rank logs the l
 uninterrupted run logged at every step, bit for bit, and the run ends with the same weights.
 Without it (stock Lightning's resume) the losses differ from the resume point on: the control.
 Cells: 1 and 2 processes (gloo ``ddp``) x DataLoader workers 0 and 2 x SIGKILL and SIGTERM; one
-runs in ``make test``, the rest in the campaign."""
+runs in ``make test``, two more in the campaign, all of them with ``TXCKPT_FULL_SWEEP=1``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.sampling import FULL
 from tests.harness.zygote import popen_python
 
 pytest.importorskip("lightning")
@@ -111,11 +112,15 @@ def _cell(tmp_path: Path, ranks: int, workers: int, stop: str) -> None:
 
 # kill:7 resumes step 6 (mid-epoch 0 on one process; the end of epoch 0 on two, 6 steps an
 # epoch); term:8 saves step 8 (mid-epoch 0; on two, mid-epoch 1); kill:17 resumes step 15
-# (mid-epoch 1 on one process: the epoch-start generators of a later epoch). The campaign's
-# budget keeps kill:17 to one cell.
+# (mid-epoch 1 on one process: the epoch-start generators of a later epoch).
 CELLS = [(ranks, workers, stop) for ranks in (1, 2) for workers in (0, 2) for stop in ("kill:7", "term:8")]
 CELLS.append((1, 0, "kill:17"))
 IN_MAKE_TEST = {(1, 0, "kill:7")}
+#: The campaign's budget (60 s for all of issue 48's second landing) runs these two besides; the
+#: whole matrix (all exact on 2026-12-06, docs/lightning.md) runs with TXCKPT_FULL_SWEEP=1.
+IN_CAMPAIGN = {(2, 2, "kill:7"), (2, 0, "term:8")}
+if not FULL:
+    CELLS = [c for c in CELLS if c in IN_MAKE_TEST | IN_CAMPAIGN]
 
 
 @pytest.mark.parametrize(

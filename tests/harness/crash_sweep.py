@@ -86,15 +86,18 @@ def sweep(
     check: Callable[[str, int, str], list[str]],
     *,
     sampled: bool = False,
+    share: float = sampling.SHARE,
 ) -> SweepResult:
     """Crash ``scenario`` before and after each of its file operations; ``check(root, k, when)``
     runs in a fresh process and returns violations. ``sampled``: only the points that
-    :func:`tests.harness.sampling.sample` draws (all of them under ``TXCKPT_FULL_SWEEP=1``)."""
+    :func:`tests.harness.sampling.sample` draws (all of them under ``TXCKPT_FULL_SWEEP=1``), with
+    ``share`` of the non-critical ones (a sweep whose every point costs a framework's start-up
+    takes fewer)."""
     ops = count_ops(template, workdir, scenario)
     result = SweepResult(name, ops, sampled=sampled)
     points = [(k, when) for k in range(1, len(ops) + 1) for when in ("before", "after")]
     if sampled:
-        points = sampling.sample(name, points, lambda p: flips_visibility(ops[p[0] - 1]))
+        points = sampling.sample(name, points, lambda p: flips_visibility(ops[p[0] - 1]), share=share)
     for k, when in points:
         root = os.path.join(workdir, f"{k}-{when}")
         shutil.copytree(template, root, symlinks=True)
