@@ -114,7 +114,8 @@ def _fake_scontrol(tmp_path) -> tuple[str, str]:
 def test_slurm_sigusr1_saves_at_the_boundary_exits_138_and_requeues_the_job(tmp_path):
     """Under SLURM (SLURMEnvironment, auto_requeue) Lightning's own handler saves hpc_ckpt from
     inside the signal handler; SaveOnPreemption takes the signal instead, saves at the step
-    boundary, then runs ``scontrol requeue`` as Lightning would."""
+    boundary (an async save here), and once it committed runs ``scontrol requeue`` as Lightning
+    would."""
     root = str(tmp_path / "run")
     bin_dir, calls = _fake_scontrol(tmp_path)
     slurm = {
@@ -127,7 +128,7 @@ def test_slurm_sigusr1_saves_at_the_boundary_exits_138_and_requeues_the_job(tmp_
         "SLURM_NODEID": "0",
         "SLURM_NODELIST": "localhost",
     }
-    child = Child(tmp_path, "--dir", root, "--every", "4", env=slurm)
+    child = Child(tmp_path, "--dir", root, "--every", "4", "--async", env=slurm)  # async: requeued once committed
     at = random.Random().randint(2, 20)
     child.wait_for("step-rank{r}", at_least=at)
     child.signal(signal.SIGUSR1)
@@ -136,6 +137,8 @@ def test_slurm_sigusr1_saves_at_the_boundary_exits_138_and_requeues_the_job(tmp_
     path, manifest = _newest(root)
     assert manifest.step == stopped >= at and _saved_step(path) == stopped
     assert open(calls).read().split() == ["requeue", "4242"]
+    out = child.output()
+    assert out.index(f"txckpt: preemption (exit): committed {path}") < out.index("requeued SLURM job 4242"), out
     assert "txckpt: preemption: requeued SLURM job 4242" in child.output()
 
 
