@@ -18,6 +18,7 @@ never opened the copied root). The tracer and the fork runner are the suite's ow
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 from dataclasses import dataclass, field
@@ -86,15 +87,21 @@ def sweep(
     check: Callable[[str, int, str], list[str]],
     *,
     sampled: bool = False,
+    share: float = sampling.SHARE,
+    limit: int | None = None,
 ) -> SweepResult:
     """Crash ``scenario`` before and after each of its file operations; ``check(root, k, when)``
     runs in a fresh process and returns violations. ``sampled``: only the points that
-    :func:`tests.harness.sampling.sample` draws (all of them under ``TXCKPT_FULL_SWEEP=1``)."""
+    :func:`tests.harness.sampling.sample` draws (all of them under ``TXCKPT_FULL_SWEEP=1``), with
+    ``share`` of the non-critical ones, and at most ``limit`` of those, a seeded draw (a sweep
+    whose every point costs a framework's start-up takes fewer; the runs cover the rest)."""
     ops = count_ops(template, workdir, scenario)
     result = SweepResult(name, ops, sampled=sampled)
     points = [(k, when) for k in range(1, len(ops) + 1) for when in ("before", "after")]
     if sampled:
-        points = sampling.sample(name, points, lambda p: flips_visibility(ops[p[0] - 1]))
+        points = sampling.sample(name, points, lambda p: flips_visibility(ops[p[0] - 1]), share=share)
+        if limit is not None and not sampling.FULL and len(points) > limit:
+            points = sorted(random.Random(f"{sampling.sweep_seed()}:{name}:limit").sample(points, limit))
     for k, when in points:
         root = os.path.join(workdir, f"{k}-{when}")
         shutil.copytree(template, root, symlinks=True)

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.cloud_io import _load as lightning_load
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
 try:  # the standalone packages: pytorch_lightning's Trainer checks lightning_fabric's CheckpointIO
@@ -31,11 +33,13 @@ try:  # the standalone packages: pytorch_lightning's Trainer checks lightning_fa
 except ImportError:  # only `lightning` installed: the usual case
     standalone_io = standalone_callbacks = standalone_connector = None  # type: ignore[assignment]
 
+from .. import preemption
 from .._base import deps
 from .._api import async_save as txckpt_async_save
 from .._api import load_checkpoint as txckpt_load
 from .._async.asyncsave import Job, LazySnapshot, submit, wait_for_root
-from .._base.coordination import SingleProcess
+from .._base.coordination import SingleProcess, TorchDistributed, current_coordinator
+from .._base.rngstate import rng_state, set_rng_state
 from ..errors import InvalidArgumentError
 from .._maintenance.retention import finish_retired, retire
 from .._root.root import CheckpointRoot, open_root
@@ -434,6 +438,265 @@ class TransactionalCheckpointIO(CheckpointIO):
             raise first
 
 
+class SaveOnPreemption(Callback):
+    """SIGTERM (and SIGUSR1, or the ``SLURMEnvironment``'s requeue signal) make the Trainer save
+    at its next step boundary, every rank the same step, then the process exit with 128 + the
+    signal's number (docs/lightning.md, "Preemption"; docs/preemption.md is the contract).
+
+    ``Trainer(callbacks=[ModelCheckpoint(dirpath=...), SaveOnPreemption(grace_s=100)],
+    plugins=[TransactionalCheckpointIO()])``. When training starts, it installs
+    ``txckpt.preemption``'s handlers (unless the script did) in place of Lightning's, which would
+    stop a SIGTERM'd run without a save and save a SLURM one from inside the handler. At the end
+    of each training batch every rank asks ``txckpt.preemption.requested()`` (one all-reduce in a
+    process group); once True, the Trainer saves that step through ``trainer.save_checkpoint``
+    into the first ModelCheckpoint's dirpath, under its file name, and stops; when training ends
+    the pending saves finish (within ``grace_s``), and ``SystemExit(128 + signum)`` leaves
+    ``fit``. Under a ``SLURMEnvironment(auto_requeue=True)``, a preemption by its requeue signal
+    runs ``scontrol requeue`` from global rank 0 once the save committed, as Lightning's own
+    handler does. The requeued run's ``fit(ckpt_path="last")`` resumes that step.
+
+    ``grace_s``: seconds from the signal after which the process exits anyway (a little less
+    than the scheduler's grace before its SIGKILL); None: no deadline. A second signal exits at
+    once, and the root keeps its last committed checkpoint.
+    """
+
+    def __init__(self, grace_s: float | None = None) -> None:
+        super().__init__()
+        if grace_s is not None and (
+            isinstance(grace_s, bool)
+            or not isinstance(grace_s, (int, float))
+            or not (0 <= float(grace_s) < float("inf"))
+        ):
+            raise InvalidArgumentError(
+                f"SaveOnPreemption(grace_s=...) takes seconds >= 0 (a little less than the scheduler's "
+                f"grace before its SIGKILL) or None (no deadline), not {grace_s!r}"
+            )
+        self.grace_s = None if grace_s is None else float(grace_s)
+        #: The global step the preemption saved, once every rank agreed on it (None before).
+        self.saved_step: int | None = None
+        self._installed_here = False
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # Here, not in setup(): Lightning registers its own SIGTERM / SIGUSR1 handlers just before
+        # the training starts (its _SignalConnector) and restores what was there before them at
+        # its teardown; installed after them, ours are the ones a signal meets.
+        self.saved_step = None
+        if not preemption.installed():
+            environment = trainer._accelerator_connector.cluster_environment
+            signals = list(preemption.DEFAULT_SIGNALS)
+            if isinstance(environment, SLURMEnvironment) and environment.requeue_signal is not None:
+                signals.append(int(environment.requeue_signal))
+            preemption.install(tuple(dict.fromkeys(int(s) for s in signals)), grace_s=self.grace_s)
+            self._installed_here = True
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.saved_step is not None or not preemption.requested():  # every rank: one collective
+            return
+        self.saved_step = int(trainer.global_step)
+        log.warning(
+            "txckpt: preemption: saving step %d, then training stops and the process exits with status %d",
+            self.saved_step,
+            preemption.exit_status(),
+        )
+        path = self._path(trainer)
+        trainer.save_checkpoint(path)  # every rank calls it; the strategy saves from rank 0
+        trainer.should_stop = True
+        if trainer.is_global_zero:
+            io = trainer.strategy.checkpoint_io
+            pending = isinstance(io, TransactionalCheckpointIO) and bool(io.async_save)
+            log.warning(
+                "txckpt: preemption: %s step %d as %s",
+                "saving (async)" if pending else "saved",
+                self.saved_step,
+                path,
+            )
+
+    def _path(self, trainer: Any) -> str:
+        """The first ModelCheckpoint's file name for this step, in its dirpath: where
+        ``ckpt_path="last"`` looks, under a name its users know."""
+        callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+        if not callbacks or callbacks[0].dirpath is None:
+            raise InvalidArgumentError(
+                'SaveOnPreemption saves into a ModelCheckpoint\'s dirpath (where fit(ckpt_path="last") '
+                "looks): give the Trainer a ModelCheckpoint (enable_checkpointing=True, or callbacks=[...])"
+            )
+        cb = callbacks[0]
+        metrics = dict(trainer.callback_metrics)
+        metrics["epoch"] = deps.torch.tensor(trainer.current_epoch)
+        metrics["step"] = deps.torch.tensor(trainer.global_step)
+        return os.path.join(os.fspath(cb.dirpath), os.path.basename(cb.format_checkpoint_name(metrics)))
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        try:
+            if self.saved_step is not None:
+                try:
+                    preemption.exit()  # waits for the pending saves, logs them; SystemExit(128 + signum)
+                except SystemExit:
+                    self._requeue(trainer)
+                    raise
+        finally:
+            self._uninstall()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._uninstall()
+
+    def _uninstall(self) -> None:
+        if self._installed_here:
+            self._installed_here = False
+            preemption.uninstall()
+
+    def _requeue(self, trainer: Any) -> None:
+        """What Lightning's SLURM handler does after its save: requeue the job, from global rank
+        0, when the preemption was the SLURMEnvironment's requeue signal and it auto-requeues."""
+        environment = trainer._accelerator_connector.cluster_environment
+        signum = preemption.exit_status() - 128
+        if not (
+            isinstance(environment, SLURMEnvironment)
+            and environment.auto_requeue
+            and environment.requeue_signal is not None
+            and signum == int(environment.requeue_signal)
+            and trainer.is_global_zero
+        ):
+            return
+        job = os.environ.get("SLURM_JOB_ID", "")
+        if os.environ.get("SLURM_ARRAY_JOB_ID"):
+            job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}"
+        try:
+            status = subprocess.call(["scontrol", "requeue", job])
+        except OSError as e:
+            log.error("txckpt: preemption: could not run scontrol requeue %s (%s): the job is not requeued", job, e)
+            return
+        if status == 0:
+            log.warning("txckpt: preemption: requeued SLURM job %s", job)
+        else:
+            log.error("txckpt: preemption: scontrol requeue %s exited %d: the job is not requeued", job, status)
+
+
+class ExactResume(Callback):
+    """Makes a run resumed from a checkpoint (``fit(ckpt_path="last")``, after a SIGKILL or a
+    preemption, mid-epoch or not) train as the uninterrupted run would have, bit for bit on CPU:
+    the same batches in the same order, the same dropout (docs/lightning.md, "Exact resume").
+
+    Stock Lightning 2.x, resuming mid-epoch with a DataLoader that has no ``state_dict``, starts
+    the epoch's iterator again from its first batch (it warns) and saves no random generator, so
+    the shuffle, the dropout and the batches after the resume point differ. This callback keeps,
+    per rank, in the checkpoint (its callback state, gathered from every rank at each save): the
+    generators (``txckpt.rng_state()``) at the save and at the epoch's iterator's creation, and
+    the number of batches the epoch had done. On a resume mid-epoch, when training starts, it builds
+    the epoch's iterator again from the epoch-start generators and the samplers' epoch (so the
+    shuffle and the workers' seeds are drawn the same), skips the batches done, then puts back
+    the generators of the save; at an epoch's end, it puts back the generators of the save
+    before Lightning builds the next epoch's iterator.
+
+    Needs a DataLoader of known length (``len()``): Lightning fetches one batch ahead otherwise.
+    A dataset whose items draw from generators of their own (not Python's, numpy's global or
+    torch's) is outside what it can restore.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._trainer: Any = None
+        self._epoch_start: dict[str, Any] | None = None  # this rank's generators before the epoch's iter()
+        #: After a load: the generators to build the epoch's iterator from, the batches it had
+        #: done (skipped), and the generators of the save (restored after the skip).
+        self._resume: tuple[dict[str, Any], int, dict[str, Any]] | None = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._trainer = trainer
+        # The first epoch's iterator is created by FitLoop.setup_data, after this hook and the
+        # checkpoint's restore, before any epoch hook: its generators are these.
+        self._epoch_start = rng_state()
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        # Later epochs create their iterator after this hook (the training epoch loop's start).
+        if trainer.current_epoch > 0:
+            self._epoch_start = rng_state()
+
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self._trainer
+        if trainer is None:  # a save outside fit: nothing to resume exactly
+            return {}
+        own = {"at_save": rng_state(), "epoch_start": self._epoch_start}
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        return {
+            "ranks": _gather(own),  # every rank dumps the checkpoint; rank 0's is written
+            "done": int(progress.processed),
+            "batches": trainer.num_training_batches,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        trainer = self._trainer
+        ranks = state_dict.get("ranks")
+        if trainer is None or not ranks:
+            return
+        if len(ranks) != trainer.world_size:
+            log.warning(
+                "txckpt: ExactResume: the checkpoint holds the generators of %d rank(s), this run has %d: "
+                "the resume is not exact (the dropout and the shuffle differ from the uninterrupted run)",
+                len(ranks),
+                trainer.world_size,
+            )
+            return
+        own = ranks[trainer.global_rank]
+        done, batches = int(state_dict["done"]), state_dict["batches"]
+        if 0 < done < batches and own["epoch_start"] is not None:
+            self._resume = (own["epoch_start"], done, own["at_save"])
+        else:  # at an epoch's end: the next epoch's iterator (FitLoop.setup_data makes it
+            # after this load) draws from the generators of the save
+            set_rng_state(own["at_save"])
+            self._resume = (own["at_save"], 0, own["at_save"])
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Rebuild the resumed epoch's iterator as the uninterrupted run built it. Lightning made
+        one already (FitLoop.setup_data), before the samplers' ``set_epoch`` and from other
+        generators: a DistributedSampler, or DataLoader workers that take their indices when the
+        iterator starts, would give the first epoch's order."""
+        resume, self._resume = self._resume, None
+        if resume is None:
+            return
+        epoch_start, done, at_save = resume
+        fit_loop = trainer.fit_loop
+        fetcher = fit_loop._data_fetcher
+        if fetcher is None or fetcher.length is None:
+            set_rng_state(at_save)
+            log.warning(
+                "txckpt: ExactResume: the training DataLoader has no length (Lightning fetches ahead): "
+                "the batches already trained on are not skipped; the resume is not exact"
+            )
+            return
+        epoch = fit_loop.epoch_progress.current.processed  # what Lightning's set_epoch passes next
+        epoch_samplers = [
+            sampler
+            for loader in fit_loop._combined_loader.flattened
+            for sampler in (
+                getattr(loader, "sampler", None),
+                getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+            )
+            if hasattr(sampler, "set_epoch")
+        ]
+        if not done and not epoch_samplers:
+            return  # at an epoch's end, with an order that no epoch number changes: as it is
+        for sampler in epoch_samplers:
+            sampler.set_epoch(epoch)
+        set_rng_state(epoch_start)  # the iterator draws its seeds (shuffle, workers) as the run did
+        iter(fetcher)
+        if done:
+            for _ in range(done):  # the epoch's first batches, trained on before the save
+                next(fetcher.iterator)
+            set_rng_state(at_save)  # (at an epoch's end the save's are what the iterator drew from)
+
+
+def _gather(own: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``own`` (in rank order) on every rank, on txckpt's gloo group; ``[own]``
+    outside a process group."""
+    coord = current_coordinator(phase="lightning-exact-resume")
+    if not isinstance(coord, TorchDistributed):
+        return [own]
+    out: list[Any] = [None] * coord.world_size
+    deps.torch_distributed.all_gather_object(out, own, group=coord.group)
+    return out
+
+
 def _parse_ckpt_path(original: Callable[..., Any], checkpoint_class: type) -> Callable[..., Any]:
     """``ckpt_path="last"`` read from the log where the strategy's CheckpointIO is ours, instead
     of Lightning's newest-mtime ``last*.ckpt`` of the dirpaths (stock behaviour otherwise)."""
@@ -489,4 +752,4 @@ if standalone_io is not None:
     standalone_io.CheckpointIO.register(TransactionalCheckpointIO)
     _install(standalone_connector._CheckpointConnector, standalone_callbacks.ModelCheckpoint)
 
-__all__ = ["TransactionalCheckpointIO"]
+__all__ = ["TransactionalCheckpointIO", "SaveOnPreemption", "ExactResume"]
