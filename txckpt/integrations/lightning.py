@@ -521,10 +521,12 @@ class SaveOnPreemption(Callback):
                 "looks): give the Trainer a ModelCheckpoint (enable_checkpointing=True, or callbacks=[...])"
             )
         cb = callbacks[0]
+        dirpath = cb.dirpath
+        assert dirpath is not None  # checked above
         metrics = dict(trainer.callback_metrics)
         metrics["epoch"] = deps.torch.tensor(trainer.current_epoch)
         metrics["step"] = deps.torch.tensor(trainer.global_step)
-        return os.path.join(os.fspath(cb.dirpath), os.path.basename(cb.format_checkpoint_name(metrics)))
+        return os.path.join(os.fspath(dirpath), os.path.basename(cb.format_checkpoint_name(metrics)))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         try:
@@ -665,7 +667,7 @@ class ExactResume(Callback):
             )
             return
         epoch = fit_loop.epoch_progress.current.processed  # what Lightning's set_epoch passes next
-        epoch_samplers = [
+        epoch_samplers: list[Any] = [
             sampler
             for loader in fit_loop._combined_loader.flattened
             for sampler in (
