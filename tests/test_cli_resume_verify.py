@@ -64,3 +64,11 @@ def test_resume_json_says_whether_it_verified(tmp_path, capsys):
     root = damaged_root(tmp_path)
     assert cli.main(["resume", root, "--step", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["verified"] is True
+
+
+def test_no_verify_without_a_step_is_a_usage_error(tmp_path, capsys):
+    root = damaged_root(tmp_path)
+    before = head(root)
+    assert cli.main(["resume", root, "--no-verify"]) == 2
+    assert "--no-verify goes with --step" in capsys.readouterr().err
+    assert head(root) == before

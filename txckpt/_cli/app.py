@@ -293,6 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"--step must be 0 <= step < 2**63 (a step no checkpoint can have), not {args.step}")
         if getattr(args, "grace", 0) is not None and getattr(args, "grace", 0) < 0:
             raise UsageError("--grace must be >= 0")
+        if getattr(args, "no_verify", False) and getattr(args, "step", None) is None:
+            # Without --step nothing is forked onto, so nothing would be verified: the flag
+            # would say "not verified" of nothing, or hide a typo of the step.
+            raise UsageError("--no-verify goes with --step (the step to fork onto without verifying it)")
         rc = int(args.func(args))
         try:
             sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
