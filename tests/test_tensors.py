@@ -561,3 +561,33 @@ def test_dcp_files_get_chunk_digests_and_no_tensor_index(tmp_path):
     distcp = [f for f in c.files if f.name.endswith(".distcp")]
     assert distcp and all(f.indexed and f.chunks == 1 and f.tensors is None for f in distcp)
     assert c.indexed and c.tensors == []  # no safetensors file: nothing unindexed either
+
+
+def test_a_damaged_file_is_reported_with_its_damaged_chunk_and_tensors(tmp_path, capsys):
+    """A file whose checksum does not match is re-read through the index builder (the failure
+    path only): the load's error and ``txckpt verify`` name the damaged chunk's byte range and
+    the tensors whose bytes changed, and the other tensors still load on their own."""
+    tensors = {f"t{i}": torch.full((2 * MiB,), float(i)) for i in range(5)}  # 8 MiB each: 3 chunks
+    path = txckpt.save_checkpoint(str(tmp_path), 1, {"model.safetensors": tensors})
+    entry = txckpt.read_manifest(path).files["model.safetensors"]
+    (t3,) = [t for t in entry.index.tensors if t.name == "t3"]
+    chunk = (t3.offset + 100) // entry.index.chunk_size
+    start, length = entry.index.chunk_range(chunk, entry.size)
+    target = os.path.join(path, "model.safetensors")
+    os.chmod(target, 0o644)
+    with open(target, "r+b") as f:
+        f.seek(t3.offset + 100)
+        byte = f.read(1)
+        f.seek(t3.offset + 100)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(IntegrityError) as err:
+        txckpt.load_checkpoint(path)
+    message = str(err.value)
+    assert f"1 of its 3 chunks of 16 MiB differ: chunk {chunk} (bytes {start}-{start + length - 1})" in message
+    assert "1 of its 5 tensors changed: 't3'" in message and "txckpt.load_tensors" in message
+    assert cli_main(["verify", path]) == 1
+    out = capsys.readouterr()
+    assert "1 of its 5 tensors changed: 't3'" in out.out + out.err
+    assert torch.equal(txckpt.load_tensors(path, ["t1"])["t1"], tensors["t1"])
+    with pytest.raises(TensorIntegrityError):
+        txckpt.load_tensors(path, ["t3"])

@@ -18,7 +18,7 @@ from .._base.progress import bar as progress_bar, bar_wanted
 from .._read.reader import names_a_checkpoint
 from .._storage import open_storage
 from .._storage.base import Storage
-from .._manifest.verify import FileProblem, check_file
+from .._manifest.verify import FileProblem, check_file, locate_damage
 from .common import EXIT_OK, EXIT_PROBLEM, UsageError, human_bytes, open_root_arg, print_json
 from .._base.layout import is_url
 
@@ -46,9 +46,10 @@ def _check_file(task: _Task) -> tuple[int, str | None]:
             return 0, f"{where}: a directory where the manifest lists a file"
         if p.kind == "size":
             return p.size, f"{where}: {p.size} bytes, the manifest says {entry.size} (truncated or rewritten)"
+        damage = locate_damage(task.storage, task.key, task.key.rsplit("/", 1)[-1], entry)
         return p.size, (
             f"{where}: checksum mismatch (xxh3-128 {p.digest}, the manifest says {entry.checksum}): "
-            "its bytes changed after the commit"
+            "its bytes changed after the commit" + (f"; {damage}" if damage else "")
         )
     except SpecialFileError as e:
         return 0, f"{where}: a {e.kind}, not a regular file (not read: reading would block)"

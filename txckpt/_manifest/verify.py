@@ -18,6 +18,7 @@ from .._base import checksum
 from .._base import fileio
 from ..errors import CheckpointNotFoundError, IntegrityError, UnsafePathError
 from .manifest import FileEntry, Manifest
+from .tensor_index import Indexer
 from .._storage.base import Storage
 
 #: Kinds that are decoded into tensors: read into a tensor buffer, decoded without another copy.
@@ -47,12 +48,68 @@ def _wrong_size(where: str, name: str, actual: int, expected: int) -> IntegrityE
     )
 
 
-def wrong_checksum(where: str, name: str) -> IntegrityError:
+def wrong_checksum(where: str, name: str, damage: str = "") -> IntegrityError:
     return IntegrityError(
         f"{where}/{name} does not match its checksum (xxh3-128): its bytes changed after the "
-        f"commit; the checkpoint is damaged; {FALLBACK_HINT}",
+        f"commit{f' ({damage})' if damage else ''}; the checkpoint is damaged; {FALLBACK_HINT}",
         path=f"{where}/{name}",
     )
+
+
+def locate_damage(storage: Storage, key: str, name: str, entry: FileEntry) -> str:
+    """Where the file ``key`` (``name`` in its checkpoint), whose checksum did not match
+    ``entry``, differs from what the entry's index records (protocol §3b): its damaged chunks'
+    byte ranges and, for a safetensors file, the tensors whose bytes changed, in words; "" where
+    the entry has no index to tell by (a file written before it) or the file cannot be read
+    again. Reads the file once more, through the index builder the save used: only ever on the
+    path where the file was found damaged. Never raises."""
+    index = entry.index
+    if index is None or index.chunk_size <= 0:
+        return ""
+    indexer = Indexer(name, chunk_size=index.chunk_size)
+    size = 0
+    try:
+        with storage.open_read(key) as f:
+            for piece in iter(lambda: f.read(index.chunk_size), b""):
+                indexer.update(piece)
+                size += len(piece)
+    except (OSError, ValueError):
+        return ""
+    found = indexer.finish(size)
+    want = index.chunk_digests(entry.size, entry.checksum)
+    # A file of one chunk records no chunk digests: its one chunk is the file, which did not match.
+    got = list(found.chunks) if found.chunks else [""]
+    bad = [i for i, d in enumerate(want) if i >= len(got) or got[i] != d]
+    parts = []
+    if len(want) > 1 and bad:
+        shown = ", ".join(
+            f"chunk {i} (bytes {start}-{start + length - 1})"
+            for i in bad[:4]
+            for start, length in [index.chunk_range(i, entry.size)]
+        )
+        more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+        parts.append(f"{len(bad)} of its {len(want)} chunks of {index.chunk_size >> 20} MiB differ: {shown}{more}")
+    if index.tensors is not None:
+        now = {t.name: t for t in found.tensors or ()}
+        if found.tensors is None or {t.name for t in index.tensors} != set(now):
+            parts.append("its safetensors header changed")
+        else:
+            changed = [
+                t.name for t in index.tensors if (now[t.name].offset, now[t.name].checksum) != (t.offset, t.checksum)
+            ]
+            names = ", ".join(repr(n) for n in changed[:8]) + (
+                f" and {len(changed) - 8} more" if len(changed) > 8 else ""
+            )
+            parts.append(
+                f"{len(changed)} of its {len(index.tensors)} tensors changed"
+                + (f": {names}" if changed else "")
+                + (
+                    "; the others verify on their own (txckpt.load_tensors)"
+                    if changed and len(changed) < len(index.tensors)
+                    else ""
+                )
+            )
+    return "; ".join(parts)
 
 
 @contextlib.contextmanager
@@ -232,7 +289,9 @@ def read_file(
     return Deferred(data, _no_check)
 
 
-def _problem_error(p: FileProblem, where: str, name: str, entry: FileEntry) -> Exception:
+def _problem_error(
+    p: FileProblem, where: str, name: str, entry: FileEntry, storage: Storage | None = None, key: str = ""
+) -> Exception:
     if p.kind == "symlink":
         return UnsafePathError(f"{where}/{name} is a symlink that leaves the root; refusing to read it")
     if p.kind == "directory":
@@ -244,7 +303,7 @@ def _problem_error(p: FileProblem, where: str, name: str, entry: FileEntry) -> E
         return _missing(where, name)
     if p.kind == "size":
         return _wrong_size(where, name, p.size, entry.size)
-    return wrong_checksum(where, name)
+    return wrong_checksum(where, name, locate_damage(storage, key, name, entry) if storage is not None else "")
 
 
 def _read_one(
@@ -258,12 +317,11 @@ def _read_one(
     at: str = "",
 ):
     entry = manifest.files[name]
+    key = f"{at}/{name}" if at else name
     try:
-        return name, check_file(
-            storage, f"{at}/{name}" if at else name, entry, keep=keep, verify=verify, pipeline=pipeline
-        )[1]
+        return name, check_file(storage, key, entry, keep=keep, verify=verify, pipeline=pipeline)[1]
     except FileProblem as p:
-        raise _problem_error(p, where, name, entry) from None
+        raise _problem_error(p, where, name, entry, storage, key) from None
 
 
 class DecodeFailed:
@@ -313,7 +371,7 @@ def _load_one(
         got.check()
         return name, True, value
     except FileProblem as p:
-        error = _problem_error(p, where, name, entry)
+        error = _problem_error(p, where, name, entry, storage, f"{at}/{name}" if at else name)
     # Raised outside the handler, with these locals gone: the error's traceback and context would
     # otherwise keep the damaged buffer and what was decoded from it for as long as the caller
     # keeps the error.
