@@ -567,7 +567,7 @@ def _save_tables(server, rec: _Recorder) -> tuple[dict[str, Any], dict[str, Any]
         "`pipe_file` in txckpt's part size and concurrency compares (nearly) equal request shapes. "
         "txckpt's own additions per save are its small-file requests (the intent before the "
         "data; after it the listing that checks the staged files, the manifest, the log entry, "
-        "then at once the hint, the read-back of the manifest and the intent's delete; a session "
+        "then at once the hint and the intent's delete; a session "
         "that holds its lineage reads no log before the commit, docs/protocol.md §8) and "
         "serialising the state (hashing it, and copying it once into the request body), which "
         "`pipe_file` gets done beforehand. A "

@@ -199,17 +199,19 @@ def test_a_save_commits_after_its_uploads_and_sends_the_same_requests(s3_root, s
     files = {"a.bin": _blob(3 << 20), "b.bin": _blob(2 << 20, 2)}
     with s3_server.counter() as c:
         path = root.save(2, files)
-    # intent, 2 data PUTs, listing, manifest, commit entry, then at once: hint, manifest
-    # read-back, intent delete. No state reads: the session plans against its own last commit.
-    assert dict(c.ops) == {"GetObject": 1, "PutObject": 6, "ListObjectsV2": 1, "DeleteObject": 1}
+    # intent, 2 data PUTs, listing, manifest, commit entry, then at once: hint, intent delete.
+    # No state reads: the session plans against its own last commit; and no manifest read-back:
+    # the publication returns the key the commit wrote the checkpoint under (object stores
+    # publish in place).
+    assert dict(c.ops) == {"PutObject": 6, "ListObjectsV2": 1, "DeleteObject": 1}
     assert c.uploaded_bytes - sum(len(v) for v in files.values()) < 4096  # + small files only
     loaded = txckpt.load_checkpoint(path, storage_options=s3_root[1])
     assert {k: bytes(v) for k, v in loaded.items()} == files
 
 
 def test_after_the_commit_point_hint_read_back_and_intent_delete_overlap(s3_root, s3_server):
-    """Protocol §8 steps 9-11 on an object store: the hint, the publication's manifest read-back
-    and the intent's delete are independent and go out at once. The hint's PUT waits (at most
+    """Protocol §8 steps 9-11 on an object store: the hint, the publication (in place: the key
+    the commit wrote) and the intent's delete are independent and go out at once. The hint's PUT waits (at most
     30 s) until the intent's delete has started: it returns at once only if they overlap."""
     import threading
 
