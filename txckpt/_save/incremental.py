@@ -276,8 +276,8 @@ class Sharing:
         #: The storage's identity (what this process's knowledge of files is keyed by): asked
         #: once per save, not once per file.
         self._where = root.storage.identity()
-        #: txid -> the key its checkpoint was found at during the probes (:meth:`trusted`);
-        #: :meth:`place` looks each source checkpoint up again, once.
+        #: txid -> the key its checkpoint was found at (:meth:`_home`): looked up once per save,
+        #: and again only where it moved since (:meth:`trusted`, :meth:`_checked_source`).
         self._homes: dict[str, str | None] = {}
         self._candidates: list[Source] | None = None
         self._leases: dict[str, str] = {}  # txid -> lease key
@@ -292,7 +292,7 @@ class Sharing:
         that file's checkpoint and return (the file, the kind ``tx.save`` gives it); the caller
         then records the share in :attr:`pending`. Otherwise None (the caller writes the file);
         never raises for the object's sake (a serializer error shows when the caller writes)."""
-        probe = _Probe(self._sources())
+        probe = _Probe(self.sources())
         try:
             kind = write_object(name, obj, probe)  # type: ignore[arg-type]  # a write-only stream
         except Exception:  # _Changed, maybe wrapped by the serializer; or the object's own error
@@ -306,7 +306,7 @@ class Sharing:
         records the share in :attr:`pending` and uploads nothing. Reads ``path`` only up to the
         first boundary where it differs from every committed file of its size."""
         size = os.path.getsize(path)
-        candidates = [s for s in self._sources() if s.entry.size == size]
+        candidates = [s for s in self.sources() if s.entry.size == size]
         if not candidates:
             return None
         if any(len(s.entry.prefixes) != len(prefix_boundaries(size)) for s in candidates):
@@ -351,18 +351,15 @@ class Sharing:
 
     def matching(self, size: int, checksum: str) -> Source | None:
         """The committed file with this size and checksum, leased; None if there is none."""
-        return self._first_leased([s for s in self._sources() if s.entry.size == size and s.entry.checksum == checksum])
+        return self._first_leased([s for s in self.sources() if s.entry.size == size and s.entry.checksum == checksum])
 
     def _first_leased(self, sources: Sequence[Source]) -> Source | None:
         return next((s for s in sources if self.lease(s)), None)
 
     def sources(self) -> list[Source]:
         """The committed files this save may share (:func:`committed_files`, read once per
-        save), newest checkpoint first: what a grouped save (txckpt._save.grouped) reads the
-        previous tensor index from."""
-        return self._sources()
-
-    def _sources(self) -> list[Source]:
+        save), newest checkpoint first: also what a grouped save (txckpt._save.grouped) reads
+        the previous tensor index from."""
         if self._candidates is None:
             self._candidates = committed_files(self._root, where=self._where)
         return self._candidates
@@ -383,7 +380,7 @@ class Sharing:
         try:
             self._leases[source.ref.txid] = acquire_reader_lease(self._root, source.ref.txid, LEASE_S)
         except CheckpointNotFoundError:
-            self._candidates = [s for s in self._sources() if s.ref.txid != source.ref.txid]
+            self._candidates = [s for s in self.sources() if s.ref.txid != source.ref.txid]
             return False
         return True
 
