@@ -482,14 +482,35 @@ def test_round_trip_on_every_backend(any_root):
 
 
 @pytest.mark.seaweedfs
-def test_load_tensors_on_seaweedfs(seaweedfs_root):
-    """A real distributed object store behind its S3 gateway: ranged GETs of one tensor."""
+def test_load_tensors_on_seaweedfs(seaweedfs_root, monkeypatch):
+    """A real distributed object store behind its S3 gateway: ranged GETs of one tensor, and the
+    bytes the gateway sent for the data file (each GetObject's Content-Length, counted at the one
+    call every S3 request of s3fs and txckpt goes through) within the bound: the tensor, one chunk
+    and the header; inspect sends no GetObject for it at all."""
+    import s3fs
+
     url, so = seaweedfs_root
     tensors = {"a": torch.randn(MiB + 17), "b": torch.arange(MiB, dtype=torch.int32), "c": torch.randn(3 * MiB)}
-    path = txckpt.save_checkpoint(url, 1, {"model.safetensors": tensors}, storage_options=so)
+    path = txckpt.save_checkpoint(url, 1, {"model.safetensors": tensors}, storage_options=so)  # 20 MiB, 2 chunks
+    sent: list[tuple[str, str | None, int]] = []
+    real_call = s3fs.S3FileSystem._call_s3
+
+    async def counting_call(self, method, *args, **kwargs):
+        response = await real_call(self, method, *args, **kwargs)
+        if method == "get_object":
+            sent.append((kwargs.get("Key", ""), kwargs.get("Range"), int(response.get("ContentLength", 0))))
+        return response
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counting_call)
+    txckpt.forget_roots()
     out = txckpt.load_tensors(path, ["b"], storage_options=so)
     assert torch.equal(out["b"], tensors["b"])
+    data = [(r, n) for key, r, n in sent if key.endswith("/model.safetensors")]
+    assert data and all(r is not None for r, _ in data), sent  # ranged GETs only, never the whole object
+    assert sum(n for _, n in data) == 4 * MiB, data  # the tensor + one chunk + the header, as on moto
+    sent.clear()
     assert len(txckpt.inspect_checkpoint(path, storage_options=so).tensors) == 3
+    assert not [key for key, _, _ in sent if key.endswith("/model.safetensors")], sent
 
 
 def test_a_multi_rank_checkpoint_carries_each_ranks_index_in_its_part(tmp_path):
