@@ -16,7 +16,10 @@ import pytest
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = {
     "load": "verified load, now (one storage question per file: `read_location`)",
-    "save": "synchronous save, now (reports without a JSON round trip; publication from the home just written)",
+    "save": (
+        "synchronous save, now (rename-first publication, no phase records below DEBUG, "
+        "chunk digests in the hashing writer)"
+    ),
     "incremental": "incremental save of an unchanged state, now",
 }
 

@@ -61,3 +61,25 @@ def test_undoing_a_rollback_publishes_the_restored_checkpoints(tmp_path, undo_to
         for i in collect_garbage(txckpt.CheckpointRoot(root), dry_run=True).items
         if i.kind in ("publish", "unpublish")
     ] == []
+
+
+def test_a_name_another_tool_holds_at_commit_is_moved_aside_not_overwritten(tmp_path, caplog):
+    """The committer renames first (protocol §7: RENAME_NOREPLACE from its home): where
+    ``checkpoint-N`` is taken by a directory another tool wrote after the save began, the
+    rename fails with EEXIST, and the full publication moves that directory to
+    ``.txckpt/orphans/`` whole, with a warning, before the checkpoint takes its name."""
+    root = str(tmp_path / "out")
+    txckpt.save_checkpoint(root, 1, {"w.bin": b"one"})
+    with txckpt.transaction(root, 2) as tx:
+        tx.save("w.bin", b"two")
+        os.makedirs(os.path.join(root, "checkpoint-2"))
+        with open(os.path.join(root, "checkpoint-2", "theirs.txt"), "w") as f:
+            f.write("not txckpt's")
+    assert tx.path == os.path.join(root, "checkpoint-2")
+    assert published(root) == view(root) and sorted(view(root)) == [1, 2]
+    with open(os.path.join(root, "checkpoint-2", "w.bin"), "rb") as f:
+        assert f.read() == b"two"
+    (aside,) = os.listdir(os.path.join(root, ".txckpt", "orphans"))
+    with open(os.path.join(root, ".txckpt", "orphans", aside, "theirs.txt")) as f:
+        assert f.read() == "not txckpt's"
+    assert any("no committed txckpt manifest" in r.getMessage() for r in caplog.records)

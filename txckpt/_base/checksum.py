@@ -143,6 +143,38 @@ def prefix_boundaries(size: int) -> list[int]:
     return out
 
 
+class ChunkDigests:
+    """The xxh3-128 of each ``chunk_size`` chunk of a stream whose bytes are fed in order
+    through :meth:`update` (any split); :meth:`finish` gives them (protocol §3b: none for a
+    stream of one chunk or less, whose one chunk's digest is the stream's own)."""
+
+    __slots__ = ("chunk_size", "_done", "_hasher", "_left")
+
+    def __init__(self, chunk_size: int):
+        self.chunk_size = chunk_size
+        self._done: list[str] = []
+        self._hasher = new_hasher()
+        self._left = chunk_size
+
+    def update(self, view: memoryview) -> None:
+        n, start = len(view), 0
+        while start < n:
+            take = min(self._left, n - start)
+            self._hasher.update(view[start : start + take])
+            start += take
+            self._left -= take
+            if not self._left:
+                self._done.append(self._hasher.hexdigest())
+                self._hasher = new_hasher()
+                self._left = self.chunk_size
+
+    def finish(self) -> tuple[str, ...]:
+        """The digests, once every byte was fed (call once)."""
+        if self._left != self.chunk_size:
+            self._done.append(self._hasher.hexdigest())
+        return tuple(self._done) if len(self._done) > 1 else ()
+
+
 class HashingWriter(AbortOnError, io.RawIOBase):
     """A write-only stream that hashes and counts every byte on its way to ``sink``.
 
@@ -153,7 +185,14 @@ class HashingWriter(AbortOnError, io.RawIOBase):
     writer raises RuntimeError "unexpected pos" after a failed write).
     """
 
-    def __init__(self, sink: BinaryIO, *, prefixes: bool = False, tap: Callable[[memoryview], Any] | None = None):
+    def __init__(
+        self,
+        sink: BinaryIO,
+        *,
+        prefixes: bool = False,
+        chunk_size: int = 0,
+        tap: Callable[[memoryview], Any] | None = None,
+    ):
         super().__init__()
         self._sink = sink
         self._hasher = new_hasher()
@@ -170,8 +209,12 @@ class HashingWriter(AbortOnError, io.RawIOBase):
         #: while the piece is in the CPU cache (a second digest of those bytes at almost no cost
         #: in memory traffic).
         self._also: Any = None
+        #: With ``chunk_size``: the digest of each chunk (protocol §3b), taken as the file's
+        #: own digest is, and complete (:attr:`chunks`) once the writer closes.
+        self._chunker = ChunkDigests(chunk_size) if chunk_size else None
+        self.chunks: tuple[str, ...] = ()
         #: Called with each piece right after it is hashed, in order (a tensor index's
-        #: indexer: it hashes chunks and tensors while the piece is in the CPU cache).
+        #: indexer: it hashes tensors while the piece is in the CPU cache).
         self._tap = tap
 
     def _failed(self, e: OSError) -> None:
@@ -196,6 +239,8 @@ class HashingWriter(AbortOnError, io.RawIOBase):
             self._hasher.update(piece)
             if self._also is not None:
                 self._also.update(piece)
+            if self._chunker is not None:
+                self._chunker.update(piece)
             if self._tap is not None:
                 self._tap(piece)
             try:
@@ -227,6 +272,8 @@ class HashingWriter(AbortOnError, io.RawIOBase):
     def close(self) -> None:
         if not self.closed:
             self.digest = self._hasher.hexdigest()
+            if self._chunker is not None:
+                self.chunks = self._chunker.finish()
             # A file that ends on a boundary: that digest is the file's own, not a prefix.
             del self.prefixes[len(prefix_boundaries(self.size)) :]
             try:

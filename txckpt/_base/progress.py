@@ -47,12 +47,15 @@ def rate(nbytes: float, seconds: float) -> str:
 class Timer:
     """The phases of one operation ``op`` ("save", "load", "fetch") on ``label`` ("step 5")."""
 
-    __slots__ = ("op", "label", "start", "_last")  # label may change once known (a load's step)
+    __slots__ = ("op", "label", "start", "_last", "phases")  # label may change once known (a load's step)
 
     def __init__(self, op: str, label: str):
         self.op = op
         self.label = label
         self.start = self._last = time.perf_counter()
+        #: Whether phase records are wanted (DEBUG on when the operation began): a hot path
+        #: tests it and skips :meth:`phase` altogether when they are not.
+        self.phases = log.isEnabledFor(logging.DEBUG)
 
     def phase(self, name: str, nbytes: int | None = None) -> float:
         """End phase ``name`` (it began when the previous one ended); returns its seconds."""

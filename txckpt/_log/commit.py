@@ -3,7 +3,7 @@
 A save's committer (``txckpt._save.transactions``) runs protocol §8 in named phases and comes here for
 the ones that read or change the log: :func:`plan_save` (step 1, claiming the head or forking a
 first lineage if the session holds none), :func:`append_commit` (step 9, the commit point), :func:`finish_commit`
-(steps 10-11) and :func:`snapshot_if_due` (11a). A restart's :func:`claim` and a rollback's :func:`fork`
+(steps 10-11, and 11a by :func:`snapshot_if_due`). A restart's :func:`claim` and a rollback's :func:`fork`
 (§10; ``CheckpointRoot.resume``, ``txckpt._root.fallback``, ``retention.rewind``) are the same room's:
 a lineage changes here and nowhere else.
 
@@ -265,13 +265,14 @@ def append_commit(root: Root, manifest: Manifest, writer: str | None = None) -> 
     """Step 9, the commit point: append the commit entry of a staged, durable manifest (after
     the state its plan was made against, re-validated against a newer one if it lost a race)."""
     session = root.shared
+    total_bytes, file_count = manifest.totals
     record = {
         "lineage": manifest.lineage,
         "step": manifest.step,
         "txid": manifest.txid,
         "digest": manifest.digest,
-        "bytes": manifest.total_bytes,
-        "files": manifest.file_count,
+        "bytes": total_bytes,
+        "files": file_count,
         "parent": parent_to_json(manifest.parent),
     }
 
@@ -291,8 +292,9 @@ def append_commit(root: Root, manifest: Manifest, writer: str | None = None) -> 
 
 
 def finish_commit(root: Root, manifest: Manifest, entry: dict[str, Any], plan_key: str | None = None) -> str:
-    """Steps 10-11 of a committed save: the ``latest`` hint, the publication and the intent's
-    deletion, which depend on nothing but the commit entry; returns the checkpoint's path.
+    """Steps 10-11a of a committed save: the ``latest`` hint, the publication and the intent's
+    deletion, which depend on nothing but the commit entry, then the history snapshot when it
+    is due (:func:`snapshot_if_due`); returns the checkpoint's path.
     ``plan_key``: the staging directory the save committed in (its home), where the
     publication takes it from."""
     storage = root.storage
@@ -331,6 +333,7 @@ def finish_commit(root: Root, manifest: Manifest, entry: dict[str, Any], plan_ke
             listener()
         except Exception:  # committed is committed: a listener's failure is its own
             log.warning("the %s listener of %s failed after commit %s", name, root.url, manifest.txid, exc_info=True)
+    snapshot_if_due(root, entry)
     return storage.full_path(where)
 
 

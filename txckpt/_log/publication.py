@@ -321,6 +321,18 @@ class RenamePublication(InPlacePublication):
         moved it meanwhile makes the rename miss, and the next try looks for it."""
         s = self.storage
         pub = self.public_key(ref.step)
+        if at is not None and at != pub:
+            # The committer's case: the name is almost always free, so rename first (NOREPLACE
+            # keeps whatever does hold it) instead of reading and stat-ing the name beforehand.
+            try:
+                s.rename_noreplace(at, pub)
+            except FileExistsError:
+                pass  # the name is held: the loop looks at what holds it; ours is still at `at`
+            except FileNotFoundError:
+                at = None  # moved meanwhile (another publisher): the loop locates it
+            else:
+                self._sync("")
+                return pub
         for _ in range(8):
             occupant = manifest_txid(s, pub)
             if occupant == ref.txid:

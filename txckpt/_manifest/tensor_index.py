@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .._base.checksum import digest_bytes, new_hasher
+from .._base.checksum import ChunkDigests, digest_bytes, new_hasher
 from ..errors import ManifestError
 
 #: The size of a chunk: every file's bytes are digested in chunks of this many bytes (the last
@@ -123,15 +123,21 @@ class FileIndex:
         return cls(chunk_size, chunks, tensors)
 
 
+#: The ending (of a lower-cased name) of the files whose header the indexer reads.
+SAFETENSORS_SUFFIX = ".safetensors"
+
+
 def is_safetensors_name(name: str) -> bool:
     """Whether the indexer reads ``name``'s header: a ``.safetensors`` file, by name (the rule
     ``tx.save`` writes by)."""
-    return name.lower().endswith(".safetensors")
+    return name.lower().endswith(SAFETENSORS_SUFFIX)
 
 
 class Indexer:
     """Builds the :class:`FileIndex` of the file ``name`` from its bytes, fed once and in order
     through :meth:`update` (a memoryview or bytes; any split); :meth:`finish` gives the index.
+    With ``chunks=False`` it leaves the chunk digests to a writer that takes them as it hashes
+    the file (:class:`~txckpt._base.checksum.HashingWriter`) and is given them at :meth:`finish`.
     For a ``.safetensors`` name it reads the header from the first bytes and digests each tensor's bytes;
     a header that does not parse (a file that is not safetensors after all) leaves the index
     without tensors, never fails the save."""
@@ -139,8 +145,6 @@ class Indexer:
     __slots__ = (
         "chunk_size",
         "_chunks",
-        "_chunk",
-        "_chunk_left",
         "_pos",
         "_head",
         "_need",
@@ -151,12 +155,10 @@ class Indexer:
         "_bad",
     )
 
-    def __init__(self, name: str, *, chunk_size: int = CHUNK_SIZE):
+    def __init__(self, name: str, *, chunk_size: int = CHUNK_SIZE, chunks: bool = True):
         safetensors = is_safetensors_name(name)
         self.chunk_size = chunk_size
-        self._chunks: list[str] = []
-        self._chunk = new_hasher()
-        self._chunk_left = chunk_size
+        self._chunks = ChunkDigests(chunk_size) if chunks else None
         self._pos = 0
         #: The header's bytes so far (None once parsed, or when not reading one).
         self._head: bytearray | None = bytearray() if safetensors else None
@@ -176,17 +178,8 @@ class Indexer:
         if view.itemsize != 1 or view.ndim != 1:
             view = view.cast("B")
         pos = self._pos
-        # chunks
-        start = 0
-        while start < n:
-            take = min(self._chunk_left, n - start)
-            self._chunk.update(view[start : start + take])
-            start += take
-            self._chunk_left -= take
-            if not self._chunk_left:
-                self._chunks.append(self._chunk.hexdigest())
-                self._chunk = new_hasher()
-                self._chunk_left = self.chunk_size
+        if self._chunks is not None:
+            self._chunks.update(view)
         # the header, then the tensors
         if self._head is not None:
             self._read_header(view, pos)
@@ -263,13 +256,13 @@ class Indexer:
             self._th = None
             self._ti += 1
 
-    def finish(self, size: int) -> FileIndex:
-        """The index of the file, which ended after ``size`` bytes (all fed)."""
+    def finish(self, size: int, chunks: tuple[str, ...] = ()) -> FileIndex:
+        """The index of the file, which ended after ``size`` bytes (all fed). ``chunks``: its
+        chunk digests, from the caller, for an indexer made with ``chunks=False``."""
         if size != self._pos:
             raise ValueError(f"the indexer was fed {self._pos} bytes of a file of {size}")
-        if self._chunk_left != self.chunk_size:
-            self._chunks.append(self._chunk.hexdigest())
-        chunks = tuple(self._chunks) if len(self._chunks) > 1 else ()
+        if self._chunks is not None:
+            chunks = self._chunks.finish()
         tensors = None
         if not self._bad and self._head is None and len(self._done) == len(self._spans):
             tensors = tuple(
@@ -296,4 +289,12 @@ def index_pieces(name: str, pieces: Iterable[bytes]) -> FileIndex:
     return ix.finish(size)
 
 
-__all__ = ["CHUNK_SIZE", "FileIndex", "Indexer", "TensorRecord", "index_bytes", "is_safetensors_name"]
+__all__ = [
+    "CHUNK_SIZE",
+    "FileIndex",
+    "Indexer",
+    "SAFETENSORS_SUFFIX",
+    "TensorRecord",
+    "index_bytes",
+    "is_safetensors_name",
+]

@@ -23,8 +23,8 @@ from .._base.checksum import HashingWriter
 from .._manifest.claims import check_claims, claimed_names, hash_claimed
 from .._base.coordination import Coordinator, GatheredElsewhere, current_coordinator, decide_on_rank0
 from ..errors import CheckpointNotFoundError, InvalidArgumentError, TransactionAbortedError, storage_error
-from .._log.commit import append_commit, clear_intent, committed_path, finish_commit, plan_save, snapshot_if_due
-from .._manifest.tensor_index import FileIndex, Indexer
+from .._log.commit import append_commit, clear_intent, committed_path, finish_commit, plan_save
+from .._manifest.tensor_index import CHUNK_SIZE, SAFETENSORS_SUFFIX, FileIndex, Indexer
 from .incremental import Sharing, Source
 from .grouped import is_tensor_dict, save_grouped
 from .._maintenance.intents import reclaim_after_save, write_intent
@@ -186,7 +186,8 @@ class Transaction:
         )
         self._plan = plan
         self.txid = plan.txid
-        self._timer.phase("staging")
+        if self._timer.phases:
+            self._timer.phase("staging")
         self._writes = self._root.storage.write_batch()
         try:
             if plan.step != self.step:
@@ -411,7 +412,7 @@ class Transaction:
         outcome: dict[str, Any] = {}
         try:
             report = self._rank_report(exc)
-            if "files" in report:
+            if "files" in report and timer.phases:
                 timer.phase(
                     "data" if self.world_size == 1 else f"data (rank {self.rank})",
                     sum(f.size for f in report["files"].values()),
@@ -625,17 +626,19 @@ class Transaction:
             )
             root.storage.create_exclusive(f"{plan.key}/{MANIFEST_NAME}", manifest.encode(), durable=root.durable)
         self._manifest = manifest
-        timer.phase("manifest")
+        if timer.phases:
+            timer.phase("manifest")
         # Step 9, the commit point: the commit entry, after the state step 1 planned against.
         entry = append_commit(root, manifest, plan.writer)
         root.shared.part_structures = structures  # the next save's fast path (protocol §3a)
-        timer.phase("commit")
-        # Steps 10-11: the hint, the publication, the intent's deletion (overlapped remotely).
+        if timer.phases:
+            timer.phase("commit")
         self._totals = (entry["checkpoint"]["bytes"], entry["checkpoint"]["files"])  # as the log records them
+        # Steps 10-11: the hint, the publication, the intent's deletion (overlapped remotely),
+        # then 11a, a history snapshot every SNAPSHOT_EVERY entries (best effort).
         path = finish_commit(root, manifest, entry, plan.key)
-        timer.phase("publish")
-        # Step 11a: a history snapshot every SNAPSHOT_EVERY entries (best effort).
-        snapshot_if_due(root, entry)
+        if timer.phases:
+            timer.phase("publish")
         return path
 
     def _abort(self, plan: SavePlan | None = None) -> None:
@@ -653,9 +656,15 @@ class Transaction:
 
 class _TrackedWriter(HashingWriter):
     def __init__(self, tx: Transaction, name: str, sink: BinaryIO):
-        # The tensor index (protocol §3b) is built from the same pieces the writer hashes.
-        self._indexer = Indexer(name)
-        super().__init__(sink, prefixes=tx._sharing is not None, tap=self._indexer.update)
+        # The chunk digests and, for a safetensors file, the tensor index (protocol §3b) are
+        # taken from the same pieces the writer hashes; other files need no indexer.
+        self._indexer = Indexer(name, chunks=False) if name.lower().endswith(SAFETENSORS_SUFFIX) else None
+        super().__init__(
+            sink,
+            prefixes=tx._sharing is not None,
+            chunk_size=CHUNK_SIZE,
+            tap=None if self._indexer is None else self._indexer.update,
+        )
         self._tx = tx
         self._name = name
         self.kind = "bytes"  # raw bytes through tx.open; tx.save records what it serialised
@@ -664,8 +673,14 @@ class _TrackedWriter(HashingWriter):
         if self.closed:
             return
         super().close()
-        index = self._indexer.finish(self.size)
+        index = self._index()
         self._tx._finished_file(self._name, self.size, self.digest, self.kind, self.prefixes, index)
+
+    def _index(self) -> FileIndex | None:
+        """What the manifest records of the file besides its size and digest (protocol §3b)."""
+        if self._indexer is None:
+            return FileIndex(CHUNK_SIZE, self.chunks)
+        return self._indexer.finish(self.size, self.chunks)
 
     def abort(self) -> None:
         if self.closed:
