@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import sampling
+
 pytestmark = pytest.mark.process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -102,6 +104,10 @@ IN_MAKE_TEST = {(1, 0, 0, "kill:7"), (1, 2, 1, "term:5"), (2, 0, 1, "kill:7"), (
     [c if c in IN_MAKE_TEST else pytest.param(*c, marks=pytest.mark.slow) for c in CELLS],
 )
 def test_a_stopped_and_resumed_loop_equals_the_uninterrupted_one(tmp_path, ranks, workers, use_async, stop):
+    """Every cell of IN_MAKE_TEST each run; of the campaign's, six a run, drawn by its sweep seed."""
+    cell = (ranks, workers, use_async, stop)
+    if cell not in IN_MAKE_TEST:
+        sampling.skip_unless_drawn("loop resume", [c for c in CELLS if c not in IN_MAKE_TEST], cell, k=6)
     _cell(tmp_path, ranks, workers, use_async, stop)
 
 

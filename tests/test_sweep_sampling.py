@@ -115,3 +115,24 @@ def test_a_draw_of_a_fixed_number_without_the_ends_reaches_every_point_over_runs
         assert set(critical) <= set(drawn) and len(drawn) == len(critical) + 1
         draws.append(drawn)
     assert set().union(*draws) == set(points)
+
+
+def test_a_matrix_draw_takes_k_cells_a_run_and_every_cell_over_runs(seeded, monkeypatch):
+    """The campaign's equivalence matrices (each cell a few runs of a training loop) try k cells a
+    run, drawn by the seed: the same cells for the same seed, every cell over runs, all of them
+    under TXCKPT_FULL_SWEEP=1; a cell not drawn is skipped saying how to run it."""
+    cells = [(r, w, s) for r in (1, 2) for w in (0, 2) for s in ("kill", "term")]
+    seen = set()
+    for seed in range(60):
+        seeded(seed)
+        drawn = sampling.draw_cells("m", cells, 3)
+        assert len(drawn) == 3 == len(set(drawn)) and drawn == sampling.draw_cells("m", cells, 3)
+        seen |= set(drawn)
+    assert seen == set(cells)
+    seeded(7)
+    left_out = next(c for c in cells if c not in sampling.draw_cells("m", cells, 3))
+    with pytest.raises(pytest.skip.Exception, match="TXCKPT_FULL_SWEEP=1 runs them all"):
+        sampling.skip_unless_drawn("m", cells, left_out, 3)
+    monkeypatch.setattr(sampling, "FULL", True)
+    assert sampling.draw_cells("m", cells, 3) == cells
+    sampling.skip_unless_drawn("m", cells, left_out, 3)  # runs

@@ -63,6 +63,28 @@ def sample(
     return [points[i] for i in sorted(keep | set(rnd.sample(rest, want)))]
 
 
+def draw_cells(name: str, cells: Sequence[T], k: int) -> list[T]:
+    """The ``k`` cells of matrix ``name`` a campaign run tries (all of them under
+    ``TXCKPT_FULL_SWEEP=1``), drawn by :func:`sweep_seed`: runs with other seeds cover the rest."""
+    if FULL or k >= len(cells):
+        return list(cells)
+    rnd = random.Random(f"{sweep_seed()}:{name}")
+    return [cells[i] for i in sorted(rnd.sample(range(len(cells)), k))]
+
+
+def skip_unless_drawn(name: str, cells: Sequence[T], cell: T, k: int) -> None:
+    """Skip (pytest) a cell of matrix ``name`` that this run's draw of ``k`` does not include,
+    saying which ones it does and how to run them all."""
+    import pytest
+
+    drawn = draw_cells(name, cells, k)
+    if cell not in drawn:
+        pytest.skip(
+            f"seed {sweep_seed()} draws {k} of the {len(cells)} cells of {name} this run ({drawn}); "
+            f"TXCKPT_SWEEP_SEED=N picks another draw, TXCKPT_FULL_SWEEP=1 runs them all"
+        )
+
+
 def describe(tried: int, total: int, *, full: bool = False) -> str:
     """How a sweep's summary line says what it tried and how to reproduce or widen it."""
     if full or FULL or tried == total:
