@@ -149,8 +149,11 @@ def test_two_ranks_stopped_and_resumed_equal_the_uninterrupted_run(tmp_path, wor
     """torchrun, gloo DDP: SIGKILL on every rank at step 5, or SIGTERM on rank 1 only (both save
     step 5: the agreement at the step boundary). The campaign's cells (every one but
     IN_MAKE_TEST_2's) are drawn by the run's sweep seed, three a run."""
+    import transformers
+
     cell = (workers, use_async, stop)
-    if cell not in IN_MAKE_TEST_2:
+    # On 4.x the campaign's 4.57 pass runs TF4_SAMPLE's two-rank cells, every run (_cell).
+    if cell not in IN_MAKE_TEST_2 and int(transformers.__version__.split(".")[0]) >= 5:
         sampling.skip_unless_drawn(
             "two-rank Trainer resume", [c for c in CELLS_2 if c not in IN_MAKE_TEST_2], cell, k=3
         )
