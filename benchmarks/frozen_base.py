@@ -23,14 +23,13 @@ puts it in the report. Not in the smoke test's case list (its tiny run is at its
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
-import time
 from typing import Any
 from unittest import mock
 
 from . import harness as h
+from .trainer import training_args
 from .trainer_incremental import _check_loads, _freeze
 
 TITLE = "Incremental save: a frozen base in one model.safetensors (Trainer)"
@@ -75,24 +74,16 @@ def _gpt2(vocab: int, frozen: bool) -> Any:
 
 
 def _trainer(model: Any, root: str, incremental: bool) -> Any:
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     from txckpt.integrations.transformers import TransactionalCheckpointMixin
 
     class TxTrainer(TransactionalCheckpointMixin, Trainer):
         pass
 
-    args = TrainingArguments(
-        output_dir=root,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        per_device_train_batch_size=BATCH,
+    t = TxTrainer(
+        model=model, args=training_args(root, per_device_train_batch_size=BATCH), txckpt_incremental=incremental
     )
-    t = TxTrainer(model=model, args=args, txckpt_incremental=incremental)
     t.create_optimizer_and_scheduler(num_training_steps=1000)
     t.state.train_batch_size = t.args.train_batch_size  # what train() records before a save
     return t
@@ -262,21 +253,15 @@ def run(quick: bool) -> dict[str, Any]:
     return {"id": "frozen-base", "title": TITLE, "rows": rows, "about": about}
 
 
+def _show(r: dict[str, Any]) -> str:
+    ratio = "" if r["ratio"] is None else f", ratio {r['ratio']:.3f} (goal {r['goal']})"
+    paired = r.get("paired")
+    spread = f" [{min(paired):.3f}..{max(paired):.3f}]" if paired else ""
+    return f"{r['case']}\n    {r['txckpt']} vs {r['other']}{ratio}{spread}; {r['note']}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.frozen_base")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--tiny", action="store_true")
-    args = p.parse_args(argv)
-    h.configure(quick=args.quick, tiny=args.tiny)
-    t0 = time.perf_counter()
-    table = run(args.quick)
-    for r in table["rows"]:
-        ratio = "" if r["ratio"] is None else f", ratio {r['ratio']:.3f} (goal {r['goal']})"
-        paired = r.get("paired")
-        spread = f" [{min(paired):.3f}..{max(paired):.3f}]" if paired else ""
-        print(f"{r['case']}\n    {r['txckpt']} vs {r['other']}{ratio}{spread}; {r['note']}")
-    print(f"({time.perf_counter() - t0:.0f} s)")
-    return 0
+    return h.module_main("python -m benchmarks.frozen_base", run, _show, argv)
 
 
 if __name__ == "__main__":

@@ -387,5 +387,24 @@ def _git_rev() -> str:
         return "git unknown"
 
 
+def module_main(
+    prog: str, run: Callable[[bool], dict[str, Any]], show: Callable[[dict[str, Any]], str], argv: list[str] | None
+) -> int:
+    """``python -m benchmarks.<case> [--quick|--tiny]``: one case's table, each row printed by
+    ``show``, then the seconds the run took."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--tiny", action="store_true")
+    args = p.parse_args(argv)
+    configure(quick=args.quick, tiny=args.tiny)
+    t0 = time.perf_counter()
+    for row in run(args.quick)["rows"]:
+        print(show(row))
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

@@ -149,68 +149,59 @@ def one_file_row(size: int, reps: int) -> dict[str, Any]:
     proven unchanged from their digests, protocol §3c) against a save without it, fsync on,
     each into its own root, alternating rounds after two warm-up rounds (the incremental root's
     first save writes the one file, its second the frozen file)."""
-    import txckpt
-
-    base, _ = _state(size)
     import torch
 
+    base, _ = _state(size)
+
     head = torch.randn(max(size // 256 // 4, 64), generator=torch.Generator().manual_seed(1))
-    roots = {INC: h.fresh_dir("inc-one"), FULL: h.fresh_dir("full-one")}
-    steps = {INC: itertools.count(1), FULL: itertools.count(1)}
-
-    def method(name: str, incremental: bool) -> h.Method:
-        def run(ctx):
-            step = next(steps[name])
-            model = {**base, "head": head + step}
-            txckpt.save_checkpoint(roots[name], step, {"model.safetensors": model}, incremental=incremental)
-
-        return h.Method(name, run, dict)
-
-    try:
-        times = h.interleave([method(INC, True), method(FULL, False)], reps, warmup=2)
-    finally:
-        for r in roots.values():
-            h.remove(r)
-    return h.compare(
+    return _incremental_against_full(
         "incremental ÷ full save time, frozen base + a changed tensor in one model.safetensors",
+        "one",
         size,
-        times,
-        INC,
-        FULL,
+        reps,
+        2,
         0.15,
-        alternating=True,
+        lambda step: {"model.safetensors": {**base, "head": head + step}},
     )
 
 
 def _finetune_row(size: int, reps: int) -> dict[str, Any]:
+    base, adapter = _state(size)
+    return _incremental_against_full(
+        "incremental ÷ full save time, full fine-tune (every byte changes)",
+        "ft",
+        size,
+        reps,
+        1,
+        1.03,
+        lambda step: _files({k: v + step for k, v in base.items()}, adapter, step),  # everything changes
+    )
+
+
+def _incremental_against_full(
+    case: str, tag: str, size: int, reps: int, warmup: int, goal: float, files_at: Any
+) -> dict[str, Any]:
+    """Saves of ``files_at(step)`` with and without ``incremental=True``, each into a root of
+    its own, in alternating rounds after ``warmup`` (h.interleave alternates the order): the
+    time ratio as a row of ``case``."""
     import txckpt
 
-    base, adapter = _state(size)
-    roots = {INC: h.fresh_dir("inc-ft"), FULL: h.fresh_dir("full-ft")}
+    roots = {INC: h.fresh_dir(f"inc-{tag}"), FULL: h.fresh_dir(f"full-{tag}")}
     steps = {INC: itertools.count(1), FULL: itertools.count(1)}
 
     def method(name: str, incremental: bool) -> h.Method:
         def run(ctx):
             step = next(steps[name])
-            changed = {k: v + step for k, v in base.items()}  # everything changes
-            txckpt.save_checkpoint(roots[name], step, _files(changed, adapter, step), incremental=incremental)
+            txckpt.save_checkpoint(roots[name], step, files_at(step), incremental=incremental)
 
         return h.Method(name, run, dict)
 
     try:
-        times = h.interleave([method(INC, True), method(FULL, False)], reps, warmup=1)
+        times = h.interleave([method(INC, True), method(FULL, False)], reps, warmup=warmup)
     finally:
         for r in roots.values():
             h.remove(r)
-    return h.compare(
-        "incremental ÷ full save time, full fine-tune (every byte changes)",
-        size,
-        times,
-        INC,
-        FULL,
-        1.03,
-        alternating=True,
-    )  # two methods: h.interleave alternates their order
+    return h.compare(case, size, times, INC, FULL, goal, alternating=True)
 
 
 def run(quick: bool) -> dict[str, Any]:

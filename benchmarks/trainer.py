@@ -44,6 +44,23 @@ def quiet_durable_config() -> Any:
     return _config(h.settings())
 
 
+def training_args(output_dir: str, **extra: Any) -> Any:
+    """The TrainingArguments every Trainer benchmark uses: CPU, no saves of the Trainer's own
+    schedule (the benchmark calls them), no logging or progress, seed 0; ``extra`` adds to them."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=output_dir,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        **extra,
+    )
+
+
 def run(quick: bool) -> dict[str, Any]:
     try:
         from txckpt.integrations.transformers import TransactionalCheckpointMixin
@@ -57,7 +74,7 @@ def run(quick: bool) -> dict[str, Any]:
             "rows": [],
         }
     import torch
-    from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers import GPT2LMHeadModel, Trainer
 
     s = h.settings()
     cfg = quiet_durable_config()
@@ -68,16 +85,7 @@ def run(quick: bool) -> dict[str, Any]:
         pass
 
     def make(cls, out: str, optimizers=(None, None)):
-        args = TrainingArguments(
-            output_dir=out,
-            report_to=[],
-            use_cpu=True,
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
-            seed=0,
-        )
-        return cls(model=model, args=args, optimizers=optimizers)
+        return cls(model=model, args=training_args(out), optimizers=optimizers)
 
     # One optimizer step, so AdamW's exp_avg / exp_avg_sq exist (2x the weights).
     first = make(Trainer, h.fresh_dir("trainer-init"))

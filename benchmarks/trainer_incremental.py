@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from . import harness as h
-from .trainer import quiet_durable_config
+from .trainer import quiet_durable_config, training_args
 
 TITLE = "Incremental save: the Trainer, a frozen base (local disk, fsync on)"
 INC, FULL = "Trainer + mixin, txckpt_incremental=True", "Trainer + mixin"
@@ -106,7 +106,7 @@ def _stock_resume(path: str, step: int, opt_step: float, cfg: Any) -> None:
     """A stock ``Trainer`` (no mixin) resumes from the checkpoint at ``path`` and trains one more
     step: weights, optimizer, scheduler, RNG and trainer state all read from it."""
     import torch
-    from transformers import GPT2LMHeadModel, PrinterCallback, Trainer, TrainingArguments
+    from transformers import GPT2LMHeadModel, PrinterCallback, Trainer
 
     model = GPT2LMHeadModel.from_pretrained(path)
     _freeze(model)  # the same trainable set, so the optimizer's saved param groups fit
@@ -115,17 +115,7 @@ def _stock_resume(path: str, step: int, opt_step: float, cfg: Any) -> None:
     data = [{"input_ids": ids[i], "labels": ids[i]} for i in range(len(ids))]
     out = h.fresh_dir("trinc-resume")
     try:
-        args = TrainingArguments(
-            output_dir=out,
-            max_steps=step + 1,
-            per_device_train_batch_size=BATCH,
-            save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            logging_strategy="no",
-            disable_tqdm=True,
-            seed=0,
-        )
+        args = training_args(out, max_steps=step + 1, per_device_train_batch_size=BATCH)
         stock = Trainer(model=model, args=args, train_dataset=data)
         stock.remove_callback(PrinterCallback)  # it prints the run's metrics to stdout
         stock.train(resume_from_checkpoint=path)
@@ -141,7 +131,7 @@ def _stock_resume(path: str, step: int, opt_step: float, cfg: Any) -> None:
 
 def run(quick: bool) -> dict[str, Any]:
     import torch
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     import txckpt
     from txckpt.integrations.transformers import TransactionalCheckpointMixin
@@ -158,16 +148,7 @@ def run(quick: bool) -> dict[str, Any]:
         pass
 
     def args(out: str) -> Any:
-        return TrainingArguments(
-            output_dir=out,
-            report_to=[],
-            use_cpu=True,
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
-            seed=0,
-            per_device_train_batch_size=BATCH,
-        )
+        return training_args(out, per_device_train_batch_size=BATCH)
 
     # AdamW over the trainable parameters, as the Trainer builds it, shared by both Trainers: each
     # saves the same optimizer state, only the txckpt setting differs.

@@ -185,6 +185,28 @@ def test_files_of_several_chunks_verify_one_chunk_without_the_rest(tmp_path):
         txckpt.load_tensors(tx.path, ["big"])  # in two files: which one?
 
 
+def test_the_hashing_writer_takes_the_same_chunk_digests_however_the_bytes_are_split():
+    """tx.save's writer takes chunk digests itself, the first one from the file's running digest:
+    the same as the indexer's for every size around a chunk boundary and every split of the
+    writes, with incremental prefixes on or off; the file's own digest unchanged."""
+    import io
+
+    from txckpt._base.checksum import HashingWriter
+
+    data = os.urandom(3500)
+    for size in (0, 999, 1000, 1001, 2000, 2001, 3500):
+        want = tindex.Indexer("f.pt", chunk_size=1000)
+        want.update(data[:size])
+        expected = want.finish(size).chunks
+        for split in (1, 7, 1000, 4096):
+            for prefixes in (False, True):
+                w = HashingWriter(io.BytesIO(), prefixes=prefixes, chunk_size=1000)
+                for i in range(0, size, split):
+                    w.write(data[i : min(size, i + split)])
+                w.close()
+                assert (w.chunks, w.digest, w.size) == (expected, digest_bytes(data[:size]), size), (size, split)
+
+
 def test_the_indexer_gives_the_same_index_however_the_bytes_are_split():
     from safetensors.torch import save
 

@@ -150,9 +150,11 @@ class ChunkDigests:
 
     __slots__ = ("chunk_size", "_done", "_hasher", "_left")
 
-    def __init__(self, chunk_size: int):
+    def __init__(self, chunk_size: int, first: str | None = None):
+        """``first``: the first chunk's digest, where the caller has it already (a file's own
+        running digest taken at ``chunk_size`` bytes); the bytes fed are then the second chunk's on."""
         self.chunk_size = chunk_size
-        self._done: list[str] = []
+        self._done: list[str] = [] if first is None else [first]
         self._hasher = new_hasher()
         self._left = chunk_size
 
@@ -209,9 +211,12 @@ class HashingWriter(AbortOnError, io.RawIOBase):
         #: while the piece is in the CPU cache (a second digest of those bytes at almost no cost
         #: in memory traffic).
         self._also: Any = None
-        #: With ``chunk_size``: the digest of each chunk (protocol §3b), taken as the file's
-        #: own digest is, and complete (:attr:`chunks`) once the writer closes.
-        self._chunker = ChunkDigests(chunk_size) if chunk_size else None
+        #: With ``chunk_size``: the digest of each chunk (protocol §3b), complete (:attr:`chunks`)
+        #: once the writer closes. The first chunk's is the file's running digest at
+        #: ``chunk_size`` bytes, so a file of one chunk (most files) is hashed once, not twice;
+        #: the chunker starts there and hashes the rest a second time.
+        self._chunk_size = chunk_size
+        self._chunker: ChunkDigests | None = None
         self.chunks: tuple[str, ...] = ()
         #: Called with each piece right after it is hashed, in order (a tensor index's
         #: indexer: it hashes tensors while the piece is in the CPU cache).
@@ -235,12 +240,15 @@ class HashingWriter(AbortOnError, io.RawIOBase):
             end = min(start + PIECE, n)
             if self._boundary is not None:
                 end = min(end, start + self._boundary - self.size)
+            chunker = self._chunker
+            if chunker is None and self.size < self._chunk_size:  # a piece ends at the first chunk's end
+                end = min(end, start + self._chunk_size - self.size)
             piece = view[start:end]
             self._hasher.update(piece)
             if self._also is not None:
                 self._also.update(piece)
-            if self._chunker is not None:
-                self._chunker.update(piece)
+            if chunker is not None:
+                chunker.update(piece)
             if self._tap is not None:
                 self._tap(piece)
             try:
@@ -250,6 +258,8 @@ class HashingWriter(AbortOnError, io.RawIOBase):
                 raise
             self.size += end - start
             start = end
+            if chunker is None and self.size == self._chunk_size:
+                self._chunker = ChunkDigests(self._chunk_size, first=self._hasher.hexdigest())
             if self.size == self._boundary:
                 self.prefixes.append(self._hasher.hexdigest())
                 self._boundary = next_boundary(self.size)
