@@ -7,7 +7,8 @@ rank 1 SIGKILLs itself inside the save of step 6 (before the first write of its 
 a real process crash: rank 0 is then stuck in DCP's collective and is killed by its timeout, or
 fails); a fresh 2-rank ``fit(ckpt_path="last")`` that must start at step 4 (the newest committed
 step: nothing of step 6 was committed) and end with the uninterrupted run's weights and optimizer
-state, bit for bit, on both ranks."""
+state, bit for bit, on both ranks. Then ``fit(ckpt_path=<published name>)`` of a checkpoint whose
+shard lost a byte fails on the damaged file, which DCP's default reader would have loaded."""
 
 from __future__ import annotations
 
@@ -56,23 +57,36 @@ def _run(root: Path, out: Path, *args: str) -> list[tuple[int, str]]:
     return results
 
 
+def _inode(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
 def _committed_steps(root: Path) -> list[int]:
+    """The live committed steps; all of one lineage (a resume continues it, nothing forked)."""
     from txckpt._root.root import CheckpointRoot
 
     history = CheckpointRoot(str(root)).history()
-    return sorted(c.step for c in history.checkpoints.values() if c.txid not in history.retired)
+    live = [c for c in history.checkpoints.values() if c.txid not in history.retired]
+    assert len({c.lineage for c in live}) <= 1, [(c.step, c.lineage) for c in live]
+    return sorted(c.step for c in live)
 
 
 def test_a_rank_killed_inside_a_sharded_save_commits_nothing_and_last_resumes_the_previous_step(tmp_path):
     import torch
+    from torch.distributed.checkpoint import FileSystemReader
 
     reference = _run(tmp_path / "ref", tmp_path / "ref-out", "--max-steps", "6")
     assert all(code == 0 for code, _ in reference), [t[-3000:] for _, t in reference]
     assert _committed_steps(tmp_path / "ref") == [2, 4, 6]
-    # The published names are stock's directory layout, hard links to the committed files.
+    # The published names are stock's directory layout, hard links to the committed files (the
+    # ModelCheckpoint name and last.ckpt: one commit, three names), which stock tools read.
     published = tmp_path / "ref" / "epoch=2-step=6.ckpt"
     assert sorted(os.listdir(published)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
-    assert os.stat(published / "meta.pt").st_nlink == 2
+    assert _inode(published / "meta.pt") == _inode(tmp_path / "ref" / "last.ckpt" / "meta.pt")
+    assert os.stat(published / "meta.pt").st_nlink == 3
+    assert torch.load(published / "meta.pt", weights_only=False)["global_step"] == 6
+    assert "state_dict.a.weight" in FileSystemReader(str(published)).read_metadata().state_dict_metadata
 
     root, label = tmp_path / "run", tmp_path / "killed-at.json"
     crashed = _run(root, tmp_path / "crash-out", "--max-steps", "6", "--kill-step", "6", "--label", str(label))
@@ -82,6 +96,7 @@ def test_a_rank_killed_inside_a_sharded_save_commits_nothing_and_last_resumes_th
     assert "__1_0.distcp" in killed_at["op"] and "checkpoint-6" in killed_at["op"], killed_at
     assert _committed_steps(root) == [2, 4]  # nothing of step 6
     assert not (root / "epoch=2-step=6.ckpt").exists()
+    assert _inode(root / "last.ckpt" / "meta.pt") == _inode(root / "epoch=1-step=4.ckpt" / "meta.pt")
 
     resumed = _run(root, tmp_path / "resume-out", "--max-steps", "6", "--resume")
     assert all(code == 0 for code, _ in resumed), [t[-3000:] for _, t in resumed]
@@ -97,3 +112,15 @@ def test_a_rank_killed_inside_a_sharded_save_commits_nothing_and_last_resumes_th
         for k in want["optim"]:
             for n in want["optim"][k]:
                 assert torch.equal(want["optim"][k][n], got["optim"][k][n]), (r, k, n)
+
+    # ckpt_path=<a published name> resolves to its committed checkpoint and loads through
+    # TransactionalReader: a byte flipped in a shard (through the hard link, so in the committed
+    # file) is refused, by name, before any weight is used.
+    shard = root / "epoch=0-step=2.ckpt" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    with open(shard, "r+b") as f:
+        f.write(data)
+    damaged = _run(root, tmp_path / "damaged-out", "--max-steps", "4", "--ckpt-path", str(root / "epoch=0-step=2.ckpt"))
+    assert all(code != 0 for code, _ in damaged)
+    assert "IntegrityError" in damaged[1][1] and "checkpoint-2/__1_0.distcp" in damaged[1][1], damaged[1][1][-3000:]

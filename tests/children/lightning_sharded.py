@@ -1,6 +1,5 @@
-"""One rank of a 2-rank gloo CPU Lightning run with a sharded strategy (ModelParallelStrategy:
-FSDP2's fully_shard; or FSDPStrategy(state_dict_type="sharded")) saving through
-TransactionalCheckpointIO, for tests/test_lightning_sharded.py. Started as torchrun would start
+"""One rank of a 2-rank gloo CPU Lightning run with ModelParallelStrategy (FSDP2's fully_shard)
+saving through TransactionalCheckpointIO, for tests/test_lightning_sharded.py. Started as torchrun would start
 a rank (MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE), each rank its own process.
 
 ``--kill-step K --victim R``: rank R traces its file operations during the save of step K
@@ -21,7 +20,6 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--strategy", choices=["model_parallel", "fsdp"], default="model_parallel")
     p.add_argument("--max-steps", type=int, required=True)
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--resume", action="store_true", help='fit(ckpt_path="last")')
@@ -45,7 +43,7 @@ def main() -> None:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+    from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
     from tests.harness.tracer import Tracer
@@ -60,13 +58,12 @@ def main() -> None:
             self.b = torch.nn.Linear(16, 1)
 
         def configure_model(self) -> None:
-            if a.strategy == "model_parallel":
-                from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import fully_shard
 
-                # Each layer its own unit: training_step calls them, not the module's forward
-                # (whose hooks a root unit would need).
-                fully_shard(self.a, mesh=self.device_mesh)
-                fully_shard(self.b, mesh=self.device_mesh)
+            # Each layer its own unit: training_step calls them, not the module's forward
+            # (whose hooks a root unit would need).
+            fully_shard(self.a, mesh=self.device_mesh)
+            fully_shard(self.b, mesh=self.device_mesh)
 
         def training_step(self, batch: Any, index: int) -> torch.Tensor:
             x, y = batch
@@ -97,12 +94,8 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(16, 8, generator=g), torch.randn(16, generator=g)), batch_size=4)
-    strategy = (
-        ModelParallelStrategy(data_parallel_size=a.world, tensor_parallel_size=1)
-        if a.strategy == "model_parallel"
-        else FSDPStrategy(state_dict_type="sharded")
-    )
-    cb = ModelCheckpoint(dirpath=a.dir, every_n_train_steps=a.every, save_top_k=-1)
+    strategy = ModelParallelStrategy(data_parallel_size=a.world, tensor_parallel_size=1)
+    cb = ModelCheckpoint(dirpath=a.dir, every_n_train_steps=a.every, save_top_k=-1, save_last=True)
     trainer = L.Trainer(
         max_steps=a.max_steps,
         accelerator="cpu",

@@ -1,8 +1,9 @@
-"""Lightning's sharded strategies (``FSDPStrategy(state_dict_type="sharded")``,
-``ModelParallelStrategy``) through txckpt's DCP writer and reader.
+"""Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallelism) through txckpt's DCP writer
+and reader.
 
-Those strategies never call ``CheckpointIO.save_checkpoint``: their ``save_checkpoint`` makes the
-path a directory, ``dcp.save``s the model and optimizer states there with DCP's default
+That strategy (like ``FSDPStrategy(state_dict_type="sharded")``, which this module does not
+handle: docs/lightning.md says why) never calls ``CheckpointIO.save_checkpoint``: its
+``save_checkpoint`` makes the path a directory, ``dcp.save``s the model and optimizer states there with DCP's default
 ``FileSystemWriter`` (every rank its shards) and ``torch.save``s the rest of the checkpoint dict
 as ``meta.pt`` from rank 0; ``load_checkpoint`` reads it back with DCP's default reader. Here the
 same state goes through :class:`~txckpt.integrations.dcp.TransactionalWriter` (one transaction
@@ -34,22 +35,14 @@ META_NAME = "meta.pt"
 
 
 def is_sharded_strategy(strategy: Any) -> bool:
-    """Whether ``strategy`` saves a checkpoint as a DCP directory: ModelParallelStrategy with its
-    default ``save_distributed_checkpoint=True``, FSDPStrategy with ``state_dict_type="sharded"``."""
-    if getattr(strategy, "_save_distributed_checkpoint", False) is True:
-        return True
-    return getattr(strategy, "_state_dict_type", None) == "sharded"
+    """Whether ``strategy`` (a ModelParallelStrategy) saves a checkpoint as a DCP directory: its
+    default ``save_distributed_checkpoint=True``; False saves one full file through CheckpointIO."""
+    return getattr(strategy, "_save_distributed_checkpoint", False) is True
 
 
 def is_sharded_files(names: Any) -> bool:
     """Whether a checkpoint's files are a sharded strategy's: DCP's ``.metadata`` and ``meta.pt``."""
     return METADATA_NAME in names and META_NAME in names
-
-
-def _model_key(strategy: Any) -> str:
-    # The key each strategy's own save gives the model's state in the DCP state dict (stock
-    # layout, so a stock load of a published directory finds it).
-    return "state_dict" if getattr(strategy, "_save_distributed_checkpoint", None) is not None else "model"
 
 
 class _ShardedWriter(TransactionalWriter):
@@ -80,7 +73,7 @@ def save(
     """On every rank: commit ``checkpoint`` as checkpoint ``step`` of ``root``'s current lineage,
     the model and optimizer states as DCP shards (the strategy's own state-dict layout) and the
     rest as ``meta.pt`` from global rank 0. Returns the committed checkpoint's path (every rank)."""
-    converted = {_model_key(strategy): checkpoint.pop("state_dict")}
+    converted = {"state_dict": checkpoint.pop("state_dict")}  # the strategy's own keys: stock reads it
     converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     meta = None
     if strategy.global_rank == 0:  # DCP's coordinator: rank 0 of the default group
@@ -102,44 +95,24 @@ def load_states(strategy: Any, checkpoint: str, storage_options: Mapping[str, An
     reader = TransactionalReader(checkpoint, storage_options=storage_options)
     module = strategy.model
     strict = strategy.lightning_module.strict_loading
-    if getattr(strategy, "_save_distributed_checkpoint", None) is not None:  # ModelParallelStrategy (FSDP2)
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    # As ModelParallelStrategy.load_checkpoint (lightning.fabric's _load_checkpoint) reads them.
+    module_state = {"state_dict": get_model_state_dict(module)}
+    dcp.load(module_state, storage_reader=reader)
+    module.load_state_dict(module_state["state_dict"], strict=strict)
+    for i, optimizer in enumerate(strategy.optimizers):
+        key = f"optimizer_{i}"
+        optim_state = {key: get_optimizer_state_dict(module, optimizer)}
+        dcp.load(optim_state, storage_reader=reader)
+        set_optimizer_state_dict(
+            module, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
         )
-
-        module_state = {"state_dict": get_model_state_dict(module)}
-        dcp.load(module_state, storage_reader=reader)
-        module.load_state_dict(module_state["state_dict"], strict=strict)
-        for i, optimizer in enumerate(strategy.optimizers):
-            key = f"optimizer_{i}"
-            optim_state = {key: get_optimizer_state_dict(module, optimizer)}
-            dcp.load(optim_state, storage_reader=reader)
-            set_optimizer_state_dict(
-                module, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
-            )
-        return
-    # FSDPStrategy (FSDP1), sharded state dicts: as its load_checkpoint does
-    from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context
-    from lightning.pytorch.trainer.states import TrainerFn
-    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    with _get_sharded_state_dict_context(module):
-        module_state = {"model": module.state_dict()}
-        dcp.load(module_state, storage_reader=reader)
-        module.load_state_dict(module_state["model"], strict=strict)
-        if strategy.lightning_module.trainer.state.fn == TrainerFn.FITTING and strategy.optimizers:
-            for i, optimizer in enumerate(strategy.optimizers):
-                key = f"optimizer_{i}"
-                optim_state = load_sharded_optimizer_state_dict(
-                    model_state_dict=module_state["model"], optimizer_key=key, storage_reader=reader
-                )
-                optimizer.load_state_dict(
-                    FSDP.optim_state_dict_to_load(optim_state_dict=optim_state[key], model=module, optim=optimizer)
-                )
 
 
 def publish_dir(committed: str, path: str, *, durable: bool) -> None:
