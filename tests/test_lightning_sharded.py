@@ -124,3 +124,20 @@ def test_a_rank_killed_inside_a_sharded_save_commits_nothing_and_last_resumes_th
     damaged = _run(root, tmp_path / "damaged-out", "--max-steps", "4", "--ckpt-path", str(root / "epoch=0-step=2.ckpt"))
     assert all(code != 0 for code, _ in damaged)
     assert "IntegrityError" in damaged[1][1] and "checkpoint-2/__1_0.distcp" in damaged[1][1], damaged[1][1][-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_k", [1, 0])
+def test_rotation_of_sharded_names_keeps_what_stock_keeps(tmp_path, top_k):
+    """``save_top_k=1`` (and ``0``: ``last.ckpt`` alone) with ``save_last=True``: the run keeps the
+    newest checkpoint only, as stock keeps one directory (and last.ckpt); the names are
+    directories of links, removed with the checkpoint they name. (ModelParallelStrategy does not
+    tear its CheckpointIO down: the plugin's wrapper does, which retires the last superseded one.)"""
+    root = tmp_path / "run"
+    done = _run(root, tmp_path / "out", "--max-steps", "6", "--top-k", str(top_k))
+    assert all(code == 0 for code, _ in done), [t[-3000:] for _, t in done]
+    assert _committed_steps(root) == [6]
+    names = ["epoch=2-step=6.ckpt", "last.ckpt"] if top_k else ["last.ckpt"]
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["checkpoint-6", *names]
+    for n in names:
+        assert _inode(root / n / "meta.pt") == _inode(root / "checkpoint-6" / "meta.pt")

@@ -22,6 +22,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--max-steps", type=int, required=True)
     p.add_argument("--every", type=int, default=2)
+    p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--resume", action="store_true", help='fit(ckpt_path="last")')
     p.add_argument("--ckpt-path", default=None)
     p.add_argument("--kill-step", type=int, default=None)
@@ -95,7 +96,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(16, 8, generator=g), torch.randn(16, generator=g)), batch_size=4)
     strategy = ModelParallelStrategy(data_parallel_size=a.world, tensor_parallel_size=1)
-    cb = ModelCheckpoint(dirpath=a.dir, every_n_train_steps=a.every, save_top_k=-1, save_last=True)
+    cb = ModelCheckpoint(dirpath=a.dir, every_n_train_steps=a.every, save_top_k=a.top_k, save_last=True)
     trainer = L.Trainer(
         max_steps=a.max_steps,
         accelerator="cpu",

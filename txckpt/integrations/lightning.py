@@ -857,10 +857,27 @@ def _sharded_load(original: Callable[..., Any]) -> Callable[..., Any]:
     return load_checkpoint
 
 
+def _teardown(original: Callable[..., Any]) -> Callable[..., Any]:
+    """ModelParallelStrategy's ``teardown``, which (unlike the base Strategy's) does not tear its
+    CheckpointIO down: where that is ours, its teardown runs too (the superseded ``last.ckpt``
+    checkpoint of the run is retired there, as under every other strategy)."""
+
+    def teardown(self: Any) -> Any:
+        result = original(self)
+        io = self.checkpoint_io
+        if isinstance(io, TransactionalCheckpointIO):
+            io.teardown()
+        return result
+
+    teardown.__wrapped__ = original  # type: ignore[attr-defined]
+    return teardown
+
+
 def _install_strategy(strategy: type) -> None:
     if not hasattr(strategy.save_checkpoint, "__wrapped__"):  # once per process
         strategy.save_checkpoint = _sharded_save(strategy.save_checkpoint)  # type: ignore[method-assign]
         strategy.load_checkpoint = _sharded_load(strategy.load_checkpoint)  # type: ignore[method-assign]
+        strategy.teardown = _teardown(strategy.teardown)  # type: ignore[method-assign]
 
 
 def _install(connector: Any, checkpoint_class: type) -> None:

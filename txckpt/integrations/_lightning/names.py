@@ -250,15 +250,30 @@ def _remove_leftover_links(directory: str, name: str) -> None:
 
 def names_in(directory: str, committed: str, *, besides: str | None = None) -> list[str]:
     """The names in ``directory`` (a local root's top level) that are links to the committed
-    file ``committed``, ``besides`` aside. A scan, not the link count: an incremental save's
+    file ``committed`` (a committed sharded checkpoint's directory: the directories of links to
+    its files), ``besides`` aside. A scan, not the link count: an incremental save's
     shared files are links between checkpoints too (docs/incremental.md)."""
-    own = _inode(committed)
+    # A sharded strategy's checkpoint (a directory): its names are directories of links, known
+    # by their .metadata's inode.
+    sharded = os.path.isdir(committed)
+    own = _inode(os.path.join(committed, METADATA_NAME) if sharded else committed)
+    itself = _inode(committed)  # the committed directory is in the root's top level too: not a name
     if own is None:
         return []
     found = []
     with os.scandir(directory) as it:
         for entry in it:
-            if entry.name == besides or entry.name.startswith(".") or not entry.is_file(follow_symlinks=False):
+            if entry.name == besides or entry.name.startswith("."):
+                continue
+            if sharded:
+                if (
+                    entry.is_dir(follow_symlinks=False)
+                    and _inode(entry.path) != itself
+                    and _inode(os.path.join(entry.path, METADATA_NAME)) == own
+                ):
+                    found.append(entry.name)
+                continue
+            if not entry.is_file(follow_symlinks=False):
                 continue
             st = entry.stat(follow_symlinks=False)
             if (st.st_dev, st.st_ino) == own:
