@@ -177,6 +177,8 @@ class TransactionalCheckpointIO(CheckpointIO):
         transaction for every rank's DCP shards and rank 0's ``meta.pt`` (_lightning/sharded.py),
         with the step, lineage and names of this plugin's other saves, decided on global rank 0."""
         self._raise_failures()
+        if self.async_save:
+            self._check_single_process()  # one process: saved synchronously (docs/lightning.md)
         path = strategy.broadcast(os.fspath(filepath))  # every rank the same path, as the strategy does
         root_path, name = split(path, self.root)
         r = open_root(root_path, self.storage_options)
