@@ -24,6 +24,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.cloud_io import _load as lightning_load
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
 try:  # the standalone packages: pytorch_lightning's Trainer checks lightning_fabric's CheckpointIO
@@ -43,6 +44,7 @@ from .._base.rngstate import rng_state, set_rng_state
 from ..errors import InvalidArgumentError
 from .._maintenance.retention import finish_retired, retire
 from .._root.root import CheckpointRoot, open_root
+from ._lightning import sharded
 from ._lightning.names import Resolved, is_last, is_local, link_name, names_in, newest, resolve, split
 
 log = logging.getLogger("txckpt")
@@ -56,6 +58,7 @@ class _Saved:
     step: int
     name: str
     result: "str | Future[str]"
+    sharded: bool = False  # a sharded strategy's: the checkpoint is the directory, no one file
 
 
 def _step_of(checkpoint: Mapping[str, Any]) -> int | None:
@@ -161,10 +164,71 @@ class TransactionalCheckpointIO(CheckpointIO):
         else:
             where = r.save(step, files, metadata=metadata, incremental=self.incremental, coordinator=SingleProcess())
             saved = _Saved(step, name, where)
+        self._record(r, saved, path)
+
+    def _record(self, r: CheckpointRoot, saved: _Saved, path: Any) -> None:
         self._saved[r.url] = saved
-        if is_last(name):
+        if is_last(saved.name):
             self._last_named.setdefault(r.url, []).append((saved, os.path.dirname(os.path.abspath(os.fspath(path)))))
         self._add_name(r, saved, os.fspath(path))
+
+    def _save_sharded(self, strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
+        """A sharded strategy's save (every rank calls it, in place of the strategy's own): ONE
+        transaction for every rank's DCP shards and rank 0's ``meta.pt`` (_lightning/sharded.py),
+        with the step, lineage and names of this plugin's other saves, decided on global rank 0."""
+        self._raise_failures()
+        if self.async_save:
+            self._check_single_process()  # one process: saved synchronously (docs/lightning.md)
+        path = strategy.broadcast(os.fspath(filepath))  # every rank the same path, as the strategy does
+        root_path, name = split(path, self.root)
+        r = open_root(root_path, self.storage_options)
+        step = _step_of(checkpoint)
+        previous = self._saved.get(r.url)
+        loaded = self._loaded.pop(r.url, None)
+        rank0 = strategy.global_rank == 0
+        if loaded is None and previous is not None and step == previous.step:
+            if rank0:  # a second name for the step just saved: the same committed files
+                self._add_name(r, previous, path)
+            strategy.barrier("txckpt-lightning-sharded-name")
+            return
+        if rank0:  # one rank decides the lineage (a fork writes the log), before any rank plans
+            self._wait_links()
+            self._retire_superseded(r)
+            self._choose_lineage(r, loaded, previous is not None and (step is None or step > previous.step))
+            if step is None:
+                tip = r.state().head_tip
+                step = 0 if tip is None else tip.step + 1
+        step = strategy.broadcast(step)
+        metadata = {"lightning": {"name": name, "epoch": checkpoint.get("epoch"), "global_step": step}}
+        where = sharded.save(
+            strategy,
+            checkpoint,
+            root_path,
+            step,
+            storage_options=self.storage_options,
+            metadata=metadata,
+            incremental=self.incremental,
+        )
+        saved = _Saved(step, name, where, sharded=True)
+        if rank0:
+            self._record(r, saved, path)
+        else:
+            self._saved[r.url] = saved
+        strategy.barrier("txckpt-lightning-sharded-save")  # the name is published on every rank's return
+
+    def _load_sharded(self, strategy: Any, found: Resolved, weights_only: Optional[bool]) -> dict[str, Any]:
+        """A sharded strategy's load (every rank): the model and optimizer states through
+        TransactionalReader, ``meta.pt`` verified; returns ``meta.pt``'s dict, as the strategy does."""
+        sharded.load_states(strategy, found.checkpoint, self.storage_options)
+        meta = txckpt_load(
+            found.checkpoint,
+            files=[sharded.META_NAME],
+            storage_options=self.storage_options,
+            map_location="cpu",
+            weights_only=True if weights_only is None else weights_only,
+        )[sharded.META_NAME]
+        self._loaded[found.root] = found
+        return dict(meta)
 
     def _lazy_save(
         self, root_path: str, step: int, files: dict[str, Any], metadata: dict[str, Any], optimizers: list[Any]
@@ -213,7 +277,8 @@ class TransactionalCheckpointIO(CheckpointIO):
                 if result.cancelled() or result.exception() is not None:
                     continue  # never committed
                 result = result.result()
-            found = resolve(f"{result.rstrip('/')}/{saved.name}", None, self.storage_options)
+            committed = result if saved.sharded else f"{result.rstrip('/')}/{saved.name}"
+            found = resolve(committed, None, self.storage_options)
             if found is None or found.record.lineage != state.head:
                 continue
             if tip is not None and found.record.txid == tip.txid:
@@ -264,7 +329,10 @@ class TransactionalCheckpointIO(CheckpointIO):
             if not os.path.isdir(os.path.dirname(path)):  # a root elsewhere, and no dirpath here
                 return
             try:
-                link_name(os.path.join(where, saved.name), path, durable=r.durable)
+                if saved.sharded:
+                    sharded.publish_dir(where, path, durable=r.durable)
+                else:
+                    link_name(os.path.join(where, saved.name), path, durable=r.durable)
             except OSError as e:  # the bytes are committed; only the link is missing
                 log.warning(
                     "could not link %s to committed checkpoint %s (%s); it still loads "
@@ -311,6 +379,12 @@ class TransactionalCheckpointIO(CheckpointIO):
                 path,
             )
             return lightning_load(path, map_location=map_location, weights_only=weights_only)
+        if not found.file:
+            raise InvalidArgumentError(
+                f"{found.checkpoint} is a ModelParallelStrategy checkpoint (DCP shards and meta.pt): load it "
+                "with a ModelParallelStrategy Trainer and this plugin (fit(ckpt_path=...)), not through "
+                "CheckpointIO.load_checkpoint"
+            )
         state = txckpt_load(
             found.checkpoint,
             files=[found.file],
@@ -356,6 +430,8 @@ class TransactionalCheckpointIO(CheckpointIO):
                 top.lineage,
                 r.url,
             )
+        if not found.file:  # a sharded strategy's: the checkpoint directory, as stock's path is
+            return found.checkpoint
         return f"{found.checkpoint.rstrip('/')}/{found.file}"
 
     # ----- remove -------------------------------------------------------------------------------
@@ -378,6 +454,8 @@ class TransactionalCheckpointIO(CheckpointIO):
         )
         if local and os.path.isfile(os.fspath(path)):
             os.unlink(os.fspath(path))
+        elif local and found is not None and not found.file and os.path.isdir(os.fspath(path)):
+            sharded.unpublish_dir(os.fspath(path))  # a sharded checkpoint's directory of links
         if found is None or is_last(name):
             return
         others = (
@@ -740,6 +818,70 @@ def _dump_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
     return dump
 
 
+def _sharded_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    """ModelParallelStrategy's ``save_checkpoint`` (which bypasses its CheckpointIO) through this
+    plugin's one-transaction DCP save where the strategy's CheckpointIO is ours; stock otherwise.
+    (FSDPStrategy's sharded saves stay stock: FSDP1 needs a GPU, which the tests here do not
+    have; docs/lightning.md, "Sharded strategies".)"""
+
+    def save_checkpoint(self: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> Any:
+        io = self.checkpoint_io
+        if not (isinstance(io, TransactionalCheckpointIO) and sharded.is_sharded_strategy(self)):
+            return original(self, checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise InvalidArgumentError(
+                "TransactionalCheckpointIO takes its storage_options once, at construction "
+                "(TransactionalCheckpointIO(storage_options=...)), not per save"
+            )
+        io._save_sharded(self, checkpoint, filepath)
+        return None
+
+    save_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
+    return save_checkpoint
+
+
+def _sharded_load(original: Callable[..., Any]) -> Callable[..., Any]:
+    """ModelParallelStrategy's ``load_checkpoint``: a checkpoint this plugin committed is read
+    through TransactionalReader; any other path (a stock directory, a full checkpoint file) as
+    the strategy reads it."""
+
+    def load_checkpoint(self: Any, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Any:
+        io = self.checkpoint_io
+        if isinstance(io, TransactionalCheckpointIO) and sharded.is_sharded_strategy(self):
+            io.wait()
+            path = self.broadcast(os.fspath(checkpoint_path))
+            found = resolve(path, io.root, io.storage_options)
+            if found is not None and not found.file:
+                return io._load_sharded(self, found, weights_only)
+        return original(self, checkpoint_path, weights_only)
+
+    load_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
+    return load_checkpoint
+
+
+def _teardown(original: Callable[..., Any]) -> Callable[..., Any]:
+    """ModelParallelStrategy's ``teardown``, which (unlike the base Strategy's) does not tear its
+    CheckpointIO down: where that is ours, its teardown runs too (the superseded ``last.ckpt``
+    checkpoint of the run is retired there, as under every other strategy)."""
+
+    def teardown(self: Any) -> Any:
+        result = original(self)
+        io = self.checkpoint_io
+        if isinstance(io, TransactionalCheckpointIO):
+            io.teardown()
+        return result
+
+    teardown.__wrapped__ = original  # type: ignore[attr-defined]
+    return teardown
+
+
+def _install_strategy(strategy: type) -> None:
+    if not hasattr(strategy.save_checkpoint, "__wrapped__"):  # once per process
+        strategy.save_checkpoint = _sharded_save(strategy.save_checkpoint)  # type: ignore[method-assign]
+        strategy.load_checkpoint = _sharded_load(strategy.load_checkpoint)  # type: ignore[method-assign]
+        strategy.teardown = _teardown(strategy.teardown)  # type: ignore[method-assign]
+
+
 def _install(connector: Any, checkpoint_class: type) -> None:
     if not hasattr(connector._parse_ckpt_path, "__wrapped__"):  # once per process
         connector._parse_ckpt_path = _parse_ckpt_path(connector._parse_ckpt_path, checkpoint_class)
@@ -748,6 +890,7 @@ def _install(connector: Any, checkpoint_class: type) -> None:
 
 
 _install(_CheckpointConnector, ModelCheckpoint)
+_install_strategy(ModelParallelStrategy)
 if standalone_io is not None:
     # pytorch_lightning 2.x is the same code under other module names: its Trainer accepts a
     # plugin that is an instance of lightning_fabric's CheckpointIO (an ABC: register ours).

@@ -29,6 +29,7 @@ from ..._log.lineage import Checkpoint, History
 from ..._manifest.manifest import Manifest
 from ..._read.reader import parse
 from ..._root.root import CheckpointRoot, open_root
+from .sharded import METADATA_NAME, is_sharded_files
 
 log = logging.getLogger("txckpt")
 
@@ -84,8 +85,12 @@ def is_local(r: CheckpointRoot) -> bool:
 
 
 def committed_file(manifest: Manifest) -> str:
-    """The one Lightning file a checkpoint this plugin committed holds."""
+    """The one Lightning file a checkpoint this plugin committed holds; ``""`` for a sharded
+    strategy's checkpoint (sharded.py), which is the whole directory (DCP's shards, ``.metadata``
+    and ``meta.pt``), as stock Lightning's checkpoint path is a directory."""
     names = sorted(manifest.files)
+    if is_sharded_files(names):
+        return ""
     if len(names) != 1:
         raise CheckpointNotFoundError(
             f"checkpoint {manifest.txid} holds {len(names)} files ({', '.join(names[:4])}), not the one "
@@ -150,7 +155,9 @@ def resolve(path: str | os.PathLike, root: str | None, storage_options: Mapping[
         return None
     if is_last(name):
         return newest(r)
-    link = _inode(p) if is_local(r) else None
+    # A local published name: a hard link to the committed file, or (a sharded checkpoint) a
+    # directory of hard links, known by its .metadata's inode.
+    link = (_inode(os.path.join(p, METADATA_NAME)) if os.path.isdir(p) else _inode(p)) if is_local(r) else None
     for c in _candidates(r.history(), name):
         found = read_manifest_of(r, c)
         if found is None:
@@ -160,19 +167,29 @@ def resolve(path: str | os.PathLike, root: str | None, storage_options: Mapping[
             return Resolved(r.url, where, name, c)
         if link is not None:
             try:
-                own = os.path.join(where, committed_file(manifest))
+                file = committed_file(manifest)
             except CheckpointNotFoundError:
                 continue
-            if _inode(own) == link:
-                return Resolved(r.url, where, os.path.basename(own), c)
+            if _inode(os.path.join(where, file or METADATA_NAME)) == link:
+                return Resolved(r.url, where, file, c)
     return None
 
 
 def _inside_checkpoint(p: str, storage_options: Mapping[str, Any] | None) -> Resolved | None:
-    """A path to the file inside a committed checkpoint (what ``ckpt_path="last"`` resolves to)."""
+    """A path to the file inside a committed checkpoint (what ``ckpt_path="last"`` resolves to),
+    or to a committed sharded checkpoint itself (its ``"last"``)."""
+    found = _the_checkpoint(p, "", storage_options)
+    if found is not None:
+        return found
     head, _, name = p.rstrip("/").rpartition("/")
     if not is_url(p):
         head, name = os.path.split(os.path.abspath(os.path.expanduser(p)))
+    return _the_checkpoint(head, name, storage_options)
+
+
+def _the_checkpoint(head: str, name: str, storage_options: Mapping[str, Any] | None) -> Resolved | None:
+    """Committed checkpoint ``head`` if it holds Lightning file ``name`` (``""``: if it is a
+    sharded strategy's checkpoint); None otherwise."""
     where = parse(head) if head else None  # checkpoint-N/ or a home: the shape alone, no I/O
     if where is None:
         return None
@@ -186,7 +203,7 @@ def _inside_checkpoint(p: str, storage_options: Mapping[str, Any] | None) -> Res
         return None
     manifest = Manifest.decode(data, f"{head}/{MANIFEST_NAME}")
     record = r.history().checkpoints.get(manifest.txid)
-    if record is None or name not in manifest.files:
+    if record is None or (name not in manifest.files if name else not is_sharded_files(manifest.files)):
         return None
     return Resolved(r.url, head, name, record)
 
@@ -233,15 +250,30 @@ def _remove_leftover_links(directory: str, name: str) -> None:
 
 def names_in(directory: str, committed: str, *, besides: str | None = None) -> list[str]:
     """The names in ``directory`` (a local root's top level) that are links to the committed
-    file ``committed``, ``besides`` aside. A scan, not the link count: an incremental save's
+    file ``committed`` (a committed sharded checkpoint's directory: the directories of links to
+    its files), ``besides`` aside. A scan, not the link count: an incremental save's
     shared files are links between checkpoints too (docs/incremental.md)."""
-    own = _inode(committed)
+    # A sharded strategy's checkpoint (a directory): its names are directories of links, known
+    # by their .metadata's inode.
+    sharded = os.path.isdir(committed)
+    own = _inode(os.path.join(committed, METADATA_NAME) if sharded else committed)
+    itself = _inode(committed)  # the committed directory is in the root's top level too: not a name
     if own is None:
         return []
     found = []
     with os.scandir(directory) as it:
         for entry in it:
-            if entry.name == besides or entry.name.startswith(".") or not entry.is_file(follow_symlinks=False):
+            if entry.name == besides or entry.name.startswith("."):
+                continue
+            if sharded:
+                if (
+                    entry.is_dir(follow_symlinks=False)
+                    and _inode(entry.path) != itself
+                    and _inode(os.path.join(entry.path, METADATA_NAME)) == own
+                ):
+                    found.append(entry.name)
+                continue
+            if not entry.is_file(follow_symlinks=False):
                 continue
             st = entry.stat(follow_symlinks=False)
             if (st.st_dev, st.st_ino) == own:
