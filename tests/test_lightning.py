@@ -450,3 +450,21 @@ def test_a_crashed_links_leftover_goes_with_the_next_link_and_teardown_retires_t
     io.teardown()  # step 1 was saved under last.ckpt alone, and step 2 holds the name now
     assert [c.step for c in txckpt.open_root(d).checkpoints()] == [2]
     assert torch.equal(torch.load(os.path.join(d, "last.ckpt"))["w"], torch.full((2,), 2.0))
+
+
+def test_a_stock_checkpoint_at_a_name_the_plugin_publishes_is_moved_aside_not_overwritten(tmp_path, caplog):
+    """A stock run left its checkpoints in dirpath, and ModelCheckpoint(enable_version_counter=
+    False) gives the next run's the same names: publishing a name never replaces bytes txckpt
+    did not commit. They go to the root's orphans, whole, with a warning."""
+    d = str(tmp_path / "run")
+    fit(d, seed=0, max_steps=5, ckpt_path=None, plugins=[], enable_version_counter=False)
+    stock = {n: open(os.path.join(d, n), "rb").read() for n in _ckpts(d)}
+    assert set(stock) == {"epoch=0-step=5.ckpt", "last.ckpt"}
+    fit(d, seed=1, max_steps=5, ckpt_path=None, plugins=[TransactionalCheckpointIO()], enable_version_counter=False)
+    committed = txckpt.get_last_checkpoint(d)
+    for name in stock:
+        assert os.path.samefile(os.path.join(d, name), os.path.join(committed, "epoch=0-step=5.ckpt"))
+    orphans = os.path.join(d, ".txckpt", "orphans")
+    kept = {n.split(".ckpt")[0] + ".ckpt": open(os.path.join(orphans, n), "rb").read() for n in os.listdir(orphans)}
+    assert kept == stock
+    assert "txckpt did not commit" in caplog.text

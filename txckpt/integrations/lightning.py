@@ -40,12 +40,24 @@ from .._api import async_save as txckpt_async_save
 from .._api import load_checkpoint as txckpt_load
 from .._async.asyncsave import Job, LazySnapshot, submit, wait_for_root
 from .._base.coordination import SingleProcess, TorchDistributed, current_coordinator
+from .._base.layout import orphan_key
 from .._base.rngstate import rng_state, set_rng_state
 from ..errors import InvalidArgumentError
 from .._maintenance.retention import finish_retired, retire
 from .._root.root import CheckpointRoot, open_root
 from ._lightning import sharded
-from ._lightning.names import Resolved, is_last, is_local, link_name, names_in, newest, resolve, split
+from ._lightning.names import (
+    Resolved,
+    is_last,
+    is_local,
+    link_name,
+    names_in,
+    newest,
+    publish_dir,
+    resolve,
+    split,
+    unpublish_dir,
+)
 
 log = logging.getLogger("txckpt")
 
@@ -328,11 +340,14 @@ class TransactionalCheckpointIO(CheckpointIO):
         def publish(where: str) -> None:
             if not os.path.isdir(os.path.dirname(path)):  # a root elsewhere, and no dirpath here
                 return
+            # Where a checkpoint txckpt did not commit holds the name: the root's orphans.
+            aside = r.storage.local_path(orphan_key(os.path.basename(path)))
+            assert aside is not None  # a local root
             try:
                 if saved.sharded:
-                    sharded.publish_dir(where, path, durable=r.durable)
+                    publish_dir(where, path, durable=r.durable, aside=aside)
                 else:
-                    link_name(os.path.join(where, saved.name), path, durable=r.durable)
+                    link_name(os.path.join(where, saved.name), path, durable=r.durable, aside=aside)
             except OSError as e:  # the bytes are committed; only the link is missing
                 log.warning(
                     "could not link %s to committed checkpoint %s (%s); it still loads "
@@ -455,7 +470,7 @@ class TransactionalCheckpointIO(CheckpointIO):
         if local and os.path.isfile(os.fspath(path)):
             os.unlink(os.fspath(path))
         elif local and found is not None and not found.file and os.path.isdir(os.fspath(path)):
-            sharded.unpublish_dir(os.fspath(path))  # a sharded checkpoint's directory of links
+            unpublish_dir(os.fspath(path))  # a sharded checkpoint's directory of links
         if found is None or is_last(name):
             return
         others = (
@@ -875,11 +890,11 @@ def _teardown(original: Callable[..., Any]) -> Callable[..., Any]:
     return teardown
 
 
-def _install_strategy(strategy: type) -> None:
+def _install_strategy(strategy: Any) -> None:
     if not hasattr(strategy.save_checkpoint, "__wrapped__"):  # once per process
-        strategy.save_checkpoint = _sharded_save(strategy.save_checkpoint)  # type: ignore[method-assign]
-        strategy.load_checkpoint = _sharded_load(strategy.load_checkpoint)  # type: ignore[method-assign]
-        strategy.teardown = _teardown(strategy.teardown)  # type: ignore[method-assign]
+        strategy.save_checkpoint = _sharded_save(strategy.save_checkpoint)
+        strategy.load_checkpoint = _sharded_load(strategy.load_checkpoint)
+        strategy.teardown = _teardown(strategy.teardown)
 
 
 def _install(connector: Any, checkpoint_class: type) -> None:

@@ -19,17 +19,20 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import stat
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 from ...errors import CheckpointNotFoundError
-from ..._base.fileio import fsync_dir
+from ..._base.fileio import fsync_dir, rename_exchange
 from ..._base.layout import MANIFEST_NAME, is_url, temp_name, temp_target
 from ..._log.lineage import Checkpoint, History
 from ..._manifest.manifest import Manifest
 from ..._read.reader import parse
 from ..._root.root import CheckpointRoot, open_root
-from .sharded import METADATA_NAME, is_sharded_files
+from .._dcp.compat import DEFAULT_SUFFIX
+from .sharded import META_NAME, METADATA_NAME, is_sharded_files
 
 log = logging.getLogger("txckpt")
 
@@ -216,13 +219,50 @@ def _inode(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def link_name(committed: str, path: str, *, durable: bool) -> None:
+def set_aside_foreign(path: str, aside: str) -> bool:
+    """Before a name is published at local ``path``: move whatever holds it to ``aside`` (the
+    root's orphans, protocol §7's place for what txckpt must not overwrite) where it is more
+    than names of committed bytes: a file that is the only link to its bytes, a directory
+    holding one or a directory of its own (a stock checkpoint of an earlier run, say, where
+    ``ModelCheckpoint(enable_version_counter=False)`` reuses its name). Names of committed
+    bytes (this plugin's links, a link to a checkpoint that has since been retired aside) are
+    left to be replaced: their bytes stay where they are committed. Returns whether it moved
+    anything."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISDIR(st.st_mode):
+        with os.scandir(path) as it:
+            foreign = any(
+                e.is_dir(follow_symlinks=False)
+                or (e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_nlink < 2)
+                for e in it
+            )
+    else:
+        foreign = stat.S_ISREG(st.st_mode) and st.st_nlink < 2
+    if not foreign:
+        return False
+    os.makedirs(os.path.dirname(aside), exist_ok=True)
+    os.rename(path, aside)
+    log.warning(
+        "%s held a checkpoint txckpt did not commit (its bytes have no other name); moved it to %s "
+        "instead of publishing over it. Inspect it, then delete it or keep it.",
+        path,
+        aside,
+    )
+    return True
+
+
+def link_name(committed: str, path: str, *, durable: bool, aside: str) -> None:
     """Make local ``path`` a hard link to the committed file ``committed``: linked under a temp
     name in the same directory, then renamed over ``path``, so a reader sees the old bytes or
     the new ones, never a partial name. Whatever ``path`` named before keeps its bytes where they
-    are committed (another lineage's checkpoint loses a name, never data)."""
+    are committed (another lineage's checkpoint loses a name, never data), and a file whose bytes
+    are committed nowhere goes to ``aside`` first (:func:`set_aside_foreign`)."""
     directory, name = os.path.split(path)
     _remove_leftover_links(directory, name)
+    set_aside_foreign(path, aside)
     tmp = os.path.join(directory, temp_name(name, hidden=True))
     os.link(committed, tmp)
     try:
@@ -232,6 +272,47 @@ def link_name(committed: str, path: str, *, durable: bool) -> None:
         raise
     if durable:
         fsync_dir(directory)
+
+
+def publish_dir(committed: str, path: str, *, durable: bool, aside: str) -> None:
+    """Make local ``path`` a directory of hard links to the committed checkpoint's DCP files and
+    ``meta.pt`` (stock Lightning's layout of a sharded checkpoint: DCP's ``FileSystemReader`` and
+    ``torch.load`` of ``meta.pt`` read it; never a second write; txckpt's own files stay out). Built under a temp name, then
+    renamed into place; a directory of links already at ``path`` (the bytes stay committed) is
+    swapped out in the same step where the kernel can, and removed after; anything else there
+    goes to ``aside`` first (:func:`set_aside_foreign`: never deleted)."""
+    set_aside_foreign(path, aside)
+    parent, name = os.path.split(path)
+    tmp = os.path.join(parent, temp_name(name, hidden=True))
+    os.mkdir(tmp)
+    try:
+        for n in sorted(os.listdir(committed)):
+            if n in (METADATA_NAME, META_NAME) or n.endswith(DEFAULT_SUFFIX):
+                os.link(os.path.join(committed, n), os.path.join(tmp, n))
+        old = None
+        if os.path.isdir(path) and not os.path.islink(path):
+            if rename_exchange(tmp, path):  # one step: the name is never absent
+                old = tmp
+            else:  # no RENAME_EXCHANGE here: two renames, the name absent in between
+                old = os.path.join(parent, temp_name(name, hidden=True))
+                os.rename(path, old)
+                os.rename(tmp, path)
+        else:
+            if os.path.lexists(path):
+                os.unlink(path)
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if durable:
+        fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def unpublish_dir(path: str) -> None:
+    """Remove a published directory (hard links: the committed bytes stay where they are)."""
+    shutil.rmtree(path)
 
 
 def _remove_leftover_links(directory: str, name: str) -> None:
@@ -281,4 +362,17 @@ def names_in(directory: str, committed: str, *, besides: str | None = None) -> l
     return found
 
 
-__all__ = ["Resolved", "split", "is_last", "is_local", "committed_file", "newest", "resolve", "link_name", "names_in"]
+__all__ = [
+    "Resolved",
+    "split",
+    "is_last",
+    "is_local",
+    "committed_file",
+    "newest",
+    "resolve",
+    "link_name",
+    "names_in",
+    "set_aside_foreign",
+    "publish_dir",
+    "unpublish_dir",
+]

@@ -18,15 +18,11 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 from typing import Any, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ..._base.fileio import fsync_dir
-from ..._base.layout import temp_name
-from .._dcp.compat import DEFAULT_SUFFIX
 from ..dcp import METADATA_NAME, TransactionalReader, TransactionalWriter
 
 #: The file Lightning's sharded strategies write the non-tensor part of a checkpoint to
@@ -85,6 +81,7 @@ def save(
     )
     result = dcp.save(converted, storage_writer=writer)
     committed = result.storage_meta.checkpoint_id if result.storage_meta is not None else writer.path
+    assert committed is not None  # set by the commit (finish) on every rank
     return os.fspath(committed)
 
 
@@ -115,46 +112,10 @@ def load_states(strategy: Any, checkpoint: str, storage_options: Mapping[str, An
         )
 
 
-def publish_dir(committed: str, path: str, *, durable: bool) -> None:
-    """Make local ``path`` a directory of hard links to the committed checkpoint's DCP files and
-    ``meta.pt`` (stock Lightning's layout of a sharded checkpoint: DCP's ``FileSystemReader`` and
-    ``torch.load`` of ``meta.pt`` read it; never a second write; txckpt's own files stay out). Built under a temp name, then
-    renamed into place; a directory already at ``path`` (links too: the bytes stay committed)
-    is moved aside first and removed after."""
-    parent, name = os.path.split(path)
-    tmp = os.path.join(parent, temp_name(name, hidden=True))
-    os.mkdir(tmp)
-    try:
-        for n in sorted(os.listdir(committed)):
-            if n in (METADATA_NAME, META_NAME) or n.endswith(DEFAULT_SUFFIX):
-                os.link(os.path.join(committed, n), os.path.join(tmp, n))
-        old = None
-        if os.path.isdir(path) and not os.path.islink(path):
-            old = os.path.join(parent, temp_name(name, hidden=True))
-            os.rename(path, old)
-        elif os.path.lexists(path):
-            os.unlink(path)
-        os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if durable:
-        fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old)
-
-
-def unpublish_dir(path: str) -> None:
-    """Remove a published directory (hard links: the committed bytes stay where they are)."""
-    shutil.rmtree(path)
-
-
 __all__ = [
     "META_NAME",
     "is_sharded_strategy",
     "is_sharded_files",
     "save",
     "load_states",
-    "publish_dir",
-    "unpublish_dir",
 ]
