@@ -130,8 +130,12 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
     * ``incremental``: ``True`` keeps each file a committed checkpoint of the root already holds
       byte for byte (a frozen model's weights, an unchanged sampler or scaler) once: a hard link
       on a local root, a server-side copy instead of an upload on an object store
-      (docs/incremental.md). Saves into a root only (automatic naming, or ``<root>/<name>_<i>``);
-      a directory of its own (``save_state(d)`` elsewhere) has no earlier checkpoint to share with.
+      (docs/incremental.md). A model with both frozen and trained parameters is saved grouped:
+      its ``model{_i}.safetensors`` as stock shards, the unchanged tensors (by digest) in one of
+      their own that is shared; this ``load_state`` reads it, a stock ``Accelerator.load_state``
+      does not (txckpt/integrations/_accelerate/grouped.py). Saves into a root only (automatic
+      naming, or ``<root>/<name>_<i>``); a directory of its own (``save_state(d)`` elsewhere)
+      has no earlier checkpoint to share with.
     * ``tiered``: a :class:`txckpt.TieredRoot`: automatic naming saves into its fast tier instead
       of ``project_dir/checkpoints`` (each commit then replicated to its durable tier, retention
       keeping what is not durable yet), and ``load_state()`` on an empty fast tier (a new node)
