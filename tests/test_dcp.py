@@ -47,6 +47,27 @@ def test_load_reshards_to_equal_tensors(saved, world):
         assert g["tensors"] > 8 and g["different"] == [], g
 
 
+def test_the_tensor_index_lists_each_ranks_chunks_with_their_offsets(saved):
+    """Protocol §3b "DCP items": each rank's FSDP2 chunk of a parameter is a record of that rank's
+    file (read from its part of the manifest), named by the chunk's slice, with its FQN and
+    offsets; the chunks cover the tensor, and each loads (verified) equal to that slice."""
+    import torch
+
+    path = saved["out"][0]["path"]
+    ref = torch.load(saved["ref"], weights_only=True)
+    infos = txckpt.inspect_checkpoint(path).tensors
+    records = {r.name: r for e in txckpt.read_manifest(path).files.values() if e.index for r in e.index.tensors or ()}
+    chunks = [r for r in records.values() if r.fqn == "model.0.weight"]
+    assert sorted((r.chunk_offsets, r.shape) for r in chunks) == [((0, 0), (32, 16)), ((32, 0), (32, 16))]
+    assert {records[t.name].fqn for t in infos} >= {"model.0.weight", "model.0.bias", "model.2.weight"}
+    assert {t.file for t in infos if t.name.startswith("model.0.weight[")} == {"__0_0.distcp", "__1_0.distcp"}
+    for r in chunks:
+        (lo, _), (n, _) = r.chunk_offsets, r.shape
+        assert r.name == f"model.0.weight[{lo}:{lo + n},0:16]" and r.encoding == "torch_save"
+        got = txckpt.load_tensors(path, [r.name])[r.name]
+        assert torch.equal(got, ref["model/0.weight"][lo : lo + n])
+
+
 def test_plain_dcp_reader_still_reads_a_committed_checkpoint(saved):
     """The files are DCP's own format: FileSystemReader loads them too (unverified)."""
     import torch

@@ -595,9 +595,10 @@ def test_an_adopted_legacy_checkpoint_gets_its_tensor_index(tmp_path):
     assert torch.equal(txckpt.load_tensors(path, ["steps"])["steps"], _model()["steps"])
 
 
-def test_dcp_files_get_chunk_digests_and_no_tensor_index(tmp_path):
-    """DCP's files carry chunk digests (their items have range digests of their own, protocol
-    §3a); they are not safetensors, so inspect lists them as files without tensors."""
+def test_dcp_files_get_chunk_digests_and_their_tensor_items(tmp_path):
+    """DCP's files carry chunk digests and, for their tensor items, tensor records (protocol §3b
+    "DCP items": each item's range digest, encoding torch_save); they are not safetensors, so
+    nothing is unindexed (tests/test_dcp_tensor_index.py has the rest)."""
     import torch.distributed.checkpoint as dcp
 
     from txckpt.integrations.dcp import TransactionalWriter
@@ -606,8 +607,12 @@ def test_dcp_files_get_chunk_digests_and_no_tensor_index(tmp_path):
     dcp.save({"w": torch.ones(4), "b": torch.zeros(2)}, storage_writer=writer, no_dist=True)
     c = txckpt.inspect_checkpoint(txckpt.get_last_checkpoint(str(tmp_path / "root")))
     distcp = [f for f in c.files if f.name.endswith(".distcp")]
-    assert distcp and all(f.indexed and f.chunks == 1 and f.tensors is None for f in distcp)
-    assert c.indexed and c.tensors == []  # no safetensors file: nothing unindexed either
+    assert distcp and all(f.indexed and f.chunks == 1 for f in distcp)
+    assert sum(f.tensors or 0 for f in distcp) == 2
+    assert c.indexed and sorted((t.name, t.shape, t.encoding) for t in c.tensors) == [
+        ("b", (2,), "torch_save"),
+        ("w", (4,), "torch_save"),
+    ]
 
 
 def test_a_damaged_file_is_reported_with_its_damaged_chunk_and_tensors(tmp_path, capsys):

@@ -40,6 +40,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"tensors     {len(c.tensors)} ({human_bytes(total)})")
     if not c.indexed:
         print(f"note        {_no_index_note(c)}")
+    encoded = sum(1 for t in c.tensors if t.encoding is not None)
+    if encoded:  # DCP items: their stored bytes are a torch.save stream, not the raw tensor
+        print(f"note        {encoded} tensors are DCP items stored as torch.save streams (SIZE: the stream's)")
     if c.tensors:
         print()
         rows = [[t.name, t.file, t.dtype, _shape(t.shape), human_bytes(t.nbytes), t.digest[:12]] for t in c.tensors]

@@ -27,11 +27,21 @@ CHUNK_SIZE = 16 << 20
 MAX_HEADER = 100_000_000
 
 
+#: ``encoding`` of a DCP item (protocol §3b): its bytes are one ``torch.save`` stream of the
+#: tensor (a zip archive), not the tensor's raw data.
+TORCH_SAVE_ENCODING = "torch_save"
+
+
 @dataclass(frozen=True)
 class TensorRecord:
-    """One tensor of a safetensors file: ``name``, safetensors ``dtype`` string (``"F32"``,
-    ``"BF16"``, ...), ``shape``, the byte ``offset`` of its data from the start of the file,
-    its ``length`` in bytes, and the xxh3-128 ``checksum`` of those bytes."""
+    """One tensor of a file: ``name``, safetensors ``dtype`` string (``"F32"``, ``"BF16"``,
+    ...), ``shape``, the byte ``offset`` of its bytes from the start of the file, their
+    ``length``, and the xxh3-128 ``checksum`` of those bytes.
+
+    ``encoding``: None for a safetensors tensor (the bytes are its raw data);
+    :data:`TORCH_SAVE_ENCODING` for a DCP item (the bytes are a ``torch.save`` stream of it).
+    A DCP item also records its ``fqn`` (DCP's name of the whole tensor) and, for one chunk of
+    a sharded tensor, ``chunk_offsets`` (where the chunk, of shape ``shape``, starts in it)."""
 
     name: str
     dtype: str
@@ -39,15 +49,42 @@ class TensorRecord:
     offset: int
     length: int
     checksum: str
+    encoding: str | None = None
+    fqn: str | None = None
+    chunk_offsets: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "dtype": self.dtype,
             "shape": list(self.shape),
             "offset": self.offset,
             "length": self.length,
             "xxh3_128": self.checksum,
         }
+        if self.encoding is not None:
+            out["encoding"] = self.encoding
+        if self.fqn is not None:
+            out["fqn"] = self.fqn
+        if self.chunk_offsets is not None:
+            out["chunk_offsets"] = list(self.chunk_offsets)
+        return out
+
+    @classmethod
+    def from_json(cls, name: str, t: Any) -> "TensorRecord":
+        """The record of tensor ``name`` from its JSON; KeyError, TypeError or ValueError where
+        malformed. Keys a record written before ``encoding`` lacks read as a safetensors one's."""
+        offsets = t.get("chunk_offsets")
+        return cls(
+            str(name),
+            str(t["dtype"]),
+            tuple(int(x) for x in t["shape"]),
+            int(t["offset"]),
+            int(t["length"]),
+            str(t["xxh3_128"]),
+            None if t.get("encoding") is None else str(t["encoding"]),
+            None if t.get("fqn") is None else str(t["fqn"]),
+            None if offsets is None else tuple(int(x) for x in offsets),
+        )
 
 
 @dataclass(frozen=True)
@@ -90,17 +127,7 @@ class FileIndex:
             if raw is not None:
                 tensors = tuple(
                     sorted(
-                        (
-                            TensorRecord(
-                                str(t_name),
-                                str(t["dtype"]),
-                                tuple(int(x) for x in t["shape"]),
-                                int(t["offset"]),
-                                int(t["length"]),
-                                str(t["xxh3_128"]),
-                            )
-                            for t_name, t in raw.items()
-                        ),
+                        (TensorRecord.from_json(t_name, t) for t_name, t in raw.items()),
                         key=lambda t: (t.offset, t.length, t.name),  # file order, as the indexer lists them
                     )
                 )
@@ -155,8 +182,19 @@ class Indexer:
         "_bad",
     )
 
-    def __init__(self, name: str, *, chunk_size: int = CHUNK_SIZE, chunks: bool = True):
-        safetensors = is_safetensors_name(name)
+    def __init__(
+        self,
+        name: str,
+        *,
+        chunk_size: int = CHUNK_SIZE,
+        chunks: bool = True,
+        ranges: Iterable[TensorRecord] | None = None,
+    ):
+        """``chunks=False``: leave the chunk digests to the writer that hashes the file (given
+        at :meth:`finish`). ``ranges``: digest these records' byte ranges instead of reading a
+        safetensors header (a DCP file's items, whose places only the save knew: checking such
+        a file again, txckpt._manifest.verify)."""
+        safetensors = is_safetensors_name(name) and ranges is None
         self.chunk_size = chunk_size
         self._chunks = ChunkDigests(chunk_size) if chunks else None
         self._pos = 0
@@ -169,6 +207,10 @@ class Indexer:
         self._th: Any = None  # the hasher of tensor self._ti, once its bytes began
         self._done: list[str] = []  # digest of each finished tensor
         self._bad = not safetensors
+        if ranges is not None:
+            spans = sorted((r.offset, r.offset + r.length, r.name, r.dtype, r.shape) for r in ranges)
+            if not any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+                self._spans, self._bad = spans, False
 
     def update(self, data: Any) -> None:
         view = data if isinstance(data, memoryview) else memoryview(data)
@@ -294,6 +336,7 @@ __all__ = [
     "FileIndex",
     "Indexer",
     "SAFETENSORS_SUFFIX",
+    "TORCH_SAVE_ENCODING",
     "TensorRecord",
     "index_bytes",
     "is_safetensors_name",

@@ -66,7 +66,9 @@ def locate_damage(storage: Storage, key: str, name: str, entry: FileEntry) -> st
     index = entry.index
     if index is None or index.chunk_size <= 0:
         return ""
-    indexer = Indexer(name, chunk_size=index.chunk_size)
+    # Records with an encoding are DCP items: their ranges come from the index, not a header.
+    encoded = index.tensors if index.tensors and any(t.encoding is not None for t in index.tensors) else None
+    indexer = Indexer(name, chunk_size=index.chunk_size, ranges=encoded)
     size = 0
     try:
         with storage.open_read(key) as f:
@@ -92,7 +94,7 @@ def locate_damage(storage: Storage, key: str, name: str, entry: FileEntry) -> st
     if index.tensors is not None:
         now = {t.name: t for t in found.tensors or ()}
         if found.tensors is None or {t.name for t in index.tensors} != set(now):
-            parts.append("its safetensors header changed")
+            parts.append("its safetensors header changed" if encoded is None else "it is shorter than its items")
         else:
             changed = [
                 t.name for t in index.tensors if (now[t.name].offset, now[t.name].checksum) != (t.offset, t.checksum)

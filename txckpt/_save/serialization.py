@@ -76,6 +76,12 @@ def dtype_code(t: Any) -> str | None:
     return _dtype_names().get(t.dtype)
 
 
+def dtype_label(dtype: Any) -> str:
+    """How a tensor index names torch ``dtype``: its safetensors string (``"F32"``, ...), else
+    torch's own name (``"complex128"``: lower case, so never one of safetensors' strings)."""
+    return _dtype_names().get(dtype) or str(dtype).removeprefix("torch.")
+
+
 def tensor_bytes(t: Any) -> memoryview:
     """The bytes ``write_safetensors`` writes for tensor ``t``: its data, contiguous, on the CPU
     (the bytes the tensor index digests for it in the file, protocol §3b)."""

@@ -22,7 +22,10 @@ from .._manifest.tensor_index import TensorRecord
 class TensorInfo:
     """One tensor of a checkpoint, as its manifest's tensor index records it: ``name``, the
     ``file`` holding it, safetensors ``dtype`` (``"F32"``, ``"BF16"``, ...), ``shape``,
-    ``nbytes``, its xxh3-128 ``digest``, and ``offset`` (of its bytes in the file)."""
+    ``nbytes``, its xxh3-128 ``digest``, and ``offset`` (of its bytes in the file).
+    ``encoding``: None where the bytes are the tensor's raw data (safetensors); ``"torch_save"``
+    for an item of a DCP checkpoint, whose ``nbytes`` bytes are a ``torch.save`` stream of it
+    (protocol §3b)."""
 
     name: str
     file: str
@@ -31,6 +34,7 @@ class TensorInfo:
     nbytes: int
     digest: str
     offset: int = 0
+    encoding: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -41,6 +45,7 @@ class TensorInfo:
             "nbytes": self.nbytes,
             "digest": self.digest,
             "offset": self.offset,
+            "encoding": self.encoding,
         }
 
 
@@ -136,7 +141,7 @@ def contents_of(path: str, manifest: Manifest) -> CheckpointContents:
             )
         )
         tensors.extend(
-            TensorInfo(t.name, name, t.dtype, t.shape, t.length, t.checksum, t.offset)
+            TensorInfo(t.name, name, t.dtype, t.shape, t.length, t.checksum, t.offset, t.encoding)
             for t in sorted(records, key=lambda r: r.name)
         )
     return CheckpointContents(path, manifest.step, manifest.lineage, manifest.txid, tensors, files, indexed)

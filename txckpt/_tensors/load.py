@@ -10,6 +10,7 @@ before txckpt recorded one) is read whole and verified against its file digest i
 from __future__ import annotations
 
 import difflib
+import io
 import os
 from typing import Any, Iterable, Mapping
 
@@ -23,7 +24,8 @@ from ..errors import (
 )
 from .._base.issued import options_for
 from .._read.reader import Found, load as load_files, read_checked
-from .._save.serialization import torch_dtype
+from .._manifest.tensor_index import TORCH_SAVE_ENCODING
+from .._save.serialization import dtype_label, torch_dtype
 from .._base.checksum import digest_bytes
 from .inspect import TensorInfo, contents_of
 
@@ -105,7 +107,36 @@ def _read_verified(found: Found, wanted: dict[str, TensorInfo]) -> dict[str, byt
     return out
 
 
+def _from_torch_save(t: TensorInfo, data: bytes, device: Any) -> Any:
+    """A DCP item's tensor from its verified bytes, one ``torch.save`` stream (protocol §3b),
+    loaded with ``weights_only=True``; it must be the dtype and shape the index records."""
+    torch = deps.torch
+    try:
+        out = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever torch.load raises: the stream is not a tensor
+        out, why = None, f"{type(e).__name__}: {e}"
+    else:
+        why = f"a {type(out).__name__}"
+    if not isinstance(out, torch.Tensor) or (dtype_label(out.dtype), tuple(out.shape)) != (t.dtype, t.shape):
+        if isinstance(out, torch.Tensor):
+            why = f"a {dtype_label(out.dtype)} tensor of shape {list(out.shape)}"
+        raise IntegrityError(
+            f"tensor {t.name!r} of {t.file!r} matched its digest but its torch.save stream holds {why}, not the "
+            f"{t.dtype} tensor of shape {list(t.shape)} the index records: the checkpoint's writer recorded it "
+            "wrongly; load it with dcp.load (TransactionalReader) instead",
+            path=t.file,
+        )
+    return out if device in (None, "cpu") else out.to(device)
+
+
 def _to_tensor(t: TensorInfo, data: bytes, device: Any) -> Any:
+    if t.encoding == TORCH_SAVE_ENCODING:
+        return _from_torch_save(t, data, device)
+    if t.encoding is not None:
+        raise InvalidArgumentError(
+            f"tensor {t.name!r} of {t.file!r} is stored as {t.encoding!r}, which this txckpt cannot decode; "
+            "upgrade txckpt"
+        )
     torch = deps.torch
     try:
         dtype = torch_dtype(t.dtype)

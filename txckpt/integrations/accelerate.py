@@ -46,6 +46,7 @@ only ones that do.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -66,6 +67,7 @@ from txckpt._root.root import durable_default
 from txckpt._storage import open_storage
 
 from ._accelerate.dirs import dir_step, save_dir
+from ._accelerate.grouped import grouped_models_loaded, grouped_models_through
 from ._accelerate.epoch import read_epoch_starts, record_of, track, write_epoch_starts
 
 log = logging.getLogger("txckpt")
@@ -128,8 +130,12 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
     * ``incremental``: ``True`` keeps each file a committed checkpoint of the root already holds
       byte for byte (a frozen model's weights, an unchanged sampler or scaler) once: a hard link
       on a local root, a server-side copy instead of an upload on an object store
-      (docs/incremental.md). Saves into a root only (automatic naming, or ``<root>/<name>_<i>``);
-      a directory of its own (``save_state(d)`` elsewhere) has no earlier checkpoint to share with.
+      (docs/incremental.md). A model with both frozen and trained parameters is saved grouped:
+      its ``model{_i}.safetensors`` as stock shards, the unchanged tensors (by digest) in one of
+      their own that is shared; this ``load_state`` reads it, a stock ``Accelerator.load_state``
+      does not (txckpt/integrations/_accelerate/grouped.py). Saves into a root only (automatic
+      naming, or ``<root>/<name>_<i>``); a directory of its own (``save_state(d)`` elsewhere)
+      has no earlier checkpoint to share with.
     * ``tiered``: a :class:`txckpt.TieredRoot`: automatic naming saves into its fast tier instead
       of ``project_dir/checkpoints`` (each commit then replicated to its durable tier, retention
       keeping what is not durable yet), and ``load_state()`` on an empty fast tier (a new node)
@@ -313,8 +319,12 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
             incremental=self.incremental,
         ) as tx:
             self.project_configuration.automatic_checkpoint_naming = False  # write where told
+            # Incremental: each model's file is saved grouped, its unchanged tensors in a shard
+            # of their own that is shared (txckpt/integrations/_accelerate/grouped.py).
+            grouped = grouped_models_through(tx, list(self._models)) if self.incremental else None
             try:
-                super().save_state(tx.directory, safe_serialization=safe_serialization, **save_model_func_kwargs)
+                with grouped if grouped is not None else contextlib.nullcontext():
+                    super().save_state(tx.directory, safe_serialization=safe_serialization, **save_model_func_kwargs)
                 self._write_epoch_starts(tx.directory)
             finally:
                 self.project_configuration.automatic_checkpoint_naming = auto
@@ -410,7 +420,8 @@ class TransactionalAccelerator(Accelerator):  # type: ignore[misc]
         local = self._local_copy(where)
         # A directory that stock accelerate wrote has no manifest: loaded as it is, as stock does.
         manifest = txckpt.read_manifest(local) if os.path.exists(os.path.join(local, txckpt.MANIFEST_NAME)) else None
-        super().load_state(local, load_kwargs=load_kwargs, **load_model_func_kwargs)
+        with grouped_models_loaded():  # a model an incremental save grouped (stock reads one file)
+            super().load_state(local, load_kwargs=load_kwargs, **load_model_func_kwargs)
         read_epoch_starts(self._dataloaders, self.process_index, local)  # after accelerate restored the RNGs
         # accelerate reads the files by path, outside txckpt's reader (which follows a checkpoint
         # that moved, protocol §6a). No process returns before every one has read them: else the

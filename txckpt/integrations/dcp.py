@@ -24,7 +24,9 @@ Files are DCP's own format (``__<rank>_<i>.distcp`` written with DCP's item writ
 ``.metadata`` of DCP's classes), so plain ``FileSystemReader`` still reads a committed local
 checkpoint. The writer also records the digest of every item's byte range (in each rank's part
 of the manifest; a one-rank save: ``txckpt-dcp-ranges.json``), which lets
-:class:`TransactionalReader` check ranged reads (:mod:`.dcp_ranges`).
+:class:`TransactionalReader` check ranged reads (:mod:`.dcp_ranges`), and lists each tensor item
+in its file's tensor index (name, dtype, shape, range, that digest, ``encoding: "torch_save"``;
+protocol §3b, ``_dcp/items.py``), which ``txckpt inspect``, ``diff`` and ``load_tensors`` read.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from ._dcp.compat import (  # torch's unpublished DCP names (DCP's own file form
     narrow_tensor_by_index,
 )
 from ._dcp.incremental import ITEMS_NAME, IncrementalShards, encode_items
+from ._dcp.items import item_records, with_item_records
 from ._dcp.ranges import RANGES_NAME, RangeHashingWriter, read_ranges, shard_rank
 
 #: DCP's metadata file (the name FileSystemReader reads).
@@ -298,6 +301,8 @@ class TransactionalWriter(StorageWriter):
                 shards.release()  # placed (or failed): a shared file is a file of its own now
         while not done.empty():
             results += done.get_nowait()
+        # Each tensor item in its file's tensor index (protocol §3b), from the range digests above.
+        with_item_records(files, item_records(plan.items, results, ranges))
         # In a group, this rank's part of the manifest (protocol §3a), durable in the staging, holds
         # its files and their range digests: the coordinator gets its fixed-size record instead.
         report = (
