@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import filecmp
 import os
-import random
 import shutil
-import signal
 from typing import Any
 
 import pytest
@@ -32,7 +30,7 @@ import torch  # noqa: E402
 
 import txckpt  # noqa: E402
 from tests.harness import sampling  # noqa: E402
-from tests.harness.crash_sweep import report, request_flips_visibility, sweep  # noqa: E402
+from tests.harness.crash_sweep import report, s3_request_sweep, sweep  # noqa: E402
 from tests.harness.procs import run_child  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.lightning]
@@ -148,7 +146,6 @@ def test_sigkill_inside_lightning_saves_leaves_only_committed_checkpoints(tmp_pa
 def test_sigkill_inside_lightning_saves_on_s3_leaves_only_committed_checkpoints(tmp_path, s3_server, mode):
     _drawn((mode, "s3"))
     from emulators.s3 import BUCKET
-    from tests.reliability.injectors import S3Injector
     from tests.reliability.s3 import copy_prefix
 
     async_save = mode == "async"
@@ -168,54 +165,15 @@ def test_sigkill_inside_lightning_saves_on_s3_leaves_only_committed_checkpoints(
 
     def fresh(name: str) -> str:
         copy_prefix(client, BUCKET, f"{base}/template", f"{base}/{name}")
-        return url(name)
+        return name
 
-    fresh("count")
-
-    def count() -> list:
-        inj = S3Injector(None, mode=None, root_prefix=f"{base}/count").install()
-        try:
-            _fit(dirpath("count"), 4, async_save, url("count"), so)
-        finally:
-            inj.uninstall()
-        return inj.records
-
-    code, out = run_child(count, timeout=300)
-    assert code == 0 and "ok" in out, out
-    ops = out["ok"]
-    every = [(k, when) for k in range(1, len(ops) + 1) for when in ("before", "after") if ops[k - 1]["mut"]]
-    name = f"lightning-{mode} on S3"
-    points = sampling.sample(name, every, lambda p: request_flips_visibility(ops[p[0] - 1]["name"]), share=0.0)
-    if not sampling.FULL:  # a point costs ~4 s here (a Trainer on s3fs): 4 of them, seeded, per run
-        points = sorted(random.Random(f"{sampling.sweep_seed()}:{name}").sample(points, min(S3_POINTS, len(points))))
-    found: list[str] = []
-    for k, when in points:
-        point = f"{k}-{when}"
-        point_url = fresh(point)
-
-        def child(point=point, point_url=point_url, k=k, when=when) -> str:
-            S3Injector(k, when=when, root_prefix=f"{base}/{point}").install()
-            _fit(dirpath(point), 4, async_save, point_url, so)
-            return "completed without reaching the crash point"
-
-        code, out = run_child(child, timeout=300)
-        op = ops[k - 1]["name"]
-        if code != -signal.SIGKILL:
-            found.append(f"{when} {op}: child was not killed: {code} {out}")
-            continue
-        code, verdict = run_child(
-            lambda point=point, u=point_url: _violations(dirpath(point), expected, u, so), timeout=300
-        )
-        if code != 0:
-            found.append(f"{when} {op}: checker failed: {verdict}")
-        elif verdict["ok"]:
-            found += [f"{when} {op}: {v}" for v in verdict["ok"]]
-    line = (
-        f"crash sweep [{name}]: {len(ops)} S3 requests ({len(every) // 2} mutating), crash points (SIGKILL "
-        f"before or after a mutating one): {sampling.describe(len(points), len(every))}, {len(found)} violations"
+    _, _, _, found = s3_request_sweep(
+        f"lightning-{mode} on S3",
+        base,
+        fresh,
+        lambda point: _fit(dirpath(point), 4, async_save, url(point), so),
+        lambda point: _violations(dirpath(point), expected, url(point), so),
+        share=0.0,
+        limit=S3_POINTS,  # a point costs ~4 s here (a Trainer on s3fs): 4 of them, seeded, per run
     )
-    from tests import conftest
-
-    conftest.SUMMARY_LINES.append(line)
-    print(line)
     assert not found, "\n".join(found[:20])

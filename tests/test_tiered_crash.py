@@ -20,13 +20,11 @@ the same way: every point around a request that puts a manifest, log entry or `l
 
 import os
 import shutil
-import signal
 
 import pytest
 
 import txckpt
-from tests.harness import sampling
-from tests.harness.crash_sweep import report, request_flips_visibility, sweep
+from tests.harness.crash_sweep import report, s3_request_sweep, sweep
 from tests.test_crash_sweep import files  # a three-file checkpoint whose every file carries a tag
 from txckpt._tiered.tiered import TieredRoot
 
@@ -187,7 +185,6 @@ def test_sweep_tiered_replication_to_seaweedfs_at_every_mutating_request(tmp_pat
     points are sampled as the local sweeps' are (the module's doc); ``TXCKPT_FULL_SWEEP=1``: all."""
     from tests.harness.backends import SEAWEEDFS_BUCKET
     from tests.harness.procs import run_child
-    from tests.reliability.injectors import S3Injector
     from tests.reliability.s3 import copy_prefix
 
     so, client = seaweedfs_cluster.storage_options(), seaweedfs_cluster.boto3_client()
@@ -225,53 +222,12 @@ def test_sweep_tiered_replication_to_seaweedfs_at_every_mutating_request(tmp_pat
         copy_prefix(client, SEAWEEDFS_BUCKET, f"{base}/template", f"{base}/{name}")
         return fast, url(name)
 
-    fast, durable_url = fresh("count")
-
-    def count():
-        inj = S3Injector(None, mode=None, root_prefix=f"{base}/count").install()
-        try:
-            scenario(fast, durable_url)
-        finally:
-            inj.uninstall()
-        return inj.records
-
-    code, out = run_child(count, timeout=300)
-    assert code == 0 and "ok" in out, out
-    ops = out["ok"]
-    every = [(k, when) for k in range(1, len(ops) + 1) for when in ("before", "after") if ops[k - 1]["mut"]]
-    sweep_name = f"tiered {case} to SeaweedFS"
-    points = sampling.sample(sweep_name, every, lambda p: request_flips_visibility(ops[p[0] - 1]["name"]))
-    found: list[str] = []
-    for k, when in points:
-        name = f"{k}-{when}"
-        fast, durable_url = fresh(name)
-
-        def child(fast=fast, durable_url=durable_url, name=name, k=k, when=when):
-            S3Injector(k, when=when, root_prefix=f"{base}/{name}").install()
-            scenario(fast, durable_url)
-            return "completed without reaching the crash point"
-
-        code, out = run_child(child, timeout=300)
-        op = ops[k - 1]["name"]
-        if code != -signal.SIGKILL:
-            found.append(f"{when} {op}: child was not killed: {code} {out}")
-            continue
-        code, verdict = run_child(
-            lambda fast=fast, durable_url=durable_url: violations(fast, durable_url, so, {"A-2", "A-3"}, before),
-            timeout=300,
-        )
-        if code != 0:
-            found.append(f"{when} {op}: checker failed: {verdict}")
-        elif verdict["ok"]:
-            found += [f"{when} {op}: {v}" for v in verdict["ok"]]
-        shutil.rmtree(fast, ignore_errors=True)
-    line = (
-        f"crash sweep [{sweep_name}]: {len(ops)} S3 requests "
-        f"({sum(1 for o in ops if o['mut'])} mutating), crash points (SIGKILL before or after a mutating one): "
-        f"{sampling.describe(len(points), len(every))}, {len(found)} violations"
+    _, every, _, found = s3_request_sweep(
+        f"tiered {case} to SeaweedFS",
+        base,
+        fresh,
+        lambda copy: scenario(*copy),
+        lambda copy: violations(copy[0], copy[1], so, {"A-2", "A-3"}, before),
+        done=lambda copy: shutil.rmtree(copy[0], ignore_errors=True),
     )
-    from tests import conftest
-
-    conftest.SUMMARY_LINES.append(line)
-    print(line)
     assert len(every) >= 10 and not found, "\n".join(found[:20])

@@ -139,3 +139,75 @@ def report(result: "SweepResult") -> None:
     conftest.SUMMARY_LINES.append(line)
     print(line)
     assert not result.violations, "\n".join(result.violations[:20])
+
+
+def s3_request_sweep(
+    name: str,
+    base: str,
+    fresh: Callable[[str], Any],
+    scenario: Callable[[Any], Any],
+    check: Callable[[Any], list[str]],
+    *,
+    share: float = sampling.SHARE,
+    limit: int | None = None,
+    done: Callable[[Any], None] | None = None,
+) -> tuple[list[dict[str, Any]], list[tuple[int, str]], list[tuple[int, str]], list[str]]:
+    """The object-store counterpart of :func:`sweep`: crash ``scenario`` before and after each of
+    its mutating S3 requests (tests/reliability/injectors.py counts and kills them), on the
+    requests under ``base`` (the bucket prefix of every copy). ``fresh(point)`` makes a point's
+    copy of the template (its data under ``base``/``point``) and returns what ``scenario`` and
+    ``check`` take; the counting run is the point ``count``. Each crash runs in a child that must
+    die by SIGKILL; ``check(copy)`` runs in a fresh child and returns violations; ``done(copy)``
+    cleans up after a point. The points: :func:`tests.harness.sampling.sample`'s draw (every
+    request that flips what a reader sees, and ``share`` of the rest), then at most ``limit`` of
+    them drawn by the seed. Returns (requests, every point, points tried, violations)."""
+    from tests.reliability.injectors import S3Injector
+
+    counted = fresh("count")
+
+    def count() -> list[Any]:
+        inj = S3Injector(None, mode=None, root_prefix=f"{base}/count").install()
+        try:
+            scenario(counted)
+        finally:
+            inj.uninstall()
+        return inj.records
+
+    code, out = run_child(count, timeout=300)
+    assert code == 0 and "ok" in out, out
+    ops = out["ok"]
+    every = [(k, when) for k in range(1, len(ops) + 1) for when in ("before", "after") if ops[k - 1]["mut"]]
+    points = sampling.sample(name, every, lambda p: request_flips_visibility(ops[p[0] - 1]["name"]), share=share)
+    if limit is not None and not sampling.FULL:
+        points = sorted(random.Random(f"{sampling.sweep_seed()}:{name}").sample(points, min(limit, len(points))))
+    found: list[str] = []
+    for k, when in points:
+        point = f"{k}-{when}"
+        copy = fresh(point)
+
+        def child(copy: Any = copy, point: str = point, k: int = k, when: str = when) -> str:
+            S3Injector(k, when=when, root_prefix=f"{base}/{point}").install()
+            scenario(copy)
+            return "completed without reaching the crash point"
+
+        code, out = run_child(child, timeout=300)
+        op = ops[k - 1]["name"]
+        if code != -signal.SIGKILL:
+            found.append(f"{when} {op}: child was not killed: {code} {out}")
+            continue
+        code, verdict = run_child(lambda copy=copy: check(copy), timeout=300)
+        if code != 0:
+            found.append(f"{when} {op}: checker failed: {verdict}")
+        elif verdict["ok"]:
+            found += [f"{when} {op}: {v}" for v in verdict["ok"]]
+        if done is not None:
+            done(copy)
+    from tests import conftest
+
+    line = (
+        f"crash sweep [{name}]: {len(ops)} S3 requests ({len(every) // 2} mutating), crash points (SIGKILL "
+        f"before or after a mutating one): {sampling.describe(len(points), len(every))}, {len(found)} violations"
+    )
+    conftest.SUMMARY_LINES.append(line)
+    print(line)
+    return ops, every, points, found
