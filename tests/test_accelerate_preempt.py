@@ -19,8 +19,7 @@ import time
 import pytest
 
 import txckpt
-from tests.harness.handshake import HandshakeChild
-from tests.harness.zygote import popen_python
+from tests.harness.handshake import HandshakeChild, newest_verified
 
 pytest.importorskip("accelerate")
 
@@ -37,20 +36,7 @@ class Child(HandshakeChild):
     deadline_s = 180.0
 
     def __init__(self, tmp_path, *args: str, rank: int = 0, name: str = "") -> None:
-        self._dirs(tmp_path, rank, name)
-        env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", TXCKPT_COORDINATION_TIMEOUT="120")
-        with open(self.log, "w") as out:
-            self.proc = popen_python(
-                [LOOP, "--hs", self.hs, *args, "--rank", str(rank)], env=env, stdout=out, stderr=out
-            )
-
-
-def _newest(project: str) -> tuple[str, txckpt.Manifest]:
-    """The project's newest committed checkpoint, verified whole (every file against the manifest)."""
-    txckpt.forget_roots()
-    path = txckpt.get_last_checkpoint(project)
-    assert path is not None, f"{project} has no committed checkpoint"
-    return path, txckpt.verify_checkpoint(path)
+        self._start(LOOP, tmp_path, args, rank=rank, name=name)
 
 
 def _loop_step(checkpoint: str, rank: int) -> int:
@@ -68,7 +54,7 @@ def test_sigterm_at_a_random_step_saves_that_boundary_exits_143_and_the_restart_
     result = child.json("result-rank{r}.json")
     stopped = result["stopped_at"]
     assert stopped >= at and result["received"] == signal.SIGTERM and result["status"] == SIGTERM_STATUS
-    path, manifest = _newest(project)
+    path, manifest = newest_verified(project)
     assert path == os.path.join(project, f"step_{stopped}") and manifest.step == stopped
     assert _loop_step(path, 0) == stopped
     out = child.output()
@@ -119,7 +105,7 @@ def test_a_second_sigterm_during_the_preemption_save_exits_at_once_leaving_the_p
     assert time.monotonic() - t0 < 60  # not the 600 s grace
     assert "a second signal, SIGTERM" in child.output()
     previous = (blocked - 1) // every * every  # the newest periodic save before the held one
-    path, manifest = _newest(project)
+    path, manifest = newest_verified(project)
     assert path == os.path.join(project, f"step_{previous}") and manifest.step == previous, (path, blocked)
     assert _loop_step(path, 0) == previous
     assert not os.path.exists(os.path.join(project, f"step_{blocked}"))
@@ -143,7 +129,7 @@ def test_two_ranks_sigterm_on_rank_1_only_both_save_the_same_step(tmp_path):
     stopped = results[0]["stopped_at"]
     assert results[1]["stopped_at"] == stopped >= at, results
     assert [r["received"] for r in results] == [0, signal.SIGTERM]  # only rank 1 got it
-    path, manifest = _newest(project)
+    path, manifest = newest_verified(project)
     assert path == os.path.join(project, f"step_{stopped}") and manifest.step == stopped
     assert manifest.world_size == 2
     assert [_loop_step(path, r) for r in range(2)] == [stopped, stopped]  # each rank's own part

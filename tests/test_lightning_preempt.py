@@ -17,8 +17,7 @@ import stat
 import pytest
 
 import txckpt
-from tests.harness.handshake import HandshakeChild
-from tests.harness.zygote import popen_python
+from tests.harness.handshake import HandshakeChild, newest_verified
 
 pytest.importorskip("lightning")
 
@@ -35,21 +34,7 @@ class Child(HandshakeChild):
     deadline_s = 180.0
 
     def __init__(self, tmp_path, *args: str, rank: int = 0, name: str = "", env: dict | None = None) -> None:
-        self._dirs(tmp_path, rank, name)
-        environ = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", TXCKPT_COORDINATION_TIMEOUT="120")
-        environ.update(env or {})
-        with open(self.log, "w") as out:
-            self.proc = popen_python(
-                [RUN, "--hs", self.hs, *args, "--rank", str(rank)], env=environ, stdout=out, stderr=out
-            )
-
-
-def _newest(root: str) -> tuple[str, txckpt.Manifest]:
-    """The root's newest committed checkpoint, verified whole."""
-    txckpt.forget_roots()
-    path = txckpt.get_last_checkpoint(root)
-    assert path is not None, f"{root} has no committed checkpoint"
-    return path, txckpt.verify_checkpoint(path)
+        self._start(RUN, tmp_path, args, rank=rank, name=name, env=env)
 
 
 def _saved(checkpoint: str) -> dict:
@@ -73,7 +58,7 @@ def test_sigterm_at_a_random_step_saves_that_boundary_exits_143_and_last_resumes
     result = child.json("result-rank{r}.json")
     stopped = result["stopped_at"]
     assert stopped >= at and result["received"] == signal.SIGTERM and result["status"] == SIGTERM_STATUS, result
-    path, manifest = _newest(root)
+    path, manifest = newest_verified(root)
     assert manifest.step == stopped and _saved_step(path) == stopped
     name = f"epoch={_saved(path)['epoch']}-step={stopped}.ckpt"  # ModelCheckpoint's name for it
     assert os.path.samefile(os.path.join(root, name), os.path.join(path, name))
@@ -134,7 +119,7 @@ def test_slurm_sigusr1_saves_at_the_boundary_exits_138_and_requeues_the_job(tmp_
     child.signal(signal.SIGUSR1)
     assert child.finish() == 128 + signal.SIGUSR1, child.output()
     stopped = child.json("result-rank{r}.json")["stopped_at"]
-    path, manifest = _newest(root)
+    path, manifest = newest_verified(root)
     assert manifest.step == stopped >= at and _saved_step(path) == stopped
     assert open(calls).read().split() == ["requeue", "4242"]
     out = child.output()
@@ -162,6 +147,6 @@ def test_two_ddp_ranks_sigterm_on_rank_1_only_both_save_the_same_step(tmp_path):
     stopped = results[0]["stopped_at"]
     assert results[1]["stopped_at"] == stopped >= at, results
     assert [r["received"] for r in results] == [0, signal.SIGTERM]  # only rank 1 got it
-    path, manifest = _newest(root)
+    path, manifest = newest_verified(root)
     assert manifest.step == stopped and _saved_step(path) == stopped
     assert "another rank received SIGTERM" in ranks[0].output()

@@ -15,6 +15,20 @@ import time
 from typing import Any
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def newest_verified(root: str) -> tuple[str, Any]:
+    """``root``'s newest committed checkpoint and its manifest, every file verified (what a
+    preemption test checks once its child is gone)."""
+    import txckpt
+
+    txckpt.forget_roots()
+    path = txckpt.get_last_checkpoint(root)
+    assert path is not None, f"{root} has no committed checkpoint"
+    return path, txckpt.verify_checkpoint(path)
+
+
 class HandshakeChild:
     #: How long wait_for and finish wait when not told.
     deadline_s = 120.0
@@ -22,6 +36,22 @@ class HandshakeChild:
     rank: int
     log: str
     proc: Any  # subprocess.Popen, or the zygote's popen_python handle
+
+    def _start(
+        self, script: str, tmp_path: Any, args: Any, *, rank: int, name: str = "", env: dict | None = None
+    ) -> None:
+        """Start ``script`` (a tests/children file) through the zygote as the preemption tests'
+        children run: ``--hs``, ``args``, ``--rank``; one thread, a coordination timeout well
+        inside the deadline; stdout and stderr into the log."""
+        from tests.harness.zygote import popen_python
+
+        self._dirs(tmp_path, rank, name)
+        environ = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", TXCKPT_COORDINATION_TIMEOUT="120")
+        environ.update(env or {})
+        with open(self.log, "w") as out:
+            self.proc = popen_python(
+                [script, "--hs", self.hs, *args, "--rank", str(rank)], env=environ, stdout=out, stderr=out
+            )
 
     def _dirs(self, tmp_path: Any, rank: int, name: str = "") -> None:
         self.hs, self.rank = str(tmp_path / f"hs{name}"), rank
