@@ -11,12 +11,13 @@ runs in ``make test``, two more in the campaign, all of them with ``TXCKPT_FULL_
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from pathlib import Path
 
 import pytest
+
+from tests.harness.equivalence import final_weights, logged_losses
 
 from tests.harness.sampling import FULL
 from tests.harness.zygote import popen_python
@@ -58,19 +59,7 @@ def _run(hs: Path, ranks: int, workers: int, *args: str) -> list[tuple[int, str]
 
 
 def _losses(hs: Path, rank: int, *, strict: bool = True) -> dict[int, float]:
-    """step -> loss of one rank; a step logged twice (re-run after a resume from before it) must
-    agree (``strict``), else the last one counts."""
-    seen: dict[int, float] = {}
-    for line in open(hs / f"losses-rank{rank}"):
-        step, loss = json.loads(line)
-        if strict:
-            assert seen.setdefault(step, loss) == loss, f"rank {rank}: step {step} logged {seen[step]} and then {loss}"
-        seen[step] = loss
-    return seen
-
-
-def _weights(output: str) -> str:
-    return next(line.split()[1] for line in output.splitlines() if line.startswith("WEIGHTS "))
+    return logged_losses(hs / f"losses-rank{rank}", rank=rank, strict=strict)
 
 
 def _reference(tmp_path: Path, ranks: int, workers: int) -> tuple[list[dict[int, float]], str]:
@@ -80,7 +69,7 @@ def _reference(tmp_path: Path, ranks: int, workers: int) -> tuple[list[dict[int,
         hs = tmp_path / "reference"
         done = _run(hs, ranks, workers, "--exact")
         assert all(code == 0 for code, _ in done), [t[-3000:] for _, t in done]
-        _REFERENCE[key] = ([_losses(hs, r) for r in range(ranks)], _weights(done[0][1]))
+        _REFERENCE[key] = ([_losses(hs, r) for r in range(ranks)], final_weights(done[0][1]))
         assert len(_REFERENCE[key][0][0]) == STEPS
     return _REFERENCE[key]
 
@@ -105,7 +94,7 @@ def _cell(tmp_path: Path, ranks: int, workers: int, stop: str) -> None:
         assert got == losses[r], {
             s: (losses[r].get(s), got.get(s)) for s in set(losses[r]) | set(got) if losses[r].get(s) != got.get(s)
         }
-    assert _weights(again[0][1]) == weights
+    assert final_weights(again[0][1]) == weights
     if stop.startswith("term"):  # the preemption saved the step itself: the restart re-ran nothing
         assert sum(1 for _ in open(hs / "losses-rank0")) == STEPS
 

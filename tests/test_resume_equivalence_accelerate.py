@@ -15,14 +15,14 @@ and seeds: txckpt/integrations/_accelerate/epoch.py), txckpt is exact."""
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.harness.equivalence import final_weights, logged_losses
 
 from tests.harness import sampling
 
@@ -60,19 +60,7 @@ def _run(out: Path, ranks: int, workers: int, stop: str, *extra: str) -> list[tu
 
 
 def _losses(out: Path, rank: int, *, strict: bool = True) -> dict[int, float]:
-    """step -> loss of one process; strict: a step logged twice (re-run after a resume from
-    before it) must agree; else the last one logged counts."""
-    seen: dict[int, float] = {}
-    for line in open(f"{out}.losses.r{rank}"):
-        step, loss = json.loads(line)
-        if strict:
-            assert seen.setdefault(step, loss) == loss, f"rank {rank}: step {step} logged {seen[step]} and then {loss}"
-        seen[step] = loss
-    return seen
-
-
-def _weights(output: str) -> str:
-    return re.findall(r"WEIGHTS ([0-9a-f]{40})", output)[-1]
+    return logged_losses(f"{out}.losses.r{rank}", rank=rank, strict=strict)
 
 
 def _reference(
@@ -83,7 +71,7 @@ def _reference(
         out = tmp_path / "reference"
         done = _run(out, ranks, workers, "0", *flags)
         assert all(code == 0 for code, _ in done), [(c, t[-2000:]) for c, t in done]
-        weights = {_weights(text) for _, text in done}
+        weights = {final_weights(text) for _, text in done}
         assert len(weights) == 1, weights
         _REFERENCE[key] = ([_losses(out, r) for r in range(ranks)], weights.pop())
     return _REFERENCE[key]
@@ -101,7 +89,7 @@ def stopped_and_resumed(
     assert {code for code, _ in first} <= expected, [(c, t[-2000:]) for c, t in first]
     again = _run(out, ranks, workers, "0", "resume", *flag)
     assert all(code == 0 for code, _ in again), [(c, t[-2000:]) for c, t in again]
-    return [_losses(out, r, strict=not stock) for r in range(ranks)], _weights(again[0][1]), out
+    return [_losses(out, r, strict=not stock) for r in range(ranks)], final_weights(again[0][1]), out
 
 
 def _cell(tmp_path: Path, ranks: int, workers: int, stop: str, flags: tuple[str, ...] = ()) -> None:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.equivalence import final_weights, logged_losses
+
 from tests.harness import sampling
 
 pytestmark = pytest.mark.process
@@ -48,16 +50,7 @@ def _run(out: Path, ranks: int, workers: int, use_async: int, stop: str, *extra:
 
 
 def _losses(out: Path, rank: int) -> dict[int, float]:
-    """step -> loss of one rank; a step logged twice (re-run after a resume from before it) must agree."""
-    seen: dict[int, float] = {}
-    for line in open(f"{out}.losses.r{rank}"):
-        step, loss = json.loads(line)
-        assert seen.setdefault(step, loss) == loss, f"rank {rank}: step {step} logged {seen[step]} and then {loss}"
-    return seen
-
-
-def _weights(output: str) -> str:
-    return next(line.split()[1] for line in output.splitlines() if line.startswith("WEIGHTS "))
+    return logged_losses(f"{out}.losses.r{rank}", rank=rank)
 
 
 def _reference(tmp_path: Path, ranks: int, workers: int) -> tuple[list[dict[int, float]], str]:
@@ -67,7 +60,7 @@ def _reference(tmp_path: Path, ranks: int, workers: int) -> tuple[list[dict[int,
         out = tmp_path / "reference"
         done = _run(out, ranks, workers, 0, "0")
         assert all(code == 0 for code, _ in done), done
-        _REFERENCE[key] = ([_losses(out, r) for r in range(ranks)], _weights(done[0][1]))
+        _REFERENCE[key] = ([_losses(out, r) for r in range(ranks)], final_weights(done[0][1]))
     return _REFERENCE[key]
 
 
@@ -84,7 +77,7 @@ def _cell(tmp_path: Path, ranks: int, workers: int, use_async: int, stop: str) -
         assert got == losses[r], {
             s: (losses[r].get(s), got.get(s)) for s in set(losses[r]) | set(got) if losses[r].get(s) != got.get(s)
         }
-    assert _weights(again[0][1]) == weights
+    assert final_weights(again[0][1]) == weights
     if stop.startswith("term"):  # the preemption saved the step itself: the restart re-ran nothing
         assert sum(1 for _ in open(f"{out}.losses.r0")) == len(losses[0])
 
