@@ -36,7 +36,6 @@ except ImportError:  # only `lightning` installed: the usual case
 
 from .. import preemption
 from .._base import deps
-from .._api import async_save as txckpt_async_save
 from .._api import load_checkpoint as txckpt_load
 from .._async.asyncsave import Job, LazySnapshot, submit, wait_for_root
 from .._base.coordination import SingleProcess, TorchDistributed, current_coordinator
@@ -159,18 +158,8 @@ class TransactionalCheckpointIO(CheckpointIO):
         files = {name: checkpoint}
         metadata = {"lightning": {"name": name, "epoch": checkpoint.get("epoch"), "global_step": step}}
         if self.async_save:
-            self._check_single_process()
-            if self.async_save == "lazy" and optimizers:
-                future = self._lazy_save(root_path, step, files, metadata, optimizers)
-            else:
-                future = txckpt_async_save(
-                    root_path,
-                    step,
-                    files,
-                    storage_options=self.storage_options,
-                    metadata=metadata,
-                    incremental=self.incremental,
-                )
+            lazy = optimizers if self.async_save == "lazy" else []
+            future = self._async_save(root_path, step, files, metadata, lazy)
             saved = _Saved(step, name, future)
             self._pending.append(future)
         else:
@@ -190,7 +179,7 @@ class TransactionalCheckpointIO(CheckpointIO):
         with the step, lineage and names of this plugin's other saves, decided on global rank 0."""
         self._raise_failures()
         if self.async_save:
-            self._check_single_process()  # one process: saved synchronously (docs/lightning.md)
+            self._refuse_async_sharded_in_group()  # one process: saved synchronously (docs/lightning.md)
         path = strategy.broadcast(os.fspath(filepath))  # every rank the same path, as the strategy does
         root_path, name = split(path, self.root)
         r = open_root(root_path, self.storage_options)
@@ -242,14 +231,26 @@ class TransactionalCheckpointIO(CheckpointIO):
         self._loaded[found.root] = found
         return dict(meta)
 
-    def _lazy_save(
+    def _async_save(
         self, root_path: str, step: int, files: dict[str, Any], metadata: dict[str, Any], optimizers: list[Any]
     ) -> Future:
-        """txckpt.async_save(..., optimizer=) with the wait moved after the step's closure:
-        Lightning's automatic optimization runs forward and backward inside ``step(closure)``."""
+        """txckpt.async_save of this process alone: Lightning calls its CheckpointIO on global
+        rank 0 only, so the background save must not coordinate with the other ranks (they are
+        training), nor create the async saves' gloo group (a collective they would never join):
+        it commits with ``SingleProcess()``, as the synchronous save does. ``optimizers``
+        (``async_save="lazy"``): as ``async_save(..., optimizer=)``, with the wait moved after
+        the step's closure: Lightning's automatic optimization runs forward and backward inside
+        ``step(closure)``."""
         so = self.storage_options
 
         def prepare(pool: Any, eager: Any) -> Job:
+            if not optimizers:
+                snapshot = pool.snapshot(files)  # before save_checkpoint returns
+                return Job(
+                    lambda coordinator: open_root(root_path, so).save(
+                        step, snapshot, metadata=metadata, coordinator=coordinator, incremental=self.incremental
+                    )
+                )
             lazy = LazySnapshot(
                 eager,
                 files,
@@ -266,7 +267,7 @@ class TransactionalCheckpointIO(CheckpointIO):
 
             return Job(run, lazy)
 
-        return submit(root_path, so, prepare, step=step)
+        return submit(root_path, so, prepare, step=step, alone=True)
 
     def _retire_superseded(self, r: CheckpointRoot) -> None:
         """Retire this plugin's checkpoints that were committed under a ``last*.ckpt`` name and
@@ -372,13 +373,15 @@ class TransactionalCheckpointIO(CheckpointIO):
         else:
             publish(result)
 
-    def _check_single_process(self) -> None:
+    def _refuse_async_sharded_in_group(self) -> None:
         dist = deps.torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise InvalidArgumentError(
-                "TransactionalCheckpointIO(async_save=True) saves from rank 0 alone, which "
-                "txckpt's background saver cannot do inside a process group yet; use "
-                "async_save=False with multi-process strategies (docs/lightning.md)"
+                "TransactionalCheckpointIO(async_save=...) with ModelParallelStrategy over several ranks: a "
+                "sharded save is collective (every rank writes its shards in one transaction), which txckpt "
+                "does not run in the background yet; use async_save=False with sharded strategies "
+                '(docs/lightning.md, "Sharded strategies"). DDP and single-process strategies save '
+                "asynchronously from rank 0."
             )
 
     # ----- load ---------------------------------------------------------------------------------
