@@ -188,6 +188,50 @@ def test_async_saves_snapshot_before_returning(tmp_path, mode):
         )
 
 
+def test_async_saves_inside_a_process_group_never_coordinate_and_raise_a_background_failure(tmp_path, monkeypatch):
+    """Under DDP Lightning calls save_checkpoint on global rank 0 alone: its background save must
+    not touch the process group (txckpt.async_save's gloo group is created collectively: the
+    other ranks would never join). Seen from rank 0 of two here; the async engine's group would
+    need a real default group, which this process has not. A background failure is raised by the
+    next save (which waits for it), once, and the last save's by the teardown."""
+    import torch.distributed as dist
+
+    import txckpt._save.transactions as transactions
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    real = transactions.append_commit
+
+    def append_commit(root, manifest, *args, **kwargs):
+        if manifest.step in (2, 4):
+            raise OSError(28, f"No space left on device (step {manifest.step})")
+        return real(root, manifest, *args, **kwargs)
+
+    monkeypatch.setattr(transactions, "append_commit", append_commit)
+    d = str(tmp_path / "ddp")
+    io = TransactionalCheckpointIO(async_save=True)
+
+    def save(step: int) -> None:
+        io.save_checkpoint(
+            {"state_dict": {"w": torch.full((4,), float(step))}, "global_step": step, "epoch": 0}, f"{d}/s{step}.ckpt"
+        )
+
+    save(1)
+    save(2)  # fails in the background
+    with pytest.raises(OSError, match="step 2"):
+        save(3)
+    save(3)  # reported once: the run may save again
+    save(4)  # fails in the background
+    with pytest.raises(OSError, match="step 4"):
+        io.teardown()
+    io.teardown()
+    txckpt.forget_roots()
+    history = txckpt.open_root(d).history()
+    assert sorted(c.step for c in history.checkpoints.values()) == [1, 3]
+    assert _ckpts(d) == ["s1.ckpt", "s3.ckpt"]
+
+
 class _Recorded(L.Callback):
     """Changes the weights through ``.data`` (not the optimizer) after each step, then records
     them: ModelCheckpoint's save of that step follows (checkpoint callbacks run last)."""

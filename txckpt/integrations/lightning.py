@@ -149,6 +149,7 @@ class TransactionalCheckpointIO(CheckpointIO):
             self._add_name(r, previous, os.fspath(path))
             return
         wait_for_root(root_path, self.storage_options)  # the lineage an async save is changing
+        self._raise_failures()  # the previous save's, now finished: this save is its next one
         self._wait_links()
         self._retire_superseded(r)
         self._choose_lineage(r, loaded, previous is not None and (step is None or step > previous.step))
