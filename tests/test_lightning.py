@@ -496,6 +496,33 @@ def test_a_crashed_links_leftover_goes_with_the_next_link_and_teardown_retires_t
     assert torch.equal(torch.load(os.path.join(d, "last.ckpt"))["w"], torch.full((2,), 2.0))
 
 
+def test_a_crashed_directory_of_links_goes_with_the_next_publication_of_its_name(tmp_path):
+    """A sharded checkpoint's name is a directory of links built under ``.<name>.<hex>.tmp``; a
+    crash while it is built (or before the swapped-out one is removed) leaves that directory. The
+    next publication of the name removes it; the committed files keep their bytes, and a
+    directory of another name (or one holding a directory: not the plugin's) stays."""
+    from txckpt.integrations._lightning.names import publish_dir
+
+    committed = tmp_path / "checkpoint-4"
+    committed.mkdir()
+    for n, data in ((".metadata", b"m"), ("meta.pt", b"p"), ("__0_0.distcp", b"s0")):
+        (committed / n).write_bytes(data)
+    d = tmp_path / "run"
+    d.mkdir()
+    leftover = d / ".step=4.ckpt.0123456789ab.tmp"  # half built: one link made, then the crash
+    leftover.mkdir()
+    os.link(committed / ".metadata", leftover / ".metadata")
+    other = d / ".step=40.ckpt.0123456789ab.tmp"  # another name's
+    other.mkdir()
+    nested = d / ".step=4.ckpt.ba9876543210.tmp"  # holds a directory: not made by publish_dir
+    (nested / "sub").mkdir(parents=True)
+    publish_dir(str(committed), str(d / "step=4.ckpt"), durable=False, aside=str(tmp_path / "aside"))
+    assert sorted(os.listdir(d)) == [".step=4.ckpt.ba9876543210.tmp", ".step=40.ckpt.0123456789ab.tmp", "step=4.ckpt"]
+    assert sorted(os.listdir(d / "step=4.ckpt")) == [".metadata", "__0_0.distcp", "meta.pt"]
+    assert (committed / ".metadata").read_bytes() == b"m" and os.stat(committed / ".metadata").st_nlink == 2
+    assert not (tmp_path / "aside").exists()
+
+
 def test_a_stock_checkpoint_at_a_name_the_plugin_publishes_is_moved_aside_not_overwritten(tmp_path, caplog):
     """A stock run left its checkpoints in dirpath, and ModelCheckpoint(enable_version_counter=
     False) gives the next run's the same names: publishing a name never replaces bytes txckpt
