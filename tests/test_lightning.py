@@ -505,8 +505,8 @@ def test_a_crashed_directory_of_links_goes_with_the_next_publication_of_its_name
 
     committed = tmp_path / "checkpoint-4"
     committed.mkdir()
-    for n, data in ((".metadata", b"m"), ("meta.pt", b"p"), ("__0_0.distcp", b"s0")):
-        (committed / n).write_bytes(data)
+    for n, content in ((".metadata", b"m"), ("meta.pt", b"p"), ("__0_0.distcp", b"s0")):
+        (committed / n).write_bytes(content)
     d = tmp_path / "run"
     d.mkdir()
     leftover = d / ".step=4.ckpt.0123456789ab.tmp"  # half built: one link made, then the crash
