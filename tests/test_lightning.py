@@ -7,7 +7,9 @@ ckpt_path="last" on memory:// and s3:// roots reads the log."""
 from __future__ import annotations
 
 import os
+import pickle
 import threading
+from typing import Any
 
 import pytest
 
@@ -494,6 +496,70 @@ def test_a_crashed_links_leftover_goes_with_the_next_link_and_teardown_retires_t
     io.teardown()  # step 1 was saved under last.ckpt alone, and step 2 holds the name now
     assert [c.step for c in txckpt.open_root(d).checkpoints()] == [2]
     assert torch.equal(torch.load(os.path.join(d, "last.ckpt"))["w"], torch.full((2,), 2.0))
+
+
+class _TwoRanks:
+    """Two ranks of a sharded strategy as threads of this process: what the plugin's sharded
+    save uses of ModelParallelStrategy (global_rank, broadcast from rank 0, barrier), exchanged
+    through a real barrier, each object pickled as torch's broadcast_object_list sends it."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(2)
+        self.sent: list[bytes] = []
+
+    def rank(self, global_rank: int) -> Any:
+        ranks = self
+
+        class Strategy:
+            def __init__(self) -> None:
+                self.global_rank = global_rank
+
+            def broadcast(self, obj: Any, src: int = 0) -> Any:
+                if global_rank == 0:
+                    ranks.sent.append(pickle.dumps(obj))
+                ranks.barrier.wait()  # BrokenBarrierError once the test gives up on rank 0
+                got = pickle.loads(ranks.sent[-1])
+                ranks.barrier.wait()
+                return obj if global_rank == 0 else got
+
+            def barrier(self, name: str | None = None) -> None:
+                ranks.barrier.wait()
+
+        return Strategy()
+
+
+def test_a_sharded_saves_failure_on_rank_0_before_dcp_is_raised_by_every_rank(tmp_path):
+    """Global rank 0 alone decides the lineage and retires superseded checkpoints before the
+    sharded save's collectives; when that fails (here: the lineage to resume is not in the log),
+    every rank raises the same typed error, with its fields, at once instead of the others
+    waiting for their collective timeout."""
+    from txckpt.errors import LineageNotFoundError
+
+    ranks = _TwoRanks()
+    ios = [TransactionalCheckpointIO(), TransactionalCheckpointIO()]
+
+    def choose_lineage(*args: Any) -> None:
+        raise LineageNotFoundError("lineage L7 is not in this root's log", lineage="L7", known=["L1"])
+
+    ios[0]._choose_lineage = choose_lineage  # type: ignore[method-assign]
+    raised: list[BaseException | None] = [None, None]
+
+    def run(rank: int) -> None:
+        try:
+            ios[rank]._save_sharded(ranks.rank(rank), {"global_step": 2}, str(tmp_path / "run" / "step=2.ckpt"))
+        except BaseException as e:  # noqa: BLE001 - what each rank raised is the assertion
+            raised[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    threads[0].join()
+    ranks.barrier.abort()  # rank 0 is done: a rank still waiting for it would wait forever
+    threads[1].join()
+    assert type(raised[0]) is LineageNotFoundError, raised
+    assert type(raised[1]) is LineageNotFoundError and str(raised[1]) == str(raised[0]), raised
+    assert (raised[1].lineage, raised[1].known) == ("L7", ["L1"])  # type: ignore[union-attr]
+    assert "raised on global rank 0" in "".join(getattr(raised[1], "__notes__", []))
 
 
 def test_a_crashed_directory_of_links_goes_with_the_next_publication_of_its_name(tmp_path):

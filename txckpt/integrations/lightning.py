@@ -41,7 +41,7 @@ from .._async.asyncsave import Job, LazySnapshot, submit, wait_for_root
 from .._base.coordination import SingleProcess, TorchDistributed, current_coordinator
 from .._base.layout import orphan_key
 from .._base.rngstate import rng_state, set_rng_state
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, decode_error, encode_error
 from .._maintenance.retention import finish_retired, retire
 from .._root.root import CheckpointRoot, open_root
 from ._lightning import sharded
@@ -193,14 +193,26 @@ class TransactionalCheckpointIO(CheckpointIO):
                 self._add_name(r, previous, path)
             strategy.barrier("txckpt-lightning-sharded-name")
             return
+        failure: BaseException | None = None
         if rank0:  # one rank decides the lineage (a fork writes the log), before any rank plans
-            self._wait_links()
-            self._retire_superseded(r)
-            self._choose_lineage(r, loaded, previous is not None and (step is None or step > previous.step))
-            if step is None:
-                tip = r.state().head_tip
-                step = 0 if tip is None else tip.step + 1
-        step = strategy.broadcast(step)
+            try:
+                self._wait_links()
+                self._retire_superseded(r)
+                self._choose_lineage(r, loaded, previous is not None and (step is None or step > previous.step))
+                if step is None:
+                    tip = r.state().head_tip
+                    step = 0 if tip is None else tip.step + 1
+            except Exception as e:  # noqa: BLE001 - every rank raises it, below
+                failure = e
+        # The outcome, not only the step: a failure on rank 0 here would otherwise leave the
+        # other ranks waiting in this broadcast (or in dcp.save) until their collective timeout.
+        step, encoded = strategy.broadcast((step, None if failure is None else encode_error(failure, rank=0)))
+        if failure is not None:
+            raise failure
+        if encoded is not None:
+            shared = decode_error(encoded)  # the same class, message and fields (errors.py's codec)
+            shared.add_note(f"raised on global rank 0 before the sharded save of {path}: every rank raises it")
+            raise shared
         metadata = {"lightning": {"name": name, "epoch": checkpoint.get("epoch"), "global_step": step}}
         where = sharded.save(
             strategy,
