@@ -211,7 +211,9 @@ class TransactionalCheckpointIO(CheckpointIO):
             raise failure
         if encoded is not None:
             shared = decode_error(encoded)  # the same class, message and fields (errors.py's codec)
-            shared.add_note(f"raised on global rank 0 before the sharded save of {path}: every rank raises it")
+            add_note = getattr(shared, "add_note", None)  # Python 3.11+
+            if add_note is not None:
+                add_note(f"raised on global rank 0 before the sharded save of {path}: every rank raises it")
             raise shared
         metadata = {"lightning": {"name": name, "epoch": checkpoint.get("epoch"), "global_step": step}}
         where = sharded.save(
