@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import threading
 from typing import Any
 
@@ -559,7 +560,8 @@ def test_a_sharded_saves_failure_on_rank_0_before_dcp_is_raised_by_every_rank(tm
     assert type(raised[0]) is LineageNotFoundError, raised
     assert type(raised[1]) is LineageNotFoundError and str(raised[1]) == str(raised[0]), raised
     assert (raised[1].lineage, raised[1].known) == ("L7", ["L1"])  # type: ignore[union-attr]
-    assert "raised on global rank 0" in "".join(getattr(raised[1], "__notes__", []))
+    if sys.version_info >= (3, 11):  # exception notes
+        assert "raised on global rank 0" in "".join(getattr(raised[1], "__notes__", []))
 
 
 def test_a_crashed_directory_of_links_goes_with_the_next_publication_of_its_name(tmp_path):
