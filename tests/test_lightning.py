@@ -422,6 +422,76 @@ def test_standalone_pytorch_lightning_package(tmp_path):
     assert "/checkpoint-8/" in str(t.ckpt_path) and t.global_step == 12
 
 
+def test_standalone_pytorch_lightning_preemption_and_exact_resume(tmp_path):
+    """SaveOnPreemption and ExactResume in ``pytorch_lightning``'s Trainer, whose ModelCheckpoint
+    (and SLURMEnvironment) are that package's classes: a SIGTERM after step 3 (mid-epoch,
+    shuffled data) saves step 3 into the ModelCheckpoint's dirpath and leaves ``fit`` with
+    SystemExit(143); ``fit(ckpt_path="last")`` resumes step 3 and ends with the weights of the
+    run that was never stopped."""
+    import signal
+
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from txckpt import preemption
+    from txckpt.integrations.lightning import ExactResume, SaveOnPreemption
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, index):
+            return (self.layer(batch[0]) - batch[1]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    class TermAfter(pl.Callback):
+        def __init__(self, step: int | None) -> None:
+            self.step, self.started = step, None
+
+        def on_train_start(self, trainer, module) -> None:
+            self.started = trainer.global_step
+
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if trainer.global_step == self.step:
+                signal.raise_signal(signal.SIGTERM)  # recorded by txckpt's handler: acted on at this boundary
+
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
+
+    def run(d: str, stop: int | None, ckpt_path: str | None) -> tuple[Any, TermAfter]:
+        torch.manual_seed(0)
+        term = TermAfter(stop)
+        t = pl.Trainer(
+            max_steps=6,
+            plugins=[TransactionalCheckpointIO()],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            accelerator="cpu",
+            callbacks=[term, SaveOnPreemption(), ExactResume(), ModelCheckpoint(dirpath=d, every_n_train_steps=100)],
+        )
+        model = Tiny()
+        try:
+            t.fit(model, DataLoader(data, batch_size=2, shuffle=True), ckpt_path=ckpt_path)
+        finally:
+            preemption.uninstall()
+        return model, term
+
+    whole, _ = run(str(tmp_path / "whole"), None, None)
+    d = str(tmp_path / "run")
+    with pytest.raises(SystemExit) as e:
+        run(d, 3, None)
+    assert e.value.code == 128 + signal.SIGTERM
+    assert [c.step for c in txckpt.open_root(d).checkpoints()] == [3]
+    resumed, term = run(d, None, "last")
+    assert term.started == 3
+    assert torch.equal(resumed.layer.weight, whole.layer.weight) and torch.equal(resumed.layer.bias, whole.layer.bias)
+
+
 def test_resume_from_last_equals_the_uninterrupted_run(tmp_path):
     """An epoch-boundary checkpoint resumed by ckpt_path="last" continues bit for bit: the final
     weights equal those of one uninterrupted run (32 steps an epoch, unshuffled data, SGD)."""

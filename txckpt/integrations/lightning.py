@@ -28,11 +28,21 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
 try:  # the standalone packages: pytorch_lightning's Trainer checks lightning_fabric's CheckpointIO
+    import lightning_fabric.plugins.environments as standalone_environments
     import lightning_fabric.plugins.io.checkpoint_io as standalone_io
     import pytorch_lightning.callbacks as standalone_callbacks
     import pytorch_lightning.trainer.connectors.checkpoint_connector as standalone_connector
 except ImportError:  # only `lightning` installed: the usual case
-    standalone_io = standalone_callbacks = standalone_connector = None  # type: ignore[assignment]
+    standalone_io = standalone_callbacks = standalone_connector = standalone_environments = None  # type: ignore[assignment]
+
+#: What the callbacks below look for in a Trainer, from both packages: pytorch_lightning's Trainer
+#: holds pytorch_lightning's ModelCheckpoint and lightning_fabric's SLURMEnvironment (the same
+#: code under other module names), which are not lightning.pytorch's classes.
+_MODEL_CHECKPOINTS: tuple[Any, ...] = (ModelCheckpoint,)
+_SLURM_ENVIRONMENTS: tuple[Any, ...] = (SLURMEnvironment,)
+if standalone_callbacks is not None:
+    _MODEL_CHECKPOINTS += (standalone_callbacks.ModelCheckpoint,)
+    _SLURM_ENVIRONMENTS += (standalone_environments.SLURMEnvironment,)
 
 from .. import preemption
 from .._base import deps
@@ -595,7 +605,7 @@ class SaveOnPreemption(Callback):
         if not preemption.installed():
             environment = trainer._accelerator_connector.cluster_environment
             signals = list(preemption.DEFAULT_SIGNALS)
-            if isinstance(environment, SLURMEnvironment) and environment.requeue_signal is not None:
+            if isinstance(environment, _SLURM_ENVIRONMENTS) and environment.requeue_signal is not None:
                 signals.append(int(environment.requeue_signal))
             preemption.install(tuple(dict.fromkeys(int(s) for s in signals)), grace_s=self.grace_s)
             self._installed_here = True
@@ -625,7 +635,7 @@ class SaveOnPreemption(Callback):
     def _path(self, trainer: Any) -> str:
         """The first ModelCheckpoint's file name for this step, in its dirpath: where
         ``ckpt_path="last"`` looks, under a name its users know."""
-        callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+        callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, _MODEL_CHECKPOINTS)]
         if not callbacks or callbacks[0].dirpath is None:
             raise InvalidArgumentError(
                 'SaveOnPreemption saves into a ModelCheckpoint\'s dirpath (where fit(ckpt_path="last") '
@@ -664,7 +674,7 @@ class SaveOnPreemption(Callback):
         environment = trainer._accelerator_connector.cluster_environment
         signum = preemption.exit_status() - 128
         if not (
-            isinstance(environment, SLURMEnvironment)
+            isinstance(environment, _SLURM_ENVIRONMENTS)
             and environment.auto_requeue
             and environment.requeue_signal is not None
             and signum == int(environment.requeue_signal)
