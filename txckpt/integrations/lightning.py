@@ -35,15 +35,6 @@ try:  # the standalone packages: pytorch_lightning's Trainer checks lightning_fa
 except ImportError:  # only `lightning` installed: the usual case
     standalone_io = standalone_callbacks = standalone_connector = standalone_environments = None  # type: ignore[assignment]
 
-#: What the callbacks below look for in a Trainer, from both packages: pytorch_lightning's Trainer
-#: holds pytorch_lightning's ModelCheckpoint and lightning_fabric's SLURMEnvironment (the same
-#: code under other module names), which are not lightning.pytorch's classes.
-_MODEL_CHECKPOINTS: tuple[Any, ...] = (ModelCheckpoint,)
-_SLURM_ENVIRONMENTS: tuple[Any, ...] = (SLURMEnvironment,)
-if standalone_callbacks is not None:
-    _MODEL_CHECKPOINTS += (standalone_callbacks.ModelCheckpoint,)
-    _SLURM_ENVIRONMENTS += (standalone_environments.SLURMEnvironment,)
-
 from .. import preemption
 from .._base import deps
 from .._api import load_checkpoint as txckpt_load
@@ -69,6 +60,15 @@ from ._lightning.names import (
 )
 
 log = logging.getLogger("txckpt")
+
+#: What the callbacks below look for in a Trainer, from both packages: pytorch_lightning's Trainer
+#: holds pytorch_lightning's ModelCheckpoint and lightning_fabric's SLURMEnvironment (the same
+#: code under other module names), which are not lightning.pytorch's classes.
+_MODEL_CHECKPOINTS: tuple[Any, ...] = (ModelCheckpoint,)
+_SLURM_ENVIRONMENTS: tuple[Any, ...] = (SLURMEnvironment,)
+if standalone_callbacks is not None:
+    _MODEL_CHECKPOINTS += (standalone_callbacks.ModelCheckpoint,)
+    _SLURM_ENVIRONMENTS += (standalone_environments.SLURMEnvironment,)
 
 
 @dataclass
