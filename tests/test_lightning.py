@@ -7,7 +7,10 @@ ckpt_path="last" on memory:// and s3:// roots reads the log."""
 from __future__ import annotations
 
 import os
+import pickle
+import sys
 import threading
+from typing import Any
 
 import pytest
 
@@ -186,6 +189,50 @@ def test_async_saves_snapshot_before_returning(tmp_path, mode):
         assert torch.equal(
             torch.load(os.path.join(d, f"step={step}.ckpt"))["state_dict"]["w"], torch.full((256, 64), float(step))
         )
+
+
+def test_async_saves_inside_a_process_group_never_coordinate_and_raise_a_background_failure(tmp_path, monkeypatch):
+    """Under DDP Lightning calls save_checkpoint on global rank 0 alone: its background save must
+    not touch the process group (txckpt.async_save's gloo group is created collectively: the
+    other ranks would never join). Seen from rank 0 of two here; the async engine's group would
+    need a real default group, which this process has not. A background failure is raised by the
+    next save (which waits for it), once, and the last save's by the teardown."""
+    import torch.distributed as dist
+
+    import txckpt._save.transactions as transactions
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    real = transactions.append_commit
+
+    def append_commit(root, manifest, *args, **kwargs):
+        if manifest.step in (2, 4):
+            raise OSError(28, f"No space left on device (step {manifest.step})")
+        return real(root, manifest, *args, **kwargs)
+
+    monkeypatch.setattr(transactions, "append_commit", append_commit)
+    d = str(tmp_path / "ddp")
+    io = TransactionalCheckpointIO(async_save=True)
+
+    def save(step: int) -> None:
+        io.save_checkpoint(
+            {"state_dict": {"w": torch.full((4,), float(step))}, "global_step": step, "epoch": 0}, f"{d}/s{step}.ckpt"
+        )
+
+    save(1)
+    save(2)  # fails in the background
+    with pytest.raises(OSError, match="step 2"):
+        save(3)
+    save(3)  # reported once: the run may save again
+    save(4)  # fails in the background
+    with pytest.raises(OSError, match="step 4"):
+        io.teardown()
+    io.teardown()
+    txckpt.forget_roots()
+    history = txckpt.open_root(d).history()
+    assert sorted(c.step for c in history.checkpoints.values()) == [1, 3]
+    assert _ckpts(d) == ["s1.ckpt", "s3.ckpt"]
 
 
 class _Recorded(L.Callback):
@@ -375,6 +422,76 @@ def test_standalone_pytorch_lightning_package(tmp_path):
     assert "/checkpoint-8/" in str(t.ckpt_path) and t.global_step == 12
 
 
+def test_standalone_pytorch_lightning_preemption_and_exact_resume(tmp_path):
+    """SaveOnPreemption and ExactResume in ``pytorch_lightning``'s Trainer, whose ModelCheckpoint
+    (and SLURMEnvironment) are that package's classes: a SIGTERM after step 3 (mid-epoch,
+    shuffled data) saves step 3 into the ModelCheckpoint's dirpath and leaves ``fit`` with
+    SystemExit(143); ``fit(ckpt_path="last")`` resumes step 3 and ends with the weights of the
+    run that was never stopped."""
+    import signal
+
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from txckpt import preemption
+    from txckpt.integrations.lightning import ExactResume, SaveOnPreemption
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, index):
+            return (self.layer(batch[0]) - batch[1]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    class TermAfter(pl.Callback):
+        def __init__(self, step: int | None) -> None:
+            self.step, self.started = step, None
+
+        def on_train_start(self, trainer, module) -> None:
+            self.started = trainer.global_step
+
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if trainer.global_step == self.step:
+                signal.raise_signal(signal.SIGTERM)  # recorded by txckpt's handler: acted on at this boundary
+
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
+
+    def run(d: str, stop: int | None, ckpt_path: str | None) -> tuple[Any, TermAfter]:
+        torch.manual_seed(0)
+        term = TermAfter(stop)
+        t = pl.Trainer(
+            max_steps=6,
+            plugins=[TransactionalCheckpointIO()],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            accelerator="cpu",
+            callbacks=[term, SaveOnPreemption(), ExactResume(), ModelCheckpoint(dirpath=d, every_n_train_steps=100)],
+        )
+        model = Tiny()
+        try:
+            t.fit(model, DataLoader(data, batch_size=2, shuffle=True), ckpt_path=ckpt_path)
+        finally:
+            preemption.uninstall()
+        return model, term
+
+    whole, _ = run(str(tmp_path / "whole"), None, None)
+    d = str(tmp_path / "run")
+    with pytest.raises(SystemExit) as e:
+        run(d, 3, None)
+    assert e.value.code == 128 + signal.SIGTERM
+    assert [c.step for c in txckpt.open_root(d).checkpoints()] == [3]
+    resumed, term = run(d, None, "last")
+    assert term.started == 3
+    assert torch.equal(resumed.layer.weight, whole.layer.weight) and torch.equal(resumed.layer.bias, whole.layer.bias)
+
+
 def test_resume_from_last_equals_the_uninterrupted_run(tmp_path):
     """An epoch-boundary checkpoint resumed by ckpt_path="last" continues bit for bit: the final
     weights equal those of one uninterrupted run (32 steps an epoch, unshuffled data, SGD)."""
@@ -450,6 +567,98 @@ def test_a_crashed_links_leftover_goes_with_the_next_link_and_teardown_retires_t
     io.teardown()  # step 1 was saved under last.ckpt alone, and step 2 holds the name now
     assert [c.step for c in txckpt.open_root(d).checkpoints()] == [2]
     assert torch.equal(torch.load(os.path.join(d, "last.ckpt"))["w"], torch.full((2,), 2.0))
+
+
+class _TwoRanks:
+    """Two ranks of a sharded strategy as threads of this process: what the plugin's sharded
+    save uses of ModelParallelStrategy (global_rank, broadcast from rank 0, barrier), exchanged
+    through a real barrier, each object pickled as torch's broadcast_object_list sends it."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(2)
+        self.sent: list[bytes] = []
+
+    def rank(self, global_rank: int) -> Any:
+        ranks = self
+
+        class Strategy:
+            def __init__(self) -> None:
+                self.global_rank = global_rank
+
+            def broadcast(self, obj: Any, src: int = 0) -> Any:
+                if global_rank == 0:
+                    ranks.sent.append(pickle.dumps(obj))
+                ranks.barrier.wait()  # BrokenBarrierError once the test gives up on rank 0
+                got = pickle.loads(ranks.sent[-1])
+                ranks.barrier.wait()
+                return obj if global_rank == 0 else got
+
+            def barrier(self, name: str | None = None) -> None:
+                ranks.barrier.wait()
+
+        return Strategy()
+
+
+def test_a_sharded_saves_failure_on_rank_0_before_dcp_is_raised_by_every_rank(tmp_path):
+    """Global rank 0 alone decides the lineage and retires superseded checkpoints before the
+    sharded save's collectives; when that fails (here: the lineage to resume is not in the log),
+    every rank raises the same typed error, with its fields, at once instead of the others
+    waiting for their collective timeout."""
+    from txckpt.errors import LineageNotFoundError
+
+    ranks = _TwoRanks()
+    ios = [TransactionalCheckpointIO(), TransactionalCheckpointIO()]
+
+    def choose_lineage(*args: Any) -> None:
+        raise LineageNotFoundError("lineage L7 is not in this root's log", lineage="L7", known=["L1"])
+
+    ios[0]._choose_lineage = choose_lineage  # type: ignore[method-assign]
+    raised: list[BaseException | None] = [None, None]
+
+    def run(rank: int) -> None:
+        try:
+            ios[rank]._save_sharded(ranks.rank(rank), {"global_step": 2}, str(tmp_path / "run" / "step=2.ckpt"))
+        except BaseException as e:  # noqa: BLE001 - what each rank raised is the assertion
+            raised[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    threads[0].join()
+    ranks.barrier.abort()  # rank 0 is done: a rank still waiting for it would wait forever
+    threads[1].join()
+    assert type(raised[0]) is LineageNotFoundError, raised
+    assert type(raised[1]) is LineageNotFoundError and str(raised[1]) == str(raised[0]), raised
+    assert (raised[1].lineage, raised[1].known) == ("L7", ["L1"])  # type: ignore[union-attr]
+    if sys.version_info >= (3, 11):  # exception notes
+        assert "raised on global rank 0" in "".join(getattr(raised[1], "__notes__", []))
+
+
+def test_a_crashed_directory_of_links_goes_with_the_next_publication_of_its_name(tmp_path):
+    """A sharded checkpoint's name is a directory of links built under ``.<name>.<hex>.tmp``; a
+    crash while it is built (or before the swapped-out one is removed) leaves that directory. The
+    next publication of the name removes it; the committed files keep their bytes, and a
+    directory of another name (or one holding a directory: not the plugin's) stays."""
+    from txckpt.integrations._lightning.names import publish_dir
+
+    committed = tmp_path / "checkpoint-4"
+    committed.mkdir()
+    for n, content in ((".metadata", b"m"), ("meta.pt", b"p"), ("__0_0.distcp", b"s0")):
+        (committed / n).write_bytes(content)
+    d = tmp_path / "run"
+    d.mkdir()
+    leftover = d / ".step=4.ckpt.0123456789ab.tmp"  # half built: one link made, then the crash
+    leftover.mkdir()
+    os.link(committed / ".metadata", leftover / ".metadata")
+    other = d / ".step=40.ckpt.0123456789ab.tmp"  # another name's
+    other.mkdir()
+    nested = d / ".step=4.ckpt.ba9876543210.tmp"  # holds a directory: not made by publish_dir
+    (nested / "sub").mkdir(parents=True)
+    publish_dir(str(committed), str(d / "step=4.ckpt"), durable=False, aside=str(tmp_path / "aside"))
+    assert sorted(os.listdir(d)) == [".step=4.ckpt.ba9876543210.tmp", ".step=40.ckpt.0123456789ab.tmp", "step=4.ckpt"]
+    assert sorted(os.listdir(d / "step=4.ckpt")) == [".metadata", "__0_0.distcp", "meta.pt"]
+    assert (committed / ".metadata").read_bytes() == b"m" and os.stat(committed / ".metadata").st_nlink == 2
+    assert not (tmp_path / "aside").exists()
 
 
 def test_a_stock_checkpoint_at_a_name_the_plugin_publishes_is_moved_aside_not_overwritten(tmp_path, caplog):

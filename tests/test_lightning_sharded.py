@@ -141,3 +141,30 @@ def test_rotation_of_sharded_names_keeps_what_stock_keeps(tmp_path, top_k):
     assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["checkpoint-6", *names]
     for n in names:
         assert _inode(root / n / "meta.pt") == _inode(root / "checkpoint-6" / "meta.pt")
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_a_sharded_run_on_an_s3_root_resumes_last_from_the_log(tmp_path, s3_root):
+    """The plugin's root on an object store (s3 on moto): each sharded save is one transaction
+    of both ranks' shards there, with no names (none are links on object stores), and
+    ``fit(ckpt_path="last")`` finds the newest committed step through the log, on both ranks."""
+    import torch
+
+    import txckpt
+
+    url, so = s3_root
+    options = ["--root", url, "--storage-options", json.dumps(so)]
+    first = _run(tmp_path / "dir", tmp_path / "first", "--max-steps", "4", *options)
+    assert all(code == 0 for code, _ in first), [t[-3000:] for _, t in first]
+    resumed = _run(tmp_path / "dir", tmp_path / "resumed", "--max-steps", "6", "--resume", *options)
+    assert all(code == 0 for code, _ in resumed), [t[-3000:] for _, t in resumed]
+    for r in range(2):
+        got = torch.load(tmp_path / "resumed" / f"rank{r}.pt", weights_only=True)
+        assert (got["start"], got["end"]) == (4, 6)
+    txckpt.forget_roots()
+    history = txckpt.open_root(url, so).history()
+    live = [c for c in history.checkpoints.values() if c.txid not in history.retired]
+    assert len({c.lineage for c in live}) == 1  # the resume continued the lineage
+    assert sorted(c.step for c in live) == [2, 4, 6]
+    assert not list((tmp_path / "dir").glob("*.ckpt"))  # the names live in the log alone

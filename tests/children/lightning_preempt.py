@@ -4,14 +4,17 @@ plugins=[TransactionalCheckpointIO(...)])`` on CPU, a small model with dropout o
 
   lightning_preempt.py --dir DIR --hs HS [--mode save|stock] [--grace S] [--every K]
                        [--max-steps N] [--workers W] [--async] [--exact]
-                       [--term-at K | --kill-at K] [--rank R --world W --port P]
+                       [--term-at K | --kill-at K | --die-committing K] [--rank R --world W --port P]
 
 - ``--mode save``: SaveOnPreemption is a callback; ``stock``: it is not (Lightning's own SIGTERM
   handling: the run stops without a save).
 - ``--exact``: ExactResume is a callback too (the resumed run continues bit for bit).
 - ``--every K``: ModelCheckpoint(every_n_train_steps=K, save_top_k=-1); 0: no periodic save.
 - ``--term-at K``: rank 0 sends itself SIGTERM right after step K (recorded by the handler, acted
-  on at the step boundary); ``--kill-at K``: every rank SIGKILLs itself right after step K.
+  on at the step boundary); ``--kill-at K``: every rank SIGKILLs itself right after step K;
+  ``--die-committing K``: rank 0 SIGKILLs itself inside the save of step K, its files staged and
+  its manifest written, right before the commit entry is appended, after writing the name of
+  the thread that was saving to ``HS/died-in`` (with ``--async``: the background saver's).
 - every run is ``fit(ckpt_path="last")``, the same command for the first run and each restart
   (nothing committed yet: Lightning starts from scratch).
 - ``--world 2``: one rank of a two-process gloo ``ddp`` run, launched by the test as torchrun
@@ -60,6 +63,7 @@ def main() -> None:
     p.add_argument("--async", dest="use_async", action="store_true")
     p.add_argument("--term-at", type=int, default=None)
     p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--die-committing", type=int, default=None)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--port", type=int, default=0)
@@ -84,6 +88,20 @@ def main() -> None:
 
     torch.set_num_threads(1)
     rank = a.rank
+    if a.die_committing is not None and rank == 0:
+        import threading
+
+        import txckpt._save.transactions
+
+        real = txckpt._save.transactions.append_commit
+
+        def append_commit(root: Any, manifest: Any, *args: Any, **kwargs: Any) -> Any:
+            if manifest.step == a.die_committing:
+                _put(os.path.join(a.hs, "died-in"), threading.current_thread().name)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(root, manifest, *args, **kwargs)
+
+        txckpt._save.transactions.append_commit = append_commit  # type: ignore[assignment]
     losses = open(os.path.join(a.hs, f"losses-rank{rank}"), "a")
 
     class Net(L.LightningModule):

@@ -6,12 +6,15 @@ a rank (MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE), each rank its own proce
 (tests/harness/tracer.py, as the crash sweeps do) and SIGKILLs itself before the first write of
 its own DCP shard file: a real crash inside the save, after the coordinator planned it and before
 every rank's shards are durable. The traced op it died at is written to ``--label``.
+``--root URL --storage-options JSON``: the plugin's root is that URL (an object store: s3 on
+the suite's moto server), ``--dir`` only ModelCheckpoint's dirpath (no file lands there).
 At the end (no kill) each rank writes its shards' weights and optimizer state, the step it
 started at and the step it ended at to ``<out>/rank<R>.pt``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Any
 
@@ -31,6 +34,8 @@ def main() -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--root", default=None)
+    p.add_argument("--storage-options", default=None, help="JSON")
     a = p.parse_args()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -103,7 +108,11 @@ def main() -> None:
         devices=a.world,
         strategy=strategy,
         callbacks=[KillInSave(), cb] if a.kill_step is not None else [cb],
-        plugins=[TransactionalCheckpointIO()],
+        plugins=[
+            TransactionalCheckpointIO(
+                a.root, storage_options=json.loads(a.storage_options) if a.storage_options else None
+            )
+        ],
         enable_progress_bar=False,
         logger=False,
         enable_model_summary=False,

@@ -17,7 +17,9 @@ Multi-rank: the background save's collectives run on a gloo group of the asynchr
 own, created once per default group by the first ``async_save`` (in the caller's thread, where
 every rank calls it at the same point: ``new_group`` is a collective on the default group). The
 background thread then never touches the default group nor the group synchronous txckpt calls
-use, so a training job's own collectives may run while a save is in the background.
+use, so a training job's own collectives may run while a save is in the background. A caller
+that saves from one rank alone (Lightning's CheckpointIO, called on global rank 0 only) submits
+with ``alone=True``: no group, a ``SingleProcess`` coordinator.
 
 Errors and exit: an error is reported once: retrieved through its future (``SaveFuture``), raised
 by ``wait_for_saves`` or by the Trainer, or else logged by the exit hook, which then makes the exit
@@ -333,6 +335,7 @@ def submit(
     prepare: "Callable[[SnapshotPool, SnapshotPool], Job]",
     *,
     step: int | None = None,
+    alone: bool = False,
 ) -> Future:
     """The machinery of :func:`async_save` for a caller that snapshots its own state (the
     Trainer integration, whose files are written by upstream code): wait for the root's save in
@@ -340,6 +343,9 @@ def submit(
     reused buffers (``eager``: a lazy snapshot's first half) and returns the :class:`Job`;
     ``job.run(coordinator)`` then runs on the root's worker thread with the coordinator of the
     async saves' own group (a Transaction takes it), and its result or error is the future's.
+    ``alone=True``: this process saves by itself, inside a process group or not (Lightning
+    calls its CheckpointIO on global rank 0 only): the job runs with ``SingleProcess()``, and no
+    group is created, since creating one is a collective the other ranks would never join.
     Every guarantee of async_save (one in flight per root, step order, wait_for_saves, finished
     at exit) holds for it. An error of ``prepare`` is raised here."""
     key = root_key(root, storage_options)
@@ -350,7 +356,7 @@ def submit(
         _register_exit_hook()
     with saver.lock:
         saver.wait()  # the previous save: its buffers are reused below
-        coordinator = _coordinator()
+        coordinator = SingleProcess() if alone else _coordinator()
         job = prepare(saver.pool, saver.eager)
         future = SaveFuture()
         future.root, future.step, future.submitted = os.fspath(root), step, time.monotonic()

@@ -28,21 +28,21 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
 try:  # the standalone packages: pytorch_lightning's Trainer checks lightning_fabric's CheckpointIO
+    import lightning_fabric.plugins.environments as standalone_environments
     import lightning_fabric.plugins.io.checkpoint_io as standalone_io
     import pytorch_lightning.callbacks as standalone_callbacks
     import pytorch_lightning.trainer.connectors.checkpoint_connector as standalone_connector
 except ImportError:  # only `lightning` installed: the usual case
-    standalone_io = standalone_callbacks = standalone_connector = None  # type: ignore[assignment]
+    standalone_io = standalone_callbacks = standalone_connector = standalone_environments = None  # type: ignore[assignment]
 
 from .. import preemption
 from .._base import deps
-from .._api import async_save as txckpt_async_save
 from .._api import load_checkpoint as txckpt_load
 from .._async.asyncsave import Job, LazySnapshot, submit, wait_for_root
 from .._base.coordination import SingleProcess, TorchDistributed, current_coordinator
 from .._base.layout import orphan_key
 from .._base.rngstate import rng_state, set_rng_state
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, decode_error, encode_error
 from .._maintenance.retention import finish_retired, retire
 from .._root.root import CheckpointRoot, open_root
 from ._lightning import sharded
@@ -60,6 +60,15 @@ from ._lightning.names import (
 )
 
 log = logging.getLogger("txckpt")
+
+#: What the callbacks below look for in a Trainer, from both packages: pytorch_lightning's Trainer
+#: holds pytorch_lightning's ModelCheckpoint and lightning_fabric's SLURMEnvironment (the same
+#: code under other module names), which are not lightning.pytorch's classes.
+_MODEL_CHECKPOINTS: tuple[Any, ...] = (ModelCheckpoint,)
+_SLURM_ENVIRONMENTS: tuple[Any, ...] = (SLURMEnvironment,)
+if standalone_callbacks is not None:
+    _MODEL_CHECKPOINTS += (standalone_callbacks.ModelCheckpoint,)
+    _SLURM_ENVIRONMENTS += (standalone_environments.SLURMEnvironment,)
 
 
 @dataclass
@@ -150,6 +159,7 @@ class TransactionalCheckpointIO(CheckpointIO):
             self._add_name(r, previous, os.fspath(path))
             return
         wait_for_root(root_path, self.storage_options)  # the lineage an async save is changing
+        self._raise_failures()  # the previous save's, now finished: this save is its next one
         self._wait_links()
         self._retire_superseded(r)
         self._choose_lineage(r, loaded, previous is not None and (step is None or step > previous.step))
@@ -159,18 +169,8 @@ class TransactionalCheckpointIO(CheckpointIO):
         files = {name: checkpoint}
         metadata = {"lightning": {"name": name, "epoch": checkpoint.get("epoch"), "global_step": step}}
         if self.async_save:
-            self._check_single_process()
-            if self.async_save == "lazy" and optimizers:
-                future = self._lazy_save(root_path, step, files, metadata, optimizers)
-            else:
-                future = txckpt_async_save(
-                    root_path,
-                    step,
-                    files,
-                    storage_options=self.storage_options,
-                    metadata=metadata,
-                    incremental=self.incremental,
-                )
+            lazy = optimizers if self.async_save == "lazy" else []
+            future = self._async_save(root_path, step, files, metadata, lazy)
             saved = _Saved(step, name, future)
             self._pending.append(future)
         else:
@@ -190,7 +190,7 @@ class TransactionalCheckpointIO(CheckpointIO):
         with the step, lineage and names of this plugin's other saves, decided on global rank 0."""
         self._raise_failures()
         if self.async_save:
-            self._check_single_process()  # one process: saved synchronously (docs/lightning.md)
+            self._refuse_async_sharded_in_group()  # one process: saved synchronously (docs/lightning.md)
         path = strategy.broadcast(os.fspath(filepath))  # every rank the same path, as the strategy does
         root_path, name = split(path, self.root)
         r = open_root(root_path, self.storage_options)
@@ -203,14 +203,28 @@ class TransactionalCheckpointIO(CheckpointIO):
                 self._add_name(r, previous, path)
             strategy.barrier("txckpt-lightning-sharded-name")
             return
+        failure: BaseException | None = None
         if rank0:  # one rank decides the lineage (a fork writes the log), before any rank plans
-            self._wait_links()
-            self._retire_superseded(r)
-            self._choose_lineage(r, loaded, previous is not None and (step is None or step > previous.step))
-            if step is None:
-                tip = r.state().head_tip
-                step = 0 if tip is None else tip.step + 1
-        step = strategy.broadcast(step)
+            try:
+                self._wait_links()
+                self._retire_superseded(r)
+                self._choose_lineage(r, loaded, previous is not None and (step is None or step > previous.step))
+                if step is None:
+                    tip = r.state().head_tip
+                    step = 0 if tip is None else tip.step + 1
+            except Exception as e:  # noqa: BLE001 - every rank raises it, below
+                failure = e
+        # The outcome, not only the step: a failure on rank 0 here would otherwise leave the
+        # other ranks waiting in this broadcast (or in dcp.save) until their collective timeout.
+        step, encoded = strategy.broadcast((step, None if failure is None else encode_error(failure, rank=0)))
+        if failure is not None:
+            raise failure
+        if encoded is not None:
+            shared = decode_error(encoded)  # the same class, message and fields (errors.py's codec)
+            add_note = getattr(shared, "add_note", None)  # Python 3.11+
+            if add_note is not None:
+                add_note(f"raised on global rank 0 before the sharded save of {path}: every rank raises it")
+            raise shared
         metadata = {"lightning": {"name": name, "epoch": checkpoint.get("epoch"), "global_step": step}}
         where = sharded.save(
             strategy,
@@ -242,14 +256,26 @@ class TransactionalCheckpointIO(CheckpointIO):
         self._loaded[found.root] = found
         return dict(meta)
 
-    def _lazy_save(
+    def _async_save(
         self, root_path: str, step: int, files: dict[str, Any], metadata: dict[str, Any], optimizers: list[Any]
     ) -> Future:
-        """txckpt.async_save(..., optimizer=) with the wait moved after the step's closure:
-        Lightning's automatic optimization runs forward and backward inside ``step(closure)``."""
+        """txckpt.async_save of this process alone: Lightning calls its CheckpointIO on global
+        rank 0 only, so the background save must not coordinate with the other ranks (they are
+        training), nor create the async saves' gloo group (a collective they would never join):
+        it commits with ``SingleProcess()``, as the synchronous save does. ``optimizers``
+        (``async_save="lazy"``): as ``async_save(..., optimizer=)``, with the wait moved after
+        the step's closure: Lightning's automatic optimization runs forward and backward inside
+        ``step(closure)``."""
         so = self.storage_options
 
         def prepare(pool: Any, eager: Any) -> Job:
+            if not optimizers:
+                snapshot = pool.snapshot(files)  # before save_checkpoint returns
+                return Job(
+                    lambda coordinator: open_root(root_path, so).save(
+                        step, snapshot, metadata=metadata, coordinator=coordinator, incremental=self.incremental
+                    )
+                )
             lazy = LazySnapshot(
                 eager,
                 files,
@@ -266,7 +292,7 @@ class TransactionalCheckpointIO(CheckpointIO):
 
             return Job(run, lazy)
 
-        return submit(root_path, so, prepare, step=step)
+        return submit(root_path, so, prepare, step=step, alone=True)
 
     def _retire_superseded(self, r: CheckpointRoot) -> None:
         """Retire this plugin's checkpoints that were committed under a ``last*.ckpt`` name and
@@ -372,13 +398,15 @@ class TransactionalCheckpointIO(CheckpointIO):
         else:
             publish(result)
 
-    def _check_single_process(self) -> None:
+    def _refuse_async_sharded_in_group(self) -> None:
         dist = deps.torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise InvalidArgumentError(
-                "TransactionalCheckpointIO(async_save=True) saves from rank 0 alone, which "
-                "txckpt's background saver cannot do inside a process group yet; use "
-                "async_save=False with multi-process strategies (docs/lightning.md)"
+                "TransactionalCheckpointIO(async_save=...) with ModelParallelStrategy over several ranks: a "
+                "sharded save is collective (every rank writes its shards in one transaction), which txckpt "
+                "does not run in the background yet; use async_save=False with sharded strategies "
+                '(docs/lightning.md, "Sharded strategies"). DDP and single-process strategies save '
+                "asynchronously from rank 0."
             )
 
     # ----- load ---------------------------------------------------------------------------------
@@ -577,7 +605,7 @@ class SaveOnPreemption(Callback):
         if not preemption.installed():
             environment = trainer._accelerator_connector.cluster_environment
             signals = list(preemption.DEFAULT_SIGNALS)
-            if isinstance(environment, SLURMEnvironment) and environment.requeue_signal is not None:
+            if isinstance(environment, _SLURM_ENVIRONMENTS) and environment.requeue_signal is not None:
                 signals.append(int(environment.requeue_signal))
             preemption.install(tuple(dict.fromkeys(int(s) for s in signals)), grace_s=self.grace_s)
             self._installed_here = True
@@ -607,7 +635,7 @@ class SaveOnPreemption(Callback):
     def _path(self, trainer: Any) -> str:
         """The first ModelCheckpoint's file name for this step, in its dirpath: where
         ``ckpt_path="last"`` looks, under a name its users know."""
-        callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+        callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, _MODEL_CHECKPOINTS)]
         if not callbacks or callbacks[0].dirpath is None:
             raise InvalidArgumentError(
                 'SaveOnPreemption saves into a ModelCheckpoint\'s dirpath (where fit(ckpt_path="last") '
@@ -646,7 +674,7 @@ class SaveOnPreemption(Callback):
         environment = trainer._accelerator_connector.cluster_environment
         signum = preemption.exit_status() - 128
         if not (
-            isinstance(environment, SLURMEnvironment)
+            isinstance(environment, _SLURM_ENVIRONMENTS)
             and environment.auto_requeue
             and environment.requeue_signal is not None
             and signum == int(environment.requeue_signal)

@@ -281,8 +281,9 @@ def publish_dir(committed: str, path: str, *, durable: bool, aside: str) -> None
     renamed into place; a directory of links already at ``path`` (the bytes stay committed) is
     swapped out in the same step where the kernel can, and removed after; anything else there
     goes to ``aside`` first (:func:`set_aside_foreign`: never deleted)."""
-    set_aside_foreign(path, aside)
     parent, name = os.path.split(path)
+    _remove_leftover_links(parent, name)
+    set_aside_foreign(path, aside)
     tmp = os.path.join(parent, temp_name(name, hidden=True))
     os.mkdir(tmp)
     try:
@@ -317,14 +318,22 @@ def unpublish_dir(path: str) -> None:
 
 def _remove_leftover_links(directory: str, name: str) -> None:
     """A crash between the link and the rename leaves ``.<name>.<12 hex>.tmp``: one more link to
-    committed bytes (never a partial file). Only this plugin links ``name`` (one writer per root),
-    so the next link of the same name removes it."""
+    committed bytes (never a partial file); a crash while :func:`publish_dir` builds or swaps a
+    directory of links leaves a directory of that name, holding links to committed files only.
+    Only this plugin makes such names of ``name`` (one writer per root), so the next publication
+    of the same name removes them. A directory holding a directory is not one of ours: kept."""
     prefix = "." + name + "."
     with os.scandir(directory) as it:
-        leftovers = [e.path for e in it if e.name.startswith(prefix) and temp_target(e.name) == name]
-    for p in leftovers:
+        leftovers = [e for e in it if e.name.startswith(prefix) and temp_target(e.name) == name]
+    for e in leftovers:
         try:
-            os.unlink(p)
+            if e.is_dir(follow_symlinks=False):
+                with os.scandir(e.path) as inside:
+                    if any(f.is_dir(follow_symlinks=False) for f in inside):
+                        continue
+                shutil.rmtree(e.path)
+            else:
+                os.unlink(e.path)
         except FileNotFoundError:
             pass
 
