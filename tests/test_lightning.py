@@ -383,11 +383,9 @@ def test_last_on_s3_root(tmp_path, s3_root):
     _last_on(url, options, tmp_path)
 
 
-def test_standalone_pytorch_lightning_package(tmp_path):
-    """``pytorch_lightning`` (the same Trainer under its old package name) takes the plugin too."""
-    pl = pytest.importorskip("pytorch_lightning")
-    from pytorch_lightning.callbacks import ModelCheckpoint
-    from torch.utils.data import DataLoader, TensorDataset
+def _standalone_module(pl):
+    """A one-layer LightningModule of the standalone ``pytorch_lightning`` package; its loss is
+    against the batch's second tensor where it has one."""
 
     class Tiny(pl.LightningModule):
         def __init__(self) -> None:
@@ -395,10 +393,22 @@ def test_standalone_pytorch_lightning_package(tmp_path):
             self.layer = torch.nn.Linear(4, 1)
 
         def training_step(self, batch, index):
-            return self.layer(batch[0]).pow(2).mean()
+            out = self.layer(batch[0])
+            return (out - batch[1] if len(batch) > 1 else out).pow(2).mean()
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    return Tiny
+
+
+def test_standalone_pytorch_lightning_package(tmp_path):
+    """``pytorch_lightning`` (the same Trainer under its old package name) takes the plugin too."""
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    Tiny = _standalone_module(pl)
 
     d = str(tmp_path / "pl")
     loader = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=2)
@@ -437,16 +447,7 @@ def test_standalone_pytorch_lightning_preemption_and_exact_resume(tmp_path):
     from txckpt import preemption
     from txckpt.integrations.lightning import ExactResume, SaveOnPreemption
 
-    class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch, index):
-            return (self.layer(batch[0]) - batch[1]).pow(2).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05)
+    Tiny = _standalone_module(pl)
 
     class TermAfter(pl.Callback):
         def __init__(self, step: int | None) -> None:

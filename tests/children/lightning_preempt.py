@@ -68,15 +68,10 @@ def main() -> None:
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--port", type=int, default=0)
     a = p.parse_args()
+    from tests.harness.procs import become_rank
+
     if a.world > 1:  # as torchrun starts a rank: Lightning's environment reads these
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(a.port),
-            WORLD_SIZE=str(a.world),
-            RANK=str(a.rank),
-            LOCAL_RANK=str(a.rank),
-            NODE_RANK="0",
-        )
+        become_rank(a.rank, a.world, a.port)
 
     import lightning as L
     import torch

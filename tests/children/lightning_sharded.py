@@ -37,14 +37,9 @@ def main() -> None:
     p.add_argument("--root", default=None)
     p.add_argument("--storage-options", default=None, help="JSON")
     a = p.parse_args()
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(a.port),
-        WORLD_SIZE=str(a.world),
-        RANK=str(a.rank),
-        LOCAL_RANK=str(a.rank),
-        NODE_RANK="0",
-    )
+    from tests.harness.procs import become_rank
+
+    become_rank(a.rank, a.world, a.port)
 
     import lightning as L
     import torch

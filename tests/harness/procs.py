@@ -131,3 +131,16 @@ def torchrun(
             f"--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-6000:]}"
         )
     return p
+
+
+def become_rank(rank: int, world: int, port: int) -> None:
+    """In a child a test started as one rank of ``world``: the environment torchrun gives a rank
+    (what torch.distributed's env:// and Lightning's environment read), the store on 127.0.0.1."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )

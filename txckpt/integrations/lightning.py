@@ -160,12 +160,7 @@ class TransactionalCheckpointIO(CheckpointIO):
             return
         wait_for_root(root_path, self.storage_options)  # the lineage an async save is changing
         self._raise_failures()  # the previous save's, now finished: this save is its next one
-        self._wait_links()
-        self._retire_superseded(r)
-        self._choose_lineage(r, loaded, previous is not None and (step is None or step > previous.step))
-        if step is None:
-            tip = r.state().head_tip
-            step = 0 if tip is None else tip.step + 1
+        step = self._begin(r, loaded, previous, step)
         files = {name: checkpoint}
         metadata = {"lightning": {"name": name, "epoch": checkpoint.get("epoch"), "global_step": step}}
         if self.async_save:
@@ -177,6 +172,19 @@ class TransactionalCheckpointIO(CheckpointIO):
             where = r.save(step, files, metadata=metadata, incremental=self.incremental, coordinator=SingleProcess())
             saved = _Saved(step, name, where)
         self._record(r, saved, path)
+
+    def _begin(self, r: CheckpointRoot, loaded: Any, previous: _Saved | None, step: int | None) -> int:
+        """What a new save does before it writes (on the one process that decides): the links of
+        earlier saves in place, the superseded ``last`` checkpoint retired, the lineage chosen
+        (a resume from an older checkpoint forks). Returns the save's step (the checkpoint's, or
+        the one after the head's tip where the checkpoint has none)."""
+        self._wait_links()
+        self._retire_superseded(r)
+        self._choose_lineage(r, loaded, previous is not None and (step is None or step > previous.step))
+        if step is None:
+            tip = r.state().head_tip
+            step = 0 if tip is None else tip.step + 1
+        return step
 
     def _record(self, r: CheckpointRoot, saved: _Saved, path: Any) -> None:
         self._saved[r.url] = saved
@@ -206,12 +214,7 @@ class TransactionalCheckpointIO(CheckpointIO):
         failure: BaseException | None = None
         if rank0:  # one rank decides the lineage (a fork writes the log), before any rank plans
             try:
-                self._wait_links()
-                self._retire_superseded(r)
-                self._choose_lineage(r, loaded, previous is not None and (step is None or step > previous.step))
-                if step is None:
-                    tip = r.state().head_tip
-                    step = 0 if tip is None else tip.step + 1
+                step = self._begin(r, loaded, previous, step)
             except Exception as e:  # noqa: BLE001 - every rank raises it, below
                 failure = e
         # The outcome, not only the step: a failure on rank 0 here would otherwise leave the
