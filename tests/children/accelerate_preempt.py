@@ -38,12 +38,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
-
-def _put(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+from tests.harness.handshake import put  # noqa: E402
 
 
 def _wait_for(path: str, deadline_s: float = 300.0) -> None:
@@ -114,9 +109,9 @@ def main() -> None:
     current = {"step": -1}
 
     def pre_hook(models, weights, output_dir):
-        _put(os.path.join(output_dir, f"loop_step_rank{r}.json"), json.dumps(current["step"]))
+        put(os.path.join(output_dir, f"loop_step_rank{r}.json"), json.dumps(current["step"]))
         if a.block_preempted_save and preemption.received():
-            _put(os.path.join(a.hs, f"blocked-rank{r}"), str(current["step"]))
+            put(os.path.join(a.hs, f"blocked-rank{r}"), str(current["step"]))
             _wait_for(os.path.join(a.hs, "release"))
 
     acc.register_save_state_pre_hook(pre_hook)
@@ -125,7 +120,7 @@ def main() -> None:
     if a.resume:
         loaded = acc.load_state()
         w = acc.unwrap_model(model).weight.detach().flatten()
-        _put(
+        put(
             os.path.join(a.hs, f"resumed-rank{r}.json"),
             json.dumps(
                 {
@@ -151,14 +146,14 @@ def main() -> None:
         try:
             acc.save_state_if_preempted(out)  # every rank, every step: one all-reduce
         except SystemExit as e:
-            _put(
+            put(
                 os.path.join(a.hs, f"result-rank{r}.json"),
                 json.dumps({"stopped_at": step, "received": preemption.received(), "status": e.code}),
             )
             raise
         if a.every and step % a.every == 0:
             acc.save_state(out)
-        _put(os.path.join(a.hs, f"step-rank{r}"), str(step))
+        put(os.path.join(a.hs, f"step-rank{r}"), str(step))
     acc.end_training()  # a run that ends without a signal: the handlers the accelerator installed go back
     print(
         f"finished at step {a.max_steps}; handlers installed after end_training: {preemption.installed()}", flush=True

@@ -41,12 +41,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
-
-def _put(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+from tests.harness.handshake import put  # noqa: E402
 
 
 def main() -> None:
@@ -92,7 +87,7 @@ def main() -> None:
 
         def append_commit(root: Any, manifest: Any, *args: Any, **kwargs: Any) -> Any:
             if manifest.step == a.die_committing:
-                _put(os.path.join(a.hs, "died-in"), threading.current_thread().name)
+                put(os.path.join(a.hs, "died-in"), threading.current_thread().name)
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(root, manifest, *args, **kwargs)
 
@@ -118,7 +113,7 @@ def main() -> None:
 
     class Handshake(L.Callback):
         def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-            _put(
+            put(
                 os.path.join(a.hs, f"start-rank{rank}.json"),
                 json.dumps({"step": trainer.global_step, "ckpt_path": trainer.ckpt_path and str(trainer.ckpt_path)}),
             )
@@ -128,7 +123,7 @@ def main() -> None:
 
         def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
             step = trainer.global_step
-            _put(os.path.join(a.hs, f"step-rank{rank}"), str(step))
+            put(os.path.join(a.hs, f"step-rank{rank}"), str(step))
             if a.kill_at == step:
                 os.kill(os.getpid(), signal.SIGKILL)
             if a.term_at == step and rank == 0:
@@ -165,7 +160,7 @@ def main() -> None:
         trainer.fit(model, loader, ckpt_path="last")  # the same command for every (re)start
     except SystemExit as e:
         result = {"stopped_at": trainer.global_step, "received": handshake.received, "status": e.code}
-        _put(os.path.join(a.hs, f"result-rank{rank}.json"), json.dumps(result))
+        put(os.path.join(a.hs, f"result-rank{rank}.json"), json.dumps(result))
         raise
     if rank == 0:
         state = model.state_dict()

@@ -40,14 +40,8 @@ import time
 import torch
 
 import txckpt
+from tests.harness.handshake import put
 from txckpt import preemption
-
-
-def _put(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _wait_for(path: str, deadline_s: float = 120.0, ack: str | None = None) -> None:
@@ -56,7 +50,7 @@ def _wait_for(path: str, deadline_s: float = 120.0, ack: str | None = None) -> N
     end = time.monotonic() + deadline_s
     while not os.path.exists(path):
         if ack is not None and preemption.received() and not os.path.exists(ack):
-            _put(ack, str(preemption.received()))
+            put(ack, str(preemption.received()))
         if time.monotonic() > end:
             raise TimeoutError(path)
         time.sleep(0.01)  # polling a file with a deadline: the parent's release
@@ -101,16 +95,16 @@ def main() -> None:
     real_save = txckpt.CheckpointRoot.save
 
     def save(root, step, *args, **kwargs):  # the background's save: mark it, hold it if asked
-        _put(os.path.join(a.hs, f"inside-{step}-rank{r}"), str(step))
+        put(os.path.join(a.hs, f"inside-{step}-rank{r}"), str(step))
         if step == a.block_step:
-            _put(os.path.join(a.hs, f"blocked-rank{r}"), str(step))
+            put(os.path.join(a.hs, f"blocked-rank{r}"), str(step))
             _wait_for(os.path.join(a.hs, "release"), ack=os.path.join(a.hs, f"signalled-rank{r}"))
         return real_save(root, step, *args, **kwargs)
 
     txckpt.CheckpointRoot.save = save  # type: ignore[method-assign]
 
     def saved(step: int, outcome: str) -> None:
-        _put(os.path.join(a.hs, f"done-{step}-rank{r}"), outcome)
+        put(os.path.join(a.hs, f"done-{step}-rank{r}"), outcome)
 
     def on_done(step: int):
         def report(f) -> None:  # the base class's: the outcome stays unretrieved for exit() to report
@@ -137,26 +131,26 @@ def main() -> None:
             if state["step"] != start or not state["w"].eq(start).all():
                 raise SystemExit(f"resumed {path} (step {start}) holds the state of step {state['step']}")
             w = state["w"].clone()
-        _put(os.path.join(a.hs, f"resumed-rank{r}.json"), json.dumps({"from": start, "path": path}))
+        put(os.path.join(a.hs, f"resumed-rank{r}.json"), json.dumps({"from": start, "path": path}))
     for step in range(start + 1, a.max_steps + 1):
         w += 1  # the "training step": w == step
         if step == a.hold_step:
-            _put(os.path.join(a.hs, f"instep-rank{r}"), str(step))
+            put(os.path.join(a.hs, f"instep-rank{r}"), str(step))
             _wait_for(os.path.join(a.hs, "release"), ack=os.path.join(a.hs, f"signalled-rank{r}"))
         stop = preemption.requested()
         if stop and not a.no_final_save:
-            _put(os.path.join(a.hs, f"final-rank{r}"), str(step))
+            put(os.path.join(a.hs, f"final-rank{r}"), str(step))
         periodic = step % a.every == 0 and (a.last_periodic is None or step <= a.last_periodic)
         if (stop and not a.no_final_save) or periodic or step == a.finish_at:
             save_step(step, w)
-        _put(os.path.join(a.hs, f"step-rank{r}"), str(step))
+        put(os.path.join(a.hs, f"step-rank{r}"), str(step))
         if step == a.finish_at and not stop:
             txckpt.wait_for_saves()
-            _put(os.path.join(a.hs, f"result-rank{r}.json"), json.dumps({"stopped_at": step, "finished": True}))
+            put(os.path.join(a.hs, f"result-rank{r}.json"), json.dumps({"stopped_at": step, "finished": True}))
             preemption.uninstall()
             return
         if stop:
-            _put(
+            put(
                 os.path.join(a.hs, f"result-rank{r}.json"),
                 json.dumps({"stopped_at": step, "received": preemption.received(), "status": preemption.exit_status()}),
             )

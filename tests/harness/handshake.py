@@ -15,6 +15,15 @@ import time
 from typing import Any
 
 
+def put(path: str, text: str) -> None:
+    """The child's side: write handshake file ``path`` whole (a temp file renamed into place), so
+    the test's poll never reads it half written."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
