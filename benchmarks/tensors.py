@@ -192,9 +192,61 @@ def _index_cost_rows(size: int, reps: int) -> list[dict[str, Any]]:
     ]
 
 
+def _commit_hash_rows(size: int, reps: int) -> list[dict[str, Any]]:
+    """The commit's pass over a safetensors file other code wrote into ``tx.directory``
+    (``fileio.hash_file`` with the tensor index's tap, as ``claims.hash_staged`` runs it), from
+    the page cache: the tap (chunk and tensor digests) on a second thread, one block behind the
+    file's digest, against the one-thread pass (``TAP_THREAD_FROM`` set past the file)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from txckpt._base import fileio
+    from txckpt._manifest.tensor_index import Indexer
+
+    n = 64
+    folder = h.fresh_dir("commit-hash")
+    path = os.path.join(folder, "model.safetensors")
+    save_file({f"t{i}": torch.ones(size // n // 4) for i in range(n)}, path)
+    nbytes = os.path.getsize(path)
+    real = fileio.TAP_THREAD_FROM
+
+    def hashed(threaded: bool) -> None:
+        fileio.TAP_THREAD_FROM = 0 if threaded else 1 << 62
+        ix = Indexer("model.safetensors")
+        got, _ = fileio.hash_file(path, tap=ix.update)
+        ix.finish(got)
+
+    methods = [
+        h.Method("tap thread", lambda ctx: hashed(True), settle=False),
+        h.Method("one thread", lambda ctx: hashed(False), settle=False),
+    ]
+    try:
+        times = h.interleave(methods, reps, warmup=1)
+    finally:
+        fileio.TAP_THREAD_FROM = real
+        h.remove(folder)
+    return [
+        h.compare(
+            f"commit-time hash of a {h.fmt_size(nbytes)} safetensors file other code wrote: "
+            "tensor index on a second thread vs one thread",
+            nbytes,
+            times,
+            "tap thread",
+            "one thread",
+            None,
+            f"page cache warm; {len(os.sched_getaffinity(0))} cores, load average {os.getloadavg()[0]:.2f} at the end",
+        )
+    ]
+
+
 def run(quick: bool) -> dict[str, Any]:
     n, size, reps = _shape()
-    rows = _inspect_rows(n, reps) + _load_rows(size, reps) + _index_cost_rows(min(size, 256 * MiB), reps)
+    rows = (
+        _inspect_rows(n, reps)
+        + _load_rows(size, reps)
+        + _index_cost_rows(min(size, 256 * MiB), reps)
+        + _commit_hash_rows(min(size, 256 * MiB), reps)
+    )
     return {
         "title": TITLE,
         "about": "Medians of interleaved rounds in one process, page cache warm for both sides. "

@@ -70,6 +70,51 @@ def test_hash_file_and_fsync(tmp_path, small_chunks, size):
     assert fileio.hash_and_fsync(path) == (size, checksum.digest_bytes(data))
 
 
+@pytest.mark.parametrize("fsync", [False, True])
+def test_hash_file_tap_on_its_own_thread_gives_the_same_digests_and_index(tmp_path, monkeypatch, fsync):
+    """Issue 47: a large file's tap (the tensor index: chunk and tensor digests) runs on a second
+    thread, one block behind the file's digest; the file's digest, its chunk digests and its
+    tensor index are byte for byte those of the one-thread pass, and a tap's error is raised."""
+    import threading
+
+    from safetensors.torch import save_file
+
+    from txckpt._manifest.tensor_index import Indexer
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randn(1000 + 37 * i, generator=g) for i in range(12)}
+    path = str(tmp_path / "m.safetensors")
+    save_file(tensors, path)
+    size = os.path.getsize(path)
+    monkeypatch.setattr(fileio, "HASH_CHUNK", 4096)
+    monkeypatch.setattr(fileio, "TAP_THREAD_BLOCK", 4096)  # ~15 blocks: every hand-over path
+    monkeypatch.setattr(fileio, "_cores", lambda: 2)
+
+    def hashed(thread_from: int) -> tuple:
+        monkeypatch.setattr(fileio, "TAP_THREAD_FROM", thread_from)
+        indexer, threads = Indexer("m.safetensors", chunk_size=8192), set()
+
+        def tap(view):
+            threads.add(threading.get_ident())
+            indexer.update(view)
+
+        got, digest = fileio.hash_file(path, fsync=fsync, tap=tap)
+        return (got, digest, indexer.finish(got)), threads
+
+    one, one_threads = hashed(size + 1)
+    two, two_threads = hashed(size)
+    assert one_threads == {threading.get_ident()} and threading.get_ident() not in two_threads
+    assert one == two
+    assert one[:2] == (size, checksum.digest_bytes(open(path, "rb").read()))
+    assert len(one[2].chunks) == -(-size // 8192) and len(one[2].tensors) == 12
+
+    def failing(view):
+        raise ValueError("tap failed")
+
+    with pytest.raises(ValueError, match="tap failed"):
+        fileio.hash_file(path, tap=failing)
+
+
 # ----- the load path --------------------------------------------------------------------------
 
 

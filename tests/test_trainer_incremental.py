@@ -70,6 +70,21 @@ def train(out, max_steps, resume=None, cls=TransactionalTrainer, callbacks=(), *
     return trainer
 
 
+def gpt2(n_layer: int = 2, n_embd: int = 32):
+    """A small GPT-2, everything frozen but the last block and ``ln_f`` (the issue's new user)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        n_layer=n_layer, n_embd=n_embd, n_head=2, vocab_size=96, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
+    model = GPT2LMHeadModel(cfg)
+    model.requires_grad_(False)
+    model.transformer.h[-1].requires_grad_(True)
+    model.transformer.ln_f.requires_grad_(True)
+    return model
+
+
 def shards(path: str) -> dict[str, int]:
     return {n: os.stat(os.path.join(path, n)).st_ino for n in os.listdir(path) if n.endswith(".safetensors")}
 
@@ -131,7 +146,7 @@ def test_one_model_safetensors_gets_its_frozen_tensors_a_shard_of_their_own(tmp_
     in a stock shard of their own from the first save, shared by every later one; stock
     ``from_pretrained`` of each checkpoint is the model as saved, tied ``lm_head`` included, and a
     stock Trainer resumes."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     class Snapshots(TrainerCallback):
         def __init__(self):
@@ -139,15 +154,6 @@ def test_one_model_safetensors_gets_its_frozen_tensors_a_shard_of_their_own(tmp_
 
         def on_save(self, args, state, control, model=None, **kwargs):
             self.at[state.global_step] = {k: v.clone() for k, v in model.state_dict().items()}
-
-    def gpt2():
-        torch.manual_seed(0)
-        cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32, bos_token_id=0, eos_token_id=0)
-        model = GPT2LMHeadModel(cfg)
-        model.requires_grad_(False)
-        model.transformer.h[-1].requires_grad_(True)
-        model.transformer.ln_f.requires_grad_(True)
-        return model
 
     ids = torch.randint(0, 96, (8, 12), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": i, "labels": i} for i in ids]
@@ -185,3 +191,84 @@ def test_one_model_safetensors_gets_its_frozen_tensors_a_shard_of_their_own(tmp_
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 8
     assert shards(str(out / "checkpoint-8"))["model-00001-of-00002.safetensors"] in frozen_ino
+
+
+class AtSave(TrainerCallback):
+    """The model's state at each save, taken when the step decides to save (on_step_end, after
+    the default flow callback set should_save): an async save's on_save runs only after its
+    commit, when training has moved on."""
+
+    def __init__(self):
+        self.at = {}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if control.should_save:
+            self.at[state.global_step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def disk_usage(root) -> int:
+    """The bytes of every file under ``root``, a hard-linked inode counted once."""
+    seen, total = set(), 0
+    for d, _, names in os.walk(root):
+        for n in names:
+            st = os.stat(os.path.join(d, n))
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                total += st.st_size
+    return total
+
+
+@pytest.mark.parametrize("mode", ["lazy", "copy"])
+def test_async_saves_keep_the_frozen_base_once_too(tmp_path, mode):
+    """Issue 47: ``txckpt_async_save`` (lazy and copy-first) with ``txckpt_incremental=True`` saves
+    the model's one ``model.safetensors`` grouped as the synchronous save does: the frozen
+    tensors in a stock shard written once (one inode in every checkpoint), so the root grows per
+    save by the trained tensors, the optimizer and the small files only; stock
+    ``from_pretrained`` of each checkpoint is the model at that save."""
+    from transformers import GPT2LMHeadModel
+
+    class Growth(TrainerCallback):
+        """The root's disk usage when each save's on_save runs (after its commit)."""
+
+        def __init__(self):
+            self.at = {}
+
+        def on_save(self, args, state, control, **kwargs):
+            self.at[state.global_step] = disk_usage(out)
+
+    ids = torch.randint(0, 96, (8, 12), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": i, "labels": i} for i in ids]
+    at_save, growth = AtSave(), Growth()
+    out = tmp_path / "out"
+    TransactionalTrainer(
+        model=gpt2(n_layer=4, n_embd=64),
+        args=make_args(str(out), 6),
+        train_dataset=data,
+        callbacks=[at_save, growth],
+        txckpt_incremental=True,
+        txckpt_async_save=mode,
+    ).train()
+    paths = [str(out / f"checkpoint-{s}") for s in (2, 4, 6)]
+    layouts = [shards(p) for p in paths]
+    frozen_shard = "model-00001-of-00002.safetensors"
+    assert [sorted(s) for s in layouts] == [[frozen_shard, "model-00002-of-00002.safetensors"]] * 3
+    assert len({s[frozen_shard] for s in layouts}) == 1  # written once, shared by the later saves
+    frozen_size = os.path.getsize(os.path.join(paths[0], frozen_shard))
+    for before, step, path in zip((2, 4), (4, 6), paths[1:]):
+        # This checkpoint's own bytes: every file but the shared frozen shard (the trained
+        # tensors' shard, the optimizer, scheduler, RNG state, JSON files), and its manifest.
+        own = sum(
+            os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path) for n in names if n != frozen_shard
+        )
+        manifest = len(txckpt.read_manifest(path).encode())
+        grown = growth.at[step] - growth.at[before]
+        assert grown <= own + manifest + (16 << 10), (step, grown, own, manifest, frozen_size)
+    assert frozen_size > 16 * (16 << 10)  # so a base written again could not pass the bound above
+    for step, path in zip((2, 4, 6), paths):
+        txckpt.verify_checkpoint(path)
+        loaded = GPT2LMHeadModel.from_pretrained(path).state_dict()
+        for k, v in at_save.at[step].items():
+            assert torch.equal(loaded[k], v), (step, k)
+    stock = Trainer(model=gpt2(n_layer=4, n_embd=64), args=make_args(str(tmp_path / "stock"), 8), train_dataset=data)
+    stock.train(resume_from_checkpoint=paths[1])
+    assert stock.state.global_step == 8

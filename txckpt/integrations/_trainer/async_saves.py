@@ -19,7 +19,10 @@ files). A save is split in two:
   is replayed with the same writer on the snapshot, at the same name: the optimizer and
   scheduler through the transaction as the synchronous path streams them, the others as files
   in ``tx.directory``. So an async checkpoint holds the same files with the same bytes as a
-  synchronous one.
+  synchronous one. With ``txckpt_incremental=True`` the model's one ``model.safetensors`` is
+  recorded as a GROUPED write and replayed as the synchronous save writes it
+  (``patches.grouped_weights_through``): its frozen tensors in a stock shard of their own, shared
+  by later saves (txckpt._save.grouped).
 
 What needs the committed checkpoint (``best_model_checkpoint``'s published path, the Hub push,
 retention, ``on_save`` callbacks) runs in the training thread after the commit, in step order,
@@ -48,8 +51,9 @@ import transformers.modeling_utils as mu
 from txckpt import errors as _errors
 from txckpt._async import asyncsave
 from txckpt._root.root import open_root
+from txckpt._save.grouped import is_shard_name, save_grouped
 
-from .patches import torch_save_into
+from .patches import grouping_of, torch_save_into
 from .preempt import note_committed
 from .rank_files import rank_patterns
 from .paths import STAGING_DIR_NAME, STAGING_ENV, TRAINER_NAMING, TRAINER_STATE_NAME, is_remote, is_within, public_name
@@ -57,8 +61,9 @@ from .paths import STAGING_DIR_NAME, STAGING_ENV, TRAINER_NAMING, TRAINER_STATE_
 log = logging.getLogger("txckpt.transformers")
 
 #: How a recorded write is replayed: through the transaction with torch.save (what the sync path
-#: streams), torch.save to a path, safetensors' save_file to a path.
-STREAM, TORCH, SAFETENSORS = "stream", "torch", "safetensors"
+#: streams), torch.save to a path, safetensors' save_file to a path, and grouped through the
+#: transaction (txckpt._save.grouped.save_grouped: an incremental save's one model file).
+STREAM, TORCH, SAFETENSORS, GROUPED = "stream", "torch", "safetensors", "grouped"
 
 
 class _Sink:
@@ -125,10 +130,13 @@ class _Capture:
 
 
 @contextlib.contextmanager
-def _recording(capture: _Capture) -> Iterator[None]:
+def _recording(capture: _Capture, grouping: dict[str, Any] | None = None) -> Iterator[None]:
     """torch.save and safetensors' save_file (the module attribute and the name transformers'
     modeling_utils imported) record writes into the capture's directory made by this thread,
-    with the real writer the background replays them with; every other call goes through."""
+    with the real writer the background replays them with; every other call goes through.
+    ``grouping`` (an incremental save: :func:`grouping_of`): the one unsharded file that
+    ``save_pretrained`` writes at the top of the directory through modeling_utils' name is
+    recorded as a GROUPED write instead, as the synchronous save groups exactly that file."""
     real_save = torch.save
     real_st = safetensors.torch.save_file
     real_mu = getattr(mu, "safe_save_file", None)
@@ -142,12 +150,15 @@ def _recording(capture: _Capture) -> Iterator[None]:
             return real_save(obj, f, *args, **kwargs)
         capture.record(name, TORCH, obj, {}, real_save)
 
-    def st_saver(real: Callable[..., Any]) -> Callable[..., Any]:
+    def st_saver(real: Callable[..., Any], group: dict[str, Any] | None = None) -> Callable[..., Any]:
         @functools.wraps(real)
         def save_file(tensors: Any, filename: Any, metadata: Any = None, **kwargs: Any) -> Any:
             name = capture.name_of(filename)
             if name is None:
                 return real(tensors, filename, metadata=metadata, **kwargs)
+            if group is not None and not kwargs and "/" not in name and not is_shard_name(name):
+                capture.record(name, GROUPED, tensors, dict(group, metadata=metadata), real)
+                return None
             capture.record(name, SAFETENSORS, tensors, dict(kwargs, metadata=metadata), real)
 
         return save_file
@@ -155,7 +166,7 @@ def _recording(capture: _Capture) -> Iterator[None]:
     torch.save = save
     setattr(safetensors.torch, "save_file", st_saver(real_st))
     if real_mu is not None:
-        setattr(mu, "safe_save_file", st_saver(real_mu))
+        setattr(mu, "safe_save_file", st_saver(real_mu, grouping))
     try:
         yield
     finally:
@@ -246,7 +257,8 @@ class AsyncSaves:
         try:
             t._txckpt_streamed = set()
             t._txckpt_resolve_best(root, step)
-            with _recording(capture):
+            grouping = grouping_of(t.model) if t.txckpt_incremental else None
+            with _recording(capture, grouping):
                 upstream(model, trial, *args, **kwargs)
             small = capture.small_files()
             t._txckpt_check_streamed(capture)
@@ -456,6 +468,9 @@ def _write_and_commit(
             obj = snap[name]
             if how == STREAM:  # as patches.torch_save_through writes it
                 torch_save_into(tx, name, obj, writer)
+                continue
+            if how == GROUPED:  # as patches.grouped_weights_through saves it
+                save_grouped(tx, name, obj, **kw)
                 continue
             path = os.path.join(directory, name)
             os.makedirs(os.path.dirname(path), exist_ok=True)

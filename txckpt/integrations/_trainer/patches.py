@@ -105,6 +105,15 @@ def torch_save_through(tx: Any, streamed: set[str]) -> Iterator[None]:
         torch.save = real
 
 
+def grouping_of(model: Any) -> dict[str, Any]:
+    """``save_grouped``'s layout keywords for ``model``, the same for the synchronous save
+    (:func:`grouped_weights_through`) and the async one: its parameters with ``requires_grad=False`` form the frozen shard from the first
+    save on; those it trains are assumed changed (never hashed)."""
+    params = dict(model.named_parameters()) if hasattr(model, "named_parameters") else {}
+    frozen = {n for n, p in params.items() if not p.requires_grad}
+    return {"frozen": frozen, "assume_changed": set(params) - frozen}
+
+
 @contextlib.contextmanager
 def grouped_weights_through(tx: Any, model: Any) -> Iterator[None]:
     """While the block runs, the one unsharded ``.safetensors`` file that ``save_pretrained``
@@ -118,9 +127,7 @@ def grouped_weights_through(tx: Any, model: Any) -> Iterator[None]:
     real = hf_modeling.safe_save_file
     me = threading.get_ident()
     directory = os.path.realpath(tx.directory)
-    params = dict(model.named_parameters()) if hasattr(model, "named_parameters") else {}
-    frozen = {n for n, p in params.items() if not p.requires_grad}
-    trained = set(params) - frozen
+    grouping = grouping_of(model)
 
     @functools.wraps(real)
     def save_file(tensors: Any, filename: Any, metadata: Any = None) -> Any:
@@ -128,7 +135,7 @@ def grouped_weights_through(tx: Any, model: Any) -> Iterator[None]:
         name = os.path.basename(path)
         if threading.get_ident() != me or os.path.dirname(path) != directory or is_shard_name(name):
             return real(tensors, filename, metadata=metadata)
-        save_grouped(tx, name, tensors, metadata=metadata, frozen=frozen, assume_changed=trained)
+        save_grouped(tx, name, tensors, metadata=metadata, **grouping)
         return None
 
     setattr(hf_modeling, "safe_save_file", save_file)
