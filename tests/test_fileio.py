@@ -88,7 +88,7 @@ def test_hash_file_tap_on_its_own_thread_gives_the_same_digests_and_index(tmp_pa
     size = os.path.getsize(path)
     monkeypatch.setattr(fileio, "HASH_CHUNK", 4096)
     monkeypatch.setattr(fileio, "TAP_THREAD_BLOCK", 4096)  # ~15 blocks: every hand-over path
-    monkeypatch.setattr(fileio, "_cores", lambda: 2)
+    monkeypatch.setattr(fileio, "usable_cores", lambda: 2)
 
     def hashed(thread_from: int) -> tuple:
         monkeypatch.setattr(fileio, "TAP_THREAD_FROM", thread_from)

@@ -7,6 +7,7 @@ disk. The algorithm name is recorded in every manifest so that a later format ca
 from __future__ import annotations
 
 import io
+import os
 from typing import Any, BinaryIO, Callable
 
 import xxhash
@@ -21,6 +22,15 @@ _READ_CHUNK = 8 << 20
 new_hasher = xxhash.xxh3_128
 #: The xxh3-128 hex digest of a buffer.
 digest_bytes = xxhash.xxh3_128_hexdigest
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity, else the machine's): how many
+    hashing threads can run at once (xxh3 releases the GIL)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def digest_stream(stream: BinaryIO, chunk: int = _READ_CHUNK) -> tuple[int, str]:

@@ -36,7 +36,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 from . import deps
-from .checksum import new_hasher
+from .checksum import new_hasher, usable_cores
 from ..errors import SpecialFileError
 
 #: readinto chunk of :func:`read_into_buffer` when the reader does not hash, or hands the hash
@@ -367,7 +367,7 @@ def hash_file(path: str, *, fsync: bool = False, tap: Callable[[memoryview], Any
         if fsync:
             _start_writeback(fd)
         _advise_sequential(fd)
-        if tap is not None and _cores() >= 2 and os.fstat(fd).st_size >= TAP_THREAD_FROM:
+        if tap is not None and usable_cores() >= 2 and os.fstat(fd).st_size >= TAP_THREAD_FROM:
             size, digest = _hash_file_tapped(fd, tap)
             if fsync:
                 os.fsync(fd)
@@ -398,10 +398,6 @@ TAP_THREAD_FROM = 64 << 20
 #: The block :func:`_hash_file_tapped` reads and hands over: a hand-over per block costs tens of
 #: microseconds, a few percent of hashing 4 MiB.
 TAP_THREAD_BLOCK = 4 << 20
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _hash_file_tapped(fd: int, tap: Callable[[memoryview], Any]) -> tuple[int, str]:

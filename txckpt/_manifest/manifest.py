@@ -271,19 +271,20 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        return self.totals[0]
+        if self.parts is not None:
+            return self.parts.bytes + sum(f.size for f in (self.own_files or {}).values())
+        return sum(f.size for f in self.files.values())
+
+    @property
+    def file_count(self) -> int:
+        if self.parts is not None:
+            return self.parts.files + len(self.own_files or {})
+        return len(self.files)
 
     @property
     def totals(self) -> tuple[int, int]:
         """``(total_bytes, file_count)`` in one look (what a commit entry records)."""
-        if self.parts is not None:
-            own = (self.own_files or {}).values()
-            return self.parts.bytes + sum(f.size for f in own), self.parts.files + len(own)
-        return sum(f.size for f in self.files.values()), len(self.files)
-
-    @property
-    def file_count(self) -> int:
-        return self.totals[1]
+        return self.total_bytes, self.file_count
 
     def meta_files(self) -> list[str]:
         """The names, inside the checkpoint, of the manifest's own metadata besides

@@ -382,6 +382,7 @@ def _load_one(
 
 
 def _cpus() -> int:
+    # checksum.usable_cores, asked in this module: a verified load's walk stays at its 45 hops.
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -424,9 +425,9 @@ def _plan(
     remote = storage.overlap_requests
     sequential = workers <= 1 or len(names) <= 1 or (total < _PARALLEL_MIN and not remote)
     readers = 1 if sequential else min(workers, len(names))
-    spare = _cpus() - readers
+    cores = _cpus()
     by_size = sorted(names, key=lambda n: -manifest.files[n].size)
-    pipelined = set(by_size[: spare + 1]) if _cpus() > 1 else set()
+    pipelined = set(by_size[: cores - readers + 1]) if cores > 1 else set()
     at_once = 1 if sequential else min(max(workers, _REMOTE_READERS) if remote else workers, len(names))
     return names, at_once, pipelined
 

@@ -20,13 +20,12 @@ header (:func:`same_as_committed`), without the incremental probe's second pass 
 
 from __future__ import annotations
 
-import os
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Collection, Mapping
 
 from .._base import deps
-from .._base.checksum import digest_bytes, new_hasher, prefix_boundaries
+from .._base.checksum import digest_bytes, new_hasher, prefix_boundaries, usable_cores
 from .._manifest.tensor_index import TensorRecord
 from .serialization import SafetensorsFile, dtype_code, safetensors_header, tensor_bytes
 
@@ -179,8 +178,7 @@ def _digests(tensors: Mapping[str, Any], names: list[str]) -> dict[str, str]:
     digest = lambda n: digest_bytes(tensor_bytes(tensors[n]))  # noqa: E731 - one expression, twice
     views = [n for n in names if tensors[n].device.type == "cpu" and tensors[n].is_contiguous()]
     viewed = set(views)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-    workers = min(len(views), cores, 8)
+    workers = min(len(views), usable_cores(), 8)
     if workers < 2 or sum(tensors[n].nbytes for n in views) < PARALLEL_FROM:
         return {n: digest(n) for n in names}
     with ThreadPoolExecutor(workers, thread_name_prefix="txckpt-hash") as pool:
