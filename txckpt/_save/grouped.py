@@ -341,8 +341,19 @@ def grouped_request(files: Collection[str], names: list[str] | None) -> list[str
     return list(dict.fromkeys(out))
 
 
+def grouping_of(model: Any) -> dict[str, Any]:
+    """:func:`save_grouped`'s layout keywords for a model's weights (the Trainer's and the
+    Accelerator's saves, synchronous or not): its parameters with ``requires_grad=False`` form
+    the frozen shard from the first save on; those it trains are assumed changed (never hashed).
+    No hints for anything else (None, a plain dict of tensors)."""
+    params = dict(model.named_parameters()) if hasattr(model, "named_parameters") else {}
+    frozen = {n for n, p in params.items() if not p.requires_grad}
+    return {"frozen": frozen, "assume_changed": set(params) - frozen}
+
+
 __all__ = [
     "GROUPED_KEY",
+    "grouping_of",
     "grouped_request",
     "index_name",
     "is_shard_name",

@@ -37,7 +37,7 @@ import accelerate.utils.other as accelerate_other
 from accelerate.state import PartialState
 from safetensors.torch import load_file
 
-from txckpt._save.grouped import GROUPED_KEY, index_name, is_shard_name, save_grouped
+from txckpt._save.grouped import GROUPED_KEY, grouping_of, index_name, is_shard_name, save_grouped
 
 #: accelerate's names for model i's weights: ``model.safetensors``, ``model_1.safetensors``, ...
 SAFE_MODEL_STEM = "model"
@@ -79,10 +79,7 @@ def grouped_models_through(tx: Any, models: list[Any]) -> Iterator[None]:
         if threading.get_ident() != me or os.path.dirname(path) != directory or i is None or is_shard_name(name):
             return real(tensors, filename, metadata=metadata)
         model = models[i] if i < len(models) else None
-        params = dict(model.named_parameters()) if model is not None and hasattr(model, "named_parameters") else {}
-        frozen = {n for n, p in params.items() if not p.requires_grad}
-        trained = set(params) - frozen
-        save_grouped(tx, name, tensors, metadata=metadata, frozen=frozen, assume_changed=trained)
+        save_grouped(tx, name, tensors, metadata=metadata, **grouping_of(model))
         return None
 
     setattr(accelerate_other, "safe_save_file", save_file)  # a module attribute replaced on purpose

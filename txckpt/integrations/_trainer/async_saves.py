@@ -51,9 +51,9 @@ import transformers.modeling_utils as mu
 from txckpt import errors as _errors
 from txckpt._async import asyncsave
 from txckpt._root.root import open_root
-from txckpt._save.grouped import is_shard_name, save_grouped
+from txckpt._save.grouped import grouping_of, is_shard_name, save_grouped
 
-from .patches import grouping_of, torch_save_into
+from .patches import torch_save_into
 from .preempt import note_committed
 from .rank_files import rank_patterns
 from .paths import STAGING_DIR_NAME, STAGING_ENV, TRAINER_NAMING, TRAINER_STATE_NAME, is_remote, is_within, public_name

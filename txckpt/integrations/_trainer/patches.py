@@ -19,7 +19,7 @@ import transformers.trainer as hf_trainer
 from transformers.trainer_callback import TrainerState
 
 from txckpt._manifest.manifest import kind_for_name
-from txckpt._save.grouped import is_shard_name, save_grouped
+from txckpt._save.grouped import grouping_of, is_shard_name, save_grouped
 from txckpt._save.serialization import torch_save_config
 
 from .paths import is_remote
@@ -103,15 +103,6 @@ def torch_save_through(tx: Any, streamed: set[str]) -> Iterator[None]:
         yield
     finally:
         torch.save = real
-
-
-def grouping_of(model: Any) -> dict[str, Any]:
-    """``save_grouped``'s layout keywords for ``model``, the same for the synchronous save
-    (:func:`grouped_weights_through`) and the async one: its parameters with ``requires_grad=False`` form the frozen shard from the first
-    save on; those it trains are assumed changed (never hashed)."""
-    params = dict(model.named_parameters()) if hasattr(model, "named_parameters") else {}
-    frozen = {n for n, p in params.items() if not p.requires_grad}
-    return {"frozen": frozen, "assume_changed": set(params) - frozen}
 
 
 @contextlib.contextmanager
