@@ -88,11 +88,12 @@ def _frozen_table(size: int, reps: int) -> list[dict[str, Any]]:
     changed: list[int] = []
 
     def method(name: str, incremental: bool) -> h.Method:
-        def run(ctx):
-            before = set(_inodes(roots[name]))
+        def setup():  # untimed: the step's state exists before a save is asked for
             step = next(steps[name])
-            path = txckpt.save_checkpoint(roots[name], step, _files(base, adapter, step), incremental=incremental)
-            ctx["path"], ctx["before"] = path, before
+            return {"step": step, "files": _files(base, adapter, step), "before": set(_inodes(roots[name]))}
+
+        def run(ctx):
+            ctx["path"] = txckpt.save_checkpoint(roots[name], ctx["step"], ctx["files"], incremental=incremental)
 
         def done(ctx):
             written[name].append(_new_bytes(ctx["path"], ctx["before"]))
@@ -100,7 +101,7 @@ def _frozen_table(size: int, reps: int) -> list[dict[str, Any]]:
                 m = txckpt.read_manifest(ctx["path"]).files
                 changed.append(sum(m[n].size for n in ("adapter.safetensors", "optimizer.pt")))
 
-        return h.Method(name, run, dict, done)
+        return h.Method(name, run, setup, done)
 
     try:
         times = h.interleave([method(INC, True), method(FULL, False)], reps, warmup=1)
@@ -190,11 +191,14 @@ def _incremental_against_full(
     steps = {INC: itertools.count(1), FULL: itertools.count(1)}
 
     def method(name: str, incremental: bool) -> h.Method:
-        def run(ctx):
+        def setup():  # untimed: the step's state exists before a save is asked for
             step = next(steps[name])
-            txckpt.save_checkpoint(roots[name], step, files_at(step), incremental=incremental)
+            return {"step": step, "files": files_at(step)}
 
-        return h.Method(name, run, dict)
+        def run(ctx):
+            txckpt.save_checkpoint(roots[name], ctx["step"], ctx["files"], incremental=incremental)
+
+        return h.Method(name, run, setup)
 
     try:
         times = h.interleave([method(INC, True), method(FULL, False)], reps, warmup=warmup)
