@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 from safetensors import safe_open
 
 import txckpt
-from txckpt._manifest.tensor_index import index_bytes
+from txckpt.errors import ManifestError
+from txckpt._manifest.tensor_index import HEAD_BYTES, index_bytes
 from txckpt._save.grouped import plan_groups
 from txckpt._save.serialization import tensor_bytes, write_safetensors
 from txckpt._base.checksum import digest_bytes, new_hasher
@@ -218,9 +220,10 @@ def test_frozen_file_is_shared_from_its_tensor_digests_in_one_pass(tmp_path, mon
     frozen = stat(third, SHARD1).st_size
     assert frozen > 2 << 20
     # The frozen file was not probed: its tensors were hashed once, to compare their digests,
-    # and its header checked with the bytes up to the first prefix boundary (1 MiB).
+    # and its header checked with the bytes up to the first prefix boundary (1 MiB). The 2 MiB
+    # embedding's first 64 KiB were hashed once more: its head (protocol §3b), checked first.
     assert count.probed == [SHARD2, INDEX]
-    assert sorted(count.digests) == sorted(t.nbytes for t in big(3).values())  # each tensor once
+    assert sorted(count.digests) == sorted([t.nbytes for t in big(3).values()] + [HEAD_BYTES])
     assert count.header_check == 1 << 20
     assert txckpt.read_manifest(third).files[SHARD1] == txckpt.read_manifest(second).files[SHARD1]
     assert same(txckpt.load_checkpoint(third)["model.safetensors"], big(3))
@@ -276,3 +279,73 @@ def test_tensor_digests_on_threads_equal_one_at_a_time(monkeypatch):
     serial = {n: digest_bytes(tensor_bytes(tensors[n])) for n in names}
     monkeypatch.setattr(grouped, "PARALLEL_FROM", 0)  # contiguous ones on threads, the strided one copied
     assert grouped._digests(tensors, names) == serial
+
+
+def test_tensors_longer_than_a_mib_record_the_digest_of_their_first_64_kib():
+    tensors = {"big": torch.randn(1 << 18 | 3), "mib": torch.randn(1 << 18), "small": torch.randn(100)}
+    data = io.BytesIO()
+    write_safetensors(tensors, data)
+    raw = data.getvalue()
+    records = {r.name: r for r in (index_bytes("m.safetensors", raw).tensors or ())}
+    big = records["big"]
+    assert big.head == (HEAD_BYTES, digest_bytes(raw[big.offset : big.offset + HEAD_BYTES]))
+    assert records["mib"].head is None and records["small"].head is None  # 1 MiB exactly: none
+    for split in (1, 7, HEAD_BYTES, 1 << 20):  # the same head however the bytes are fed
+        from txckpt._manifest.tensor_index import index_pieces
+
+        pieces = [raw[i : i + split] for i in range(0, len(raw), split)]
+        assert index_pieces("m.safetensors", pieces) == index_bytes("m.safetensors", raw)
+
+
+def test_a_full_fine_tune_hashes_only_the_heads_of_its_changed_tensors(tmp_path, monkeypatch):
+    def weights(step):  # two 2 MiB tensors and a small one, all of them changing every step
+        g = torch.Generator().manual_seed(0)
+        return {n: torch.randn(2048, 256, generator=g) + step for n in ("a", "b")} | {
+            "c": torch.randn(8, generator=g) + step
+        }
+
+    root = str(tmp_path)
+    for step in (1, 2):
+        txckpt.save_checkpoint(root, step, {"model.safetensors": weights(step)}, incremental=True)
+    count = HashCount(monkeypatch)
+    third = txckpt.save_checkpoint(root, 3, {"model.safetensors": weights(3)}, incremental=True)
+    # Each large tensor's first 64 KiB told it changed: its other 1.94 MiB were not hashed to
+    # decide it (the small one, with no head, was hashed whole).
+    assert sorted(count.digests) == [32, HEAD_BYTES, HEAD_BYTES]
+    assert os.listdir(third).count("model.safetensors") == 1  # one group: the one file, as a full save
+    assert same(txckpt.load_checkpoint(third)["model.safetensors"], weights(3))
+
+
+def test_a_change_past_the_head_is_still_found_and_a_strided_tensor_is_compared_by_its_rows(tmp_path):
+    def weights(step):
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(2048, 256, generator=g)
+        w[-1, -1] += step  # the last element only: the head (first 64 KiB) stays the same
+        t = torch.randn(256, 2048, generator=g).t()  # not contiguous: the head from its leading rows
+        return {"late": w, "strided": t, "frozen": torch.randn(2048, 256, generator=g)}
+
+    root = str(tmp_path)
+    for step in (1, 2, 3):
+        path = txckpt.save_checkpoint(root, step, {"model.safetensors": weights(step)}, incremental=True)
+        assert same(txckpt.load_checkpoint(path)["model.safetensors"], weights(step))
+    groups = weight_map(path)
+    assert groups["late"] != groups["frozen"] == groups["strided"]  # changed past its head: not shared
+    records = {r.name: r for f in txckpt.read_manifest(path).files.values() if f.index for r in f.index.tensors or ()}
+    assert records["strided"].head is not None and records["late"].head is not None
+
+
+def test_a_record_whose_head_leaves_the_tensor_is_refused(tmp_path):
+    from txckpt._manifest.tensor_index import FileIndex
+
+    record = {"dtype": "F32", "shape": [1 << 19], "offset": 64, "length": 1 << 21, "xxh3_128": "0" * 32}
+    for bad in ({"length": 1 << 21, "xxh3_128": "0" * 32}, {"length": 0, "xxh3_128": "0"}, {"xxh3_128": "0"}):
+        with pytest.raises(ManifestError):
+            FileIndex.from_json(
+                "m.safetensors",
+                {"chunk_size": 1 << 24, "chunks": [], "tensors": {"w": record | {"head": bad}}},
+                64 + (1 << 21),
+            )
+    ok = FileIndex.from_json(
+        "m.safetensors", {"chunk_size": 1 << 24, "chunks": [], "tensors": {"w": record}}, 64 + (1 << 21)
+    )
+    assert ok.tensors is not None and ok.tensors[0].head is None  # written before heads: none, compared whole

@@ -31,6 +31,14 @@ MAX_HEADER = 100_000_000
 #: tensor (a zip archive), not the tensor's raw data.
 TORCH_SAVE_ENCODING = "torch_save"
 
+#: A tensor's *head*: the digest of its first this many bytes (protocol §3b, ``head``), taken
+#: from its running digest on the way (no second pass). An incremental save tells a changed
+#: tensor by it without hashing the rest (protocol §3c): a full fine-tune's tensors then cost a
+#: 64 KiB hash each, not a pass over every byte.
+HEAD_BYTES = 64 << 10
+#: Tensors longer than this record a head; hashing a shorter one whole costs little more.
+HEAD_FROM = 1 << 20
+
 
 @dataclass(frozen=True)
 class TensorRecord:
@@ -41,7 +49,10 @@ class TensorRecord:
     ``encoding``: None for a safetensors tensor (the bytes are its raw data);
     :data:`TORCH_SAVE_ENCODING` for a DCP item (the bytes are a ``torch.save`` stream of it).
     A DCP item also records its ``fqn`` (DCP's name of the whole tensor) and, for one chunk of
-    a sharded tensor, ``chunk_offsets`` (where the chunk, of shape ``shape``, starts in it)."""
+    a sharded tensor, ``chunk_offsets`` (where the chunk, of shape ``shape``, starts in it).
+
+    ``head``: (n, the xxh3-128 of the first n bytes), for a safetensors tensor longer than
+    :data:`HEAD_FROM` written by a txckpt that records it; None otherwise."""
 
     name: str
     dtype: str
@@ -52,6 +63,7 @@ class TensorRecord:
     encoding: str | None = None
     fqn: str | None = None
     chunk_offsets: tuple[int, ...] | None = None
+    head: tuple[int, str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -67,6 +79,8 @@ class TensorRecord:
             out["fqn"] = self.fqn
         if self.chunk_offsets is not None:
             out["chunk_offsets"] = list(self.chunk_offsets)
+        if self.head is not None:
+            out["head"] = {"length": self.head[0], "xxh3_128": self.head[1]}
         return out
 
     @classmethod
@@ -74,6 +88,7 @@ class TensorRecord:
         """The record of tensor ``name`` from its JSON; KeyError, TypeError or ValueError where
         malformed. Keys a record written before ``encoding`` lacks read as a safetensors one's."""
         offsets = t.get("chunk_offsets")
+        head = t.get("head")
         return cls(
             str(name),
             str(t["dtype"]),
@@ -84,6 +99,7 @@ class TensorRecord:
             None if t.get("encoding") is None else str(t["encoding"]),
             None if t.get("fqn") is None else str(t["fqn"]),
             None if offsets is None else tuple(int(x) for x in offsets),
+            None if head is None else (int(head["length"]), str(head["xxh3_128"])),
         )
 
 
@@ -142,7 +158,13 @@ class FileIndex:
                 f"file of {size} bytes; the checkpoint is damaged"
             )
         for t in tensors or ():
-            if t.offset < 0 or t.length < 0 or t.offset + t.length > size or any(x < 0 for x in t.shape):
+            if (
+                t.offset < 0
+                or t.length < 0
+                or t.offset + t.length > size
+                or any(x < 0 for x in t.shape)
+                or (t.head is not None and not 0 < t.head[0] < t.length)
+            ):
                 raise ManifestError(
                     f"the tensor index of {name!r} places tensor {t.name!r} at bytes "
                     f"{t.offset}..{t.offset + t.length} of a file of {size}; the checkpoint is damaged"
@@ -179,6 +201,7 @@ class Indexer:
         "_ti",
         "_th",
         "_done",
+        "_heads",
         "_bad",
     )
 
@@ -206,6 +229,7 @@ class Indexer:
         self._ti = 0  # the first tensor not finished
         self._th: Any = None  # the hasher of tensor self._ti, once its bytes began
         self._done: list[str] = []  # digest of each finished tensor
+        self._heads: dict[int, str] = {}  # tensor number -> its head's digest (HEAD_BYTES)
         self._bad = not safetensors
         if ranges is not None:
             spans = sorted((r.offset, r.offset + r.length, r.name, r.dtype, r.shape) for r in ranges)
@@ -291,6 +315,11 @@ class Indexer:
             if lo < hi:
                 if self._th is None:
                     self._th = new_hasher()
+                mark = begin + HEAD_BYTES
+                if stop - begin > HEAD_FROM and lo < mark <= hi:  # the head ends in this piece
+                    self._th.update(view[lo - pos : mark - pos])
+                    self._heads[self._ti] = self._th.hexdigest()  # a running digest: the stream goes on
+                    lo = mark
                 self._th.update(view[lo - pos : hi - pos])
             if stop > end:
                 return
@@ -307,9 +336,12 @@ class Indexer:
             chunks = self._chunks.finish()
         tensors = None
         if not self._bad and self._head is None and len(self._done) == len(self._spans):
+            heads = self._heads
             tensors = tuple(
-                TensorRecord(name, dtype, shape, begin, stop - begin, digest)
-                for (begin, stop, name, dtype, shape), digest in zip(self._spans, self._done)
+                TensorRecord(
+                    name, dtype, shape, begin, stop - begin, digest, head=(HEAD_BYTES, heads[i]) if i in heads else None
+                )
+                for i, ((begin, stop, name, dtype, shape), digest) in enumerate(zip(self._spans, self._done))
             )
         return FileIndex(self.chunk_size, chunks, tensors)
 
@@ -334,6 +366,7 @@ def index_pieces(name: str, pieces: Iterable[bytes]) -> FileIndex:
 __all__ = [
     "CHUNK_SIZE",
     "FileIndex",
+    "HEAD_BYTES",
     "Indexer",
     "SAFETENSORS_SUFFIX",
     "TORCH_SAVE_ENCODING",

@@ -16,6 +16,9 @@ of the checkpoint the save follows, read from its manifest as checked against th
 (:func:`txckpt._save.incremental.committed_files`). Nothing is serialized to decide it, and a
 file that is a committed file's tensor set is shared from those digests and a check of its
 header (:func:`same_as_committed`), without the incremental probe's second pass over its bytes.
+A tensor whose record has a head digest (its first 64 KiB, protocol §3b) that its first bytes no
+longer match is changed without hashing the rest: a full fine-tune costs a 64 KiB hash per
+tensor, not a pass over the model.
 """
 
 from __future__ import annotations
@@ -168,6 +171,16 @@ def same_as_committed(file: SafetensorsFile, entry: Any) -> bool:
 PARALLEL_FROM = 64 << 20
 
 
+def _head_digest(t: Any, n: int) -> str:
+    """The xxh3-128 of the first ``n`` bytes of :func:`tensor_bytes` of ``t``: a view of a
+    contiguous CPU tensor, else a copy of the leading rows that hold them only."""
+    if (t.device.type != "cpu" or not t.is_contiguous()) and t.dim() and t.shape[0]:
+        row = t.numel() // t.shape[0] * t.element_size()
+        if row:
+            t = t[: -(-n // row)]
+    return digest_bytes(tensor_bytes(t)[:n])
+
+
 def _digests(tensors: Mapping[str, Any], names: list[str]) -> dict[str, str]:
     """The xxh3-128 of each named tensor's bytes (:func:`tensor_bytes`). Tensors whose bytes are
     a view (contiguous, on the CPU) are hashed one per task on up to as many threads as this
@@ -226,6 +239,8 @@ def _plan(
         and r.dtype == dtype_code(t)
         and r.shape == tuple(t.shape)
     ]
+    # A head that differs tells a changed tensor (its first 64 KiB hashed, not the rest).
+    comparable = [n for n in comparable if (h := recorded[n].head) is None or _head_digest(tensors[n], h[0]) == h[1]]
     digests = _digests(tensors, comparable)
 
     def unchanged(n: str) -> bool:
