@@ -158,16 +158,15 @@ class FileIndex:
                 f"file of {size} bytes; the checkpoint is damaged"
             )
         for t in tensors or ():
-            if (
-                t.offset < 0
-                or t.length < 0
-                or t.offset + t.length > size
-                or any(x < 0 for x in t.shape)
-                or (t.head is not None and not 0 < t.head[0] < t.length)
-            ):
+            if t.offset < 0 or t.length < 0 or t.offset + t.length > size or any(x < 0 for x in t.shape):
                 raise ManifestError(
                     f"the tensor index of {name!r} places tensor {t.name!r} at bytes "
                     f"{t.offset}..{t.offset + t.length} of a file of {size}; the checkpoint is damaged"
+                )
+            if t.head is not None and not 0 < t.head[0] < t.length:
+                raise ManifestError(
+                    f"the tensor index of {name!r} gives tensor {t.name!r} ({t.length} bytes) a head of "
+                    f"{t.head[0]} bytes; the checkpoint is damaged"
                 )
         return cls(chunk_size, chunks, tensors)
 
