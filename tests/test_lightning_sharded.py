@@ -126,6 +126,47 @@ def test_a_rank_killed_inside_a_sharded_save_commits_nothing_and_last_resumes_th
     assert "IntegrityError" in damaged[1][1] and "checkpoint-2/__1_0.distcp" in damaged[1][1], damaged[1][1][-3000:]
 
 
+def test_async_sharded_saves_commit_in_the_background_and_a_rank_killed_in_one_commits_nothing(tmp_path):
+    """async_save=True with ModelParallelStrategy over 2 ranks: each save is staged (copied) before
+    save_checkpoint returns and committed by dcp.async_save on a gloo group of its own while the
+    ranks train on; rank 1 SIGKILLed inside the background save of step 6 commits nothing of it,
+    and the restart resumes step 4 and ends bit-equal to the uninterrupted async run."""
+    import torch
+
+    reference = _run(tmp_path / "ref", tmp_path / "ref-out", "--max-steps", "6", "--async")
+    assert all(code == 0 for code, _ in reference), [t[-3000:] for _, t in reference]
+    assert _committed_steps(tmp_path / "ref") == [2, 4, 6]
+    published = tmp_path / "ref" / "epoch=2-step=6.ckpt"  # linked once the background commit is done
+    assert sorted(os.listdir(published)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert _inode(published / "meta.pt") == _inode(tmp_path / "ref" / "last.ckpt" / "meta.pt")
+    assert torch.load(published / "meta.pt", weights_only=False)["global_step"] == 6
+
+    root, label = tmp_path / "run", tmp_path / "killed-at.json"
+    crashed = _run(
+        root, tmp_path / "crash-out", "--max-steps", "6", "--async", "--kill-step", "6", "--label", str(label)
+    )
+    assert crashed[1][0] == -9, crashed[1][1][-3000:]
+    assert crashed[0][0] != 0  # rank 0's background save lost its peer: raised at teardown
+    killed_at = json.load(open(label))
+    assert "__1_0.distcp" in killed_at["op"] and "checkpoint-6" in killed_at["op"], killed_at
+    assert _committed_steps(root) == [2, 4]
+    assert not (root / "epoch=2-step=6.ckpt").exists()
+
+    resumed = _run(root, tmp_path / "resume-out", "--max-steps", "6", "--async", "--resume")
+    assert all(code == 0 for code, _ in resumed), [t[-3000:] for _, t in resumed]
+    assert _committed_steps(root) == [2, 4, 6]
+    for r in range(2):
+        want = torch.load(tmp_path / "ref-out" / f"rank{r}.pt", weights_only=True)
+        got = torch.load(tmp_path / "resume-out" / f"rank{r}.pt", weights_only=True)
+        assert (got["start"], got["end"]) == (4, 6)
+        for k in want["weights"]:
+            assert torch.equal(want["weights"][k], got["weights"][k]), (r, k)
+        assert want["optim"].keys() == got["optim"].keys() and want["optim"]
+        for k in want["optim"]:
+            for n in want["optim"][k]:
+                assert torch.equal(want["optim"][k][n], got["optim"][k][n]), (r, k, n)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("top_k", [1, 0])
 def test_rotation_of_sharded_names_keeps_what_stock_keeps(tmp_path, top_k):

@@ -6,6 +6,8 @@ a rank (MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE), each rank its own proce
 (tests/harness/tracer.py, as the crash sweeps do) and SIGKILLs itself before the first write of
 its own DCP shard file: a real crash inside the save, after the coordinator planned it and before
 every rank's shards are durable. The traced op it died at is written to ``--label``.
+``--async``: the plugin saves with ``async_save=True`` (each sharded save in the background, on
+a gloo group of its own); the kill then happens in that background save.
 ``--root URL --storage-options JSON``: the plugin's root is that URL (an object store: s3 on
 the suite's moto server), ``--dir`` only ModelCheckpoint's dirpath (no file lands there).
 At the end (no kill) each rank writes its shards' weights and optimizer state, the step it
@@ -36,6 +38,7 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--root", default=None)
     p.add_argument("--storage-options", default=None, help="JSON")
+    p.add_argument("--async", dest="async_save", action="store_true")
     a = p.parse_args()
     from tests.harness.procs import become_rank
 
@@ -105,7 +108,9 @@ def main() -> None:
         callbacks=[KillInSave(), cb] if a.kill_step is not None else [cb],
         plugins=[
             TransactionalCheckpointIO(
-                a.root, storage_options=json.loads(a.storage_options) if a.storage_options else None
+                a.root,
+                storage_options=json.loads(a.storage_options) if a.storage_options else None,
+                async_save=a.async_save,
             )
         ],
         enable_progress_bar=False,

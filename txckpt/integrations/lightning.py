@@ -101,7 +101,9 @@ class TransactionalCheckpointIO(CheckpointIO):
     is raised by the next save or the teardown. ``async_save="lazy"``: the same, but the
     Trainer's optimizers' parameters and state are copied by the background, and their next
     step waits for that copy after its forward and backward (docs/lightning.md, "Lazy async
-    saves"); without a Trainer (Fabric, a direct call) it saves as ``async_save=True``.
+    saves"); without a Trainer (Fabric, a direct call) it saves as ``async_save=True``. With a
+    sharded strategy (``ModelParallelStrategy``) both modes save every rank's shards through
+    ``dcp.async_save`` (copied to host memory before returning), committed in the background.
     ``incremental=True``: a file already committed byte for byte is shared, not written
     (docs/incremental.md).
     """
@@ -137,6 +139,7 @@ class TransactionalCheckpointIO(CheckpointIO):
         #: The optimizers of the Trainer whose checkpoint is being saved, set by its
         #: dump_checkpoint (_dump_checkpoint below) just before it hands the dict here.
         self.trainer_optimizers: list[Any] = []
+        self._group: Any = None  # background sharded saves' process group (_background_group)
 
     # ----- save ---------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
@@ -197,8 +200,6 @@ class TransactionalCheckpointIO(CheckpointIO):
         transaction for every rank's DCP shards and rank 0's ``meta.pt`` (_lightning/sharded.py),
         with the step, lineage and names of this plugin's other saves, decided on global rank 0."""
         self._raise_failures()
-        if self.async_save:
-            self._refuse_async_sharded_in_group()  # one process: saved synchronously (docs/lightning.md)
         path = strategy.broadcast(os.fspath(filepath))  # every rank the same path, as the strategy does
         root_path, name = split(path, self.root)
         r = open_root(root_path, self.storage_options)
@@ -211,6 +212,9 @@ class TransactionalCheckpointIO(CheckpointIO):
                 self._add_name(r, previous, path)
             strategy.barrier("txckpt-lightning-sharded-name")
             return
+        # A new step: every rank's previous background save committed first (its failure raised
+        # here, on each rank it failed on), so that rank 0 decides the lineage from the log.
+        self.wait()
         failure: BaseException | None = None
         if rank0:  # one rank decides the lineage (a fork writes the log), before any rank plans
             try:
@@ -237,7 +241,11 @@ class TransactionalCheckpointIO(CheckpointIO):
             storage_options=self.storage_options,
             metadata=metadata,
             incremental=self.incremental,
+            background=bool(self.async_save),
+            group=self._background_group() if self.async_save else None,
         )
+        if isinstance(where, Future):
+            self._pending.append(where)
         saved = _Saved(step, name, where, sharded=True)
         if rank0:
             self._record(r, saved, path)
@@ -401,16 +409,14 @@ class TransactionalCheckpointIO(CheckpointIO):
         else:
             publish(result)
 
-    def _refuse_async_sharded_in_group(self) -> None:
-        dist = deps.torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise InvalidArgumentError(
-                "TransactionalCheckpointIO(async_save=...) with ModelParallelStrategy over several ranks: a "
-                "sharded save is collective (every rank writes its shards in one transaction), which txckpt "
-                "does not run in the background yet; use async_save=False with sharded strategies "
-                '(docs/lightning.md, "Sharded strategies"). DDP and single-process strategies save '
-                "asynchronously from rank 0."
-            )
+    def _background_group(self) -> Any:
+        """The gloo group of every rank that background sharded saves run their collectives on
+        (DCP's plan and commit), so that they never interleave with training's on the default
+        group. Made once, at the first such save, which every rank runs."""
+        if self._group is None:
+            dist = deps.torch.distributed
+            self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        return self._group
 
     # ----- load ---------------------------------------------------------------------------------
     def load_checkpoint(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import os
+from concurrent.futures import Future
 from typing import Any, Mapping
 
 import torch
@@ -65,10 +66,16 @@ def save(
     storage_options: Mapping[str, Any] | None,
     metadata: Mapping[str, Any],
     incremental: bool,
-) -> str:
+    background: bool = False,
+    group: Any = None,
+) -> "str | Future[str]":
     """On every rank: commit ``checkpoint`` as checkpoint ``step`` of ``root``'s current lineage,
     the model and optimizer states as DCP shards (the strategy's own state-dict layout) and the
-    rest as ``meta.pt`` from global rank 0. Returns the committed checkpoint's path (every rank)."""
+    rest as ``meta.pt`` from global rank 0. Returns the committed checkpoint's path (every rank).
+
+    ``background``: save with ``dcp.async_save`` on ``group`` (a gloo group of every rank, not
+    the one training's collectives use); the states are copied to host memory (DCP's stager)
+    before this returns, and the result is the future of the path."""
     converted = {"state_dict": checkpoint.pop("state_dict")}  # the strategy's own keys: stock reads it
     converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     meta = None
@@ -79,10 +86,37 @@ def save(
     writer = _ShardedWriter(
         root, step, storage_options=storage_options, metadata=metadata, incremental=incremental, meta=meta
     )
-    result = dcp.save(converted, storage_writer=writer)
+    if background:
+        started = dcp.async_save(converted, storage_writer=writer, process_group=group)
+        return _path_when_done(getattr(started, "upload_completion", started), writer)
+    return _committed_path(dcp.save(converted, storage_writer=writer), writer)
+
+
+def _committed_path(result: Any, writer: TransactionalWriter) -> str:
+    """The committed checkpoint's path, from what ``dcp.save`` returned (DCP hands every rank
+    the coordinator's Metadata, whose ``storage_meta`` names it) or the writer's commit."""
     committed = result.storage_meta.checkpoint_id if result.storage_meta is not None else writer.path
-    assert committed is not None  # set by the commit (finish) on every rank
+    assert committed is not None  # one of the two, on every rank
     return os.fspath(committed)
+
+
+def _path_when_done(upload: Any, writer: TransactionalWriter) -> "Future[str]":
+    """The future of the committed path of ``writer``'s background save ``upload`` (DCP's
+    future of its Metadata), or of the save's exception."""
+    out: Future[str] = Future()
+
+    def done(f: Any) -> None:
+        error = f.exception()
+        if error is not None:
+            out.set_exception(error)
+            return
+        try:
+            out.set_result(_committed_path(f.result(), writer))
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            out.set_exception(e)
+
+    upload.add_done_callback(done)
+    return out
 
 
 def load_states(strategy: Any, checkpoint: str, storage_options: Mapping[str, Any] | None) -> None:
