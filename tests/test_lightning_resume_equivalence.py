@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.process, pytest.mark.lightning]
 REPO = Path(__file__).resolve().parent.parent
 RUN = REPO / "tests" / "children" / "lightning_preempt.py"
 STEPS = 30
-_REFERENCE: dict[tuple[int, int], tuple[list[dict[int, float]], str]] = {}
+_REFERENCE: dict[tuple[int, int, tuple[str, ...]], tuple[list[dict[int, float]], str]] = {}
 
 
 def _free_port() -> int:
@@ -62,12 +62,12 @@ def _losses(hs: Path, rank: int, *, strict: bool = True) -> dict[int, float]:
     return logged_losses(hs / f"losses-rank{rank}", rank=rank, strict=strict)
 
 
-def _reference(tmp_path: Path, ranks: int, workers: int) -> tuple[list[dict[int, float]], str]:
+def _reference(tmp_path: Path, ranks: int, workers: int, *extra: str) -> tuple[list[dict[int, float]], str]:
     """The uninterrupted run (the callbacks change nothing in it: one reference per shape)."""
-    key = (ranks, workers)
+    key = (ranks, workers, extra)
     if key not in _REFERENCE:
         hs = tmp_path / "reference"
-        done = _run(hs, ranks, workers, "--exact")
+        done = _run(hs, ranks, workers, "--exact", *extra)
         assert all(code == 0 for code, _ in done), [t[-3000:] for _, t in done]
         _REFERENCE[key] = ([_losses(hs, r) for r in range(ranks)], final_weights(done[0][1]))
         assert len(_REFERENCE[key][0][0]) == STEPS
@@ -81,13 +81,13 @@ def _stop(stop: str) -> tuple[list[str], int]:
     return ["--term-at", at], 143
 
 
-def _cell(tmp_path: Path, ranks: int, workers: int, stop: str) -> None:
-    losses, weights = _reference(tmp_path, ranks, workers)
+def _cell(tmp_path: Path, ranks: int, workers: int, stop: str, *extra: str) -> None:
+    losses, weights = _reference(tmp_path, ranks, workers, *extra)
     hs = tmp_path / "run"
     args, expected = _stop(stop)
-    first = _run(hs, ranks, workers, "--exact", *args)
+    first = _run(hs, ranks, workers, "--exact", *extra, *args)
     assert all(code == expected for code, _ in first), [(c, t[-3000:]) for c, t in first]
-    again = _run(hs, ranks, workers, "--exact")
+    again = _run(hs, ranks, workers, "--exact", *extra)
     assert all(code == 0 for code, _ in again), [(c, t[-3000:]) for c, t in again]
     for r in range(ranks):
         got = _losses(hs, r)
@@ -120,6 +120,21 @@ def test_a_stopped_and_resumed_lightning_run_equals_the_uninterrupted_one(tmp_pa
     if ranks > 1:
         pytest.importorskip("torch.distributed")
     _cell(tmp_path, ranks, workers, stop)
+
+
+# An IterableDataset (no len(): Lightning fetches one batch ahead), one process, 12 steps an
+# epoch: kill:7 resumes step 6 (mid-epoch 0), kill:13 step 12 (the end of epoch 0, which the
+# loader's length cannot tell), kill:17 step 15 (mid-epoch 1); term:8 with 2 workers.
+ITERABLE = [(0, "kill:7"), (0, "kill:13"), (0, "kill:17"), (2, "term:8")]
+ITERABLE_IN_MAKE_TEST = {(0, "kill:7")}
+
+
+@pytest.mark.parametrize(
+    "workers,stop",
+    [c if c in ITERABLE_IN_MAKE_TEST else pytest.param(*c, marks=pytest.mark.slow) for c in ITERABLE],
+)
+def test_a_resumed_run_over_an_iterable_dataset_equals_the_uninterrupted_one(tmp_path, workers, stop):
+    _cell(tmp_path, 1, workers, stop, "--iterable")
 
 
 @pytest.mark.slow

@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--exact", action="store_true", help="with ExactResume")
     p.add_argument("--async", dest="use_async", action="store_true")
+    p.add_argument("--iterable", action="store_true", help="an IterableDataset (no len()): shuffled in __iter__")
     p.add_argument("--term-at", type=int, default=None)
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--die-committing", type=int, default=None)
@@ -155,7 +156,25 @@ def main() -> None:
         num_sanity_val_steps=0,
     )
     model = Net()
-    loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=a.workers)
+    if a.iterable:
+        from torch.utils.data import IterableDataset, get_worker_info
+
+        class Shuffled(IterableDataset):  # type: ignore[type-arg]
+            """The same items, in an order drawn from torch's generator when iteration starts;
+            in workers, from the base seed the DataLoader drew (one order), each its share."""
+
+            def __iter__(self) -> Any:
+                info = get_worker_info()
+                if info is None:
+                    order = torch.randperm(len(data)).tolist()
+                else:
+                    seeded = torch.Generator().manual_seed(info.seed - info.id)
+                    order = torch.randperm(len(data), generator=seeded).tolist()[info.id :: info.num_workers]
+                return (data[i] for i in order)
+
+        loader = DataLoader(Shuffled(), batch_size=4, num_workers=a.workers)
+    else:
+        loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=a.workers)
     try:
         trainer.fit(model, loader, ckpt_path="last")  # the same command for every (re)start
     except SystemExit as e:

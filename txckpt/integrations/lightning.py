@@ -720,9 +720,12 @@ class ExactResume(Callback):
     the generators of the save; at an epoch's end, it puts back the generators of the save
     before Lightning builds the next epoch's iterator.
 
-    Needs a DataLoader of known length (``len()``): Lightning fetches one batch ahead otherwise.
-    A dataset whose items draw from generators of their own (not Python's, numpy's global or
-    torch's) is outside what it can restore.
+    A DataLoader without ``len()`` (an IterableDataset) works too: Lightning fetches one batch
+    ahead there, and the skip goes through its fetcher, which does the same; such a dataset must
+    draw its order when its iteration starts (or in its workers, from their seeds), not from
+    torch's generator between batches in the main process, whose draws then interleave with the
+    training step's. A dataset whose items draw from generators of their own (not Python's,
+    numpy's global or torch's) is outside what it can restore.
     """
 
     def __init__(self) -> None:
@@ -753,7 +756,9 @@ class ExactResume(Callback):
         return {
             "ranks": _gather(own),  # every rank dumps the checkpoint; rank 0's is written
             "done": int(progress.processed),
-            "batches": trainer.num_training_batches,
+            "batches": trainer.num_training_batches,  # inf for a loader without len()
+            # the epoch's end, where the loader's length does not tell it (it has none)
+            "last": bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -771,7 +776,7 @@ class ExactResume(Callback):
             return
         own = ranks[trainer.global_rank]
         done, batches = int(state_dict["done"]), state_dict["batches"]
-        if 0 < done < batches and own["epoch_start"] is not None:
+        if 0 < done < batches and not state_dict.get("last") and own["epoch_start"] is not None:
             self._resume = (own["epoch_start"], done, own["at_save"])
         else:  # at an epoch's end: the next epoch's iterator (FitLoop.setup_data makes it
             # after this load) draws from the generators of the save
@@ -789,12 +794,9 @@ class ExactResume(Callback):
         epoch_start, done, at_save = resume
         fit_loop = trainer.fit_loop
         fetcher = fit_loop._data_fetcher
-        if fetcher is None or fetcher.length is None:
+        if fetcher is None:
             set_rng_state(at_save)
-            log.warning(
-                "txckpt: ExactResume: the training DataLoader has no length (Lightning fetches ahead): "
-                "the batches already trained on are not skipped; the resume is not exact"
-            )
+            log.warning("txckpt: ExactResume: the Trainer has no training data fetcher; the resume is not exact")
             return
         epoch = fit_loop.epoch_progress.current.processed  # what Lightning's set_epoch passes next
         epoch_samplers: list[Any] = [
@@ -811,10 +813,14 @@ class ExactResume(Callback):
         for sampler in epoch_samplers:
             sampler.set_epoch(epoch)
         set_rng_state(epoch_start)  # the iterator draws its seeds (shuffle, workers) as the run did
-        iter(fetcher)
+        iter(fetcher)  # a loader without len(): Lightning's fetcher takes one batch ahead here
         if done:
-            for _ in range(done):  # the epoch's first batches, trained on before the save
-                next(fetcher.iterator)
+            # The epoch's first batches, trained on before the save. Without len(), through the
+            # fetcher, which keeps fetching one ahead: at the save it had taken done + 1 batches,
+            # and so it has now, the generators of the save being those after that fetch.
+            skip = fetcher.iterator if fetcher.length is not None else fetcher
+            for _ in range(done):
+                next(skip)
             set_rng_state(at_save)  # (at an epoch's end the save's are what the iterator drew from)
 
 
