@@ -72,6 +72,28 @@ def _committed_steps(root: Path) -> list[int]:
     return sorted(c.step for c in live)
 
 
+def _resume_equals_the_reference(tmp_path: Path, root: Path, *args: str) -> None:
+    """A fresh 2-rank ``fit(ckpt_path="last")`` of ``root`` (whose newest commit is step 4)
+    starts at step 4, commits 6, and ends with the uninterrupted run's (``ref-out``) weights and
+    optimizer state on both ranks, bit for bit."""
+    import torch
+
+    resumed = _run(root, tmp_path / "resume-out", "--max-steps", "6", "--resume", *args)
+    assert all(code == 0 for code, _ in resumed), [t[-3000:] for _, t in resumed]
+    assert _committed_steps(root) == [2, 4, 6]
+    for r in range(2):
+        want = torch.load(tmp_path / "ref-out" / f"rank{r}.pt", weights_only=True)
+        got = torch.load(tmp_path / "resume-out" / f"rank{r}.pt", weights_only=True)
+        assert (got["start"], got["end"]) == (4, 6)
+        assert want["weights"].keys() == got["weights"].keys()
+        for k in want["weights"]:
+            assert torch.equal(want["weights"][k], got["weights"][k]), (r, k)
+        assert want["optim"].keys() == got["optim"].keys() and want["optim"]
+        for k in want["optim"]:
+            for n in want["optim"][k]:
+                assert torch.equal(want["optim"][k][n], got["optim"][k][n]), (r, k, n)
+
+
 def test_a_rank_killed_inside_a_sharded_save_commits_nothing_and_last_resumes_the_previous_step(tmp_path):
     import torch
     from torch.distributed.checkpoint import FileSystemReader
@@ -98,20 +120,7 @@ def test_a_rank_killed_inside_a_sharded_save_commits_nothing_and_last_resumes_th
     assert not (root / "epoch=2-step=6.ckpt").exists()
     assert _inode(root / "last.ckpt" / "meta.pt") == _inode(root / "epoch=1-step=4.ckpt" / "meta.pt")
 
-    resumed = _run(root, tmp_path / "resume-out", "--max-steps", "6", "--resume")
-    assert all(code == 0 for code, _ in resumed), [t[-3000:] for _, t in resumed]
-    assert _committed_steps(root) == [2, 4, 6]
-    for r in range(2):
-        want = torch.load(tmp_path / "ref-out" / f"rank{r}.pt", weights_only=True)
-        got = torch.load(tmp_path / "resume-out" / f"rank{r}.pt", weights_only=True)
-        assert (got["start"], got["end"]) == (4, 6)
-        assert want["weights"].keys() == got["weights"].keys()
-        for k in want["weights"]:
-            assert torch.equal(want["weights"][k], got["weights"][k]), (r, k)
-        assert want["optim"].keys() == got["optim"].keys() and want["optim"]
-        for k in want["optim"]:
-            for n in want["optim"][k]:
-                assert torch.equal(want["optim"][k][n], got["optim"][k][n]), (r, k, n)
+    _resume_equals_the_reference(tmp_path, root)
 
     # ckpt_path=<a published name> resolves to its committed checkpoint and loads through
     # TransactionalReader: a byte flipped in a shard (through the hard link, so in the committed
@@ -152,19 +161,7 @@ def test_async_sharded_saves_commit_in_the_background_and_a_rank_killed_in_one_c
     assert _committed_steps(root) == [2, 4]
     assert not (root / "epoch=2-step=6.ckpt").exists()
 
-    resumed = _run(root, tmp_path / "resume-out", "--max-steps", "6", "--async", "--resume")
-    assert all(code == 0 for code, _ in resumed), [t[-3000:] for _, t in resumed]
-    assert _committed_steps(root) == [2, 4, 6]
-    for r in range(2):
-        want = torch.load(tmp_path / "ref-out" / f"rank{r}.pt", weights_only=True)
-        got = torch.load(tmp_path / "resume-out" / f"rank{r}.pt", weights_only=True)
-        assert (got["start"], got["end"]) == (4, 6)
-        for k in want["weights"]:
-            assert torch.equal(want["weights"][k], got["weights"][k]), (r, k)
-        assert want["optim"].keys() == got["optim"].keys() and want["optim"]
-        for k in want["optim"]:
-            for n in want["optim"][k]:
-                assert torch.equal(want["optim"][k][n], got["optim"][k][n]), (r, k, n)
+    _resume_equals_the_reference(tmp_path, root, "--async")
 
 
 @pytest.mark.slow
