@@ -20,7 +20,7 @@ ROWS = {
         "synchronous save, now (rename-first publication, no phase records below DEBUG, "
         "chunk digests in the hashing writer)"
     ),
-    "incremental": "incremental save of an unchanged state, now",
+    "incremental": "incremental save of an unchanged state, now (the log fold extends a copy of the history it had handed out)",
 }
 
 pytestmark = pytest.mark.process

@@ -144,6 +144,9 @@ class SessionState:
         self.session = uuid.uuid4().hex[:16]
         #: The log history this process folded last (read_history extends it, never starts over).
         self.folded_history: History | None = None
+        #: Held while a fold extends ``folded_history`` (CheckpointRoot.history): one fold at a
+        #: time, so the one remembered only moves forward, whichever thread folds.
+        self.fold_lock = threading.Lock()
         #: The state each pending save of this process was planned against, by txid.
         self.base_states: dict[str, State] = {}
         #: The newest state this process has read or appended; a save of the lineage this

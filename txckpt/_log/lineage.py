@@ -320,9 +320,26 @@ class Checkpoint(NamedTuple):
         return Ref(self.lineage, self.step, self.txid, self.key, self.digest)
 
 
+def _index_retired(
+    c: "Checkpoint | None",
+    live: dict[str, dict[str, Checkpoint]],
+    retired_names: dict[int | str, dict[str, Checkpoint]],
+) -> None:
+    """Move retired checkpoint ``c`` out of ``live`` and under its names in ``retired_names``."""
+    if c is not None:
+        live.get(c.lineage, {}).pop(c.txid, None)
+        names: set[int | str] = {c.step, (c.key or "").split("/", 1)[0]}
+        for name in names - {""}:
+            retired_names.setdefault(name, {})[c.txid] = c
+
+
 @dataclass
 class History:
-    """Every log entry folded: all checkpoints ever committed, which are retired, and the state."""
+    """Every log entry folded: all checkpoints ever committed, which are retired, and the state.
+
+    A history handed out is never changed by a later fold (``read_history`` extends a
+    :meth:`copy`), so threads of one process may read the same one; its lazily built index is
+    published whole (:meth:`_index`)."""
 
     state: State = field(default_factory=State)
     checkpoints: dict[str, Checkpoint] = field(default_factory=dict)  # by txid
@@ -350,13 +367,35 @@ class History:
     def _index(self) -> None:
         if self._indexed:
             return
-        self._indexed = True
         by: dict[str, dict[str, Checkpoint]] = {}
         for c in self.checkpoints.values():  # (the tightest loop: 10,000 of them in a fresh fold)
             by.setdefault(c.lineage, {})[c.txid] = c
-        self._by_lineage, self._live, self._retired_names = by, {lid: dict(d) for lid, d in by.items()}, {}
+        live = {lid: dict(d) for lid, d in by.items()}
+        retired_names: dict[int | str, dict[str, Checkpoint]] = {}
         for txid in self.retired:
-            self._index_retire(txid)
+            _index_retired(self.checkpoints.get(txid), live, retired_names)
+        # Built aside and published before the flag: a thread reading this history beside the
+        # one indexing it sees no index, or a whole one (it never saw a half-built one).
+        self._by_lineage, self._live, self._retired_names = by, live, retired_names
+        self._indexed = True
+
+    def copy(self) -> "History":
+        """A history equal to this one that entries can be folded into without changing this one."""
+        out = History(
+            self.state.copy(),
+            dict(self.checkpoints),
+            dict(self.retired),
+            dict(self.abandoned_at),
+            list(self.entries),
+            self.base_seq,
+            self.snapshot_seq,
+        )
+        if self._indexed:
+            out._by_lineage = {k: dict(v) for k, v in self._by_lineage.items()}
+            out._live = {k: dict(v) for k, v in self._live.items()}
+            out._retired_names = {k: dict(v) for k, v in self._retired_names.items()}
+            out._indexed = True
+        return out
 
     def _add(self, c: Checkpoint) -> None:
         self.checkpoints[c.txid] = c
@@ -375,12 +414,7 @@ class History:
                 self._index_retire(txid)
 
     def _index_retire(self, txid: str) -> None:
-        c = self.checkpoints.get(txid)
-        if c is not None:
-            self._live.get(c.lineage, {}).pop(txid, None)
-            names: set[int | str] = {c.step, (c.key or "").split("/", 1)[0]}
-            for name in names - {""}:
-                self._retired_names.setdefault(name, {})[txid] = c
+        _index_retired(self.checkpoints.get(txid), self._live, self._retired_names)
 
     def retired_named(self, names: Collection[str], naming: Naming = DEFAULT_NAMING) -> list[Checkpoint]:
         """The retired checkpoints that may have a key outside tx/ starting with one of ``names``

@@ -228,9 +228,12 @@ def read_history(storage: Storage, since: History | None = None, *, snapshots: b
     # between the fold's last read and the hint's would look like lost entries (it did, to
     # readers polling an S3 root while a writer committed).
     hint = _hint(storage)
-    if since is None and snapshots:
+    fresh = since is None  # (a snapshot read here is this call's own: extended in place)
+    if fresh and snapshots:
         since = read_newest_snapshot(storage)
-    history = since if since is not None else History()
+    if since is not None:
+        return _extended(storage, since, hint, copy=not fresh)
+    history = History()
     seq = history.state.seq + 1
     # A fold from entry 0 lists the log, so that a hole (an entry deleted by hand) is reported
     # rather than taken for the end of the log. A fold that extends a history or a snapshot
@@ -260,6 +263,25 @@ def read_history(storage: Storage, since: History | None = None, *, snapshots: b
             break
         history.apply(entry)
         expected += 1
+    _check_hint(storage, history, hint)
+    return history
+
+
+def _extended(storage: Storage, since: History, hint: int, *, copy: bool) -> History:
+    """``since`` with the entries appended after it folded in: ``since`` itself when there are
+    none; with ``copy``, a copy of it otherwise (a history handed out is never changed: another
+    thread of this process may be reading it, as an async save's commit beside a lookup)."""
+    new: list[dict[str, Any]] = []
+    while (entry := read_entry(storage, since.state.seq + 1 + len(new))) is not None:
+        new.append(entry)
+    history = since.copy() if new and copy else since
+    for entry in new:
+        history.apply(entry)
+    _check_hint(storage, history, hint)
+    return history
+
+
+def _check_hint(storage: Storage, history: History, hint: int) -> None:
     if hint > max(history.state.seq, 0):
         # The hint is written only after its entry exists: entries were lost. Acting on the
         # shorter history (gc, retention) could take committed checkpoints for leftovers.
@@ -268,7 +290,6 @@ def read_history(storage: Storage, since: History | None = None, *, snapshots: b
             f"{history.state.seq}: the log lost entries. Restore .txckpt/log from a backup; nothing "
             "was changed"
         )
-    return history
 
 
 def append(

@@ -116,8 +116,9 @@ class CheckpointRoot:
         Operations that already write to the root pass it (retention, gc, forks); plain readers
         do not, so reading never needs write access."""
         session = self.shared  # the fold is the session's, shared by every spelling of the root
-        history = commit_log.read_history(self.storage, session.folded_history)
-        session.folded_history = history
+        with session.fold_lock:  # threads (an async save's commit, a lookup beside it) fold one at a time
+            history = commit_log.read_history(self.storage, session.folded_history)
+            session.folded_history = history
         self._note_state(history.state)
         if snapshot and commit_log.write_snapshot_if_due(self.storage, history, durable=self.durable):
             history.snapshot_seq = history.state.seq
